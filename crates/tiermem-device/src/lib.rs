@@ -1,0 +1,121 @@
+//! Where evicted pages live.
+//!
+//! A [`Device`] stores 4 KiB pages in numbered *slots*. I/O goes through [`IoQueue`]s of two kinds,
+//! as Ultraswap prescribes:
+//! - [`QueueKind::Polled`]: the submitter waits for its own request by polling, never sleeping
+//!   (io_uring with `IORING_SETUP_IOPOLL` where the file supports it, otherwise spinning on the
+//!   completion ring). Used for the page a thread faulted on.
+//! - [`QueueKind::Completion`]: requests complete in the background and are signalled through an
+//!   eventfd (the user-space analogue of an interrupt). Used for prefetch and write-back.
+//!
+//! Requests are never merged, reordered or scheduled: one request is one 4 KiB slot.
+//!
+//! Page data moves only between slots and a [`BufferArena`]: a page-aligned region the device may
+//! register with the kernel once (io_uring fixed buffers) so no request pins or maps memory.
+
+pub mod arena;
+pub mod counters;
+pub mod file;
+pub mod mem;
+pub mod slots;
+pub mod spec;
+
+use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+
+pub use arena::{BufId, BufferArena};
+pub use counters::{CounterSnapshot, DeviceCounters};
+pub use slots::SlotAllocator;
+pub use spec::DeviceSpec;
+pub use tiermem_sys::{Error, ErrorKind, Result, PAGE_SIZE};
+
+/// Index of a 4 KiB page-sized slot on a device.
+pub type Slot = u64;
+
+/// The two kinds of queue of the Ultraswap I/O stack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum QueueKind {
+    /// The submitter polls for completion and never sleeps.
+    Polled,
+    /// Completion is signalled asynchronously through [`IoQueue::notify_fd`].
+    Completion,
+}
+
+/// How a queue actually waits, which depends on what the kernel and the file allow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum WaitMode {
+    /// io_uring `IORING_SETUP_IOPOLL`: the kernel polls the device's queue, no interrupt.
+    KernelPoll,
+    /// The device raises interrupts, but the waiter spins on the completion ring in user space.
+    SpinOnCompletionRing,
+    /// The waiter sleeps until an eventfd signals completions.
+    Interrupt,
+    /// The request finishes during submission (the DRAM device: a memcpy).
+    Synchronous,
+}
+
+/// What happened to one request.
+#[derive(Debug)]
+pub struct Completion {
+    /// The tag given when the request was pushed.
+    pub tag: u64,
+    /// `Ok` when the whole 4 KiB page was transferred.
+    pub result: Result<()>,
+}
+
+/// A request for one queue: one page between a slot and an arena buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Request {
+    /// Read `slot` into arena buffer `buf`.
+    Read { slot: Slot, buf: BufId },
+    /// Write arena buffer `buf` to `slot`.
+    Write { slot: Slot, buf: BufId },
+}
+
+/// A submission/completion queue pair on a device. Owned by one thread at a time (`&mut self`);
+/// the engine puts shared queues behind a lock.
+pub trait IoQueue: Send + std::fmt::Debug {
+    /// The kind this queue was opened as.
+    fn kind(&self) -> QueueKind;
+
+    /// How waiting on this queue is implemented.
+    fn wait_mode(&self) -> WaitMode;
+
+    /// Queue one request; it is not started before [`IoQueue::submit`]. `tag` comes back in its
+    /// [`Completion`]. Fails with [`ErrorKind::NoSpace`] when the queue is full (submit or reap
+    /// first) and [`ErrorKind::InvalidInput`] for a slot beyond the device's capacity.
+    fn push(&mut self, request: Request, tag: u64) -> Result<()>;
+
+    /// Start every queued request. Returns how many were started.
+    fn submit(&mut self) -> Result<usize>;
+
+    /// Hand every finished request to `on_done`, without blocking. Returns how many.
+    fn reap(&mut self, on_done: &mut dyn FnMut(Completion)) -> usize;
+
+    /// Wait until at least `min` requests finished (counting those handed out by this call), and
+    /// hand them to `on_done`. Polled queues poll; completion-driven queues sleep.
+    fn wait(&mut self, min: usize, on_done: &mut dyn FnMut(Completion)) -> Result<usize>;
+
+    /// Requests pushed or submitted whose completion was not handed out yet.
+    fn in_flight(&self) -> usize;
+
+    /// For completion-driven queues: an eventfd that becomes readable when completions are
+    /// ready, so a thread can sleep on it without holding the queue's lock.
+    fn notify_fd(&self) -> Option<BorrowedFd<'_>>;
+}
+
+/// Where evicted pages live.
+pub trait Device: Send + Sync + std::fmt::Debug {
+    /// A short human-readable description ("file:/path (O_DIRECT, io_uring IOPOLL)", "mem").
+    fn describe(&self) -> String;
+
+    /// How many 4 KiB slots the device holds.
+    fn capacity_slots(&self) -> u64;
+
+    /// Open a queue of `kind` able to hold `depth` requests in flight, whose requests move data
+    /// to and from `arena` only. The queue may register the arena with the kernel.
+    fn open_queue(&self, kind: QueueKind, depth: u32, arena: &Arc<BufferArena>) -> Result<Box<dyn IoQueue>>;
+
+    /// Bytes asked for and bytes moved to and from the medium, for write amplification.
+    fn counters(&self) -> &DeviceCounters;
+}

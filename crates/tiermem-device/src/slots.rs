@@ -1,0 +1,116 @@
+//! Allocation of device slots for evicted pages.
+//!
+//! A bitmap of 64-bit words with a rotating search hint. Slots are taken on the reclaim path and
+//! given back when a page is freed, so contention is low; a lock-free bitmap keeps the fault path
+//! free of locks anyway.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use crate::Slot;
+
+/// Hands out slot numbers `0..capacity`.
+#[derive(Debug)]
+pub struct SlotAllocator {
+    words: Box<[AtomicU64]>,
+    capacity: u64,
+    hint: AtomicUsize,
+    used: AtomicU64,
+}
+
+impl SlotAllocator {
+    /// An allocator for `capacity` slots, all free.
+    pub fn new(capacity: u64) -> Self {
+        let nwords = capacity.div_ceil(64) as usize;
+        let words: Box<[AtomicU64]> = (0..nwords)
+            .map(|w| {
+                // Bits past the capacity start out "used" so they are never handed out.
+                let first = w as u64 * 64;
+                let valid = capacity.saturating_sub(first).min(64);
+                AtomicU64::new(if valid == 64 { 0 } else { !0u64 << valid })
+            })
+            .collect();
+        Self { words, capacity, hint: AtomicUsize::new(0), used: AtomicU64::new(0) }
+    }
+
+    /// Total number of slots.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Slots in use.
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Take a free slot, or `None` when the device is full.
+    pub fn alloc(&self) -> Option<Slot> {
+        let n = self.words.len();
+        if n == 0 {
+            return None;
+        }
+        let start = self.hint.load(Ordering::Relaxed) % n;
+        for i in 0..n {
+            let w = (start + i) % n;
+            let word = &self.words[w];
+            let mut bits = word.load(Ordering::Relaxed);
+            while bits != !0u64 {
+                let bit = (!bits).trailing_zeros();
+                match word.compare_exchange_weak(bits, bits | (1 << bit), Ordering::AcqRel, Ordering::Relaxed) {
+                    Ok(_) => {
+                        self.hint.store(w, Ordering::Relaxed);
+                        self.used.fetch_add(1, Ordering::Relaxed);
+                        return Some(w as u64 * 64 + u64::from(bit));
+                    }
+                    Err(actual) => bits = actual,
+                }
+            }
+        }
+        None
+    }
+
+    /// Give a slot back. Panics on a slot that is out of range or not in use: both are bugs that
+    /// would otherwise let two pages share a slot.
+    pub fn free(&self, slot: Slot) {
+        assert!(slot < self.capacity, "slot {slot} out of range");
+        let mask = 1u64 << (slot % 64);
+        let prev = self.words[(slot / 64) as usize].fetch_and(!mask, Ordering::AcqRel);
+        assert!(prev & mask != 0, "slot {slot} freed twice");
+        self.used.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn capacity_not_a_multiple_of_64_hands_out_exactly_capacity() {
+        let slots = SlotAllocator::new(70);
+        let all: HashSet<_> = std::iter::from_fn(|| slots.alloc()).collect();
+        assert_eq!(all.len(), 70);
+        assert!(all.iter().all(|&s| s < 70));
+        assert_eq!(slots.used(), 70);
+    }
+
+    proptest! {
+        #[test]
+        fn alloc_free_sequences_match_a_set_model(ops in proptest::collection::vec(any::<(bool, u8)>(), 1..400)) {
+            let slots = SlotAllocator::new(100);
+            let mut model: Vec<Slot> = Vec::new();
+            for (alloc, pick) in ops {
+                if alloc || model.is_empty() {
+                    match slots.alloc() {
+                        Some(s) => { prop_assert!(!model.contains(&s)); model.push(s); }
+                        None => prop_assert_eq!(model.len(), 100),
+                    }
+                } else {
+                    let s = model.swap_remove(pick as usize % model.len());
+                    slots.free(s);
+                }
+                prop_assert_eq!(slots.used(), model.len() as u64);
+            }
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! The kernel's view of which pages are present and written: PAGEMAP_SCAN (Linux >= 6.7) on
+//! /proc/self/pagemap, which also re-arms asynchronous write protection in the same call.
+
+use std::fs::File;
+use std::mem::size_of;
+use std::os::fd::AsRawFd;
+
+use linux_raw_sys::general as uapi;
+use rustix::io::Errno;
+
+use crate::{Result, ResultExt, PAGE_SIZE};
+
+/// Page categories (`PAGE_IS_*`).
+pub mod category {
+    use linux_raw_sys::general as uapi;
+    /// Write protection is armed (userfaultfd-wp).
+    pub const WP_ALLOWED: u64 = uapi::PAGE_IS_WPALLOWED as u64;
+    /// Written since write protection was armed.
+    pub const WRITTEN: u64 = uapi::PAGE_IS_WRITTEN as u64;
+    /// Backed by a page in memory.
+    pub const PRESENT: u64 = uapi::PAGE_IS_PRESENT as u64;
+    /// Swapped out by the kernel.
+    pub const SWAPPED: u64 = uapi::PAGE_IS_SWAPPED as u64;
+    /// Mapped to the shared zero page.
+    pub const PFNZERO: u64 = uapi::PAGE_IS_PFNZERO as u64;
+}
+
+/// A run of pages with the same categories.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(C)]
+pub struct PageRegion {
+    /// First address.
+    pub start: u64,
+    /// One past the last address.
+    pub end: u64,
+    /// The categories (masked by the scan's return mask).
+    pub categories: u64,
+}
+
+// _IOWR('f', 16, struct pm_scan_arg)
+const PAGEMAP_SCAN: u32 = (3 << 30) | ((size_of::<uapi::pm_scan_arg>() as u32) << 16) | ((b'f' as u32) << 8) | 16;
+
+/// What to look for in one scan.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ScanQuery {
+    /// Pages must have all of these categories...
+    pub required: u64,
+    /// ...of which these are inverted (must be absent)...
+    pub inverted: u64,
+    /// ...and at least one of these (0 = no such condition).
+    pub any_of: u64,
+    /// Categories to report in each region.
+    pub report: u64,
+    /// Write-protect the matching pages atomically with reporting them (async WP re-arm).
+    pub write_protect_matching: bool,
+    /// Stop after this many pages (0 = no limit).
+    pub max_pages: u64,
+}
+
+/// An open /proc/self/pagemap.
+#[derive(Debug)]
+pub struct Pagemap {
+    file: File,
+}
+
+impl Pagemap {
+    /// Open this process's pagemap.
+    pub fn open_self() -> Result<Self> {
+        let file = File::open("/proc/self/pagemap").context(|| "opening /proc/self/pagemap".into())?;
+        Ok(Self { file })
+    }
+
+    /// Scan `[start, end)` for pages matching `query`, writing runs into `out`. Returns the number
+    /// of runs and the address where the walk stopped (== `end` when it covered the range).
+    pub fn scan(&self, start: usize, end: usize, query: &ScanQuery, out: &mut [PageRegion]) -> Result<(usize, usize), Errno> {
+        let mut arg = uapi::pm_scan_arg {
+            size: size_of::<uapi::pm_scan_arg>() as u64,
+            flags: if query.write_protect_matching { u64::from(uapi::PM_SCAN_WP_MATCHING) } else { 0 },
+            start: start as u64,
+            end: end as u64,
+            walk_end: 0,
+            vec: out.as_mut_ptr() as u64,
+            vec_len: out.len() as u64,
+            max_pages: query.max_pages,
+            category_inverted: query.inverted,
+            category_mask: query.required,
+            category_anyof_mask: query.any_of,
+            return_mask: query.report,
+        };
+        // SAFETY: PAGEMAP_SCAN takes a pm_scan_arg; vec/vec_len describe `out`, which the kernel
+        // fills with page_region structs (same layout as PageRegion).
+        let rc = unsafe { libc::ioctl(self.file.as_raw_fd(), PAGEMAP_SCAN as _, &mut arg as *mut uapi::pm_scan_arg) };
+        if rc < 0 {
+            return Err(Errno::from_raw_os_error(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)));
+        }
+        Ok((rc as usize, arg.walk_end as usize))
+    }
+
+    /// How many pages of `[start, end)` are present in memory, per the kernel.
+    pub fn count_present(&self, start: usize, end: usize) -> Result<u64, Errno> {
+        let query = ScanQuery { required: category::PRESENT, report: category::PRESENT, ..Default::default() };
+        let mut out = [PageRegion::default(); 256];
+        let mut total = 0u64;
+        let mut at = start;
+        while at < end {
+            let (n, walk_end) = self.scan(at, end, &query, &mut out)?;
+            total += out[..n].iter().map(|r| (r.end - r.start) / PAGE_SIZE as u64).sum::<u64>();
+            if walk_end <= at {
+                break;
+            }
+            at = walk_end;
+        }
+        Ok(total)
+    }
+}

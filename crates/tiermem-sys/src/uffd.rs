@@ -1,0 +1,321 @@
+//! A small safe wrapper over userfaultfd(2): creation with the API handshake, registration, the
+//! resolving ioctls (COPY, ZEROPAGE, WRITEPROTECT, WAKE, MOVE) and reading fault messages.
+//!
+//! The resolving calls sit on the fault path (possibly in a signal handler), so they return a bare
+//! [`Errno`] and never allocate.
+
+use std::mem::size_of;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+
+use linux_raw_sys::general as uapi;
+use rustix::io::Errno;
+use rustix::mm::UserfaultfdFlags;
+
+use crate::{Error, ErrorKind, Result, ResultExt};
+
+/// userfaultfd feature bits (`UFFD_FEATURE_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Features(pub u64);
+
+impl Features {
+    /// Write-protect faults are reported (`UFFD_FEATURE_PAGEFAULT_FLAG_WP`).
+    pub const WP: Self = Self(uapi::UFFD_FEATURE_PAGEFAULT_FLAG_WP as u64);
+    /// Faults raise SIGBUS in the faulting thread instead of queueing a message.
+    pub const SIGBUS: Self = Self(uapi::UFFD_FEATURE_SIGBUS as u64);
+    /// Fault messages carry the faulting thread's id.
+    pub const THREAD_ID: Self = Self(uapi::UFFD_FEATURE_THREAD_ID as u64);
+    /// munmap of a registered range is reported.
+    pub const EVENT_UNMAP: Self = Self(uapi::UFFD_FEATURE_EVENT_UNMAP as u64);
+    /// MADV_DONTNEED/REMOVE of a registered range is reported.
+    pub const EVENT_REMOVE: Self = Self(uapi::UFFD_FEATURE_EVENT_REMOVE as u64);
+    /// mremap of a registered range is reported.
+    pub const EVENT_REMAP: Self = Self(uapi::UFFD_FEATURE_EVENT_REMAP as u64);
+    /// fork copies the registration into the child with a new userfaultfd.
+    pub const EVENT_FORK: Self = Self(uapi::UFFD_FEATURE_EVENT_FORK as u64);
+    /// Minor faults on shared memory are reported.
+    pub const MINOR_SHMEM: Self = Self(uapi::UFFD_FEATURE_MINOR_SHMEM as u64);
+    /// Write-protect faults are resolved by the kernel; written pages are found with PAGEMAP_SCAN.
+    pub const WP_ASYNC: Self = Self(uapi::UFFD_FEATURE_WP_ASYNC as u64);
+    /// Never-populated pages count as write-protected too.
+    pub const WP_UNPOPULATED: Self = Self(uapi::UFFD_FEATURE_WP_UNPOPULATED as u64);
+    /// UFFDIO_MOVE moves pages between addresses without copying.
+    pub const MOVE: Self = Self(uapi::UFFD_FEATURE_MOVE as u64);
+    /// Fault addresses are exact, not rounded to the page.
+    pub const EXACT_ADDRESS: Self = Self(uapi::UFFD_FEATURE_EXACT_ADDRESS as u64);
+
+    /// The empty set.
+    pub const fn empty() -> Self {
+        Self(0)
+    }
+
+    /// Whether every bit of `other` is set.
+    pub const fn contains(self, other: Self) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// Union.
+    #[must_use]
+    pub const fn with(self, other: Self) -> Self {
+        Self(self.0 | other.0)
+    }
+}
+
+/// What a registration watches for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegisterMode {
+    /// Faults on pages with no mapping.
+    pub missing: bool,
+    /// Writes to write-protected pages.
+    pub write_protect: bool,
+}
+
+/// A page fault (or other event) read from a userfaultfd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// A thread faulted at `addr`.
+    PageFault {
+        /// Faulting address (page-aligned unless EXACT_ADDRESS was asked for).
+        addr: usize,
+        /// The access was a write.
+        write: bool,
+        /// A write-protect fault rather than a missing-page fault.
+        wp: bool,
+        /// Faulting thread id, 0 unless THREAD_ID was asked for.
+        tid: u32,
+    },
+    /// `[start, end)` was dropped with MADV_DONTNEED/REMOVE.
+    Remove {
+        /// First address.
+        start: usize,
+        /// One past the last address.
+        end: usize,
+    },
+    /// `[start, end)` was unmapped.
+    Unmap {
+        /// First address.
+        start: usize,
+        /// One past the last address.
+        end: usize,
+    },
+    /// A registered range moved.
+    Remap {
+        /// Old start.
+        from: usize,
+        /// New start.
+        to: usize,
+        /// Length.
+        len: usize,
+    },
+    /// An event this wrapper does not decode.
+    Other(u8),
+}
+
+/// An open userfaultfd after the API handshake.
+#[derive(Debug)]
+pub struct Uffd {
+    fd: OwnedFd,
+    features: Features,
+}
+
+const fn iowr(nr: u32, size: usize) -> u32 {
+    // _IOWR(UFFDIO, nr, size) per asm-generic/ioctl.h: dir(2 bits)|size(14)|type(8)|nr(8).
+    (3 << 30) | ((size as u32) << 16) | (uapi::UFFDIO << 8) | nr
+}
+
+const UFFDIO_API: u32 = iowr(uapi::_UFFDIO_API, size_of::<uapi::uffdio_api>());
+const UFFDIO_REGISTER: u32 = iowr(uapi::_UFFDIO_REGISTER, size_of::<uapi::uffdio_register>());
+const UFFDIO_UNREGISTER: u32 = (2 << 30) | ((size_of::<uapi::uffdio_range>() as u32) << 16) | (uapi::UFFDIO << 8) | uapi::_UFFDIO_UNREGISTER;
+const UFFDIO_WAKE: u32 = (2 << 30) | ((size_of::<uapi::uffdio_range>() as u32) << 16) | (uapi::UFFDIO << 8) | uapi::_UFFDIO_WAKE;
+const UFFDIO_COPY: u32 = iowr(uapi::_UFFDIO_COPY, size_of::<uapi::uffdio_copy>());
+const UFFDIO_ZEROPAGE: u32 = iowr(uapi::_UFFDIO_ZEROPAGE, size_of::<uapi::uffdio_zeropage>());
+const UFFDIO_WRITEPROTECT: u32 = iowr(uapi::_UFFDIO_WRITEPROTECT, size_of::<uapi::uffdio_writeprotect>());
+const UFFDIO_MOVE: u32 = iowr(uapi::_UFFDIO_MOVE, size_of::<uapi::uffdio_move>());
+
+/// Issue an ioctl whose argument is a `T` the kernel may read and update.
+///
+/// # Safety
+/// `request` must be an ioctl that takes a pointer to exactly a `T`, and any addresses inside
+/// `arg` must satisfy that ioctl's contract.
+unsafe fn ioctl_with<T>(fd: BorrowedFd<'_>, request: u32, arg: &mut T) -> Result<(), Errno> {
+    // SAFETY: forwarded to the caller; `arg` is a valid, exclusive pointer to a T.
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, arg as *mut T) };
+    if rc < 0 {
+        Err(Errno::from_raw_os_error(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO)))
+    } else {
+        Ok(())
+    }
+}
+
+impl Uffd {
+    /// Open a userfaultfd and ask for `features`. `nonblocking` makes `read_event` return `None`
+    /// instead of sleeping. Fails with [`ErrorKind::Unsupported`] naming the missing feature bits.
+    pub fn open(features: Features, nonblocking: bool) -> Result<Self> {
+        let mut flags = UserfaultfdFlags::CLOEXEC;
+        if nonblocking {
+            flags |= UserfaultfdFlags::NONBLOCK;
+        }
+        // SAFETY: userfaultfd(2) creates a new descriptor; it touches no memory of ours.
+        let fd = unsafe { rustix::mm::userfaultfd(flags) }.map_err(|e| {
+            let hint = if e == Errno::PERM {
+                " (needs root, CAP_SYS_PTRACE, or sysctl vm.unprivileged_userfaultfd=1)"
+            } else if e == Errno::NOSYS {
+                " (kernel built without CONFIG_USERFAULTFD)"
+            } else {
+                ""
+            };
+            Error::os(e.into(), format!("userfaultfd(2) failed{hint}"))
+        })?;
+        let mut api = uapi::uffdio_api { api: uapi::UFFD_API as u64, features: features.0, ioctls: 0 };
+        // SAFETY: UFFDIO_API takes a uffdio_api.
+        unsafe { ioctl_with(fd.as_fd(), UFFDIO_API, &mut api) }.map_err(|e| {
+            let missing = features.0 & !Self::supported_features().map(|f| f.0).unwrap_or(0);
+            Error::os_kind(
+                ErrorKind::Unsupported,
+                e.into(),
+                format!("UFFDIO_API handshake refused features {:#x} (not offered by this kernel: {missing:#x})", features.0),
+            )
+        })?;
+        Ok(Self { fd, features: Features(api.features) })
+    }
+
+    /// Every feature this kernel offers: a handshake asking for none reports them all.
+    pub fn supported_features() -> Result<Features> {
+        // SAFETY: as in `open`.
+        let fd = unsafe { rustix::mm::userfaultfd(UserfaultfdFlags::CLOEXEC) }.context(|| "userfaultfd(2) failed".into())?;
+        let mut api = uapi::uffdio_api { api: uapi::UFFD_API as u64, features: 0, ioctls: 0 };
+        // SAFETY: UFFDIO_API takes a uffdio_api.
+        unsafe { ioctl_with(fd.as_fd(), UFFDIO_API, &mut api) }.context(|| "UFFDIO_API handshake".into())?;
+        Ok(Features(api.features))
+    }
+
+    /// The features this descriptor was opened with.
+    pub fn features(&self) -> Features {
+        self.features
+    }
+
+    /// Watch `[addr, addr+len)`. Returns the bitmask of `_UFFDIO_*` ioctls allowed on the range.
+    pub fn register(&self, addr: *mut u8, len: usize, mode: RegisterMode) -> Result<u64> {
+        let mut bits = 0u64;
+        if mode.missing {
+            bits |= uapi::UFFDIO_REGISTER_MODE_MISSING as u64;
+        }
+        if mode.write_protect {
+            bits |= uapi::UFFDIO_REGISTER_MODE_WP as u64;
+        }
+        let mut reg = uapi::uffdio_register { range: uapi::uffdio_range { start: addr as u64, len: len as u64 }, mode: bits, ioctls: 0 };
+        // SAFETY: UFFDIO_REGISTER takes a uffdio_register; registering changes how faults in the
+        // range are handled but not what memory is valid.
+        unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_REGISTER, &mut reg) }
+            .map_err(|e| Error::os(e.into(), format!("UFFDIO_REGISTER of {len} bytes at {addr:p} ({mode:?})")))?;
+        Ok(reg.ioctls)
+    }
+
+    /// Stop watching `[addr, addr+len)`.
+    pub fn unregister(&self, addr: *mut u8, len: usize) -> Result<()> {
+        let mut range = uapi::uffdio_range { start: addr as u64, len: len as u64 };
+        // SAFETY: UFFDIO_UNREGISTER takes a uffdio_range.
+        unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_UNREGISTER, &mut range) }
+            .map_err(|e| Error::os(e.into(), format!("UFFDIO_UNREGISTER of {len} bytes at {addr:p}")))
+    }
+
+    /// Atomically fill the missing pages `[dst, dst+len)` with a copy of `src` and wake threads
+    /// waiting on them (unless `dont_wake`). `write_protect` installs them write-protected.
+    /// `EEXIST` means another thread mapped the page first.
+    ///
+    /// # Safety
+    /// `src` must be readable for `len` bytes; `dst` must lie in a range registered here.
+    pub unsafe fn copy(&self, dst: *mut u8, src: *const u8, len: usize, write_protect: bool, dont_wake: bool) -> Result<(), Errno> {
+        let mut mode = 0u64;
+        if write_protect {
+            mode |= uapi::UFFDIO_COPY_MODE_WP as u64;
+        }
+        if dont_wake {
+            mode |= uapi::UFFDIO_COPY_MODE_DONTWAKE as u64;
+        }
+        let mut arg = uapi::uffdio_copy { dst: dst as u64, src: src as u64, len: len as u64, mode, copy: 0 };
+        // SAFETY: UFFDIO_COPY takes a uffdio_copy; the caller vouches for src and dst.
+        unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_COPY, &mut arg) }
+    }
+
+    /// Map the zero page at the missing pages `[dst, dst+len)` and wake waiters.
+    pub fn zeropage(&self, dst: *mut u8, len: usize) -> Result<(), Errno> {
+        let mut arg = uapi::uffdio_zeropage { range: uapi::uffdio_range { start: dst as u64, len: len as u64 }, mode: 0, zeropage: 0 };
+        // SAFETY: UFFDIO_ZEROPAGE takes a uffdio_zeropage and only fills holes in registered ranges.
+        unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_ZEROPAGE, &mut arg) }
+    }
+
+    /// Set (`protect`) or clear write protection on `[addr, addr+len)`. Clearing also wakes
+    /// threads blocked on a write-protect fault there, unless `dont_wake`.
+    pub fn write_protect(&self, addr: *mut u8, len: usize, protect: bool, dont_wake: bool) -> Result<(), Errno> {
+        let mut mode = 0u64;
+        if protect {
+            mode |= 1; // UFFDIO_WRITEPROTECT_MODE_WP
+        }
+        if dont_wake {
+            mode |= 2; // UFFDIO_WRITEPROTECT_MODE_DONTWAKE
+        }
+        let mut arg = uapi::uffdio_writeprotect { range: uapi::uffdio_range { start: addr as u64, len: len as u64 }, mode };
+        // SAFETY: UFFDIO_WRITEPROTECT takes a uffdio_writeprotect; it changes permissions only.
+        unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_WRITEPROTECT, &mut arg) }
+    }
+
+    /// Wake threads waiting on faults in `[addr, addr+len)` so they retry the access.
+    pub fn wake(&self, addr: *mut u8, len: usize) -> Result<(), Errno> {
+        let mut range = uapi::uffdio_range { start: addr as u64, len: len as u64 };
+        // SAFETY: UFFDIO_WAKE takes a uffdio_range.
+        unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_WAKE, &mut range) }
+    }
+
+    /// Move the pages at `[src, src+len)` to the holes at `[dst, dst+len)` without copying.
+    /// Needs [`Features::MOVE`].
+    ///
+    /// # Safety
+    /// Both ranges must be private anonymous memory of this process; `dst` must be registered here.
+    pub unsafe fn move_pages(&self, dst: *mut u8, src: *mut u8, len: usize) -> Result<(), Errno> {
+        let mut arg = uapi::uffdio_move { dst: dst as u64, src: src as u64, len: len as u64, mode: 0, move_: 0 };
+        // SAFETY: UFFDIO_MOVE takes a uffdio_move; the caller vouches for the ranges.
+        unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_MOVE, &mut arg) }
+    }
+
+    /// Read one event. `Ok(None)` when the descriptor is non-blocking and nothing is queued.
+    pub fn read_event(&self) -> Result<Option<Event>, Errno> {
+        let mut msg = std::mem::MaybeUninit::<uapi::uffd_msg>::zeroed();
+        // SAFETY: a uffd_msg is plain old data; read fills at most size_of bytes of it.
+        let buf = unsafe { std::slice::from_raw_parts_mut(msg.as_mut_ptr().cast::<u8>(), size_of::<uapi::uffd_msg>()) };
+        match rustix::io::read(&self.fd, buf) {
+            Ok(n) if n == size_of::<uapi::uffd_msg>() => {}
+            Ok(_) => return Err(Errno::IO),
+            Err(Errno::AGAIN) => return Ok(None),
+            Err(e) => return Err(e),
+        }
+        // SAFETY: fully written by the kernel above (and zeroed before).
+        let msg = unsafe { msg.assume_init() };
+        // SAFETY: the union member read matches the event tag, as documented in userfaultfd(2).
+        let event = unsafe {
+            match u32::from(msg.event) {
+                uapi::UFFD_EVENT_PAGEFAULT => {
+                    let pf = msg.arg.pagefault;
+                    Event::PageFault {
+                        addr: pf.address as usize,
+                        write: pf.flags & u64::from(uapi::UFFD_PAGEFAULT_FLAG_WRITE) != 0,
+                        wp: pf.flags & u64::from(uapi::UFFD_PAGEFAULT_FLAG_WP) != 0,
+                        tid: pf.feat.ptid,
+                    }
+                }
+                uapi::UFFD_EVENT_REMOVE => Event::Remove { start: msg.arg.remove.start as usize, end: msg.arg.remove.end as usize },
+                uapi::UFFD_EVENT_UNMAP => Event::Unmap { start: msg.arg.remove.start as usize, end: msg.arg.remove.end as usize },
+                uapi::UFFD_EVENT_REMAP => {
+                    Event::Remap { from: msg.arg.remap.from as usize, to: msg.arg.remap.to as usize, len: msg.arg.remap.len as usize }
+                }
+                other => Event::Other(other as u8),
+            }
+        };
+        Ok(Some(event))
+    }
+}
+
+impl AsFd for Uffd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
