@@ -17,6 +17,7 @@ pub mod arena;
 pub mod counters;
 pub mod file;
 pub mod mem;
+pub use mem::MemDevice;
 pub mod slots;
 pub mod spec;
 

@@ -245,8 +245,12 @@ impl Uffd {
     }
 
     /// Set (`protect`) or clear write protection on `[addr, addr+len)`. Clearing also wakes
-    /// threads blocked on a write-protect fault there, unless `dont_wake`.
+    /// threads blocked on a write-protect fault there, unless `dont_wake`. The kernel refuses
+    /// `dont_wake` together with `protect` (EINVAL); so does this call.
     pub fn write_protect(&self, addr: *mut u8, len: usize, protect: bool, dont_wake: bool) -> Result<(), Errno> {
+        if protect && dont_wake {
+            return Err(Errno::INVAL);
+        }
         let mut mode = 0u64;
         if protect {
             mode |= 1; // UFFDIO_WRITEPROTECT_MODE_WP

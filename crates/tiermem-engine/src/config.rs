@@ -1,0 +1,262 @@
+//! Engine configuration: every knob, its default, and validation with clear messages.
+
+use std::fmt;
+use std::str::FromStr;
+
+use tiermem_sys::{Error, Result, PAGE_SIZE};
+
+/// How a page fault reaches the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum FaultMode {
+    /// Handler threads read fault messages from the userfaultfd.
+    HandlerThread,
+    /// The faulting thread itself takes a SIGBUS and resolves the fault in the signal handler
+    /// (UFFD_FEATURE_SIGBUS). Faults taken by the kernel on behalf of a system call cannot be
+    /// delivered this way: such calls return EFAULT unless the memory is first made resident with
+    /// [`crate::Engine::prepare_kernel_access`].
+    Sigbus,
+}
+
+/// How writes to resident pages are noticed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum DirtyTracking {
+    /// Pick the best the kernel offers.
+    Auto,
+    /// Pages come in write-protected; the first write faults synchronously and marks them dirty.
+    SyncWriteProtect,
+    /// No tracking: every resident page is written back when evicted.
+    None,
+}
+
+/// Which queues carry which requests (the paper's §4.4.1 variants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum IoMode {
+    /// Ultraswap: the faulting page on a polled queue, prefetch and write-back on
+    /// completion-driven queues.
+    Hybrid,
+    /// Everything polled and waited for synchronously.
+    PollOnly,
+    /// Everything completion-driven; the faulting thread sleeps until its page arrives.
+    InterruptOnly,
+}
+
+/// Where reclaim runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum ReclaimMode {
+    /// A reclaim thread woken at the watermark; faulting threads reclaim only at the hard limit.
+    Background,
+    /// Faulting threads reclaim whenever residency passes the watermark (the Linux behaviour the
+    /// paper moves off the fault path).
+    OnFaultPath,
+}
+
+macro_rules! parse_enum {
+    ($ty:ty, $what:literal, $($text:literal => $val:expr),+ $(,)?) => {
+        impl FromStr for $ty {
+            type Err = Error;
+            fn from_str(s: &str) -> Result<Self> {
+                match s {
+                    $($text => Ok($val),)+
+                    other => Err(Error::invalid(format!(
+                        concat!("unknown ", $what, " '{}' (expected one of: {})"),
+                        other,
+                        [$($text),+].join(", ")
+                    ))),
+                }
+            }
+        }
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                let text = match self { $(v if *v == $val => $text,)+ _ => "?" };
+                f.write_str(text)
+            }
+        }
+    };
+}
+
+parse_enum!(FaultMode, "fault mode", "thread" => FaultMode::HandlerThread, "sigbus" => FaultMode::Sigbus);
+parse_enum!(DirtyTracking, "dirty tracking", "auto" => DirtyTracking::Auto, "sync-wp" => DirtyTracking::SyncWriteProtect, "none" => DirtyTracking::None);
+parse_enum!(IoMode, "I/O mode", "hybrid" => IoMode::Hybrid, "poll-only" => IoMode::PollOnly, "interrupt-only" => IoMode::InterruptOnly);
+parse_enum!(ReclaimMode, "reclaim mode", "background" => ReclaimMode::Background, "on-fault-path" => ReclaimMode::OnFaultPath);
+
+/// Everything the engine can be told.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EngineConfig {
+    /// Most bytes of managed memory resident at once (rounded down to pages).
+    pub limit_bytes: u64,
+    /// Fraction of the limit at which background reclaim starts (the paper: 0.7).
+    pub watermark: f64,
+    /// How faults arrive.
+    pub fault_mode: FaultMode,
+    /// How writes are noticed.
+    pub dirty_tracking: DirtyTracking,
+    /// Which queues carry which requests.
+    pub io_mode: IoMode,
+    /// Where reclaim runs.
+    pub reclaim_mode: ReclaimMode,
+    /// Prefetcher name (see [`crate::policy::prefetcher_by_name`]).
+    pub prefetch: String,
+    /// Replacement policy name (see [`crate::policy::replacement_by_name`]).
+    pub replace: String,
+    /// 4 KiB I/O buffers shared by all queues.
+    pub io_buffers: u32,
+    /// Depth of each queue.
+    pub queue_depth: u32,
+    /// Pages evicted per reclaim round.
+    pub reclaim_batch: usize,
+    /// Handler threads in [`FaultMode::HandlerThread`].
+    pub handler_threads: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            limit_bytes: 256 << 20,
+            watermark: 0.7,
+            fault_mode: FaultMode::HandlerThread,
+            dirty_tracking: DirtyTracking::Auto,
+            io_mode: IoMode::Hybrid,
+            reclaim_mode: ReclaimMode::Background,
+            prefetch: "readahead".into(),
+            replace: "clock".into(),
+            io_buffers: 1024,
+            queue_depth: 128,
+            reclaim_batch: 32,
+            handler_threads: 1,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The limit in pages.
+    pub fn limit_pages(&self) -> u64 {
+        self.limit_bytes / PAGE_SIZE as u64
+    }
+
+    /// Check every field; the message names the field and the accepted range.
+    pub fn validate(&self) -> Result<()> {
+        if self.limit_pages() < 16 {
+            return Err(Error::invalid(format!(
+                "limit {} bytes is too small: at least 16 pages ({} bytes) are needed",
+                self.limit_bytes,
+                16 * PAGE_SIZE
+            )));
+        }
+        if !(self.watermark > 0.0 && self.watermark <= 1.0) {
+            return Err(Error::invalid(format!("watermark {} must be in (0, 1]", self.watermark)));
+        }
+        if self.io_buffers < 16 || self.io_buffers > crate::page::MAX_BUF {
+            return Err(Error::invalid(format!("io_buffers {} must be in 16..={}", self.io_buffers, crate::page::MAX_BUF)));
+        }
+        if self.queue_depth == 0 || self.queue_depth > 4096 {
+            return Err(Error::invalid(format!("queue depth {} must be in 1..=4096", self.queue_depth)));
+        }
+        if self.reclaim_batch == 0 || self.reclaim_batch > 4096 {
+            return Err(Error::invalid(format!("reclaim batch {} must be in 1..=4096", self.reclaim_batch)));
+        }
+        if self.handler_threads == 0 || self.handler_threads > 64 {
+            return Err(Error::invalid(format!("handler threads {} must be in 1..=64", self.handler_threads)));
+        }
+        crate::policy::prefetcher_by_name(&self.prefetch)?;
+        crate::policy::replacement_by_name(&self.replace, 1)?;
+        Ok(())
+    }
+}
+
+/// Parse a size: plain bytes or with a binary suffix (`K`, `KiB`, `M`, `MiB`, `G`, `GiB`, `T`).
+pub fn parse_size(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || Error::invalid(format!("'{text}' is not a size (examples: 4096, 512MiB, 2G, 1.5GiB)"));
+    let value: f64 = num.parse().map_err(|_| bad())?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        _ => return Err(bad()),
+    };
+    let bytes = value * mult as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+        return Err(bad());
+    }
+    Ok(bytes as u64)
+}
+
+/// A memory limit: absolute, or a share of the footprint.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Limit {
+    /// Bytes.
+    Bytes(u64),
+    /// Percent of the footprint, in (0, 100].
+    Percent(f64),
+}
+
+impl FromStr for Limit {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        if let Some(p) = s.trim().strip_suffix('%') {
+            let v: f64 = p.trim().parse().map_err(|_| Error::invalid(format!("'{s}' is not a percentage (example: 40%)")))?;
+            if !(v > 0.0 && v <= 100.0) {
+                return Err(Error::invalid(format!("limit {s} must be above 0% and at most 100%")));
+            }
+            return Ok(Limit::Percent(v));
+        }
+        let bytes = parse_size(s)?;
+        if bytes == 0 {
+            return Err(Error::invalid("limit must be greater than zero"));
+        }
+        Ok(Limit::Bytes(bytes))
+    }
+}
+
+impl Limit {
+    /// The limit in bytes given the footprint (needed for percentages).
+    pub fn resolve(self, footprint: Option<u64>) -> Result<u64> {
+        match (self, footprint) {
+            (Limit::Bytes(b), _) => Ok(b),
+            (Limit::Percent(p), Some(f)) => Ok((f as f64 * p / 100.0) as u64),
+            (Limit::Percent(p), None) => Err(Error::invalid(format!("a limit of {p}% needs the footprint (give --footprint)"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units_and_reject_garbage() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_size("2G").unwrap(), 2 << 30);
+        assert_eq!(parse_size("1.5GiB").unwrap(), 3 << 29);
+        for bad in ["", "MiB", "12XB", "-5", "1e3", "abc"] {
+            assert!(parse_size(bad).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn limits_resolve_percentages_against_the_footprint() {
+        assert_eq!("40%".parse::<Limit>().unwrap().resolve(Some(1000)).unwrap(), 400);
+        assert_eq!("1MiB".parse::<Limit>().unwrap().resolve(None).unwrap(), 1 << 20);
+        assert!("0%".parse::<Limit>().is_err());
+        assert!("101%".parse::<Limit>().is_err());
+        assert!("0".parse::<Limit>().is_err());
+        assert!("50%".parse::<Limit>().unwrap().resolve(None).is_err());
+    }
+
+    #[test]
+    fn validation_names_the_bad_field() {
+        let cfg = EngineConfig { watermark: 1.5, ..EngineConfig::default() };
+        assert!(cfg.validate().unwrap_err().to_string().contains("watermark"));
+        let cfg = EngineConfig { limit_bytes: 4096, ..EngineConfig::default() };
+        assert!(cfg.validate().unwrap_err().to_string().contains("too small"));
+        let cfg = EngineConfig { prefetch: "magic".into(), ..EngineConfig::default() };
+        assert!(cfg.validate().unwrap_err().to_string().contains("magic"));
+        assert!("bogus".parse::<IoMode>().unwrap_err().to_string().contains("poll-only"));
+        assert_eq!(IoMode::InterruptOnly.to_string(), "interrupt-only");
+    }
+}

@@ -1,0 +1,193 @@
+//! How faults reach the engine: handler threads reading the userfaultfd, or a SIGBUS handler
+//! running on the faulting thread itself.
+
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+use rustix::event::{poll, PollFd, PollFlags};
+use rustix::io::Errno;
+use tiermem_sys::uffd::Event;
+use tiermem_sys::{Error, ErrorKind, Result, PAGE_SIZE};
+
+use crate::engine::Shared;
+use crate::fault::{handle_fault, Outcome};
+
+/// Reads fault messages and resolves them until shutdown.
+pub(crate) fn handler_thread(shared: &Shared, lane: usize) {
+    loop {
+        if shared.shutdown.load(Ordering::Acquire) {
+            return;
+        }
+        match shared.uffd.read_event() {
+            Ok(Some(Event::PageFault { addr, write, wp, tid })) => match handle_fault(shared, addr, write || wp, lane) {
+                Outcome::Resolved => {}
+                Outcome::NotOurs => {
+                    // A region going away under a faulting thread: let it retry and find out.
+                    let _ = shared.uffd.wake((addr & !(PAGE_SIZE - 1)) as *mut u8, PAGE_SIZE);
+                }
+                Outcome::Failed(e) => fail_faulting_thread(addr, tid, e),
+            },
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                let mut fds = [PollFd::new(&shared.uffd, PollFlags::IN), PollFd::new(&shared.stop_event, PollFlags::IN)];
+                let _ = poll(&mut fds, None);
+            }
+            Err(Errno::INTR) => {}
+            Err(e) => {
+                tracing::error!(errno = %e, "reading the userfaultfd failed; fault handler stops");
+                return;
+            }
+        }
+    }
+}
+
+/// The page cannot be delivered. Like the kernel after a swap-in I/O error, kill the faulting
+/// thread with SIGBUS rather than hand it wrong data.
+fn fail_faulting_thread(addr: usize, tid: u32, e: Errno) {
+    report_failure(addr, e);
+    let pid = rustix::process::getpid().as_raw_nonzero().get();
+    // SAFETY: plain signal delivery to a thread of this process.
+    unsafe {
+        if tid != 0 {
+            libc::syscall(libc::SYS_tgkill, pid, tid as libc::c_int, libc::SIGBUS);
+        } else {
+            libc::kill(pid, libc::SIGBUS);
+        }
+    }
+}
+
+/// Write a message to stderr without allocating (usable in a signal handler).
+fn report_failure(addr: usize, e: Errno) {
+    let mut msg = [0u8; 160];
+    let mut w = Writer { buf: &mut msg, len: 0 };
+    let _ = std::fmt::Write::write_fmt(&mut w, format_args!("tiermem: cannot bring in page at {addr:#x}: {e}; raising SIGBUS\n"));
+    let len = w.len;
+    let _ = rustix::io::write(rustix::stdio::stderr(), &msg[..len]);
+}
+
+struct Writer<'a> {
+    buf: &'a mut [u8],
+    len: usize,
+}
+
+impl std::fmt::Write for Writer<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let n = s.len().min(self.buf.len() - self.len);
+        self.buf[self.len..self.len + n].copy_from_slice(&s.as_bytes()[..n]);
+        self.len += n;
+        Ok(())
+    }
+}
+
+pub(crate) fn wake_handler_threads(shared: &Shared) {
+    let _ = rustix::io::write(&shared.stop_event, &1u64.to_ne_bytes());
+}
+
+/// The engine whose regions the SIGBUS handler serves (one per process).
+static SIGBUS_ENGINE: AtomicPtr<Shared> = AtomicPtr::new(std::ptr::null_mut());
+/// The SIGBUS action in place before ours, to chain to for faults that are not ours.
+static PREVIOUS_ACTION: AtomicPtr<libc::sigaction> = AtomicPtr::new(std::ptr::null_mut());
+
+thread_local! {
+    static LANE_HINT: std::cell::Cell<u32> = const { std::cell::Cell::new(u32::MAX) };
+}
+
+fn lane_hint() -> usize {
+    LANE_HINT.with(|h| {
+        if h.get() == u32::MAX {
+            h.set(rustix::thread::gettid().as_raw_nonzero().get() as u32);
+        }
+        h.get() as usize
+    })
+}
+
+extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
+    // SAFETY: errno is thread-local; saving and restoring it keeps the interrupted code's view.
+    let saved_errno = unsafe { *libc::__errno_location() };
+    let engine = SIGBUS_ENGINE.load(Ordering::Acquire);
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
+    let (addr, code) = unsafe { ((*info).si_addr() as usize, (*info).si_code) };
+    if !engine.is_null() && code == libc::BUS_ADRERR {
+        // SAFETY: the kernel passes the interrupted context; on x86-64 REG_ERR holds the page
+        // fault error code, whose bit 1 is set for writes.
+        let write = unsafe { (*(context as *const libc::ucontext_t)).uc_mcontext.gregs[libc::REG_ERR as usize] & 2 != 0 };
+        // SAFETY: the pointer is published only while the engine is alive (uninstall clears it
+        // before the engine is dropped).
+        let shared = unsafe { &*engine };
+        match handle_fault(shared, addr, write, lane_hint()) {
+            Outcome::Resolved => {
+                // SAFETY: as above.
+                unsafe { *libc::__errno_location() = saved_errno };
+                return;
+            }
+            Outcome::NotOurs => {}
+            Outcome::Failed(e) => report_failure(addr, e),
+        }
+    }
+    chain_to_previous(sig, info, context);
+}
+
+fn chain_to_previous(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
+    let prev = PREVIOUS_ACTION.load(Ordering::Acquire);
+    // SAFETY: prev is null or points to a leaked sigaction saved at install time.
+    let handler = if prev.is_null() { libc::SIG_DFL } else { unsafe { (*prev).sa_sigaction } };
+    if handler == libc::SIG_DFL || handler == libc::SIG_IGN {
+        // Restore the default action; returning re-executes the access, which now kills the
+        // process with SIGBUS as it would have without tiermem.
+        // SAFETY: resetting a signal to its default disposition.
+        unsafe { libc::signal(sig, libc::SIG_DFL) };
+        return;
+    }
+    // SAFETY: the previous handler was installed by this process for this signal; it is called
+    // with the arguments its flags ask for.
+    unsafe {
+        if (*prev).sa_flags & libc::SA_SIGINFO != 0 {
+            let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) = std::mem::transmute(handler);
+            f(sig, info, context);
+        } else {
+            let f: extern "C" fn(libc::c_int) = std::mem::transmute(handler);
+            f(sig);
+        }
+    }
+}
+
+pub(crate) fn install_sigbus(shared: &std::sync::Arc<Shared>) -> Result<()> {
+    let ptr = std::sync::Arc::as_ptr(shared) as *mut Shared;
+    if SIGBUS_ENGINE.compare_exchange(std::ptr::null_mut(), ptr, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        return Err(Error::new(ErrorKind::InvalidInput, "another engine in this process already uses fault mode sigbus"));
+    }
+    // SAFETY: a zeroed sigaction is a valid starting point; we fill handler, mask and flags.
+    let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+    action.sa_sigaction = on_sigbus as *const () as usize;
+    action.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART | libc::SA_ONSTACK;
+    // SAFETY: sa_mask is a valid sigset_t to initialise.
+    unsafe { libc::sigemptyset(&mut action.sa_mask) };
+    let previous = Box::into_raw(Box::new(
+        // SAFETY: zeroed sigaction, filled in by the kernel below.
+        unsafe { std::mem::zeroed::<libc::sigaction>() },
+    ));
+    // SAFETY: both pointers are valid sigaction structs.
+    let rc = unsafe { libc::sigaction(libc::SIGBUS, &action, previous) };
+    if rc != 0 {
+        SIGBUS_ENGINE.store(std::ptr::null_mut(), Ordering::Release);
+        return Err(Error::os(std::io::Error::last_os_error(), "installing the SIGBUS handler"));
+    }
+    let old = PREVIOUS_ACTION.swap(previous, Ordering::AcqRel);
+    if !old.is_null() {
+        // SAFETY: allocated by Box::into_raw in an earlier install; no handler can be using it,
+        // since a handler only reads PREVIOUS_ACTION while our handler is installed and the old
+        // value was replaced before.
+        drop(unsafe { Box::from_raw(old) });
+    }
+    Ok(())
+}
+
+pub(crate) fn uninstall_sigbus(shared: &Shared) {
+    let ptr = shared as *const Shared as *mut Shared;
+    if SIGBUS_ENGINE.compare_exchange(ptr, std::ptr::null_mut(), Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        let prev = PREVIOUS_ACTION.load(Ordering::Acquire);
+        if !prev.is_null() {
+            // SAFETY: restoring the action saved at install time.
+            unsafe { libc::sigaction(libc::SIGBUS, prev, std::ptr::null_mut()) };
+        }
+    }
+}

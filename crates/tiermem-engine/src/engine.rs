@@ -1,0 +1,362 @@
+//! The engine: owns the userfaultfd, the device queues, the regions, the policies and the
+//! background threads, and hands out [`Region`]s.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::thread::JoinHandle;
+
+use rustix::event::{eventfd, EventfdFlags};
+use std::os::fd::OwnedFd;
+use tiermem_device::{BufferArena, Device, SlotAllocator};
+use tiermem_sys::mem::Mapping;
+use tiermem_sys::probe::KernelFeatures;
+use tiermem_sys::uffd::{Features, RegisterMode, Uffd};
+use tiermem_sys::{Error, ErrorKind, Result, PAGE_SIZE};
+
+use crate::config::{DirtyTracking, EngineConfig, FaultMode, ReclaimMode};
+use crate::io::Queues;
+use crate::page::Kind;
+use crate::policy::{prefetcher_by_name, replacement_by_name, Prefetcher, Replacement};
+use crate::region::{RegionInner, RegionTable};
+use crate::stats::{Stats, StatsSnapshot};
+
+/// State shared by the engine's threads and the fault handlers.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) config: EngineConfig,
+    pub(crate) device: Arc<dyn Device>,
+    pub(crate) arena: Arc<BufferArena>,
+    pub(crate) slots: SlotAllocator,
+    pub(crate) uffd: Uffd,
+    pub(crate) regions: RwLock<RegionTable>,
+    pub(crate) prefetcher: Box<dyn Prefetcher>,
+    pub(crate) replacement: Box<dyn Replacement>,
+    pub(crate) stats: Stats,
+    pub(crate) queues: Queues,
+    /// Resident managed pages, counted before they are mapped and after they are dropped, so
+    /// the kernel's count never exceeds it.
+    pub(crate) resident: AtomicU64,
+    pub(crate) limit_pages: u64,
+    pub(crate) watermark_pages: u64,
+    /// Pages come in write-protected and the first write faults (sync WP).
+    pub(crate) write_protect: bool,
+    /// A page of zeros to copy into untouched pages.
+    pub(crate) zero_page: Mapping,
+    /// Written to wake the reclaim thread (an eventfd: safe to write from a signal handler).
+    pub(crate) reclaim_wake: OwnedFd,
+    /// Written at shutdown to wake handler threads sleeping in poll.
+    pub(crate) stop_event: OwnedFd,
+    pub(crate) shutdown: AtomicBool,
+    /// Slots reserved by live regions' pages, to refuse regions the device cannot hold.
+    pub(crate) reserved_pages: AtomicU64,
+    /// Ranges held resident for system calls; reclaim skips them.
+    pub(crate) pins: std::sync::Mutex<Vec<(usize, usize)>>,
+}
+
+impl Shared {
+    pub(crate) fn regions(&self) -> RwLockReadGuard<'_, RegionTable> {
+        self.regions.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn resident(&self) -> u64 {
+        self.resident.load(Ordering::Acquire)
+    }
+
+    /// Claim room for one more resident page if under the limit.
+    pub(crate) fn try_reserve_resident(&self) -> bool {
+        let mut cur = self.resident.load(Ordering::Relaxed);
+        loop {
+            if cur >= self.limit_pages {
+                return false;
+            }
+            match self.resident.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Relaxed) {
+                Ok(_) => {
+                    self.stats.observe_resident(cur + 1);
+                    if cur + 1 > self.watermark_pages && self.config.reclaim_mode == ReclaimMode::Background {
+                        self.wake_reclaim();
+                    }
+                    return true;
+                }
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    /// Give back room claimed by [`Shared::try_reserve_resident`] or freed by an eviction.
+    pub(crate) fn release_resident(&self) {
+        self.resident.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    pub(crate) fn wake_reclaim(&self) {
+        // An eventfd write never blocks here (the counter cannot overflow in practice).
+        let _ = rustix::io::write(&self.reclaim_wake, &1u64.to_ne_bytes());
+    }
+}
+
+/// A running paging engine.
+#[derive(Debug)]
+pub struct Engine {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    features: KernelFeatures,
+}
+
+/// A managed region: anonymous memory whose pages the engine moves between DRAM and the device.
+/// Dropping it waits for its in-flight I/O, frees its slots and unmaps it.
+#[derive(Debug)]
+pub struct Region {
+    shared: Arc<Shared>,
+    inner: Arc<RegionInner>,
+}
+
+impl Engine {
+    /// Start an engine on `device` with `config`.
+    pub fn new(config: EngineConfig, device: Arc<dyn Device>) -> Result<Self> {
+        config.validate()?;
+        let features = KernelFeatures::probe();
+        if !features.userfaultfd {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("userfaultfd is not usable: {}", features.error.clone().unwrap_or_default()),
+            ));
+        }
+        let write_protect = match config.dirty_tracking {
+            DirtyTracking::None => false,
+            DirtyTracking::Auto => features.wp && features.copy_mode_wp,
+            DirtyTracking::SyncWriteProtect => {
+                if !(features.wp && features.copy_mode_wp) {
+                    return Err(Error::new(ErrorKind::Unsupported, "sync-wp dirty tracking needs userfaultfd WP and COPY_MODE_WP, which this kernel lacks"));
+                }
+                true
+            }
+        };
+        let mut wanted = Features::THREAD_ID;
+        if write_protect {
+            wanted = wanted.with(Features::WP);
+        }
+        if config.fault_mode == FaultMode::Sigbus {
+            if !features.sigbus {
+                return Err(Error::new(ErrorKind::Unsupported, "fault mode sigbus needs UFFD_FEATURE_SIGBUS, which this kernel lacks"));
+            }
+            wanted = wanted.with(Features::SIGBUS);
+        }
+        let uffd = Uffd::open(wanted, true)?;
+        let arena = Arc::new(BufferArena::new(config.io_buffers)?);
+        let queues = Queues::open(&config, &*device, &arena, features.kernel.clone())?;
+        let limit_pages = config.limit_pages();
+        let watermark_pages = ((limit_pages as f64 * config.watermark) as u64).clamp(1, limit_pages);
+        let shared = Arc::new(Shared {
+            prefetcher: prefetcher_by_name(&config.prefetch)?,
+            replacement: replacement_by_name(&config.replace, limit_pages as usize)?,
+            slots: SlotAllocator::new(device.capacity_slots()),
+            device,
+            arena,
+            uffd,
+            regions: RwLock::new(RegionTable::default()),
+            stats: Stats::default(),
+            queues,
+            resident: AtomicU64::new(0),
+            limit_pages,
+            watermark_pages,
+            write_protect,
+            zero_page: Mapping::anonymous(PAGE_SIZE, true)?,
+            reclaim_wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(|e| Error::os(e.into(), "eventfd"))?,
+            stop_event: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(|e| Error::os(e.into(), "eventfd"))?,
+            shutdown: AtomicBool::new(false),
+            reserved_pages: AtomicU64::new(0),
+            pins: std::sync::Mutex::new(Vec::new()),
+            config,
+        });
+        let mut threads = Vec::new();
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new().name(name.into()).spawn(f).map_err(|e| Error::os(e, format!("spawning thread {name}")))
+        };
+        {
+            let s = shared.clone();
+            threads.push(spawn("tiermem-completion", Box::new(move || crate::io::completion_thread(&s)))?);
+        }
+        if shared.config.reclaim_mode == ReclaimMode::Background {
+            let s = shared.clone();
+            threads.push(spawn("tiermem-reclaim", Box::new(move || crate::reclaim::reclaim_thread(&s)))?);
+        }
+        match shared.config.fault_mode {
+            FaultMode::HandlerThread => {
+                for i in 0..shared.config.handler_threads {
+                    let s = shared.clone();
+                    threads.push(spawn(&format!("tiermem-fault{i}"), Box::new(move || crate::delivery::handler_thread(&s, i)))?);
+                }
+            }
+            FaultMode::Sigbus => crate::delivery::install_sigbus(&shared)?,
+        }
+        tracing::info!(
+            device = %shared.device.describe(),
+            write_protect,
+            fault_mode = %shared.config.fault_mode,
+            "engine started"
+        );
+        Ok(Self { shared, threads, features })
+    }
+
+    /// Create a managed region of `len` bytes (rounded up to whole pages).
+    pub fn create_region(&self, len: usize) -> Result<Region> {
+        if len == 0 {
+            return Err(Error::invalid("region length must be greater than zero"));
+        }
+        let len = len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        let pages = (len / PAGE_SIZE) as u64;
+        if pages >= 1 << crate::policy::PAGE_INDEX_BITS {
+            return Err(Error::invalid(format!("region of {len} bytes is too large")));
+        }
+        let capacity = self.shared.slots.capacity();
+        let before = self.shared.reserved_pages.fetch_add(pages, Ordering::AcqRel);
+        if before + pages > capacity {
+            self.shared.reserved_pages.fetch_sub(pages, Ordering::AcqRel);
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                format!(
+                    "device {} holds {} MiB; regions would need {} MiB: use a larger device",
+                    self.shared.device.describe(),
+                    capacity * PAGE_SIZE as u64 >> 20,
+                    (before + pages) * PAGE_SIZE as u64 >> 20
+                ),
+            ));
+        }
+        let built = (|| {
+            let mapping = Mapping::anonymous(len, false)?;
+            let mode = RegisterMode { missing: true, write_protect: self.shared.write_protect };
+            self.shared.uffd.register(mapping.as_ptr(), len, mode)?;
+            // Huge pages would be faulted in by the kernel behind our back; keep base pages.
+            // SAFETY: the range is the mapping just created and owned here.
+            let _ = unsafe { rustix::mm::madvise(mapping.as_ptr().cast(), len, rustix::mm::Advice::LinuxNoHugepage) };
+            Ok::<_, Error>(mapping)
+        })();
+        let mapping = match built {
+            Ok(m) => m,
+            Err(e) => {
+                self.shared.reserved_pages.fetch_sub(pages, Ordering::AcqRel);
+                return Err(e);
+            }
+        };
+        let inner = self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).insert(|index| RegionInner::new(index, mapping));
+        Ok(Region { shared: self.shared.clone(), inner })
+    }
+
+    /// Counters and latencies so far.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.shared.stats.snapshot()
+    }
+
+    /// What the device counted.
+    pub fn device_counters(&self) -> tiermem_device::CounterSnapshot {
+        self.shared.device.counters().snapshot()
+    }
+
+    /// Resident managed pages now (the engine's count, never below the kernel's).
+    pub fn resident_pages(&self) -> u64 {
+        self.shared.resident()
+    }
+
+    /// The budget in pages.
+    pub fn limit_pages(&self) -> u64 {
+        self.shared.limit_pages
+    }
+
+    /// What the kernel offered at start-up.
+    pub fn kernel_features(&self) -> &KernelFeatures {
+        &self.features
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared.config
+    }
+
+    /// Whether dirty pages are tracked by write protection (else every eviction writes).
+    pub fn tracks_dirty_pages(&self) -> bool {
+        self.shared.write_protect
+    }
+
+    /// A line saying how the engine runs, for logs and summaries.
+    pub fn describe(&self) -> String {
+        format!(
+            "device {}; fault mode {}; dirty tracking {}; I/O {} ({}); reclaim {} at {:.0}% of {} MiB; prefetch {}; replace {}",
+            self.shared.device.describe(),
+            self.shared.config.fault_mode,
+            if self.shared.write_protect { "sync-wp" } else { "none (every eviction writes)" },
+            self.shared.config.io_mode,
+            self.shared.queues.describe(),
+            self.shared.config.reclaim_mode,
+            self.shared.config.watermark * 100.0,
+            self.shared.limit_pages * PAGE_SIZE as u64 >> 20,
+            self.shared.prefetcher.name(),
+            self.shared.replacement.name(),
+        )
+    }
+
+    /// Make `[addr, addr+len)` of a region resident and writable (if `write`) and keep it so
+    /// until the guard drops, so a system call can access it. Needed in [`FaultMode::Sigbus`],
+    /// where faults taken inside the kernel cannot be resolved and return EFAULT; harmless in
+    /// the other modes.
+    pub fn prepare_kernel_access(&self, addr: *const u8, len: usize, write: bool) -> Result<crate::fault::PinGuard> {
+        crate::fault::pin_range(&self.shared, addr as usize, len, write)
+    }
+}
+
+impl Region {
+    /// First byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.inner.mapping.as_ptr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.mapping.len()
+    }
+
+    /// Always false: regions are never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Pages of this region resident per the kernel (PAGEMAP_SCAN), for checking the budget
+    /// from outside the engine's own bookkeeping.
+    pub fn kernel_resident_pages(&self, pagemap: &tiermem_sys::pagemap::Pagemap) -> Result<u64> {
+        let start = self.inner.start();
+        pagemap.count_present(start, start + self.len()).map_err(|e| Error::os(e.into(), "PAGEMAP_SCAN of a region"))
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        crate::reclaim::quiesce_region(&self.shared, &self.inner);
+        let _ = self.shared.uffd.unregister(self.inner.mapping.as_ptr(), self.inner.mapping.len());
+        let mut freed_resident = 0;
+        for cell in self.inner.pages.iter() {
+            let state = cell.peek();
+            if let Some(slot) = state.slot() {
+                self.shared.slots.free(slot);
+            }
+            if state.kind() == Kind::Resident {
+                freed_resident += 1;
+            }
+        }
+        self.shared.resident.fetch_sub(freed_resident, Ordering::AcqRel);
+        self.shared.reserved_pages.fetch_sub(self.inner.page_count(), Ordering::AcqRel);
+        self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).remove(self.inner.index);
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.wake_reclaim();
+        self.shared.queues.wake_completion_thread();
+        if self.shared.config.fault_mode == FaultMode::Sigbus {
+            crate::delivery::uninstall_sigbus(&self.shared);
+        }
+        crate::delivery::wake_handler_threads(&self.shared);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

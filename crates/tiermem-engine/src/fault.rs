@@ -1,0 +1,416 @@
+//! Resolving one page fault: the Ultraswap page-in path.
+//!
+//! Order of work for a page that must come from the device:
+//! 1. claim room under the budget (reclaiming on this thread only at the hard limit) and a
+//!    staging buffer, before taking the page's lock, so no lock is held while waiting;
+//! 2. push the faulting page's read on a polled lane and submit it first;
+//! 3. push the prefetcher's pages on the completion-driven prefetch queue and submit;
+//! 4. poll the lane until the faulting page arrives, map it (write-protected unless the access
+//!    was a write), and return. Prefetched pages are mapped by whoever reaps their completions.
+//!
+//! Runs on a handler thread or inside a SIGBUS handler on the faulting thread, so it does not
+//! allocate and takes only short locks no interrupted code can hold.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use rustix::io::Errno;
+use tiermem_device::{BufId, Request};
+use tiermem_sys::{Error, ErrorKind, Result, PAGE_SIZE};
+
+use crate::config::{IoMode, ReclaimMode};
+use crate::engine::Shared;
+use crate::io::{reap_background, tag, Op};
+use crate::page::{Kind, PageState};
+use crate::policy::{FaultInfo, PageList};
+use crate::region::{RegionInner, RegionTable};
+use crate::stats::{Path, Stats};
+
+/// How a fault ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// The page is mapped (and any waiter woken).
+    Resolved,
+    /// The address is in no managed region.
+    NotOurs,
+    /// The device could not deliver the page.
+    Failed(Errno),
+}
+
+/// Map `src` at `dst` with UFFDIO_COPY, retrying while the address space is being changed.
+fn map_page(shared: &Shared, dst: *mut u8, src: *const u8, write_protect: bool) -> Result<(), Errno> {
+    loop {
+        // SAFETY: src is an arena buffer or the zero page (PAGE_SIZE readable bytes); dst is a
+        // page of a region registered with this userfaultfd, locked by the caller.
+        match unsafe { shared.uffd.copy(dst, src, PAGE_SIZE, write_protect, false) } {
+            Err(Errno::AGAIN) => std::hint::spin_loop(),
+            other => return other,
+        }
+    }
+}
+
+/// Take a buffer, reaping background completions until one is free. Holds no page lock.
+pub(crate) fn alloc_buffer(shared: &Shared, regions: &RegionTable) -> BufId {
+    loop {
+        if let Some(b) = shared.arena.alloc() {
+            return b;
+        }
+        if reap_background(shared, regions) == 0 {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Claim room for one resident page; at the hard limit (or past the watermark in on-fault-path
+/// mode) evict on this thread first. Holds no page lock.
+fn reserve_room(shared: &Shared, regions: &RegionTable) {
+    if shared.config.reclaim_mode == ReclaimMode::OnFaultPath && shared.resident() >= shared.watermark_pages {
+        crate::reclaim::evict_batch(shared, regions, shared.config.reclaim_batch, Path::DirectReclaim);
+    }
+    loop {
+        if shared.try_reserve_resident() {
+            return;
+        }
+        if crate::reclaim::evict_batch(shared, regions, 8, Path::DirectReclaim) == 0 && reap_background(shared, regions) == 0 {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Resolve a fault at `addr`. `write` says whether the access was a write; `lane_hint` spreads
+/// concurrent faulting threads over the polled lanes.
+pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, lane_hint: usize) -> Outcome {
+    let regions = shared.regions();
+    let Some(region) = regions.find(addr) else { return Outcome::NotOurs };
+    let index = region.page_index(addr);
+    let cell = &region.pages[index as usize];
+    let page_addr = region.page_addr(index);
+    let id = region.id(index);
+    let started = Instant::now();
+    let mut waited_on_prefetch = false;
+    loop {
+        let peek = cell.peek();
+        let needs_room = matches!(peek.kind(), Kind::Untouched | Kind::Evicted | Kind::Prefetched);
+        if needs_room {
+            reserve_room(shared, &regions);
+        }
+        let staging = (peek.kind() == Kind::Evicted && !peek.writing()).then(|| alloc_buffer(shared, &regions));
+        let give_back = |reserved: bool, staging: Option<BufId>| {
+            if reserved {
+                shared.release_resident();
+            }
+            if let Some(b) = staging {
+                shared.arena.release(b);
+            }
+        };
+        let mut locked = cell.lock();
+        let state = locked.state();
+        let protect = !write && shared.write_protect;
+        match state.kind() {
+            Kind::Resident => {
+                give_back(needs_room, staging);
+                if write && !state.dirty() {
+                    locked.set(state.with_dirty(true).with_referenced(true));
+                    // Clearing protection also wakes a thread waiting on this write.
+                    if let Err(e) = shared.uffd.write_protect(page_addr, PAGE_SIZE, false, false) {
+                        return Outcome::Failed(e);
+                    }
+                    drop(locked);
+                    Stats::add(&shared.stats.counters.wp_faults, 1);
+                    shared.stats.record(Path::WriteProtectFault, started.elapsed().as_nanos() as u64);
+                } else {
+                    drop(locked);
+                    // Someone else resolved it: wake a thread blocked in the kernel, if any.
+                    let _ = shared.uffd.wake(page_addr, PAGE_SIZE);
+                    if waited_on_prefetch {
+                        Stats::add(&shared.stats.counters.prefetch_hits, 1);
+                        shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
+                    }
+                }
+                return Outcome::Resolved;
+            }
+            Kind::Incoming => {
+                // A prefetch of this page is in flight: help complete it rather than read twice.
+                drop(locked);
+                give_back(needs_room, staging);
+                waited_on_prefetch = true;
+                if reap_background(shared, &regions) == 0 {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            Kind::Untouched if needs_room => {
+                if let Err(e) = map_page(shared, page_addr, shared.zero_page.as_ptr(), protect) {
+                    give_back(true, staging);
+                    return outcome_of_copy_error(e);
+                }
+                give_back(false, staging);
+                locked.set(PageState::UNTOUCHED.with_kind(Kind::Resident).with_dirty(!protect));
+                drop(locked);
+                shared.replacement.on_insert(id);
+                Stats::add(&shared.stats.counters.zero_fills, 1);
+                shared.stats.record(Path::ZeroFault, started.elapsed().as_nanos() as u64);
+                return Outcome::Resolved;
+            }
+            Kind::Prefetched if needs_room => {
+                let buf = state.buf();
+                if let Err(e) = map_page(shared, page_addr, shared.arena.ptr(buf), protect) {
+                    give_back(true, staging);
+                    return outcome_of_copy_error(e);
+                }
+                give_back(false, staging);
+                locked.set(state.with_kind(Kind::Resident).with_dirty(!protect).with_referenced(true));
+                drop(locked);
+                shared.arena.release(buf);
+                shared.replacement.on_insert(id);
+                Stats::add(&shared.stats.counters.prefetch_hits, 1);
+                shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
+                let info = FaultInfo { region: region.index, page: index, region_pages: region.page_count(), write, hit: true };
+                issue_prefetches(shared, region, &info, None);
+                return Outcome::Resolved;
+            }
+            Kind::Evicted if needs_room && state.writing() => {
+                // Its write-back is still in flight: the buffer holds the page.
+                if let Err(e) = map_page(shared, page_addr, shared.arena.ptr(state.buf()), protect) {
+                    give_back(true, staging);
+                    return outcome_of_copy_error(e);
+                }
+                give_back(false, staging);
+                locked.set(state.with_kind(Kind::Resident).with_dirty(!protect));
+                drop(locked);
+                shared.replacement.on_insert(id);
+                Stats::add(&shared.stats.counters.writeback_hits, 1);
+                shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
+                return Outcome::Resolved;
+            }
+            Kind::Evicted if needs_room && staging.is_some() => {
+                let buf = staging.unwrap_or_default();
+                let slot = state.slot().unwrap_or_default();
+                let info = FaultInfo { region: region.index, page: index, region_pages: region.page_count(), write, hit: false };
+                if let Err(e) = read_critical(shared, &regions, region, id, slot, buf, &info, lane_hint) {
+                    give_back(true, Some(buf));
+                    Stats::add(&shared.stats.counters.io_errors, 1);
+                    return Outcome::Failed(e);
+                }
+                if let Err(e) = map_page(shared, page_addr, shared.arena.ptr(buf), protect) {
+                    give_back(true, Some(buf));
+                    return outcome_of_copy_error(e);
+                }
+                shared.arena.release(buf);
+                locked.set(state.with_kind(Kind::Resident).with_dirty(!protect));
+                drop(locked);
+                shared.replacement.on_insert(id);
+                Stats::add(&shared.stats.counters.critical_reads, 1);
+                shared.stats.record(Path::CriticalFault, started.elapsed().as_nanos() as u64);
+                return Outcome::Resolved;
+            }
+            _ => {
+                // The state changed between the peek and the lock; try again with the right
+                // preparations.
+                drop(locked);
+                give_back(needs_room, staging);
+            }
+        }
+    }
+}
+
+fn outcome_of_copy_error(e: Errno) -> Outcome {
+    if e == Errno::EXIST {
+        Outcome::Resolved
+    } else {
+        Outcome::Failed(e)
+    }
+}
+
+/// Read the faulting page first on a lane, then issue prefetches, then poll for the page.
+#[allow(clippy::too_many_arguments)]
+fn read_critical(shared: &Shared, regions: &RegionTable, region: &RegionInner, id: u64, slot: u64, buf: BufId, info: &FaultInfo, lane_hint: usize) -> Result<(), Errno> {
+    let critical_tag = tag(Op::Critical, id);
+    let mut lane = shared.queues.lane(lane_hint);
+    lane.push(Request::Read { slot, buf }, critical_tag).map_err(|_| Errno::IO)?;
+    lane.submit().map_err(|_| Errno::IO)?;
+    let poll_only = shared.config.io_mode == IoMode::PollOnly;
+    let issued = issue_prefetches(shared, region, info, poll_only.then_some(&mut **lane));
+    let on_lane = if poll_only { issued } else { 0 };
+    let mut critical_ok = None;
+    let mut lane_prefetches = [crate::io::Done { tag: 0, ok: false }; PageList::CAPACITY];
+    let mut n = 0;
+    let want = 1 + on_lane;
+    let mut seen = 0;
+    while seen < want {
+        let got = lane
+            .wait(want - seen, &mut |c| {
+                if c.tag == critical_tag {
+                    critical_ok = Some(c.result.is_ok());
+                } else if n < lane_prefetches.len() {
+                    lane_prefetches[n] = crate::io::Done { tag: c.tag, ok: c.result.is_ok() };
+                    n += 1;
+                }
+            })
+            .map_err(|_| Errno::IO)?;
+        seen += got;
+    }
+    drop(lane);
+    if n > 0 {
+        crate::io::process_all(shared, regions, &lane_prefetches[..n]);
+    }
+    match critical_ok {
+        Some(true) => Ok(()),
+        _ => Err(Errno::IO),
+    }
+}
+
+/// Ask the prefetcher and start reading its pages. With `lane`, the reads go there (poll-only
+/// mode) and the count is returned for the caller to wait on; otherwise they go on the
+/// completion-driven prefetch queue.
+fn issue_prefetches(shared: &Shared, region: &RegionInner, info: &FaultInfo, lane: Option<&mut dyn tiermem_device::IoQueue>) -> usize {
+    let mut wanted = PageList::default();
+    shared.prefetcher.on_fault(info, &mut wanted);
+    if wanted.as_slice().is_empty() {
+        return 0;
+    }
+    // Leave room for the pages to land: eager install never exceeds the budget, but reading
+    // pages that will be dropped wastes the device.
+    let headroom = shared.limit_pages.saturating_sub(shared.resident() + 1) as usize;
+    let mut guard;
+    let queue: &mut dyn tiermem_device::IoQueue = match lane {
+        Some(q) => q,
+        None => {
+            guard = shared.queues.prefetch();
+            &mut **guard
+        }
+    };
+    let mut issued = 0;
+    for &page in wanted.as_slice().iter().take(headroom) {
+        let Some(cell) = region.pages.get(page as usize) else { continue };
+        let peek = cell.peek();
+        if peek.kind() != Kind::Evicted || peek.writing() {
+            continue;
+        }
+        let Some(mut locked) = cell.try_lock() else { continue };
+        let state = locked.state();
+        if state.kind() != Kind::Evicted || state.writing() {
+            continue;
+        }
+        let Some(buf) = shared.arena.alloc() else { break };
+        let slot = state.slot().unwrap_or_default();
+        if queue.push(Request::Read { slot, buf }, tag(Op::Prefetch, region.id(page))).is_err() {
+            shared.arena.release(buf);
+            break;
+        }
+        shared.queues.mark_submitted(buf);
+        locked.set(state.with_kind(Kind::Incoming).with_buf(buf));
+        issued += 1;
+    }
+    if issued > 0 {
+        let _ = queue.submit();
+        Stats::add(&shared.stats.counters.prefetch_issued, issued as u64);
+    }
+    issued
+}
+
+/// A prefetch read finished: map the page now if there is room, else forget it (its slot still
+/// holds it). Called with the page locked; returns the state to publish.
+pub(crate) fn install_prefetched(shared: &Shared, region: &RegionInner, index: u64, state: PageState) -> PageState {
+    let buf = state.buf();
+    if !shared.try_reserve_resident() {
+        shared.arena.release(buf);
+        Stats::add(&shared.stats.counters.prefetch_dropped, 1);
+        return state.with_kind(Kind::Evicted);
+    }
+    let protect = shared.write_protect;
+    match map_page(shared, region.page_addr(index), shared.arena.ptr(buf), protect) {
+        Ok(()) | Err(Errno::EXIST) => {
+            shared.arena.release(buf);
+            shared.replacement.on_insert(region.id(index));
+            Stats::add(&shared.stats.counters.prefetch_installed, 1);
+            state.with_kind(Kind::Resident).with_dirty(!protect)
+        }
+        Err(_) => {
+            shared.release_resident();
+            shared.arena.release(buf);
+            Stats::add(&shared.stats.counters.prefetch_dropped, 1);
+            state.with_kind(Kind::Evicted)
+        }
+    }
+}
+
+/// A write-back failed. The buffer (still owned by the caller) holds the only copy: if the page
+/// is not resident, map it back, dirty; in every case forget the slot. Returns the new state.
+pub(crate) fn recover_failed_writeback(shared: &Shared, region: &RegionInner, index: u64, state: PageState) -> PageState {
+    let state = state.with_writing(false).with_slot(None).with_dirty(true);
+    if state.kind() == Kind::Resident {
+        return state;
+    }
+    // Over the budget by one page for a moment is better than losing data.
+    shared.resident.fetch_add(1, Ordering::AcqRel);
+    match map_page(shared, region.page_addr(index), shared.arena.ptr(state.buf()), false) {
+        Ok(()) | Err(Errno::EXIST) => {
+            shared.replacement.on_insert(region.id(index));
+            state.with_kind(Kind::Resident)
+        }
+        Err(e) => {
+            // Nothing left to try: say so loudly rather than return wrong data later.
+            tracing::error!(page = index, errno = %e, "write-back failed and the page could not be restored");
+            std::process::abort();
+        }
+    }
+}
+
+/// Pages held resident for a system call (see [`crate::Engine::prepare_kernel_access`]).
+#[derive(Debug)]
+pub struct PinGuard {
+    shared: std::sync::Arc<Shared>,
+    range: (usize, usize),
+}
+
+pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize, write: bool) -> Result<PinGuard> {
+    let start = addr & !(PAGE_SIZE - 1);
+    let end = (addr + len).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+    let pages = ((end - start) / PAGE_SIZE) as u64;
+    if pages * 2 > shared.limit_pages {
+        return Err(Error::invalid(format!("cannot hold {pages} pages resident for a system call under a budget of {} pages", shared.limit_pages)));
+    }
+    {
+        let regions = shared.regions();
+        if regions.find(start).is_none() || regions.find(end - 1).is_none() {
+            return Err(Error::invalid(format!("range {start:#x}..{end:#x} is not inside one managed region")));
+        }
+    }
+    shared.pins.lock().unwrap_or_else(|e| e.into_inner()).push((start, end));
+    let guard = PinGuard { shared: shared.clone(), range: (start, end) };
+    for page in (start..end).step_by(PAGE_SIZE) {
+        loop {
+            match handle_fault(shared, page, write, 0) {
+                Outcome::Resolved => {}
+                Outcome::NotOurs => return Err(Error::invalid(format!("address {page:#x} left its region"))),
+                Outcome::Failed(e) => return Err(Error::os_kind(ErrorKind::Io, e.into(), format!("bringing in page {page:#x}"))),
+            }
+            // Resolved may mean "resident but clean" for a write: fault again until dirty.
+            let regions = shared.regions();
+            let Some(region) = regions.find(page) else { break };
+            let state = region.pages[region.page_index(page) as usize].peek();
+            if state.kind() == Kind::Resident && (!write || state.dirty()) {
+                break;
+            }
+        }
+    }
+    Ok(guard)
+}
+
+impl Shared {
+    /// Whether `addr` lies in a range pinned for a system call.
+    pub(crate) fn is_pinned(&self, addr: usize) -> bool {
+        let pins = self.pins.lock().unwrap_or_else(|e| e.into_inner());
+        pins.iter().any(|&(s, e)| addr >= s && addr < e)
+    }
+}
+
+impl Drop for PinGuard {
+    fn drop(&mut self) {
+        let mut pins = self.shared.pins.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = pins.iter().position(|&r| r == self.range) {
+            pins.swap_remove(i);
+        }
+    }
+}

@@ -1,0 +1,274 @@
+//! The queue set of the Ultraswap I/O path and what happens when a request completes.
+//!
+//! - `lanes`: queues for the page a thread faulted on. Polled in the hybrid and poll-only modes,
+//!   completion-driven (the thread sleeps) in interrupt-only mode. One lane per concurrently
+//!   faulting thread; a thread takes any free lane.
+//! - `prefetch`: completion-driven queue for pages read ahead of demand.
+//! - `writeback`: completion-driven queue for evicted pages.
+//!
+//! The critical read is always pushed and submitted before any prefetch, so a prefetch never
+//! delays it (no head-of-line blocking); nothing is merged or reordered.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+use rustix::event::{poll, PollFd, PollFlags};
+use tiermem_device::{BufId, BufferArena, Completion, Device, IoQueue, QueueKind};
+use tiermem_sys::{Error, Result};
+
+use crate::config::{EngineConfig, FaultMode, IoMode};
+use crate::engine::Shared;
+use crate::page::Kind;
+use crate::policy::{split_page_id, PageId};
+use crate::region::RegionTable;
+use crate::stats::{Path, Stats};
+
+/// What a request was for, kept in the top bits of its tag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    Critical = 1,
+    Prefetch = 2,
+    WriteBack = 3,
+}
+
+const OP_SHIFT: u32 = 61;
+
+pub(crate) fn tag(op: Op, page: PageId) -> u64 {
+    ((op as u64) << OP_SHIFT) | page
+}
+
+fn untag(tag: u64) -> (Option<Op>, PageId) {
+    let op = match tag >> OP_SHIFT {
+        1 => Some(Op::Critical),
+        2 => Some(Op::Prefetch),
+        3 => Some(Op::WriteBack),
+        _ => None,
+    };
+    (op, tag & ((1 << OP_SHIFT) - 1))
+}
+
+/// A finished request reduced to what processing needs (no heap).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Done {
+    pub(crate) tag: u64,
+    pub(crate) ok: bool,
+}
+
+/// The engine's queues.
+#[derive(Debug)]
+pub(crate) struct Queues {
+    pub(crate) lanes: Vec<Mutex<Box<dyn IoQueue>>>,
+    pub(crate) prefetch: Mutex<Box<dyn IoQueue>>,
+    pub(crate) writeback: Mutex<Box<dyn IoQueue>>,
+    /// Completions whose page was locked by another thread when reaped; retried later.
+    deferred: Mutex<Vec<Done>>,
+    /// Submission time (ns since `epoch`) of the request using each arena buffer.
+    submitted_at: Box<[AtomicU64]>,
+    epoch: Instant,
+    wake: std::os::fd::OwnedFd,
+    description: String,
+}
+
+fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Queues {
+    pub(crate) fn open(config: &EngineConfig, device: &dyn Device, arena: &std::sync::Arc<BufferArena>, _kernel: String) -> Result<Self> {
+        let lane_kind = match config.io_mode {
+            IoMode::Hybrid | IoMode::PollOnly => QueueKind::Polled,
+            IoMode::InterruptOnly => QueueKind::Completion,
+        };
+        let nlanes = match config.fault_mode {
+            FaultMode::HandlerThread => config.handler_threads,
+            FaultMode::Sigbus => 4,
+        };
+        let lanes = (0..nlanes)
+            .map(|_| device.open_queue(lane_kind, config.queue_depth, arena).map(Mutex::new))
+            .collect::<Result<Vec<_>>>()?;
+        // In poll-only mode write-backs are waited for by polling too.
+        let background_kind = if config.io_mode == IoMode::PollOnly { QueueKind::Polled } else { QueueKind::Completion };
+        let prefetch = device.open_queue(background_kind, config.queue_depth, arena)?;
+        let writeback = device.open_queue(background_kind, config.queue_depth, arena)?;
+        let description = format!(
+            "fault lanes {:?} x{}, prefetch {:?}, write-back {:?}",
+            lock(&lanes[0]).wait_mode(),
+            lanes.len(),
+            prefetch.wait_mode(),
+            writeback.wait_mode()
+        );
+        let wake = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
+            .map_err(|e| Error::os(e.into(), "eventfd"))?;
+        Ok(Self {
+            lanes,
+            prefetch: Mutex::new(prefetch),
+            writeback: Mutex::new(writeback),
+            deferred: Mutex::new(Vec::with_capacity(4 * config.queue_depth as usize + 64)),
+            submitted_at: (0..arena.pages()).map(|_| AtomicU64::new(0)).collect(),
+            epoch: Instant::now(),
+            wake,
+            description,
+        })
+    }
+
+    pub(crate) fn describe(&self) -> &str {
+        &self.description
+    }
+
+    /// Take a free lane, spinning while all are busy.
+    pub(crate) fn lane(&self, hint: usize) -> MutexGuard<'_, Box<dyn IoQueue>> {
+        let n = self.lanes.len();
+        loop {
+            for i in 0..n {
+                if let Ok(guard) = self.lanes[(hint + i) % n].try_lock() {
+                    return guard;
+                }
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    pub(crate) fn prefetch(&self) -> MutexGuard<'_, Box<dyn IoQueue>> {
+        lock(&self.prefetch)
+    }
+
+    pub(crate) fn writeback(&self) -> MutexGuard<'_, Box<dyn IoQueue>> {
+        lock(&self.writeback)
+    }
+
+    pub(crate) fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    pub(crate) fn mark_submitted(&self, buf: BufId) {
+        self.submitted_at[buf as usize].store(self.now_ns(), Ordering::Relaxed);
+    }
+
+    fn elapsed_since_submit(&self, buf: BufId) -> u64 {
+        self.now_ns().saturating_sub(self.submitted_at[buf as usize].load(Ordering::Relaxed))
+    }
+
+    /// Keep a completion for later processing (taken off a queue by a thread that cannot
+    /// process it now).
+    pub(crate) fn defer(&self, c: Completion) {
+        lock(&self.deferred).push(Done { tag: c.tag, ok: c.result.is_ok() });
+    }
+
+    pub(crate) fn wake_completion_thread(&self) {
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+}
+
+/// Reap whatever the background queues finished and process it. Never blocks on a page lock:
+/// completions for locked pages are deferred. Returns how many were processed.
+pub(crate) fn reap_background(shared: &Shared, regions: &RegionTable) -> usize {
+    let mut batch = [Done { tag: 0, ok: false }; 64];
+    let mut n = 0;
+    for queue in [&shared.queues.prefetch, &shared.queues.writeback] {
+        let Ok(mut q) = queue.try_lock() else { continue };
+        q.reap(&mut |c: Completion| {
+            if n < batch.len() {
+                batch[n] = Done { tag: c.tag, ok: c.result.is_ok() };
+                n += 1;
+            } else {
+                // Out of room on the stack: keep it for the next pass.
+                lock(&shared.queues.deferred).push(Done { tag: c.tag, ok: c.result.is_ok() });
+            }
+        });
+    }
+    let mut processed = 0;
+    for done in &batch[..n] {
+        processed += usize::from(process(shared, regions, *done));
+    }
+    processed + retry_deferred(shared, regions)
+}
+
+fn retry_deferred(shared: &Shared, regions: &RegionTable) -> usize {
+    let mut pending = [Done { tag: 0, ok: false }; 64];
+    let n = {
+        let Ok(mut deferred) = shared.queues.deferred.try_lock() else { return 0 };
+        let n = deferred.len().min(pending.len());
+        for (slot, done) in pending.iter_mut().zip(deferred.drain(..n)) {
+            *slot = done;
+        }
+        n
+    };
+    (0..n).filter(|&i| process(shared, regions, pending[i])).count()
+}
+
+/// Process completions already taken off a queue.
+pub(crate) fn process_all(shared: &Shared, regions: &RegionTable, done: &[Done]) {
+    for d in done {
+        process(shared, regions, *d);
+    }
+}
+
+/// Process one completion; false (and deferred) if its page is locked by someone else.
+fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
+    let (op, page) = untag(done.tag);
+    let (region_index, index) = split_page_id(page);
+    let Some(region) = regions.get(region_index) else { return true };
+    let Some(cell) = region.pages.get(index as usize) else { return true };
+    let Some(mut locked) = cell.try_lock() else {
+        lock(&shared.queues.deferred).push(done);
+        return false;
+    };
+    let state = locked.state();
+    let buf = state.buf();
+    match op {
+        Some(Op::WriteBack) => {
+            debug_assert!(state.writing());
+            shared.stats.record(Path::WriteBack, shared.queues.elapsed_since_submit(buf));
+            let mut next = state.with_writing(false);
+            if !done.ok {
+                // The only copy of the data is in the buffer: put it back in memory, dirty,
+                // and forget the bad slot rather than lose the page.
+                Stats::add(&shared.stats.counters.io_errors, 1);
+                next = crate::fault::recover_failed_writeback(shared, region, index, state);
+            }
+            locked.set(next);
+            drop(locked);
+            shared.arena.release(buf);
+        }
+        Some(Op::Prefetch) => {
+            debug_assert_eq!(state.kind(), Kind::Incoming);
+            shared.stats.record(Path::Prefetch, shared.queues.elapsed_since_submit(buf));
+            let next = if done.ok {
+                crate::fault::install_prefetched(shared, region, index, state)
+            } else {
+                Stats::add(&shared.stats.counters.io_errors, 1);
+                shared.arena.release(buf);
+                state.with_kind(Kind::Evicted)
+            };
+            locked.set(next);
+        }
+        Some(Op::Critical) | None => {
+            // Critical reads are waited for on their lane and never reach here.
+            debug_assert!(false, "unexpected completion tag {:#x}", done.tag);
+        }
+    }
+    true
+}
+
+/// Sleeps until the background queues signal completions, then processes them.
+pub(crate) fn completion_thread(shared: &Shared) {
+    let prefetch_fd = shared.queues.prefetch().notify_fd().map(|fd| fd.try_clone_to_owned());
+    let writeback_fd = shared.queues.writeback().notify_fd().map(|fd| fd.try_clone_to_owned());
+    let fds: Vec<std::os::fd::OwnedFd> = [prefetch_fd, writeback_fd].into_iter().flatten().filter_map(|r| r.ok()).collect();
+    let mut buf = [0u8; 8];
+    while !shared.shutdown.load(Ordering::Acquire) {
+        {
+            let regions = shared.regions();
+            while reap_background(shared, &regions) > 0 {}
+        }
+        let mut pollfds: Vec<PollFd<'_>> = fds.iter().map(|fd| PollFd::new(fd, PollFlags::IN)).collect();
+        pollfds.push(PollFd::new(&shared.queues.wake, PollFlags::IN));
+        // Poll-only queues have no eventfd; look again soon. Deferred work is retried too.
+        let timeout = rustix::event::Timespec { tv_sec: 0, tv_nsec: if fds.is_empty() { 200_000 } else { 5_000_000 } };
+        let _ = poll(&mut pollfds, Some(&timeout));
+        for fd in fds.iter().chain(std::iter::once(&shared.queues.wake)) {
+            let _ = rustix::io::read(fd, &mut buf);
+        }
+    }
+}

@@ -1,0 +1,238 @@
+//! The per-page state word: one `AtomicU64` per 4 KiB page of a managed region.
+//!
+//! Layout (low to high bits):
+//! - 0..3   kind: untouched, resident, evicted, incoming (read in flight), prefetched (in a buffer)
+//! - 3      lock: held by the one thread changing this page
+//! - 4      dirty: resident and written since it came in (its slot, if any, is stale)
+//! - 5      has slot: `slot` names a device slot reserved for this page
+//! - 6      writing: a write-back of this page to `slot` is in flight from buffer `buf`
+//! - 7      referenced: touched since the replacement policy last looked (second chance)
+//! - 12..32 buf: arena buffer of an in-flight read, a prefetched page, or an in-flight write
+//! - 32..64 slot
+//!
+//! Every transition happens under the lock bit, so a page is only ever changed by one thread and
+//! all readers that act on a page re-check its state after locking.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What a page is, coarsely.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Never touched: reads as zeros, costs nothing.
+    Untouched = 0,
+    /// Mapped in the region.
+    Resident = 1,
+    /// Not mapped; its contents are in `slot` (or, while `writing`, in `buf`).
+    Evicted = 2,
+    /// A prefetch read into `buf` is in flight.
+    Incoming = 3,
+    /// Prefetched into `buf`, waiting to be touched (the prefetch cache).
+    Prefetched = 4,
+}
+
+const KIND_MASK: u64 = 0b111;
+const LOCK: u64 = 1 << 3;
+const DIRTY: u64 = 1 << 4;
+const HAS_SLOT: u64 = 1 << 5;
+const WRITING: u64 = 1 << 6;
+const REFERENCED: u64 = 1 << 7;
+const BUF_SHIFT: u32 = 12;
+const BUF_MASK: u64 = (1 << 20) - 1;
+const SLOT_SHIFT: u32 = 32;
+
+/// Largest arena buffer id a state word can hold.
+pub const MAX_BUF: u32 = BUF_MASK as u32;
+/// Largest slot a state word can hold.
+pub const MAX_SLOT: u64 = u32::MAX as u64;
+
+/// A decoded copy of a page's state word (without the lock bit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageState(u64);
+
+impl PageState {
+    /// Never touched.
+    pub const UNTOUCHED: Self = Self(0);
+
+    /// The kind.
+    pub fn kind(self) -> Kind {
+        match self.0 & KIND_MASK {
+            0 => Kind::Untouched,
+            1 => Kind::Resident,
+            2 => Kind::Evicted,
+            3 => Kind::Incoming,
+            _ => Kind::Prefetched,
+        }
+    }
+    /// Written since page-in.
+    pub fn dirty(self) -> bool {
+        self.0 & DIRTY != 0
+    }
+    /// The reserved slot, if any.
+    pub fn slot(self) -> Option<u64> {
+        (self.0 & HAS_SLOT != 0).then_some(self.0 >> SLOT_SHIFT)
+    }
+    /// A write-back is in flight.
+    pub fn writing(self) -> bool {
+        self.0 & WRITING != 0
+    }
+    /// Touched since the replacement policy last looked.
+    pub fn referenced(self) -> bool {
+        self.0 & REFERENCED != 0
+    }
+    /// The arena buffer, meaningful for incoming, prefetched and writing pages.
+    pub fn buf(self) -> u32 {
+        ((self.0 >> BUF_SHIFT) & BUF_MASK) as u32
+    }
+
+    /// Same state with another kind.
+    #[must_use]
+    pub fn with_kind(self, kind: Kind) -> Self {
+        Self((self.0 & !KIND_MASK) | kind as u64)
+    }
+    /// Same state with the dirty bit set or cleared.
+    #[must_use]
+    pub fn with_dirty(self, dirty: bool) -> Self {
+        Self(if dirty { self.0 | DIRTY } else { self.0 & !DIRTY })
+    }
+    /// Same state with the referenced bit set or cleared.
+    #[must_use]
+    pub fn with_referenced(self, referenced: bool) -> Self {
+        Self(if referenced { self.0 | REFERENCED } else { self.0 & !REFERENCED })
+    }
+    /// Same state with a slot (or none).
+    #[must_use]
+    pub fn with_slot(self, slot: Option<u64>) -> Self {
+        let cleared = (self.0 & !HAS_SLOT) & ((1u64 << SLOT_SHIFT) - 1);
+        match slot {
+            Some(s) => {
+                debug_assert!(s <= MAX_SLOT);
+                Self(cleared | HAS_SLOT | (s << SLOT_SHIFT))
+            }
+            None => Self(cleared),
+        }
+    }
+    /// Same state with a buffer.
+    #[must_use]
+    pub fn with_buf(self, buf: u32) -> Self {
+        debug_assert!(buf <= MAX_BUF);
+        Self((self.0 & !(BUF_MASK << BUF_SHIFT)) | (u64::from(buf) << BUF_SHIFT))
+    }
+    /// Same state with the writing bit set or cleared.
+    #[must_use]
+    pub fn with_writing(self, writing: bool) -> Self {
+        Self(if writing { self.0 | WRITING } else { self.0 & !WRITING })
+    }
+}
+
+/// One page's atomic state word.
+#[derive(Debug, Default)]
+pub struct PageCell(AtomicU64);
+
+/// Proof that the caller holds a page's lock; unlocking publishes a new state.
+#[derive(Debug)]
+pub struct LockedPage<'a> {
+    cell: &'a PageCell,
+    state: PageState,
+}
+
+impl PageCell {
+    /// The state now (may change right after unless the caller holds the lock).
+    pub fn peek(&self) -> PageState {
+        PageState(self.0.load(Ordering::Acquire) & !LOCK)
+    }
+
+    /// Whether some thread holds the lock now.
+    pub fn is_locked(&self) -> bool {
+        self.0.load(Ordering::Relaxed) & LOCK != 0
+    }
+
+    /// Take the lock if it is free.
+    pub fn try_lock(&self) -> Option<LockedPage<'_>> {
+        let cur = self.0.load(Ordering::Relaxed);
+        if cur & LOCK != 0 {
+            return None;
+        }
+        self.0
+            .compare_exchange(cur, cur | LOCK, Ordering::Acquire, Ordering::Relaxed)
+            .ok()
+            .map(|_| LockedPage { cell: self, state: PageState(cur) })
+    }
+
+    /// Take the lock, spinning (then yielding) while another thread holds it. Holders keep it
+    /// for at most one device read, so spinning is cheaper than sleeping.
+    pub fn lock(&self) -> LockedPage<'_> {
+        let mut spins = 0u32;
+        loop {
+            if let Some(locked) = self.try_lock() {
+                return locked;
+            }
+            spins += 1;
+            if spins < 2000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Set or clear the referenced bit without taking the lock (a hint for replacement).
+    pub fn mark_referenced(&self) {
+        self.0.fetch_or(REFERENCED, Ordering::Relaxed);
+    }
+}
+
+impl LockedPage<'_> {
+    /// The state as of locking (or as last set).
+    pub fn state(&self) -> PageState {
+        self.state
+    }
+
+    /// Change the state that unlocking will publish.
+    pub fn set(&mut self, state: PageState) {
+        self.state = state;
+    }
+}
+
+impl Drop for LockedPage<'_> {
+    fn drop(&mut self) {
+        // The referenced bit may have been set concurrently by lock-free hints; keep it.
+        let cur = self.cell.0.load(Ordering::Relaxed);
+        let keep = cur & REFERENCED & !(self.state.0 & REFERENCED);
+        self.cell.0.store((self.state.0 | keep) & !LOCK, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_round_trip_without_disturbing_each_other() {
+        let s = PageState::UNTOUCHED
+            .with_kind(Kind::Evicted)
+            .with_slot(Some(MAX_SLOT))
+            .with_buf(MAX_BUF)
+            .with_writing(true)
+            .with_dirty(true);
+        assert_eq!(s.kind(), Kind::Evicted);
+        assert_eq!(s.slot(), Some(MAX_SLOT));
+        assert_eq!(s.buf(), MAX_BUF);
+        assert!(s.writing() && s.dirty() && !s.referenced());
+        let s = s.with_slot(None).with_writing(false).with_kind(Kind::Resident);
+        assert_eq!(s.slot(), None);
+        assert_eq!(s.buf(), MAX_BUF);
+        assert_eq!(s.kind(), Kind::Resident);
+        assert!(!s.writing());
+    }
+
+    #[test]
+    fn lock_is_exclusive_and_unlock_publishes() {
+        let cell = PageCell::default();
+        let mut held = cell.try_lock().unwrap();
+        assert!(cell.try_lock().is_none());
+        held.set(PageState::UNTOUCHED.with_kind(Kind::Resident));
+        drop(held);
+        assert_eq!(cell.peek().kind(), Kind::Resident);
+        assert!(!cell.is_locked());
+    }
+}

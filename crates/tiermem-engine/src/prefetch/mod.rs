@@ -1,0 +1,7 @@
+//! Prefetchers.
+
+mod none;
+mod readahead;
+
+pub use none::NoPrefetch;
+pub use readahead::Readahead;

@@ -1,0 +1,81 @@
+//! Managed regions: anonymous mappings registered with the engine's userfaultfd, each with one
+//! state word per page.
+
+use std::sync::Arc;
+
+use tiermem_sys::mem::Mapping;
+use tiermem_sys::{PAGE_SHIFT, PAGE_SIZE};
+
+use crate::page::PageCell;
+use crate::policy::{page_id, PageId};
+
+/// The engine's side of a region.
+#[derive(Debug)]
+pub(crate) struct RegionInner {
+    pub(crate) index: u32,
+    pub(crate) mapping: Mapping,
+    pub(crate) pages: Box<[PageCell]>,
+}
+
+impl RegionInner {
+    pub(crate) fn new(index: u32, mapping: Mapping) -> Self {
+        let pages = (0..mapping.len() / PAGE_SIZE).map(|_| PageCell::default()).collect();
+        Self { index, mapping, pages }
+    }
+
+    pub(crate) fn start(&self) -> usize {
+        self.mapping.as_ptr() as usize
+    }
+
+    pub(crate) fn contains(&self, addr: usize) -> bool {
+        addr.wrapping_sub(self.start()) < self.mapping.len()
+    }
+
+    pub(crate) fn page_index(&self, addr: usize) -> u64 {
+        ((addr - self.start()) >> PAGE_SHIFT) as u64
+    }
+
+    pub(crate) fn page_addr(&self, index: u64) -> *mut u8 {
+        // Callers pass indices below pages.len(), so this stays inside the mapping.
+        self.mapping.as_ptr().wrapping_add((index as usize) << PAGE_SHIFT)
+    }
+
+    pub(crate) fn page_count(&self) -> u64 {
+        self.pages.len() as u64
+    }
+
+    pub(crate) fn id(&self, index: u64) -> PageId {
+        page_id(self.index, index)
+    }
+}
+
+/// All live regions, indexed by region slot. Lookups take a read lock that the caller holds for
+/// the whole fault, so a region cannot disappear while one of its pages is being handled.
+#[derive(Debug, Default)]
+pub(crate) struct RegionTable {
+    pub(crate) slots: Vec<Option<Arc<RegionInner>>>,
+}
+
+impl RegionTable {
+    pub(crate) fn find(&self, addr: usize) -> Option<&RegionInner> {
+        self.slots.iter().flatten().map(|r| &**r).find(|r| r.contains(addr))
+    }
+
+    pub(crate) fn get(&self, index: u32) -> Option<&RegionInner> {
+        self.slots.get(index as usize).and_then(|r| r.as_deref())
+    }
+
+    pub(crate) fn insert(&mut self, make: impl FnOnce(u32) -> RegionInner) -> Arc<RegionInner> {
+        let index = self.slots.iter().position(Option::is_none).unwrap_or_else(|| {
+            self.slots.push(None);
+            self.slots.len() - 1
+        });
+        let region = Arc::new(make(index as u32));
+        self.slots[index] = Some(region.clone());
+        region
+    }
+
+    pub(crate) fn remove(&mut self, index: u32) -> Option<Arc<RegionInner>> {
+        self.slots.get_mut(index as usize).and_then(Option::take)
+    }
+}

@@ -1,0 +1,5 @@
+//! Replacement policies.
+
+mod clock;
+
+pub use clock::Clock;

@@ -1,0 +1,265 @@
+//! Counters and latency histograms for each path, a one-screen summary, and JSON.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+/// The timed paths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// A missing-page fault served by a device read of that page.
+    CriticalFault,
+    /// A fault on a page that was untouched (zero-filled, no I/O).
+    ZeroFault,
+    /// A fault on a page prefetched, in flight, or still in a write-back buffer.
+    HitFault,
+    /// A write to a clean resident page (write-protect fault).
+    WriteProtectFault,
+    /// A prefetch read, from submission to completion.
+    Prefetch,
+    /// A write-back, from submission to completion.
+    WriteBack,
+    /// Evicting one page in the background reclaim thread.
+    Reclaim,
+    /// Evicting one page on a faulting thread (hard limit reached, or on-fault-path mode).
+    DirectReclaim,
+}
+
+const PATHS: [(Path, &str); 8] = [
+    (Path::CriticalFault, "critical_fault"),
+    (Path::ZeroFault, "zero_fault"),
+    (Path::HitFault, "hit_fault"),
+    (Path::WriteProtectFault, "wp_fault"),
+    (Path::Prefetch, "prefetch_io"),
+    (Path::WriteBack, "writeback_io"),
+    (Path::Reclaim, "reclaim"),
+    (Path::DirectReclaim, "direct_reclaim"),
+];
+
+/// Event counters.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Pages read from the device for a faulting thread.
+    pub critical_reads: AtomicU64,
+    /// Prefetch reads issued.
+    pub prefetch_issued: AtomicU64,
+    /// Prefetched pages later faulted on (prefetch cache hits and in-flight hits).
+    pub prefetch_hits: AtomicU64,
+    /// Prefetched pages mapped before anyone asked (eager install).
+    pub prefetch_installed: AtomicU64,
+    /// Prefetched pages thrown away unused (no room, or evicted before use).
+    pub prefetch_dropped: AtomicU64,
+    /// Faults served from a write-back buffer still in flight.
+    pub writeback_hits: AtomicU64,
+    /// Pages zero-filled.
+    pub zero_fills: AtomicU64,
+    /// Write-protect faults (first write to a clean page).
+    pub wp_faults: AtomicU64,
+    /// Pages evicted.
+    pub evictions: AtomicU64,
+    /// Write-backs issued (evicted pages that needed a write).
+    pub writebacks: AtomicU64,
+    /// Evicted pages dropped without a write (clean, slot still valid).
+    pub clean_drops: AtomicU64,
+    /// Evicted pages found all-zero and returned to untouched.
+    pub zero_drops: AtomicU64,
+    /// Pages evicted by faulting threads.
+    pub direct_reclaims: AtomicU64,
+    /// Times the reclaim thread was woken.
+    pub reclaim_wakeups: AtomicU64,
+    /// Device errors seen.
+    pub io_errors: AtomicU64,
+    /// Highest resident page count seen.
+    pub peak_resident: AtomicU64,
+}
+
+/// Counters plus one histogram (ns) per path.
+#[derive(Debug)]
+pub struct Stats {
+    /// Event counters.
+    pub counters: Counters,
+    histograms: [Mutex<Histogram<u64>>; 8],
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        let new = || Mutex::new(Histogram::new_with_bounds(1, 60_000_000_000, 2).expect("static histogram bounds"));
+        Self { counters: Counters::default(), histograms: std::array::from_fn(|_| new()) }
+    }
+}
+
+impl Stats {
+    /// Count one event.
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Record one latency sample of `path`.
+    pub fn record(&self, path: Path, ns: u64) {
+        let idx = PATHS.iter().position(|(p, _)| *p == path).unwrap_or(0);
+        let mut h = self.histograms[idx].lock().unwrap_or_else(|e| e.into_inner());
+        h.saturating_record(ns.max(1));
+    }
+
+    /// Note the resident count for the peak.
+    pub fn observe_resident(&self, pages: u64) {
+        self.counters.peak_resident.fetch_max(pages, Ordering::Relaxed);
+    }
+
+    /// A copy of everything now.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let paths = PATHS
+            .iter()
+            .enumerate()
+            .map(|(i, (_, name))| {
+                let h = self.histograms[i].lock().unwrap_or_else(|e| e.into_inner());
+                let us = |v: u64| v as f64 / 1000.0;
+                PathStats {
+                    path: name,
+                    count: h.len(),
+                    mean_us: if h.is_empty() { 0.0 } else { h.mean() / 1000.0 },
+                    p50_us: us(h.value_at_quantile(0.5)),
+                    p99_us: us(h.value_at_quantile(0.99)),
+                    max_us: us(h.max()),
+                    total_ms: if h.is_empty() { 0.0 } else { h.mean() * h.len() as f64 / 1e6 },
+                }
+            })
+            .collect();
+        let issued = l(&c.prefetch_issued);
+        let hits = l(&c.prefetch_hits);
+        let critical = l(&c.critical_reads);
+        StatsSnapshot {
+            critical_reads: critical,
+            prefetch_issued: issued,
+            prefetch_hits: hits,
+            prefetch_installed: l(&c.prefetch_installed),
+            prefetch_dropped: l(&c.prefetch_dropped),
+            writeback_hits: l(&c.writeback_hits),
+            zero_fills: l(&c.zero_fills),
+            wp_faults: l(&c.wp_faults),
+            evictions: l(&c.evictions),
+            writebacks: l(&c.writebacks),
+            clean_drops: l(&c.clean_drops),
+            zero_drops: l(&c.zero_drops),
+            direct_reclaims: l(&c.direct_reclaims),
+            reclaim_wakeups: l(&c.reclaim_wakeups),
+            io_errors: l(&c.io_errors),
+            peak_resident_pages: l(&c.peak_resident),
+            prefetch_accuracy: (issued > 0).then(|| (hits + l(&c.prefetch_installed)) as f64 / issued as f64),
+            prefetch_coverage: (hits + critical > 0).then(|| hits as f64 / (hits + critical) as f64),
+            paths,
+        }
+    }
+}
+
+/// Latency of one path.
+#[derive(Debug, Clone, Serialize)]
+pub struct PathStats {
+    /// Path name.
+    pub path: &'static str,
+    /// Samples.
+    pub count: u64,
+    /// Mean µs.
+    pub mean_us: f64,
+    /// Median µs.
+    pub p50_us: f64,
+    /// 99th percentile µs.
+    pub p99_us: f64,
+    /// Max µs.
+    pub max_us: f64,
+    /// Sum, ms.
+    pub total_ms: f64,
+}
+
+/// Everything the engine counted, at one moment.
+#[derive(Debug, Clone, Serialize)]
+pub struct StatsSnapshot {
+    /// See [`Counters`].
+    pub critical_reads: u64,
+    /// See [`Counters`].
+    pub prefetch_issued: u64,
+    /// See [`Counters`].
+    pub prefetch_hits: u64,
+    /// See [`Counters`].
+    pub prefetch_installed: u64,
+    /// See [`Counters`].
+    pub prefetch_dropped: u64,
+    /// See [`Counters`].
+    pub writeback_hits: u64,
+    /// See [`Counters`].
+    pub zero_fills: u64,
+    /// See [`Counters`].
+    pub wp_faults: u64,
+    /// See [`Counters`].
+    pub evictions: u64,
+    /// See [`Counters`].
+    pub writebacks: u64,
+    /// See [`Counters`].
+    pub clean_drops: u64,
+    /// See [`Counters`].
+    pub zero_drops: u64,
+    /// See [`Counters`].
+    pub direct_reclaims: u64,
+    /// See [`Counters`].
+    pub reclaim_wakeups: u64,
+    /// See [`Counters`].
+    pub io_errors: u64,
+    /// Highest number of resident managed pages.
+    pub peak_resident_pages: u64,
+    /// Prefetched pages used (hit or installed) per prefetch issued.
+    pub prefetch_accuracy: Option<f64>,
+    /// Faults served by prefetch per fault that needed a page from the device.
+    pub prefetch_coverage: Option<f64>,
+    /// Latency per path.
+    pub paths: Vec<PathStats>,
+}
+
+impl StatsSnapshot {
+    /// A one-screen summary for people.
+    pub fn summary(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let pct = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{:.1}%", v * 100.0));
+        let mib = |pages: u64| pages as f64 * 4096.0 / (1 << 20) as f64;
+        let _ = writeln!(s, "peak resident   {:.1} MiB ({} pages)", mib(self.peak_resident_pages), self.peak_resident_pages);
+        let _ = writeln!(
+            s,
+            "faults          critical {}  zero-fill {}  prefetch-hit {}  write-back-hit {}  write-protect {}",
+            self.critical_reads, self.zero_fills, self.prefetch_hits, self.writeback_hits, self.wp_faults
+        );
+        let _ = writeln!(
+            s,
+            "prefetch        issued {}  installed {}  dropped {}  accuracy {}  coverage {}",
+            self.prefetch_issued,
+            self.prefetch_installed,
+            self.prefetch_dropped,
+            pct(self.prefetch_accuracy),
+            pct(self.prefetch_coverage)
+        );
+        let _ = writeln!(
+            s,
+            "eviction        {} pages: {} written, {} clean (no write), {} zero; {} on faulting threads",
+            self.evictions, self.writebacks, self.clean_drops, self.zero_drops, self.direct_reclaims
+        );
+        let read_pages = self.critical_reads + self.prefetch_issued;
+        let _ = writeln!(s, "bytes           in {:.1} MiB  out {:.1} MiB  errors {}", mib(read_pages), mib(self.writebacks), self.io_errors);
+        let _ = writeln!(s, "{:<15} {:>9} {:>9} {:>9} {:>9} {:>10}", "path", "count", "mean µs", "p50 µs", "p99 µs", "total ms");
+        for p in self.paths.iter().filter(|p| p.count > 0) {
+            let _ = writeln!(s, "{:<15} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>10.1}", p.path, p.count, p.mean_us, p.p50_us, p.p99_us, p.total_ms);
+        }
+        s
+    }
+
+    /// Total time spent on faulting threads (faults + direct reclaim), ms.
+    pub fn fault_path_ms(&self) -> f64 {
+        self.paths
+            .iter()
+            .filter(|p| matches!(p.path, "critical_fault" | "zero_fault" | "hit_fault" | "wp_fault" | "direct_reclaim"))
+            .map(|p| p.total_ms)
+            .sum()
+    }
+}

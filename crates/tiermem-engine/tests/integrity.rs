@@ -1,0 +1,150 @@
+//! Data integrity under eviction races: random multi-threaded reads and writes over a region 4x
+//! the budget, every page checked against the version its owner last wrote.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use common::*;
+use tiermem_engine::{EngineConfig, FaultMode, IoMode, ReclaimMode};
+use tiermem_sys::pagemap::Pagemap;
+
+const LIMIT_PAGES: u64 = 256;
+const THREADS: usize = 3;
+
+struct Outcome {
+    mismatches: u64,
+    ops: u64,
+    kernel_peak: u64,
+    engine_peak: u64,
+}
+
+/// Each thread owns the pages `p % THREADS == t`, so it knows what each of them must hold.
+fn hammer(tweak: impl Fn(&mut EngineConfig) + Copy, device: Arc<dyn tiermem_device::Device>, ops_per_thread: u64) -> Outcome {
+    let engine = Arc::new(engine(device, LIMIT_PAGES, tweak));
+    let pages = (LIMIT_PAGES * 4) as usize;
+    let region = engine.create_region(pages * 4096).unwrap();
+    let base = region.as_ptr() as usize;
+    let done = Arc::new(AtomicBool::new(false));
+    let kernel_peak = Arc::new(AtomicU64::new(0));
+    let engine_peak = Arc::new(AtomicU64::new(0));
+    let sampler = {
+        let (done, kernel_peak, engine_peak, engine) = (done.clone(), kernel_peak.clone(), engine_peak.clone(), engine.clone());
+        let pagemap = Pagemap::open_self().unwrap();
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Acquire) {
+                if let Ok(n) = pagemap.count_present(base, base + pages * 4096) {
+                    kernel_peak.fetch_max(n, Ordering::Relaxed);
+                }
+                engine_peak.fetch_max(engine.resident_pages(), Ordering::Relaxed);
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+        })
+    };
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let mut rng = Rng(0x1234_5678 + t as u64 * 7919);
+                let mine: Vec<usize> = (0..pages).filter(|p| p % THREADS == t).collect();
+                let mut versions = vec![0u64; pages];
+                let mut mismatches = 0u64;
+                for _ in 0..ops_per_thread {
+                    let r = rng.next();
+                    // Mostly nearby pages (streams), sometimes far away (random access).
+                    let page = mine[(r >> 8) as usize % mine.len()];
+                    let ptr = (base + page * 4096) as *mut u64;
+                    if r & 3 == 0 {
+                        versions[page] += 1;
+                        let v = versions[page];
+                        for w in 0..512 {
+                            // SAFETY: the page lies inside the region, which outlives the workers.
+                            unsafe { ptr.add(w).write_volatile(pattern(page, v, w)) };
+                        }
+                    } else {
+                        let v = versions[page];
+                        let bad = (0..512).any(|w| {
+                            // SAFETY: as above.
+                            unsafe { ptr.add(w).read_volatile() != pattern(page, v, w) }
+                        });
+                        mismatches += u64::from(bad);
+                    }
+                }
+                // Final sweep: every owned page must hold its last version.
+                for &page in &mine {
+                    let ptr = (base + page * 4096) as *const u64;
+                    let v = versions[page];
+                    // SAFETY: as above.
+                    mismatches += u64::from((0..512).any(|w| unsafe { ptr.add(w).read_volatile() } != pattern(page, v, w)));
+                }
+                mismatches
+            })
+        })
+        .collect();
+    let mismatches = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    done.store(true, Ordering::Release);
+    sampler.join().unwrap();
+    let stats = engine.stats();
+    assert!(stats.evictions > 0, "the test must actually evict: {}", stats.summary());
+    Outcome {
+        mismatches,
+        ops: ops_per_thread * THREADS as u64,
+        kernel_peak: kernel_peak.load(Ordering::Relaxed),
+        engine_peak: engine_peak.load(Ordering::Relaxed),
+    }
+}
+
+fn check(name: &str, tweak: impl Fn(&mut EngineConfig) + Copy, ops: u64) {
+    let _serial = serial();
+    if features_or_skip(name).is_none() {
+        return;
+    }
+    for (dev_name, device) in devices(LIMIT_PAGES * 4 * 4096 * 2) {
+        let out = hammer(tweak, device, ops);
+        eprintln!(
+            "{name} on {dev_name}: {} page ops, {} mismatches, peak resident kernel {} / engine {} (limit {LIMIT_PAGES})",
+            out.ops, out.mismatches, out.kernel_peak, out.engine_peak
+        );
+        assert_eq!(out.mismatches, 0, "{name} on {dev_name}: data corrupted");
+        assert!(out.kernel_peak <= LIMIT_PAGES, "{name} on {dev_name}: kernel saw {} resident pages > {LIMIT_PAGES}", out.kernel_peak);
+        assert!(out.engine_peak <= LIMIT_PAGES, "{name} on {dev_name}: engine counted {} > {LIMIT_PAGES}", out.engine_peak);
+    }
+}
+
+#[test]
+fn handler_thread_mode_keeps_every_write() {
+    check("handler-thread", |c| c.fault_mode = FaultMode::HandlerThread, 30_000);
+}
+
+#[test]
+fn sigbus_mode_keeps_every_write() {
+    if !tiermem_sys::probe::KernelFeatures::probe().sigbus {
+        eprintln!("SKIPPED sigbus_mode_keeps_every_write: kernel lacks UFFD_FEATURE_SIGBUS");
+        return;
+    }
+    check("sigbus", |c| c.fault_mode = FaultMode::Sigbus, 30_000);
+}
+
+#[test]
+fn io_variants_keep_every_write() {
+    check("poll-only", |c| c.io_mode = IoMode::PollOnly, 10_000);
+    check("interrupt-only", |c| c.io_mode = IoMode::InterruptOnly, 10_000);
+    check("reclaim-on-fault-path", |c| c.reclaim_mode = ReclaimMode::OnFaultPath, 10_000);
+    check("no-prefetch-fifo", |c| {
+        c.prefetch = "none".into();
+        c.replace = "fifo".into();
+    }, 10_000);
+}
+
+/// The long run asked for outside CI: `TIERMEM_LONG=1 cargo test --release -p tiermem-engine
+/// --test integrity long -- --nocapture` (>= 10^7 page operations per configuration).
+#[test]
+fn long_integrity_run() {
+    if std::env::var_os("TIERMEM_LONG").is_none() {
+        eprintln!("SKIPPED long_integrity_run: set TIERMEM_LONG=1 to run 10^7 page operations per mode");
+        return;
+    }
+    let ops = 10_000_000 / THREADS as u64 + 1;
+    check("long handler-thread", |c| c.fault_mode = FaultMode::HandlerThread, ops);
+    check("long sigbus", |c| c.fault_mode = FaultMode::Sigbus, ops);
+}
