@@ -120,7 +120,12 @@ impl FileDevice {
             ));
         }
         let block_device = if file_type.is_block_device() { metadata.rdev() } else { metadata.dev() };
-        let polled_wait = match block_device_without_poll_queues(block_device).map_or_else(|| probe_kernel_poll(&file, path), Err) {
+        // sysfs first: the probe read proves nothing when slot 0 was never written.
+        let iopoll = match block_device_without_poll_queues(block_device) {
+            Some(why_not) => Err(why_not),
+            None => probe_kernel_poll(&file, path),
+        };
+        let polled_wait = match iopoll {
             Ok(()) => PolledWait::KernelPoll,
             Err(why_not_iopoll) => PolledWait::Spin { why_not_iopoll },
         };
@@ -204,9 +209,11 @@ fn open_error(e: io::Error, path: &Path) -> Error {
                  system or use --device mem"
             ),
         ),
-        Some(libc::EACCES) | Some(libc::EPERM) => {
-            Error::os_kind(ErrorKind::Permission, e, format!("no permission to open device file {shown} for reading and writing"))
-        }
+        Some(libc::EACCES) | Some(libc::EPERM) => Error::os_kind(
+            ErrorKind::Permission,
+            e,
+            format!("no permission to open device file {shown} for reading and writing"),
+        ),
         Some(libc::EROFS) => {
             Error::os_kind(ErrorKind::Permission, e, format!("device file {shown} is on a read-only file system"))
         }
@@ -215,9 +222,11 @@ fn open_error(e: io::Error, path: &Path) -> Error {
             e,
             format!("{shown} is a directory; the device must be a file or a block device"),
         ),
-        Some(libc::ENOTDIR) => {
-            Error::os_kind(ErrorKind::NotFound, e, format!("cannot open device file {shown}: a component of the path is not a directory"))
-        }
+        Some(libc::ENOTDIR) => Error::os_kind(
+            ErrorKind::NotFound,
+            e,
+            format!("cannot open device file {shown}: a component of the path is not a directory"),
+        ),
         _ => Error::os(e, format!("opening device file {shown} with O_DIRECT")),
     }
 }
@@ -249,7 +258,11 @@ fn build_ring(file: &File, path: &Path, arena: &BufferArena, entries: u32, iopol
         builder.setup_iopoll();
     }
     let ring = builder.build(entries).map_err(|e| {
-        let hint = if e.raw_os_error() == Some(libc::EPERM) { " (is io_uring disabled by sysctl kernel.io_uring_disabled?)" } else { "" };
+        let hint = if e.raw_os_error() == Some(libc::EPERM) {
+            " (is io_uring disabled by sysctl kernel.io_uring_disabled?)"
+        } else {
+            ""
+        };
         Error::os(e, format!("creating an io_uring of {entries} entries for {shown}{hint}"))
     })?;
     ring.submitter()
@@ -297,7 +310,7 @@ fn entry_for(request: Request, arena: &BufferArena) -> squeue::Entry {
 
 /// `Some(reason)` when sysfs says block device `dev` has no poll queues, so IOPOLL cannot work.
 ///
-/// Asked before the probe read because that read proves nothing when slot 0 is unallocated or
+/// Asked before the probe read, because that read proves nothing when slot 0 is unallocated or
 /// unwritten (a fresh fallocated file): the file system then answers zeros without any device I/O,
 /// while later reads of written slots fail with EOPNOTSUPP.
 fn block_device_without_poll_queues(dev: u64) -> Option<String> {
@@ -346,7 +359,11 @@ impl Device for FileDevice {
                 format!("polled queues spin on the completion ring because {why_not_iopoll}")
             }
         };
-        format!("file:{} (O_DIRECT, io_uring fixed buffers, {} slots; {polled})", self.shared.path.display(), self.shared.slots)
+        format!(
+            "file:{} (O_DIRECT, io_uring fixed buffers, {} slots; {polled})",
+            self.shared.path.display(),
+            self.shared.slots
+        )
     }
 
     fn capacity_slots(&self) -> u64 {
@@ -427,7 +444,8 @@ impl Ledger {
 
     /// Turn the completion entry of request `id` into a [`Completion`] and count it.
     fn finish(&mut self, id: u64, result: i32) -> Completion {
-        let (request, tag) = self.pending[id as usize].take().expect("io_uring completed a request this queue did not submit");
+        let (request, tag) =
+            self.pending[id as usize].take().expect("io_uring completed a request this queue did not submit");
         self.free_ids.push(id as u32);
         let shared = &self.shared;
         let result = if result == PAGE_SIZE as i32 {
@@ -481,7 +499,9 @@ impl FileQueue {
         match self.ring.submit_and_wait(want) {
             Ok(_) => Ok(()),
             Err(e) if e.raw_os_error() == Some(libc::EINTR) => Ok(()),
-            Err(e) => Err(Error::os(e, format!("waiting for io_uring completions on {}", self.ledger.shared.path.display()))),
+            Err(e) => {
+                Err(Error::os(e, format!("waiting for io_uring completions on {}", self.ledger.shared.path.display())))
+            }
         }
     }
 }

@@ -50,8 +50,9 @@ impl MemDevice {
                 "mem device capacity of {capacity_bytes} bytes is not a non-zero multiple of {PAGE_SIZE} (one slot)"
             )));
         }
-        let len = usize::try_from(capacity_bytes)
-            .map_err(|_| Error::invalid(format!("mem device capacity of {capacity_bytes} bytes does not fit in memory")))?;
+        let len = usize::try_from(capacity_bytes).map_err(|_| {
+            Error::invalid(format!("mem device capacity of {capacity_bytes} bytes does not fit in memory"))
+        })?;
         let mapping = Mapping::anonymous(len, false).map_err(|e| e.context("creating the mem device"))?;
         let store = SlotMemory { mapping, slots: capacity_bytes / PAGE_SIZE as u64 };
         Ok(Self { store: Arc::new(store), counters: Arc::new(DeviceCounters::default()) })
@@ -159,7 +160,11 @@ impl IoQueue for MemQueue {
         if self.in_flight() >= self.depth {
             return Err(Error::new(
                 ErrorKind::NoSpace,
-                format!("{}: the mem device queue is full ({} requests); submit and reap first", request.describe(), self.depth),
+                format!(
+                    "{}: the mem device queue is full ({} requests); submit and reap first",
+                    request.describe(),
+                    self.depth
+                ),
             ));
         }
         self.queued.push_back((request, tag));

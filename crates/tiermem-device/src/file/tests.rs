@@ -450,7 +450,10 @@ fn kernel_poll_queues_poll_in_reap_and_wait() {
             }
             Err(err) => {
                 assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
-                assert!(err.to_string().starts_with(&format!("reading slot 3 of {}", device.path().display())), "{err}");
+                assert!(
+                    err.to_string().starts_with(&format!("reading slot 3 of {}", device.path().display())),
+                    "{err}"
+                );
                 assert_eq!(device.counters().snapshot().errors, 1);
                 println!("an IOPOLL read without poll queues failed as expected: {err}");
             }
