@@ -29,7 +29,7 @@ pub struct BufferArena {
 impl BufferArena {
     /// An arena of `pages` buffers, populated up front so using a buffer never faults.
     pub fn new(pages: u32) -> Result<Self> {
-        if pages == 0 || pages >= NIL {
+        if pages == 0 || pages == NIL {
             return Err(Error::invalid(format!("buffer arena size {pages} pages is out of range")));
         }
         let mapping = Mapping::anonymous(pages as usize * PAGE_SIZE, true)?;

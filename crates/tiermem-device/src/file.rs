@@ -1,1 +1,617 @@
 //! File or block device through io_uring with O_DIRECT and registered buffers.
+//!
+//! Slot `n` is the 4 KiB at byte offset `n * 4096`. Every queue is its own io_uring instance with
+//! the device file registered as fixed file 0 and the whole [`BufferArena`] registered as fixed
+//! buffer 0 (an arena beyond 1 GiB, the kernel's limit for one fixed buffer, as one per GiB), so
+//! a request neither looks up the file nor pins memory. One request is one 4 KiB `READ_FIXED` or
+//! `WRITE_FIXED`; nothing is merged or reordered.
+//!
+//! Polled queues use `IORING_SETUP_IOPOLL` when a probe read at open succeeds through such a
+//! ring, and otherwise an ordinary ring whose completion queue the waiter spins on in user space.
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use io_uring::{opcode, squeue, types, IoUring};
+use rustix::event::{eventfd, EventfdFlags};
+
+use crate::{
+    check_queue_depth, check_request, BufferArena, Completion, Device, DeviceCounters, Error, ErrorKind, IoQueue,
+    QueueKind, Request, Result, WaitMode, PAGE_SIZE,
+};
+
+/// Bytes per slot, as a file offset type.
+const SLOT_BYTES: u64 = PAGE_SIZE as u64;
+
+/// The largest buffer the kernel lets one io_uring fixed-buffer entry cover.
+const FIXED_BUFFER_MAX_BYTES: usize = 1 << 30;
+
+/// `IORING_ENTER_GETEVENTS` (the io-uring crate keeps its constants private).
+const ENTER_GETEVENTS: u32 = 1;
+
+/// A file or block device holding slots, accessed with O_DIRECT through io_uring.
+#[derive(Debug)]
+pub struct FileDevice {
+    shared: Arc<OpenFile>,
+}
+
+/// What the device and its queues share.
+#[derive(Debug)]
+struct OpenFile {
+    file: File,
+    path: PathBuf,
+    slots: u64,
+    counters: DeviceCounters,
+    polled_wait: PolledWait,
+}
+
+/// How polled queues of this file wait, decided by the probe at open.
+#[derive(Debug, Clone)]
+enum PolledWait {
+    /// IOPOLL rings work on this file.
+    KernelPoll,
+    /// IOPOLL failed for the stated reason; spin on an ordinary ring's completion queue.
+    Spin { why_not_iopoll: String },
+}
+
+impl FileDevice {
+    /// Open `path` with O_DIRECT as a device.
+    ///
+    /// With `size`, a missing regular file is created and a smaller one extended (fallocate) to
+    /// `size` bytes, which must be a non-zero multiple of 4096; a block device must be at least
+    /// that large. Without `size`, the file must exist. Either way the device has one slot per
+    /// whole 4 KiB of the file or block device as it then is.
+    pub fn open(path: &Path, size: Option<u64>) -> Result<Self> {
+        if let Some(size) = size {
+            if size == 0 || size % SLOT_BYTES != 0 {
+                return Err(Error::invalid(format!(
+                    "device size of {size} bytes for {} is not a non-zero multiple of {PAGE_SIZE} (one slot)",
+                    path.display()
+                )));
+            }
+        }
+        let (file, created) = open_direct(path, size.is_some())?;
+        let device = Self::set_up(file, path, size);
+        if created && device.is_err() {
+            // Leave nothing behind from a failed attempt.
+            let _ = std::fs::remove_file(path);
+        }
+        device
+    }
+
+    fn set_up(file: File, path: &Path, size: Option<u64>) -> Result<Self> {
+        let shown = path.display();
+        let metadata = file.metadata().map_err(|e| Error::os(e, format!("reading the size of {shown}")))?;
+        let file_type = metadata.file_type();
+        let bytes = if file_type.is_block_device() {
+            // A block device's size is where its end is; st_size is 0.
+            let bytes = rustix::fs::seek(&file, rustix::fs::SeekFrom::End(0))
+                .map_err(|e| Error::os(e.into(), format!("reading the size of block device {shown}")))?;
+            if let Some(size) = size {
+                if bytes < size {
+                    return Err(Error::new(
+                        ErrorKind::TooSmall,
+                        format!("block device {shown} holds {bytes} bytes, less than the {size} bytes asked for"),
+                    ));
+                }
+            }
+            bytes
+        } else if file_type.is_file() {
+            match size {
+                Some(size) if metadata.len() < size => {
+                    extend(&file, path, metadata.len(), size)?;
+                    size
+                }
+                _ => metadata.len(),
+            }
+        } else {
+            return Err(Error::invalid(format!("{shown} is neither a regular file nor a block device")));
+        };
+        let slots = bytes / SLOT_BYTES;
+        if slots == 0 {
+            return Err(Error::new(
+                ErrorKind::TooSmall,
+                format!("device file {shown} is {bytes} bytes, less than one {PAGE_SIZE}-byte slot; give a size to extend it"),
+            ));
+        }
+        let block_device = if file_type.is_block_device() { metadata.rdev() } else { metadata.dev() };
+        // sysfs first: the probe read proves nothing when slot 0 was never written.
+        let iopoll = match block_device_without_poll_queues(block_device) {
+            Some(why_not) => Err(why_not),
+            None => probe_kernel_poll(&file, path),
+        };
+        let polled_wait = match iopoll {
+            Ok(()) => PolledWait::KernelPoll,
+            Err(why_not_iopoll) => PolledWait::Spin { why_not_iopoll },
+        };
+        let shared = OpenFile { file, path: path.to_owned(), slots, counters: DeviceCounters::default(), polled_wait };
+        Ok(Self { shared: Arc::new(shared) })
+    }
+
+    /// The path the device was opened at.
+    pub fn path(&self) -> &Path {
+        &self.shared.path
+    }
+
+    /// How [`QueueKind::Polled`] queues of this device wait: [`WaitMode::KernelPoll`] when
+    /// IOPOLL works on this file, else [`WaitMode::SpinOnCompletionRing`].
+    pub fn polled_wait_mode(&self) -> WaitMode {
+        match self.shared.polled_wait {
+            PolledWait::KernelPoll => WaitMode::KernelPoll,
+            PolledWait::Spin { .. } => WaitMode::SpinOnCompletionRing,
+        }
+    }
+}
+
+/// Open read-write with O_DIRECT; with `may_create`, create the file if it is missing. Returns
+/// the file and whether this call created it.
+fn open_direct(path: &Path, may_create: bool) -> Result<(File, bool)> {
+    let open = |create: bool| {
+        let mut options = OpenOptions::new();
+        options.read(true).write(true).custom_flags(libc::O_DIRECT);
+        if create {
+            options.create_new(true).mode(0o600);
+        }
+        options.open(path)
+    };
+    match open(false) {
+        Ok(file) => Ok((file, false)),
+        Err(e) if may_create && e.raw_os_error() == Some(libc::ENOENT) => match open(true) {
+            Ok(file) => Ok((file, true)),
+            // Created by someone else in between: use it.
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                open(false).map(|file| (file, false)).map_err(|e| open_error(e, path))
+            }
+            Err(e) => {
+                if e.raw_os_error() == Some(libc::EINVAL) {
+                    // The kernel creates the file before it refuses O_DIRECT; O_EXCL made it ours.
+                    let _ = std::fs::remove_file(path);
+                }
+                Err(open_error(e, path))
+            }
+        },
+        Err(e) => Err(open_error(e, path)),
+    }
+}
+
+/// An error from opening `path` that says what to do about it.
+fn open_error(e: io::Error, path: &Path) -> Error {
+    let shown = path.display();
+    match e.raw_os_error() {
+        Some(libc::ENOENT) => {
+            let missing_dir = path.parent().filter(|dir| !dir.as_os_str().is_empty() && !dir.is_dir());
+            match missing_dir {
+                Some(dir) => Error::os_kind(
+                    ErrorKind::NotFound,
+                    e,
+                    format!("cannot open device file {shown}: its directory {} does not exist", dir.display()),
+                ),
+                None => Error::os_kind(
+                    ErrorKind::NotFound,
+                    e,
+                    format!(
+                        "device file {shown} does not exist; create it (for example `fallocate -l 4G {shown}`) \
+                         or give a size so tiermem creates it"
+                    ),
+                ),
+            }
+        }
+        Some(libc::EINVAL) => Error::os_kind(
+            ErrorKind::Unsupported,
+            e,
+            format!(
+                "file system of {shown} does not support O_DIRECT (tmpfs?); put the device file on a disk file \
+                 system or use --device mem"
+            ),
+        ),
+        Some(libc::EACCES) | Some(libc::EPERM) => Error::os_kind(
+            ErrorKind::Permission,
+            e,
+            format!("no permission to open device file {shown} for reading and writing"),
+        ),
+        Some(libc::EROFS) => {
+            Error::os_kind(ErrorKind::Permission, e, format!("device file {shown} is on a read-only file system"))
+        }
+        Some(libc::EISDIR) => Error::os_kind(
+            ErrorKind::InvalidInput,
+            e,
+            format!("{shown} is a directory; the device must be a file or a block device"),
+        ),
+        Some(libc::ENOTDIR) => Error::os_kind(
+            ErrorKind::NotFound,
+            e,
+            format!("cannot open device file {shown}: a component of the path is not a directory"),
+        ),
+        _ => Error::os(e, format!("opening device file {shown} with O_DIRECT")),
+    }
+}
+
+/// Grow a regular file from `from` to `to` bytes with blocks allocated now, so that writing a slot
+/// later cannot fail for want of space in the middle of a run.
+fn extend(file: &File, path: &Path, from: u64, to: u64) -> Result<()> {
+    let shown = path.display();
+    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, to) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::NOSPC) | Err(rustix::io::Errno::DQUOT) => Err(Error::os_kind(
+            ErrorKind::NoSpace,
+            rustix::io::Errno::NOSPC.into(),
+            format!("no space to extend device file {shown} from {from} to {to} bytes; free space or ask for a smaller device"),
+        )),
+        // A file system without fallocate still takes a sparse file.
+        Err(rustix::io::Errno::OPNOTSUPP) => {
+            file.set_len(to).map_err(|e| Error::os(e, format!("extending device file {shown} from {from} to {to} bytes")))
+        }
+        Err(e) => Err(Error::os(e.into(), format!("extending device file {shown} from {from} to {to} bytes with fallocate"))),
+    }
+}
+
+/// An io_uring of `entries` entries with `file` as fixed file 0 and `arena` as fixed buffers.
+fn build_ring(file: &File, path: &Path, arena: &BufferArena, entries: u32, iopoll: bool) -> Result<IoUring> {
+    let shown = path.display();
+    let mut builder = IoUring::builder();
+    if iopoll {
+        builder.setup_iopoll();
+    }
+    let ring = builder.build(entries).map_err(|e| {
+        let hint = if e.raw_os_error() == Some(libc::EPERM) {
+            " (is io_uring disabled by sysctl kernel.io_uring_disabled?)"
+        } else {
+            ""
+        };
+        Error::os(e, format!("creating an io_uring of {entries} entries for {shown}{hint}"))
+    })?;
+    ring.submitter()
+        .register_files(&[file.as_raw_fd()])
+        .map_err(|e| Error::os(e, format!("registering {shown} as an io_uring fixed file")))?;
+    let (base, len) = arena.as_raw_parts();
+    let iovecs: Vec<libc::iovec> = (0..len)
+        .step_by(FIXED_BUFFER_MAX_BYTES)
+        .map(|start| libc::iovec {
+            iov_base: base.as_ptr().wrapping_add(start).cast(),
+            iov_len: (len - start).min(FIXED_BUFFER_MAX_BYTES),
+        })
+        .collect();
+    // SAFETY: the iovecs cover the arena's mapping, which outlives the ring: a queue holds an Arc
+    // of its arena and drops its ring first, and the probe drops its ring before its arena.
+    unsafe { ring.submitter().register_buffers(&iovecs) }.map_err(|e| {
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
+        let limit = limit.map_or("unlimited".to_string(), |bytes| format!("{bytes} bytes"));
+        Error::os(
+            e,
+            format!(
+                "registering the {len}-byte buffer arena with io_uring for {shown}; each queue pins it, which \
+                 counts against RLIMIT_MEMLOCK ({limit}): raise it (ulimit -l) or use a smaller arena"
+            ),
+        )
+    })?;
+    Ok(ring)
+}
+
+/// The io_uring entry for `request` on a ring made by [`build_ring`].
+fn entry_for(request: Request, arena: &BufferArena) -> squeue::Entry {
+    let addr = arena.ptr(request.buf());
+    // Which GiB-sized fixed buffer holds it; 0 unless the arena is larger than 1 GiB.
+    let buf_index = (arena.offset(request.buf()) / FIXED_BUFFER_MAX_BYTES) as u16;
+    let offset = request.slot() * SLOT_BYTES;
+    match request {
+        Request::Read { .. } => {
+            opcode::ReadFixed::new(types::Fixed(0), addr, PAGE_SIZE as u32, buf_index).offset(offset).build()
+        }
+        Request::Write { .. } => {
+            opcode::WriteFixed::new(types::Fixed(0), addr, PAGE_SIZE as u32, buf_index).offset(offset).build()
+        }
+    }
+}
+
+/// `Some(reason)` when sysfs says block device `dev` has no poll queues, so IOPOLL cannot work.
+///
+/// Asked before the probe read, because that read proves nothing when slot 0 is unallocated or
+/// unwritten (a fresh fallocated file): the file system then answers zeros without any device I/O,
+/// while later reads of written slots fail with EOPNOTSUPP.
+fn block_device_without_poll_queues(dev: u64) -> Option<String> {
+    let (major, minor) = (rustix::fs::major(dev), rustix::fs::minor(dev));
+    let base = format!("/sys/dev/block/{major}:{minor}");
+    // A partition has no queue of its own: it is its disk's, one directory up.
+    for io_poll in [format!("{base}/queue/io_poll"), format!("{base}/../queue/io_poll")] {
+        if let Ok(text) = std::fs::read_to_string(&io_poll) {
+            return (text.trim() == "0")
+                .then(|| format!("block device {major}:{minor} under it has no poll queues ({io_poll} is 0)"));
+        }
+    }
+    // Not a plain block device (network or multi-device file systems): the probe read decides.
+    None
+}
+
+/// Read slot 0 through an IOPOLL ring. `Err` says why polled queues cannot use IOPOLL.
+fn probe_kernel_poll(file: &File, path: &Path) -> std::result::Result<(), String> {
+    let arena = BufferArena::new(1).map_err(|e| e.to_string())?;
+    let mut ring = build_ring(file, path, &arena, 1, true).map_err(|e| e.to_string())?;
+    let read = entry_for(Request::Read { slot: 0, buf: 0 }, &arena);
+    // SAFETY: the entry reads into the arena's one buffer, registered with this ring; `ring` is
+    // declared after `arena`, so it is dropped (waiting out the request) before the arena.
+    unsafe { ring.submission().push(&read) }.map_err(|_| "the probe ring's submission queue is full".to_string())?;
+    loop {
+        match ring.submit_and_wait(1) {
+            Ok(_) => break,
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+            Err(e) => return Err(format!("io_uring_enter on an IOPOLL ring failed: {e}")),
+        }
+    }
+    let result = ring.completion().next().map(|cqe| cqe.result());
+    match result {
+        Some(n) if n == PAGE_SIZE as i32 => Ok(()),
+        Some(n) if n < 0 => Err(format!("an IOPOLL read failed: {}", io::Error::from_raw_os_error(-n))),
+        Some(n) => Err(format!("an IOPOLL read moved {n} of {PAGE_SIZE} bytes")),
+        None => Err("an IOPOLL read never completed".to_string()),
+    }
+}
+
+impl Device for FileDevice {
+    fn describe(&self) -> String {
+        let polled = match &self.shared.polled_wait {
+            PolledWait::KernelPoll => "polled queues use io_uring IOPOLL".to_string(),
+            PolledWait::Spin { why_not_iopoll } => {
+                format!("polled queues spin on the completion ring because {why_not_iopoll}")
+            }
+        };
+        format!(
+            "file:{} (O_DIRECT, io_uring fixed buffers, {} slots; {polled})",
+            self.shared.path.display(),
+            self.shared.slots
+        )
+    }
+
+    fn capacity_slots(&self) -> u64 {
+        self.shared.slots
+    }
+
+    fn open_queue(&self, kind: QueueKind, depth: u32, arena: &Arc<BufferArena>) -> Result<Box<dyn IoQueue>> {
+        check_queue_depth(depth)?;
+        let wait_mode = match (kind, &self.shared.polled_wait) {
+            (QueueKind::Polled, PolledWait::KernelPoll) => WaitMode::KernelPoll,
+            (QueueKind::Polled, PolledWait::Spin { .. }) => WaitMode::SpinOnCompletionRing,
+            (QueueKind::Completion, _) => WaitMode::Interrupt,
+        };
+        let shared = &self.shared;
+        let ring = build_ring(&shared.file, &shared.path, arena, depth, wait_mode == WaitMode::KernelPoll)?;
+        let ready_signal = match kind {
+            QueueKind::Polled => None,
+            QueueKind::Completion => {
+                let fd = eventfd(0, EventfdFlags::CLOEXEC)
+                    .map_err(|e| Error::os(e.into(), "creating the completion eventfd of an io_uring queue"))?;
+                ring.submitter()
+                    .register_eventfd(fd.as_raw_fd())
+                    .map_err(|e| Error::os(e, "registering the completion eventfd with io_uring"))?;
+                Some(fd)
+            }
+        };
+        Ok(Box::new(FileQueue {
+            ring,
+            kind,
+            wait_mode,
+            ledger: Ledger {
+                pending: (0..depth).map(|_| None).collect(),
+                free_ids: (0..depth).rev().collect(),
+                shared: shared.clone(),
+            },
+            ready_signal,
+            arena: arena.clone(),
+        }))
+    }
+
+    fn counters(&self) -> &DeviceCounters {
+        &self.shared.counters
+    }
+}
+
+/// A queue of a [`FileDevice`]: one io_uring instance.
+///
+/// A completion queue's [`IoQueue::notify_fd`] is a blocking eventfd registered with the ring:
+/// the kernel increments it for every completion it posts. A thread that sleeps on it (read(2)
+/// or poll(2)) should read it, which resets it, and then call [`IoQueue::reap`]; wake-ups with
+/// nothing left to reap happen when `wait` or an earlier `reap` already handed the completions out.
+///
+/// Dropping a queue first waits for its requests (including pushed, unsubmitted ones, which are
+/// submitted), because the kernel would otherwise still be moving data into arena buffers that
+/// their owners take back.
+pub struct FileQueue {
+    ring: IoUring,
+    kind: QueueKind,
+    wait_mode: WaitMode,
+    ledger: Ledger,
+    ready_signal: Option<OwnedFd>,
+    /// Kept so the registered memory outlives the ring, which is dropped before it.
+    arena: Arc<BufferArena>,
+}
+
+/// The requests of one queue, by io_uring `user_data`.
+#[derive(Debug)]
+struct Ledger {
+    pending: Box<[Option<(Request, u64)>]>,
+    free_ids: Vec<u32>,
+    shared: Arc<OpenFile>,
+}
+
+impl Ledger {
+    fn in_flight(&self) -> usize {
+        self.pending.len() - self.free_ids.len()
+    }
+
+    /// Turn the completion entry of request `id` into a [`Completion`] and count it.
+    fn finish(&mut self, id: u64, result: i32) -> Completion {
+        let (request, tag) =
+            self.pending[id as usize].take().expect("io_uring completed a request this queue did not submit");
+        self.free_ids.push(id as u32);
+        let shared = &self.shared;
+        let result = if result == PAGE_SIZE as i32 {
+            match request {
+                Request::Read { .. } => shared.counters.record_read(SLOT_BYTES, SLOT_BYTES),
+                Request::Write { .. } => shared.counters.record_write(SLOT_BYTES, SLOT_BYTES),
+            }
+            Ok(())
+        } else {
+            shared.counters.record_error();
+            let what = format!("{} of {}", request.describe(), shared.path.display());
+            Err(if result < 0 {
+                Error::os(io::Error::from_raw_os_error(-result), what)
+            } else {
+                Error::new(
+                    ErrorKind::Io,
+                    format!("{what}: only {result} of {PAGE_SIZE} bytes were transferred (was the file truncated?)"),
+                )
+            })
+        };
+        Completion { tag, result }
+    }
+}
+
+impl fmt::Debug for FileQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileQueue")
+            .field("path", &self.ledger.shared.path)
+            .field("kind", &self.kind)
+            .field("wait_mode", &self.wait_mode)
+            .field("depth", &self.ledger.pending.len())
+            .field("in_flight", &self.ledger.in_flight())
+            .finish_non_exhaustive()
+    }
+}
+
+impl FileQueue {
+    /// Hand out what is on the completion ring, without entering the kernel.
+    fn drain(&mut self, on_done: &mut dyn FnMut(Completion)) -> usize {
+        let mut handed = 0;
+        for cqe in self.ring.completion() {
+            on_done(self.ledger.finish(cqe.user_data(), cqe.result()));
+            handed += 1;
+        }
+        handed
+    }
+
+    /// Submit what is queued and sleep (or, on an IOPOLL ring, poll) until `want` completions are
+    /// on the ring. An interrupted wait returns early; callers loop.
+    fn enter_and_wait(&mut self, want: usize) -> Result<()> {
+        match self.ring.submit_and_wait(want) {
+            Ok(_) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => Ok(()),
+            Err(e) => {
+                Err(Error::os(e, format!("waiting for io_uring completions on {}", self.ledger.shared.path.display())))
+            }
+        }
+    }
+}
+
+impl IoQueue for FileQueue {
+    fn kind(&self) -> QueueKind {
+        self.kind
+    }
+
+    fn wait_mode(&self) -> WaitMode {
+        self.wait_mode
+    }
+
+    fn push(&mut self, request: Request, tag: u64) -> Result<()> {
+        check_request(&request, self.ledger.shared.slots, &self.arena)?;
+        let Some(id) = self.ledger.free_ids.pop() else {
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                format!(
+                    "{}: the io_uring queue is full ({} requests in flight); submit and reap first",
+                    request.describe(),
+                    self.ledger.pending.len()
+                ),
+            ));
+        };
+        let entry = entry_for(request, &self.arena).user_data(u64::from(id));
+        // SAFETY: the entry moves one page between the file and an arena buffer registered with
+        // this ring. The arena outlives the ring (held here, dropped after it), and the caller
+        // owns the buffer until the request's completion is handed out.
+        let pushed = unsafe { self.ring.submission().push(&entry) };
+        if pushed.is_err() {
+            // The ring has at least `depth` entries and at most `depth` requests are queued.
+            self.ledger.free_ids.push(id);
+            return Err(Error::new(ErrorKind::Internal, "io_uring submission queue full below the queue depth"));
+        }
+        self.ledger.pending[id as usize] = Some((request, tag));
+        Ok(())
+    }
+
+    fn submit(&mut self) -> Result<usize> {
+        let queued = self.ring.submission().len();
+        if queued == 0 {
+            return Ok(0);
+        }
+        loop {
+            match self.ring.submit() {
+                Ok(started) => return Ok(started),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) => {
+                    let shown = self.ledger.shared.path.display();
+                    return Err(Error::os(e, format!("submitting {queued} requests to io_uring for {shown}")));
+                }
+            }
+        }
+    }
+
+    fn reap(&mut self, on_done: &mut dyn FnMut(Completion)) -> usize {
+        let submitted = self.ledger.in_flight() - self.ring.submission().len();
+        if self.wait_mode == WaitMode::KernelPoll && submitted > 0 && self.ring.completion().is_empty() {
+            // An IOPOLL ring posts completions only when someone polls: poll once, without
+            // waiting and without submitting what is queued.
+            // SAFETY: no argument pointer is passed; the flags ask only to poll for completions.
+            let polled = unsafe { self.ring.submitter().enter::<libc::sigset_t>(0, 0, ENTER_GETEVENTS, None) };
+            // A failed poll (EINTR, EAGAIN) leaves completions for the next reap or wait.
+            let _ = polled;
+        }
+        self.drain(on_done)
+    }
+
+    /// Submits what is queued, then waits for `min` completions as the wait mode says. `min`
+    /// beyond what is in flight is capped: those requests can never finish.
+    fn wait(&mut self, min: usize, on_done: &mut dyn FnMut(Completion)) -> Result<usize> {
+        let target = min.min(self.in_flight());
+        let mut handed = self.drain(on_done);
+        let spin = self.wait_mode == WaitMode::SpinOnCompletionRing;
+        if spin || handed >= target {
+            self.submit()?;
+        }
+        while handed < target {
+            if spin {
+                // The completion is posted by task work that interrupts this thread; no syscall.
+                std::hint::spin_loop();
+            } else {
+                self.enter_and_wait(target - handed)?;
+            }
+            handed += self.drain(on_done);
+        }
+        Ok(handed)
+    }
+
+    fn in_flight(&self) -> usize {
+        self.ledger.in_flight()
+    }
+
+    fn notify_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.ready_signal.as_ref().map(|fd| fd.as_fd())
+    }
+}
+
+impl Drop for FileQueue {
+    fn drop(&mut self) {
+        while self.ledger.in_flight() > 0 {
+            if self.enter_and_wait(1).is_err() {
+                // The ring is broken; closing it still cancels or finishes its requests.
+                break;
+            }
+            self.drain(&mut |_| {});
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

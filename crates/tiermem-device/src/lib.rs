@@ -20,6 +20,8 @@ pub mod mem;
 pub use mem::MemDevice;
 pub mod slots;
 pub mod spec;
+#[cfg(test)]
+mod testing;
 
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
@@ -71,6 +73,61 @@ pub enum Request {
     Read { slot: Slot, buf: BufId },
     /// Write arena buffer `buf` to `slot`.
     Write { slot: Slot, buf: BufId },
+}
+
+impl Request {
+    /// The slot the request reads or writes.
+    pub fn slot(&self) -> Slot {
+        match *self {
+            Request::Read { slot, .. } | Request::Write { slot, .. } => slot,
+        }
+    }
+
+    /// The arena buffer the request reads into or writes from.
+    pub fn buf(&self) -> BufId {
+        match *self {
+            Request::Read { buf, .. } | Request::Write { buf, .. } => buf,
+        }
+    }
+
+    /// "reading slot N" / "writing slot N", for error messages.
+    pub fn describe(&self) -> String {
+        match *self {
+            Request::Read { slot, .. } => format!("reading slot {slot}"),
+            Request::Write { slot, .. } => format!("writing slot {slot}"),
+        }
+    }
+}
+
+/// The deepest queue [`Device::open_queue`] accepts.
+pub const MAX_QUEUE_DEPTH: u32 = 4096;
+
+/// Reject a queue depth outside `1..=MAX_QUEUE_DEPTH`.
+pub(crate) fn check_queue_depth(depth: u32) -> Result<()> {
+    if depth == 0 || depth > MAX_QUEUE_DEPTH {
+        return Err(Error::invalid(format!("queue depth {depth} is out of range: it must be between 1 and {MAX_QUEUE_DEPTH}")));
+    }
+    Ok(())
+}
+
+/// Reject a request whose slot is beyond `capacity_slots` or whose buffer is not in `arena`.
+pub(crate) fn check_request(request: &Request, capacity_slots: u64, arena: &BufferArena) -> Result<()> {
+    if request.slot() >= capacity_slots {
+        return Err(Error::invalid(format!(
+            "{}: the device has only {capacity_slots} slots (0..={})",
+            request.describe(),
+            capacity_slots.saturating_sub(1)
+        )));
+    }
+    if request.buf() >= arena.pages() {
+        return Err(Error::invalid(format!(
+            "{}: buffer {} is not in the arena of {} buffers",
+            request.describe(),
+            request.buf(),
+            arena.pages()
+        )));
+    }
+    Ok(())
 }
 
 /// A submission/completion queue pair on a device. Owned by one thread at a time (`&mut self`);

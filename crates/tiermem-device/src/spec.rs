@@ -1,20 +1,107 @@
 //! Parsing `--device` values.
 
-/// A device named on the command line.
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use crate::file::FileDevice;
+use crate::mem::MemDevice;
+use crate::{Device, Error, Result};
+
+/// A device named on the command line: `mem` or `file:PATH`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeviceSpec {
     /// DRAM (the ideal).
     Mem,
     /// A file or block device.
-    File(std::path::PathBuf),
+    File(PathBuf),
 }
 
 impl DeviceSpec {
-    /// Open the device, `capacity_bytes` large.
-    pub fn open(&self, capacity_bytes: u64) -> crate::Result<std::sync::Arc<dyn crate::Device>> {
-        match self {
-            DeviceSpec::Mem => Ok(std::sync::Arc::new(crate::MemDevice::new(capacity_bytes)?)),
-            DeviceSpec::File(_) => Err(crate::Error::new(crate::ErrorKind::Unsupported, "file device not built yet")),
+    /// Parse `mem` or `file:PATH` (PATH non-empty).
+    pub fn parse(text: &str) -> Result<Self> {
+        if text == "mem" {
+            return Ok(Self::Mem);
         }
+        match text.strip_prefix("file:") {
+            Some("") => Err(Error::invalid("device `file:` needs a path: file:PATH (a file or a block device)")),
+            Some(path) => Ok(Self::File(PathBuf::from(path))),
+            None => Err(Error::invalid(format!(
+                "unknown device `{text}`; accepted forms: `mem` (DRAM) or `file:PATH` (a file or a block device)"
+            ))),
+        }
+    }
+
+    /// Open the device with room for `capacity_bytes` (a non-zero multiple of 4096). A missing
+    /// file is created and a smaller one extended; see [`FileDevice::open`].
+    pub fn open(&self, capacity_bytes: u64) -> Result<Arc<dyn Device>> {
+        Ok(match self {
+            Self::Mem => Arc::new(MemDevice::new(capacity_bytes)?),
+            Self::File(path) => Arc::new(FileDevice::open(path, Some(capacity_bytes))?),
+        })
+    }
+}
+
+impl FromStr for DeviceSpec {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self> {
+        Self::parse(text)
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Mem => f.write_str("mem"),
+            Self::File(path) => write!(f, "file:{}", path.display()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ErrorKind;
+
+    #[test]
+    fn accepted_forms_parse_and_print_back_the_same() {
+        for text in ["mem", "file:/dev/nvme0n1", "file:relative/dev", "file:/tmp/with space", "file:file:x"] {
+            let spec: DeviceSpec = text.parse().unwrap();
+            assert_eq!(spec.to_string(), text);
+            assert_eq!(DeviceSpec::parse(&spec.to_string()).unwrap(), spec);
+        }
+        assert_eq!(DeviceSpec::parse("mem").unwrap(), DeviceSpec::Mem);
+        assert_eq!(DeviceSpec::parse("file:/x").unwrap(), DeviceSpec::File(PathBuf::from("/x")));
+    }
+
+    #[test]
+    fn anything_else_is_invalid_and_lists_the_accepted_forms() {
+        for text in ["", "MEM", "mem:", " mem", "file", "/tmp/x", "nvm", "memcached://host"] {
+            let err = DeviceSpec::parse(text).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidInput);
+            let message = err.to_string();
+            assert!(message.contains(&format!("`{text}`")), "{message}");
+            assert!(message.contains("`mem`") && message.contains("`file:PATH`"), "{message}");
+        }
+        let err = DeviceSpec::parse("file:").unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        assert!(err.to_string().contains("needs a path"), "{err}");
+    }
+
+    #[test]
+    fn open_makes_the_device_and_creates_a_missing_file() {
+        let mem = DeviceSpec::Mem.open(64 * 4096).unwrap();
+        assert_eq!((mem.describe(), mem.capacity_slots()), ("mem".to_string(), 64));
+        assert_eq!(DeviceSpec::Mem.open(100).unwrap_err().kind(), ErrorKind::InvalidInput);
+
+        let dir = tempfile::TempDir::new_in("/tmp").unwrap();
+        let path = dir.path().join("swap");
+        let spec = DeviceSpec::parse(&format!("file:{}", path.display())).unwrap();
+        let device = spec.open(32 * 4096).unwrap();
+        assert_eq!(device.capacity_slots(), 32);
+        assert!(device.describe().starts_with(&spec.to_string()), "{}", device.describe());
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 32 * 4096);
     }
 }

@@ -1,0 +1,462 @@
+use super::*;
+use crate::testing::{self, eventfd_is_readable, read_eventfd, wait_for, PageModel, RoundTrip};
+use std::os::unix::fs::PermissionsExt;
+use tempfile::TempDir;
+
+/// A scratch directory on /tmp, which is a disk file system (ext4) with O_DIRECT here.
+fn scratch() -> TempDir {
+    TempDir::new_in("/tmp").unwrap()
+}
+
+fn device_of(dir: &TempDir, slots: u64) -> FileDevice {
+    FileDevice::open(&dir.path().join("device"), Some(slots * SLOT_BYTES)).unwrap()
+}
+
+fn message_of(result: Result<FileDevice>) -> (ErrorKind, String) {
+    let err = result.unwrap_err();
+    (err.kind(), err.to_string())
+}
+
+#[test]
+fn random_round_trips_through_both_queue_kinds_check_every_byte_and_the_counters() {
+    let dir = scratch();
+    let device = device_of(&dir, 1024);
+    println!("{}", device.describe());
+    let runs = [
+        RoundTrip::new(QueueKind::Polled, 1, 400, 1, 0..1024),
+        RoundTrip::new(QueueKind::Completion, 1, 400, 2, 0..1024),
+        RoundTrip::new(QueueKind::Polled, 8, 2000, 3, 0..1024),
+        RoundTrip::new(QueueKind::Completion, 5, 2000, 4, 0..1024),
+        RoundTrip::new(QueueKind::Polled, 64, 2000, 5, 0..1024),
+        RoundTrip::new(QueueKind::Completion, 128, 2000, 6, 0..1024),
+    ];
+    testing::round_trips_with_counters(&device, &runs);
+}
+
+#[test]
+fn data_outlives_the_device_and_is_read_back_after_reopening() {
+    let dir = scratch();
+    let path = dir.path().join("device");
+    let mut model = PageModel::new();
+    {
+        let device = FileDevice::open(&path, Some(256 * SLOT_BYTES)).unwrap();
+        RoundTrip::new(QueueKind::Completion, 16, 1000, 7, 0..256).run(&device, &mut model);
+    }
+    let device = FileDevice::open(&path, None).unwrap();
+    assert_eq!(device.capacity_slots(), 256);
+    model.verify_all(&device, QueueKind::Polled);
+}
+
+#[test]
+fn queues_on_several_threads_share_one_device() {
+    let dir = scratch();
+    testing::concurrent_round_trips(Arc::new(device_of(&dir, 3 * 256)));
+}
+
+#[test]
+fn queue_limits_and_bad_requests_are_refused() {
+    let dir = scratch();
+    let device = device_of(&dir, 16);
+    testing::check_queue_limits(&device, QueueKind::Polled);
+    testing::check_queue_limits(&device, QueueKind::Completion);
+}
+
+#[test]
+fn wait_modes_follow_the_probe_and_describe_names_them() {
+    let dir = scratch();
+    let device = device_of(&dir, 4);
+    let arena = Arc::new(BufferArena::new(1).unwrap());
+    let polled = device.open_queue(QueueKind::Polled, 2, &arena).unwrap();
+    let completion = device.open_queue(QueueKind::Completion, 2, &arena).unwrap();
+    assert_eq!(polled.wait_mode(), device.polled_wait_mode());
+    assert!(polled.notify_fd().is_none());
+    assert_eq!(completion.wait_mode(), WaitMode::Interrupt);
+    assert!(completion.notify_fd().is_some());
+    let description = device.describe();
+    assert!(description.starts_with(&format!("file:{}", dir.path().join("device").display())), "{description}");
+    match device.polled_wait_mode() {
+        WaitMode::KernelPoll => assert!(description.contains("IOPOLL"), "{description}"),
+        mode => {
+            assert_eq!(mode, WaitMode::SpinOnCompletionRing);
+            assert!(description.contains("spin on the completion ring because"), "{description}");
+        }
+    }
+    println!("polled wait mode on /tmp: {:?}; {description}", device.polled_wait_mode());
+}
+
+#[test]
+fn completion_queue_eventfd_becomes_readable_after_a_submit() {
+    let dir = scratch();
+    let device = device_of(&dir, 8);
+    let arena = Arc::new(BufferArena::new(2).unwrap());
+    let mut queue = device.open_queue(QueueKind::Completion, 4, &arena).unwrap();
+    let fd = queue.notify_fd().unwrap().try_clone_to_owned().unwrap();
+    assert!(!eventfd_is_readable(&fd));
+    arena.bytes_mut(0).fill(0x42);
+    queue.push(Request::Write { slot: 5, buf: 0 }, 1).unwrap();
+    assert!(!eventfd_is_readable(&fd), "nothing was submitted yet");
+    queue.submit().unwrap();
+    // A blocking read sleeps until the kernel posts the completion.
+    assert!(read_eventfd(&fd) >= 1);
+    let done = wait_for(&mut *queue, 1);
+    assert_eq!(done[0].tag, 1);
+    done.into_iter().for_each(|c| c.result.unwrap());
+
+    // A thread sleeping on the eventfd without the queue wakes, then reaps under the lock.
+    let queue = std::sync::Mutex::new(queue);
+    std::thread::scope(|s| {
+        let sleeper = s.spawn(|| {
+            read_eventfd(&fd);
+            let mut tags = Vec::new();
+            while tags.is_empty() {
+                queue.lock().unwrap().reap(&mut |c| {
+                    c.result.unwrap();
+                    tags.push(c.tag)
+                });
+            }
+            tags
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        {
+            let mut q = queue.lock().unwrap();
+            q.push(Request::Read { slot: 5, buf: 1 }, 2).unwrap();
+            q.submit().unwrap();
+        }
+        assert_eq!(sleeper.join().unwrap(), [2]);
+    });
+    assert!(arena.bytes(1).iter().all(|&b| b == 0x42));
+}
+
+#[test]
+fn dropping_a_queue_waits_for_its_requests() {
+    let dir = scratch();
+    let device = device_of(&dir, 8);
+    let arena = Arc::new(BufferArena::new(8).unwrap());
+    for kind in [QueueKind::Polled, QueueKind::Completion] {
+        let before = device.counters().snapshot().writes;
+        let mut queue = device.open_queue(kind, 8, &arena).unwrap();
+        for i in 0..8 {
+            arena.bytes_mut(i).fill(i as u8 + 1);
+            queue.push(Request::Write { slot: u64::from(i), buf: i }, 0).unwrap();
+        }
+        queue.submit().unwrap();
+        drop(queue);
+        assert_eq!(device.counters().snapshot().writes - before, 8);
+    }
+    let mut queue = device.open_queue(QueueKind::Polled, 8, &arena).unwrap();
+    for i in 0..8 {
+        queue.push(Request::Read { slot: u64::from(i), buf: 7 - i }, 0).unwrap();
+    }
+    wait_for(&mut *queue, 8).into_iter().for_each(|c| c.result.unwrap());
+    for i in 0..8u32 {
+        assert!(arena.bytes(7 - i).iter().all(|&b| b == i as u8 + 1));
+    }
+}
+
+#[test]
+fn reading_past_a_truncated_end_is_a_short_transfer_error() {
+    let dir = scratch();
+    let path = dir.path().join("device");
+    let device = FileDevice::open(&path, Some(4 * SLOT_BYTES)).unwrap();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(SLOT_BYTES).unwrap();
+    let arena = Arc::new(BufferArena::new(1).unwrap());
+    for kind in [QueueKind::Polled, QueueKind::Completion] {
+        let mut queue = device.open_queue(kind, 1, &arena).unwrap();
+        queue.push(Request::Read { slot: 2, buf: 0 }, 9).unwrap();
+        let done = wait_for(&mut *queue, 1);
+        assert_eq!(done[0].tag, 9);
+        let err = done.into_iter().next().unwrap().result.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Io);
+        let text = err.to_string();
+        assert!(text.contains(&format!("reading slot 2 of {}", path.display())), "{text}");
+        assert!(text.contains("only 0 of 4096 bytes"), "{text}");
+    }
+    let counters = device.counters().snapshot();
+    assert_eq!((counters.errors, counters.reads), (2, 0));
+}
+
+#[test]
+fn negative_results_become_os_errors_naming_slot_and_path() {
+    let dir = scratch();
+    let device = device_of(&dir, 8);
+    let mut ledger = Ledger { pending: vec![None, None].into(), free_ids: vec![], shared: device.shared.clone() };
+    ledger.pending[0] = Some((Request::Read { slot: 6, buf: 0 }, 60));
+    ledger.pending[1] = Some((Request::Write { slot: 7, buf: 0 }, 70));
+    let eio = ledger.finish(0, -libc::EIO);
+    assert_eq!(eio.tag, 60);
+    let err = eio.result.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Io);
+    assert_eq!(err.os_error().unwrap().raw_os_error(), Some(libc::EIO));
+    assert!(err.to_string().starts_with(&format!("reading slot 6 of {}: ", device.path().display())), "{err}");
+    let enospc = ledger.finish(1, -libc::ENOSPC).result.unwrap_err();
+    assert_eq!(enospc.kind(), ErrorKind::NoSpace);
+    assert!(enospc.to_string().contains("writing slot 7 of"), "{enospc}");
+    assert_eq!(ledger.free_ids.len(), 2);
+    assert_eq!(device.counters().snapshot().errors, 2);
+}
+
+#[test]
+fn a_missing_file_without_a_size_is_not_found_and_says_how_to_fix_it() {
+    let dir = scratch();
+    let path = dir.path().join("absent");
+    let (kind, text) = message_of(FileDevice::open(&path, None));
+    assert_eq!(kind, ErrorKind::NotFound);
+    assert!(text.contains(&format!("device file {} does not exist", path.display())), "{text}");
+    assert!(text.contains("fallocate -l") && text.contains("give a size"), "{text}");
+    assert!(!path.exists());
+}
+
+#[test]
+fn a_missing_directory_is_named() {
+    let dir = scratch();
+    let missing = dir.path().join("no-such-dir");
+    let path = missing.join("device");
+    for size in [None, Some(SLOT_BYTES)] {
+        let (kind, text) = message_of(FileDevice::open(&path, size));
+        assert_eq!(kind, ErrorKind::NotFound);
+        assert!(text.contains(&format!("its directory {} does not exist", missing.display())), "{text}");
+    }
+    let under_a_file = dir.path().join("plain");
+    std::fs::write(&under_a_file, b"x").unwrap();
+    let (kind, text) = message_of(FileDevice::open(&under_a_file.join("device"), Some(SLOT_BYTES)));
+    assert_eq!(kind, ErrorKind::NotFound);
+    assert!(text.contains("not a directory"), "{text}");
+}
+
+#[test]
+fn a_size_is_a_non_zero_multiple_of_the_page_size() {
+    let dir = scratch();
+    let path = dir.path().join("device");
+    for bad in [0, 1, 4095, 4097] {
+        let (kind, text) = message_of(FileDevice::open(&path, Some(bad)));
+        assert_eq!(kind, ErrorKind::InvalidInput);
+        assert!(text.contains(&format!("{bad} bytes")) && text.contains("multiple of 4096"), "{text}");
+    }
+    assert!(!path.exists());
+}
+
+#[test]
+fn a_size_creates_a_missing_file_and_extends_a_smaller_one() {
+    let dir = scratch();
+    let path = dir.path().join("device");
+    let device = FileDevice::open(&path, Some(32 * SLOT_BYTES)).unwrap();
+    assert_eq!(device.capacity_slots(), 32);
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 32 * SLOT_BYTES);
+    assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+    drop(device);
+
+    // Existing bytes survive the extension.
+    let smaller = dir.path().join("smaller");
+    std::fs::write(&smaller, vec![0x77u8; 2 * PAGE_SIZE]).unwrap();
+    let device = FileDevice::open(&smaller, Some(16 * SLOT_BYTES)).unwrap();
+    assert_eq!(device.capacity_slots(), 16);
+    assert_eq!(std::fs::metadata(&smaller).unwrap().len(), 16 * SLOT_BYTES);
+    let arena = Arc::new(BufferArena::new(2).unwrap());
+    let mut queue = device.open_queue(QueueKind::Polled, 2, &arena).unwrap();
+    queue.push(Request::Read { slot: 1, buf: 0 }, 0).unwrap();
+    queue.push(Request::Read { slot: 15, buf: 1 }, 1).unwrap();
+    wait_for(&mut *queue, 2).into_iter().for_each(|c| c.result.unwrap());
+    assert!(arena.bytes(0).iter().all(|&b| b == 0x77));
+    assert!(arena.bytes(1).iter().all(|&b| b == 0));
+
+    // A larger file keeps its size and all its slots; the last partial page is not a slot.
+    let larger = dir.path().join("larger");
+    std::fs::write(&larger, vec![0u8; 10 * PAGE_SIZE + 100]).unwrap();
+    assert_eq!(FileDevice::open(&larger, Some(4 * SLOT_BYTES)).unwrap().capacity_slots(), 10);
+    assert_eq!(FileDevice::open(&larger, None).unwrap().capacity_slots(), 10);
+}
+
+#[test]
+fn a_file_smaller_than_one_slot_is_too_small() {
+    let dir = scratch();
+    let path = dir.path().join("tiny");
+    std::fs::write(&path, [0u8; 100]).unwrap();
+    let (kind, text) = message_of(FileDevice::open(&path, None));
+    assert_eq!(kind, ErrorKind::TooSmall);
+    assert!(text.contains("is 100 bytes") && text.contains("4096-byte slot"), "{text}");
+    // A file that existed is never removed on failure.
+    assert!(path.exists());
+}
+
+#[test]
+fn a_directory_is_refused() {
+    let dir = scratch();
+    let (kind, text) = message_of(FileDevice::open(dir.path(), None));
+    assert_eq!(kind, ErrorKind::InvalidInput);
+    assert!(text.contains("is a directory"), "{text}");
+}
+
+/// Clears the immutable flag of a file on drop, so the scratch directory can be removed even if
+/// the test fails.
+struct ImmutableFile(File);
+
+impl Drop for ImmutableFile {
+    fn drop(&mut self) {
+        let _ = rustix::fs::ioctl_setflags(&self.0, rustix::fs::IFlags::empty());
+    }
+}
+
+#[test]
+fn no_permission_is_a_permission_error() {
+    let dir = scratch();
+    let path = dir.path().join("locked");
+    std::fs::write(&path, vec![0u8; PAGE_SIZE]).unwrap();
+    let _guard;
+    if rustix::process::geteuid().is_root() {
+        // Root ignores file modes, but not the immutable attribute.
+        let file = File::open(&path).unwrap();
+        if let Err(e) = rustix::fs::ioctl_setflags(&file, rustix::fs::IFlags::IMMUTABLE) {
+            println!("SKIPPED: running as root and cannot set the immutable attribute on /tmp: {e}");
+            return;
+        }
+        _guard = ImmutableFile(file);
+    } else {
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o400)).unwrap();
+    }
+    let (kind, text) = message_of(FileDevice::open(&path, None));
+    assert_eq!(kind, ErrorKind::Permission);
+    assert!(text.contains(&format!("no permission to open device file {}", path.display())), "{text}");
+}
+
+/// `Some(reason)` when /dev/shm is not a tmpfs this test can use.
+fn dev_shm_unusable() -> Option<String> {
+    match rustix::fs::statfs("/dev/shm") {
+        Ok(fs) if fs.f_type == libc::TMPFS_MAGIC => None,
+        Ok(fs) => Some(format!("/dev/shm is not tmpfs (f_type {:#x})", fs.f_type)),
+        Err(e) => Some(format!("/dev/shm: {e}")),
+    }
+}
+
+#[test]
+fn tmpfs_without_o_direct_is_unsupported() {
+    // The message, whatever this kernel's tmpfs does.
+    let path = Path::new("/dev/shm/tiermem-device");
+    let err = open_error(io::Error::from_raw_os_error(libc::EINVAL), path);
+    assert_eq!(err.kind(), ErrorKind::Unsupported);
+    assert!(
+        err.to_string().starts_with(
+            "file system of /dev/shm/tiermem-device does not support O_DIRECT (tmpfs?); put the device file on a \
+             disk file system or use --device mem"
+        ),
+        "{err}"
+    );
+
+    if let Some(reason) = dev_shm_unusable() {
+        println!("SKIPPED: {reason}");
+        return;
+    }
+    let dir = TempDir::new_in("/dev/shm").unwrap();
+    let path = dir.path().join("device");
+    match FileDevice::open(&path, Some(4 * SLOT_BYTES)) {
+        Err(err) => {
+            assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+            assert!(err.to_string().contains("does not support O_DIRECT (tmpfs?)"), "{err}");
+            assert!(!path.exists(), "a file created only to fail must be removed");
+        }
+        Ok(device) => {
+            // tmpfs takes O_DIRECT since Linux 6.6; then it must simply work.
+            println!("SKIPPED: tmpfs on this kernel accepts O_DIRECT, so it is a working device here");
+            let mut model = PageModel::new();
+            RoundTrip::new(QueueKind::Completion, 4, 200, 8, 0..4).run(&device, &mut model);
+            model.verify_all(&device, QueueKind::Polled);
+        }
+    }
+}
+
+#[test]
+fn no_space_to_extend_is_no_space_with_both_sizes() {
+    // tmpfs refuses an fallocate larger than the whole file system at once, without filling it
+    // first; a disk file system would fill up (and this disk is shared), so only tmpfs is used.
+    if let Some(reason) = dev_shm_unusable() {
+        println!("SKIPPED: {reason}");
+        return;
+    }
+    let dir = TempDir::new_in("/dev/shm").unwrap();
+    let fs = rustix::fs::statvfs("/dev/shm").unwrap();
+    let too_big = (fs.f_blocks * fs.f_frsize + (1 << 30)).next_multiple_of(SLOT_BYTES);
+    for existing in [false, true] {
+        let path = dir.path().join("device");
+        if existing {
+            std::fs::write(&path, vec![0u8; PAGE_SIZE]).unwrap();
+        }
+        match FileDevice::open(&path, Some(too_big)) {
+            Err(err) if err.kind() == ErrorKind::Unsupported => {
+                println!("SKIPPED: tmpfs here does not take O_DIRECT: {err}");
+                return;
+            }
+            Err(err) => {
+                assert_eq!(err.kind(), ErrorKind::NoSpace, "{err}");
+                let from = if existing { SLOT_BYTES } else { 0 };
+                let text = err.to_string();
+                assert!(text.contains(&format!("no space to extend device file {}", path.display())), "{text}");
+                assert!(text.contains(&format!("from {from} to {too_big} bytes")), "{text}");
+                assert_eq!(path.exists(), existing, "only a file this call created is removed");
+            }
+            Ok(_) => panic!("a {too_big}-byte device fitted on a smaller tmpfs"),
+        }
+    }
+}
+
+#[test]
+fn kernel_poll_queues_poll_in_reap_and_wait() {
+    // No device here may have poll queues, but an IOPOLL read of never-written slots completes
+    // without device I/O, which is enough to drive the KernelPoll code paths.
+    let dir = scratch();
+    let mut device = device_of(&dir, 64);
+    let natural = device.polled_wait_mode();
+    Arc::get_mut(&mut device.shared).unwrap().polled_wait = PolledWait::KernelPoll;
+    let arena = Arc::new(BufferArena::new(16).unwrap());
+    let mut queue = device.open_queue(QueueKind::Polled, 16, &arena).unwrap();
+    assert_eq!(queue.wait_mode(), WaitMode::KernelPoll);
+    for buf in 0..16 {
+        arena.bytes_mut(buf).fill(0xEE);
+        queue.push(Request::Read { slot: u64::from(buf) * 4, buf }, u64::from(buf)).unwrap();
+    }
+    assert_eq!(queue.reap(&mut |_| panic!("nothing was submitted")), 0);
+    assert_eq!(queue.submit().unwrap(), 16);
+    let mut tags = Vec::new();
+    // Reap alone must make progress: it polls once when the ring is empty.
+    while tags.is_empty() {
+        queue.reap(&mut |c| {
+            c.result.unwrap();
+            tags.push(c.tag)
+        });
+    }
+    let rest = 16 - tags.len();
+    let waited = queue.wait(rest, &mut |c| {
+        c.result.unwrap();
+        tags.push(c.tag)
+    });
+    assert_eq!(waited.unwrap(), rest);
+    tags.sort();
+    assert_eq!(tags, (0..16).collect::<Vec<_>>());
+    assert!((0..16).all(|buf| arena.bytes(buf).iter().all(|&b| b == 0)));
+
+    if natural == WaitMode::SpinOnCompletionRing {
+        // Without poll queues, a read that must reach the device is refused by an IOPOLL ring (on
+        // 6.18; a kernel that falls back to interrupts may serve it): a real negative result.
+        let mut writer = device.open_queue(QueueKind::Completion, 1, &arena).unwrap();
+        arena.bytes_mut(0).fill(0x3C);
+        writer.push(Request::Write { slot: 3, buf: 0 }, 0).unwrap();
+        wait_for(&mut *writer, 1).into_iter().for_each(|c| c.result.unwrap());
+        arena.bytes_mut(0).fill(0);
+        queue.push(Request::Read { slot: 3, buf: 0 }, 99).unwrap();
+        let done = wait_for(&mut *queue, 1).into_iter().next().unwrap();
+        assert_eq!(done.tag, 99);
+        match done.result {
+            Ok(()) => {
+                println!("an IOPOLL read without poll queues succeeded here");
+                assert!(arena.bytes(0).iter().all(|&b| b == 0x3C));
+            }
+            Err(err) => {
+                assert_eq!(err.kind(), ErrorKind::Unsupported, "{err}");
+                assert!(
+                    err.to_string().starts_with(&format!("reading slot 3 of {}", device.path().display())),
+                    "{err}"
+                );
+                assert_eq!(device.counters().snapshot().errors, 1);
+                println!("an IOPOLL read without poll queues failed as expected: {err}");
+            }
+        }
+    }
+}
