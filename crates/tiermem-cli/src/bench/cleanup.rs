@@ -151,18 +151,19 @@ extern "C" fn on_cleanup_signal(signal: libc::c_int) {
 
 /// Create a resource and register its teardown atomically with respect to signal cleanup.
 ///
-/// `create` runs with the registry locked and must return the resource together with the closure
-/// that undoes it; if `create` fails it must have undone its own partial work.
-pub(crate) fn create_registered<T>(label: impl Into<String>, create: impl FnOnce() -> Result<(T, Teardown)>) -> Result<(T, CleanupId)> {
+/// `create` runs with the registry locked and must return the resource, a label naming it in
+/// error messages, and the closure that undoes it; if `create` fails it must have undone its own
+/// partial work.
+pub(crate) fn create_registered<T>(create: impl FnOnce() -> Result<(T, String, Teardown)>) -> Result<(T, CleanupId)> {
     install();
     let mut registry = lock_registry();
     if registry.shutting_down {
         return Err(Error::new(ErrorKind::Internal, "not creating new resources: the process is shutting down after a signal"));
     }
-    let (resource, teardown) = create()?;
+    let (resource, label, teardown) = create()?;
     let id = registry.next_id;
     registry.next_id += 1;
-    registry.entries.push(Entry { id, label: label.into(), teardown });
+    registry.entries.push(Entry { id, label, teardown });
     Ok((resource, CleanupId(id)))
 }
 

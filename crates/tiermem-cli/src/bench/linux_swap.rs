@@ -75,6 +75,21 @@ fn path_cstring(path: &Path) -> Result<CString> {
     CString::new(path.as_os_str().as_bytes()).map_err(|_| Error::invalid(format!("path {} contains a NUL byte", path.display())))
 }
 
+/// Create something at `path_for(seq)` for the next free sequence number. A name can be taken by a
+/// leftover of an earlier process with the same pid that was SIGKILLed, so a few are tried.
+fn create_uniquely_named<T>(path_for: impl Fn(u64) -> PathBuf, create: impl Fn(&Path) -> io::Result<T>) -> io::Result<(PathBuf, T)> {
+    const ATTEMPTS: u32 = 64;
+    let mut attempt = 0;
+    loop {
+        let path = path_for(NEXT_RESOURCE_SEQ.fetch_add(1, Ordering::Relaxed));
+        match create(&path) {
+            Ok(created) => return Ok((path, created)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt + 1 < ATTEMPTS => attempt += 1,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 fn require_root(what: &str) -> Result<()> {
     if rustix::process::geteuid().is_root() {
         Ok(())
@@ -139,19 +154,16 @@ impl SwapFile {
             ));
         }
 
-        let seq = NEXT_RESOURCE_SEQ.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!("tiermem-swap-{}-{seq}.swap", std::process::id()));
-        let teardown_path = path.clone();
-        let (file, cleanup) = cleanup::create_registered(format!("swap file {}", path.display()), || {
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&path)
-                .map_err(|e| Error::os(e, format!("creating swap file {}", path.display())))?;
+        let ((path, file), cleanup) = cleanup::create_registered(|| {
+            let (path, file) = create_uniquely_named(
+                |seq| dir.join(format!("tiermem-swap-{}-{seq}.swap", std::process::id())),
+                |path| OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path),
+            )
+            .map_err(|e| Error::os(e, format!("creating a swap file in {}", dir.display())))?;
+            let label = format!("swap file {}", path.display());
+            let teardown_path = path.clone();
             let teardown: Teardown = Box::new(move || teardown_swap_file(&teardown_path));
-            Ok((file, teardown))
+            Ok(((path, file), label, teardown))
         })?;
         // From here on, an early return drops the guard, which deactivates and removes the file.
         let swap = SwapFile { path, size_bytes, file_system, cleanup: Some(cleanup) };
@@ -419,14 +431,14 @@ impl MemCgroup {
             }
         }
 
-        let seq = NEXT_RESOURCE_SEQ.fetch_add(1, Ordering::Relaxed);
-        let dir = root.join(format!("{name_prefix}-{}-{seq}", std::process::id()));
         let parent_procs = root.join("cgroup.procs");
-        let teardown_dir = dir.clone();
-        let ((), cleanup) = cleanup::create_registered(format!("memory cgroup {}", dir.display()), || {
-            std::fs::create_dir(&dir).map_err(|e| Error::os(e, format!("creating memory cgroup {}", dir.display())))?;
+        let (dir, cleanup) = cleanup::create_registered(|| {
+            let (dir, ()) = create_uniquely_named(|seq| root.join(format!("{name_prefix}-{}-{seq}", std::process::id())), |dir| std::fs::create_dir(dir))
+                .map_err(|e| Error::os(e, format!("creating a memory cgroup in {}", root.display())))?;
+            let label = format!("memory cgroup {}", dir.display());
+            let teardown_dir = dir.clone();
             let teardown: Teardown = Box::new(move || teardown_cgroup(&teardown_dir, &parent_procs));
-            Ok(((), teardown))
+            Ok((dir, label, teardown))
         })?;
         // From here on, an early return drops the guard, which removes the directory.
         let cgroup = MemCgroup { dir, version, cleanup: Some(cleanup) };
@@ -641,6 +653,23 @@ mod tests {
     fn proc_paths_are_unescaped() {
         assert_eq!(unescape_proc_path(r"/tmp/a\040b\134c"), std::ffi::OsString::from(r"/tmp/a b\c"));
         assert_eq!(unescape_proc_path("/swapfile"), std::ffi::OsString::from("/swapfile"));
+    }
+
+    #[test]
+    fn unique_names_skip_leftovers() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("leftover"), b"").unwrap();
+        let calls = std::cell::Cell::new(0);
+        let (path, ()) = create_uniquely_named(
+            |seq| {
+                calls.set(calls.get() + 1);
+                dir.path().join(if calls.get() == 1 { "leftover".to_owned() } else { format!("fresh-{seq}") })
+            },
+            |path| OpenOptions::new().write(true).create_new(true).open(path).map(drop),
+        )
+        .unwrap();
+        assert_eq!(calls.get(), 2);
+        assert!(path.file_name().unwrap().to_string_lossy().starts_with("fresh-"));
     }
 
     #[test]
