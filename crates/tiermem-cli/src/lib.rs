@@ -1,0 +1,3 @@
+//! The library behind the `tiermem` command, split out so integration tests can drive it.
+
+pub mod bench;
