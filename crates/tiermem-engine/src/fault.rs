@@ -109,7 +109,9 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, lane_hint:
         match state.kind() {
             Kind::Resident => {
                 give_back(needs_room, staging);
-                if write && !state.dirty() {
+                if write {
+                    // Unprotect even if already dirty: a failed eviction may have left the page
+                    // protected, and a write must never fault forever.
                     locked.set(state.with_dirty(true).with_referenced(true));
                     // Clearing protection also wakes a thread waiting on this write.
                     if let Err(e) = shared.uffd.write_protect(page_addr, PAGE_SIZE, false, false) {

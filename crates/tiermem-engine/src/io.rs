@@ -267,7 +267,9 @@ pub(crate) fn completion_thread(shared: &Shared) {
         // Poll-only queues have no eventfd; look again soon. Deferred work is retried too.
         let timeout = rustix::event::Timespec { tv_sec: 0, tv_nsec: if fds.is_empty() { 200_000 } else { 5_000_000 } };
         let _ = poll(&mut pollfds, Some(&timeout));
-        for fd in fds.iter().chain(std::iter::once(&shared.queues.wake)) {
+        let ready: Vec<bool> = pollfds.iter().map(|p| p.revents().contains(PollFlags::IN)).collect();
+        // Drain only what is readable: the device's eventfds may be blocking.
+        for (fd, _) in fds.iter().chain(std::iter::once(&shared.queues.wake)).zip(ready).filter(|(_, r)| *r) {
             let _ = rustix::io::read(fd, &mut buf);
         }
     }

@@ -175,9 +175,13 @@ impl PageCell {
         }
     }
 
-    /// Set or clear the referenced bit without taking the lock (a hint for replacement).
+    /// Set the referenced bit if nobody holds the lock (a hint for replacement; a locked page
+    /// is being changed and its holder decides).
     pub fn mark_referenced(&self) {
-        self.0.fetch_or(REFERENCED, Ordering::Relaxed);
+        let cur = self.0.load(Ordering::Relaxed);
+        if cur & LOCK == 0 {
+            let _ = self.0.compare_exchange(cur, cur | REFERENCED, Ordering::Relaxed, Ordering::Relaxed);
+        }
     }
 }
 
@@ -195,10 +199,8 @@ impl LockedPage<'_> {
 
 impl Drop for LockedPage<'_> {
     fn drop(&mut self) {
-        // The referenced bit may have been set concurrently by lock-free hints; keep it.
-        let cur = self.cell.0.load(Ordering::Relaxed);
-        let keep = cur & REFERENCED & !(self.state.0 & REFERENCED);
-        self.cell.0.store((self.state.0 | keep) & !LOCK, Ordering::Release);
+        // Nobody else changes the word while it is locked, so the holder's state is the truth.
+        self.cell.0.store(self.state.0 & !LOCK, Ordering::Release);
     }
 }
 

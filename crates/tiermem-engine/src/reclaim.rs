@@ -124,6 +124,11 @@ fn evict_one(shared: &Shared, regions: &RegionTable, id: PageId) -> Evict {
             }
         }
     };
+    if next.kind() == Kind::Resident {
+        // Written out but could not be dropped: still resident, try again later.
+        locked.set(next);
+        return Evict::Busy;
+    }
     locked.set(next.with_referenced(false));
     drop(locked);
     shared.release_resident();
@@ -137,18 +142,25 @@ fn release(shared: &Shared, buf: Option<tiermem_device::BufId>) {
     }
 }
 
-/// Protect, copy, drop and queue the write of a dirty page (locked by the caller).
+/// Protect, copy, queue the write of, and drop a dirty page (locked by the caller). `None`
+/// leaves the page resident and dirty, as it was.
 fn write_out(shared: &Shared, region: &RegionInner, index: u64, state: PageState, buf: tiermem_device::BufId) -> Option<PageState> {
     let addr = region.page_addr(index);
     // From here on a write to the page faults and waits for our lock.
     shared.uffd.write_protect(addr, PAGE_SIZE, true, false).ok()?;
+    let unprotect = || {
+        let _ = shared.uffd.write_protect(addr, PAGE_SIZE, false, false);
+    };
     let copy = shared.arena.bytes_mut(buf);
     // SAFETY: the page is mapped (resident, locked) and write-protected, so its PAGE_SIZE bytes
     // are readable and stable while copied.
     copy.copy_from_slice(unsafe { std::slice::from_raw_parts(addr, PAGE_SIZE) });
     if copy.iter().all(|&b| b == 0) {
-        // SAFETY: as for clean pages: the page is locked and its contents (zeros) are known.
-        unsafe { tiermem_sys::mem::discard(addr, PAGE_SIZE) }.ok()?;
+        // SAFETY: the page is locked and its contents (zeros) are known.
+        if unsafe { tiermem_sys::mem::discard(addr, PAGE_SIZE) }.is_err() {
+            unprotect();
+            return None;
+        }
         if let Some(slot) = state.slot() {
             shared.slots.free(slot);
         }
@@ -156,28 +168,44 @@ fn write_out(shared: &Shared, region: &RegionInner, index: u64, state: PageState
         Stats::add(&shared.stats.counters.zero_drops, 1);
         return Some(PageState::UNTOUCHED);
     }
-    let slot = match state.slot() {
-        Some(s) => s,
-        None => shared.slots.alloc()?,
+    let Some(slot) = state.slot().or_else(|| shared.slots.alloc()) else {
+        unprotect();
+        return None;
     };
-    // SAFETY: as above; the copy in `buf` is the page's data from now on.
-    unsafe { tiermem_sys::mem::discard(addr, PAGE_SIZE) }.ok()?;
-    let next = state.with_kind(Kind::Evicted).with_slot(Some(slot)).with_dirty(false).with_writing(true).with_buf(buf);
-    let mut queue = shared.queues.writeback();
-    shared.queues.mark_submitted(buf);
+    let give_back_slot = || {
+        if state.slot().is_none() {
+            shared.slots.free(slot);
+        }
+    };
+    let request = Request::Write { slot, buf };
+    let write_tag = tag(Op::WriteBack, region.id(index));
+    {
+        let mut queue = shared.queues.writeback();
+        if queue.in_flight() >= shared.config.queue_depth as usize {
+            // Full: take finished writes off it (processed later, outside this page's lock).
+            let _ = queue.wait(1, &mut |c| shared.queues.defer(c));
+        }
+        shared.queues.mark_submitted(buf);
+        if queue.push(request, write_tag).and_then(|()| queue.submit()).is_err() {
+            drop(queue);
+            give_back_slot();
+            unprotect();
+            return None;
+        }
+        if shared.config.io_mode == IoMode::PollOnly {
+            // The poll-only variant waits for its own write before moving on.
+            let _ = queue.wait(1, &mut |c| shared.queues.defer(c));
+        }
+    }
     Stats::add(&shared.stats.counters.writebacks, 1);
-    let pushed = queue.push(Request::Write { slot, buf }, tag(Op::WriteBack, region.id(index))).and_then(|()| queue.submit().map(|_| ()));
-    if pushed.is_err() {
-        // Queue full or broken: make room by waiting for earlier writes, then retry once.
-        let _ = queue.wait(1, &mut |c| shared.queues.defer(c));
-        queue.push(Request::Write { slot, buf }, tag(Op::WriteBack, region.id(index))).ok()?;
-        queue.submit().ok()?;
+    // The buffer holds the page from now on; faults are served from it until the write is done.
+    // SAFETY: the page is locked and its contents are saved in `buf`.
+    if unsafe { tiermem_sys::mem::discard(addr, PAGE_SIZE) }.is_err() {
+        // Still mapped and protected: keep it resident; the write in flight is harmless.
+        unprotect();
+        return Some(state.with_slot(Some(slot)).with_writing(true).with_buf(buf));
     }
-    if shared.config.io_mode == IoMode::PollOnly {
-        // The poll-only variant waits for its own write before moving on.
-        let _ = queue.wait(1, &mut |c| shared.queues.defer(c));
-    }
-    Some(next)
+    Some(state.with_kind(Kind::Evicted).with_slot(Some(slot)).with_dirty(false).with_writing(true).with_buf(buf))
 }
 
 /// Background reclaim: sleeps until residency passes the watermark, then evicts down below it.
