@@ -1,0 +1,168 @@
+//! What the engine promises besides integrity: clean pages cost no writes, system calls on
+//! evicted memory work, bad input is refused clearly.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use tiermem_device::MemDevice;
+use tiermem_engine::{Engine, EngineConfig, FaultMode};
+
+fn touch_all(base: *mut u8, pages: usize, write: bool) -> u64 {
+    let mut sum = 0u64;
+    for p in 0..pages {
+        // SAFETY: p < pages, inside the region owned by the caller.
+        let ptr = unsafe { base.add(p * 4096) } as *mut u64;
+        if write {
+            // SAFETY: as above.
+            unsafe { ptr.write_volatile(p as u64 + 1) };
+        } else {
+            // SAFETY: as above.
+            sum += unsafe { ptr.read_volatile() };
+        }
+    }
+    sum
+}
+
+#[test]
+fn rereading_an_unmodified_region_writes_nothing() {
+    let _serial = serial();
+    if features_or_skip("rereading_an_unmodified_region_writes_nothing").is_none() {
+        return;
+    }
+    for (name, device) in devices(64 << 20) {
+        let engine = engine(device, 256, |_| {});
+        let pages = 1024;
+        let region = engine.create_region(pages * 4096).unwrap();
+        touch_all(region.as_ptr(), pages, true);
+        // The first read pass pushes out the pages still dirty from the write pass.
+        let expect: u64 = (1..=pages as u64).sum();
+        assert_eq!(touch_all(region.as_ptr(), pages, false), expect);
+        let before = engine.stats();
+        assert_eq!(touch_all(region.as_ptr(), pages, false), expect);
+        let after = engine.stats();
+        eprintln!("{name}: second read pass evicted {} pages, wrote {}", after.evictions - before.evictions, after.writebacks - before.writebacks);
+        assert!(after.evictions - before.evictions >= 500, "{name}: the re-read must evict");
+        assert_eq!(after.writebacks, before.writebacks, "{name}: clean pages were written back");
+        assert!(after.clean_drops > before.clean_drops);
+    }
+}
+
+/// Fill `pages` pages with a pattern, then push them out by touching a second region.
+fn evicted_pattern(engine: &Engine, pages: usize) -> (tiermem_engine::Region, Vec<u8>) {
+    let region = engine.create_region(pages * 4096).unwrap();
+    let pattern: Vec<u8> = (0..pages * 4096).map(|i| (i * 7 % 251) as u8).collect();
+    // SAFETY: the region is pages*4096 bytes long.
+    unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), region.as_ptr(), pattern.len()) };
+    let flush = engine.create_region(1024 * 4096).unwrap();
+    touch_all(flush.as_ptr(), 1024, true);
+    (region, pattern)
+}
+
+fn pipe_round_trip(region: &tiermem_engine::Region, len: usize) -> std::io::Result<Vec<u8>> {
+    use std::io::{Read, Write};
+    let (mut rx, mut tx) = std::io::pipe()?;
+    // The kernel reads the evicted region (write(2)) ...
+    let sent = unsafe_write(&mut tx, region.as_ptr(), len)?;
+    drop(tx);
+    let mut back = Vec::new();
+    rx.read_to_end(&mut back)?;
+    assert_eq!(sent, len);
+    // ... and writes into it (read(2)) after it was evicted again.
+    let (mut rx2, mut tx2) = std::io::pipe()?;
+    tx2.write_all(&back)?;
+    drop(tx2);
+    let mut got = 0;
+    while got < len {
+        // SAFETY: the destination lies inside the region.
+        let n = unsafe { libc::read(std::os::fd::AsRawFd::as_raw_fd(&rx2), region.as_ptr().add(got).cast(), len - got) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if n == 0 {
+            break;
+        }
+        got += n as usize;
+    }
+    Ok(back)
+}
+
+fn unsafe_write(tx: &mut std::io::PipeWriter, ptr: *const u8, len: usize) -> std::io::Result<usize> {
+    let mut sent = 0;
+    while sent < len {
+        // SAFETY: ptr..ptr+len lies inside a live region.
+        let n = unsafe { libc::write(std::os::fd::AsRawFd::as_raw_fd(tx), ptr.add(sent).cast(), (len - sent).min(65536)) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        sent += n as usize;
+    }
+    Ok(sent)
+}
+
+#[test]
+fn system_calls_on_evicted_memory_work_in_handler_thread_mode() {
+    let _serial = serial();
+    if features_or_skip("system_calls_on_evicted_memory_work_in_handler_thread_mode").is_none() {
+        return;
+    }
+    let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| c.fault_mode = FaultMode::HandlerThread);
+    let pages = 16;
+    let (region, pattern) = evicted_pattern(&engine, pages);
+    let back = pipe_round_trip(&region, pages * 4096).expect("kernel accesses resolve through the handler thread");
+    assert!(back == pattern, "write(2) from evicted pages returned wrong bytes");
+    // SAFETY: the region is pages*4096 bytes long.
+    let now = unsafe { std::slice::from_raw_parts(region.as_ptr(), pages * 4096) };
+    assert!(now == &pattern[..], "read(2) into evicted pages lost bytes");
+}
+
+#[test]
+fn system_calls_on_evicted_memory_work_in_sigbus_mode_after_prepare() {
+    let _serial = serial();
+    let Some(features) = features_or_skip("system_calls_on_evicted_memory_work_in_sigbus_mode_after_prepare") else { return };
+    if !features.sigbus {
+        eprintln!("SKIPPED sigbus kernel access: kernel lacks UFFD_FEATURE_SIGBUS");
+        return;
+    }
+    let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| c.fault_mode = FaultMode::Sigbus);
+    let pages = 16;
+    let (region, pattern) = evicted_pattern(&engine, pages);
+    // Without preparation the kernel cannot deliver the fault and the call fails with EFAULT.
+    let (_rx, mut tx) = std::io::pipe().unwrap();
+    let err = unsafe_write(&mut tx, region.as_ptr(), 4096).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EFAULT), "unprepared kernel access in sigbus mode");
+    let pin = engine.prepare_kernel_access(region.as_ptr(), pages * 4096, true).unwrap();
+    let back = pipe_round_trip(&region, pages * 4096).expect("prepared range is resident and writable");
+    drop(pin);
+    assert!(back == pattern);
+    // SAFETY: the region is pages*4096 bytes long.
+    let now = unsafe { std::slice::from_raw_parts(region.as_ptr(), pages * 4096) };
+    assert!(now == &pattern[..]);
+}
+
+#[test]
+fn bad_input_is_refused_with_a_clear_message() {
+    let _serial = serial();
+    if features_or_skip("bad_input_is_refused_with_a_clear_message").is_none() {
+        return;
+    }
+    let dev = || -> Arc<dyn tiermem_device::Device> { Arc::new(MemDevice::new(1 << 20).unwrap()) };
+    let cases: Vec<(EngineConfig, &str)> = vec![
+        (EngineConfig { limit_bytes: 100, ..Default::default() }, "too small"),
+        (EngineConfig { watermark: 0.0, ..Default::default() }, "watermark"),
+        (EngineConfig { prefetch: "oracle".into(), ..Default::default() }, "unknown prefetcher 'oracle'"),
+        (EngineConfig { replace: "mru".into(), ..Default::default() }, "unknown replacement policy 'mru'"),
+        (EngineConfig { queue_depth: 0, ..Default::default() }, "queue depth"),
+        (EngineConfig { io_buffers: 1, ..Default::default() }, "io_buffers"),
+    ];
+    for (config, needle) in cases {
+        let err = Engine::new(config, dev()).unwrap_err().to_string();
+        assert!(err.contains(needle), "expected '{needle}' in '{err}'");
+    }
+    let engine = engine(dev(), 64, |_| {});
+    assert!(engine.create_region(0).unwrap_err().to_string().contains("greater than zero"));
+    let err = engine.create_region(2 << 20).unwrap_err();
+    assert_eq!(err.kind(), tiermem_sys::ErrorKind::NoSpace);
+    assert!(err.to_string().contains("use a larger device"), "{err}");
+}
