@@ -4,7 +4,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use tiermem_cli::bench::array::Phase;
 use tiermem_cli::bench::micro;
+use tiermem_cli::bench::micro_tiermem::{self, Row, Variant};
+use tiermem_engine::FaultMode;
+use tiermem_sys::probe::KernelFeatures;
 use tiermem_sys::{Error, ErrorKind, Result};
 
 /// User-space paging with userfaultfd and io_uring.
@@ -17,6 +21,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Say what this kernel and file system offer tiermem.
+    Probe(ProbeArgs),
     /// Run a benchmark.
     Bench(BenchArgs),
     /// Internal: the child process of `bench micro --system linux-swap`.
@@ -37,10 +43,23 @@ enum BenchCommand {
 }
 
 #[derive(Debug, Args)]
+struct ProbeArgs {
+    /// Directory whose file system would hold a device file.
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
 struct MicroArgs {
-    /// Which pager to measure.
-    #[arg(long, value_enum)]
-    system: MicroSystem,
+    /// Which pagers to measure, side by side in this run (repeat or separate with commas).
+    #[arg(long = "system", value_enum, value_delimiter = ',', default_values_t = MicroSystem::ALL)]
+    systems: Vec<MicroSystem>,
+    /// How tiermem takes faults.
+    #[arg(long, default_value = "thread", env = "TIERMEM_FAULT_MODE")]
+    fault_mode: String,
     /// Array size in MiB.
     #[arg(long, default_value_t = 100)]
     size_mb: u64,
@@ -55,10 +74,45 @@ struct MicroArgs {
     json: bool,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum MicroSystem {
     /// The kernel's own swap, to a swap file, under a memory cgroup limit.
     LinuxSwap,
+    /// tiermem on a device file: the Ultraswap I/O path.
+    TiermemFile,
+    /// tiermem on a device file, every request polled.
+    TiermemFilePollOnly,
+    /// tiermem on a device file, every request completion-driven.
+    TiermemFileInterruptOnly,
+    /// tiermem on DRAM: the ideal.
+    TiermemMem,
+}
+
+impl MicroSystem {
+    const ALL: [MicroSystem; 5] = [
+        MicroSystem::LinuxSwap,
+        MicroSystem::TiermemFile,
+        MicroSystem::TiermemFilePollOnly,
+        MicroSystem::TiermemFileInterruptOnly,
+        MicroSystem::TiermemMem,
+    ];
+
+    fn variant(self) -> Option<Variant> {
+        match self {
+            MicroSystem::LinuxSwap => None,
+            MicroSystem::TiermemFile => Some(Variant::File),
+            MicroSystem::TiermemFilePollOnly => Some(Variant::FilePollOnly),
+            MicroSystem::TiermemFileInterruptOnly => Some(Variant::FileInterruptOnly),
+            MicroSystem::TiermemMem => Some(Variant::Mem),
+        }
+    }
+}
+
+impl std::fmt::Display for MicroSystem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = self.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
+        f.write_str(&name)
+    }
 }
 
 #[derive(Debug, Args)]
@@ -70,18 +124,87 @@ struct MicroWorkerArgs {
 
 fn bench_micro(args: &MicroArgs) -> Result<()> {
     let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
-    match args.system {
-        MicroSystem::LinuxSwap => {
-            micro::validate_micro_args(args.size_mb, args.limit_mb, &dir)?;
-            let worker = std::env::current_exe().map_err(|e| Error::os(e, "locating the tiermem executable"))?;
-            let point = micro::linux_swap_point_with_worker(args.size_mb, args.limit_mb, &dir, &worker)?;
-            if args.json {
-                let json = serde_json::to_string(&point).map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?;
-                println!("{json}");
-            } else {
-                println!("{}", micro::format_linux_swap_point(&point));
+    micro::validate_micro_args(args.size_mb, args.limit_mb, &dir)?;
+    let fault_mode: FaultMode = args.fault_mode.parse()?;
+    let mut rows = Vec::new();
+    let mut details = Vec::new();
+    for &system in &args.systems {
+        let name = system.to_string();
+        let bar = progress_bar(&name, args.size_mb);
+        let report = |phase: Phase, pages: usize| {
+            bar.set_message(format!("{name} {phase:?}"));
+            bar.set_position(pages as u64 + if phase == Phase::Read { args.size_mb * 256 } else { 0 });
+        };
+        let outcome = match system.variant() {
+            None => {
+                let worker = std::env::current_exe().map_err(|e| Error::os(e, "locating the tiermem executable"))?;
+                micro::linux_swap_point_with_worker(args.size_mb, args.limit_mb, &dir, &worker).map(|point| {
+                    rows.push(Row::new(&name, &point.array, None));
+                    details.push(serde_json::json!({"system": name, "linux_swap": point}));
+                })
             }
+            Some(variant) => micro_tiermem::tiermem_point(variant, args.size_mb, args.limit_mb, &dir, fault_mode, Some(&report)).map(|point| {
+                rows.push(Row::new(&name, &point.array, Some(&point.stats)));
+                details.push(serde_json::json!({"system": name, "tiermem": point}));
+            }),
+        };
+        bar.finish_and_clear();
+        if let Err(e) = outcome {
+            // One system failing (no root for swapon, say) must not hide the others.
+            eprintln!("{name}: SKIPPED: {e}");
         }
+    }
+    let device_us = if args.systems.iter().any(|s| !matches!(s, MicroSystem::TiermemMem | MicroSystem::LinuxSwap)) {
+        micro_tiermem::device_read_latency_us(&dir, 5000).ok()
+    } else {
+        None
+    };
+    if args.json {
+        let all = serde_json::json!({"size_mb": args.size_mb, "limit_mb": args.limit_mb, "device_read_us": device_us, "rows": rows, "details": details});
+        println!("{all}");
+    } else {
+        print!("{}", micro_tiermem::format_table(&rows, args.size_mb, args.limit_mb, device_us));
+    }
+    if rows.iter().any(|r| r.mismatched_pages > 0) {
+        return Err(Error::new(ErrorKind::Internal, "some pages read back wrong: see the table"));
+    }
+    if rows.is_empty() {
+        return Err(Error::new(ErrorKind::Unsupported, "no system could be measured"));
+    }
+    Ok(())
+}
+
+fn progress_bar(name: &str, size_mb: u64) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(size_mb * 256 * 2);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg:32} [{bar:40}] {pos}/{len} pages")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_message(name.to_string());
+    bar
+}
+
+fn probe(args: &ProbeArgs) -> Result<()> {
+    let features = KernelFeatures::probe();
+    let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let device = tempfile::tempfile_in(&dir).ok().and_then(|_| {
+        let path = dir.join(format!(".tiermem-probe-{}", std::process::id()));
+        let d = tiermem_device::DeviceSpec::File(path.clone()).open(16 << 20);
+        let _ = std::fs::remove_file(&path);
+        d.map(|d| d.describe()).map_err(|e| e.to_string()).into()
+    });
+    if args.json {
+        let out = serde_json::json!({"kernel": features, "device": device.map(|d: std::result::Result<String, String>| d.unwrap_or_else(|e| e))});
+        println!("{out}");
+        return Ok(());
+    }
+    for line in features.summary_lines() {
+        println!("{line}");
+    }
+    match device {
+        Some(Ok(d)) => println!("device file     {d}"),
+        Some(Err(e)) => println!("device file     unusable in {}: {e}", dir.display()),
+        None => println!("device file     {} is not writable", dir.display()),
     }
     Ok(())
 }
@@ -96,6 +219,7 @@ fn micro_worker(args: &MicroWorkerArgs) -> Result<()> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let outcome = match &cli.command {
+        Command::Probe(args) => probe(args),
         Command::Bench(BenchArgs { command: BenchCommand::Micro(args) }) => bench_micro(args),
         Command::MicroWorker(args) => micro_worker(args),
     };

@@ -158,7 +158,9 @@ pub(crate) fn install_sigbus(shared: &std::sync::Arc<Shared>) -> Result<()> {
     // SAFETY: a zeroed sigaction is a valid starting point; we fill handler, mask and flags.
     let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
     action.sa_sigaction = on_sigbus as *const () as usize;
-    action.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART | libc::SA_ONSTACK;
+    // No SA_ONSTACK: the alternate stacks runtimes install (Rust's is a few KiB, for stack
+    // overflow reports) are far too small for resolving a fault, which may evict a batch.
+    action.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
     // SAFETY: sa_mask is a valid sigset_t to initialise.
     unsafe { libc::sigemptyset(&mut action.sa_mask) };
     let previous = Box::into_raw(Box::new(

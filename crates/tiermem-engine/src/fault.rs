@@ -204,6 +204,10 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, lane_hint:
                 shared.replacement.on_insert(id);
                 Stats::add(&shared.stats.counters.critical_reads, 1);
                 shared.stats.record(Path::CriticalFault, started.elapsed().as_nanos() as u64);
+                // Prefetches submitted with this page are often done by now: map them here
+                // rather than wait for the completion thread to wake. The faulting thread is
+                // already running again in handler-thread mode.
+                reap_background(shared, &regions);
                 return Outcome::Resolved;
             }
             _ => {

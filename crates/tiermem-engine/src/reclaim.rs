@@ -21,40 +21,191 @@ use crate::policy::{split_page_id, PageId, PageList};
 use crate::region::{RegionInner, RegionTable};
 use crate::stats::{Path, Stats};
 
-/// What became of one eviction attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Evict {
-    Done,
-    /// Not resident any more: forget it.
-    Gone,
-    /// Locked, pinned, or its previous write still in flight: try later.
-    Busy,
+/// A victim locked for eviction.
+struct Victim<'a> {
+    id: PageId,
+    region: &'a RegionInner,
+    index: u64,
+    page: crate::page::LockedPage<'a>,
+    /// Write-back buffer, for dirty pages.
+    buf: Option<tiermem_device::BufId>,
+    /// Slot the write goes to, and whether it was taken for this write.
+    slot: Option<(u64, bool)>,
+    /// The state to publish, once decided.
+    next: Option<PageState>,
 }
 
 /// Evict up to `max` pages chosen by the replacement policy. Returns how many were evicted.
+///
+/// Victims are handled as a batch so contiguous pages share one write-protect call and one
+/// MADV_DONTNEED: each of those flushes TLBs on every CPU running this process, which costs
+/// more than the rest of an eviction.
 pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, path: Path) -> usize {
-    let mut victims = PageList::default();
+    let started = Instant::now();
+    let mut picked = PageList::default();
     let is_referenced = |id: PageId| {
         let (r, i) = split_page_id(id);
-        regions.get(r).and_then(|r| r.pages.get(i as usize)).is_some_and(|c| take_referenced(c))
+        regions.get(r).and_then(|r| r.pages.get(i as usize)).is_some_and(take_referenced)
     };
-    shared.replacement.pick_victims(max, &is_referenced, &mut victims);
+    shared.replacement.pick_victims(max, &is_referenced, &mut picked);
+    // A fixed array, not a Vec: this runs inside the SIGBUS handler too, where allocating is
+    // not safe.
+    let mut storage: [Option<Victim<'_>>; PageList::CAPACITY] = std::array::from_fn(|_| None);
+    let mut n = 0;
+    for &id in picked.as_slice() {
+        match lock_victim(shared, regions, id) {
+            Ok(v) => {
+                storage[n] = Some(v);
+                n += 1;
+            }
+            Err(true) => shared.replacement.on_insert(id),
+            Err(false) => {}
+        }
+    }
+    if n == 0 {
+        return 0;
+    }
+    let victims = &mut storage[..n];
+    victims.sort_by_key(|v| v.as_ref().map_or(PageId::MAX, |v| v.id));
+    // Write-protect the dirty pages, run by run: from here a racing write waits for our lock.
+    for_each_run(victims, |v| v.buf.is_some(), |addr, len| shared.uffd.write_protect(addr, len, true, false).is_ok(), |v, ok| {
+        if !ok {
+            v.next = Some(v.page.state());
+        }
+    });
+    queue_writes(shared, victims);
+    for v in victims.iter_mut().flatten().filter(|v| v.next.is_none()) {
+        v.next = Some(match v.page.state().slot() {
+            Some(_) => v.page.state().with_kind(Kind::Evicted),
+            None => PageState::UNTOUCHED,
+        });
+    }
+    // Drop every page that leaves, run by run; its data is in its slot or a write buffer.
+    for_each_run(
+        victims,
+        |v| v.next.is_some_and(|n| n.kind() != Kind::Resident),
+        // SAFETY: every page in the run is locked by us and its contents are saved.
+        |addr, len| unsafe { tiermem_sys::mem::discard(addr, len) }.is_ok(),
+        |v, ok| {
+            if !ok {
+                // Still mapped: stays resident (a write in flight for it is harmless).
+                let keep = v.page.state();
+                v.next = Some(match v.buf {
+                    Some(b) if v.next.is_some_and(|n| n.writing()) => keep.with_slot(v.slot.map(|s| s.0)).with_writing(true).with_buf(b),
+                    _ => keep,
+                });
+            }
+        },
+    );
     let mut evicted = 0;
-    for &id in victims.as_slice() {
-        let started = Instant::now();
-        match evict_one(shared, regions, id) {
-            Evict::Done => {
-                evicted += 1;
-                shared.stats.record(path, started.elapsed().as_nanos() as u64);
-                if path == Path::DirectReclaim {
-                    Stats::add(&shared.stats.counters.direct_reclaims, 1);
+    for v in victims.iter_mut().filter_map(Option::take) {
+        let next = v.next.unwrap_or_else(|| v.page.state());
+        let mut page = v.page;
+        if next.kind() == Kind::Resident {
+            if next.writing() {
+                page.set(next);
+            } else {
+                // Not evicted: undo what was done for it.
+                if v.buf.is_some() {
+                    let _ = shared.uffd.write_protect(v.region.page_addr(v.index), PAGE_SIZE, false, false);
+                    release(shared, v.buf);
+                }
+                if let Some((slot, true)) = v.slot {
+                    shared.slots.free(slot);
                 }
             }
-            Evict::Gone => {}
-            Evict::Busy => shared.replacement.on_insert(id),
+            drop(page);
+            shared.replacement.on_insert(v.id);
+            continue;
+        }
+        match (next.kind(), next.writing()) {
+            (Kind::Untouched, _) => Stats::add(&shared.stats.counters.zero_drops, 1),
+            (_, false) => Stats::add(&shared.stats.counters.clean_drops, 1),
+            (_, true) => {}
+        }
+        page.set(next.with_referenced(false));
+        drop(page);
+        shared.release_resident();
+        evicted += 1;
+    }
+    if evicted > 0 {
+        Stats::add(&shared.stats.counters.evictions, evicted as u64);
+        if path == Path::DirectReclaim {
+            Stats::add(&shared.stats.counters.direct_reclaims, evicted as u64);
+        }
+        let per_page = started.elapsed().as_nanos() as u64 / evicted as u64;
+        for _ in 0..evicted {
+            shared.stats.record(path, per_page);
         }
     }
     evicted
+}
+
+/// Lock one proposed victim. `Err(true)`: busy, try later; `Err(false)`: not resident any more.
+fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId) -> Result<Victim<'a>, bool> {
+    let (r, index) = split_page_id(id);
+    let region = regions.get(r).ok_or(false)?;
+    let cell = region.pages.get(index as usize).ok_or(false)?;
+    let peek = cell.peek();
+    if peek.kind() != Kind::Resident {
+        return Err(false);
+    }
+    if peek.writing() || shared.is_pinned(region.page_addr(index) as usize) {
+        return Err(true);
+    }
+    // Take the buffer before the lock: nobody waits for anything while holding a page lock.
+    let buf = if peek.dirty() { Some(shared.arena.alloc().ok_or(true)?) } else { None };
+    let Some(page) = cell.try_lock() else {
+        release(shared, buf);
+        return Err(true);
+    };
+    let state = page.state();
+    let busy = state.writing() || (state.dirty() && buf.is_none());
+    if state.kind() != Kind::Resident || busy {
+        drop(page);
+        release(shared, buf);
+        return Err(busy);
+    }
+    // A clean page needs no buffer (one taken on a stale peek goes back).
+    let buf = if state.dirty() {
+        buf
+    } else {
+        release(shared, buf);
+        None
+    };
+    Ok(Victim { id, region, index, page, buf, slot: None, next: None })
+}
+
+/// Call `act` once per maximal run of address-contiguous victims selected by `pick` (victims
+/// are sorted), then `after` on each victim of the run with its result.
+fn for_each_run<'a>(
+    victims: &mut [Option<Victim<'a>>],
+    pick: impl Fn(&Victim<'a>) -> bool,
+    act: impl Fn(*mut u8, usize) -> bool,
+    mut after: impl FnMut(&mut Victim<'a>, bool),
+) {
+    let picked = |v: &Option<Victim<'a>>| v.as_ref().is_some_and(&pick);
+    let mut i = 0;
+    while i < victims.len() {
+        if !picked(&victims[i]) {
+            i += 1;
+            continue;
+        }
+        let mut j = i + 1;
+        while j < victims.len() && picked(&victims[j]) && contiguous(victims[j - 1].as_ref(), victims[j].as_ref()) {
+            j += 1;
+        }
+        let first = victims[i].as_ref().map(|v| v.region.page_addr(v.index));
+        let ok = first.is_some_and(|addr| act(addr, (j - i) * PAGE_SIZE));
+        for v in victims[i..j].iter_mut().flatten() {
+            after(v, ok);
+        }
+        i = j;
+    }
+}
+
+fn contiguous(a: Option<&Victim<'_>>, b: Option<&Victim<'_>>) -> bool {
+    matches!((a, b), (Some(a), Some(b)) if a.region.index == b.region.index && b.index == a.index + 1)
 }
 
 fn take_referenced(cell: &crate::page::PageCell) -> bool {
@@ -64,148 +215,68 @@ fn take_referenced(cell: &crate::page::PageCell) -> bool {
     state.referenced()
 }
 
-fn evict_one(shared: &Shared, regions: &RegionTable, id: PageId) -> Evict {
-    let (r, index) = split_page_id(id);
-    let Some(region) = regions.get(r) else { return Evict::Gone };
-    let Some(cell) = region.pages.get(index as usize) else { return Evict::Gone };
-    let peek = cell.peek();
-    if peek.kind() != Kind::Resident {
-        return Evict::Gone;
-    }
-    if peek.writing() || shared.is_pinned(region.page_addr(index) as usize) {
-        return Evict::Busy;
-    }
-    // Take the buffer before the lock: nobody waits for anything while holding a page lock.
-    let buf = if peek.dirty() {
-        match shared.arena.alloc() {
-            Some(b) => Some(b),
-            None => return Evict::Busy,
-        }
-    } else {
-        None
-    };
-    let Some(mut locked) = cell.try_lock() else {
-        release(shared, buf);
-        return Evict::Busy;
-    };
-    let state = locked.state();
-    if state.kind() != Kind::Resident {
-        release(shared, buf);
-        return Evict::Gone;
-    }
-    if state.writing() || (state.dirty() && buf.is_none()) {
-        release(shared, buf);
-        return Evict::Busy;
-    }
-    let addr = region.page_addr(index);
-    let next = if !state.dirty() {
-        // SAFETY: the page belongs to a live region and is locked; its contents are in its slot
-        // (or it was never written and reads as zeros).
-        if unsafe { tiermem_sys::mem::discard(addr, PAGE_SIZE) }.is_err() {
-            return Evict::Busy;
-        }
-        match state.slot() {
-            Some(_) => {
-                Stats::add(&shared.stats.counters.clean_drops, 1);
-                state.with_kind(Kind::Evicted)
-            }
-            None => {
-                Stats::add(&shared.stats.counters.zero_drops, 1);
-                PageState::UNTOUCHED
-            }
-        }
-    } else {
-        let buf = buf.unwrap_or_default();
-        match write_out(shared, region, index, state, buf) {
-            Some(next) => next,
-            None => {
-                release(shared, Some(buf));
-                return Evict::Busy;
-            }
-        }
-    };
-    if next.kind() == Kind::Resident {
-        // Written out but could not be dropped: still resident, try again later.
-        locked.set(next);
-        return Evict::Busy;
-    }
-    locked.set(next.with_referenced(false));
-    drop(locked);
-    shared.release_resident();
-    Stats::add(&shared.stats.counters.evictions, 1);
-    Evict::Done
-}
-
 fn release(shared: &Shared, buf: Option<tiermem_device::BufId>) {
     if let Some(b) = buf {
         shared.arena.release(b);
     }
 }
 
-/// Protect, copy, queue the write of, and drop a dirty page (locked by the caller). `None`
-/// leaves the page resident and dirty, as it was.
-fn write_out(shared: &Shared, region: &RegionInner, index: u64, state: PageState, buf: tiermem_device::BufId) -> Option<PageState> {
-    let addr = region.page_addr(index);
-    // From here on a write to the page faults and waits for our lock.
-    shared.uffd.write_protect(addr, PAGE_SIZE, true, false).ok()?;
-    let unprotect = || {
-        let _ = shared.uffd.write_protect(addr, PAGE_SIZE, false, false);
-    };
-    let copy = shared.arena.bytes_mut(buf);
-    // SAFETY: the page is mapped (resident, locked) and write-protected, so its PAGE_SIZE bytes
-    // are readable and stable while copied.
-    copy.copy_from_slice(unsafe { std::slice::from_raw_parts(addr, PAGE_SIZE) });
-    if copy.iter().all(|&b| b == 0) {
-        // SAFETY: the page is locked and its contents (zeros) are known.
-        if unsafe { tiermem_sys::mem::discard(addr, PAGE_SIZE) }.is_err() {
-            unprotect();
-            return None;
+/// Copy each protected dirty victim to its buffer and queue its write. Sets `next` for the ones
+/// that leave (or stay, on failure).
+fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
+    let mut queue = shared.queues.writeback();
+    let mut queued = 0;
+    for v in victims.iter_mut().flatten().filter(|v| v.buf.is_some() && v.next.is_none()) {
+        let buf = v.buf.unwrap_or_default();
+        let state = v.page.state();
+        let copy = shared.arena.bytes_mut(buf);
+        // SAFETY: the page is mapped (resident, locked) and write-protected, so its PAGE_SIZE
+        // bytes are readable and stable while copied.
+        copy.copy_from_slice(unsafe { std::slice::from_raw_parts(v.region.page_addr(v.index), PAGE_SIZE) });
+        if copy.iter().all(|&b| b == 0) {
+            // Zeros need no slot: the page becomes untouched again.
+            if let Some(slot) = state.slot() {
+                shared.slots.free(slot);
+            }
+            shared.arena.release(buf);
+            v.buf = None;
+            v.next = Some(PageState::UNTOUCHED);
+            continue;
         }
-        if let Some(slot) = state.slot() {
-            shared.slots.free(slot);
-        }
-        shared.arena.release(buf);
-        Stats::add(&shared.stats.counters.zero_drops, 1);
-        return Some(PageState::UNTOUCHED);
-    }
-    let Some(slot) = state.slot().or_else(|| shared.slots.alloc()) else {
-        unprotect();
-        return None;
-    };
-    let give_back_slot = || {
-        if state.slot().is_none() {
-            shared.slots.free(slot);
-        }
-    };
-    let request = Request::Write { slot, buf };
-    let write_tag = tag(Op::WriteBack, region.id(index));
-    {
-        let mut queue = shared.queues.writeback();
+        let Some(slot) = state.slot().or_else(|| shared.slots.alloc()) else {
+            v.next = Some(state);
+            continue;
+        };
+        v.slot = Some((slot, state.slot().is_none()));
         if queue.in_flight() >= shared.config.queue_depth as usize {
-            // Full: take finished writes off it (processed later, outside this page's lock).
+            // Full: take finished writes off it (processed later, outside these pages' locks).
+            if queued > 0 {
+                let _ = queue.submit();
+                queued = 0;
+            }
             let _ = queue.wait(1, &mut |c| shared.queues.defer(c));
         }
         shared.queues.mark_submitted(buf);
-        if queue.push(request, write_tag).and_then(|()| queue.submit()).is_err() {
-            drop(queue);
-            give_back_slot();
-            unprotect();
-            return None;
+        if queue.push(Request::Write { slot, buf }, tag(Op::WriteBack, v.id)).is_err() {
+            v.next = Some(state);
+            continue;
         }
-        if shared.config.io_mode == IoMode::PollOnly {
-            // The poll-only variant waits for its own write before moving on.
-            let _ = queue.wait(1, &mut |c| shared.queues.defer(c));
+        queued += 1;
+        Stats::add(&shared.stats.counters.writebacks, 1);
+        v.next = Some(state.with_kind(Kind::Evicted).with_slot(Some(slot)).with_dirty(false).with_writing(true).with_buf(buf));
+    }
+    if queued > 0 && queue.submit().is_err() {
+        tracing::error!("submitting write-backs failed; their pages stay resident");
+    }
+    if shared.config.io_mode == IoMode::PollOnly {
+        // The poll-only variant waits for its own writes before moving on.
+        while queue.in_flight() > 0 {
+            let pending = queue.in_flight();
+            if queue.wait(pending, &mut |c| shared.queues.defer(c)).is_err() {
+                break;
+            }
         }
     }
-    Stats::add(&shared.stats.counters.writebacks, 1);
-    // The buffer holds the page from now on; faults are served from it until the write is done.
-    // SAFETY: the page is locked and its contents are saved in `buf`.
-    if unsafe { tiermem_sys::mem::discard(addr, PAGE_SIZE) }.is_err() {
-        // Still mapped and protected: keep it resident; the write in flight is harmless.
-        unprotect();
-        return Some(state.with_slot(Some(slot)).with_writing(true).with_buf(buf));
-    }
-    Some(state.with_kind(Kind::Evicted).with_slot(Some(slot)).with_dirty(false).with_writing(true).with_buf(buf))
 }
 
 /// Background reclaim: sleeps until residency passes the watermark, then evicts down below it.

@@ -4,3 +4,4 @@ pub mod array;
 pub mod cleanup;
 pub mod linux_swap;
 pub mod micro;
+pub mod micro_tiermem;

@@ -1,0 +1,188 @@
+//! The tiermem side of the §4.2 microbenchmark, and the side-by-side table with Linux swap.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::Serialize;
+use tiermem_device::{BufferArena, Device, DeviceSpec, QueueKind, Request};
+use tiermem_engine::{Engine, EngineConfig, FaultMode, IoMode, StatsSnapshot};
+use tiermem_sys::{Error, Result, PAGE_SIZE};
+
+use super::array::{run_array_bench, ArrayResult};
+
+/// One configuration of tiermem measured by the microbenchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Variant {
+    /// File device, Ultraswap I/O path: faulting page polled, prefetch and write-back completion-driven.
+    File,
+    /// File device, everything polled (§4.4.1 "poll-only").
+    FilePollOnly,
+    /// File device, everything completion-driven (§4.4.1 "interrupt-only").
+    FileInterruptOnly,
+    /// DRAM device: the ideal.
+    Mem,
+}
+
+impl Variant {
+    /// Name in tables and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::File => "tiermem-file",
+            Variant::FilePollOnly => "tiermem-file-poll-only",
+            Variant::FileInterruptOnly => "tiermem-file-interrupt-only",
+            Variant::Mem => "tiermem-mem",
+        }
+    }
+
+    fn io_mode(self) -> IoMode {
+        match self {
+            Variant::FilePollOnly => IoMode::PollOnly,
+            Variant::FileInterruptOnly => IoMode::InterruptOnly,
+            Variant::File | Variant::Mem => IoMode::Hybrid,
+        }
+    }
+}
+
+/// What one tiermem run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct TiermemPoint {
+    /// Which configuration.
+    pub variant: Variant,
+    /// How the engine ran.
+    pub engine: String,
+    /// The array benchmark's per-page timings.
+    pub array: ArrayResult,
+    /// The engine's counters and per-path latencies.
+    pub stats: StatsSnapshot,
+}
+
+/// Open the device a variant pages to: a file in `dir` (removed when the device closes) or DRAM.
+fn open_device(variant: Variant, dir: &Path, capacity: u64) -> Result<Arc<dyn Device>> {
+    if variant == Variant::Mem {
+        return DeviceSpec::Mem.open(capacity);
+    }
+    let file = tempfile::Builder::new()
+        .prefix("tiermem-micro-")
+        .tempfile_in(dir)
+        .map_err(|e| Error::os(e, format!("creating a device file in {}", dir.display())))?;
+    let path = file.path().to_path_buf();
+    let device = DeviceSpec::File(path).open(capacity);
+    // The open device keeps the file; its name is not needed any more.
+    drop(file);
+    device
+}
+
+/// Run the array benchmark under tiermem: `size_mb` MiB managed with a `limit_mb` MiB budget.
+pub fn tiermem_point(variant: Variant, size_mb: u64, limit_mb: u64, dir: &Path, fault_mode: FaultMode, progress: Option<&dyn Fn(super::array::Phase, usize)>) -> Result<TiermemPoint> {
+    let bytes = size_mb << 20;
+    let device = open_device(variant, dir, bytes + (bytes / 4).max(16 << 20))?;
+    let config = EngineConfig { limit_bytes: limit_mb << 20, io_mode: variant.io_mode(), fault_mode, ..EngineConfig::default() };
+    let engine = Engine::new(config, device)?;
+    let region = engine.create_region(bytes as usize)?;
+    // SAFETY: the region is `bytes` long, page-aligned, and nothing else uses it.
+    let array = unsafe { run_array_bench(region.as_ptr(), region.len(), progress) };
+    let stats = engine.stats();
+    let describe = engine.describe();
+    drop(region);
+    Ok(TiermemPoint { variant, engine: describe, array, stats })
+}
+
+/// Mean µs of single 4 KiB reads through a polled queue of a fresh device file in `dir`: the
+/// device's own latency, the floor for the critical-fault path.
+pub fn device_read_latency_us(dir: &Path, samples: u32) -> Result<f64> {
+    let device = open_device(Variant::File, dir, 64 << 20)?;
+    let arena = Arc::new(BufferArena::new(16)?);
+    let mut queue = device.open_queue(QueueKind::Polled, 4, &arena)?;
+    let slots = device.capacity_slots();
+    let buf = arena.alloc().ok_or_else(|| Error::new(tiermem_sys::ErrorKind::Internal, "empty arena"))?;
+    arena.bytes_mut(buf).fill(0x5a);
+    // Write every slot first so reads hit allocated blocks, as evicted pages do.
+    for slot in 0..slots {
+        queue.push(Request::Write { slot, buf }, slot)?;
+        queue.submit()?;
+        queue.wait(1, &mut |_| {})?;
+    }
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let started = Instant::now();
+    for _ in 0..samples {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        queue.push(Request::Read { slot: x % slots, buf }, 0)?;
+        queue.submit()?;
+        queue.wait(1, &mut |_| {})?;
+    }
+    Ok(started.elapsed().as_secs_f64() * 1e6 / f64::from(samples))
+}
+
+/// One row of the comparison table.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// System name.
+    pub system: String,
+    /// Write path, mean µs per page.
+    pub write_us: f64,
+    /// Read path, mean µs per page.
+    pub read_us: f64,
+    /// Read path, median µs per page.
+    pub read_p50_us: f64,
+    /// Read path, 99th percentile µs per page.
+    pub read_p99_us: f64,
+    /// Pages that read back wrong.
+    pub mismatched_pages: u64,
+    /// Mean µs of a critical fault (tiermem only).
+    pub critical_fault_us: Option<f64>,
+}
+
+impl Row {
+    /// A row from an array result.
+    pub fn new(system: &str, array: &ArrayResult, stats: Option<&StatsSnapshot>) -> Self {
+        Self {
+            system: system.into(),
+            write_us: array.write_per_page_us(),
+            read_us: array.read_per_page_us(),
+            read_p50_us: array.read.p50_us(),
+            read_p99_us: array.read.p99_us(),
+            mismatched_pages: array.mismatched_pages,
+            critical_fault_us: stats.and_then(|s| s.paths.iter().find(|p| p.path == "critical_fault" && p.count > 0).map(|p| p.mean_us)),
+        }
+    }
+}
+
+/// The side-by-side table, with speed-ups over Linux swap when it was measured.
+pub fn format_table(rows: &[Row], size_mb: u64, limit_mb: u64, device_us: Option<f64>) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(s, "array {size_mb} MiB, limit {limit_mb} MiB, per-page µs (mean; read p50/p99):");
+    let _ = writeln!(
+        s,
+        "{:<28} {:>9} {:>9} {:>9} {:>9} {:>10} {:>11} {:>11} {:>9}",
+        "system", "write", "read", "read p50", "read p99", "crit fault", "write vs LS", "read vs LS", "bad pages"
+    );
+    let linux = rows.iter().find(|r| r.system == "linux-swap");
+    for r in rows {
+        let ratio = |ours: f64, theirs: Option<f64>| theirs.map_or("-".to_string(), |t| format!("{:.2}x", t / ours.max(1e-9)));
+        let _ = writeln!(
+            s,
+            "{:<28} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10} {:>11} {:>11} {:>9}",
+            r.system,
+            r.write_us,
+            r.read_us,
+            r.read_p50_us,
+            r.read_p99_us,
+            r.critical_fault_us.map_or("-".into(), |v| format!("{v:.2}")),
+            ratio(r.write_us, linux.map(|l| l.write_us)),
+            ratio(r.read_us, linux.map(|l| l.read_us)),
+            r.mismatched_pages
+        );
+    }
+    if let Some(d) = device_us {
+        let _ = writeln!(s, "device: 4 KiB polled read {d:.2} µs (the floor for a critical fault)");
+    }
+    let _ = writeln!(s, "\"vs LS\" = Linux swap time / this system's time (>1 = faster than Linux swap)");
+    s
+}
+
+/// The page size, re-exported for callers sizing arrays.
+pub const PAGE: usize = PAGE_SIZE;
