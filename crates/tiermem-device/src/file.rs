@@ -236,7 +236,7 @@ fn open_error(e: io::Error, path: &Path) -> Error {
 fn extend(file: &File, path: &Path, from: u64, to: u64) -> Result<()> {
     let shown = path.display();
     match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, to) {
-        Ok(()) => Ok(()),
+        Ok(()) => write_zeros(file, path, from, to),
         Err(rustix::io::Errno::NOSPC) | Err(rustix::io::Errno::DQUOT) => Err(Error::os_kind(
             ErrorKind::NoSpace,
             rustix::io::Errno::NOSPC.into(),
@@ -248,6 +248,26 @@ fn extend(file: &File, path: &Path, from: u64, to: u64) -> Result<()> {
         }
         Err(e) => Err(Error::os(e.into(), format!("extending device file {shown} from {from} to {to} bytes with fallocate"))),
     }
+}
+
+/// Write zeros over `[from, to)`. fallocate leaves *unwritten* extents: the first write to each
+/// block then converts its extent in the journal (slow, and io_uring hands such writes to worker
+/// threads), and reads of never-written blocks cost no I/O at all. Writing once makes every slot
+/// a plain allocated block, as a swap file's are, so measured latencies are the device's.
+fn write_zeros(file: &File, path: &Path, from: u64, to: u64) -> Result<()> {
+    const CHUNK: usize = 1 << 20;
+    let zeros = tiermem_sys::mem::Mapping::anonymous(CHUNK, false)?;
+    let mut at = from;
+    while at < to {
+        let len = (to - at).min(CHUNK as u64) as usize;
+        // SAFETY: the mapping is CHUNK readable bytes, len <= CHUNK; page-aligned for O_DIRECT.
+        let chunk = unsafe { std::slice::from_raw_parts(zeros.as_ptr(), len) };
+        let n = rustix::io::pwrite(file, chunk, at).map_err(|e| {
+            Error::os(e.into(), format!("writing zeros to device file {} at offset {at}", path.display()))
+        })?;
+        at += n as u64;
+    }
+    Ok(())
 }
 
 /// An io_uring of `entries` entries with `file` as fixed file 0 and `arena` as fixed buffers.
