@@ -166,3 +166,20 @@ fn bad_input_is_refused_with_a_clear_message() {
     assert_eq!(err.kind(), tiermem_sys::ErrorKind::NoSpace);
     assert!(err.to_string().contains("use a larger device"), "{err}");
 }
+
+#[test]
+fn small_budget_with_default_buffers_pages_a_region_four_times_larger() {
+    let _serial = serial();
+    if features_or_skip("small_budget_with_default_buffers").is_none() {
+        return;
+    }
+    for fault_mode in [FaultMode::HandlerThread, FaultMode::Sigbus] {
+        let config = EngineConfig { limit_bytes: 1 << 20, fault_mode, ..EngineConfig::default() };
+        let engine = Engine::new(config, Arc::new(MemDevice::new(16 << 20).unwrap())).unwrap();
+        let pages = 1024;
+        let region = engine.create_region(pages * 4096).unwrap();
+        touch_all(region.as_ptr(), pages, true);
+        assert_eq!(touch_all(region.as_ptr(), pages, false), (1..=pages as u64).sum::<u64>(), "{fault_mode:?}");
+        assert!(engine.stats().peak_resident_pages <= 256);
+    }
+}
