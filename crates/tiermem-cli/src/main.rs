@@ -58,7 +58,7 @@ struct MicroArgs {
     #[arg(long = "system", value_enum, value_delimiter = ',', default_values_t = MicroSystem::ALL)]
     systems: Vec<MicroSystem>,
     /// How tiermem takes faults.
-    #[arg(long, default_value = "thread", env = "TIERMEM_FAULT_MODE")]
+    #[arg(long, default_value = "sigbus", env = "TIERMEM_FAULT_MODE")]
     fault_mode: String,
     /// Array size in MiB.
     #[arg(long, default_value_t = 100)]

@@ -40,7 +40,7 @@ pub(crate) struct Shared {
     pub(crate) watermark_pages: u64,
     /// Pages come in write-protected and the first write faults (sync WP).
     pub(crate) write_protect: bool,
-    /// A page of zeros to copy into untouched pages.
+    /// Zeros to copy into untouched pages (enough for one zero-fill-around).
     pub(crate) zero_page: Mapping,
     /// Written to wake the reclaim thread (an eventfd: safe to write from a signal handler).
     pub(crate) reclaim_wake: OwnedFd,
@@ -159,7 +159,7 @@ impl Engine {
             limit_pages,
             watermark_pages,
             write_protect,
-            zero_page: Mapping::anonymous(PAGE_SIZE, true)?,
+            zero_page: Mapping::anonymous(PAGE_SIZE * crate::fault::ZERO_FILL_AROUND, true)?,
             reclaim_wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(|e| Error::os(e.into(), "eventfd"))?,
             stop_event: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(|e| Error::os(e.into(), "eventfd"))?,
             shutdown: AtomicBool::new(false),
@@ -328,7 +328,20 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        crate::reclaim::quiesce_region(&self.shared, &self.inner);
+        // Order matters: reclaim and completions run concurrently and may touch this region
+        // until it is out of the table. Stop new work, drain what is in flight, take it out
+        // under the write lock (retrying if a reclaim batch that began before `closing` left
+        // I/O behind), and only then count its pages and free its slots.
+        self.inner.closing.store(true, Ordering::SeqCst);
+        loop {
+            crate::reclaim::quiesce_region(&self.shared, &self.inner);
+            let mut table = self.shared.regions.write().unwrap_or_else(|e| e.into_inner());
+            if self.inner.busy() {
+                continue;
+            }
+            table.remove(self.inner.index);
+            break;
+        }
         let _ = self.shared.uffd.unregister(self.inner.mapping.as_ptr(), self.inner.mapping.len());
         let mut freed_resident = 0;
         for cell in self.inner.pages.iter() {
@@ -342,7 +355,6 @@ impl Drop for Region {
         }
         self.shared.resident.fetch_sub(freed_resident, Ordering::AcqRel);
         self.shared.reserved_pages.fetch_sub(self.inner.page_count(), Ordering::AcqRel);
-        self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).remove(self.inner.index);
     }
 }
 

@@ -142,15 +142,12 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, lane_hint:
                 continue;
             }
             Kind::Untouched if needs_room => {
-                if let Err(e) = map_page(shared, page_addr, shared.zero_page.as_ptr(), protect) {
-                    give_back(true, staging);
+                give_back(false, staging);
+                let filled = zero_fill_around(shared, region, index, locked, protect);
+                if let Err(e) = filled {
+                    shared.release_resident();
                     return outcome_of_copy_error(e);
                 }
-                give_back(false, staging);
-                locked.set(PageState::UNTOUCHED.with_kind(Kind::Resident).with_dirty(!protect));
-                drop(locked);
-                shared.replacement.on_insert(id);
-                Stats::add(&shared.stats.counters.zero_fills, 1);
                 shared.stats.record(Path::ZeroFault, started.elapsed().as_nanos() as u64);
                 return Outcome::Resolved;
             }
@@ -220,6 +217,62 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, lane_hint:
     }
 }
 
+/// Most pages one zero-fill maps: the faulting page and the untouched pages after it.
+pub(crate) const ZERO_FILL_AROUND: usize = 16;
+
+/// Map zeros at the faulting untouched page (locked, room reserved) and at the untouched pages
+/// right after it that can be locked and fit under the budget, with one UFFDIO_COPY. A program
+/// touching fresh memory then takes one fault per 16 pages instead of one per page, as the
+/// kernel's fault-around does for files.
+fn zero_fill_around(shared: &Shared, region: &RegionInner, index: u64, first: crate::page::LockedPage<'_>, protect: bool) -> Result<(), Errno> {
+    let mut run: [Option<crate::page::LockedPage<'_>>; ZERO_FILL_AROUND] = std::array::from_fn(|_| None);
+    run[0] = Some(first);
+    let mut len = 1;
+    while len < ZERO_FILL_AROUND {
+        let Some(cell) = region.pages.get(index as usize + len) else { break };
+        if cell.peek().kind() != Kind::Untouched {
+            break;
+        }
+        let Some(page) = cell.try_lock() else { break };
+        if page.state().kind() != Kind::Untouched || !shared.try_reserve_resident() {
+            break;
+        }
+        run[len] = Some(page);
+        len += 1;
+    }
+    let result = map_pages(shared, region.page_addr(index), shared.zero_page.as_ptr(), len, protect);
+    let installed = match result {
+        Ok(()) => len,
+        Err(_) => 0,
+    };
+    for (k, slot) in run.iter_mut().enumerate().take(len) {
+        let Some(mut page) = slot.take() else { continue };
+        if k < installed {
+            page.set(PageState::UNTOUCHED.with_kind(Kind::Resident).with_dirty(!protect));
+            drop(page);
+            shared.replacement.on_insert(region.id(index + k as u64));
+        } else if k > 0 {
+            // Only the extra pages' room is given back here; the caller owns the first's.
+            drop(page);
+            shared.release_resident();
+        }
+    }
+    Stats::add(&shared.stats.counters.zero_fills, installed as u64);
+    result
+}
+
+/// [`map_page`] for `count` contiguous pages from a source of at least that many pages.
+fn map_pages(shared: &Shared, dst: *mut u8, src: *const u8, count: usize, write_protect: bool) -> Result<(), Errno> {
+    loop {
+        // SAFETY: src is the zero area (ZERO_FILL_AROUND pages); dst..dst+count pages lie in a
+        // registered region and are all locked by the caller.
+        match unsafe { shared.uffd.copy(dst, src, count * PAGE_SIZE, write_protect, false) } {
+            Err(Errno::AGAIN) => std::hint::spin_loop(),
+            other => return other,
+        }
+    }
+}
+
 fn outcome_of_copy_error(e: Errno) -> Outcome {
     if e == Errno::EXIST {
         Outcome::Resolved
@@ -270,6 +323,9 @@ fn read_critical(shared: &Shared, regions: &RegionTable, region: &RegionInner, i
 /// mode) and the count is returned for the caller to wait on; otherwise they go on the
 /// completion-driven prefetch queue.
 fn issue_prefetches(shared: &Shared, region: &RegionInner, info: &FaultInfo, lane: Option<&mut dyn tiermem_device::IoQueue>) -> usize {
+    if region.is_closing() {
+        return 0;
+    }
     let mut wanted = PageList::default();
     shared.prefetcher.on_fault(info, &mut wanted);
     if wanted.as_slice().is_empty() {

@@ -145,6 +145,9 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
 fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId) -> Result<Victim<'a>, bool> {
     let (r, index) = split_page_id(id);
     let region = regions.get(r).ok_or(false)?;
+    if region.is_closing() {
+        return Err(false);
+    }
     let cell = region.pages.get(index as usize).ok_or(false)?;
     let peek = cell.peek();
     if peek.kind() != Kind::Resident {
@@ -296,8 +299,11 @@ pub(crate) fn reclaim_thread(shared: &Shared) {
         let regions = shared.regions();
         let mut idle_rounds = 0;
         while shared.resident() > target && !shared.shutdown.load(Ordering::Acquire) {
-            if evict_batch(shared, &regions, batch, Path::Reclaim) == 0 {
-                reap_background(shared, &regions);
+            let evicted = evict_batch(shared, &regions, batch, Path::Reclaim);
+            // Finish earlier writes here too: their buffers are what the next batch needs, and
+            // the completion thread may not get a CPU soon on a busy machine.
+            reap_background(shared, &regions);
+            if evicted == 0 {
                 idle_rounds += 1;
                 if idle_rounds > 100 {
                     break;
@@ -313,14 +319,7 @@ pub(crate) fn reclaim_thread(shared: &Shared) {
 /// Wait until no I/O of `region` is in flight and no thread holds one of its pages.
 pub(crate) fn quiesce_region(shared: &Shared, region: &RegionInner) {
     let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let busy = region.pages.iter().any(|c| {
-            let s = c.peek();
-            c.is_locked() || s.writing() || s.kind() == Kind::Incoming
-        });
-        if !busy {
-            return;
-        }
+    while region.busy() {
         {
             let regions = shared.regions();
             reap_background(shared, &regions);

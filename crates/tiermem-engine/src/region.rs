@@ -15,12 +15,26 @@ pub(crate) struct RegionInner {
     pub(crate) index: u32,
     pub(crate) mapping: Mapping,
     pub(crate) pages: Box<[PageCell]>,
+    /// Set when the region is being freed: reclaim and prefetch start no new work on it.
+    pub(crate) closing: std::sync::atomic::AtomicBool,
 }
 
 impl RegionInner {
     pub(crate) fn new(index: u32, mapping: Mapping) -> Self {
         let pages = (0..mapping.len() / PAGE_SIZE).map(|_| PageCell::default()).collect();
-        Self { index, mapping, pages }
+        Self { index, mapping, pages, closing: std::sync::atomic::AtomicBool::new(false) }
+    }
+
+    pub(crate) fn is_closing(&self) -> bool {
+        self.closing.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Whether any page is locked or has I/O in flight.
+    pub(crate) fn busy(&self) -> bool {
+        self.pages.iter().any(|c| {
+            let s = c.peek();
+            c.is_locked() || s.writing() || s.kind() == crate::page::Kind::Incoming
+        })
     }
 
     pub(crate) fn start(&self) -> usize {

@@ -149,8 +149,12 @@ impl Stats {
             reclaim_wakeups: l(&c.reclaim_wakeups),
             io_errors: l(&c.io_errors),
             peak_resident_pages: l(&c.peak_resident),
-            prefetch_accuracy: (issued > 0).then(|| (hits + l(&c.prefetch_installed)) as f64 / issued as f64),
-            prefetch_coverage: (hits + critical > 0).then(|| hits as f64 / (hits + critical) as f64),
+            // Pages mapped as soon as they arrive (eager install) are never seen being used, so
+            // accuracy is only known when every prefetched page waited for its first touch.
+            prefetch_accuracy: (issued > 0 && l(&c.prefetch_installed) == 0).then(|| hits as f64 / issued as f64),
+            prefetch_coverage: (hits + critical > 0 && l(&c.prefetch_installed) == 0).then(|| hits as f64 / (hits + critical) as f64),
+            prefetched_share: (l(&c.prefetch_installed) + hits + critical > 0)
+                .then(|| (l(&c.prefetch_installed) + hits) as f64 / (l(&c.prefetch_installed) + hits + critical) as f64),
             paths,
         }
     }
@@ -210,10 +214,14 @@ pub struct StatsSnapshot {
     pub io_errors: u64,
     /// Highest number of resident managed pages.
     pub peak_resident_pages: u64,
-    /// Prefetched pages used (hit or installed) per prefetch issued.
+    /// Prefetched pages used per prefetch issued (known only when prefetched pages wait for
+    /// their first touch; n/a with eager install).
     pub prefetch_accuracy: Option<f64>,
-    /// Faults served by prefetch per fault that needed a page from the device.
+    /// Faults served by prefetch per fault that needed a page from the device (known only when
+    /// prefetched pages wait for their first touch).
     pub prefetch_coverage: Option<f64>,
+    /// Share of pages read from the device that came by prefetch rather than by a fault.
+    pub prefetched_share: Option<f64>,
     /// Latency per path.
     pub paths: Vec<PathStats>,
 }
@@ -233,12 +241,13 @@ impl StatsSnapshot {
         );
         let _ = writeln!(
             s,
-            "prefetch        issued {}  installed {}  dropped {}  accuracy {}  coverage {}",
+            "prefetch        issued {}  installed {}  dropped {}  accuracy {}  coverage {}  prefetched share of page-ins {}",
             self.prefetch_issued,
             self.prefetch_installed,
             self.prefetch_dropped,
             pct(self.prefetch_accuracy),
-            pct(self.prefetch_coverage)
+            pct(self.prefetch_coverage),
+            pct(self.prefetched_share)
         );
         let _ = writeln!(
             s,

@@ -183,3 +183,25 @@ fn small_budget_with_default_buffers_pages_a_region_four_times_larger() {
         assert!(engine.stats().peak_resident_pages <= 256);
     }
 }
+
+#[test]
+fn freeing_regions_while_reclaim_runs_keeps_the_books_straight() {
+    let _serial = serial();
+    if features_or_skip("freeing_regions_while_reclaim_runs").is_none() {
+        return;
+    }
+    let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |_| {});
+    let keep = engine.create_region(512 * 4096).unwrap();
+    for round in 0..40 {
+        let doomed = engine.create_region(1024 * 4096).unwrap();
+        touch_all(doomed.as_ptr(), 1024, true);
+        touch_all(keep.as_ptr(), 512, true);
+        drop(doomed);
+        // Keep faulting right after the free, while reclaim is still busy.
+        assert_eq!(touch_all(keep.as_ptr(), 512, false), (1..=512u64).sum::<u64>(), "round {round}");
+        let resident = engine.resident_pages();
+        assert!(resident <= 256, "round {round}: resident count {resident} is corrupt");
+    }
+    drop(keep);
+    assert_eq!(engine.resident_pages(), 0, "every page of every freed region is accounted for");
+}
