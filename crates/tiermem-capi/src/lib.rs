@@ -295,13 +295,12 @@ pub unsafe extern "C" fn tiermem_engine_describe(engine: *const EngineHandle, bu
         let bytes = text.as_bytes();
         let full = c_int::try_from(bytes.len()).map_err(|_| "description too long".to_string())?;
         if len > 0 {
+            // SAFETY: `buf` is non-NULL (checked above since len > 0) and has `len` writable
+            // bytes per the caller; nothing else in this function refers to them.
+            let dst = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), len) };
             let n = bytes.len().min(len - 1);
-            // SAFETY: `buf` has `len` writable bytes and n + 1 <= len; the source is a live
-            // String that cannot overlap caller memory.
-            unsafe {
-                std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.cast::<u8>(), n);
-                buf.add(n).write(0);
-            }
+            dst[..n].copy_from_slice(&bytes[..n]);
+            dst[n] = 0;
         }
         Ok(full)
     })
