@@ -1,0 +1,143 @@
+//! Parsing the `key=value,key=value` option string of `tiermem_engine_new`.
+
+use tiermem_device::DeviceSpec;
+use tiermem_engine::config::parse_size;
+use tiermem_engine::EngineConfig;
+use tiermem_sys::{Error, ErrorKind, Result, PAGE_SIZE};
+
+/// The keys accepted, in the order the error message lists them.
+pub const KEYS: &[&str] = &[
+    "limit",
+    "device",
+    "device_size",
+    "fault_mode",
+    "dirty_tracking",
+    "io_mode",
+    "reclaim_mode",
+    "prefetch",
+    "replace",
+    "watermark",
+    "io_buffers",
+    "queue_depth",
+    "reclaim_batch",
+    "handler_threads",
+];
+
+/// An engine configuration plus the device to open for it.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The engine's configuration.
+    pub config: EngineConfig,
+    /// Which device.
+    pub device: DeviceSpec,
+    /// Device capacity in bytes (a whole number of pages).
+    pub device_size: u64,
+}
+
+fn number<T: std::str::FromStr>(value: &str) -> Result<T> {
+    value.parse().map_err(|_| Error::invalid(format!("'{value}' is not a valid number")))
+}
+
+/// Set the engine field `key` from `value`.
+fn apply(config: &mut EngineConfig, key: &str, value: &str) -> Result<()> {
+    match key {
+        "limit" => config.limit_bytes = parse_size(value)?,
+        "fault_mode" => config.fault_mode = value.parse()?,
+        "dirty_tracking" => config.dirty_tracking = value.parse()?,
+        "io_mode" => config.io_mode = value.parse()?,
+        "reclaim_mode" => config.reclaim_mode = value.parse()?,
+        "prefetch" => config.prefetch = value.to_string(),
+        "replace" => config.replace = value.to_string(),
+        "watermark" => config.watermark = number(value)?,
+        "io_buffers" => config.io_buffers = number(value)?,
+        "queue_depth" => config.queue_depth = number(value)?,
+        "reclaim_batch" => config.reclaim_batch = number(value)?,
+        "handler_threads" => config.handler_threads = number(value)?,
+        other => return Err(Error::new(ErrorKind::Internal, format!("option `{other}` is not an engine field"))),
+    }
+    Ok(())
+}
+
+/// Parse `text`. Every key is optional; an empty string gives the defaults. Errors name the key.
+pub fn parse(text: &str) -> Result<Options> {
+    let mut config = EngineConfig::default();
+    let mut device = DeviceSpec::Mem;
+    let mut device_size = None;
+    let mut seen: Vec<&str> = Vec::new();
+    for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let Some((key, value)) = item.split_once('=') else {
+            return Err(Error::invalid(format!("option `{item}` has no value: expected key=value")));
+        };
+        let (key, value) = (key.trim(), value.trim());
+        if !KEYS.contains(&key) {
+            return Err(Error::invalid(format!("unknown option `{key}` (accepted: {})", KEYS.join(", "))));
+        }
+        if seen.contains(&key) {
+            return Err(Error::invalid(format!("option `{key}` given twice")));
+        }
+        seen.push(key);
+        let named = |e: Error| e.context(format_args!("option `{key}`"));
+        match key {
+            "device" => device = DeviceSpec::parse(value).map_err(named)?,
+            "device_size" => device_size = Some(parse_size(value).map_err(named)?),
+            _ => {
+                // Check the value alone against the defaults, so the message names this key.
+                let mut probe = EngineConfig::default();
+                apply(&mut probe, key, value).and_then(|()| probe.validate()).map_err(named)?;
+                apply(&mut config, key, value)?;
+            }
+        }
+    }
+    config.validate()?;
+    let page = PAGE_SIZE as u64;
+    let device_size = match device_size {
+        Some(0) => return Err(Error::invalid("option `device_size`: must be greater than zero")),
+        Some(bytes) => bytes.checked_next_multiple_of(page),
+        None => config.limit_bytes.checked_mul(4).and_then(|b| b.checked_next_multiple_of(page)),
+    }
+    .ok_or_else(|| Error::invalid("option `device_size`: too large"))?;
+    Ok(Options { config, device, device_size })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tiermem_engine::{FaultMode, IoMode};
+
+    #[test]
+    fn defaults_and_full_strings_parse() {
+        let o = parse("").unwrap();
+        assert_eq!(o.device, DeviceSpec::Mem);
+        assert_eq!(o.device_size, 4 * o.config.limit_bytes);
+        let o = parse("limit=64MiB,device=mem,device_size=1GiB,fault_mode=thread,io_mode=hybrid,prefetch=readahead,replace=clock,watermark=0.7").unwrap();
+        assert_eq!(o.config.limit_bytes, 64 << 20);
+        assert_eq!(o.device_size, 1 << 30);
+        assert_eq!(o.config.fault_mode, FaultMode::HandlerThread);
+        assert_eq!(o.config.io_mode, IoMode::Hybrid);
+        let o = parse(" limit = 1MiB , fault_mode=sigbus, io_mode=poll-only,").unwrap();
+        assert_eq!(o.device_size, 4 << 20);
+        assert_eq!(o.config.fault_mode, FaultMode::Sigbus);
+        assert_eq!(parse("device_size=5000").unwrap().device_size, 8192);
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        for (text, needle) in [
+            ("bogus=1", "bogus"),
+            ("limit=banana", "limit"),
+            ("device=nvme", "device"),
+            ("device_size=0", "device_size"),
+            ("fault_mode=magic", "fault_mode"),
+            ("io_mode=fast", "io_mode"),
+            ("watermark=high", "watermark"),
+            ("watermark=1.5", "watermark"),
+            ("queue_depth=-1", "queue_depth"),
+            ("prefetch=oracle", "`prefetch`"),
+            ("limit", "limit"),
+            ("limit=1MiB,limit=2MiB", "twice"),
+        ] {
+            let message = parse(text).unwrap_err().to_string();
+            assert!(message.contains(needle), "{text}: {message}");
+        }
+    }
+}
