@@ -57,12 +57,18 @@ fn run(bin: &Path, limit: Duration) -> (Option<i32>, String, String) {
         std::thread::sleep(Duration::from_millis(20));
     }
     let out = child.wait_with_output().expect("collecting smoke output");
-    (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn evictions(stdout: &str) -> u64 {
-    let json = stdout.lines().find_map(|l| l.strip_prefix("stats: ")).unwrap_or_else(|| panic!("no stats line in:\n{stdout}"));
-    let value: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("stats are not JSON ({e}): {json}"));
+    let json =
+        stdout.lines().find_map(|l| l.strip_prefix("stats: ")).unwrap_or_else(|| panic!("no stats line in:\n{stdout}"));
+    let value: serde_json::Value =
+        serde_json::from_str(json).unwrap_or_else(|e| panic!("stats are not JSON ({e}): {json}"));
     value["evictions"].as_u64().unwrap_or_else(|| panic!("no evictions counter in {json}"))
 }
 
@@ -78,7 +84,10 @@ fn c_smoke_program_runs_against_the_shared_library() {
     let (code, stdout, stderr) = run(&bin, Duration::from_secs(120));
     let _ = std::fs::remove_file(&bin);
     if code == Some(SKIPPED) {
-        eprintln!("{}", stdout.lines().find(|l| l.starts_with("SKIPPED")).unwrap_or("SKIPPED: userfaultfd unavailable"));
+        eprintln!(
+            "{}",
+            stdout.lines().find(|l| l.starts_with("SKIPPED")).unwrap_or("SKIPPED: userfaultfd unavailable")
+        );
         return;
     }
     assert_eq!(code, Some(0), "smoke.c failed (None = killed after 120 s)\nstdout:\n{stdout}\nstderr:\n{stderr}");
@@ -103,7 +112,9 @@ fn header_is_valid_cxx() {
         .spawn()
         .and_then(|mut child| {
             use std::io::Write;
-            child.stdin.take().expect("stdin").write_all(b"#include <tiermem.h>\n#include <tiermem.h>\nint main() { return tiermem_last_error() == nullptr; }\n")?;
+            child.stdin.take().expect("stdin").write_all(
+                b"#include <tiermem.h>\n#include <tiermem.h>\nint main() { return tiermem_last_error() == nullptr; }\n",
+            )?;
             child.wait()
         })
         .expect("running c++");

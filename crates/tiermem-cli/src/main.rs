@@ -143,10 +143,14 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
                     details.push(serde_json::json!({"system": name, "linux_swap": point}));
                 })
             }
-            Some(variant) => micro_tiermem::tiermem_point(variant, args.size_mb, args.limit_mb, &dir, fault_mode, Some(&report)).map(|point| {
-                rows.push(Row::new(&name, &point.array, Some(&point.stats)));
-                details.push(serde_json::json!({"system": name, "tiermem": point}));
-            }),
+            Some(variant) => {
+                micro_tiermem::tiermem_point(variant, args.size_mb, args.limit_mb, &dir, fault_mode, Some(&report)).map(
+                    |point| {
+                        rows.push(Row::new(&name, &point.array, Some(&point.stats)));
+                        details.push(serde_json::json!({"system": name, "tiermem": point}));
+                    },
+                )
+            }
         };
         bar.finish_and_clear();
         if let Err(e) = outcome {

@@ -35,7 +35,9 @@ fn probe_reports_every_feature() {
     let out = tiermem(&["probe"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8_lossy(&out.stdout);
-    for feature in ["MISSING", "WP", "COPY_MODE_WP", "WP_ASYNC", "PAGEMAP_SCAN", "SIGBUS", "MOVE", "MINOR", "device file"] {
+    for feature in
+        ["MISSING", "WP", "COPY_MODE_WP", "WP_ASYNC", "PAGEMAP_SCAN", "SIGBUS", "MOVE", "MINOR", "device file"]
+    {
         assert!(text.contains(feature), "probe output lacks {feature}:\n{text}");
     }
 }
@@ -47,7 +49,17 @@ fn small_micro_run_verifies_every_page_on_mem_and_file() {
         eprintln!("SKIPPED small_micro_run: userfaultfd with WP unavailable ({:?})", probe.error);
         return;
     }
-    let out = tiermem(&["bench", "micro", "--system", "tiermem-mem,tiermem-file", "--size-mb", "16", "--limit-mb", "8", "--json"]);
+    let out = tiermem(&[
+        "bench",
+        "micro",
+        "--system",
+        "tiermem-mem,tiermem-file",
+        "--size-mb",
+        "16",
+        "--limit-mb",
+        "8",
+        "--json",
+    ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
     let rows = json["rows"].as_array().expect("rows");

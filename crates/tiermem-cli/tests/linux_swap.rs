@@ -35,7 +35,10 @@ macro_rules! skip_unless_privileged {
 /// A scratch directory for swap files on the file system the benchmark targets (/tmp here), not
 /// on tmpfs, which cannot hold swap files.
 fn swap_scratch_dir() -> tempfile::TempDir {
-    tempfile::Builder::new().prefix("tiermem-test-").tempdir_in(std::env::temp_dir()).expect("creating a scratch directory")
+    tempfile::Builder::new()
+        .prefix("tiermem-test-")
+        .tempdir_in(std::env::temp_dir())
+        .expect("creating a scratch directory")
 }
 
 fn swap_is_active(path: &Path) -> bool {
@@ -206,7 +209,8 @@ fn sigint_during_a_run_cleans_up_and_exits_130() {
         .find(|path| path.starts_with(std::fs::canonicalize(dir.path()).unwrap()))
         .expect("the swap file is active while the worker runs");
 
-    rustix::process::kill_process(rustix::process::Pid::from_raw(pid as i32).unwrap(), rustix::process::Signal::INT).unwrap();
+    rustix::process::kill_process(rustix::process::Pid::from_raw(pid as i32).unwrap(), rustix::process::Signal::INT)
+        .unwrap();
     let output = tiermem.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "stderr: {stderr}");
@@ -217,9 +221,11 @@ fn sigint_during_a_run_cleans_up_and_exits_130() {
 
 fn assert_no_leftovers(swap_dir: &Path) {
     let swap_dir = std::fs::canonicalize(swap_dir).unwrap();
-    let active: Vec<PathBuf> = active_swap_paths().unwrap().into_iter().filter(|path| path.starts_with(&swap_dir)).collect();
+    let active: Vec<PathBuf> =
+        active_swap_paths().unwrap().into_iter().filter(|path| path.starts_with(&swap_dir)).collect();
     assert!(active.is_empty(), "swap files still active: {active:?}");
-    let files: Vec<PathBuf> = std::fs::read_dir(&swap_dir).unwrap().filter_map(|entry| entry.ok().map(|entry| entry.path())).collect();
+    let files: Vec<PathBuf> =
+        std::fs::read_dir(&swap_dir).unwrap().filter_map(|entry| entry.ok().map(|entry| entry.path())).collect();
     assert!(files.is_empty(), "files left in the swap directory: {files:?}");
     let (_, hierarchy) = memory_hierarchy().unwrap();
     let own_prefix = format!("tiermem-micro-{}-", std::process::id());

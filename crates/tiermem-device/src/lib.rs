@@ -105,7 +105,9 @@ pub const MAX_QUEUE_DEPTH: u32 = 4096;
 /// Reject a queue depth outside `1..=MAX_QUEUE_DEPTH`.
 pub(crate) fn check_queue_depth(depth: u32) -> Result<()> {
     if depth == 0 || depth > MAX_QUEUE_DEPTH {
-        return Err(Error::invalid(format!("queue depth {depth} is out of range: it must be between 1 and {MAX_QUEUE_DEPTH}")));
+        return Err(Error::invalid(format!(
+            "queue depth {depth} is out of range: it must be between 1 and {MAX_QUEUE_DEPTH}"
+        )));
     }
     Ok(())
 }

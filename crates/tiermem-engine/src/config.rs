@@ -146,7 +146,11 @@ impl EngineConfig {
             return Err(Error::invalid(format!("watermark {} must be in (0, 1]", self.watermark)));
         }
         if self.io_buffers < 16 || self.io_buffers > crate::page::MAX_BUF {
-            return Err(Error::invalid(format!("io_buffers {} must be in 16..={}", self.io_buffers, crate::page::MAX_BUF)));
+            return Err(Error::invalid(format!(
+                "io_buffers {} must be in 16..={}",
+                self.io_buffers,
+                crate::page::MAX_BUF
+            )));
         }
         if self.queue_depth == 0 || self.queue_depth > 4096 {
             return Err(Error::invalid(format!("queue depth {} must be in 1..=4096", self.queue_depth)));
@@ -198,7 +202,8 @@ impl FromStr for Limit {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         if let Some(p) = s.trim().strip_suffix('%') {
-            let v: f64 = p.trim().parse().map_err(|_| Error::invalid(format!("'{s}' is not a percentage (example: 40%)")))?;
+            let v: f64 =
+                p.trim().parse().map_err(|_| Error::invalid(format!("'{s}' is not a percentage (example: 40%)")))?;
             if !(v > 0.0 && v <= 100.0) {
                 return Err(Error::invalid(format!("limit {s} must be above 0% and at most 100%")));
             }
@@ -218,7 +223,9 @@ impl Limit {
         match (self, footprint) {
             (Limit::Bytes(b), _) => Ok(b),
             (Limit::Percent(p), Some(f)) => Ok((f as f64 * p / 100.0) as u64),
-            (Limit::Percent(p), None) => Err(Error::invalid(format!("a limit of {p}% needs the footprint (give --footprint)"))),
+            (Limit::Percent(p), None) => {
+                Err(Error::invalid(format!("a limit of {p}% needs the footprint (give --footprint)")))
+            }
         }
     }
 }

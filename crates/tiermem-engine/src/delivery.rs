@@ -18,17 +18,20 @@ pub(crate) fn handler_thread(shared: &Shared, lane: usize) {
             return;
         }
         match shared.uffd.read_event() {
-            Ok(Some(Event::PageFault { addr, write, wp, tid })) => match handle_fault(shared, addr, write || wp, lane) {
-                Outcome::Resolved => {}
-                Outcome::NotOurs => {
-                    // A region going away under a faulting thread: let it retry and find out.
-                    let _ = shared.uffd.wake((addr & !(PAGE_SIZE - 1)) as *mut u8, PAGE_SIZE);
+            Ok(Some(Event::PageFault { addr, write, wp, tid })) => {
+                match handle_fault(shared, addr, write || wp, lane) {
+                    Outcome::Resolved => {}
+                    Outcome::NotOurs => {
+                        // A region going away under a faulting thread: let it retry and find out.
+                        let _ = shared.uffd.wake((addr & !(PAGE_SIZE - 1)) as *mut u8, PAGE_SIZE);
+                    }
+                    Outcome::Failed(e) => fail_faulting_thread(addr, tid, e),
                 }
-                Outcome::Failed(e) => fail_faulting_thread(addr, tid, e),
-            },
+            }
             Ok(Some(_)) => {}
             Ok(None) => {
-                let mut fds = [PollFd::new(&shared.uffd, PollFlags::IN), PollFd::new(&shared.stop_event, PollFlags::IN)];
+                let mut fds =
+                    [PollFd::new(&shared.uffd, PollFlags::IN), PollFd::new(&shared.stop_event, PollFlags::IN)];
                 let _ = poll(&mut fds, None);
             }
             Err(Errno::INTR) => {}
@@ -42,6 +45,7 @@ pub(crate) fn handler_thread(shared: &Shared, lane: usize) {
 
 /// The page cannot be delivered. Like the kernel after a swap-in I/O error, kill the faulting
 /// thread with SIGBUS rather than hand it wrong data.
+#[allow(clippy::multiple_unsafe_ops_per_block)] // one signal sent one of two ways
 fn fail_faulting_thread(addr: usize, tid: u32, e: Errno) {
     report_failure(addr, e);
     let pid = rustix::process::getpid().as_raw_nonzero().get();
@@ -59,7 +63,10 @@ fn fail_faulting_thread(addr: usize, tid: u32, e: Errno) {
 fn report_failure(addr: usize, e: Errno) {
     let mut msg = [0u8; 160];
     let mut w = Writer { buf: &mut msg, len: 0 };
-    let _ = std::fmt::Write::write_fmt(&mut w, format_args!("tiermem: cannot bring in page at {addr:#x}: {e}; raising SIGBUS\n"));
+    let _ = std::fmt::Write::write_fmt(
+        &mut w,
+        format_args!("tiermem: cannot bring in page at {addr:#x}: {e}; raising SIGBUS\n"),
+    );
     let len = w.len;
     let _ = rustix::io::write(rustix::stdio::stderr(), &msg[..len]);
 }
@@ -100,6 +107,7 @@ fn lane_hint() -> usize {
     })
 }
 
+#[allow(clippy::multiple_unsafe_ops_per_block)] // FFI reads of kernel-provided signal structs
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
     // SAFETY: errno is thread-local; saving and restoring it keeps the interrupted code's view.
     let saved_errno = unsafe { *libc::__errno_location() };
@@ -109,7 +117,8 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *
     if !engine.is_null() && code == libc::BUS_ADRERR {
         // SAFETY: the kernel passes the interrupted context; on x86-64 REG_ERR holds the page
         // fault error code, whose bit 1 is set for writes.
-        let write = unsafe { (*(context as *const libc::ucontext_t)).uc_mcontext.gregs[libc::REG_ERR as usize] & 2 != 0 };
+        let write =
+            unsafe { (*(context as *const libc::ucontext_t)).uc_mcontext.gregs[libc::REG_ERR as usize] & 2 != 0 };
         // SAFETY: the pointer is published only while the engine is alive (uninstall clears it
         // before the engine is dropped).
         let shared = unsafe { &*engine };
@@ -126,6 +135,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *
     chain_to_previous(sig, info, context);
 }
 
+#[allow(clippy::multiple_unsafe_ops_per_block)] // calling the saved handler is one FFI act
 fn chain_to_previous(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
     let prev = PREVIOUS_ACTION.load(Ordering::Acquire);
     // SAFETY: prev is null or points to a leaked sigaction saved at install time.
@@ -153,7 +163,10 @@ fn chain_to_previous(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut
 pub(crate) fn install_sigbus(shared: &std::sync::Arc<Shared>) -> Result<()> {
     let ptr = std::sync::Arc::as_ptr(shared) as *mut Shared;
     if SIGBUS_ENGINE.compare_exchange(std::ptr::null_mut(), ptr, Ordering::AcqRel, Ordering::Acquire).is_err() {
-        return Err(Error::new(ErrorKind::InvalidInput, "another engine in this process already uses fault mode sigbus"));
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "another engine in this process already uses fault mode sigbus",
+        ));
     }
     // SAFETY: a zeroed sigaction is a valid starting point; we fill handler, mask and flags.
     let mut action: libc::sigaction = unsafe { std::mem::zeroed() };

@@ -125,7 +125,10 @@ impl Engine {
             DirtyTracking::Auto => features.wp && features.copy_mode_wp,
             DirtyTracking::SyncWriteProtect => {
                 if !(features.wp && features.copy_mode_wp) {
-                    return Err(Error::new(ErrorKind::Unsupported, "sync-wp dirty tracking needs userfaultfd WP and COPY_MODE_WP, which this kernel lacks"));
+                    return Err(Error::new(
+                        ErrorKind::Unsupported,
+                        "sync-wp dirty tracking needs userfaultfd WP and COPY_MODE_WP, which this kernel lacks",
+                    ));
                 }
                 true
             }
@@ -136,7 +139,10 @@ impl Engine {
         }
         if config.fault_mode == FaultMode::Sigbus {
             if !features.sigbus {
-                return Err(Error::new(ErrorKind::Unsupported, "fault mode sigbus needs UFFD_FEATURE_SIGBUS, which this kernel lacks"));
+                return Err(Error::new(
+                    ErrorKind::Unsupported,
+                    "fault mode sigbus needs UFFD_FEATURE_SIGBUS, which this kernel lacks",
+                ));
             }
             wanted = wanted.with(Features::SIGBUS);
         }
@@ -160,8 +166,10 @@ impl Engine {
             watermark_pages,
             write_protect,
             zero_page: Mapping::anonymous(PAGE_SIZE * crate::fault::ZERO_FILL_AROUND, true)?,
-            reclaim_wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(|e| Error::os(e.into(), "eventfd"))?,
-            stop_event: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(|e| Error::os(e.into(), "eventfd"))?,
+            reclaim_wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+                .map_err(|e| Error::os(e.into(), "eventfd"))?,
+            stop_event: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+                .map_err(|e| Error::os(e.into(), "eventfd"))?,
             shutdown: AtomicBool::new(false),
             reserved_pages: AtomicU64::new(0),
             pins: std::sync::Mutex::new(Vec::new()),
@@ -169,7 +177,10 @@ impl Engine {
         });
         let mut threads = Vec::new();
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new().name(name.into()).spawn(f).map_err(|e| Error::os(e, format!("spawning thread {name}")))
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(f)
+                .map_err(|e| Error::os(e, format!("spawning thread {name}")))
         };
         {
             let s = shared.clone();
@@ -183,7 +194,10 @@ impl Engine {
             FaultMode::HandlerThread => {
                 for i in 0..shared.config.handler_threads {
                     let s = shared.clone();
-                    threads.push(spawn(&format!("tiermem-fault{i}"), Box::new(move || crate::delivery::handler_thread(&s, i)))?);
+                    threads.push(spawn(
+                        &format!("tiermem-fault{i}"),
+                        Box::new(move || crate::delivery::handler_thread(&s, i)),
+                    )?);
                 }
             }
             FaultMode::Sigbus => crate::delivery::install_sigbus(&shared)?,
@@ -216,8 +230,8 @@ impl Engine {
                 format!(
                     "device {} holds {} MiB; regions would need {} MiB: use a larger device",
                     self.shared.device.describe(),
-                    capacity * PAGE_SIZE as u64 >> 20,
-                    (before + pages) * PAGE_SIZE as u64 >> 20
+                    (capacity * PAGE_SIZE as u64) >> 20,
+                    ((before + pages) * PAGE_SIZE as u64) >> 20
                 ),
             ));
         }
@@ -237,7 +251,12 @@ impl Engine {
                 return Err(e);
             }
         };
-        let inner = self.shared.regions.write().unwrap_or_else(|e| e.into_inner()).insert(|index| RegionInner::new(index, mapping));
+        let inner = self
+            .shared
+            .regions
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(|index| RegionInner::new(index, mapping));
         Ok(Region { shared: self.shared.clone(), inner })
     }
 
@@ -287,7 +306,7 @@ impl Engine {
             self.shared.queues.describe(),
             self.shared.config.reclaim_mode,
             self.shared.config.watermark * 100.0,
-            self.shared.limit_pages * PAGE_SIZE as u64 >> 20,
+            (self.shared.limit_pages * PAGE_SIZE as u64) >> 20,
             self.shared.prefetcher.name(),
             self.shared.replacement.name(),
         )

@@ -71,7 +71,9 @@ fn reserve_room(shared: &Shared, regions: &RegionTable) {
         if shared.try_reserve_resident() {
             return;
         }
-        if crate::reclaim::evict_batch(shared, regions, 8, Path::DirectReclaim) == 0 && reap_background(shared, regions) == 0 {
+        if crate::reclaim::evict_batch(shared, regions, 8, Path::DirectReclaim) == 0
+            && reap_background(shared, regions) == 0
+        {
             std::thread::yield_now();
         }
     }
@@ -164,7 +166,13 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, lane_hint:
                 shared.replacement.on_insert(id);
                 Stats::add(&shared.stats.counters.prefetch_hits, 1);
                 shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
-                let info = FaultInfo { region: region.index, page: index, region_pages: region.page_count(), write, hit: true };
+                let info = FaultInfo {
+                    region: region.index,
+                    page: index,
+                    region_pages: region.page_count(),
+                    write,
+                    hit: true,
+                };
                 issue_prefetches(shared, region, &info, None);
                 return Outcome::Resolved;
             }
@@ -185,7 +193,13 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, lane_hint:
             Kind::Evicted if needs_room && staging.is_some() => {
                 let buf = staging.unwrap_or_default();
                 let slot = state.slot().unwrap_or_default();
-                let info = FaultInfo { region: region.index, page: index, region_pages: region.page_count(), write, hit: false };
+                let info = FaultInfo {
+                    region: region.index,
+                    page: index,
+                    region_pages: region.page_count(),
+                    write,
+                    hit: false,
+                };
                 if let Err(e) = read_critical(shared, &regions, region, id, slot, buf, &info, lane_hint) {
                     give_back(true, Some(buf));
                     Stats::add(&shared.stats.counters.io_errors, 1);
@@ -224,7 +238,13 @@ pub(crate) const ZERO_FILL_AROUND: usize = 16;
 /// right after it that can be locked and fit under the budget, with one UFFDIO_COPY. A program
 /// touching fresh memory then takes one fault per 16 pages instead of one per page, as the
 /// kernel's fault-around does for files.
-fn zero_fill_around(shared: &Shared, region: &RegionInner, index: u64, first: crate::page::LockedPage<'_>, protect: bool) -> Result<(), Errno> {
+fn zero_fill_around(
+    shared: &Shared,
+    region: &RegionInner,
+    index: u64,
+    first: crate::page::LockedPage<'_>,
+    protect: bool,
+) -> Result<(), Errno> {
     let mut run: [Option<crate::page::LockedPage<'_>>; ZERO_FILL_AROUND] = std::array::from_fn(|_| None);
     run[0] = Some(first);
     let mut len = 1;
@@ -283,7 +303,16 @@ fn outcome_of_copy_error(e: Errno) -> Outcome {
 
 /// Read the faulting page first on a lane, then issue prefetches, then poll for the page.
 #[allow(clippy::too_many_arguments)]
-fn read_critical(shared: &Shared, regions: &RegionTable, region: &RegionInner, id: u64, slot: u64, buf: BufId, info: &FaultInfo, lane_hint: usize) -> Result<(), Errno> {
+fn read_critical(
+    shared: &Shared,
+    regions: &RegionTable,
+    region: &RegionInner,
+    id: u64,
+    slot: u64,
+    buf: BufId,
+    info: &FaultInfo,
+    lane_hint: usize,
+) -> Result<(), Errno> {
     let critical_tag = tag(Op::Critical, id);
     let mut lane = shared.queues.lane(lane_hint);
     lane.push(Request::Read { slot, buf }, critical_tag).map_err(|_| Errno::IO)?;
@@ -322,7 +351,12 @@ fn read_critical(shared: &Shared, regions: &RegionTable, region: &RegionInner, i
 /// Ask the prefetcher and start reading its pages. With `lane`, the reads go there (poll-only
 /// mode) and the count is returned for the caller to wait on; otherwise they go on the
 /// completion-driven prefetch queue.
-fn issue_prefetches(shared: &Shared, region: &RegionInner, info: &FaultInfo, lane: Option<&mut dyn tiermem_device::IoQueue>) -> usize {
+fn issue_prefetches(
+    shared: &Shared,
+    region: &RegionInner,
+    info: &FaultInfo,
+    lane: Option<&mut dyn tiermem_device::IoQueue>,
+) -> usize {
     if region.is_closing() {
         return 0;
     }
@@ -399,7 +433,12 @@ pub(crate) fn install_prefetched(shared: &Shared, region: &RegionInner, index: u
 
 /// A write-back failed. The buffer (still owned by the caller) holds the only copy: if the page
 /// is not resident, map it back, dirty; in every case forget the slot. Returns the new state.
-pub(crate) fn recover_failed_writeback(shared: &Shared, region: &RegionInner, index: u64, state: PageState) -> PageState {
+pub(crate) fn recover_failed_writeback(
+    shared: &Shared,
+    region: &RegionInner,
+    index: u64,
+    state: PageState,
+) -> PageState {
     let state = state.with_writing(false).with_slot(None).with_dirty(true);
     if state.kind() == Kind::Resident {
         return state;
@@ -431,7 +470,10 @@ pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize
     let end = (addr + len).div_ceil(PAGE_SIZE) * PAGE_SIZE;
     let pages = ((end - start) / PAGE_SIZE) as u64;
     if pages * 2 > shared.limit_pages {
-        return Err(Error::invalid(format!("cannot hold {pages} pages resident for a system call under a budget of {} pages", shared.limit_pages)));
+        return Err(Error::invalid(format!(
+            "cannot hold {pages} pages resident for a system call under a budget of {} pages",
+            shared.limit_pages
+        )));
     }
     {
         let regions = shared.regions();
@@ -446,7 +488,9 @@ pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize
             match handle_fault(shared, page, write, 0) {
                 Outcome::Resolved => {}
                 Outcome::NotOurs => return Err(Error::invalid(format!("address {page:#x} left its region"))),
-                Outcome::Failed(e) => return Err(Error::os_kind(ErrorKind::Io, e.into(), format!("bringing in page {page:#x}"))),
+                Outcome::Failed(e) => {
+                    return Err(Error::os_kind(ErrorKind::Io, e.into(), format!("bringing in page {page:#x}")))
+                }
             }
             // Resolved may mean "resident but clean" for a write: fault again until dirty.
             let regions = shared.regions();

@@ -75,7 +75,12 @@ fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Queues {
-    pub(crate) fn open(config: &EngineConfig, device: &dyn Device, arena: &std::sync::Arc<BufferArena>, _kernel: String) -> Result<Self> {
+    pub(crate) fn open(
+        config: &EngineConfig,
+        device: &dyn Device,
+        arena: &std::sync::Arc<BufferArena>,
+        _kernel: String,
+    ) -> Result<Self> {
         let lane_kind = match config.io_mode {
             IoMode::Hybrid | IoMode::PollOnly => QueueKind::Polled,
             IoMode::InterruptOnly => QueueKind::Completion,
@@ -88,7 +93,8 @@ impl Queues {
             .map(|_| device.open_queue(lane_kind, config.queue_depth, arena).map(Mutex::new))
             .collect::<Result<Vec<_>>>()?;
         // In poll-only mode write-backs are waited for by polling too.
-        let background_kind = if config.io_mode == IoMode::PollOnly { QueueKind::Polled } else { QueueKind::Completion };
+        let background_kind =
+            if config.io_mode == IoMode::PollOnly { QueueKind::Polled } else { QueueKind::Completion };
         let prefetch = device.open_queue(background_kind, config.queue_depth, arena)?;
         let writeback = device.open_queue(background_kind, config.queue_depth, arena)?;
         let description = format!(
@@ -98,8 +104,9 @@ impl Queues {
             prefetch.wait_mode(),
             writeback.wait_mode()
         );
-        let wake = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
-            .map_err(|e| Error::os(e.into(), "eventfd"))?;
+        let wake =
+            rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
+                .map_err(|e| Error::os(e.into(), "eventfd"))?;
         Ok(Self {
             lanes,
             prefetch: Mutex::new(prefetch),
@@ -255,7 +262,8 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
 pub(crate) fn completion_thread(shared: &Shared) {
     let prefetch_fd = shared.queues.prefetch().notify_fd().map(|fd| fd.try_clone_to_owned());
     let writeback_fd = shared.queues.writeback().notify_fd().map(|fd| fd.try_clone_to_owned());
-    let fds: Vec<std::os::fd::OwnedFd> = [prefetch_fd, writeback_fd].into_iter().flatten().filter_map(|r| r.ok()).collect();
+    let fds: Vec<std::os::fd::OwnedFd> =
+        [prefetch_fd, writeback_fd].into_iter().flatten().filter_map(|r| r.ok()).collect();
     let mut buf = [0u8; 8];
     while !shared.shutdown.load(Ordering::Acquire) {
         {

@@ -109,7 +109,9 @@ pub fn prefetcher_by_name(name: &str) -> Result<Box<dyn Prefetcher>> {
     match name {
         "none" => Ok(Box::new(NoPrefetch)),
         "readahead" => Ok(Box::new(Readahead::new(3))),
-        other => Err(Error::invalid(format!("unknown prefetcher '{other}' (expected one of: {})", PREFETCHERS.join(", ")))),
+        other => {
+            Err(Error::invalid(format!("unknown prefetcher '{other}' (expected one of: {})", PREFETCHERS.join(", "))))
+        }
     }
 }
 
@@ -118,6 +120,9 @@ pub fn replacement_by_name(name: &str, capacity_pages: usize) -> Result<Box<dyn 
     match name {
         "clock" => Ok(Box::new(Clock::new(capacity_pages, true))),
         "fifo" => Ok(Box::new(Clock::new(capacity_pages, false))),
-        other => Err(Error::invalid(format!("unknown replacement policy '{other}' (expected one of: {})", REPLACEMENTS.join(", ")))),
+        other => Err(Error::invalid(format!(
+            "unknown replacement policy '{other}' (expected one of: {})",
+            REPLACEMENTS.join(", ")
+        ))),
     }
 }

@@ -68,11 +68,16 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
     let victims = &mut storage[..n];
     victims.sort_by_key(|v| v.as_ref().map_or(PageId::MAX, |v| v.id));
     // Write-protect the dirty pages, run by run: from here a racing write waits for our lock.
-    for_each_run(victims, |v| v.buf.is_some(), |addr, len| shared.uffd.write_protect(addr, len, true, false).is_ok(), |v, ok| {
-        if !ok {
-            v.next = Some(v.page.state());
-        }
-    });
+    for_each_run(
+        victims,
+        |v| v.buf.is_some(),
+        |addr, len| shared.uffd.write_protect(addr, len, true, false).is_ok(),
+        |v, ok| {
+            if !ok {
+                v.next = Some(v.page.state());
+            }
+        },
+    );
     queue_writes(shared, victims);
     for v in victims.iter_mut().flatten().filter(|v| v.next.is_none()) {
         v.next = Some(match v.page.state().slot() {
@@ -91,7 +96,9 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
                 // Still mapped: stays resident (a write in flight for it is harmless).
                 let keep = v.page.state();
                 v.next = Some(match v.buf {
-                    Some(b) if v.next.is_some_and(|n| n.writing()) => keep.with_slot(v.slot.map(|s| s.0)).with_writing(true).with_buf(b),
+                    Some(b) if v.next.is_some_and(|n| n.writing()) => {
+                        keep.with_slot(v.slot.map(|s| s.0)).with_writing(true).with_buf(b)
+                    }
                     _ => keep,
                 });
             }
@@ -266,7 +273,9 @@ fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
         }
         queued += 1;
         Stats::add(&shared.stats.counters.writebacks, 1);
-        v.next = Some(state.with_kind(Kind::Evicted).with_slot(Some(slot)).with_dirty(false).with_writing(true).with_buf(buf));
+        v.next = Some(
+            state.with_kind(Kind::Evicted).with_slot(Some(slot)).with_dirty(false).with_writing(true).with_buf(buf),
+        );
     }
     if queued > 0 && queue.submit().is_err() {
         tracing::error!("submitting write-backs failed; their pages stay resident");

@@ -152,9 +152,11 @@ impl Stats {
             // Pages mapped as soon as they arrive (eager install) are never seen being used, so
             // accuracy is only known when every prefetched page waited for its first touch.
             prefetch_accuracy: (issued > 0 && l(&c.prefetch_installed) == 0).then(|| hits as f64 / issued as f64),
-            prefetch_coverage: (hits + critical > 0 && l(&c.prefetch_installed) == 0).then(|| hits as f64 / (hits + critical) as f64),
-            prefetched_share: (l(&c.prefetch_installed) + hits + critical > 0)
-                .then(|| (l(&c.prefetch_installed) + hits) as f64 / (l(&c.prefetch_installed) + hits + critical) as f64),
+            prefetch_coverage: (hits + critical > 0 && l(&c.prefetch_installed) == 0)
+                .then(|| hits as f64 / (hits + critical) as f64),
+            prefetched_share: (l(&c.prefetch_installed) + hits + critical > 0).then(|| {
+                (l(&c.prefetch_installed) + hits) as f64 / (l(&c.prefetch_installed) + hits + critical) as f64
+            }),
             paths,
         }
     }
@@ -233,7 +235,12 @@ impl StatsSnapshot {
         let mut s = String::new();
         let pct = |v: Option<f64>| v.map_or("n/a".to_string(), |v| format!("{:.1}%", v * 100.0));
         let mib = |pages: u64| pages as f64 * 4096.0 / (1 << 20) as f64;
-        let _ = writeln!(s, "peak resident   {:.1} MiB ({} pages)", mib(self.peak_resident_pages), self.peak_resident_pages);
+        let _ = writeln!(
+            s,
+            "peak resident   {:.1} MiB ({} pages)",
+            mib(self.peak_resident_pages),
+            self.peak_resident_pages
+        );
         let _ = writeln!(
             s,
             "faults          critical {}  zero-fill {}  prefetch-hit {}  write-back-hit {}  write-protect {}",
@@ -255,10 +262,24 @@ impl StatsSnapshot {
             self.evictions, self.writebacks, self.clean_drops, self.zero_drops, self.direct_reclaims
         );
         let read_pages = self.critical_reads + self.prefetch_issued;
-        let _ = writeln!(s, "bytes           in {:.1} MiB  out {:.1} MiB  errors {}", mib(read_pages), mib(self.writebacks), self.io_errors);
-        let _ = writeln!(s, "{:<15} {:>9} {:>9} {:>9} {:>9} {:>10}", "path", "count", "mean µs", "p50 µs", "p99 µs", "total ms");
+        let _ = writeln!(
+            s,
+            "bytes           in {:.1} MiB  out {:.1} MiB  errors {}",
+            mib(read_pages),
+            mib(self.writebacks),
+            self.io_errors
+        );
+        let _ = writeln!(
+            s,
+            "{:<15} {:>9} {:>9} {:>9} {:>9} {:>10}",
+            "path", "count", "mean µs", "p50 µs", "p99 µs", "total ms"
+        );
         for p in self.paths.iter().filter(|p| p.count > 0) {
-            let _ = writeln!(s, "{:<15} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>10.1}", p.path, p.count, p.mean_us, p.p50_us, p.p99_us, p.total_ms);
+            let _ = writeln!(
+                s,
+                "{:<15} {:>9} {:>9.2} {:>9.2} {:>9.2} {:>10.1}",
+                p.path, p.count, p.mean_us, p.p50_us, p.p99_us, p.total_ms
+            );
         }
         s
     }

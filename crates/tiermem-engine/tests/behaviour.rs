@@ -1,3 +1,4 @@
+#![allow(clippy::multiple_unsafe_ops_per_block)] // raw pointer walks over test regions, one invariant each
 //! What the engine promises besides integrity: clean pages cost no writes, system calls on
 //! evicted memory work, bad input is refused clearly.
 
@@ -42,7 +43,11 @@ fn rereading_an_unmodified_region_writes_nothing() {
         let before = engine.stats();
         assert_eq!(touch_all(region.as_ptr(), pages, false), expect);
         let after = engine.stats();
-        eprintln!("{name}: second read pass evicted {} pages, wrote {}", after.evictions - before.evictions, after.writebacks - before.writebacks);
+        eprintln!(
+            "{name}: second read pass evicted {} pages, wrote {}",
+            after.evictions - before.evictions,
+            after.writebacks - before.writebacks
+        );
         assert!(after.evictions - before.evictions >= 500, "{name}: the re-read must evict");
         assert_eq!(after.writebacks, before.writebacks, "{name}: clean pages were written back");
         assert!(after.clean_drops > before.clean_drops);
@@ -62,21 +67,22 @@ fn evicted_pattern(engine: &Engine, pages: usize) -> (tiermem_engine::Region, Ve
 
 fn pipe_round_trip(region: &tiermem_engine::Region, len: usize) -> std::io::Result<Vec<u8>> {
     use std::io::{Read, Write};
-    let (mut rx, mut tx) = std::io::pipe()?;
+    let (mut rx, tx) = std::io::pipe()?;
     // The kernel reads the evicted region (write(2)) ...
-    let sent = unsafe_write(&mut tx, region.as_ptr(), len)?;
+    let sent = unsafe_write(&tx, region.as_ptr(), len)?;
     drop(tx);
     let mut back = Vec::new();
     rx.read_to_end(&mut back)?;
     assert_eq!(sent, len);
     // ... and writes into it (read(2)) after it was evicted again.
-    let (mut rx2, mut tx2) = std::io::pipe()?;
+    let (rx2, mut tx2) = std::io::pipe()?;
     tx2.write_all(&back)?;
     drop(tx2);
     let mut got = 0;
     while got < len {
         // SAFETY: the destination lies inside the region.
-        let n = unsafe { libc::read(std::os::fd::AsRawFd::as_raw_fd(&rx2), region.as_ptr().add(got).cast(), len - got) };
+        let n =
+            unsafe { libc::read(std::os::fd::AsRawFd::as_raw_fd(&rx2), region.as_ptr().add(got).cast(), len - got) };
         if n < 0 {
             return Err(std::io::Error::last_os_error());
         }
@@ -88,11 +94,12 @@ fn pipe_round_trip(region: &tiermem_engine::Region, len: usize) -> std::io::Resu
     Ok(back)
 }
 
-fn unsafe_write(tx: &mut std::io::PipeWriter, ptr: *const u8, len: usize) -> std::io::Result<usize> {
+fn unsafe_write(tx: &std::io::PipeWriter, ptr: *const u8, len: usize) -> std::io::Result<usize> {
     let mut sent = 0;
     while sent < len {
         // SAFETY: ptr..ptr+len lies inside a live region.
-        let n = unsafe { libc::write(std::os::fd::AsRawFd::as_raw_fd(tx), ptr.add(sent).cast(), (len - sent).min(65536)) };
+        let n =
+            unsafe { libc::write(std::os::fd::AsRawFd::as_raw_fd(tx), ptr.add(sent).cast(), (len - sent).min(65536)) };
         if n < 0 {
             return Err(std::io::Error::last_os_error());
         }
@@ -120,7 +127,9 @@ fn system_calls_on_evicted_memory_work_in_handler_thread_mode() {
 #[test]
 fn system_calls_on_evicted_memory_work_in_sigbus_mode_after_prepare() {
     let _serial = serial();
-    let Some(features) = features_or_skip("system_calls_on_evicted_memory_work_in_sigbus_mode_after_prepare") else { return };
+    let Some(features) = features_or_skip("system_calls_on_evicted_memory_work_in_sigbus_mode_after_prepare") else {
+        return;
+    };
     if !features.sigbus {
         eprintln!("SKIPPED sigbus kernel access: kernel lacks UFFD_FEATURE_SIGBUS");
         return;
@@ -129,8 +138,8 @@ fn system_calls_on_evicted_memory_work_in_sigbus_mode_after_prepare() {
     let pages = 16;
     let (region, pattern) = evicted_pattern(&engine, pages);
     // Without preparation the kernel cannot deliver the fault and the call fails with EFAULT.
-    let (_rx, mut tx) = std::io::pipe().unwrap();
-    let err = unsafe_write(&mut tx, region.as_ptr(), 4096).unwrap_err();
+    let (_rx, tx) = std::io::pipe().unwrap();
+    let err = unsafe_write(&tx, region.as_ptr(), 4096).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EFAULT), "unprepared kernel access in sigbus mode");
     let pin = engine.prepare_kernel_access(region.as_ptr(), pages * 4096, true).unwrap();
     let back = pipe_round_trip(&region, pages * 4096).expect("prepared range is resident and writable");

@@ -1,3 +1,4 @@
+#![allow(clippy::multiple_unsafe_ops_per_block)] // raw pointer walks over test regions, one invariant each
 //! Data integrity under eviction races: random multi-threaded reads and writes over a region 4x
 //! the budget, every page checked against the version its owner last wrote.
 
@@ -21,7 +22,11 @@ struct Outcome {
 }
 
 /// Each thread owns the pages `p % THREADS == t`, so it knows what each of them must hold.
-fn hammer(tweak: impl Fn(&mut EngineConfig) + Copy, device: Arc<dyn tiermem_device::Device>, ops_per_thread: u64) -> Outcome {
+fn hammer(
+    tweak: impl Fn(&mut EngineConfig) + Copy,
+    device: Arc<dyn tiermem_device::Device>,
+    ops_per_thread: u64,
+) -> Outcome {
     let engine = Arc::new(engine(device, LIMIT_PAGES, tweak));
     let pages = (LIMIT_PAGES * 4) as usize;
     let region = engine.create_region(pages * 4096).unwrap();
@@ -30,7 +35,8 @@ fn hammer(tweak: impl Fn(&mut EngineConfig) + Copy, device: Arc<dyn tiermem_devi
     let kernel_peak = Arc::new(AtomicU64::new(0));
     let engine_peak = Arc::new(AtomicU64::new(0));
     let sampler = {
-        let (done, kernel_peak, engine_peak, engine) = (done.clone(), kernel_peak.clone(), engine_peak.clone(), engine.clone());
+        let (done, kernel_peak, engine_peak, engine) =
+            (done.clone(), kernel_peak.clone(), engine_peak.clone(), engine.clone());
         let pagemap = Pagemap::open_self().unwrap();
         std::thread::spawn(move || {
             while !done.load(Ordering::Acquire) {
@@ -81,7 +87,8 @@ fn hammer(tweak: impl Fn(&mut EngineConfig) + Copy, device: Arc<dyn tiermem_devi
                     let ptr = (base + page * 4096) as *const u64;
                     let v = versions[page];
                     // SAFETY: as above.
-                    mismatches += u64::from((0..512).any(|w| unsafe { ptr.add(w).read_volatile() } != pattern(page, v, w)));
+                    mismatches +=
+                        u64::from((0..512).any(|w| unsafe { ptr.add(w).read_volatile() } != pattern(page, v, w)));
                 }
                 mismatches
             })
@@ -112,8 +119,16 @@ fn check(name: &str, tweak: impl Fn(&mut EngineConfig) + Copy, ops: u64) {
             out.ops, out.mismatches, out.kernel_peak, out.engine_peak
         );
         assert_eq!(out.mismatches, 0, "{name} on {dev_name}: data corrupted");
-        assert!(out.kernel_peak <= LIMIT_PAGES, "{name} on {dev_name}: kernel saw {} resident pages > {LIMIT_PAGES}", out.kernel_peak);
-        assert!(out.engine_peak <= LIMIT_PAGES, "{name} on {dev_name}: engine counted {} > {LIMIT_PAGES}", out.engine_peak);
+        assert!(
+            out.kernel_peak <= LIMIT_PAGES,
+            "{name} on {dev_name}: kernel saw {} resident pages > {LIMIT_PAGES}",
+            out.kernel_peak
+        );
+        assert!(
+            out.engine_peak <= LIMIT_PAGES,
+            "{name} on {dev_name}: engine counted {} > {LIMIT_PAGES}",
+            out.engine_peak
+        );
     }
 }
 
@@ -136,10 +151,14 @@ fn io_variants_keep_every_write() {
     check("poll-only", |c| c.io_mode = IoMode::PollOnly, 10_000);
     check("interrupt-only", |c| c.io_mode = IoMode::InterruptOnly, 10_000);
     check("reclaim-on-fault-path", |c| c.reclaim_mode = ReclaimMode::OnFaultPath, 10_000);
-    check("no-prefetch-fifo", |c| {
-        c.prefetch = "none".into();
-        c.replace = "fifo".into();
-    }, 10_000);
+    check(
+        "no-prefetch-fifo",
+        |c| {
+            c.prefetch = "none".into();
+            c.replace = "fifo".into();
+        },
+        10_000,
+    );
 }
 
 /// The long run asked for outside CI: `TIERMEM_LONG=1 cargo test --release -p tiermem-engine

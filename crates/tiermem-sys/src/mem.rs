@@ -22,7 +22,7 @@ impl Mapping {
     /// Map `len` bytes (a non-zero multiple of the page size) of anonymous memory.
     /// `populate` pre-faults it so later use never page-faults.
     pub fn anonymous(len: usize, populate: bool) -> Result<Self> {
-        if len == 0 || len % PAGE_SIZE != 0 {
+        if len == 0 || !len.is_multiple_of(PAGE_SIZE) {
             return Err(Error::invalid(format!("mapping length {len} is not a non-zero multiple of {PAGE_SIZE}")));
         }
         let mut flags = MapFlags::PRIVATE | MapFlags::NORESERVE;
@@ -32,7 +32,8 @@ impl Mapping {
         // SAFETY: a fresh anonymous mapping at an address of the kernel's choosing aliases nothing.
         let ptr = unsafe { mm::mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, flags) }
             .context(|| format!("mmap of {len} bytes of anonymous memory"))?;
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| Error::new(crate::ErrorKind::Internal, "mmap returned null"))?;
+        let ptr = NonNull::new(ptr.cast::<u8>())
+            .ok_or_else(|| Error::new(crate::ErrorKind::Internal, "mmap returned null"))?;
         Ok(Self { ptr, len })
     }
 
@@ -70,7 +71,8 @@ impl Drop for Mapping {
 /// The range must be mapped memory whose contents the caller is entitled to discard.
 pub unsafe fn discard(addr: *mut u8, len: usize) -> Result<()> {
     // SAFETY: forwarded to the caller.
-    unsafe { mm::madvise(addr.cast(), len, Advice::LinuxDontNeed) }.context(|| format!("madvise(DONTNEED) of {len} bytes at {addr:p}"))
+    unsafe { mm::madvise(addr.cast(), len, Advice::LinuxDontNeed) }
+        .context(|| format!("madvise(DONTNEED) of {len} bytes at {addr:p}"))
 }
 
 /// Round an address down to its page.

@@ -72,7 +72,13 @@ impl Pagemap {
 
     /// Scan `[start, end)` for pages matching `query`, writing runs into `out`. Returns the number
     /// of runs and the address where the walk stopped (== `end` when it covered the range).
-    pub fn scan(&self, start: usize, end: usize, query: &ScanQuery, out: &mut [PageRegion]) -> Result<(usize, usize), Errno> {
+    pub fn scan(
+        &self,
+        start: usize,
+        end: usize,
+        query: &ScanQuery,
+        out: &mut [PageRegion],
+    ) -> Result<(usize, usize), Errno> {
         let mut arg = uapi::pm_scan_arg {
             size: size_of::<uapi::pm_scan_arg>() as u64,
             flags: if query.write_protect_matching { u64::from(uapi::PM_SCAN_WP_MATCHING) } else { 0 },

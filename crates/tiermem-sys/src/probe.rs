@@ -1,7 +1,7 @@
 //! What this kernel offers tiermem, found out at start-up by trying each feature.
 
 use crate::mem::Mapping;
-use crate::pagemap::{category, Pagemap, PageRegion, ScanQuery};
+use crate::pagemap::{category, PageRegion, Pagemap, ScanQuery};
 use crate::uffd::{Features, RegisterMode, Uffd};
 use crate::PAGE_SIZE;
 

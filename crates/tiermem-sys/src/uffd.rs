@@ -124,8 +124,10 @@ const fn iowr(nr: u32, size: usize) -> u32 {
 
 const UFFDIO_API: u32 = iowr(uapi::_UFFDIO_API, size_of::<uapi::uffdio_api>());
 const UFFDIO_REGISTER: u32 = iowr(uapi::_UFFDIO_REGISTER, size_of::<uapi::uffdio_register>());
-const UFFDIO_UNREGISTER: u32 = (2 << 30) | ((size_of::<uapi::uffdio_range>() as u32) << 16) | (uapi::UFFDIO << 8) | uapi::_UFFDIO_UNREGISTER;
-const UFFDIO_WAKE: u32 = (2 << 30) | ((size_of::<uapi::uffdio_range>() as u32) << 16) | (uapi::UFFDIO << 8) | uapi::_UFFDIO_WAKE;
+const UFFDIO_UNREGISTER: u32 =
+    (2 << 30) | ((size_of::<uapi::uffdio_range>() as u32) << 16) | (uapi::UFFDIO << 8) | uapi::_UFFDIO_UNREGISTER;
+const UFFDIO_WAKE: u32 =
+    (2 << 30) | ((size_of::<uapi::uffdio_range>() as u32) << 16) | (uapi::UFFDIO << 8) | uapi::_UFFDIO_WAKE;
 const UFFDIO_COPY: u32 = iowr(uapi::_UFFDIO_COPY, size_of::<uapi::uffdio_copy>());
 const UFFDIO_ZEROPAGE: u32 = iowr(uapi::_UFFDIO_ZEROPAGE, size_of::<uapi::uffdio_zeropage>());
 const UFFDIO_WRITEPROTECT: u32 = iowr(uapi::_UFFDIO_WRITEPROTECT, size_of::<uapi::uffdio_writeprotect>());
@@ -172,7 +174,10 @@ impl Uffd {
             Error::os_kind(
                 ErrorKind::Unsupported,
                 e.into(),
-                format!("UFFDIO_API handshake refused features {:#x} (not offered by this kernel: {missing:#x})", features.0),
+                format!(
+                    "UFFDIO_API handshake refused features {:#x} (not offered by this kernel: {missing:#x})",
+                    features.0
+                ),
             )
         })?;
         Ok(Self { fd, features: Features(api.features) })
@@ -181,7 +186,8 @@ impl Uffd {
     /// Every feature this kernel offers: a handshake asking for none reports them all.
     pub fn supported_features() -> Result<Features> {
         // SAFETY: as in `open`.
-        let fd = unsafe { rustix::mm::userfaultfd(UserfaultfdFlags::CLOEXEC) }.context(|| "userfaultfd(2) failed".into())?;
+        let fd =
+            unsafe { rustix::mm::userfaultfd(UserfaultfdFlags::CLOEXEC) }.context(|| "userfaultfd(2) failed".into())?;
         let mut api = uapi::uffdio_api { api: uapi::UFFD_API as u64, features: 0, ioctls: 0 };
         // SAFETY: UFFDIO_API takes a uffdio_api.
         unsafe { ioctl_with(fd.as_fd(), UFFDIO_API, &mut api) }.context(|| "UFFDIO_API handshake".into())?;
@@ -202,7 +208,11 @@ impl Uffd {
         if mode.write_protect {
             bits |= uapi::UFFDIO_REGISTER_MODE_WP as u64;
         }
-        let mut reg = uapi::uffdio_register { range: uapi::uffdio_range { start: addr as u64, len: len as u64 }, mode: bits, ioctls: 0 };
+        let mut reg = uapi::uffdio_register {
+            range: uapi::uffdio_range { start: addr as u64, len: len as u64 },
+            mode: bits,
+            ioctls: 0,
+        };
         // SAFETY: UFFDIO_REGISTER takes a uffdio_register; registering changes how faults in the
         // range are handled but not what memory is valid.
         unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_REGISTER, &mut reg) }
@@ -224,7 +234,14 @@ impl Uffd {
     ///
     /// # Safety
     /// `src` must be readable for `len` bytes; `dst` must lie in a range registered here.
-    pub unsafe fn copy(&self, dst: *mut u8, src: *const u8, len: usize, write_protect: bool, dont_wake: bool) -> Result<(), Errno> {
+    pub unsafe fn copy(
+        &self,
+        dst: *mut u8,
+        src: *const u8,
+        len: usize,
+        write_protect: bool,
+        dont_wake: bool,
+    ) -> Result<(), Errno> {
         let mut mode = 0u64;
         if write_protect {
             mode |= uapi::UFFDIO_COPY_MODE_WP as u64;
@@ -239,7 +256,11 @@ impl Uffd {
 
     /// Map the zero page at the missing pages `[dst, dst+len)` and wake waiters.
     pub fn zeropage(&self, dst: *mut u8, len: usize) -> Result<(), Errno> {
-        let mut arg = uapi::uffdio_zeropage { range: uapi::uffdio_range { start: dst as u64, len: len as u64 }, mode: 0, zeropage: 0 };
+        let mut arg = uapi::uffdio_zeropage {
+            range: uapi::uffdio_range { start: dst as u64, len: len as u64 },
+            mode: 0,
+            zeropage: 0,
+        };
         // SAFETY: UFFDIO_ZEROPAGE takes a uffdio_zeropage and only fills holes in registered ranges.
         unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_ZEROPAGE, &mut arg) }
     }
@@ -258,7 +279,8 @@ impl Uffd {
         if dont_wake {
             mode |= 2; // UFFDIO_WRITEPROTECT_MODE_DONTWAKE
         }
-        let mut arg = uapi::uffdio_writeprotect { range: uapi::uffdio_range { start: addr as u64, len: len as u64 }, mode };
+        let mut arg =
+            uapi::uffdio_writeprotect { range: uapi::uffdio_range { start: addr as u64, len: len as u64 }, mode };
         // SAFETY: UFFDIO_WRITEPROTECT takes a uffdio_writeprotect; it changes permissions only.
         unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_WRITEPROTECT, &mut arg) }
     }
@@ -294,6 +316,7 @@ impl Uffd {
         }
         // SAFETY: fully written by the kernel above (and zeroed before).
         let msg = unsafe { msg.assume_init() };
+        #[allow(clippy::multiple_unsafe_ops_per_block)] // one invariant: the tag selects the member
         // SAFETY: the union member read matches the event tag, as documented in userfaultfd(2).
         let event = unsafe {
             match u32::from(msg.event) {
@@ -306,11 +329,17 @@ impl Uffd {
                         tid: pf.feat.ptid,
                     }
                 }
-                uapi::UFFD_EVENT_REMOVE => Event::Remove { start: msg.arg.remove.start as usize, end: msg.arg.remove.end as usize },
-                uapi::UFFD_EVENT_UNMAP => Event::Unmap { start: msg.arg.remove.start as usize, end: msg.arg.remove.end as usize },
-                uapi::UFFD_EVENT_REMAP => {
-                    Event::Remap { from: msg.arg.remap.from as usize, to: msg.arg.remap.to as usize, len: msg.arg.remap.len as usize }
+                uapi::UFFD_EVENT_REMOVE => {
+                    Event::Remove { start: msg.arg.remove.start as usize, end: msg.arg.remove.end as usize }
                 }
+                uapi::UFFD_EVENT_UNMAP => {
+                    Event::Unmap { start: msg.arg.remove.start as usize, end: msg.arg.remove.end as usize }
+                }
+                uapi::UFFD_EVENT_REMAP => Event::Remap {
+                    from: msg.arg.remap.from as usize,
+                    to: msg.arg.remap.to as usize,
+                    len: msg.arg.remap.len as usize,
+                },
                 other => Event::Other(other as u8),
             }
         };

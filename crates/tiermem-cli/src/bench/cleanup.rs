@@ -122,7 +122,10 @@ fn install_signal_handlers() -> Result<()> {
         // SAFETY: valid signal number, valid action; the handler is async-signal safe (see below).
         let rc = unsafe { libc::sigaction(signal, &action, std::ptr::null_mut()) };
         if rc != 0 {
-            return Err(Error::os(std::io::Error::last_os_error(), format!("installing the handler for signal {signal}")));
+            return Err(Error::os(
+                std::io::Error::last_os_error(),
+                format!("installing the handler for signal {signal}"),
+            ));
         }
     }
     Ok(())
@@ -158,7 +161,10 @@ pub(crate) fn create_registered<T>(create: impl FnOnce() -> Result<(T, String, T
     install();
     let mut registry = lock_registry();
     if registry.shutting_down {
-        return Err(Error::new(ErrorKind::Internal, "not creating new resources: the process is shutting down after a signal"));
+        return Err(Error::new(
+            ErrorKind::Internal,
+            "not creating new resources: the process is shutting down after a signal",
+        ));
     }
     let (resource, label, teardown) = create()?;
     let id = registry.next_id;

@@ -72,12 +72,16 @@ fn file_system_name(magic: u32) -> &'static str {
 }
 
 fn path_cstring(path: &Path) -> Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| Error::invalid(format!("path {} contains a NUL byte", path.display())))
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| Error::invalid(format!("path {} contains a NUL byte", path.display())))
 }
 
 /// Create something at `path_for(seq)` for the next free sequence number. A name can be taken by a
 /// leftover of an earlier process with the same pid that was SIGKILLed, so a few are tried.
-fn create_uniquely_named<T>(path_for: impl Fn(u64) -> PathBuf, create: impl Fn(&Path) -> io::Result<T>) -> io::Result<(PathBuf, T)> {
+fn create_uniquely_named<T>(
+    path_for: impl Fn(u64) -> PathBuf,
+    create: impl Fn(&Path) -> io::Result<T>,
+) -> io::Result<(PathBuf, T)> {
     const ATTEMPTS: u32 = 64;
     let mut attempt = 0;
     loop {
@@ -126,7 +130,9 @@ impl SwapFile {
         if !dir.is_dir() {
             return Err(Error::invalid(format!("swap directory {} is not a directory", dir.display())));
         }
-        let magic = rustix::fs::statfs(&dir).map_err(|e| Error::os(e.into(), format!("statfs of {}", dir.display())))?.f_type as u32;
+        let magic = rustix::fs::statfs(&dir)
+            .map_err(|e| Error::os(e.into(), format!("statfs of {}", dir.display())))?
+            .f_type as u32;
         let file_system = file_system_name(magic);
         if matches!(magic, TMPFS_MAGIC | RAMFS_MAGIC | OVERLAYFS_MAGIC | SQUASHFS_MAGIC) {
             return Err(Error::new(
@@ -145,12 +151,18 @@ impl SwapFile {
             return Err(Error::invalid(format!("swap file of {size} bytes is larger than a swap header can describe")));
         }
         let size_bytes = pages * page_size;
-        let space = rustix::fs::statvfs(&dir).map_err(|e| Error::os(e.into(), format!("statvfs of {}", dir.display())))?;
+        let space =
+            rustix::fs::statvfs(&dir).map_err(|e| Error::os(e.into(), format!("statvfs of {}", dir.display())))?;
         let available = space.f_bavail.saturating_mul(space.f_frsize);
         if available < size_bytes {
             return Err(Error::new(
                 ErrorKind::NoSpace,
-                format!("{} has {} MiB free, not enough for a {} MiB swap file", dir.display(), available >> 20, size_bytes >> 20),
+                format!(
+                    "{} has {} MiB free, not enough for a {} MiB swap file",
+                    dir.display(),
+                    available >> 20,
+                    size_bytes >> 20
+                ),
             ));
         }
 
@@ -179,7 +191,10 @@ impl SwapFile {
         swap.write_header(&file, page_size, pages)?;
 
         match swap.activate() {
-            Err(e) if allocation == Allocation::Fallocate && e.os_error().and_then(io::Error::raw_os_error) == Some(libc::EINVAL) => {
+            Err(e)
+                if allocation == Allocation::Fallocate
+                    && e.os_error().and_then(io::Error::raw_os_error) == Some(libc::EINVAL) =>
+            {
                 // Some file systems accept fallocate but not unwritten extents as swap: write it out.
                 swap.write_zeros(&file)?;
                 swap.write_header(&file, page_size, pages)?;
@@ -192,7 +207,11 @@ impl SwapFile {
 
     fn allocation_error(&self, e: io::Error) -> Error {
         if e.raw_os_error() == Some(libc::ENOSPC) {
-            Error::os_kind(ErrorKind::NoSpace, e, format!("no space for the {} MiB swap file {}", self.size_bytes >> 20, self.path.display()))
+            Error::os_kind(
+                ErrorKind::NoSpace,
+                e,
+                format!("no space for the {} MiB swap file {}", self.size_bytes >> 20, self.path.display()),
+            )
         } else {
             Error::os(e, format!("allocating swap file {}", self.path.display()))
         }
@@ -237,7 +256,9 @@ impl SwapFile {
             Some(libc::EPERM) => Error::os_kind(
                 ErrorKind::Permission,
                 e,
-                format!("swapon {path}: needs CAP_SYS_ADMIN, or the system already has the maximum number of swap areas"),
+                format!(
+                    "swapon {path}: needs CAP_SYS_ADMIN, or the system already has the maximum number of swap areas"
+                ),
             ),
             Some(libc::EINVAL) => Error::os_kind(
                 ErrorKind::Unsupported,
@@ -245,7 +266,11 @@ impl SwapFile {
                 format!(
                     "swapon {path}: the kernel rejected the file as swap; {} may not support swap files{}",
                     self.file_system,
-                    if self.file_system == "btrfs" { " unless the file is NOCOW (chattr +C) on a single device" } else { "" }
+                    if self.file_system == "btrfs" {
+                        " unless the file is NOCOW (chattr +C) on a single device"
+                    } else {
+                        ""
+                    }
                 ),
             ),
             Some(libc::EBUSY) => Error::os(e, format!("swapon {path}: already in use as swap")),
@@ -296,7 +321,7 @@ fn swap_header(page_size: usize, pages: u32) -> Vec<u8> {
     let info = SWAP_HEADER_INFO_OFFSET;
     header[info..info + 4].copy_from_slice(&1u32.to_ne_bytes()); // version
     header[info + 4..info + 8].copy_from_slice(&(pages - 1).to_ne_bytes()); // last_page
-    // nr_badpages = 0 (already zero); the 16-byte UUID is left zero: the kernel never reads it.
+                                                                            // nr_badpages = 0 (already zero); the 16-byte UUID is left zero: the kernel never reads it.
     let volume = info + 12 + 16;
     header[volume..volume + VOLUME_LABEL.len()].copy_from_slice(VOLUME_LABEL);
     header[page_size - 10..].copy_from_slice(b"SWAPSPACE2");
@@ -326,7 +351,9 @@ fn teardown_swap_file(path: &Path) -> Result<()> {
         _ => {}
     }
     match std::fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(Error::os(e, format!("removing swap file {}", path.display()))),
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            Err(Error::os(e, format!("removing swap file {}", path.display())))
+        }
         _ => Ok(()),
     }
 }
@@ -334,7 +361,12 @@ fn teardown_swap_file(path: &Path) -> Result<()> {
 /// The swap areas the kernel currently has active, as listed in /proc/swaps.
 pub fn active_swap_paths() -> Result<Vec<PathBuf>> {
     let table = std::fs::read_to_string("/proc/swaps").map_err(|e| Error::os(e, "reading /proc/swaps"))?;
-    Ok(table.lines().skip(1).filter_map(|line| line.split_whitespace().next()).map(|name| PathBuf::from(unescape_proc_path(name))).collect())
+    Ok(table
+        .lines()
+        .skip(1)
+        .filter_map(|line| line.split_whitespace().next())
+        .map(|name| PathBuf::from(unescape_proc_path(name)))
+        .collect())
 }
 
 /// /proc/swaps writes space, tab, newline and backslash in paths as `\ooo` octal escapes.
@@ -343,7 +375,9 @@ fn unescape_proc_path(escaped: &str) -> std::ffi::OsString {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        let octal = bytes.get(i + 1..i + 4).filter(|digits| bytes[i] == b'\\' && digits.iter().all(|d| (b'0'..=b'7').contains(d)));
+        let octal = bytes
+            .get(i + 1..i + 4)
+            .filter(|digits| bytes[i] == b'\\' && digits.iter().all(|d| (b'0'..=b'7').contains(d)));
         match octal {
             Some(digits) => {
                 out.push(digits.iter().fold(0u8, |value, d| value.wrapping_mul(8) + (d - b'0')));
@@ -388,7 +422,10 @@ pub fn memory_hierarchy() -> Result<(CgroupVersion, PathBuf)> {
         }
     }
     unified.map(|root| (CgroupVersion::V2, root)).ok_or_else(|| {
-        Error::new(ErrorKind::Unsupported, "no memory cgroup controller is mounted (neither a cgroup v1 `memory` hierarchy nor cgroup2 with `memory`)")
+        Error::new(
+            ErrorKind::Unsupported,
+            "no memory cgroup controller is mounted (neither a cgroup v1 `memory` hierarchy nor cgroup2 with `memory`)",
+        )
     })
 }
 
@@ -412,9 +449,15 @@ impl MemCgroup {
     /// cgroup may use (v1: memory.memsw.limit_in_bytes = limit + swap; v2: memory.swap.max).
     /// On v1 memory.swappiness is set to 60, the kernel default, so a host tuned otherwise does
     /// not change the result; on v2 the global vm.swappiness applies.
-    pub fn create_with_swap_limit(name_prefix: &str, limit_bytes: u64, swap_limit_bytes: Option<u64>) -> Result<MemCgroup> {
+    pub fn create_with_swap_limit(
+        name_prefix: &str,
+        limit_bytes: u64,
+        swap_limit_bytes: Option<u64>,
+    ) -> Result<MemCgroup> {
         if name_prefix.is_empty() || name_prefix.contains('/') || name_prefix.starts_with('.') {
-            return Err(Error::invalid(format!("cgroup name prefix {name_prefix:?} must be a plain, non-empty file name")));
+            return Err(Error::invalid(format!(
+                "cgroup name prefix {name_prefix:?} must be a plain, non-empty file name"
+            )));
         }
         if limit_bytes == 0 {
             return Err(Error::invalid("cgroup memory limit must be positive"));
@@ -433,8 +476,11 @@ impl MemCgroup {
 
         let parent_procs = root.join("cgroup.procs");
         let (dir, cleanup) = cleanup::create_registered(|| {
-            let (dir, ()) = create_uniquely_named(|seq| root.join(format!("{name_prefix}-{}-{seq}", std::process::id())), |dir| std::fs::create_dir(dir))
-                .map_err(|e| Error::os(e, format!("creating a memory cgroup in {}", root.display())))?;
+            let (dir, ()) = create_uniquely_named(
+                |seq| root.join(format!("{name_prefix}-{}-{seq}", std::process::id())),
+                |dir| std::fs::create_dir(dir),
+            )
+            .map_err(|e| Error::os(e, format!("creating a memory cgroup in {}", root.display())))?;
             let label = format!("memory cgroup {}", dir.display());
             let teardown_dir = dir.clone();
             let teardown: Teardown = Box::new(move || teardown_cgroup(&teardown_dir, &parent_procs));
@@ -509,7 +555,9 @@ impl MemCgroup {
             CgroupVersion::V2 => "memory.peak",
         };
         let text = self.read_knob(knob)?;
-        text.trim().parse().map_err(|_| Error::new(ErrorKind::Internal, format!("unexpected contents of {knob}: {text:?}")))
+        text.trim()
+            .parse()
+            .map_err(|_| Error::new(ErrorKind::Internal, format!("unexpected contents of {knob}: {text:?}")))
     }
 
     /// How many processes the OOM killer has killed in this cgroup, if the kernel reports it
@@ -593,7 +641,10 @@ fn teardown_cgroup(dir: &Path, parent_procs: &Path) -> Result<()> {
         if Instant::now() >= deadline {
             return Err(Error::new(
                 ErrorKind::Io,
-                format!("memory cgroup {} still has tasks {pids:?} after {CGROUP_TEARDOWN_TIMEOUT:?}; remove it by hand", dir.display()),
+                format!(
+                    "memory cgroup {} still has tasks {pids:?} after {CGROUP_TEARDOWN_TIMEOUT:?}; remove it by hand",
+                    dir.display()
+                ),
             ));
         }
         std::thread::sleep(CGROUP_TEARDOWN_POLL);
@@ -615,7 +666,9 @@ pub fn run_in_cgroup(cgroup: &MemCgroup, command: &mut Command) -> Result<Output
         command.pre_exec(move || join_cgroup_in_child(&procs_file));
     }
     let program = command.get_program().to_string_lossy().into_owned();
-    command.output().map_err(|e| Error::os(e, format!("running {program} in memory cgroup {}", cgroup.path().display())))
+    command
+        .output()
+        .map_err(|e| Error::os(e, format!("running {program} in memory cgroup {}", cgroup.path().display())))
 }
 
 /// Write this process's pid to `procs_file`, without allocating (runs between fork and exec).

@@ -80,7 +80,12 @@ pub fn linux_swap_point(size_mb: u64, limit_mb: u64, swap_dir: &Path) -> Result<
 
 /// [`linux_swap_point`] with an explicit `tiermem` executable for the worker (tests run from a
 /// test binary) and the cgroup's own counters in the result.
-pub fn linux_swap_point_with_worker(size_mb: u64, limit_mb: u64, swap_dir: &Path, worker_exe: &Path) -> Result<LinuxSwapPoint> {
+pub fn linux_swap_point_with_worker(
+    size_mb: u64,
+    limit_mb: u64,
+    swap_dir: &Path,
+    worker_exe: &Path,
+) -> Result<LinuxSwapPoint> {
     validate_micro_args(size_mb, limit_mb, swap_dir)?;
     // Declared before the cgroup so that it is dropped after it: the worker is gone and its swap
     // slots freed by the time swapoff runs.
@@ -94,14 +99,22 @@ pub fn linux_swap_point_with_worker(size_mb: u64, limit_mb: u64, swap_dir: &Path
     let stderr = String::from_utf8_lossy(&output.stderr);
     if !output.status.success() {
         let oom_note = match oom_kills {
-            Some(kills) if kills > 0 => format!(" (the cgroup recorded {kills} OOM kill(s): swap did not keep up with the limit)"),
+            Some(kills) if kills > 0 => {
+                format!(" (the cgroup recorded {kills} OOM kill(s): swap did not keep up with the limit)")
+            }
             _ => String::new(),
         };
-        return Err(Error::new(ErrorKind::Io, format!("micro worker failed with {}{oom_note}; its stderr: {}", output.status, stderr.trim())));
+        return Err(Error::new(
+            ErrorKind::Io,
+            format!("micro worker failed with {}{oom_note}; its stderr: {}", output.status, stderr.trim()),
+        ));
     }
     let stdout = String::from_utf8_lossy(&output.stdout);
     let json_line = stdout.lines().rev().find(|line| line.starts_with('{')).ok_or_else(|| {
-        Error::new(ErrorKind::Internal, format!("micro worker printed no result; stdout: {:?}, stderr: {:?}", stdout.trim(), stderr.trim()))
+        Error::new(
+            ErrorKind::Internal,
+            format!("micro worker printed no result; stdout: {:?}, stderr: {:?}", stdout.trim(), stderr.trim()),
+        )
     })?;
     let array: ArrayResult = serde_json::from_str(json_line)
         .map_err(|e| Error::new(ErrorKind::Internal, format!("micro worker result {json_line:?} is not valid: {e}")))?;

@@ -74,10 +74,18 @@ fn open_device(variant: Variant, dir: &Path, capacity: u64) -> Result<Arc<dyn De
 }
 
 /// Run the array benchmark under tiermem: `size_mb` MiB managed with a `limit_mb` MiB budget.
-pub fn tiermem_point(variant: Variant, size_mb: u64, limit_mb: u64, dir: &Path, fault_mode: FaultMode, progress: Option<&dyn Fn(super::array::Phase, usize)>) -> Result<TiermemPoint> {
+pub fn tiermem_point(
+    variant: Variant,
+    size_mb: u64,
+    limit_mb: u64,
+    dir: &Path,
+    fault_mode: FaultMode,
+    progress: Option<&dyn Fn(super::array::Phase, usize)>,
+) -> Result<TiermemPoint> {
     let bytes = size_mb << 20;
     let device = open_device(variant, dir, bytes + (bytes / 4).max(16 << 20))?;
-    let config = EngineConfig { limit_bytes: limit_mb << 20, io_mode: variant.io_mode(), fault_mode, ..EngineConfig::default() };
+    let config =
+        EngineConfig { limit_bytes: limit_mb << 20, io_mode: variant.io_mode(), fault_mode, ..EngineConfig::default() };
     let engine = Engine::new(config, device)?;
     let region = engine.create_region(bytes as usize)?;
     // SAFETY: the region is `bytes` long, page-aligned, and nothing else uses it.
@@ -145,7 +153,8 @@ impl Row {
             read_p50_us: array.read.p50_us(),
             read_p99_us: array.read.p99_us(),
             mismatched_pages: array.mismatched_pages,
-            critical_fault_us: stats.and_then(|s| s.paths.iter().find(|p| p.path == "critical_fault" && p.count > 0).map(|p| p.mean_us)),
+            critical_fault_us: stats
+                .and_then(|s| s.paths.iter().find(|p| p.path == "critical_fault" && p.count > 0).map(|p| p.mean_us)),
         }
     }
 }
@@ -162,7 +171,8 @@ pub fn format_table(rows: &[Row], size_mb: u64, limit_mb: u64, device_us: Option
     );
     let linux = rows.iter().find(|r| r.system == "linux-swap");
     for r in rows {
-        let ratio = |ours: f64, theirs: Option<f64>| theirs.map_or("-".to_string(), |t| format!("{:.2}x", t / ours.max(1e-9)));
+        let ratio =
+            |ours: f64, theirs: Option<f64>| theirs.map_or("-".to_string(), |t| format!("{:.2}x", t / ours.max(1e-9)));
         let _ = writeln!(
             s,
             "{:<28} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>10} {:>11} {:>11} {:>9}",
