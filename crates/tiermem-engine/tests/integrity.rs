@@ -112,7 +112,13 @@ fn check(name: &str, tweak: impl Fn(&mut EngineConfig) + Copy, ops: u64) {
     if features_or_skip(name).is_none() {
         return;
     }
+    // TIERMEM_DEVICES=mem (or file) narrows a run to one device, e.g. for the long run.
+    let only = std::env::var("TIERMEM_DEVICES").ok();
     for (dev_name, device) in devices(LIMIT_PAGES * 4 * 4096 * 2) {
+        if only.as_deref().is_some_and(|o| !o.split(',').any(|d| d == dev_name)) {
+            eprintln!("{name}: device {dev_name} left out by TIERMEM_DEVICES");
+            continue;
+        }
         let out = hammer(tweak, device, ops);
         eprintln!(
             "{name} on {dev_name}: {} page ops, {} mismatches, peak resident kernel (scan minus evictions during it) {} / engine {} (limit {LIMIT_PAGES})",
@@ -162,7 +168,8 @@ fn io_variants_keep_every_write() {
 }
 
 /// The long run asked for outside CI: `TIERMEM_LONG=1 cargo test --release -p tiermem-engine
-/// --test integrity long -- --nocapture` (>= 10^7 page operations per configuration).
+/// --test integrity long -- --nocapture` (>= 10^7 page operations per configuration; add
+/// `TIERMEM_DEVICES=mem` to keep it to the DRAM device).
 #[test]
 fn long_integrity_run() {
     if std::env::var_os("TIERMEM_LONG").is_none() {
