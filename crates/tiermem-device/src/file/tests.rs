@@ -400,9 +400,15 @@ fn no_space_to_extend_is_no_space_with_both_sizes() {
 #[test]
 fn kernel_poll_queues_poll_in_reap_and_wait() {
     // No device here may have poll queues, but an IOPOLL read of never-written slots completes
-    // without device I/O, which is enough to drive the KernelPoll code paths.
+    // without device I/O, which is enough to drive the KernelPoll code paths. FileDevice writes
+    // every slot of a file it creates or extends, so make an fallocated (unwritten) file here and
+    // open it as it is.
     let dir = scratch();
-    let mut device = device_of(&dir, 64);
+    let path = dir.path().join("device");
+    let file = std::fs::File::create(&path).unwrap();
+    rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, 64 * SLOT_BYTES).unwrap();
+    drop(file);
+    let mut device = FileDevice::open(&path, None).unwrap();
     let natural = device.polled_wait_mode();
     Arc::get_mut(&mut device.shared).unwrap().polled_wait = PolledWait::KernelPoll;
     let arena = Arc::new(BufferArena::new(16).unwrap());
