@@ -167,15 +167,12 @@ fn io_variants_keep_every_write() {
     );
 }
 
-/// The long run asked for outside CI: `TIERMEM_LONG=1 cargo test --release -p tiermem-engine
-/// --test integrity long -- --nocapture` (>= 10^7 page operations per configuration; add
+/// The long run asked for outside CI: `cargo test --release -p tiermem-engine --test integrity
+/// long -- --ignored --nocapture` (>= 10^7 page operations per configuration; add
 /// `TIERMEM_DEVICES=mem` to keep it to the DRAM device).
 #[test]
+#[ignore = "long run (>= 10^7 page operations per mode): run with --ignored"]
 fn long_integrity_run() {
-    if std::env::var_os("TIERMEM_LONG").is_none() {
-        eprintln!("SKIPPED long_integrity_run: set TIERMEM_LONG=1 to run 10^7 page operations per mode");
-        return;
-    }
     let ops = 10_000_000 / THREADS as u64 + 1;
     check("long handler-thread", |c| c.fault_mode = FaultMode::HandlerThread, ops);
     check("long sigbus", |c| c.fault_mode = FaultMode::Sigbus, ops);
