@@ -120,6 +120,17 @@ impl Engine {
                 format!("userfaultfd is not usable: {}", features.error.clone().unwrap_or_default()),
             ));
         }
+        // Eviction write-protects a page before copying it out, whatever the dirty tracking, so
+        // write protection itself is required; dirty tracking only decides how pages come in.
+        if !features.wp {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "race-free eviction needs userfaultfd write-protect (Linux >= 5.7); kernel {} lacks it",
+                    features.kernel
+                ),
+            ));
+        }
         let write_protect = match config.dirty_tracking {
             DirtyTracking::None => false,
             DirtyTracking::Auto => features.wp && features.copy_mode_wp,
@@ -133,10 +144,7 @@ impl Engine {
                 true
             }
         };
-        let mut wanted = Features::THREAD_ID;
-        if write_protect {
-            wanted = wanted.with(Features::WP);
-        }
+        let mut wanted = Features::THREAD_ID.with(Features::WP);
         if config.fault_mode == FaultMode::Sigbus {
             if !features.sigbus {
                 return Err(Error::new(
@@ -148,7 +156,7 @@ impl Engine {
         }
         let uffd = Uffd::open(wanted, true)?;
         let arena = Arc::new(BufferArena::new(config.io_buffers)?);
-        let queues = Queues::open(&config, &*device, &arena, features.kernel.clone())?;
+        let queues = Queues::open(&config, &*device, &arena)?;
         let limit_pages = config.limit_pages();
         let watermark_pages = ((limit_pages as f64 * config.watermark) as u64).clamp(1, limit_pages);
         let shared = Arc::new(Shared {
@@ -237,7 +245,7 @@ impl Engine {
         }
         let built = (|| {
             let mapping = Mapping::anonymous(len, false)?;
-            let mode = RegisterMode { missing: true, write_protect: self.shared.write_protect };
+            let mode = RegisterMode { missing: true, write_protect: true };
             self.shared.uffd.register(mapping.as_ptr(), len, mode)?;
             // Huge pages would be faulted in by the kernel behind our back; keep base pages.
             // SAFETY: the range is the mapping just created and owned here.

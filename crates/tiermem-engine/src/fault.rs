@@ -37,16 +37,9 @@ pub(crate) enum Outcome {
     Failed(Errno),
 }
 
-/// Map `src` at `dst` with UFFDIO_COPY, retrying while the address space is being changed.
+/// Map one page of `src` at `dst` with UFFDIO_COPY (see [`map_pages`]).
 fn map_page(shared: &Shared, dst: *mut u8, src: *const u8, write_protect: bool) -> Result<(), Errno> {
-    loop {
-        // SAFETY: src is an arena buffer or the zero page (PAGE_SIZE readable bytes); dst is a
-        // page of a region registered with this userfaultfd, locked by the caller.
-        match unsafe { shared.uffd.copy(dst, src, PAGE_SIZE, write_protect, false) } {
-            Err(Errno::AGAIN) => std::hint::spin_loop(),
-            other => return other,
-        }
-    }
+    map_pages(shared, dst, src, 1, write_protect)
 }
 
 /// Take a buffer, reaping background completions until one is free. Holds no page lock.
@@ -281,11 +274,13 @@ fn zero_fill_around(
     result
 }
 
-/// [`map_page`] for `count` contiguous pages from a source of at least that many pages.
+/// Map `count` pages of `src` at `dst` with UFFDIO_COPY, retrying while the address space is
+/// being changed.
 fn map_pages(shared: &Shared, dst: *mut u8, src: *const u8, count: usize, write_protect: bool) -> Result<(), Errno> {
     loop {
-        // SAFETY: src is the zero area (ZERO_FILL_AROUND pages); dst..dst+count pages lie in a
-        // registered region and are all locked by the caller.
+        // SAFETY: src is readable for `count` pages (an arena buffer, or the zero area of
+        // ZERO_FILL_AROUND pages); dst..dst+count pages lie in a registered region and are all
+        // locked by the caller.
         match unsafe { shared.uffd.copy(dst, src, count * PAGE_SIZE, write_protect, false) } {
             Err(Errno::AGAIN) => std::hint::spin_loop(),
             other => return other,

@@ -79,7 +79,6 @@ impl Queues {
         config: &EngineConfig,
         device: &dyn Device,
         arena: &std::sync::Arc<BufferArena>,
-        _kernel: String,
     ) -> Result<Self> {
         let lane_kind = match config.io_mode {
             IoMode::Hybrid | IoMode::PollOnly => QueueKind::Polled,

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use common::*;
-use tiermem_engine::{EngineConfig, FaultMode, IoMode, ReclaimMode};
+use tiermem_engine::{DirtyTracking, EngineConfig, FaultMode, IoMode, ReclaimMode};
 use tiermem_sys::pagemap::Pagemap;
 
 const LIMIT_PAGES: u64 = 256;
@@ -157,6 +157,7 @@ fn io_variants_keep_every_write() {
     check("poll-only", |c| c.io_mode = IoMode::PollOnly, 10_000);
     check("interrupt-only", |c| c.io_mode = IoMode::InterruptOnly, 10_000);
     check("reclaim-on-fault-path", |c| c.reclaim_mode = ReclaimMode::OnFaultPath, 10_000);
+    check("no-dirty-tracking", |c| c.dirty_tracking = DirtyTracking::None, 10_000);
     check(
         "no-prefetch-fifo",
         |c| {

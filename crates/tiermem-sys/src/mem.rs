@@ -74,8 +74,3 @@ pub unsafe fn discard(addr: *mut u8, len: usize) -> Result<()> {
     unsafe { mm::madvise(addr.cast(), len, Advice::LinuxDontNeed) }
         .context(|| format!("madvise(DONTNEED) of {len} bytes at {addr:p}"))
 }
-
-/// Round an address down to its page.
-pub fn page_align_down(addr: usize) -> usize {
-    addr & !(PAGE_SIZE - 1)
-}

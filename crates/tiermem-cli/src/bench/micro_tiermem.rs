@@ -7,7 +7,7 @@ use std::time::Instant;
 use serde::Serialize;
 use tiermem_device::{BufferArena, Device, DeviceSpec, QueueKind, Request};
 use tiermem_engine::{Engine, EngineConfig, FaultMode, IoMode, StatsSnapshot};
-use tiermem_sys::{Error, Result, PAGE_SIZE};
+use tiermem_sys::{Error, Result};
 
 use super::array::{run_array_bench, ArrayResult};
 
@@ -193,6 +193,3 @@ pub fn format_table(rows: &[Row], size_mb: u64, limit_mb: u64, device_us: Option
     let _ = writeln!(s, "\"vs LS\" = Linux swap time / this system's time (>1 = faster than Linux swap)");
     s
 }
-
-/// The page size, re-exported for callers sizing arrays.
-pub const PAGE: usize = PAGE_SIZE;
