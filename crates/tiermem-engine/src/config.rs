@@ -161,8 +161,7 @@ impl EngineConfig {
         if self.handler_threads == 0 || self.handler_threads > 64 {
             return Err(Error::invalid(format!("handler threads {} must be in 1..=64", self.handler_threads)));
         }
-        crate::policy::prefetcher_by_name(&self.prefetch)?;
-        crate::policy::replacement_by_name(&self.replace, 1)?;
+        crate::policy::build_policies(&self.prefetch, &self.replace, 1, &crate::policy::PolicyOptions::default())?;
         Ok(())
     }
 }

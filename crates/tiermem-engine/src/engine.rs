@@ -16,7 +16,7 @@ use tiermem_sys::{Error, ErrorKind, Result, PAGE_SIZE};
 use crate::config::{DirtyTracking, EngineConfig, FaultMode, ReclaimMode};
 use crate::io::Queues;
 use crate::page::Kind;
-use crate::policy::{prefetcher_by_name, replacement_by_name, Prefetcher, Replacement};
+use crate::policy::{build_policies, PolicyOptions, Prefetcher, Replacement};
 use crate::region::{RegionInner, RegionTable};
 use crate::stats::{Stats, StatsSnapshot};
 
@@ -159,9 +159,12 @@ impl Engine {
         let queues = Queues::open(&config, &*device, &arena)?;
         let limit_pages = config.limit_pages();
         let watermark_pages = ((limit_pages as f64 * config.watermark) as u64).clamp(1, limit_pages);
+        // Built together so stream and stream-first share one training table.
+        let policies =
+            build_policies(&config.prefetch, &config.replace, limit_pages as usize, &PolicyOptions::default())?;
         let shared = Arc::new(Shared {
-            prefetcher: prefetcher_by_name(&config.prefetch)?,
-            replacement: replacement_by_name(&config.replace, limit_pages as usize)?,
+            prefetcher: policies.prefetcher,
+            replacement: policies.replacement,
             slots: SlotAllocator::new(device.capacity_slots()),
             device,
             arena,

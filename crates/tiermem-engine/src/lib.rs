@@ -18,10 +18,12 @@ mod fault;
 mod io;
 pub mod page;
 pub mod policy;
-pub mod prefetch;
+/// The prefetchers (from `tiermem-policy`).
+pub use tiermem_policy::prefetch;
+/// The replacement policies (from `tiermem-policy`).
+pub use tiermem_policy::replace;
 mod reclaim;
 mod region;
-pub mod replace;
 pub mod stats;
 
 pub use config::{DirtyTracking, EngineConfig, FaultMode, IoMode, Limit, ReclaimMode};

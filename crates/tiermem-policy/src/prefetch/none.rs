@@ -1,4 +1,4 @@
-use crate::policy::{FaultInfo, PageList, Prefetcher};
+use crate::{FaultInfo, PageList, Prefetcher};
 
 /// Never prefetches: every page comes in on its own fault.
 #[derive(Debug, Default)]

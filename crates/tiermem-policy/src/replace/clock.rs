@@ -1,7 +1,7 @@
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
-use crate::policy::{PageId, PageList, Replacement};
+use crate::{PageId, PageList, Replacement};
 
 /// FIFO order with an optional second chance for referenced pages (CLOCK), the kernel-like
 /// default. User space cannot see hardware accessed bits, so "referenced" means a fault touched

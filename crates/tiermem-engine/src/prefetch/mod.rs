@@ -1,7 +1,0 @@
-//! Prefetchers.
-
-mod none;
-mod readahead;
-
-pub use none::NoPrefetch;
-pub use readahead::Readahead;

@@ -1,5 +1,0 @@
-//! Replacement policies.
-
-mod clock;
-
-pub use clock::Clock;

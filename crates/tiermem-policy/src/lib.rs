@@ -1,0 +1,256 @@
+//! The pluggable paging policies: which pages to prefetch, and which to evict.
+//!
+//! The same objects run in the live engine (called on the fault path, possibly from a SIGBUS
+//! handler) and in the trace simulator. So every hook that the engine calls must not allocate:
+//! implementations preallocate at construction and keep their critical sections short.
+//!
+//! Prefetchers: `none`, `readahead` (Linux VMA swap readahead), `fastswap` (next 7 pages),
+//! `leap` (majority trend over a delta history), `stream` (the co-designed remote memory paper's
+//! §3.2 stream training table). Replacement: `fifo`, `clock`, `lru`, `stream-first` (§3.1), and
+//! the offline reference `belady`, which needs the future and so is built from a trace
+//! ([`replace::Belady::from_trace`]), never by name.
+
+pub mod prefetch;
+pub mod replace;
+pub mod stream;
+
+use std::sync::Arc;
+
+pub use tiermem_sys::{Error, ErrorKind, Result};
+
+use crate::prefetch::{Fastswap, Leap, NoPrefetch, Readahead, StreamPrefetcher};
+use crate::replace::{Clock, Lru, StreamFirst};
+use crate::stream::{StreamConfig, StreamTable};
+
+/// Identifies a page across all regions of an engine: region slot in the high bits, page index
+/// within the region in the low [`PAGE_INDEX_BITS`] bits.
+pub type PageId = u64;
+/// Bits of a [`PageId`] holding the page index.
+pub const PAGE_INDEX_BITS: u32 = 40;
+
+/// Build a [`PageId`].
+pub fn page_id(region: u32, index: u64) -> PageId {
+    (u64::from(region) << PAGE_INDEX_BITS) | index
+}
+
+/// Split a [`PageId`] into region slot and page index.
+pub fn split_page_id(id: PageId) -> (u32, u64) {
+    ((id >> PAGE_INDEX_BITS) as u32, id & ((1 << PAGE_INDEX_BITS) - 1))
+}
+
+/// A bounded list of page indices that never allocates.
+#[derive(Debug, Clone)]
+pub struct PageList {
+    items: [u64; Self::CAPACITY],
+    len: usize,
+}
+
+impl Default for PageList {
+    fn default() -> Self {
+        Self { items: [0; Self::CAPACITY], len: 0 }
+    }
+}
+
+impl PageList {
+    /// Most entries a list holds; pushes beyond are dropped.
+    pub const CAPACITY: usize = 64;
+
+    /// Add a page; returns false (and drops it) when full.
+    pub fn push(&mut self, page: u64) -> bool {
+        if self.len == Self::CAPACITY {
+            return false;
+        }
+        self.items[self.len] = page;
+        self.len += 1;
+        true
+    }
+
+    /// The pages.
+    pub fn as_slice(&self) -> &[u64] {
+        &self.items[..self.len]
+    }
+
+    /// Number of pages held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// No pages held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Empty the list.
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
+/// What a prefetcher learns about one fault.
+#[derive(Debug, Clone, Copy)]
+pub struct FaultInfo {
+    /// Region slot (prefetchers may keep per-region history).
+    pub region: u32,
+    /// Faulting page index within the region.
+    pub page: u64,
+    /// Pages in the region (prefetch never goes past it).
+    pub region_pages: u64,
+    /// The access was a write.
+    pub write: bool,
+    /// The page was already on its way or waiting in the prefetch cache (a prefetch hit).
+    pub hit: bool,
+}
+
+/// Chooses pages to read ahead of demand.
+pub trait Prefetcher: Send + Sync + std::fmt::Debug {
+    /// Name as given on the command line.
+    fn name(&self) -> &'static str;
+    /// A fault happened; push page indices (same region) worth reading now into `out`.
+    fn on_fault(&self, fault: &FaultInfo, out: &mut PageList);
+    /// The access monitor saw `page` of `region` (holding `region_pages` pages) being used,
+    /// without a fault: a hot-page report, a hint, a traced access. Push pages (same region)
+    /// worth reading now; this is how a prefetcher works ahead of faults. Most prefetchers
+    /// learn from faults only and ignore it.
+    fn on_report(&self, region: u32, page: u64, region_pages: u64, out: &mut PageList) {
+        let _ = (region, page, region_pages, out);
+    }
+}
+
+/// Chooses pages to evict. Hooks follow libCacheSim: insert, access, evict.
+pub trait Replacement: Send + Sync + std::fmt::Debug {
+    /// Name as given on the command line.
+    fn name(&self) -> &'static str;
+    /// `page` became resident.
+    fn on_insert(&self, page: PageId);
+    /// `page` was touched while resident (a write fault, a prefetch hit, a monitor report, a
+    /// traced access).
+    fn on_access(&self, page: PageId);
+    /// Propose up to `max` victims into `out`, removing them from the policy's tracking.
+    /// `is_referenced` reports and clears a page's referenced bit (second chance). The engine
+    /// re-checks every proposal and hands back the ones it could not evict via `on_insert`.
+    fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList);
+}
+
+/// Names accepted by [`prefetcher_by_name`].
+pub const PREFETCHERS: &[&str] = &["none", "readahead", "fastswap", "leap", "stream"];
+/// Names accepted by [`replacement_by_name`].
+pub const REPLACEMENTS: &[&str] = &["clock", "fifo", "lru", "stream-first"];
+/// Replacement policies that exist only offline (they read the future from a trace).
+pub const OFFLINE_REPLACEMENTS: &[&str] = &["belady"];
+
+/// Knobs of the policies that have any; the defaults are the papers' values.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PolicyOptions {
+    /// The stream training table and stream prefetcher.
+    pub stream: StreamConfig,
+}
+
+/// A prefetcher and a replacement policy built together, sharing one stream training table
+/// when both use it (`stream` with `stream-first`, the paper's §5.3 combination).
+#[derive(Debug)]
+pub struct PolicyPair {
+    /// The prefetcher.
+    pub prefetcher: Box<dyn Prefetcher>,
+    /// The replacement policy.
+    pub replacement: Box<dyn Replacement>,
+    /// The stream table both share, if either uses one.
+    pub stream_table: Option<Arc<StreamTable>>,
+}
+
+/// Build a prefetcher and a replacement policy by name, sized for `capacity_pages` resident
+/// pages; `stream` and `stream-first` share one training table.
+pub fn build_policies(
+    prefetch: &str,
+    replace: &str,
+    capacity_pages: usize,
+    options: &PolicyOptions,
+) -> Result<PolicyPair> {
+    check_prefetcher(prefetch)?;
+    check_replacement(replace)?;
+    let uses_table = prefetch == "stream" || replace == "stream-first";
+    let table = uses_table.then(|| Arc::new(StreamTable::new(options.stream)));
+    let prefetcher: Box<dyn Prefetcher> = match prefetch {
+        "none" => Box::new(NoPrefetch),
+        "readahead" => Box::new(Readahead::new(3)),
+        "fastswap" => Box::new(Fastswap::new(7)),
+        "leap" => Box::new(Leap::new()),
+        _ => {
+            Box::new(StreamPrefetcher::new(table.clone().unwrap_or_else(|| Arc::new(StreamTable::new(options.stream)))))
+        }
+    };
+    let replacement: Box<dyn Replacement> = match replace {
+        "clock" => Box::new(Clock::new(capacity_pages, true)),
+        "fifo" => Box::new(Clock::new(capacity_pages, false)),
+        "lru" => Box::new(Lru::new(capacity_pages)),
+        _ => Box::new(StreamFirst::new(
+            capacity_pages,
+            table.clone().unwrap_or_else(|| Arc::new(StreamTable::new(options.stream))),
+            prefetch != "stream",
+        )),
+    };
+    Ok(PolicyPair { prefetcher, replacement, stream_table: table })
+}
+
+fn check_prefetcher(name: &str) -> Result<()> {
+    if PREFETCHERS.contains(&name) {
+        return Ok(());
+    }
+    Err(Error::invalid(format!("unknown prefetcher '{name}' (expected one of: {})", PREFETCHERS.join(", "))))
+}
+
+fn check_replacement(name: &str) -> Result<()> {
+    if REPLACEMENTS.contains(&name) {
+        return Ok(());
+    }
+    if OFFLINE_REPLACEMENTS.contains(&name) {
+        return Err(Error::invalid(format!(
+            "replacement policy '{name}' is offline-only: it needs the future accesses, so only the simulator \
+             can run it (tiermem sim --replace {name})"
+        )));
+    }
+    Err(Error::invalid(format!("unknown replacement policy '{name}' (expected one of: {})", REPLACEMENTS.join(", "))))
+}
+
+/// Build a prefetcher by name (its own stream table, if it uses one).
+pub fn prefetcher_by_name(name: &str) -> Result<Box<dyn Prefetcher>> {
+    Ok(build_policies(name, "fifo", 1, &PolicyOptions::default())?.prefetcher)
+}
+
+/// Build a replacement policy by name, sized for `capacity_pages` resident pages (its own stream
+/// table, if it uses one).
+pub fn replacement_by_name(name: &str, capacity_pages: usize) -> Result<Box<dyn Replacement>> {
+    Ok(build_policies("none", name, capacity_pages, &PolicyOptions::default())?.replacement)
+}
+
+/// Lock a mutex, carrying on after a panic elsewhere: every policy keeps its state valid between
+/// statements, so a poisoned lock still guards consistent data.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_listed_name_builds_and_unknown_or_offline_names_are_clear_errors() {
+        for p in PREFETCHERS {
+            for r in REPLACEMENTS {
+                let pair = build_policies(p, r, 64, &PolicyOptions::default()).unwrap();
+                assert_eq!(pair.prefetcher.name(), *p);
+                assert_eq!(pair.replacement.name(), *r);
+                assert_eq!(pair.stream_table.is_some(), *p == "stream" || *r == "stream-first");
+            }
+        }
+        let e = replacement_by_name("belady", 8).unwrap_err().to_string();
+        assert!(e.contains("offline-only"), "{e}");
+        let e = prefetcher_by_name("oracle").unwrap_err().to_string();
+        assert!(e.contains("unknown prefetcher 'oracle'") && e.contains("stream"), "{e}");
+    }
+
+    #[test]
+    fn page_ids_round_trip() {
+        let id = page_id(7, (1 << 40) - 1);
+        assert_eq!(split_page_id(id), (7, (1 << 40) - 1));
+    }
+}

@@ -1,0 +1,17 @@
+//! Prefetchers.
+
+mod fastswap;
+mod leap;
+mod none;
+mod readahead;
+mod stream;
+
+pub use fastswap::Fastswap;
+pub use leap::Leap;
+pub use none::NoPrefetch;
+pub use readahead::Readahead;
+pub use stream::StreamPrefetcher;
+
+/// Per-region state slots a prefetcher keeps: regions share a slot when their numbers agree
+/// modulo this, which only blurs their histories, never breaks correctness.
+pub(crate) const REGION_SLOTS: usize = 64;

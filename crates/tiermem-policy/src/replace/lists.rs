@@ -1,0 +1,234 @@
+//! Doubly-linked LRU lists over a preallocated slab, indexed by an open-addressing hash table:
+//! insert, touch, remove and pop are O(1) and never allocate after construction.
+
+use crate::PageId;
+
+const NIL: u32 = u32::MAX;
+/// Marks an empty hash slot; no real page id reaches it (regions have fewer than 2^24 slots).
+const EMPTY: u64 = u64::MAX;
+
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    page: PageId,
+    prev: u32,
+    next: u32,
+    list: u8,
+}
+
+/// `L` LRU lists sharing one slab of at most `capacity` pages.
+#[derive(Debug)]
+pub(crate) struct Lists<const L: usize> {
+    nodes: Vec<Node>,
+    free: u32,
+    head: [u32; L],
+    tail: [u32; L],
+    len: [usize; L],
+    keys: Vec<u64>,
+    slots: Vec<u32>,
+    mask: usize,
+}
+
+fn hash(page: PageId) -> usize {
+    // Fibonacci hashing: consecutive pages spread over the table.
+    (page.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 20) as usize
+}
+
+impl<const L: usize> Lists<L> {
+    /// Lists holding at most `capacity` pages in total.
+    pub(crate) fn new(capacity: usize) -> Self {
+        let capacity = capacity.clamp(1, NIL as usize - 1);
+        let nodes = (0..capacity)
+            .map(|i| Node { page: EMPTY, prev: NIL, next: if i + 1 < capacity { i as u32 + 1 } else { NIL }, list: 0 })
+            .collect();
+        let table = (capacity * 2).next_power_of_two();
+        Self {
+            nodes,
+            free: 0,
+            head: [NIL; L],
+            tail: [NIL; L],
+            len: [0; L],
+            keys: vec![EMPTY; table],
+            slots: vec![NIL; table],
+            mask: table - 1,
+        }
+    }
+
+    fn find(&self, page: PageId) -> Option<(usize, u32)> {
+        let mut i = hash(page) & self.mask;
+        loop {
+            let k = self.keys[i];
+            if k == page {
+                return Some((i, self.slots[i]));
+            }
+            if k == EMPTY {
+                return None;
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    /// Remove hash slot `i` with backward-shift deletion (keeps probe chains intact, no tombstones).
+    fn unhash(&mut self, mut i: usize) {
+        loop {
+            self.keys[i] = EMPTY;
+            let mut j = i;
+            loop {
+                j = (j + 1) & self.mask;
+                let k = self.keys[j];
+                if k == EMPTY {
+                    return;
+                }
+                let home = hash(k) & self.mask;
+                // Move k back into the hole unless its home lies cyclically in (i, j].
+                let stays = if i <= j { i < home && home <= j } else { i < home || home <= j };
+                if !stays {
+                    self.keys[i] = k;
+                    self.slots[i] = self.slots[j];
+                    i = j;
+                    break;
+                }
+            }
+        }
+    }
+
+    fn link_mru(&mut self, n: u32, list: usize) {
+        let node = &mut self.nodes[n as usize];
+        node.list = list as u8;
+        node.prev = NIL;
+        node.next = self.head[list];
+        if self.head[list] != NIL {
+            self.nodes[self.head[list] as usize].prev = n;
+        } else {
+            self.tail[list] = n;
+        }
+        self.head[list] = n;
+        self.len[list] += 1;
+    }
+
+    fn unlink(&mut self, n: u32) {
+        let Node { prev, next, list, .. } = self.nodes[n as usize];
+        let list = list as usize;
+        if prev != NIL {
+            self.nodes[prev as usize].next = next;
+        } else {
+            self.head[list] = next;
+        }
+        if next != NIL {
+            self.nodes[next as usize].prev = prev;
+        } else {
+            self.tail[list] = prev;
+        }
+        self.len[list] -= 1;
+    }
+
+    /// Whether `page` is tracked.
+    #[cfg(test)]
+    pub(crate) fn contains(&self, page: PageId) -> bool {
+        self.find(page).is_some()
+    }
+
+    /// Make `page` the most recently used of `list`, inserting it if new. False when the slab is
+    /// full and the page is new (it is then not tracked).
+    pub(crate) fn touch(&mut self, page: PageId, list: usize) -> bool {
+        if let Some((_, n)) = self.find(page) {
+            self.unlink(n);
+            self.link_mru(n, list);
+            return true;
+        }
+        if self.free == NIL || page == EMPTY {
+            return false;
+        }
+        let n = self.free;
+        self.free = self.nodes[n as usize].next;
+        self.nodes[n as usize].page = page;
+        let mut i = hash(page) & self.mask;
+        while self.keys[i] != EMPTY {
+            i = (i + 1) & self.mask;
+        }
+        self.keys[i] = page;
+        self.slots[i] = n;
+        self.link_mru(n, list);
+        true
+    }
+
+    /// Move `page` to the front of its own list if tracked; returns its list.
+    pub(crate) fn touch_if_present(&mut self, page: PageId) -> Option<usize> {
+        let (_, n) = self.find(page)?;
+        let list = self.nodes[n as usize].list as usize;
+        self.unlink(n);
+        self.link_mru(n, list);
+        Some(list)
+    }
+
+    /// Stop tracking `page`.
+    pub(crate) fn remove(&mut self, page: PageId) -> bool {
+        let Some((i, n)) = self.find(page) else { return false };
+        self.unhash(i);
+        self.unlink(n);
+        self.nodes[n as usize].next = self.free;
+        self.nodes[n as usize].page = EMPTY;
+        self.free = n;
+        true
+    }
+
+    /// The least recently used page of `list`, without removing it.
+    pub(crate) fn lru(&self, list: usize) -> Option<PageId> {
+        let t = self.tail[list];
+        (t != NIL).then(|| self.nodes[t as usize].page)
+    }
+
+    /// Pages in `list`.
+    pub(crate) fn len(&self, list: usize) -> usize {
+        self.len[list]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Against a Vec model: the same pages in the same order after any operation sequence,
+        /// including collisions (small page ranges) and removal in the middle of probe chains.
+        #[test]
+        fn behaves_like_a_vector_of_lists(ops in proptest::collection::vec((0u8..4, 0u64..40, 0usize..2), 1..400)) {
+            let mut lists = Lists::<2>::new(24);
+            let mut model: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+            for (op, page, list) in ops {
+                let page = page << 40 | page; // ids with high bits, as the engine makes them
+                let tracked = model.iter().any(|l| l.contains(&page));
+                match op {
+                    0 | 1 => {
+                        let full = model.iter().map(Vec::len).sum::<usize>() == 24;
+                        let ok = lists.touch(page, list);
+                        prop_assert_eq!(ok, tracked || !full);
+                        if ok {
+                            model.iter_mut().for_each(|l| l.retain(|&p| p != page));
+                            model[list].insert(0, page);
+                        }
+                    }
+                    2 => {
+                        prop_assert_eq!(lists.remove(page), tracked);
+                        model.iter_mut().for_each(|l| l.retain(|&p| p != page));
+                    }
+                    _ => {
+                        prop_assert_eq!(lists.lru(list), model[list].last().copied());
+                        if let Some(p) = lists.lru(list) {
+                            lists.remove(p);
+                            model[list].pop();
+                        }
+                    }
+                }
+                for (l, m) in model.iter().enumerate() {
+                    prop_assert_eq!(lists.len(l), m.len());
+                }
+                for p in 0u64..40 {
+                    let p = p << 40 | p;
+                    prop_assert_eq!(lists.contains(p), model.iter().any(|l| l.contains(&p)));
+                }
+            }
+        }
+    }
+}

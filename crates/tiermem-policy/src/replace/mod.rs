@@ -1,0 +1,12 @@
+//! Replacement policies.
+
+mod belady;
+mod clock;
+mod lists;
+mod lru;
+mod stream_first;
+
+pub use belady::Belady;
+pub use clock::Clock;
+pub use lru::Lru;
+pub use stream_first::StreamFirst;
