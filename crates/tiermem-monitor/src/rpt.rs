@@ -1,0 +1,190 @@
+//! The reverse page table of §2.2: a flat array indexed by physical page number whose entries
+//! hold the 16-bit pid and 40-bit virtual page number mapped there, so a physical-address
+//! report (the hot-page table, DAMON's paddr operations) becomes a {pid, virtual page} in one
+//! memory access. Built from /proc/PID/pagemap (which shows page frame numbers only to
+//! CAP_SYS_ADMIN) and kept current by whoever maps and unmaps pages.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::FileExt;
+
+use tiermem_sys::{Error, ErrorKind, Result};
+
+/// Bits of the virtual page number in an entry.
+pub const VPN_BITS: u32 = 40;
+const VALID: u64 = 1 << 63;
+const VPN_MASK: u64 = (1 << VPN_BITS) - 1;
+
+/// The table; see the module docs.
+#[derive(Debug, Default, Clone)]
+pub struct ReversePageTable {
+    entries: Vec<u64>,
+    mapped: usize,
+}
+
+impl ReversePageTable {
+    /// An empty table with room for physical pages `0..frames` (it grows when needed).
+    pub fn with_frames(frames: usize) -> Self {
+        Self { entries: vec![0; frames], mapped: 0 }
+    }
+
+    /// Record that physical page `pfn` maps virtual page `vpn` of process `pid`.
+    pub fn insert(&mut self, pfn: u64, pid: u32, vpn: u64) -> Result<()> {
+        let pid16 = u16::try_from(pid)
+            .map_err(|_| Error::invalid(format!("pid {pid} does not fit the table's 16-bit pid field")))?;
+        if vpn > VPN_MASK {
+            return Err(Error::invalid(format!("virtual page {vpn:#x} does not fit 40 bits")));
+        }
+        let i = usize::try_from(pfn).map_err(|_| Error::invalid(format!("pfn {pfn:#x} too large")))?;
+        if i >= self.entries.len() {
+            self.entries.resize(i + 1, 0);
+        }
+        if self.entries[i] & VALID == 0 {
+            self.mapped += 1;
+        }
+        self.entries[i] = VALID | (u64::from(pid16) << VPN_BITS) | vpn;
+        Ok(())
+    }
+
+    /// Forget physical page `pfn` (it was unmapped).
+    pub fn remove(&mut self, pfn: u64) {
+        if let Some(e) = self.entries.get_mut(pfn as usize) {
+            if *e & VALID != 0 {
+                self.mapped -= 1;
+            }
+            *e = 0;
+        }
+    }
+
+    /// The {pid, virtual page} at physical page `pfn`.
+    #[inline]
+    pub fn lookup(&self, pfn: u64) -> Option<(u16, u64)> {
+        let e = *self.entries.get(pfn as usize)?;
+        (e & VALID != 0).then_some((((e >> VPN_BITS) & 0xffff) as u16, e & VPN_MASK))
+    }
+
+    /// Physical pages with an entry.
+    pub fn mapped(&self) -> usize {
+        self.mapped
+    }
+
+    /// Add every present page of process `pid` (all its mappings) from /proc/PID/pagemap.
+    /// Returns the pages added. Fails with [`ErrorKind::Permission`] when the kernel hides page
+    /// frame numbers (no CAP_SYS_ADMIN).
+    pub fn add_process(&mut self, pid: u32) -> Result<usize> {
+        let maps =
+            File::open(format!("/proc/{pid}/maps")).map_err(|e| Error::os(e, format!("opening /proc/{pid}/maps")))?;
+        let pagemap = File::open(format!("/proc/{pid}/pagemap"))
+            .map_err(|e| Error::os(e, format!("opening /proc/{pid}/pagemap")))?;
+        let mut added = 0;
+        let mut present_without_pfn = 0;
+        let mut buf = vec![0u8; 8 * 512];
+        for line in BufReader::new(maps).lines() {
+            let line = line.map_err(|e| Error::os(e, format!("reading /proc/{pid}/maps")))?;
+            let Some((range, _)) = line.split_once(' ') else { continue };
+            let Some((start, end)) = range.split_once('-') else { continue };
+            let (Ok(start), Ok(end)) = (u64::from_str_radix(start, 16), u64::from_str_radix(end, 16)) else { continue };
+            if line.ends_with("[vsyscall]") {
+                continue;
+            }
+            let (first, last) = (start / 4096, end / 4096);
+            let mut vpn = first;
+            while vpn < last {
+                let n = ((last - vpn) as usize).min(512);
+                let bytes = &mut buf[..n * 8];
+                if pagemap.read_exact_at(bytes, vpn * 8).is_err() {
+                    break;
+                }
+                for (k, word) in bytes.chunks_exact(8).enumerate() {
+                    let entry = u64::from_le_bytes(word.try_into().unwrap_or_default());
+                    // Bit 63: present; bits 0..=54: the page frame number.
+                    if entry & (1 << 63) == 0 {
+                        continue;
+                    }
+                    let pfn = entry & ((1 << 55) - 1);
+                    if pfn == 0 {
+                        present_without_pfn += 1;
+                        continue;
+                    }
+                    self.insert(pfn, pid, vpn + k as u64)?;
+                    added += 1;
+                }
+                vpn += n as u64;
+            }
+        }
+        if added == 0 && present_without_pfn > 0 {
+            return Err(Error::new(
+                ErrorKind::Permission,
+                format!("/proc/{pid}/pagemap hides page frame numbers (CAP_SYS_ADMIN is needed)"),
+            ));
+        }
+        Ok(added)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Inserts (overwriting), removals and lookups agree with a map, at the fields' limits too.
+        #[test]
+        fn agrees_with_a_map(ops in proptest::collection::vec(
+            (0u64..300, prop_oneof![Just(0u32), Just(65535u32), 1u32..65535], prop_oneof![Just(0u64), Just(VPN_MASK), 0u64..VPN_MASK], any::<bool>()), 0..300)) {
+            let mut t = ReversePageTable::with_frames(16);
+            let mut model = HashMap::new();
+            for (pfn, pid, vpn, insert) in ops {
+                if insert {
+                    t.insert(pfn, pid, vpn).unwrap();
+                    model.insert(pfn, (pid as u16, vpn));
+                } else {
+                    t.remove(pfn);
+                    model.remove(&pfn);
+                }
+                prop_assert_eq!(t.mapped(), model.len());
+            }
+            for pfn in 0..310 {
+                prop_assert_eq!(t.lookup(pfn), model.get(&pfn).copied());
+            }
+        }
+
+        #[test]
+        fn rejects_fields_that_do_not_fit(pid in 65536u32.., vpn in (VPN_MASK + 1)..) {
+            let mut t = ReversePageTable::default();
+            prop_assert!(t.insert(1, pid, 5).is_err());
+            prop_assert!(t.insert(1, 5, vpn).is_err());
+            prop_assert_eq!(t.lookup(1), None);
+        }
+    }
+
+    #[test]
+    fn built_from_this_process_pagemap_translates_its_own_pages() {
+        let pid = std::process::id();
+        if pid > 65535 {
+            println!("SKIPPED: pid {pid} does not fit the 16-bit pid field");
+            return;
+        }
+        let data: Vec<u64> = (0..4096u64).collect(); // 32 KiB, touched: present
+        let mut t = ReversePageTable::default();
+        match t.add_process(pid) {
+            Err(e) if e.kind() == ErrorKind::Permission => {
+                println!("SKIPPED: {e}");
+                return;
+            }
+            other => assert!(other.unwrap() > 0),
+        }
+        let vpn = data.as_ptr() as u64 / 4096;
+        let found = t
+            .entries
+            .iter()
+            .enumerate()
+            .filter_map(|(pfn, _)| t.lookup(pfn as u64))
+            .any(|(p, v)| u32::from(p) == pid && v == vpn);
+        assert!(found, "the page holding `data` is in the table");
+        assert!(data.iter().sum::<u64>() > 0);
+    }
+}
