@@ -1,0 +1,446 @@
+//! The replay loop: local memory of a fixed number of pages, the engine's policy objects, and a
+//! device and time model.
+//!
+//! Per event:
+//! - a report (monitor input) goes to the prefetcher's `on_report`, whose pages are read
+//!   asynchronously;
+//! - an access to a resident page is a hit: the replacement policy hears `on_access` (the trace
+//!   is full access information) and the page's referenced bit is set; the first touch of a
+//!   prefetched page is a prefetch hit, late if its read has not finished (the access waits),
+//!   and the prefetcher hears `on_fault` with `hit`, as in the engine;
+//! - an access to any other page is a fault: room is made (one victim at a time, from the
+//!   replacement policy, dirty victims written back), the page is read and waited for, the
+//!   policy hears `on_insert`, and the prefetcher's `on_fault` pages are read asynchronously.
+//!
+//! Time: every event costs `access_ns`; a fault adds the device read (queued behind earlier
+//! reads and writes on one device with a per-page transfer time) plus `fault_ns`; a prefetch
+//! hit adds `hit_ns` plus any wait for a late page. Nothing is random: same input, same output.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use serde::Serialize;
+use tiermem_policy::{FaultInfo, PageList, PolicyOptions, Prefetcher, Replacement};
+use tiermem_sys::{Error, Result};
+
+use crate::trace::{split_event, Event, EventKind};
+
+/// Device and CPU costs, in nanoseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Latency {
+    /// CPU time per trace event.
+    pub access_ns: f64,
+    /// Software cost of a fault besides waiting for the page.
+    pub fault_ns: f64,
+    /// Time from issuing a page read to having the page (Fastswap over RDMA: about 6 µs).
+    pub read_ns: f64,
+    /// Time a page occupies the device (4 KiB at 56 Gb/s ≈ 600 ns); reads and write-backs queue.
+    pub transfer_ns: f64,
+    /// Cost of the first touch of a prefetched page (0: mapped eagerly, as the paper's stream
+    /// prefetcher does; about 1000 for a minor fault).
+    pub hit_ns: f64,
+}
+
+impl Default for Latency {
+    fn default() -> Self {
+        Self { access_ns: 100.0, fault_ns: 2000.0, read_ns: 6000.0, transfer_ns: 600.0, hit_ns: 0.0 }
+    }
+}
+
+/// Which events feed the prefetcher's monitor input (`on_report`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum MonitorInput {
+    /// None: prefetchers learn from faults only (what the engine sees without a monitor).
+    None,
+    /// The trace's report events (hot-page table output for byte-level traces).
+    Reports,
+    /// Every access to a page other than the previous access's page (full page-level
+    /// information, for page-level traces without reports).
+    Accesses,
+}
+
+/// One simulation's setup.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// Local memory in pages.
+    pub local_pages: usize,
+    /// Prefetcher name.
+    pub prefetch: String,
+    /// Replacement name (`belady` needs the whole trace: see [`simulate`]).
+    pub replace: String,
+    /// Policy knobs.
+    pub options: PolicyOptions,
+    /// Costs.
+    pub latency: Latency,
+    /// Monitor input.
+    pub monitor: MonitorInput,
+}
+
+/// What a simulation measured.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct SimResult {
+    /// Prefetcher.
+    pub prefetch: String,
+    /// Replacement policy.
+    pub replace: String,
+    /// Local memory in pages.
+    pub local_pages: usize,
+    /// Access events (reads and writes).
+    pub accesses: u64,
+    /// Report events given to the prefetcher.
+    pub reports: u64,
+    /// Faults on pages not resident and not prefetched (demand reads).
+    pub faults: u64,
+    /// Pages read ahead of demand.
+    pub prefetch_issued: u64,
+    /// First touches of prefetched pages.
+    pub prefetch_hits: u64,
+    /// Prefetch hits whose read had not finished yet.
+    pub late_prefetches: u64,
+    /// Prefetched pages evicted, or left at the end, without being touched.
+    pub unused_prefetches: u64,
+    /// Pages evicted.
+    pub evictions: u64,
+    /// Dirty pages written back on eviction.
+    pub writebacks: u64,
+    /// prefetch_hits / prefetch_issued.
+    pub accuracy: f64,
+    /// prefetch_hits / (prefetch_hits + faults).
+    pub coverage: f64,
+    /// Modeled run time.
+    pub modeled_ns: f64,
+}
+
+// Page state bits.
+const RESIDENT: u8 = 1;
+const PREFETCHED: u8 = 2; // resident, read ahead, not touched yet
+const REFERENCED: u8 = 4;
+const DIRTY: u8 = 8;
+
+const CHUNK_SHIFT: u32 = 12;
+const CHUNK: usize = 1 << CHUNK_SHIFT;
+
+/// A multiply-shift hasher for page numbers (the default SipHash costs more than the lookup).
+#[derive(Default)]
+struct PageHasher(u64);
+
+impl Hasher for PageHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (v ^ (v >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type FastMap<V> = HashMap<u64, V, BuildHasherDefault<PageHasher>>;
+
+/// Page states in chunks of 4096 pages, found through a map with a one-entry cache.
+struct PageTable {
+    index: FastMap<u32>,
+    chunks: Vec<Box<[std::cell::Cell<u8>; CHUNK]>>,
+    last: std::cell::Cell<(u64, u32)>,
+}
+
+impl Default for PageTable {
+    fn default() -> Self {
+        // No chunk key is u64::MAX (pages have at most 40 bits), so the cache starts empty.
+        Self { index: FastMap::default(), chunks: Vec::new(), last: std::cell::Cell::new((u64::MAX, 0)) }
+    }
+}
+
+impl PageTable {
+    #[inline]
+    fn cell(&mut self, page: u64) -> &std::cell::Cell<u8> {
+        let key = page >> CHUNK_SHIFT;
+        let (last_key, last_chunk) = self.last.get();
+        let chunk = if last_key == key {
+            last_chunk
+        } else {
+            let next = self.chunks.len() as u32;
+            let c = *self.index.entry(key).or_insert(next);
+            if c == next {
+                self.chunks.push(Box::new(std::array::from_fn(|_| std::cell::Cell::new(0))));
+            }
+            self.last.set((key, c));
+            c
+        };
+        &self.chunks[chunk as usize][(page as usize) & (CHUNK - 1)]
+    }
+
+    /// Read-only lookup that never creates a chunk (for the referenced-bit callback).
+    fn existing(&self, page: u64) -> Option<&std::cell::Cell<u8>> {
+        let c = *self.index.get(&(page >> CHUNK_SHIFT))?;
+        Some(&self.chunks[c as usize][(page as usize) & (CHUNK - 1)])
+    }
+}
+
+impl std::fmt::Debug for PageTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PageTable").field("chunks", &self.chunks.len()).finish()
+    }
+}
+
+/// A running simulation; feed it events with [`Simulator::step`].
+#[derive(Debug)]
+pub struct Simulator {
+    config: SimConfig,
+    prefetcher: Box<dyn Prefetcher>,
+    replacement: Box<dyn Replacement>,
+    pages: PageTable,
+    /// Arrival times of prefetched pages not touched yet.
+    arrivals: FastMap<f64>,
+    resident: usize,
+    now: f64,
+    device_free: f64,
+    last_page: u64,
+    wanted: PageList,
+    victims: PageList,
+    result: SimResult,
+}
+
+/// Pages a prefetcher may name (page ids carry no region in the simulator).
+const REGION_PAGES: u64 = 1 << 40;
+
+impl Simulator {
+    /// A simulator with policies built by name (`belady` is refused: use [`simulate`]).
+    pub fn new(config: SimConfig) -> Result<Self> {
+        if config.local_pages == 0 {
+            return Err(Error::invalid("local memory must be at least one page"));
+        }
+        config.options.stream.validate()?;
+        let pair =
+            tiermem_policy::build_policies(&config.prefetch, &config.replace, config.local_pages, &config.options)?;
+        Ok(Self::with_policies(config, pair.prefetcher, pair.replacement))
+    }
+
+    /// A simulator with given policy objects.
+    pub fn with_policies(
+        config: SimConfig,
+        prefetcher: Box<dyn Prefetcher>,
+        replacement: Box<dyn Replacement>,
+    ) -> Self {
+        let result = SimResult {
+            prefetch: prefetcher.name().to_string(),
+            replace: replacement.name().to_string(),
+            local_pages: config.local_pages,
+            ..SimResult::default()
+        };
+        Self {
+            config,
+            prefetcher,
+            replacement,
+            pages: PageTable::default(),
+            arrivals: FastMap::default(),
+            resident: 0,
+            now: 0.0,
+            device_free: 0.0,
+            last_page: u64::MAX,
+            wanted: PageList::default(),
+            victims: PageList::default(),
+            result,
+        }
+    }
+
+    /// Start a read on the device at the current time; returns when the page is there.
+    #[inline]
+    fn device_read(&mut self) -> f64 {
+        let start = self.device_free.max(self.now);
+        self.device_free = start + self.config.latency.transfer_ns;
+        start + self.config.latency.read_ns.max(self.config.latency.transfer_ns)
+    }
+
+    /// Evict until there is room for one more page.
+    fn make_room(&mut self) {
+        let mut empty_picks = 0;
+        while self.resident >= self.config.local_pages {
+            self.victims.clear();
+            let pages = &self.pages;
+            let is_referenced = |id: u64| {
+                pages.existing(id).is_some_and(|c| {
+                    let s = c.get();
+                    c.set(s & !REFERENCED);
+                    s & REFERENCED != 0
+                })
+            };
+            self.replacement.pick_victims(1, &is_referenced, &mut self.victims);
+            if self.victims.is_empty() {
+                // A second-chance pass may clear every referenced bit without choosing; the
+                // next pass then chooses. Twice empty: the policy tracks nothing resident.
+                empty_picks += 1;
+                if empty_picks == 2 {
+                    return;
+                }
+                continue;
+            }
+            empty_picks = 0;
+            for k in 0..self.victims.len() {
+                let page = self.victims.as_slice()[k];
+                let cell = self.pages.cell(page);
+                let s = cell.get();
+                if s & RESIDENT == 0 {
+                    continue;
+                }
+                cell.set(0);
+                self.resident -= 1;
+                self.result.evictions += 1;
+                if s & PREFETCHED != 0 {
+                    self.result.unused_prefetches += 1;
+                    self.arrivals.remove(&page);
+                }
+                if s & DIRTY != 0 {
+                    self.result.writebacks += 1;
+                    let start = self.device_free.max(self.now);
+                    self.device_free = start + self.config.latency.transfer_ns;
+                }
+            }
+        }
+    }
+
+    fn issue_wanted(&mut self) {
+        for k in 0..self.wanted.len() {
+            let page = self.wanted.as_slice()[k];
+            if self.pages.cell(page).get() & RESIDENT != 0 {
+                continue;
+            }
+            self.make_room();
+            let arrival = self.device_read();
+            self.pages.cell(page).set(RESIDENT | PREFETCHED);
+            self.arrivals.insert(page, arrival);
+            self.resident += 1;
+            self.result.prefetch_issued += 1;
+            self.replacement.on_insert(page);
+        }
+        self.wanted.clear();
+    }
+
+    #[inline]
+    fn report(&mut self, page: u64) {
+        self.result.reports += 1;
+        self.prefetcher.on_report(0, page, REGION_PAGES, &mut self.wanted);
+        if !self.wanted.is_empty() {
+            self.issue_wanted();
+        }
+    }
+
+    /// Replay one event.
+    #[inline]
+    pub fn step(&mut self, e: Event) {
+        let (page, kind) = split_event(e);
+        self.now += self.config.latency.access_ns;
+        if kind == EventKind::Report {
+            if self.config.monitor == MonitorInput::Reports {
+                self.report(page);
+            }
+            return;
+        }
+        if self.config.monitor == MonitorInput::Accesses && page != self.last_page {
+            self.report(page);
+        }
+        self.last_page = page;
+        self.result.accesses += 1;
+        let write = kind == EventKind::Write;
+        let dirty = if write { DIRTY } else { 0 };
+        let cell = self.pages.cell(page);
+        let s = cell.get();
+        if s & RESIDENT != 0 {
+            cell.set((s & !PREFETCHED) | REFERENCED | dirty);
+            self.replacement.on_access(page);
+            if s & PREFETCHED != 0 {
+                self.result.prefetch_hits += 1;
+                let arrival = self.arrivals.remove(&page).unwrap_or(0.0);
+                if arrival > self.now {
+                    self.result.late_prefetches += 1;
+                    self.now = arrival;
+                }
+                self.now += self.config.latency.hit_ns;
+                let info = FaultInfo { region: 0, page, region_pages: REGION_PAGES, write, hit: true };
+                self.prefetcher.on_fault(&info, &mut self.wanted);
+                if !self.wanted.is_empty() {
+                    self.issue_wanted();
+                }
+            }
+            return;
+        }
+        self.result.faults += 1;
+        self.make_room();
+        let arrival = self.device_read();
+        self.now = arrival + self.config.latency.fault_ns;
+        self.pages.cell(page).set(RESIDENT | dirty);
+        self.resident += 1;
+        self.replacement.on_insert(page);
+        let info = FaultInfo { region: 0, page, region_pages: REGION_PAGES, write, hit: false };
+        self.prefetcher.on_fault(&info, &mut self.wanted);
+        if !self.wanted.is_empty() {
+            self.issue_wanted();
+        }
+    }
+
+    /// Finish: count prefetched pages never touched and compute the ratios.
+    pub fn finish(mut self) -> SimResult {
+        self.result.unused_prefetches += self.arrivals.len() as u64;
+        let r = &mut self.result;
+        r.accuracy = ratio(r.prefetch_hits, r.prefetch_issued);
+        r.coverage = ratio(r.prefetch_hits, r.prefetch_hits + r.faults);
+        r.modeled_ns = self.now;
+        self.result
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// Distinct pages accessed (reports excluded).
+pub fn footprint(events: &[Event]) -> usize {
+    let mut seen: std::collections::HashSet<u64, BuildHasherDefault<PageHasher>> = Default::default();
+    for &e in events {
+        let (page, kind) = split_event(e);
+        if kind != EventKind::Report {
+            seen.insert(page);
+        }
+    }
+    seen.len()
+}
+
+/// Replay a whole trace. `belady` is built from the trace here (it needs the future), and runs
+/// only without prefetching. `progress` hears the number of events done now and then.
+pub fn simulate(events: &[Event], config: &SimConfig, progress: &mut dyn FnMut(u64)) -> Result<SimResult> {
+    if events.is_empty() {
+        return Err(Error::invalid("the trace has no accesses"));
+    }
+    let mut sim = if config.replace == "belady" {
+        if config.prefetch != "none" {
+            return Err(Error::invalid(format!(
+                "belady is the optimum without prefetching; run it with --prefetch none, not '{}'",
+                config.prefetch
+            )));
+        }
+        if config.local_pages == 0 {
+            return Err(Error::invalid("local memory must be at least one page"));
+        }
+        let pages: Vec<u64> =
+            events.iter().map(|&e| split_event(e)).filter(|(_, k)| *k != EventKind::Report).map(|(p, _)| p).collect();
+        let belady = tiermem_policy::replace::Belady::from_trace(&pages);
+        let config = SimConfig { monitor: MonitorInput::None, ..config.clone() };
+        Simulator::with_policies(config, Box::new(tiermem_policy::prefetch::NoPrefetch), Box::new(belady))
+    } else {
+        Simulator::new(config.clone())?
+    };
+    for (i, chunk) in events.chunks(1 << 20).enumerate() {
+        for &e in chunk {
+            sim.step(e);
+        }
+        progress(((i << 20) + chunk.len()) as u64);
+    }
+    Ok(sim.finish())
+}

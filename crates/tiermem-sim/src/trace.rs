@@ -1,0 +1,537 @@
+//! Trace input: the simulator's own binary format (docs/trace-format.md), Valgrind lackey
+//! `--trace-mem=yes` text, and plain page-number lists; plus deterministic synthetic traces.
+//!
+//! Everything becomes a list of page-level [`Event`]s. Byte-address inputs (lackey, binary with
+//! byte addresses) go through an optional LLC filter and the hot-page table first, the way a
+//! memory controller would see them: LLC fills and write-backs become page accesses, and pages
+//! the table finds hot become report events.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::Path;
+
+use tiermem_monitor::hot_table::HotPageTable;
+use tiermem_monitor::llc::LlcFilter;
+use tiermem_sys::{Error, ErrorKind, Result};
+
+/// Magic bytes opening a binary trace.
+pub const MAGIC: &[u8; 8] = b"TMTRACE\0";
+/// Binary format version written and read.
+pub const VERSION: u32 = 1;
+/// Page size the simulator models.
+pub const PAGE_SHIFT: u32 = 12;
+/// Largest page number a trace may hold (page ids carry a region above bit 40; traces use 0).
+pub const MAX_PAGE: u64 = (1 << 40) - 1;
+
+/// One page-level event, packed as `page << 2 | kind`.
+pub type Event = u64;
+
+/// What an event is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    /// A read reaching memory.
+    Read = 0,
+    /// A write reaching memory.
+    Write = 1,
+    /// The access monitor reported the page as used (no residency effect).
+    Report = 2,
+}
+
+/// Pack an event.
+#[inline]
+pub fn event(page: u64, kind: EventKind) -> Event {
+    page << 2 | kind as u64
+}
+
+/// Unpack an event.
+#[inline]
+pub fn split_event(e: Event) -> (u64, EventKind) {
+    let kind = match e & 3 {
+        0 => EventKind::Read,
+        1 => EventKind::Write,
+        _ => EventKind::Report,
+    };
+    (e >> 2, kind)
+}
+
+/// Input formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// Decide from the file's first bytes.
+    Auto,
+    /// The simulator's binary format.
+    Binary,
+    /// `valgrind --tool=lackey --trace-mem=yes` output.
+    Lackey,
+    /// One page number per line (decimal or 0x-hex), optionally followed by `w` for a write.
+    Pages,
+}
+
+impl std::str::FromStr for Format {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Format::Auto),
+            "binary" => Ok(Format::Binary),
+            "lackey" => Ok(Format::Lackey),
+            "pages" => Ok(Format::Pages),
+            other => {
+                Err(Error::invalid(format!("unknown trace format '{other}' (expected auto, binary, lackey, pages)")))
+            }
+        }
+    }
+}
+
+/// How byte-address inputs reach the page level.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LineOptions {
+    /// LLC size in bytes and ways; None: every access reaches memory.
+    pub llc: Option<(u64, usize)>,
+    /// Hot-page threshold N of the monitor's table (1..=64).
+    pub threshold: u32,
+    /// Count instruction fetches (lackey `I` lines) as reads.
+    pub instructions: bool,
+}
+
+impl Default for LineOptions {
+    fn default() -> Self {
+        Self { llc: Some((1 << 20, 16)), threshold: 8, instructions: false }
+    }
+}
+
+/// A loaded trace.
+#[derive(Debug, Clone, Default)]
+pub struct Trace {
+    /// The events in order.
+    pub events: Vec<Event>,
+    /// The events carry monitor reports (byte-address inputs), so replay need not invent them.
+    pub has_reports: bool,
+    /// Byte-level accesses read before the LLC filter (0 for page-level inputs).
+    pub raw_accesses: u64,
+}
+
+/// Turns byte-level accesses into page events through the LLC and the hot-page table.
+struct LinePipeline {
+    llc: Option<LlcFilter>,
+    table: HotPageTable,
+    events: Vec<Event>,
+    raw: u64,
+}
+
+impl LinePipeline {
+    fn new(options: &LineOptions) -> Result<Self> {
+        let llc = options.llc.map(|(bytes, ways)| LlcFilter::new(bytes, ways)).transpose()?;
+        Ok(Self { llc, table: HotPageTable::new(options.threshold)?, events: Vec::new(), raw: 0 })
+    }
+
+    fn access(&mut self, addr: u64, write: bool) {
+        self.raw += 1;
+        let (fill, writeback) = match &mut self.llc {
+            Some(llc) => {
+                let r = llc.access(addr, write);
+                (r.fill, r.writeback)
+            }
+            None => (Some(addr), None),
+        };
+        if let Some(line) = writeback {
+            self.events.push(event(line >> PAGE_SHIFT, EventKind::Write));
+            self.table.access(line >> PAGE_SHIFT, true);
+        }
+        if let Some(line) = fill {
+            let page = line >> PAGE_SHIFT;
+            // The report comes from the same request: the table sees it as it reaches memory.
+            if let Some(hot) = self.table.access(page, false) {
+                self.events.push(event(hot, EventKind::Report));
+            }
+            self.events.push(event(page, if write { EventKind::Write } else { EventKind::Read }));
+        }
+    }
+
+    fn finish(self) -> Trace {
+        Trace { events: self.events, has_reports: true, raw_accesses: self.raw }
+    }
+}
+
+fn bad_line(path: &Path, line_no: usize, text: &str, why: &str) -> Error {
+    let shown: String = text.chars().take(80).collect();
+    Error::invalid(format!("{}:{line_no}: {why}: '{shown}'", path.display()))
+}
+
+/// Read a trace file.
+pub fn load(path: &Path, format: Format, lines: &LineOptions) -> Result<Trace> {
+    let mut file = File::open(path).map_err(|e| Error::os(e, format!("opening trace {}", path.display())))?;
+    let mut head = [0u8; 8];
+    let n = read_up_to(&mut file, &mut head).map_err(|e| Error::os(e, format!("reading {}", path.display())))?;
+    let format = match format {
+        Format::Auto if n == 8 && &head == MAGIC => Format::Binary,
+        Format::Auto => detect_text(path)?,
+        f => f,
+    };
+    let file = File::open(path).map_err(|e| Error::os(e, format!("opening trace {}", path.display())))?;
+    let trace = match format {
+        Format::Binary => read_binary(path, file, lines)?,
+        Format::Lackey => read_lackey(path, file, lines)?,
+        _ => read_pages(path, file)?,
+    };
+    if trace.events.is_empty() {
+        return Err(Error::invalid(format!("trace {} has no accesses", path.display())));
+    }
+    Ok(trace)
+}
+
+fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+fn detect_text(path: &Path) -> Result<Format> {
+    let file = File::open(path).map_err(|e| Error::os(e, format!("opening trace {}", path.display())))?;
+    for line in BufReader::new(file).lines().take(1000) {
+        let Ok(line) = line else {
+            return Err(Error::invalid(format!("{}: neither a binary trace nor text", path.display())));
+        };
+        let t = line.trim();
+        if t.is_empty() || t.starts_with('#') || t.starts_with("==") {
+            continue;
+        }
+        let lackey = matches!(line.as_bytes().first(), Some(b'I' | b' '))
+            && t.contains(',')
+            && matches!(t.as_bytes().first(), Some(b'I' | b'L' | b'S' | b'M'));
+        return Ok(if lackey { Format::Lackey } else { Format::Pages });
+    }
+    Ok(Format::Pages)
+}
+
+fn parse_number(text: &str) -> Option<u64> {
+    match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => text.parse().ok(),
+    }
+}
+
+fn read_pages(path: &Path, file: File) -> Result<Trace> {
+    let mut events = Vec::new();
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let line =
+            line.map_err(|e| Error::os_kind(ErrorKind::InvalidInput, e, format!("{}:{}", path.display(), i + 1)))?;
+        let t = line.split('#').next().unwrap_or("").trim();
+        if t.is_empty() {
+            continue;
+        }
+        let mut words = t.split_whitespace();
+        let page_text = words.next().unwrap_or("");
+        let page = parse_number(page_text).ok_or_else(|| bad_line(path, i + 1, &line, "not a page number"))?;
+        if page > MAX_PAGE {
+            return Err(bad_line(path, i + 1, &line, "page number above 2^40 - 1"));
+        }
+        let kind = match words.next() {
+            None | Some("r" | "R") => EventKind::Read,
+            Some("w" | "W") => EventKind::Write,
+            Some(_) => return Err(bad_line(path, i + 1, &line, "expected 'r' or 'w' after the page number")),
+        };
+        if words.next().is_some() {
+            return Err(bad_line(path, i + 1, &line, "extra text after the access"));
+        }
+        events.push(event(page, kind));
+    }
+    Ok(Trace { events, has_reports: false, raw_accesses: 0 })
+}
+
+fn read_lackey(path: &Path, file: File, options: &LineOptions) -> Result<Trace> {
+    let mut pipe = LinePipeline::new(options)?;
+    for (i, line) in BufReader::new(file).lines().enumerate() {
+        let line =
+            line.map_err(|e| Error::os_kind(ErrorKind::InvalidInput, e, format!("{}:{}", path.display(), i + 1)))?;
+        let t = line.trim();
+        if t.is_empty() || t.starts_with("==") || t.starts_with('#') {
+            continue;
+        }
+        let (op, rest) = t.split_at(1);
+        let Some((addr, size)) = rest.trim().split_once(',') else {
+            return Err(bad_line(path, i + 1, &line, "expected 'OP ADDRESS,SIZE'"));
+        };
+        let addr = u64::from_str_radix(addr.trim(), 16).map_err(|_| bad_line(path, i + 1, &line, "bad hex address"))?;
+        let size: u64 = size.trim().parse().map_err(|_| bad_line(path, i + 1, &line, "bad size"))?;
+        if (addr >> PAGE_SHIFT) > MAX_PAGE {
+            return Err(bad_line(path, i + 1, &line, "address above 2^52"));
+        }
+        // An access straddling a line boundary touches both lines.
+        let last = addr + size.max(1) - 1;
+        let lines = [addr, last];
+        let touched = if last / 64 != addr / 64 { &lines[..] } else { &lines[..1] };
+        for &a in touched {
+            match op {
+                "L" => pipe.access(a, false),
+                "S" => pipe.access(a, true),
+                "M" => {
+                    pipe.access(a, false);
+                    pipe.access(a, true);
+                }
+                "I" if options.instructions => pipe.access(a, false),
+                "I" => {}
+                _ => return Err(bad_line(path, i + 1, &line, "unknown operation (expected I, L, S or M)")),
+            }
+        }
+    }
+    Ok(pipe.finish())
+}
+
+fn read_binary(path: &Path, file: File, options: &LineOptions) -> Result<Trace> {
+    let mut r = BufReader::with_capacity(1 << 20, file);
+    let mut header = [0u8; 24];
+    r.read_exact(&mut header)
+        .map_err(|_| Error::invalid(format!("{}: binary trace header is truncated", path.display())))?;
+    if &header[..8] != MAGIC {
+        return Err(Error::invalid(format!("{}: not a tiermem binary trace (bad magic)", path.display())));
+    }
+    let version = u32::from_le_bytes(header[8..12].try_into().unwrap_or_default());
+    if version != VERSION {
+        return Err(Error::invalid(format!("{}: binary trace version {version}, expected {VERSION}", path.display())));
+    }
+    let unit = u32::from_le_bytes(header[12..16].try_into().unwrap_or_default());
+    let count = u64::from_le_bytes(header[16..24].try_into().unwrap_or_default());
+    let mut pipe = (unit == 1).then(|| LinePipeline::new(options)).transpose()?;
+    if unit > 1 {
+        return Err(Error::invalid(format!("{}: unknown address unit {unit} (0 pages, 1 bytes)", path.display())));
+    }
+    let mut events = Vec::with_capacity(count.min(1 << 28) as usize);
+    let mut word = [0u8; 8];
+    let mut n = 0u64;
+    loop {
+        match read_up_to(&mut r, &mut word) {
+            Ok(0) => break,
+            Ok(8) => {}
+            Ok(_) => return Err(Error::invalid(format!("{}: record {n} is truncated", path.display()))),
+            Err(e) => return Err(Error::os(e, format!("reading {}", path.display()))),
+        }
+        let v = u64::from_le_bytes(word);
+        let (value, kind) = (v >> 2, v & 3);
+        if kind == 3 {
+            return Err(Error::invalid(format!("{}: record {n} has the reserved kind 3", path.display())));
+        }
+        match &mut pipe {
+            Some(p) => {
+                if kind != 2 {
+                    p.access(value, kind == 1);
+                }
+            }
+            None => {
+                if value > MAX_PAGE {
+                    return Err(Error::invalid(format!(
+                        "{}: record {n}: page {value:#x} above 2^40 - 1",
+                        path.display()
+                    )));
+                }
+                events.push(v);
+            }
+        }
+        n += 1;
+    }
+    if count != 0 && n != count {
+        return Err(Error::invalid(format!("{}: header says {count} records, file holds {n}", path.display())));
+    }
+    Ok(match pipe {
+        Some(p) => p.finish(),
+        None => {
+            let has_reports = events.iter().any(|&e| e & 3 == 2);
+            Trace { events, has_reports, raw_accesses: 0 }
+        }
+    })
+}
+
+/// Writes the binary format; see docs/trace-format.md.
+#[derive(Debug)]
+pub struct BinaryWriter<W: Write> {
+    out: W,
+    records: u64,
+}
+
+impl<W: Write> BinaryWriter<W> {
+    /// Start a trace of page numbers (`bytes` false) or byte addresses. The record count in the
+    /// header is 0 ("read to the end"); [`BinaryWriter::finish`] returns how many were written.
+    pub fn new(mut out: W, bytes: bool) -> std::io::Result<Self> {
+        out.write_all(MAGIC)?;
+        out.write_all(&VERSION.to_le_bytes())?;
+        out.write_all(&u32::from(bytes).to_le_bytes())?;
+        out.write_all(&0u64.to_le_bytes())?;
+        Ok(Self { out, records: 0 })
+    }
+
+    /// Append one record.
+    pub fn write(&mut self, value: u64, kind: EventKind) -> std::io::Result<()> {
+        self.records += 1;
+        self.out.write_all(&(value << 2 | kind as u64).to_le_bytes())
+    }
+
+    /// Flush and return the record count.
+    pub fn finish(mut self) -> std::io::Result<u64> {
+        self.out.flush()?;
+        Ok(self.records)
+    }
+}
+
+/// Deterministic synthetic traces (xorshift; same name, same trace).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Synthetic {
+    /// One sequential scan, repeated over the footprint.
+    Sequential,
+    /// Uniform random pages.
+    Random,
+    /// Eight interleaved strided streams (strides 1..=8) plus 20% uniform random accesses, every
+    /// tenth access a write.
+    Mixed,
+}
+
+impl std::str::FromStr for Synthetic {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "seq" | "sequential" => Ok(Synthetic::Sequential),
+            "random" => Ok(Synthetic::Random),
+            "mixed" => Ok(Synthetic::Mixed),
+            other => Err(Error::invalid(format!("unknown synthetic trace '{other}' (expected seq, random, mixed)"))),
+        }
+    }
+}
+
+/// An endless deterministic generator over `footprint` pages.
+#[derive(Debug, Clone)]
+pub struct SyntheticGen {
+    kind: Synthetic,
+    footprint: u64,
+    rng: u64,
+    cursor: [u64; 8],
+    n: u64,
+}
+
+impl SyntheticGen {
+    /// A generator of `kind` over pages `0..footprint`.
+    pub fn new(kind: Synthetic, footprint: u64) -> Self {
+        let footprint = footprint.max(16);
+        let cursor = std::array::from_fn(|k| footprint / 8 * k as u64);
+        Self { kind, footprint, rng: 0x9E37_79B9_7F4A_7C15, cursor, n: 0 }
+    }
+
+    #[inline]
+    fn next_random(&mut self) -> u64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.rng
+    }
+}
+
+impl Iterator for SyntheticGen {
+    type Item = Event;
+
+    #[inline]
+    fn next(&mut self) -> Option<Event> {
+        self.n += 1;
+        let r = self.next_random();
+        let page = match self.kind {
+            Synthetic::Sequential => (self.n - 1) % self.footprint,
+            Synthetic::Random => r % self.footprint,
+            Synthetic::Mixed => {
+                if r.is_multiple_of(5) {
+                    (r >> 8) % self.footprint
+                } else {
+                    let s = ((r >> 4) & 7) as usize;
+                    self.cursor[s] = (self.cursor[s] + s as u64 + 1) % self.footprint;
+                    self.cursor[s]
+                }
+            }
+        };
+        let kind = if self.n.is_multiple_of(10) { EventKind::Write } else { EventKind::Read };
+        Some(event(page, kind))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write as _;
+
+    use super::*;
+
+    fn file(text: &str) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+        f
+    }
+
+    #[test]
+    fn page_lists_parse_with_comments_hex_and_writes_and_bad_lines_name_their_number() {
+        let f = file("# a comment\n5\n0x10 w\n\n7 r # trailing\n");
+        let t = load(f.path(), Format::Auto, &LineOptions::default()).unwrap();
+        assert_eq!(t.events, vec![event(5, EventKind::Read), event(16, EventKind::Write), event(7, EventKind::Read)]);
+        let f = file("1\n2\nbanana\n");
+        let e = load(f.path(), Format::Pages, &LineOptions::default()).unwrap_err().to_string();
+        assert!(e.contains(":3:") && e.contains("banana"), "{e}");
+        let f = file("1 x\n");
+        assert!(load(f.path(), Format::Pages, &LineOptions::default()).unwrap_err().to_string().contains(":1:"));
+        let f = file("# nothing\n");
+        assert!(load(f.path(), Format::Auto, &LineOptions::default()).unwrap_err().to_string().contains("no accesses"));
+    }
+
+    #[test]
+    fn lackey_goes_through_the_llc_and_the_hot_page_table() {
+        let mut text = String::from("==123== Lackey\nI  04000000,3\n");
+        // Page 0x10: eight distinct lines read (8 fills → hot at the 8th); then the same lines
+        // again, which hit the LLC and reach nothing.
+        for round in 0..2 {
+            for line in 0..8u64 {
+                text += &format!(" L {:x},8\n", 0x10000 + line * 64);
+            }
+            let _ = round;
+        }
+        text += " S 20000,4\n M 30000,8\n";
+        let f = file(&text);
+        let t = load(f.path(), Format::Auto, &LineOptions::default()).unwrap();
+        let mut expect: Vec<Event> = (0..8).map(|_| event(0x10, EventKind::Read)).collect();
+        expect.insert(7, event(0x10, EventKind::Report));
+        expect.push(event(0x20, EventKind::Write));
+        expect.push(event(0x30, EventKind::Read));
+        assert_eq!(t.events, expect);
+        assert_eq!(t.raw_accesses, 16 + 1 + 2);
+        let no_llc = LineOptions { llc: None, ..LineOptions::default() };
+        let t = load(f.path(), Format::Lackey, &no_llc).unwrap();
+        assert_eq!(t.events.iter().filter(|&&e| e & 3 != 2).count(), 16 + 1 + 2, "every access reaches memory");
+        let f = file(" L zz,4\n");
+        assert!(load(f.path(), Format::Lackey, &LineOptions::default()).unwrap_err().to_string().contains(":1:"));
+    }
+
+    #[test]
+    fn binary_round_trips_and_rejects_damage() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        let mut w = BinaryWriter::new(&mut f, false).unwrap();
+        w.write(3, EventKind::Read).unwrap();
+        w.write(MAX_PAGE, EventKind::Write).unwrap();
+        w.write(9, EventKind::Report).unwrap();
+        assert_eq!(w.finish().unwrap(), 3);
+        let t = load(f.path(), Format::Auto, &LineOptions::default()).unwrap();
+        assert_eq!(
+            t.events,
+            vec![event(3, EventKind::Read), event(MAX_PAGE, EventKind::Write), event(9, EventKind::Report)]
+        );
+        assert!(t.has_reports);
+        f.write_all(&[1, 2, 3]).unwrap();
+        assert!(load(f.path(), Format::Binary, &LineOptions::default()).unwrap_err().to_string().contains("truncated"));
+        let g = file("TMTRACE");
+        assert!(load(g.path(), Format::Binary, &LineOptions::default()).is_err());
+    }
+
+    #[test]
+    fn synthetic_traces_are_deterministic_and_stay_in_the_footprint() {
+        let a: Vec<Event> = SyntheticGen::new(Synthetic::Mixed, 1000).take(5000).collect();
+        let b: Vec<Event> = SyntheticGen::new(Synthetic::Mixed, 1000).take(5000).collect();
+        assert_eq!(a, b);
+        assert!(a.iter().all(|&e| (e >> 2) < 1000));
+        let seq: Vec<u64> = SyntheticGen::new(Synthetic::Sequential, 20).take(25).map(|e| e >> 2).collect();
+        assert_eq!(&seq[18..22], &[18, 19, 0, 1]);
+    }
+}
