@@ -25,6 +25,8 @@ enum Command {
     Probe(ProbeArgs),
     /// Run a benchmark.
     Bench(BenchArgs),
+    /// Replay a memory trace through prefetchers and replacement policies (the engine's own).
+    Sim(tiermem_cli::sim::SimArgs),
     /// Internal: the child process of `bench micro --system linux-swap`.
     #[command(hide = true)]
     MicroWorker(MicroWorkerArgs),
@@ -226,6 +228,7 @@ fn main() -> ExitCode {
         Command::Probe(args) => probe(args),
         Command::Bench(BenchArgs { command: BenchCommand::Micro(args) }) => bench_micro(args),
         Command::MicroWorker(args) => micro_worker(args),
+        Command::Sim(args) => tiermem_cli::sim::run(args),
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,

@@ -63,17 +63,6 @@ impl StreamConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default)]
-struct Entry {
-    /// Last use, for LRU; 0 = never used (free).
-    used: u64,
-    owner: u32,
-    pages: [u64; MAX_HISTORY],
-    len: u8,
-    /// Detected stride (0 = no stream yet).
-    stride: i64,
-}
-
 /// A detected stream after training on one page.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stream {
@@ -83,10 +72,25 @@ pub struct Stream {
     pub stride: i64,
 }
 
+/// The entries, field by field (the scans on every access read only `used`, `owner`, `first`
+/// or the hull, so these stay in a few cache lines).
 #[derive(Debug)]
 struct Entries {
     clock: u64,
-    entries: [Entry; MAX_ENTRIES],
+    /// The most recently used entry: checked first, since accesses come in runs.
+    mru: usize,
+    /// Last use, for LRU; 0 = never used (free).
+    used: [u64; MAX_ENTRIES],
+    owner: [u32; MAX_ENTRIES],
+    /// Oldest remembered page.
+    first: [u64; MAX_ENTRIES],
+    /// Detected stride (0 = no stream yet).
+    stride: [i64; MAX_ENTRIES],
+    /// Smallest and largest remembered page (the part of the stream already used).
+    lo: [u64; MAX_ENTRIES],
+    hi: [u64; MAX_ENTRIES],
+    len: [u8; MAX_ENTRIES],
+    pages: [[u64; MAX_HISTORY]; MAX_ENTRIES],
 }
 
 /// The shared training table; see the module docs.
@@ -106,7 +110,19 @@ impl StreamTable {
             join_distance: config.join_distance.max(1),
             distance: config.distance.max(1),
         };
-        Self { config, state: Mutex::new(Entries { clock: 0, entries: [Entry::default(); MAX_ENTRIES] }) }
+        let entries = Entries {
+            clock: 0,
+            mru: 0,
+            used: [0; MAX_ENTRIES],
+            owner: [0; MAX_ENTRIES],
+            first: [0; MAX_ENTRIES],
+            stride: [0; MAX_ENTRIES],
+            lo: [0; MAX_ENTRIES],
+            hi: [0; MAX_ENTRIES],
+            len: [0; MAX_ENTRIES],
+            pages: [[0; MAX_HISTORY]; MAX_ENTRIES],
+        };
+        Self { config, state: Mutex::new(entries) }
     }
 
     /// The parameters in force.
@@ -118,69 +134,83 @@ impl StreamTable {
     /// has a stride (the moment the paper issues a prefetch), else None. A page equal to the
     /// entry's newest one teaches nothing (several reports of one page).
     pub fn train(&self, owner: u32, page: u64) -> Option<Stream> {
-        let mut state = lock(&self.state);
-        state.clock += 1;
-        let now = state.clock;
+        let mut guard = lock(&self.state);
+        let s = &mut *guard;
+        s.clock += 1;
+        let now = s.clock;
         let n = self.config.entries;
         let join = self.config.join_distance;
-        let mut found = None;
+        let matches = |s: &Entries, i: usize| s.used[i] != 0 && s.owner[i] == owner && s.first[i].abs_diff(page) < join;
+        // The most recently used entry, if it matches, is the most recent match. Otherwise one
+        // pass finds both the most recent match and the least recently used entry, without
+        // branches the predictor would miss.
         let mut victim = 0;
-        for (i, e) in state.entries[..n].iter().enumerate() {
-            if e.used != 0 && e.owner == owner && e.pages[0].abs_diff(page) < join {
-                if found.is_none_or(|f: usize| state.entries[f].used < e.used) {
-                    found = Some(i);
-                }
-            } else if found.is_none() && e.used < state.entries[victim].used {
-                victim = i;
+        let found = if matches(s, s.mru) {
+            Some(s.mru)
+        } else {
+            let (mut best, mut best_used, mut oldest) = (usize::MAX, 0u64, u64::MAX);
+            for i in 0..n {
+                let used = s.used[i];
+                let hit = used > best_used && s.owner[i] == owner && s.first[i].abs_diff(page) < join;
+                best = if hit { i } else { best };
+                best_used = if hit { used } else { best_used };
+                victim = if used < oldest { i } else { victim };
+                oldest = oldest.min(used);
             }
-        }
+            (best != usize::MAX).then_some(best)
+        };
         let Some(i) = found else {
-            // Take over the least recently used entry (the scan skipped matches, which are
-            // never the victim since then `found` is set and the victim is unused).
-            let e = &mut state.entries[victim];
-            *e = Entry { used: now, owner, len: 1, ..Entry::default() };
-            e.pages[0] = page;
+            // Take over the least recently used entry (a free one has `used` 0).
+            s.used[victim] = now;
+            s.owner[victim] = owner;
+            s.first[victim] = page;
+            s.stride[victim] = 0;
+            s.lo[victim] = page;
+            s.hi[victim] = page;
+            s.len[victim] = 1;
+            s.pages[victim][0] = page;
+            s.mru = victim;
             return None;
         };
+        s.used[i] = now;
+        s.mru = i;
         let history = self.config.history;
-        let e = &mut state.entries[i];
-        e.used = now;
-        if e.pages[usize::from(e.len) - 1] == page {
+        let len = usize::from(s.len[i]);
+        let pages = &mut s.pages[i];
+        if pages[len - 1] == page {
             return None;
         }
-        if usize::from(e.len) == history {
-            e.pages.copy_within(1..history, 0);
-            e.len -= 1;
-        }
-        e.pages[usize::from(e.len)] = page;
-        e.len += 1;
-        if usize::from(e.len) < history {
+        let len = if len == history {
+            pages.copy_within(1..history, 0);
+            len - 1
+        } else {
+            len
+        };
+        pages[len] = page;
+        let len = len + 1;
+        s.len[i] = len as u8;
+        s.first[i] = pages[0];
+        let window = &pages[..len];
+        s.lo[i] = window.iter().copied().min().unwrap_or(page);
+        s.hi[i] = window.iter().copied().max().unwrap_or(page);
+        if len < history {
             return None;
         }
-        e.stride = most_frequent_stride(&e.pages[..history]);
-        (e.stride != 0).then_some(Stream { end: page, stride: e.stride })
+        let stride = most_frequent_stride(window);
+        s.stride[i] = stride;
+        (stride != 0).then_some(Stream { end: page, stride })
     }
 
-    /// Whether `page` of `owner` lies on a detected stream: it would join a detected entry (less
-    /// than the join distance from its first page), or lies between the entry's newest page and
-    /// the farthest page the prefetcher asks for, in the stream's direction. Stream-first
-    /// replacement asks this when a page comes in or is used.
+    /// Whether `page` of `owner` is part of a detected stream the program has already walked:
+    /// it lies between the smallest and largest page its entry remembers. Pages ahead of the
+    /// stream (read ahead, not used yet) are not: stream-first replacement must keep those.
+    /// Stream-first asks this when a page comes in or is used.
     pub fn in_stream(&self, owner: u32, page: u64) -> bool {
-        let state = lock(&self.state);
-        let ahead = (self.config.distance + self.config.depth as u64 - 1) as i64;
-        let join = self.config.join_distance;
-        state.entries[..self.config.entries].iter().any(|e| {
-            if e.used == 0 || e.owner != owner || e.stride == 0 {
-                return false;
-            }
-            if e.pages[0].abs_diff(page) < join {
-                return true;
-            }
-            let end = e.pages[usize::from(e.len) - 1] as i64;
-            let limit = end.saturating_add(e.stride.saturating_mul(ahead));
-            let (lo, hi) = if e.stride > 0 { (end, limit) } else { (limit, end) };
-            (lo..=hi).contains(&(page as i64))
-        })
+        let s = lock(&self.state);
+        let on =
+            |i: usize| s.stride[i] != 0 && s.owner[i] == owner && s.lo[i] <= page && page <= s.hi[i] && s.used[i] != 0;
+        // The entry trained last usually answers (the page was just reported).
+        on(s.mru) || (0..self.config.entries).any(on)
     }
 
     /// Push the pages to prefetch for `stream` (clipped to `0..region_pages`) into `out`.
@@ -245,8 +275,9 @@ mod tests {
         let mut out = crate::PageList::default();
         table.prefetch_targets(stream, u64::MAX, &mut out);
         assert_eq!(out.as_slice(), &[208]);
-        assert!(table.in_stream(2, 4) && table.in_stream(2, 208));
-        assert!(!table.in_stream(2, 210) && !table.in_stream(3, 4) && !table.in_stream(2, 4000));
+        assert!(table.in_stream(2, 4) && table.in_stream(2, 8), "walked stream pages");
+        assert!(!table.in_stream(2, 208), "a page ahead of the stream is kept out of the stream group");
+        assert!(!table.in_stream(2, 9) && !table.in_stream(3, 4) && !table.in_stream(2, 4000));
     }
 
     #[test]

@@ -29,8 +29,11 @@ pub(crate) struct Lists<const L: usize> {
 }
 
 fn hash(page: PageId) -> usize {
-    // Fibonacci hashing: consecutive pages spread over the table.
-    (page.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 20) as usize
+    // Blocks of 16 consecutive pages stay in 16 consecutive slots (a scan touches a new cache
+    // line every 8 pages, not every page); the blocks themselves are scattered by Fibonacci
+    // hashing, so large power-of-two strides do not pile onto one slot.
+    let block = (page >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 16;
+    ((block << 4) | (page & 15)) as usize
 }
 
 impl<const L: usize> Lists<L> {

@@ -1,0 +1,277 @@
+//! `tiermem sim`: replay a trace through the engine's policies and compare them.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use tiermem_engine::config::parse_size;
+use tiermem_sim::trace::{Format, LineOptions, Synthetic, SyntheticGen};
+use tiermem_sim::{format_table, Latency, MonitorInput, SimConfig, SimResult, Simulator};
+use tiermem_sys::{Error, Result};
+
+/// Arguments of `tiermem sim`.
+#[derive(Debug, Args)]
+pub struct SimArgs {
+    /// Trace file: tiermem binary, Valgrind lackey `--trace-mem=yes` output, or page numbers.
+    pub trace: Option<PathBuf>,
+    /// Trace format.
+    #[arg(long, default_value = "auto")]
+    pub format: String,
+    /// Instead of a file, a synthetic trace KIND:ACCESSES:FOOTPRINT_PAGES (kind: seq, random,
+    /// mixed), generated on the fly.
+    #[arg(long, conflicts_with = "trace")]
+    pub synthetic: Option<String>,
+    /// Local memory: pages (`4096`) or a share of the trace's footprint (`50%`).
+    #[arg(long, default_value = "50%")]
+    pub local: String,
+    /// Prefetchers to compare (comma-separated): none, readahead, fastswap, leap, stream.
+    #[arg(long, value_delimiter = ',', default_value = "readahead")]
+    pub prefetch: Vec<String>,
+    /// Replacement policies to compare (comma-separated): fifo, clock, lru, stream-first, belady.
+    #[arg(long, value_delimiter = ',', default_value = "clock")]
+    pub replace: Vec<String>,
+    /// LLC in front of memory for byte-address traces, SIZE:WAYS, or `none`.
+    #[arg(long, default_value = "1MiB:16")]
+    pub llc: String,
+    /// Reads before the hot-page table reports a page (1..=64).
+    #[arg(long, default_value_t = 8)]
+    pub threshold: u32,
+    /// Count lackey instruction fetches as reads.
+    #[arg(long)]
+    pub instructions: bool,
+    /// Monitor input for prefetchers: auto (the trace's reports if it has any, else every page
+    /// change), none (faults only, as the engine without a monitor), reports, accesses.
+    #[arg(long, default_value = "auto")]
+    pub monitor: String,
+    /// CPU time per trace event, ns.
+    #[arg(long, default_value_t = Latency::default().access_ns)]
+    pub access_ns: f64,
+    /// Software cost of a fault, ns.
+    #[arg(long, default_value_t = Latency::default().fault_ns)]
+    pub fault_ns: f64,
+    /// Device read latency, ns.
+    #[arg(long, default_value_t = Latency::default().read_ns)]
+    pub read_ns: f64,
+    /// Device time per page transferred, ns.
+    #[arg(long, default_value_t = Latency::default().transfer_ns)]
+    pub transfer_ns: f64,
+    /// Cost of the first touch of a prefetched page, ns.
+    #[arg(long, default_value_t = Latency::default().hit_ns)]
+    pub hit_ns: f64,
+    /// Stream prefetch distance i (strides ahead of the stream's end).
+    #[arg(long, default_value_t = 100)]
+    pub stream_distance: u64,
+    /// Pages the stream prefetcher reads per trained page.
+    #[arg(long, default_value_t = 1)]
+    pub stream_depth: usize,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Also measure the simulator's speed (wall time, accesses per second).
+    #[arg(long)]
+    pub bench: bool,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct Row {
+    #[serde(flatten)]
+    result: SimResult,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    wall_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    accesses_per_second: Option<f64>,
+}
+
+fn parse_llc(text: &str) -> Result<Option<(u64, usize)>> {
+    if text == "none" {
+        return Ok(None);
+    }
+    let bad = || Error::invalid(format!("--llc '{text}': expected SIZE:WAYS (like 1MiB:16) or none"));
+    let (size, ways) = text.split_once(':').ok_or_else(bad)?;
+    Ok(Some((parse_size(size)?, ways.parse().map_err(|_| bad())?)))
+}
+
+fn parse_local(text: &str, footprint: usize) -> Result<usize> {
+    let pages = if let Some(p) = text.strip_suffix('%') {
+        let p: f64 = p.trim().parse().map_err(|_| Error::invalid(format!("--local '{text}' is not a percentage")))?;
+        if !(p > 0.0 && p <= 100.0) {
+            return Err(Error::invalid(format!("--local {text} must be above 0% and at most 100%")));
+        }
+        (footprint as f64 * p / 100.0).round() as usize
+    } else {
+        text.parse().map_err(|_| Error::invalid(format!("--local '{text}': expected pages (4096) or a share (50%)")))?
+    };
+    if pages == 0 {
+        return Err(Error::invalid(format!(
+            "--local {text} gives 0 pages of local memory (footprint {footprint} pages)"
+        )));
+    }
+    Ok(pages)
+}
+
+fn parse_synthetic(text: &str) -> Result<(Synthetic, u64, u64)> {
+    let bad = || Error::invalid(format!("--synthetic '{text}': expected KIND:ACCESSES:FOOTPRINT_PAGES"));
+    let mut parts = text.split(':');
+    let kind: Synthetic = parts.next().ok_or_else(bad)?.parse()?;
+    let accesses: u64 = parts.next().ok_or_else(bad)?.replace('_', "").parse().map_err(|_| bad())?;
+    let footprint: u64 = parts.next().ok_or_else(bad)?.replace('_', "").parse().map_err(|_| bad())?;
+    if accesses == 0 || footprint == 0 || parts.next().is_some() {
+        return Err(bad());
+    }
+    Ok((kind, accesses, footprint))
+}
+
+fn progress_bar(len: u64, label: String) -> indicatif::ProgressBar {
+    // Short runs need no bar; indicatif hides it by itself when stderr is not a terminal.
+    if len < 20_000_000 {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg:28} [{bar:40}] {percent}% {per_sec}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_message(label);
+    bar
+}
+
+/// Run `tiermem sim`.
+pub fn run(args: &SimArgs) -> Result<()> {
+    let lines = LineOptions { llc: parse_llc(&args.llc)?, threshold: args.threshold, instructions: args.instructions };
+    let latency = Latency {
+        access_ns: args.access_ns,
+        fault_ns: args.fault_ns,
+        read_ns: args.read_ns,
+        transfer_ns: args.transfer_ns,
+        hit_ns: args.hit_ns,
+    };
+    if [latency.access_ns, latency.fault_ns, latency.read_ns, latency.transfer_ns, latency.hit_ns]
+        .iter()
+        .any(|v| !v.is_finite() || *v < 0.0)
+    {
+        return Err(Error::invalid("latencies must be finite and not negative"));
+    }
+    let mut options = tiermem_policy::PolicyOptions::default();
+    options.stream.distance = args.stream_distance;
+    options.stream.depth = args.stream_depth;
+    options.stream.validate()?;
+    for p in &args.prefetch {
+        tiermem_policy::build_policies(p, "fifo", 1, &options)?;
+    }
+    for r in &args.replace {
+        if r != "belady" {
+            tiermem_policy::build_policies("none", r, 1, &options)?;
+        }
+    }
+    // Load (or describe) the input.
+    let (trace, synthetic, label) = match (&args.trace, &args.synthetic) {
+        (Some(path), None) => {
+            let t = tiermem_sim::load(path, args.format.parse::<Format>()?, &lines)?;
+            (Some(t), None, path.display().to_string())
+        }
+        (None, Some(spec)) => (None, Some(parse_synthetic(spec)?), spec.clone()),
+        _ => return Err(Error::invalid("give a trace file or --synthetic KIND:ACCESSES:FOOTPRINT_PAGES")),
+    };
+    let footprint = match (&trace, synthetic) {
+        (Some(t), _) => tiermem_sim::footprint(&t.events),
+        (None, Some((_, _, f))) => f as usize,
+        _ => 0,
+    };
+    let local_pages = parse_local(&args.local, footprint)?;
+    let has_reports = trace.as_ref().is_some_and(|t| t.has_reports);
+    let monitor = match args.monitor.as_str() {
+        "auto" if has_reports => MonitorInput::Reports,
+        "auto" | "accesses" => MonitorInput::Accesses,
+        "none" => MonitorInput::None,
+        "reports" => MonitorInput::Reports,
+        other => return Err(Error::invalid(format!("--monitor '{other}': expected auto, none, reports, accesses"))),
+    };
+    let mut rows = Vec::new();
+    for prefetch in &args.prefetch {
+        for replace in &args.replace {
+            if replace == "belady" && prefetch != "none" {
+                eprintln!("note: belady runs only without prefetching; skipping {prefetch} × belady");
+                continue;
+            }
+            let config = SimConfig {
+                local_pages,
+                prefetch: prefetch.clone(),
+                replace: replace.clone(),
+                options,
+                latency,
+                monitor,
+            };
+            let started = Instant::now();
+            let result = match (&trace, synthetic) {
+                (Some(t), _) => {
+                    let bar = progress_bar(t.events.len() as u64, format!("{prefetch} × {replace}"));
+                    let r = tiermem_sim::simulate(&t.events, &config, &mut |done| bar.set_position(done))?;
+                    bar.finish_and_clear();
+                    r
+                }
+                (None, Some((kind, accesses, footprint))) if replace == "belady" => {
+                    let events: Vec<u64> = SyntheticGen::new(kind, footprint).take(accesses as usize).collect();
+                    tiermem_sim::simulate(&events, &config, &mut |_| {})?
+                }
+                (None, Some((kind, accesses, footprint))) => {
+                    let bar = progress_bar(accesses, format!("{prefetch} × {replace}"));
+                    let mut sim = Simulator::new(config)?;
+                    let mut generator = SyntheticGen::new(kind, footprint);
+                    let mut left = accesses;
+                    while left > 0 {
+                        let n = left.min(1 << 20);
+                        for e in generator.by_ref().take(n as usize) {
+                            sim.step(e);
+                        }
+                        left -= n;
+                        bar.inc(n);
+                    }
+                    bar.finish_and_clear();
+                    sim.finish()
+                }
+                _ => unreachable!("input checked above"),
+            };
+            let wall = started.elapsed().as_secs_f64();
+            let speed = (result.accesses + result.reports) as f64 / wall;
+            rows.push(Row {
+                result,
+                wall_seconds: args.bench.then_some(wall),
+                accesses_per_second: args.bench.then_some(speed),
+            });
+        }
+    }
+    if rows.is_empty() {
+        return Err(Error::invalid("no policy pair to run"));
+    }
+    if args.json {
+        let out = serde_json::json!({
+            "trace": label,
+            "footprint_pages": footprint,
+            "local_pages": local_pages,
+            "raw_accesses": trace.as_ref().map(|t| t.raw_accesses),
+            "monitor": monitor,
+            "latency": latency,
+            "results": rows,
+        });
+        println!("{out}");
+        return Ok(());
+    }
+    println!(
+        "trace {label}: footprint {footprint} pages, local memory {local_pages} pages ({:.0}%), monitor input {monitor:?}",
+        local_pages as f64 * 100.0 / footprint.max(1) as f64
+    );
+    let results: Vec<SimResult> = rows.iter().map(|r| r.result.clone()).collect();
+    print!("{}", format_table(&results));
+    if args.bench {
+        for r in &rows {
+            println!(
+                "speed {} × {}: {:.1} M events/s ({:.2} s)",
+                r.result.prefetch,
+                r.result.replace,
+                r.accesses_per_second.unwrap_or(0.0) / 1e6,
+                r.wall_seconds.unwrap_or(0.0)
+            );
+        }
+    }
+    Ok(())
+}
