@@ -1,0 +1,98 @@
+#![allow(clippy::multiple_unsafe_ops_per_block)] // raw pointer walks over test regions, one invariant each
+//! Every prefetcher and replacement policy runs live in the engine without losing data: a
+//! region 4x the budget is written, read back in order (where prefetchers work), then read and
+//! written at random, and every page must hold what was last written.
+
+mod common;
+
+use common::*;
+use tiermem_engine::policy::{PREFETCHERS, REPLACEMENTS};
+use tiermem_engine::EngineConfig;
+
+const LIMIT_PAGES: u64 = 64;
+
+fn run(prefetch: &str, replace: &str) -> tiermem_engine::StatsSnapshot {
+    let device = devices(LIMIT_PAGES * 4 * 4096 * 2).remove(0).1;
+    let engine = engine(device, LIMIT_PAGES, |c| {
+        c.prefetch = prefetch.into();
+        c.replace = replace.into();
+    });
+    let pages = (LIMIT_PAGES * 4) as usize;
+    let region = engine.create_region(pages * 4096).unwrap();
+    let base = region.as_ptr() as usize;
+    let mut versions = vec![0u64; pages];
+    let write = |page: usize, v: u64| {
+        let ptr = (base + page * 4096) as *mut u64;
+        for w in 0..512 {
+            // SAFETY: the page lies inside the region, which outlives this closure.
+            unsafe { ptr.add(w).write_volatile(pattern(page, v, w)) };
+        }
+    };
+    let intact = |page: usize, v: u64| {
+        let ptr = (base + page * 4096) as *const u64;
+        // SAFETY: as above.
+        (0..512).all(|w| unsafe { ptr.add(w).read_volatile() } == pattern(page, v, w))
+    };
+    for (page, v) in versions.iter_mut().enumerate() {
+        *v = 1;
+        write(page, 1);
+    }
+    for _ in 0..2 {
+        for (page, &v) in versions.iter().enumerate() {
+            assert!(intact(page, v), "{prefetch} × {replace}: page {page} wrong on the sequential read");
+        }
+    }
+    let mut rng = Rng(0xfeed);
+    for _ in 0..3000 {
+        let r = rng.next();
+        let page = (r >> 8) as usize % pages;
+        if r & 3 == 0 {
+            versions[page] += 1;
+            write(page, versions[page]);
+        } else {
+            assert!(intact(page, versions[page]), "{prefetch} × {replace}: page {page} wrong on a random read");
+        }
+    }
+    for (page, &v) in versions.iter().enumerate() {
+        assert!(intact(page, v), "{prefetch} × {replace}: page {page} wrong at the end");
+    }
+    engine.stats()
+}
+
+#[test]
+fn every_prefetcher_with_several_replacements_keeps_every_write() {
+    let _serial = serial();
+    if features_or_skip("every_prefetcher_with_several_replacements_keeps_every_write").is_none() {
+        return;
+    }
+    for prefetch in PREFETCHERS {
+        for replace in ["clock", "lru", "stream-first"] {
+            let stats = run(prefetch, replace);
+            eprintln!(
+                "{prefetch} × {replace}: {} evictions, {} prefetches issued, {} hits",
+                stats.evictions, stats.prefetch_issued, stats.prefetch_hits
+            );
+            assert!(stats.evictions > 0, "{prefetch} × {replace}: nothing was evicted");
+            if *prefetch != "none" {
+                assert!(stats.prefetch_issued > 0, "{prefetch} × {replace}: a sequential read-back prefetched nothing");
+            } else {
+                assert_eq!(stats.prefetch_issued, 0);
+            }
+        }
+    }
+    // The remaining replacement policies, once each.
+    for replace in REPLACEMENTS.iter().filter(|r| !["clock", "lru", "stream-first"].contains(r)) {
+        assert!(run("readahead", replace).evictions > 0);
+    }
+}
+
+#[test]
+fn belady_is_refused_live_as_offline_only() {
+    let cfg = EngineConfig { replace: "belady".into(), ..EngineConfig::default() };
+    let e = cfg.validate().unwrap_err().to_string();
+    assert!(e.contains("offline-only") && e.contains("tiermem sim"), "{e}");
+    for p in PREFETCHERS {
+        let cfg = EngineConfig { prefetch: p.to_string(), replace: "stream-first".into(), ..EngineConfig::default() };
+        assert!(cfg.validate().is_ok(), "{p}");
+    }
+}
