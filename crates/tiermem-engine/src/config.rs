@@ -106,6 +106,9 @@ pub struct EngineConfig {
     pub reclaim_batch: usize,
     /// Handler threads in [`FaultMode::HandlerThread`].
     pub handler_threads: usize,
+    /// Record every fault (page id, read or write) to this file in the simulator's binary trace
+    /// format, for `tiermem sim`.
+    pub trace_path: Option<std::path::PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -123,6 +126,7 @@ impl Default for EngineConfig {
             queue_depth: 128,
             reclaim_batch: 32,
             handler_threads: 1,
+            trace_path: None,
         }
     }
 }

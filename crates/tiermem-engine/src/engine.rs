@@ -51,6 +51,8 @@ pub(crate) struct Shared {
     pub(crate) reserved_pages: AtomicU64,
     /// Ranges held resident for system calls; reclaim skips them.
     pub(crate) pins: std::sync::Mutex<Vec<(usize, usize)>>,
+    /// Where faults are recorded, if asked ([`EngineConfig::trace_path`]).
+    pub(crate) trace: Option<crate::trace_sink::TraceSink>,
 }
 
 impl Shared {
@@ -162,7 +164,9 @@ impl Engine {
         // Built together so stream and stream-first share one training table.
         let policies =
             build_policies(&config.prefetch, &config.replace, limit_pages as usize, &PolicyOptions::default())?;
+        let trace = config.trace_path.as_deref().map(crate::trace_sink::TraceSink::create).transpose()?;
         let shared = Arc::new(Shared {
+            trace,
             prefetcher: policies.prefetcher,
             replacement: policies.replacement,
             slots: SlotAllocator::new(device.capacity_slots()),

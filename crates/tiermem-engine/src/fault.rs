@@ -81,6 +81,9 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, lane_hint:
     let cell = &region.pages[index as usize];
     let page_addr = region.page_addr(index);
     let id = region.id(index);
+    if let Some(trace) = &shared.trace {
+        trace.record(id, write);
+    }
     let started = Instant::now();
     let mut waited_on_prefetch = false;
     loop {

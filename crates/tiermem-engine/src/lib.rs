@@ -25,6 +25,7 @@ pub use tiermem_policy::replace;
 mod reclaim;
 mod region;
 pub mod stats;
+mod trace_sink;
 
 pub use config::{DirtyTracking, EngineConfig, FaultMode, IoMode, Limit, ReclaimMode};
 pub use engine::{Engine, Region};

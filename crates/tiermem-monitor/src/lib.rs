@@ -16,6 +16,7 @@ pub mod hot_table;
 pub mod llc;
 pub mod ring;
 pub mod rpt;
+pub mod trace_format;
 
 use hot_table::HotPageTable;
 use ring::Producer;

@@ -7,17 +7,14 @@
 //! the table finds hot become report events.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
 use tiermem_monitor::hot_table::HotPageTable;
 use tiermem_monitor::llc::LlcFilter;
 use tiermem_sys::{Error, ErrorKind, Result};
 
-/// Magic bytes opening a binary trace.
-pub const MAGIC: &[u8; 8] = b"TMTRACE\0";
-/// Binary format version written and read.
-pub const VERSION: u32 = 1;
+pub use tiermem_monitor::trace_format::{BinaryWriter, MAGIC, VERSION};
 /// Page size the simulator models.
 pub const PAGE_SHIFT: u32 = 12;
 /// Largest page number a trace may hold (page ids carry a region above bit 40; traces use 0).
@@ -345,37 +342,6 @@ fn read_binary(path: &Path, file: File, options: &LineOptions) -> Result<Trace> 
     })
 }
 
-/// Writes the binary format; see docs/trace-format.md.
-#[derive(Debug)]
-pub struct BinaryWriter<W: Write> {
-    out: W,
-    records: u64,
-}
-
-impl<W: Write> BinaryWriter<W> {
-    /// Start a trace of page numbers (`bytes` false) or byte addresses. The record count in the
-    /// header is 0 ("read to the end"); [`BinaryWriter::finish`] returns how many were written.
-    pub fn new(mut out: W, bytes: bool) -> std::io::Result<Self> {
-        out.write_all(MAGIC)?;
-        out.write_all(&VERSION.to_le_bytes())?;
-        out.write_all(&u32::from(bytes).to_le_bytes())?;
-        out.write_all(&0u64.to_le_bytes())?;
-        Ok(Self { out, records: 0 })
-    }
-
-    /// Append one record.
-    pub fn write(&mut self, value: u64, kind: EventKind) -> std::io::Result<()> {
-        self.records += 1;
-        self.out.write_all(&(value << 2 | kind as u64).to_le_bytes())
-    }
-
-    /// Flush and return the record count.
-    pub fn finish(mut self) -> std::io::Result<u64> {
-        self.out.flush()?;
-        Ok(self.records)
-    }
-}
-
 /// Deterministic synthetic traces (xorshift; same name, same trace).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Synthetic {
@@ -508,10 +474,11 @@ mod tests {
     #[test]
     fn binary_round_trips_and_rejects_damage() {
         let mut f = tempfile::NamedTempFile::new().unwrap();
+        use tiermem_monitor::trace_format::RecordKind;
         let mut w = BinaryWriter::new(&mut f, false).unwrap();
-        w.write(3, EventKind::Read).unwrap();
-        w.write(MAX_PAGE, EventKind::Write).unwrap();
-        w.write(9, EventKind::Report).unwrap();
+        w.write(3, RecordKind::Read).unwrap();
+        w.write(MAX_PAGE, RecordKind::Write).unwrap();
+        w.write(9, RecordKind::Report).unwrap();
         assert_eq!(w.finish().unwrap(), 3);
         let t = load(f.path(), Format::Auto, &LineOptions::default()).unwrap();
         assert_eq!(
