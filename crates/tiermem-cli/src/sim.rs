@@ -12,8 +12,12 @@ use tiermem_sys::{Error, Result};
 /// Arguments of `tiermem sim`.
 #[derive(Debug, Args)]
 pub struct SimArgs {
-    /// Trace file: tiermem binary, Valgrind lackey `--trace-mem=yes` output, or page numbers.
+    /// Trace file: tiermem binary, Valgrind lackey `--trace-mem=yes` output, or page numbers;
+    /// `-` reads standard input (give --format).
     pub trace: Option<PathBuf>,
+    /// Save the page-level trace (after the LLC filter and hot-page table) in the binary format.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
     /// Trace format.
     #[arg(long, default_value = "auto")]
     pub format: String,
@@ -46,6 +50,9 @@ pub struct SimArgs {
     /// CPU time per trace event, ns.
     #[arg(long, default_value_t = Latency::default().access_ns)]
     pub access_ns: f64,
+    /// CPU time per byte-level access that stayed in the caches, ns.
+    #[arg(long, default_value_t = Latency::default().cached_access_ns)]
+    pub cached_access_ns: f64,
     /// Software cost of a fault, ns.
     #[arg(long, default_value_t = Latency::default().fault_ns)]
     pub fault_ns: f64,
@@ -140,14 +147,22 @@ pub fn run(args: &SimArgs) -> Result<()> {
     let lines = LineOptions { llc: parse_llc(&args.llc)?, threshold: args.threshold, instructions: args.instructions };
     let latency = Latency {
         access_ns: args.access_ns,
+        cached_access_ns: args.cached_access_ns,
         fault_ns: args.fault_ns,
         read_ns: args.read_ns,
         transfer_ns: args.transfer_ns,
         hit_ns: args.hit_ns,
     };
-    if [latency.access_ns, latency.fault_ns, latency.read_ns, latency.transfer_ns, latency.hit_ns]
-        .iter()
-        .any(|v| !v.is_finite() || *v < 0.0)
+    if [
+        latency.access_ns,
+        latency.cached_access_ns,
+        latency.fault_ns,
+        latency.read_ns,
+        latency.transfer_ns,
+        latency.hit_ns,
+    ]
+    .iter()
+    .any(|v| !v.is_finite() || *v < 0.0)
     {
         return Err(Error::invalid("latencies must be finite and not negative"));
     }
@@ -172,6 +187,9 @@ pub fn run(args: &SimArgs) -> Result<()> {
         (None, Some(spec)) => (None, Some(parse_synthetic(spec)?), spec.clone()),
         _ => return Err(Error::invalid("give a trace file or --synthetic KIND:ACCESSES:FOOTPRINT_PAGES")),
     };
+    if let (Some(t), Some(path)) = (&trace, &args.save) {
+        save(t, path)?;
+    }
     let footprint = match (&trace, synthetic) {
         (Some(t), _) => tiermem_sim::footprint(&t.events),
         (None, Some((_, _, f))) => f as usize,
@@ -273,5 +291,16 @@ pub fn run(args: &SimArgs) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+fn save(trace: &tiermem_sim::Trace, path: &std::path::Path) -> Result<()> {
+    let file = std::fs::File::create(path).map_err(|e| Error::os(e, format!("creating {}", path.display())))?;
+    let mut w = tiermem_sim::trace::BinaryWriter::new(std::io::BufWriter::new(file), false)
+        .map_err(|e| Error::os(e, format!("writing {}", path.display())))?;
+    for &e in &trace.events {
+        w.write_encoded(e).map_err(|e| Error::os(e, format!("writing {}", path.display())))?;
+    }
+    w.finish().map_err(|e| Error::os(e, format!("writing {}", path.display())))?;
     Ok(())
 }

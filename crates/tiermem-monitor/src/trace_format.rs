@@ -4,7 +4,8 @@
 //! A 24-byte header — magic `TMTRACE\0`, version (u32 LE, 1), address unit (u32 LE: 0 = page
 //! numbers, 1 = byte addresses), record count (u64 LE; 0 = read to the end of the file) —
 //! then one u64 LE per record: `value << 2 | kind`, kind 0 = read, 1 = write, 2 = report (the
-//! monitor saw the page used; no residency effect), 3 reserved.
+//! monitor saw the page used; no residency effect), 3 = compute (the value counts byte-level
+//! accesses since the previous record that never reached memory: CPU time for the time model).
 
 use std::io::Write;
 
@@ -24,6 +25,8 @@ pub enum RecordKind {
     Write = 1,
     /// A monitor report.
     Report = 2,
+    /// Accesses that stayed in the caches (the value is how many).
+    Compute = 3,
 }
 
 /// Encode one record.

@@ -12,7 +12,8 @@
 //!   replacement policy, dirty victims written back), the page is read and waited for, the
 //!   policy hears `on_insert`, and the prefetcher's `on_fault` pages are read asynchronously.
 //!
-//! Time: every event costs `access_ns`; a fault adds the device read (queued behind earlier
+//! Time: every access or report event costs `access_ns`, a compute event `cached_access_ns` per
+//! access it stands for; a fault adds the device read (queued behind earlier
 //! reads and writes on one device with a per-page transfer time) plus `fault_ns`; a prefetch
 //! hit adds `hit_ns` plus any wait for a late page. Nothing is random: same input, same output.
 
@@ -28,8 +29,11 @@ use crate::trace::{split_event, Event, EventKind};
 /// Device and CPU costs, in nanoseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Latency {
-    /// CPU time per trace event.
+    /// CPU time per access event (a page-level access, or a memory request of a byte-level
+    /// trace).
     pub access_ns: f64,
+    /// CPU time per byte-level access that stayed in the caches (compute events).
+    pub cached_access_ns: f64,
     /// Software cost of a fault besides waiting for the page.
     pub fault_ns: f64,
     /// Time from issuing a page read to having the page (Fastswap over RDMA: about 6 µs).
@@ -43,7 +47,14 @@ pub struct Latency {
 
 impl Default for Latency {
     fn default() -> Self {
-        Self { access_ns: 100.0, fault_ns: 2000.0, read_ns: 6000.0, transfer_ns: 600.0, hit_ns: 0.0 }
+        Self {
+            access_ns: 100.0,
+            cached_access_ns: 1.0,
+            fault_ns: 2000.0,
+            read_ns: 6000.0,
+            transfer_ns: 600.0,
+            hit_ns: 0.0,
+        }
     }
 }
 
@@ -332,6 +343,10 @@ impl Simulator {
     #[inline]
     pub fn step(&mut self, e: Event) {
         let (page, kind) = split_event(e);
+        if kind == EventKind::Compute {
+            self.now += self.config.latency.cached_access_ns * page as f64;
+            return;
+        }
         self.now += self.config.latency.access_ns;
         if kind == EventKind::Report {
             if self.config.monitor == MonitorInput::Reports {
@@ -405,7 +420,7 @@ pub fn footprint(events: &[Event]) -> usize {
     let mut seen: std::collections::HashSet<u64, BuildHasherDefault<PageHasher>> = Default::default();
     for &e in events {
         let (page, kind) = split_event(e);
-        if kind != EventKind::Report {
+        if kind == EventKind::Read || kind == EventKind::Write {
             seen.insert(page);
         }
     }
@@ -428,8 +443,12 @@ pub fn simulate(events: &[Event], config: &SimConfig, progress: &mut dyn FnMut(u
         if config.local_pages == 0 {
             return Err(Error::invalid("local memory must be at least one page"));
         }
-        let pages: Vec<u64> =
-            events.iter().map(|&e| split_event(e)).filter(|(_, k)| *k != EventKind::Report).map(|(p, _)| p).collect();
+        let pages: Vec<u64> = events
+            .iter()
+            .map(|&e| split_event(e))
+            .filter(|(_, k)| matches!(k, EventKind::Read | EventKind::Write))
+            .map(|(p, _)| p)
+            .collect();
         let belady = tiermem_policy::replace::Belady::from_trace(&pages);
         let config = SimConfig { monitor: MonitorInput::None, ..config.clone() };
         Simulator::with_policies(config, Box::new(tiermem_policy::prefetch::NoPrefetch), Box::new(belady))

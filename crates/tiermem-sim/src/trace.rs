@@ -32,6 +32,9 @@ pub enum EventKind {
     Write = 1,
     /// The access monitor reported the page as used (no residency effect).
     Report = 2,
+    /// CPU work: the value counts byte-level accesses since the previous event that stayed in
+    /// the caches.
+    Compute = 3,
 }
 
 /// Pack an event.
@@ -46,7 +49,8 @@ pub fn split_event(e: Event) -> (u64, EventKind) {
     let kind = match e & 3 {
         0 => EventKind::Read,
         1 => EventKind::Write,
-        _ => EventKind::Report,
+        2 => EventKind::Report,
+        _ => EventKind::Compute,
     };
     (e >> 2, kind)
 }
@@ -113,12 +117,14 @@ struct LinePipeline {
     table: HotPageTable,
     events: Vec<Event>,
     raw: u64,
+    /// Accesses since the last one that reached memory.
+    cached: u64,
 }
 
 impl LinePipeline {
     fn new(options: &LineOptions) -> Result<Self> {
         let llc = options.llc.map(|(bytes, ways)| LlcFilter::new(bytes, ways)).transpose()?;
-        Ok(Self { llc, table: HotPageTable::new(options.threshold)?, events: Vec::new(), raw: 0 })
+        Ok(Self { llc, table: HotPageTable::new(options.threshold)?, events: Vec::new(), raw: 0, cached: 0 })
     }
 
     fn access(&mut self, addr: u64, write: bool) {
@@ -130,6 +136,14 @@ impl LinePipeline {
             }
             None => (Some(addr), None),
         };
+        if fill.is_none() && writeback.is_none() {
+            self.cached += 1;
+            return;
+        }
+        if self.cached > 0 {
+            self.events.push(event(self.cached, EventKind::Compute));
+            self.cached = 0;
+        }
         if let Some(line) = writeback {
             self.events.push(event(line >> PAGE_SHIFT, EventKind::Write));
             self.table.access(line >> PAGE_SHIFT, true);
@@ -144,7 +158,10 @@ impl LinePipeline {
         }
     }
 
-    fn finish(self) -> Trace {
+    fn finish(mut self) -> Trace {
+        if self.cached > 0 {
+            self.events.push(event(self.cached, EventKind::Compute));
+        }
         Trace { events: self.events, has_reports: true, raw_accesses: self.raw }
     }
 }
@@ -154,26 +171,40 @@ fn bad_line(path: &Path, line_no: usize, text: &str, why: &str) -> Error {
     Error::invalid(format!("{}:{line_no}: {why}: '{shown}'", path.display()))
 }
 
-/// Read a trace file.
+/// Read a trace file (`-`: standard input, which needs an explicit format).
 pub fn load(path: &Path, format: Format, lines: &LineOptions) -> Result<Trace> {
-    let mut file = File::open(path).map_err(|e| Error::os(e, format!("opening trace {}", path.display())))?;
-    let mut head = [0u8; 8];
-    let n = read_up_to(&mut file, &mut head).map_err(|e| Error::os(e, format!("reading {}", path.display())))?;
+    let stdin = path.as_os_str() == "-";
     let format = match format {
-        Format::Auto if n == 8 && &head == MAGIC => Format::Binary,
-        Format::Auto => detect_text(path)?,
+        Format::Auto if stdin => {
+            return Err(Error::invalid("reading a trace from standard input needs --format (binary, lackey, pages)"))
+        }
+        Format::Auto => detect(path)?,
         f => f,
     };
-    let file = File::open(path).map_err(|e| Error::os(e, format!("opening trace {}", path.display())))?;
-    let trace = match format {
-        Format::Binary => read_binary(path, file, lines)?,
-        Format::Lackey => read_lackey(path, file, lines)?,
-        _ => read_pages(path, file)?,
+    let input: Box<dyn Read> = if stdin {
+        Box::new(std::io::stdin().lock())
+    } else {
+        Box::new(File::open(path).map_err(|e| Error::os(e, format!("opening trace {}", path.display())))?)
     };
-    if trace.events.is_empty() {
+    let trace = match format {
+        Format::Binary => read_binary(path, input, lines)?,
+        Format::Lackey => read_lackey(path, input, lines)?,
+        _ => read_pages(path, input)?,
+    };
+    if !trace.events.iter().any(|&e| e & 3 < 2) {
         return Err(Error::invalid(format!("trace {} has no accesses", path.display())));
     }
     Ok(trace)
+}
+
+fn detect(path: &Path) -> Result<Format> {
+    let mut file = File::open(path).map_err(|e| Error::os(e, format!("opening trace {}", path.display())))?;
+    let mut head = [0u8; 8];
+    let n = read_up_to(&mut file, &mut head).map_err(|e| Error::os(e, format!("reading {}", path.display())))?;
+    if n == 8 && &head == MAGIC {
+        return Ok(Format::Binary);
+    }
+    detect_text(path)
 }
 
 fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -212,7 +243,7 @@ fn parse_number(text: &str) -> Option<u64> {
     }
 }
 
-fn read_pages(path: &Path, file: File) -> Result<Trace> {
+fn read_pages(path: &Path, file: Box<dyn Read>) -> Result<Trace> {
     let mut events = Vec::new();
     for (i, line) in BufReader::new(file).lines().enumerate() {
         let line =
@@ -240,7 +271,7 @@ fn read_pages(path: &Path, file: File) -> Result<Trace> {
     Ok(Trace { events, has_reports: false, raw_accesses: 0 })
 }
 
-fn read_lackey(path: &Path, file: File, options: &LineOptions) -> Result<Trace> {
+fn read_lackey(path: &Path, file: Box<dyn Read>, options: &LineOptions) -> Result<Trace> {
     let mut pipe = LinePipeline::new(options)?;
     for (i, line) in BufReader::new(file).lines().enumerate() {
         let line =
@@ -279,7 +310,7 @@ fn read_lackey(path: &Path, file: File, options: &LineOptions) -> Result<Trace> 
     Ok(pipe.finish())
 }
 
-fn read_binary(path: &Path, file: File, options: &LineOptions) -> Result<Trace> {
+fn read_binary(path: &Path, file: Box<dyn Read>, options: &LineOptions) -> Result<Trace> {
     let mut r = BufReader::with_capacity(1 << 20, file);
     let mut header = [0u8; 24];
     r.read_exact(&mut header)
@@ -309,17 +340,14 @@ fn read_binary(path: &Path, file: File, options: &LineOptions) -> Result<Trace> 
         }
         let v = u64::from_le_bytes(word);
         let (value, kind) = (v >> 2, v & 3);
-        if kind == 3 {
-            return Err(Error::invalid(format!("{}: record {n} has the reserved kind 3", path.display())));
-        }
         match &mut pipe {
             Some(p) => {
-                if kind != 2 {
+                if kind < 2 {
                     p.access(value, kind == 1);
                 }
             }
             None => {
-                if value > MAX_PAGE {
+                if kind < 3 && value > MAX_PAGE {
                     return Err(Error::invalid(format!(
                         "{}: record {n}: page {value:#x} above 2^40 - 1",
                         path.display()
@@ -460,13 +488,16 @@ mod tests {
         let t = load(f.path(), Format::Auto, &LineOptions::default()).unwrap();
         let mut expect: Vec<Event> = (0..8).map(|_| event(0x10, EventKind::Read)).collect();
         expect.insert(7, event(0x10, EventKind::Report));
+        // The second round hit the LLC: 8 accesses of CPU time only.
+        expect.push(event(8, EventKind::Compute));
         expect.push(event(0x20, EventKind::Write));
         expect.push(event(0x30, EventKind::Read));
+        expect.push(event(1, EventKind::Compute)); // the store of M hit the line its load brought
         assert_eq!(t.events, expect);
         assert_eq!(t.raw_accesses, 16 + 1 + 2);
         let no_llc = LineOptions { llc: None, ..LineOptions::default() };
         let t = load(f.path(), Format::Lackey, &no_llc).unwrap();
-        assert_eq!(t.events.iter().filter(|&&e| e & 3 != 2).count(), 16 + 1 + 2, "every access reaches memory");
+        assert_eq!(t.events.iter().filter(|&&e| e & 3 < 2).count(), 16 + 1 + 2, "every access reaches memory");
         let f = file(" L zz,4\n");
         assert!(load(f.path(), Format::Lackey, &LineOptions::default()).unwrap_err().to_string().contains(":1:"));
     }
