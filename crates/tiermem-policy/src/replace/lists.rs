@@ -10,6 +10,8 @@ const EMPTY: u64 = u64::MAX;
 #[derive(Debug, Clone, Copy)]
 struct Node {
     page: PageId,
+    /// When the page last moved to the front of a list (a per-structure clock).
+    stamp: u64,
     prev: u32,
     next: u32,
     list: u8,
@@ -23,6 +25,7 @@ pub(crate) struct Lists<const L: usize> {
     head: [u32; L],
     tail: [u32; L],
     len: [usize; L],
+    clock: u64,
     keys: Vec<u64>,
     slots: Vec<u32>,
     mask: usize,
@@ -41,7 +44,13 @@ impl<const L: usize> Lists<L> {
     pub(crate) fn new(capacity: usize) -> Self {
         let capacity = capacity.clamp(1, NIL as usize - 1);
         let nodes = (0..capacity)
-            .map(|i| Node { page: EMPTY, prev: NIL, next: if i + 1 < capacity { i as u32 + 1 } else { NIL }, list: 0 })
+            .map(|i| Node {
+                page: EMPTY,
+                stamp: 0,
+                prev: NIL,
+                next: if i + 1 < capacity { i as u32 + 1 } else { NIL },
+                list: 0,
+            })
             .collect();
         let table = (capacity * 2).next_power_of_two();
         Self {
@@ -50,6 +59,7 @@ impl<const L: usize> Lists<L> {
             head: [NIL; L],
             tail: [NIL; L],
             len: [0; L],
+            clock: 0,
             keys: vec![EMPTY; table],
             slots: vec![NIL; table],
             mask: table - 1,
@@ -95,7 +105,9 @@ impl<const L: usize> Lists<L> {
     }
 
     fn link_mru(&mut self, n: u32, list: usize) {
+        self.clock += 1;
         let node = &mut self.nodes[n as usize];
+        node.stamp = self.clock;
         node.list = list as u8;
         node.prev = NIL;
         node.next = self.head[list];
@@ -178,6 +190,12 @@ impl<const L: usize> Lists<L> {
     pub(crate) fn lru(&self, list: usize) -> Option<PageId> {
         let t = self.tail[list];
         (t != NIL).then(|| self.nodes[t as usize].page)
+    }
+
+    /// When the least recently used page of `list` last moved to the front (None: empty).
+    pub(crate) fn lru_stamp(&self, list: usize) -> Option<u64> {
+        let t = self.tail[list];
+        (t != NIL).then(|| self.nodes[t as usize].stamp)
     }
 
     /// Pages in `list`.

@@ -8,47 +8,50 @@ use crate::{lock, split_page_id, PageId, PageList, Replacement};
 
 const STREAM: usize = 0;
 const RANDOM: usize = 1;
+/// Inserted and not used since (read ahead, or faulted in by a source that reports no accesses).
+const UNTOUCHED: usize = 2;
 
-/// §3.1's replacement: pages of detected streams are evicted before randomly accessed ones,
-/// since a stream rarely comes back; each group is kept in LRU order. A page's group is decided
-/// when it comes in and again each time it is used, by asking the stream training table shared
-/// with the stream prefetcher. Without that prefetcher, this policy trains the table itself.
+/// §3.1's replacement: pages of detected streams the program has already walked are evicted
+/// before randomly accessed ones, since a stream rarely comes back; each group is kept in LRU
+/// order. A page's group is decided each time it is used, by asking the stream training table
+/// shared with the stream prefetcher (without that prefetcher, this policy trains the table
+/// itself from the accesses it hears).
+///
+/// Pages not used since they came in (read ahead and not touched yet) form a third group.
+/// The victim is the least recently used head of the three groups, where a walked stream page
+/// counts as older than it is by `capacity` uses: stream pages go first unless another page has
+/// gone unused for a whole memory's worth of uses longer. Strict stream-first (any stream page
+/// before any other) lets a program that rescans its data lose its working set to pages it
+/// never uses again; this keeps the preference without that cliff. Without
+/// any access reports (the engine alone) every page stays untouched and the policy is CLOCK-like
+/// LRU by insertion with the referenced bit as second chance.
 #[derive(Debug)]
 pub struct StreamFirst {
     table: Arc<StreamTable>,
     trains: bool,
-    lists: Mutex<Lists<2>>,
+    lists: Mutex<Lists<3>>,
     informed: std::sync::atomic::AtomicBool,
+    /// How much older than it is a walked stream page counts, in uses.
+    stream_bonus: u64,
 }
 
 impl StreamFirst {
     /// Room for `capacity` resident pages; `table` is the shared training table, which this
-    /// policy trains itself (from inserts and accesses) unless the stream prefetcher does.
+    /// policy trains itself (from the accesses it hears) unless the stream prefetcher does.
     pub fn new(capacity: usize, table: Arc<StreamTable>, trains: bool) -> Self {
         Self {
             table,
             trains,
             lists: Mutex::new(Lists::new(capacity * 2 + 64)),
             informed: std::sync::atomic::AtomicBool::new(false),
+            stream_bonus: capacity as u64,
         }
     }
 
-    fn group(&self, page: PageId) -> usize {
-        let (owner, index) = split_page_id(page);
-        if self.trains {
-            self.table.train(owner, index);
-        }
-        if self.table.in_stream(owner, index) {
-            STREAM
-        } else {
-            RANDOM
-        }
-    }
-
-    /// Pages currently in the stream group and the random group.
-    pub fn group_sizes(&self) -> (usize, usize) {
+    /// Pages currently in the stream, random and untouched groups.
+    pub fn group_sizes(&self) -> (usize, usize, usize) {
         let lists = lock(&self.lists);
-        (lists.len(STREAM), lists.len(RANDOM))
+        (lists.len(STREAM), lists.len(RANDOM), lists.len(UNTOUCHED))
     }
 }
 
@@ -58,13 +61,16 @@ impl Replacement for StreamFirst {
     }
 
     fn on_insert(&self, page: PageId) {
-        let group = self.group(page);
-        lock(&self.lists).touch(page, group);
+        lock(&self.lists).touch(page, UNTOUCHED);
     }
 
     fn on_access(&self, page: PageId) {
         self.informed.store(true, std::sync::atomic::Ordering::Relaxed);
-        let group = self.group(page);
+        let (owner, index) = split_page_id(page);
+        if self.trains {
+            self.table.train(owner, index);
+        }
+        let group = if self.table.in_stream(owner, index) { STREAM } else { RANDOM };
         let mut lists = lock(&self.lists);
         if lists.touch_if_present(page).is_some_and(|g| g != group) {
             lists.touch(page, group);
@@ -74,8 +80,27 @@ impl Replacement for StreamFirst {
     fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
         let second_chance = !self.informed.load(std::sync::atomic::Ordering::Relaxed);
         let mut lists = lock(&self.lists);
-        pick_lru(&mut lists, STREAM, max, second_chance, is_referenced, out);
-        pick_lru(&mut lists, RANDOM, max, second_chance, is_referenced, out);
+        let max = max.min(PageList::CAPACITY);
+        while out.len() < max {
+            // The oldest head goes, a stream head counting `stream_bonus` uses older.
+            let stream = lists.lru_stamp(STREAM).map(|s| s.saturating_sub(self.stream_bonus));
+            let list = [(stream, STREAM), (lists.lru_stamp(UNTOUCHED), UNTOUCHED), (lists.lru_stamp(RANDOM), RANDOM)]
+                .into_iter()
+                .filter_map(|(stamp, list)| stamp.map(|s| (s, list)))
+                .min()
+                .map_or(RANDOM, |(_, list)| list);
+            let before = out.len();
+            pick_lru(&mut lists, list, out.len() + 1, second_chance, is_referenced, out);
+            if out.len() == before {
+                // Everything there was referenced (moved to its front): fall back to the others.
+                for other in [STREAM, UNTOUCHED, RANDOM] {
+                    if out.len() < max {
+                        pick_lru(&mut lists, other, max, second_chance, is_referenced, out);
+                    }
+                }
+                break;
+            }
+        }
     }
 }
 
@@ -86,23 +111,63 @@ mod tests {
     use crate::stream::StreamConfig;
 
     #[test]
-    fn stream_pages_go_first_then_random_ones_in_lru_order() {
+    fn walked_stream_pages_go_first_then_the_rest_by_last_use() {
         let table = Arc::new(StreamTable::new(StreamConfig::default()));
         let policy = StreamFirst::new(64, table, true);
-        // Random pages of region 1 first (older), then a stride-1 stream in region 1.
+        assert_eq!(policy.stream_bonus, 64);
+        // Random pages of region 1, used once each after coming in.
         for p in [5000, 9000, 13000] {
             policy.on_insert(page_id(1, p));
+            policy.on_access(page_id(1, p));
         }
+        // A read-ahead page nobody uses.
+        policy.on_insert(page_id(1, 777));
+        // A stride-1 stream in region 1, each page faulted in and then used.
         for p in 100..110 {
             policy.on_insert(page_id(1, p));
+            policy.on_access(page_id(1, p));
         }
-        let (stream, random) = policy.group_sizes();
-        // 100..103 came before the stream was detected (at the fifth page, 104).
-        assert_eq!((stream, random), (6, 7));
-        policy.on_access(page_id(1, 101)); // now on a detected stream: moves to the stream group
+        // The stream is detected at its fifth page (104): 100..103 were random when used.
+        assert_eq!(policy.group_sizes(), (6, 7, 1));
+        policy.on_access(page_id(1, 101)); // now on the walked stream: moves to the stream group
         let mut out = PageList::default();
-        policy.pick_victims(8, &|_| false, &mut out);
+        policy.pick_victims(9, &|_| false, &mut out);
         let pages: Vec<u64> = out.as_slice().iter().map(|&id| split_page_id(id).1).collect();
-        assert_eq!(pages, vec![104, 105, 106, 107, 108, 109, 101, 5000]);
+        // The stream first, in LRU order (its pages count 64 uses older than they are, so older
+        // than everything else here); then plain LRU over the rest: the random pages were used
+        // before the read-ahead page 777 came in.
+        assert_eq!(pages, vec![104, 105, 106, 107, 108, 109, 101, 5000, 9000]);
+    }
+
+    #[test]
+    fn without_access_reports_it_is_clock_over_insertion_order() {
+        let policy = StreamFirst::new(64, Arc::new(StreamTable::new(StreamConfig::default())), true);
+        for p in 0..4 {
+            policy.on_insert(page_id(0, p));
+        }
+        let mut out = PageList::default();
+        policy.pick_victims(2, &|id| id == page_id(0, 0), &mut out);
+        assert_eq!(out.as_slice(), &[page_id(0, 1), page_id(0, 2)]);
+    }
+}
+
+#[cfg(test)]
+mod bonus_tests {
+    use super::*;
+    use crate::page_id;
+    use crate::stream::StreamConfig;
+
+    #[test]
+    fn a_random_page_unused_for_longer_than_the_bonus_goes_before_a_stream_page() {
+        let policy = StreamFirst::new(4, Arc::new(StreamTable::new(StreamConfig::default())), true);
+        policy.on_insert(page_id(0, 9000));
+        policy.on_access(page_id(0, 9000)); // random, used early
+        for p in 0..12 {
+            policy.on_insert(page_id(0, p));
+            policy.on_access(page_id(0, p));
+        }
+        let mut out = PageList::default();
+        policy.pick_victims(1, &|_| false, &mut out);
+        assert_eq!(out.as_slice(), &[page_id(0, 9000)], "unused for 24 uses, more than the bonus of 4");
     }
 }
