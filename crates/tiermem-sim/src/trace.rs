@@ -380,6 +380,9 @@ pub enum Synthetic {
     /// Eight interleaved strided streams (strides 1..=8) plus 20% uniform random accesses, every
     /// tenth access a write.
     Mixed,
+    /// Locality: 90% of accesses uniform over a hot tenth of the footprint, 10% a sequential
+    /// scan over all of it.
+    Hot,
 }
 
 impl std::str::FromStr for Synthetic {
@@ -389,7 +392,10 @@ impl std::str::FromStr for Synthetic {
             "seq" | "sequential" => Ok(Synthetic::Sequential),
             "random" => Ok(Synthetic::Random),
             "mixed" => Ok(Synthetic::Mixed),
-            other => Err(Error::invalid(format!("unknown synthetic trace '{other}' (expected seq, random, mixed)"))),
+            "hot" => Ok(Synthetic::Hot),
+            other => {
+                Err(Error::invalid(format!("unknown synthetic trace '{other}' (expected seq, random, mixed, hot)")))
+            }
         }
     }
 }
@@ -438,6 +444,14 @@ impl Iterator for SyntheticGen {
                     let s = ((r >> 4) & 7) as usize;
                     self.cursor[s] = (self.cursor[s] + s as u64 + 1) % self.footprint;
                     self.cursor[s]
+                }
+            }
+            Synthetic::Hot => {
+                if r.is_multiple_of(10) {
+                    self.cursor[0] = (self.cursor[0] + 1) % self.footprint;
+                    self.cursor[0]
+                } else {
+                    (r >> 8) % (self.footprint / 10).max(1)
                 }
             }
         };
