@@ -250,7 +250,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
                 _ => unreachable!("input checked above"),
             };
             let wall = started.elapsed().as_secs_f64();
-            let speed = (result.accesses + result.reports) as f64 / wall;
+            let speed = result.accesses as f64 / wall;
             rows.push(Row {
                 result,
                 wall_seconds: args.bench.then_some(wall),
@@ -283,7 +283,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
     if args.bench {
         for r in &rows {
             println!(
-                "speed {} × {}: {:.1} M events/s ({:.2} s)",
+                "speed {} × {}: {:.1} M accesses/s ({:.2} s)",
                 r.result.prefetch,
                 r.result.replace,
                 r.accesses_per_second.unwrap_or(0.0) / 1e6,

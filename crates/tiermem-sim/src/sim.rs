@@ -151,17 +151,21 @@ impl Hasher for PageHasher {
 
 type FastMap<V> = HashMap<u64, V, BuildHasherDefault<PageHasher>>;
 
-/// Page states in chunks of 4096 pages, found through a map with a one-entry cache.
+/// Chunk lookups remembered, direct-mapped by chunk number.
+const RECENT: usize = 1024;
+
+/// Page states in chunks of 4096 pages, found through a map behind a direct-mapped cache of
+/// recent chunks (a footprint of up to 4 Mi pages never reaches the map after warm-up).
 struct PageTable {
     index: FastMap<u32>,
     chunks: Vec<Box<[std::cell::Cell<u8>; CHUNK]>>,
-    last: std::cell::Cell<(u64, u32)>,
+    recent: Box<[(u64, u32); RECENT]>,
 }
 
 impl Default for PageTable {
     fn default() -> Self {
         // No chunk key is u64::MAX (pages have at most 40 bits), so the cache starts empty.
-        Self { index: FastMap::default(), chunks: Vec::new(), last: std::cell::Cell::new((u64::MAX, 0)) }
+        Self { index: FastMap::default(), chunks: Vec::new(), recent: Box::new([(u64::MAX, 0); RECENT]) }
     }
 }
 
@@ -169,16 +173,17 @@ impl PageTable {
     #[inline]
     fn cell(&mut self, page: u64) -> &std::cell::Cell<u8> {
         let key = page >> CHUNK_SHIFT;
-        let (last_key, last_chunk) = self.last.get();
-        let chunk = if last_key == key {
-            last_chunk
+        let slot = (key as usize) & (RECENT - 1);
+        let (cached_key, cached_chunk) = self.recent[slot];
+        let chunk = if cached_key == key {
+            cached_chunk
         } else {
             let next = self.chunks.len() as u32;
             let c = *self.index.entry(key).or_insert(next);
             if c == next {
                 self.chunks.push(Box::new(std::array::from_fn(|_| std::cell::Cell::new(0))));
             }
-            self.last.set((key, c));
+            self.recent[slot] = (key, c);
             c
         };
         &self.chunks[chunk as usize][(page as usize) & (CHUNK - 1)]
@@ -186,7 +191,9 @@ impl PageTable {
 
     /// Read-only lookup that never creates a chunk (for the referenced-bit callback).
     fn existing(&self, page: u64) -> Option<&std::cell::Cell<u8>> {
-        let c = *self.index.get(&(page >> CHUNK_SHIFT))?;
+        let key = page >> CHUNK_SHIFT;
+        let (cached_key, cached_chunk) = self.recent[(key as usize) & (RECENT - 1)];
+        let c = if cached_key == key { cached_chunk } else { *self.index.get(&key)? };
         Some(&self.chunks[c as usize][(page as usize) & (CHUNK - 1)])
     }
 }

@@ -26,8 +26,8 @@ pub(crate) struct Lists<const L: usize> {
     tail: [u32; L],
     len: [usize; L],
     clock: u64,
-    keys: Vec<u64>,
-    slots: Vec<u32>,
+    /// Open-addressing index: (page, node) side by side, so a probe reads one cache line.
+    table: Vec<(u64, u32)>,
     mask: usize,
 }
 
@@ -60,8 +60,7 @@ impl<const L: usize> Lists<L> {
             tail: [NIL; L],
             len: [0; L],
             clock: 0,
-            keys: vec![EMPTY; table],
-            slots: vec![NIL; table],
+            table: vec![(EMPTY, NIL); table],
             mask: table - 1,
         }
     }
@@ -69,9 +68,9 @@ impl<const L: usize> Lists<L> {
     fn find(&self, page: PageId) -> Option<(usize, u32)> {
         let mut i = hash(page) & self.mask;
         loop {
-            let k = self.keys[i];
+            let (k, n) = self.table[i];
             if k == page {
-                return Some((i, self.slots[i]));
+                return Some((i, n));
             }
             if k == EMPTY {
                 return None;
@@ -83,11 +82,11 @@ impl<const L: usize> Lists<L> {
     /// Remove hash slot `i` with backward-shift deletion (keeps probe chains intact, no tombstones).
     fn unhash(&mut self, mut i: usize) {
         loop {
-            self.keys[i] = EMPTY;
+            self.table[i].0 = EMPTY;
             let mut j = i;
             loop {
                 j = (j + 1) & self.mask;
-                let k = self.keys[j];
+                let k = self.table[j].0;
                 if k == EMPTY {
                     return;
                 }
@@ -95,8 +94,7 @@ impl<const L: usize> Lists<L> {
                 // Move k back into the hole unless its home lies cyclically in (i, j].
                 let stays = if i <= j { i < home && home <= j } else { i < home || home <= j };
                 if !stays {
-                    self.keys[i] = k;
-                    self.slots[i] = self.slots[j];
+                    self.table[i] = self.table[j];
                     i = j;
                     break;
                 }
@@ -157,11 +155,10 @@ impl<const L: usize> Lists<L> {
         self.free = self.nodes[n as usize].next;
         self.nodes[n as usize].page = page;
         let mut i = hash(page) & self.mask;
-        while self.keys[i] != EMPTY {
+        while self.table[i].0 != EMPTY {
             i = (i + 1) & self.mask;
         }
-        self.keys[i] = page;
-        self.slots[i] = n;
+        self.table[i] = (page, n);
         self.link_mru(n, list);
         true
     }
