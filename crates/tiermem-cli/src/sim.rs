@@ -144,6 +144,12 @@ fn progress_bar(len: u64, label: String) -> indicatif::ProgressBar {
 
 /// Run `tiermem sim`.
 pub fn run(args: &SimArgs) -> Result<()> {
+    if !(1..=64).contains(&args.threshold) {
+        return Err(Error::invalid(format!(
+            "--threshold {} must be in 1..=64 (a page has 64 cache lines)",
+            args.threshold
+        )));
+    }
     let lines = LineOptions { llc: parse_llc(&args.llc)?, threshold: args.threshold, instructions: args.instructions };
     let latency = Latency {
         access_ns: args.access_ns,

@@ -1,0 +1,69 @@
+//! `tiermem sim` as a user meets it: a comparison table and JSON from one call, and a clear
+//! message with a non-zero exit for every kind of bad input.
+
+use std::io::Write;
+use std::process::{Command, Output};
+
+fn tiermem(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tiermem")).args(args).output().expect("running tiermem")
+}
+
+fn text_file(text: &str) -> tempfile::NamedTempFile {
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    f
+}
+
+#[test]
+fn compares_every_pair_in_one_call_as_a_table_and_as_json() {
+    // A loop over 40 pages, three times: with 20 local pages LRU misses every access.
+    let pages: String = (0..120).map(|i| format!("{}\n", i % 40)).collect();
+    let f = text_file(&pages);
+    let path = f.path().to_str().unwrap();
+    let out = tiermem(&["sim", path, "--local", "20", "--prefetch", "none,stream", "--replace", "lru,belady"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("footprint 40 pages, local memory 20 pages"), "{table}");
+    assert_eq!(table.lines().filter(|l| l.starts_with("none") || l.starts_with("stream")).count(), 3, "{table}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("belady runs only without prefetching"));
+
+    let out = tiermem(&["sim", path, "--local", "50%", "--prefetch", "none", "--replace", "lru,belady", "--json"]);
+    assert!(out.status.success());
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let results = json["results"].as_array().unwrap();
+    let faults = |r: &str| results.iter().find(|x| x["replace"] == r).unwrap()["faults"].as_u64().unwrap();
+    assert_eq!(faults("lru"), 120, "a loop larger than memory defeats LRU");
+    let optimum = faults("belady");
+    assert!((40..100).contains(&optimum), "MIN misses far less than LRU on a loop: {optimum}");
+    assert_eq!(json["local_pages"], 20);
+}
+
+#[test]
+fn bad_input_fails_with_a_message_naming_the_problem() {
+    let good = text_file("1\n2\n3\n");
+    let bad_line = text_file("1\n2\nbanana\n");
+    let empty = text_file("# nothing here\n");
+    let good_path = good.path().to_str().unwrap();
+    let bad_path = bad_line.path().to_str().unwrap();
+    let empty_path = empty.path().to_str().unwrap();
+    let cases: Vec<(Vec<&str>, String)> = vec![
+        (vec!["sim", good_path, "--prefetch", "oracle"], "unknown prefetcher 'oracle'".into()),
+        (vec!["sim", good_path, "--replace", "magic"], "unknown replacement policy 'magic'".into()),
+        (vec!["sim", bad_path], format!("{bad_path}:3: not a page number")),
+        (vec!["sim", empty_path], "has no accesses".into()),
+        (vec!["sim", good_path, "--local", "0"], "0 pages of local memory".into()),
+        (vec!["sim", good_path, "--local", "0%"], "above 0%".into()),
+        (vec!["sim", good_path, "--llc", "3KiB"], "SIZE:WAYS".into()),
+        (vec!["sim", good_path, "--threshold", "65"], "1..=64".into()),
+        (vec!["sim", "/nonexistent/trace"], "/nonexistent/trace".into()),
+        (vec!["sim"], "--synthetic".into()),
+        (vec!["sim", "--synthetic", "zigzag:10:10"], "unknown synthetic trace 'zigzag'".into()),
+        (vec!["sim", "-"], "needs --format".into()),
+    ];
+    for (args, needle) in cases {
+        let out = tiermem(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(&needle), "{args:?}: expected '{needle}' in: {err}");
+    }
+}
