@@ -91,13 +91,120 @@ struct Entries {
     hi: [u64; MAX_ENTRIES],
     len: [u8; MAX_ENTRIES],
     pages: [[u64; MAX_HISTORY]; MAX_ENTRIES],
+    /// Entries by last use, a doubly-linked list (its tail is the least recently used).
+    prev: [u16; MAX_ENTRIES],
+    next: [u16; MAX_ENTRIES],
+    head: u16,
+    tail: u16,
+    /// Entries by the (owner, bucket) slot of their first page, as chains: a page can only join
+    /// an entry in its own bucket or a neighbour, so three short chains replace a scan of the
+    /// table. Collisions only lengthen a chain.
+    firsts: [u16; FILTER],
+    chain_next: [u16; MAX_ENTRIES],
+    chain_prev: [u16; MAX_ENTRIES],
+    chain_slot: [u16; MAX_ENTRIES],
+    /// Counting filter: detected streams whose walked range covers each (owner, bucket) slot.
+    hulls: [u16; FILTER],
+    /// Detected streams too wide for `hulls` (then every `in_stream` scans).
+    wide: u32,
 }
+
+/// Slots of each counting filter.
+const FILTER: usize = 4096;
+/// Most buckets one stream's range may cover in the `hulls` filter.
+const MAX_HULL_BUCKETS: u64 = 16;
+const NONE: u16 = u16::MAX;
 
 /// The shared training table; see the module docs.
 #[derive(Debug)]
 pub struct StreamTable {
     config: StreamConfig,
     state: Mutex<Entries>,
+    bucket_shift: u32,
+    /// Use the counting filters and the LRU list (false: scan every time; the reference the
+    /// filtered table is tested against).
+    filters: bool,
+}
+
+fn filter_slot(owner: u32, bucket: u64) -> usize {
+    ((bucket ^ u64::from(owner) << 40).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 52) as usize & (FILTER - 1)
+}
+
+impl Entries {
+    fn push_front(&mut self, i: usize) {
+        let i16 = i as u16;
+        self.prev[i] = NONE;
+        self.next[i] = self.head;
+        if self.head != NONE {
+            self.prev[self.head as usize] = i16;
+        } else {
+            self.tail = i16;
+        }
+        self.head = i16;
+    }
+
+    fn unlink(&mut self, i: usize) {
+        let (p, n) = (self.prev[i], self.next[i]);
+        if p != NONE {
+            self.next[p as usize] = n;
+        } else {
+            self.head = n;
+        }
+        if n != NONE {
+            self.prev[n as usize] = p;
+        } else {
+            self.tail = p;
+        }
+    }
+
+    fn touch(&mut self, i: usize) {
+        if self.head != i as u16 {
+            self.unlink(i);
+            self.push_front(i);
+        }
+    }
+
+    /// Add (`delta` 1) or remove (`delta` -1) entry `i`'s first page and, if it is a detected
+    /// stream, its walked range from the filters.
+    fn count(&mut self, i: usize, shift: u32, delta: i32) {
+        if self.used[i] == 0 {
+            return;
+        }
+        let owner = self.owner[i];
+        if delta > 0 {
+            let slot = filter_slot(owner, self.first[i] >> shift);
+            let old = self.firsts[slot];
+            self.chain_slot[i] = slot as u16;
+            self.chain_prev[i] = NONE;
+            self.chain_next[i] = old;
+            if old != NONE {
+                self.chain_prev[old as usize] = i as u16;
+            }
+            self.firsts[slot] = i as u16;
+        } else {
+            let (p, n) = (self.chain_prev[i], self.chain_next[i]);
+            if p != NONE {
+                self.chain_next[p as usize] = n;
+            } else {
+                self.firsts[self.chain_slot[i] as usize] = n;
+            }
+            if n != NONE {
+                self.chain_prev[n as usize] = p;
+            }
+        }
+        if self.stride[i] == 0 {
+            return;
+        }
+        let (lo, hi) = (self.lo[i] >> shift, self.hi[i] >> shift);
+        if hi - lo >= MAX_HULL_BUCKETS {
+            self.wide = (self.wide as i32 + delta) as u32;
+            return;
+        }
+        for b in lo..=hi {
+            let slot = filter_slot(owner, b);
+            self.hulls[slot] = (i32::from(self.hulls[slot]) + delta) as u16;
+        }
+    }
 }
 
 impl StreamTable {
@@ -121,8 +228,26 @@ impl StreamTable {
             hi: [0; MAX_ENTRIES],
             len: [0; MAX_ENTRIES],
             pages: [[0; MAX_HISTORY]; MAX_ENTRIES],
+            prev: [NONE; MAX_ENTRIES],
+            next: [NONE; MAX_ENTRIES],
+            head: NONE,
+            tail: NONE,
+            firsts: [NONE; FILTER],
+            chain_next: [NONE; MAX_ENTRIES],
+            chain_prev: [NONE; MAX_ENTRIES],
+            chain_slot: [NONE; MAX_ENTRIES],
+            hulls: [0; FILTER],
+            wide: 0,
         };
-        Self { config, state: Mutex::new(entries) }
+        // Free entries go first, lowest index first: the list runs n-1 (front) .. 0 (tail).
+        let mut entries = entries;
+        for i in 0..config.entries {
+            entries.push_front(i);
+        }
+        // Buckets at least as wide as the join distance: a joinable first page is in the
+        // page's bucket or a neighbour.
+        let bucket_shift = 64 - (config.join_distance - 1).leading_zeros().min(63);
+        Self { config, state: Mutex::new(entries), bucket_shift, filters: true }
     }
 
     /// The parameters in force.
@@ -141,12 +266,28 @@ impl StreamTable {
         let n = self.config.entries;
         let join = self.config.join_distance;
         let matches = |s: &Entries, i: usize| s.used[i] != 0 && s.owner[i] == owner && s.first[i].abs_diff(page) < join;
-        // The most recently used entry, if it matches, is the most recent match. Otherwise one
-        // pass finds both the most recent match and the least recently used entry, without
-        // branches the predictor would miss.
+        let shift = self.bucket_shift;
+        let bucket = page >> shift;
+        // The most recently used entry, if it matches, is the most recent match. Otherwise the
+        // chains of the page's bucket and its neighbours hold every candidate (without the
+        // filters, one branch-free pass over the table finds the match and the LRU entry).
         let mut victim = 0;
         let found = if matches(s, s.mru) {
             Some(s.mru)
+        } else if self.filters {
+            let (mut best, mut best_used) = (usize::MAX, 0u64);
+            for b in [bucket.wrapping_sub(1), bucket, bucket.wrapping_add(1)] {
+                let mut e = s.firsts[filter_slot(owner, b)];
+                while e != NONE {
+                    let i = e as usize;
+                    if s.used[i] > best_used && matches(s, i) {
+                        best = i;
+                        best_used = s.used[i];
+                    }
+                    e = s.chain_next[i];
+                }
+            }
+            (best != usize::MAX).then_some(best)
         } else {
             let (mut best, mut best_used, mut oldest) = (usize::MAX, 0u64, u64::MAX);
             for i in 0..n {
@@ -161,6 +302,10 @@ impl StreamTable {
         };
         let Some(i) = found else {
             // Take over the least recently used entry (a free one has `used` 0).
+            if self.filters {
+                victim = s.tail as usize;
+            }
+            s.count(victim, shift, -1);
             s.used[victim] = now;
             s.owner[victim] = owner;
             s.first[victim] = page;
@@ -170,10 +315,13 @@ impl StreamTable {
             s.len[victim] = 1;
             s.pages[victim][0] = page;
             s.mru = victim;
+            s.touch(victim);
+            s.count(victim, shift, 1);
             return None;
         };
         s.used[i] = now;
         s.mru = i;
+        s.touch(i);
         let history = self.config.history;
         let len = usize::from(s.len[i]);
         let pages = &mut s.pages[i];
@@ -188,16 +336,21 @@ impl StreamTable {
         };
         pages[len] = page;
         let len = len + 1;
+        let window = s.pages[i];
+        let window = &window[..len];
+        s.count(i, shift, -1);
         s.len[i] = len as u8;
-        s.first[i] = pages[0];
-        let window = &pages[..len];
+        s.first[i] = window[0];
         s.lo[i] = window.iter().copied().min().unwrap_or(page);
         s.hi[i] = window.iter().copied().max().unwrap_or(page);
+        if len == history {
+            s.stride[i] = most_frequent_stride(window);
+        }
+        s.count(i, shift, 1);
         if len < history {
             return None;
         }
-        let stride = most_frequent_stride(window);
-        s.stride[i] = stride;
+        let stride = s.stride[i];
         (stride != 0).then_some(Stream { end: page, stride })
     }
 
@@ -209,8 +362,15 @@ impl StreamTable {
         let s = lock(&self.state);
         let on =
             |i: usize| s.stride[i] != 0 && s.owner[i] == owner && s.lo[i] <= page && page <= s.hi[i] && s.used[i] != 0;
-        // The entry trained last usually answers (the page was just reported).
-        on(s.mru) || (0..self.config.entries).any(on)
+        // The entry trained last usually answers (the page was just reported); a zero count in
+        // the page's bucket means no detected stream covers it.
+        if on(s.mru) {
+            return true;
+        }
+        if self.filters && s.wide == 0 && s.hulls[filter_slot(owner, page >> self.bucket_shift)] == 0 {
+            return false;
+        }
+        (0..self.config.entries).any(on)
     }
 
     /// Push the pages to prefetch for `stream` (clipped to `0..region_pages`) into `out`.
@@ -256,7 +416,34 @@ fn most_frequent_stride(pages: &[u64]) -> i64 {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+
+    proptest! {
+        /// The counting filters and the LRU list only save work: training and classification
+        /// agree with plain scans on any sequence, with few entries (much eviction), several
+        /// owners, clustered and far pages, strides of both signs, and a small join distance.
+        #[test]
+        fn filters_change_no_answer(
+            entries in 1usize..8,
+            join in prop_oneof![Just(64u64), 1u64..200],
+            ops in proptest::collection::vec((0u32..3, prop_oneof![0u64..300, 0u64..100_000], any::<bool>()), 1..500),
+        ) {
+            let config = StreamConfig { entries, join_distance: join, ..StreamConfig::default() };
+            let fast = StreamTable::new(config);
+            let mut reference = StreamTable::new(config);
+            reference.filters = false;
+            for (owner, page, train) in ops {
+                if train {
+                    prop_assert_eq!(fast.train(owner, page), reference.train(owner, page));
+                }
+                for p in [page, page + 1, page.saturating_sub(2), page + 64] {
+                    prop_assert_eq!(fast.in_stream(owner, p), reference.in_stream(owner, p), "page {}", p);
+                }
+            }
+        }
+    }
 
     /// §3.2's worked example (figure 7): the first entry of pid 2 holds 0, 2, 4, 6; page 8 of pid 2
     /// arrives, joins it (|8 − 0| < 64), fills it, the most frequent stride is 2, and the page to
