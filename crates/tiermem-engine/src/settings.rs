@@ -171,13 +171,15 @@ impl RunSettings {
         vars
     }
 
-    /// Device capacity to create: as given, else room for every managed byte the program can
-    /// hold at once — twice the footprint when known (copies such as sorted arrays), else the
-    /// machine's memory — rounded up to whole pages.
+    /// Device capacity to create: as given, else room for every managed byte the program may
+    /// reserve at once, which can be far more than it touches (GNU sort allocates its whole
+    /// buffer up front): the machine's memory or twice the footprint, whichever is larger.
+    /// Rounded up to whole pages. Temporary device files are allocated, not written, so a large
+    /// capacity costs no time.
     pub fn device_capacity(&self, machine_memory: u64) -> u64 {
         let bytes = self
             .device_bytes
-            .unwrap_or_else(|| self.footprint.map_or(machine_memory, |f| f.saturating_mul(2).max(64 << 20)));
+            .unwrap_or_else(|| self.footprint.map_or(machine_memory, |f| f.saturating_mul(2).max(machine_memory)));
         bytes.div_ceil(4096) * 4096
     }
 }
@@ -244,7 +246,9 @@ mod tests {
         let mut s = parse(&[("TIERMEM_LIMIT", "1G")]).unwrap();
         assert_eq!(s.device_capacity(8 << 30), 8 << 30);
         s.footprint = Some(1000 << 20);
-        assert_eq!(s.device_capacity(8 << 30), 2000 << 20);
+        assert_eq!(s.device_capacity(8 << 30), 8 << 30);
+        s.footprint = Some(6 << 30);
+        assert_eq!(s.device_capacity(8 << 30), 12 << 30);
         s.device_bytes = Some(5000);
         assert_eq!(s.device_capacity(8 << 30), 8192);
     }

@@ -300,3 +300,24 @@ pub unsafe extern "C" fn fwrite(buf: *const c_void, size: usize, count: usize, s
     let real = real!("fwrite", StdioFn);
     stdio_pieces(real, buf.cast_mut(), size, count, stream, false)
 }
+
+/// # Safety
+/// The C contract of fread_unlocked (what GNU programs built with gnulib call for fread).
+#[no_mangle]
+pub unsafe extern "C" fn fread_unlocked(buf: *mut c_void, size: usize, count: usize, stream: *mut libc::FILE) -> usize {
+    let real = real!("fread_unlocked", StdioFn);
+    stdio_pieces(real, buf, size, count, stream, true)
+}
+
+/// # Safety
+/// The C contract of fwrite_unlocked.
+#[no_mangle]
+pub unsafe extern "C" fn fwrite_unlocked(
+    buf: *const c_void,
+    size: usize,
+    count: usize,
+    stream: *mut libc::FILE,
+) -> usize {
+    let real = real!("fwrite_unlocked", StdioFn);
+    stdio_pieces(real, buf.cast_mut(), size, count, stream, false)
+}

@@ -110,7 +110,16 @@ pub fn engine() -> &'static Engine {
     let Some(settings) = SETTINGS.get() else {
         die(&["tiermem: the engine was needed before the settings were read"]);
     };
-    let capacity = settings.device_capacity(machine_memory());
+    let mut capacity = settings.device_capacity(machine_memory());
+    if let (None, tiermem_device::DeviceSpec::File(dir)) = (settings.device_bytes, &settings.device) {
+        // A temporary file takes at most half the free space left in its file system.
+        if let Ok(fs) = rustix::fs::statvfs(dir.as_path()) {
+            let free = fs.f_bavail.saturating_mul(fs.f_frsize);
+            if dir.is_dir() && free > 0 {
+                capacity = capacity.min((free / 2).max(64 << 20) / 4096 * 4096);
+            }
+        }
+    }
     let device = match settings.device.open(capacity) {
         Ok(d) => d,
         Err(e) if e.kind() == ErrorKind::Busy => {
@@ -275,7 +284,8 @@ fn read_number(path: &std::path::Path) -> Option<u64> {
 /// a margin for what the kernel charges besides (page tables, kernel stacks, page cache).
 fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom) {
     let configured = engine.config().limit_bytes;
-    let margin = (cgroup.limit / 20).max(24 << 20);
+    // Proportional, so a small cgroup still leaves the engine most of its room.
+    let margin = (cgroup.limit / 50).max(1 << 20);
     loop {
         if let Some(anon) = cgroup.anon_bytes() {
             let managed = engine.resident_pages() * tiermem_sys::PAGE_SIZE as u64;
