@@ -399,7 +399,9 @@ fn bad_options_fail_before_the_program_starts() {
     let scratch = Scratch::new();
     let marker = scratch.path().join("ran");
     let touch = format!("touch {}", marker.display());
-    let cases: &[(&[&str], &[(&str, &str)], &str)] = &[
+    // (flags, environment, what the message must name)
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let cases: &[Case<'_>] = &[
         (&["--limit", "lots"], &[], "lots"),
         (&["--limit", "40%"], &[], "tiermem profile"),
         (&["--limit", "1G", "--fault-mode", "telepathy"], &[], "telepathy"),
