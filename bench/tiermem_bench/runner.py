@@ -117,6 +117,7 @@ def run_helper(argv: list[str], result_file: Path, env: dict | None = None,
             report = json.loads(result_file.read_text())
         except (OSError, json.JSONDecodeError):
             report = None
+        result_file.unlink()
     return report, stdout, stderr, proc.returncode
 
 
