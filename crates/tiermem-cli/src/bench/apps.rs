@@ -52,7 +52,10 @@ pub fn exec_harness(args: &AppsArgs) -> Error {
     if !dir.join("tiermem_bench").is_dir() {
         return Error::new(
             ErrorKind::NotFound,
-            format!("no tiermem_bench package in {}; set {BENCH_DIR_ENV} to the repository's bench directory", dir.display()),
+            format!(
+                "no tiermem_bench package in {}; set {BENCH_DIR_ENV} to the repository's bench directory",
+                dir.display()
+            ),
         );
     }
     let python = std::env::var_os(PYTHON_ENV).unwrap_or_else(|| "python3".into());
@@ -232,7 +235,9 @@ fn spawn_and_wait(
 pub fn write_report(report: &LimitedRunReport, path: Option<&Path>) -> Result<()> {
     let json = serde_json::to_string(report).map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?;
     match path {
-        Some(path) => std::fs::write(path, json + "\n").map_err(|e| Error::os(e, format!("writing {}", path.display()))),
+        Some(path) => {
+            std::fs::write(path, json + "\n").map_err(|e| Error::os(e, format!("writing {}", path.display())))
+        }
         None => {
             eprintln!("{json}");
             Ok(())
