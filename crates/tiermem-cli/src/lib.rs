@@ -1,3 +1,4 @@
 //! The library behind the `tiermem` command, split out so integration tests can drive it.
 
 pub mod bench;
+pub mod run;
