@@ -19,7 +19,7 @@ BENCH_DIR = Path(__file__).resolve().parent.parent
 def command(system, limit=1 << 20):
     return helper_command(system, tiermem_bin="tm", limit=limit, workload_argv=["prog", "-x"],
                           result_file=Path("/r.json"), work_dir=Path("/w"), swap_bytes=99,
-                          device_file=Path("/w/d.dev"), footprint=5 << 20, stats_file=Path("/s.json"), timeout=12)
+                          device_file=Path("/w"), footprint=5 << 20, stats_file=Path("/s.json"), timeout=12)
 
 
 def test_linux_swap_gets_a_limit_and_its_own_swap_file():
@@ -37,8 +37,9 @@ def test_tiermem_file_runs_under_the_same_limit_without_swap():
     assert "--no-swap" in helper and helper[helper.index("--limit") + 1] == str(1 << 20)
     assert program[:2] == ["tm", "run"]
     assert program[program.index("--limit") + 1] == str(1 << 20)
-    assert program[program.index("--device") + 1] == "file:/w/d.dev"
+    assert program[program.index("--device") + 1] == "file:/w"
     assert program[program.index("--stats-json") + 1] == "/s.json"
+    assert program[program.index("--footprint") + 1] == str(5 << 20)
     assert program[-3:] == ["--", "prog", "-x"]
 
 

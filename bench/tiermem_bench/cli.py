@@ -159,19 +159,18 @@ class Matrix:
         limit = None if ratio is None else limit_for(footprint, ratio)
         rec = RunRecord(workload=workload.name, system=system.name, ratio=ratio, repeat=repeat,
                         limit_bytes=limit, footprint_bytes=footprint, expected_digest=expected)
-        device = self.scratch / f"tiermem-apps-{os.getpid()}-{self.sequence}.dev"
         stats_file = self.scratch / f"stats-{os.getpid()}-{self.sequence}.json"
         result_file = self.scratch / "limited-run.json"
         argv = helper_command(system, tiermem_bin=self.tiermem, limit=limit,
                               workload_argv=workload.command(self.args.scale, self.cache), result_file=result_file,
                               work_dir=self.scratch, swap_bytes=swap_bytes_for(footprint or 0),
-                              device_file=device, footprint=footprint or 0, stats_file=stats_file,
+                              device_file=self.scratch, footprint=footprint or 0, stats_file=stats_file,
                               timeout=timeout)
         self.progress.set_postfix_str(f"{workload.name} {system.name} "
                                       f"{'unlimited' if ratio is None else f'{ratio}%'} #{repeat}")
         return run_once(rec, argv, result_file=result_file, expected=expected, env=self.env,
                         stats_file=stats_file if system.kind == "tiermem" else None,
-                        cleanup_paths=(device,), preexec_fn=_die_with_parent)
+                        preexec_fn=_die_with_parent)
 
     def run_workload(self, workload) -> None:
         repeats = self.args.repeats

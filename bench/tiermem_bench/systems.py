@@ -71,8 +71,10 @@ def helper_command(system: System, *, tiermem_bin: str, limit: int | None, workl
         else:
             # Same memory as Linux swap had, and no swap: everything tiermem uses must fit.
             cmd += ["--cgroup-prefix", "tiermem-apps-tiermem", "--limit", str(limit), "--no-swap"]
+            # A directory: `tiermem run` makes its temporary device file there (same file system as
+            # the swap file) and removes it when the program ends.
             device = f"file:{device_file}"
-        program = [tiermem_bin, "run", "--limit", str(limit), "--footprint", str(2 * footprint),
+        program = [tiermem_bin, "run", "--limit", str(limit), "--footprint", str(footprint),
                    "--device", device, *system.tiermem_args, "--stats-json", str(stats_file), "--", *program]
     else:
         raise ValueError(f"unknown system kind {system.kind}")
