@@ -111,8 +111,12 @@ def tiermem_run_available(tiermem: str) -> bool:
     return probe.returncode == 0
 
 
+# Variables of the harness itself; `tiermem run` rejects TIERMEM_* variables it does not know.
+HARNESS_VARIABLES = ("TIERMEM_BIN", "TIERMEM_PYTHON", "TIERMEM_BENCH_DIR")
+
+
 def run_environment() -> dict:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in HARNESS_VARIABLES}
     for name in THREAD_VARIABLES:
         env[name] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH", "")) if p)
