@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use tiermem_cli::bench::apps;
 use tiermem_cli::bench::array::Phase;
 use tiermem_cli::bench::micro;
 use tiermem_cli::bench::micro_tiermem::{self, Row, Variant};
@@ -44,6 +45,11 @@ struct BenchArgs {
 enum BenchCommand {
     /// The array microbenchmark: write an N MB array under an M MB memory limit, read it back.
     Micro(MicroArgs),
+    /// The application benchmarks (quicksort, k-means, PageRank, Linpack, MLP, IS) against Linux swap.
+    Apps(apps::AppsArgs),
+    /// Internal: run a program in a fresh memory cgroup (for `bench apps`).
+    #[command(hide = true)]
+    LimitedRun(apps::LimitedRunArgs),
 }
 
 #[derive(Debug, Args)]
@@ -336,6 +342,10 @@ fn main() -> ExitCode {
         Command::Profile(args) => profile_command(args).map(|never| match never {}),
         Command::Probe(args) => probe(args),
         Command::Bench(BenchArgs { command: BenchCommand::Micro(args) }) => bench_micro(args),
+        Command::Bench(BenchArgs { command: BenchCommand::Apps(args) }) => Err(apps::exec_harness(args)),
+        Command::Bench(BenchArgs { command: BenchCommand::LimitedRun(args) }) => {
+            apps::limited_run(args).and_then(|report| apps::write_report(&report, args.result.as_deref()))
+        }
         Command::MicroWorker(args) => micro_worker(args),
     };
     match outcome {
