@@ -137,7 +137,11 @@ pub fn engine() -> &'static Engine {
         }
         Err(e) => die(&["tiermem: cannot open the device: ", &e.to_string()]),
     };
-    let engine = match Engine::new(settings.engine.clone(), device) {
+    let mut config = settings.engine.clone();
+    // The I/O buffers are pinned memory charged to the program's cgroup: a small budget gets
+    // fewer (1/16 of it), so tiermem's own overhead does not eat the room it pages into.
+    config.io_buffers = u32::try_from(config.limit_pages() / 16).unwrap_or(u32::MAX).clamp(64, config.io_buffers);
+    let engine = match Engine::new(config, device) {
         Ok(engine) => engine,
         Err(e) => die(&["tiermem: cannot start the paging engine: ", &e.to_string()]),
     };
