@@ -1,4 +1,5 @@
 //! The library behind the `tiermem` command, split out so integration tests can drive it.
 
 pub mod bench;
+pub mod run;
 pub mod sim;

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use tiermem_cli::bench::apps;
 use tiermem_cli::bench::array::Phase;
 use tiermem_cli::bench::micro;
 use tiermem_cli::bench::micro_tiermem::{self, Row, Variant};
@@ -21,6 +22,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run an unmodified program with its large allocations in managed memory.
+    Run(Box<RunArgs>),
+    /// Run a program unmanaged and remember its peak footprint (for `run --limit N%`).
+    Profile(ProfileArgs),
     /// Say what this kernel and file system offer tiermem.
     Probe(ProbeArgs),
     /// Run a benchmark.
@@ -42,6 +47,11 @@ struct BenchArgs {
 enum BenchCommand {
     /// The array microbenchmark: write an N MB array under an M MB memory limit, read it back.
     Micro(MicroArgs),
+    /// The application benchmarks (quicksort, k-means, PageRank, Linpack, MLP, IS) against Linux swap.
+    Apps(apps::AppsArgs),
+    /// Internal: run a program in a fresh memory cgroup (for `bench apps`).
+    #[command(hide = true)]
+    LimitedRun(apps::LimitedRunArgs),
 }
 
 #[derive(Debug, Args)]
@@ -222,11 +232,122 @@ fn micro_worker(args: &MicroWorkerArgs) -> Result<()> {
     Ok(())
 }
 
+/// Every option also reads the `TIERMEM_*` variable named in its help; flags win.
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// Budget of resident managed memory: bytes (2GiB, 512MiB) or a share of the footprint (40%).
+    #[arg(long, env = "TIERMEM_LIMIT")]
+    limit: String,
+    /// The program's peak footprint (default: what `tiermem profile` measured for this command).
+    #[arg(long, env = "TIERMEM_FOOTPRINT")]
+    footprint: Option<String>,
+    /// mem | file:PATH (a file, a block device, or a directory for a temporary file).
+    /// Default: a temporary file on the first disk file system of /var/tmp, $TMPDIR, /tmp.
+    #[arg(long, env = "TIERMEM_DEVICE")]
+    device: Option<String>,
+    /// Device capacity (default: twice the footprint, else the machine's memory).
+    #[arg(long, env = "TIERMEM_DEVICE_SIZE")]
+    device_size: Option<String>,
+    /// Prefetcher.
+    #[arg(long, env = "TIERMEM_PREFETCH")]
+    prefetch: Option<String>,
+    /// Replacement policy.
+    #[arg(long, env = "TIERMEM_REPLACE")]
+    replace: Option<String>,
+    /// Fraction of the budget that wakes background reclaim.
+    #[arg(long, env = "TIERMEM_WATERMARK")]
+    watermark: Option<String>,
+    /// thread | sigbus.
+    #[arg(long, env = "TIERMEM_FAULT_MODE")]
+    fault_mode: Option<String>,
+    /// hybrid | poll-only | interrupt-only.
+    #[arg(long, env = "TIERMEM_IO_MODE")]
+    io_mode: Option<String>,
+    /// background | on-fault-path.
+    #[arg(long, env = "TIERMEM_RECLAIM_MODE")]
+    reclaim_mode: Option<String>,
+    /// auto | sync-wp | none.
+    #[arg(long, env = "TIERMEM_DIRTY_TRACKING")]
+    dirty_tracking: Option<String>,
+    /// Smallest allocation that is managed.
+    #[arg(long, env = "TIERMEM_THRESHOLD")]
+    threshold: Option<String>,
+    /// on | off: keep the budget inside the memory cgroup's room.
+    #[arg(long, env = "TIERMEM_CGROUP")]
+    cgroup: Option<String>,
+    /// Write the run's statistics as JSON to this file.
+    #[arg(long, env = "TIERMEM_STATS_JSON")]
+    stats_json: Option<PathBuf>,
+    /// No summary at exit.
+    #[arg(long)]
+    quiet: bool,
+    /// The program and its arguments.
+    #[arg(last = true, required = true, value_name = "PROGRAM")]
+    program: Vec<std::ffi::OsString>,
+}
+
+#[derive(Debug, Args)]
+struct ProfileArgs {
+    /// The program and its arguments.
+    #[arg(last = true, required = true, value_name = "PROGRAM")]
+    program: Vec<std::ffi::OsString>,
+}
+
+fn run_command(args: &RunArgs) -> Result<std::convert::Infallible> {
+    let mut flags: Vec<(&str, String)> = vec![("TIERMEM_LIMIT", args.limit.clone())];
+    let optional = [
+        ("TIERMEM_FOOTPRINT", &args.footprint),
+        ("TIERMEM_DEVICE", &args.device),
+        ("TIERMEM_DEVICE_SIZE", &args.device_size),
+        ("TIERMEM_PREFETCH", &args.prefetch),
+        ("TIERMEM_REPLACE", &args.replace),
+        ("TIERMEM_WATERMARK", &args.watermark),
+        ("TIERMEM_FAULT_MODE", &args.fault_mode),
+        ("TIERMEM_IO_MODE", &args.io_mode),
+        ("TIERMEM_RECLAIM_MODE", &args.reclaim_mode),
+        ("TIERMEM_DIRTY_TRACKING", &args.dirty_tracking),
+        ("TIERMEM_THRESHOLD", &args.threshold),
+        ("TIERMEM_CGROUP", &args.cgroup),
+    ];
+    flags.extend(optional.into_iter().filter_map(|(k, v)| v.clone().map(|v| (k, v))));
+    let settings = tiermem_cli::run::resolve_settings(std::env::vars(), &flags, &args.program)?;
+    let outcome = tiermem_cli::run::run(settings, &args.program)?;
+    if !args.quiet {
+        eprint!("{}", outcome.summary());
+    }
+    if let Some(path) = &args.stats_json {
+        let text = serde_json::to_string_pretty(&outcome.to_json())
+            .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?;
+        std::fs::write(path, text).map_err(|e| Error::os(e, format!("writing statistics to {}", path.display())))?;
+    }
+    tiermem_cli::run::exit_like(outcome.ending)
+}
+
+fn profile_command(args: &ProfileArgs) -> Result<std::convert::Infallible> {
+    let (ending, footprint) = tiermem_cli::run::profile(&args.program)?;
+    eprintln!(
+        "tiermem: peak footprint {footprint} bytes ({:.1} MiB){}",
+        footprint as f64 / (1 << 20) as f64,
+        if ending == tiermem_cli::run::Ending::Exited(0) {
+            format!(", remembered in {}", tiermem_cli::run::profile_store().display())
+        } else {
+            " (not remembered: the program failed)".to_string()
+        }
+    );
+    tiermem_cli::run::exit_like(ending)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let outcome = match &cli.command {
+        Command::Run(args) => run_command(args).map(|never| match never {}),
+        Command::Profile(args) => profile_command(args).map(|never| match never {}),
         Command::Probe(args) => probe(args),
         Command::Bench(BenchArgs { command: BenchCommand::Micro(args) }) => bench_micro(args),
+        Command::Bench(BenchArgs { command: BenchCommand::Apps(args) }) => Err(apps::exec_harness(args)),
+        Command::Bench(BenchArgs { command: BenchCommand::LimitedRun(args) }) => {
+            apps::limited_run(args).and_then(|report| apps::write_report(&report, args.result.as_deref()))
+        }
         Command::MicroWorker(args) => micro_worker(args),
         Command::Sim(args) => tiermem_cli::sim::run(args),
     };

@@ -15,7 +15,7 @@ pub struct DeviceCounters {
 }
 
 /// A copy of [`DeviceCounters`] at one moment.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CounterSnapshot {
     /// Read requests completed.
     pub reads: u64,

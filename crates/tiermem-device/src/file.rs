@@ -21,8 +21,8 @@ use io_uring::{opcode, squeue, types, IoUring};
 use rustix::event::{eventfd, EventfdFlags};
 
 use crate::{
-    check_queue_depth, check_request, BufferArena, Completion, Device, DeviceCounters, Error, ErrorKind, IoQueue,
-    QueueKind, Request, Result, WaitMode, PAGE_SIZE,
+    check_blocking_read, check_queue_depth, check_request, BufferArena, Completion, Device, DeviceCounters, Error,
+    ErrorKind, IoQueue, QueueKind, Request, Result, WaitMode, PAGE_SIZE,
 };
 
 /// Bytes per slot, as a file offset type.
@@ -76,7 +76,18 @@ impl FileDevice {
             }
         }
         let (file, created) = open_direct(path, size.is_some())?;
-        let device = Self::set_up(file, path, size);
+        // One engine per device file: two would hand out the same slots.
+        if let Err(e) = rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            return Err(if e == rustix::io::Errno::WOULDBLOCK {
+                Error::new(
+                    ErrorKind::Busy,
+                    format!("device file {} is in use by another tiermem engine", path.display()),
+                )
+            } else {
+                Error::os(e.into(), format!("locking device file {}", path.display()))
+            });
+        }
+        let device = Self::set_up(file, path, size, true);
         if created && device.is_err() {
             // Leave nothing behind from a failed attempt.
             let _ = std::fs::remove_file(path);
@@ -84,7 +95,38 @@ impl FileDevice {
         device
     }
 
-    fn set_up(file: File, path: &Path, size: Option<u64>) -> Result<Self> {
+    /// A private device of `size` bytes in directory `dir`: an unnamed file (O_TMPFILE) that
+    /// disappears with its last descriptor, so nothing is left behind even if the process is
+    /// killed. Its blocks are allocated but not zero-filled: the first write of each slot pays
+    /// the file system's extent conversion, which is cheaper than writing the whole file up front
+    /// when the device is sized for a program's worst case.
+    pub fn create_temporary(dir: &Path, size: u64) -> Result<Self> {
+        if size == 0 || size % SLOT_BYTES != 0 {
+            return Err(Error::invalid(format!(
+                "device size of {size} bytes is not a non-zero multiple of {PAGE_SIZE} (one slot)"
+            )));
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT | libc::O_TMPFILE)
+            .mode(0o600)
+            .open(dir)
+            .map_err(|e| match e.raw_os_error() {
+                Some(libc::EISDIR) | Some(libc::EOPNOTSUPP) => Error::os_kind(
+                    ErrorKind::Unsupported,
+                    e,
+                    format!(
+                        "the file system of {} cannot create unnamed files (O_TMPFILE); name a device file",
+                        dir.display()
+                    ),
+                ),
+                _ => open_error(e, &dir.join("<temporary device file>")),
+            })?;
+        Self::set_up(file, &dir.join("<temporary device file>"), Some(size), false)
+    }
+
+    fn set_up(file: File, path: &Path, size: Option<u64>, zero_fill: bool) -> Result<Self> {
         let shown = path.display();
         let metadata = file.metadata().map_err(|e| Error::os(e, format!("reading the size of {shown}")))?;
         let file_type = metadata.file_type();
@@ -104,7 +146,7 @@ impl FileDevice {
         } else if file_type.is_file() {
             match size {
                 Some(size) if metadata.len() < size => {
-                    extend(&file, path, metadata.len(), size)?;
+                    extend(&file, path, metadata.len(), size, zero_fill)?;
                     size
                 }
                 _ => metadata.len(),
@@ -233,10 +275,11 @@ fn open_error(e: io::Error, path: &Path) -> Error {
 
 /// Grow a regular file from `from` to `to` bytes with blocks allocated now, so that writing a slot
 /// later cannot fail for want of space in the middle of a run.
-fn extend(file: &File, path: &Path, from: u64, to: u64) -> Result<()> {
+fn extend(file: &File, path: &Path, from: u64, to: u64, zero_fill: bool) -> Result<()> {
     let shown = path.display();
     match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, to) {
-        Ok(()) => write_zeros(file, path, from, to),
+        Ok(()) if zero_fill => write_zeros(file, path, from, to),
+        Ok(()) => Ok(()),
         Err(rustix::io::Errno::NOSPC) | Err(rustix::io::Errno::DQUOT) => Err(Error::os_kind(
             ErrorKind::NoSpace,
             rustix::io::Errno::NOSPC.into(),
@@ -426,6 +469,21 @@ impl Device for FileDevice {
 
     fn counters(&self) -> &DeviceCounters {
         &self.shared.counters
+    }
+
+    fn read_slot_blocking(&self, slot: u64, dst: &mut [u8]) -> Result<()> {
+        check_blocking_read(slot, self.shared.slots, dst)?;
+        let offset = slot * SLOT_BYTES;
+        let n = rustix::io::pread(&self.shared.file, &mut *dst, offset).map_err(|e| {
+            Error::os_kind(ErrorKind::Io, e.into(), format!("reading slot {slot} of {}", self.shared.path.display()))
+        })?;
+        if n != PAGE_SIZE {
+            return Err(Error::new(
+                ErrorKind::Io,
+                format!("short read of slot {slot} of {}: {n} of {PAGE_SIZE} bytes", self.shared.path.display()),
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -17,6 +17,7 @@ pub mod arena;
 pub mod counters;
 pub mod file;
 pub mod mem;
+pub use file::FileDevice;
 pub use mem::MemDevice;
 pub mod slots;
 pub mod spec;
@@ -113,6 +114,21 @@ pub(crate) fn check_queue_depth(depth: u32) -> Result<()> {
 }
 
 /// Reject a request whose slot is beyond `capacity_slots` or whose buffer is not in `arena`.
+/// Refuse a blocking read of a slot outside the device or into anything but one aligned page.
+pub(crate) fn check_blocking_read(slot: u64, capacity_slots: u64, dst: &[u8]) -> Result<()> {
+    if slot >= capacity_slots {
+        return Err(Error::invalid(format!("read of slot {slot}: the device has only {capacity_slots} slots")));
+    }
+    if dst.len() != PAGE_SIZE || (dst.as_ptr() as usize) % PAGE_SIZE != 0 {
+        return Err(Error::invalid(format!(
+            "read of slot {slot}: the destination must be one page-aligned page, not {} bytes at {:p}",
+            dst.len(),
+            dst.as_ptr()
+        )));
+    }
+    Ok(())
+}
+
 pub(crate) fn check_request(request: &Request, capacity_slots: u64, arena: &BufferArena) -> Result<()> {
     if request.slot() >= capacity_slots {
         return Err(Error::invalid(format!(
@@ -178,4 +194,8 @@ pub trait Device: Send + Sync + std::fmt::Debug {
 
     /// Bytes asked for and bytes moved to and from the medium, for write amplification.
     fn counters(&self) -> &DeviceCounters;
+
+    /// Read one slot into `dst` (one page-aligned page) synchronously, outside any queue. For
+    /// where queues cannot be used: a forked child shares its parent's rings and must not touch them.
+    fn read_slot_blocking(&self, slot: u64, dst: &mut [u8]) -> Result<()>;
 }

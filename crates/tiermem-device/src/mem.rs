@@ -12,8 +12,8 @@ use rustix::event::{eventfd, EventfdFlags};
 use tiermem_sys::mem::Mapping;
 
 use crate::{
-    check_queue_depth, check_request, BufferArena, Completion, Device, DeviceCounters, Error, ErrorKind, IoQueue,
-    QueueKind, Request, Result, WaitMode, PAGE_SIZE,
+    check_blocking_read, check_queue_depth, check_request, BufferArena, Completion, Device, DeviceCounters, Error,
+    ErrorKind, IoQueue, QueueKind, Request, Result, WaitMode, PAGE_SIZE,
 };
 
 /// A device whose slots are anonymous memory.
@@ -91,6 +91,15 @@ impl Device for MemDevice {
 
     fn counters(&self) -> &DeviceCounters {
         &self.counters
+    }
+
+    fn read_slot_blocking(&self, slot: u64, dst: &mut [u8]) -> Result<()> {
+        check_blocking_read(slot, self.store.slots, dst)?;
+        // SAFETY: the slot is in range (checked), so its page lies inside the store mapping, and
+        // dst is a distinct caller-owned page.
+        let src = unsafe { std::slice::from_raw_parts(self.store.slot_ptr(slot), PAGE_SIZE) };
+        dst.copy_from_slice(src);
+        Ok(())
     }
 }
 

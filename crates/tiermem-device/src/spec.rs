@@ -14,7 +14,7 @@ use crate::{Device, Error, Result};
 pub enum DeviceSpec {
     /// DRAM (the ideal).
     Mem,
-    /// A file or block device.
+    /// A file or block device, or a directory to hold a private temporary device file.
     File(PathBuf),
 }
 
@@ -25,19 +25,21 @@ impl DeviceSpec {
             return Ok(Self::Mem);
         }
         match text.strip_prefix("file:") {
-            Some("") => Err(Error::invalid("device `file:` needs a path: file:PATH (a file or a block device)")),
+            Some("") => Err(Error::invalid("device `file:` needs a path: file:PATH (a file, a block device, or a directory for a temporary file)")),
             Some(path) => Ok(Self::File(PathBuf::from(path))),
             None => Err(Error::invalid(format!(
-                "unknown device `{text}`; accepted forms: `mem` (DRAM) or `file:PATH` (a file or a block device)"
+                "unknown device `{text}`; accepted forms: `mem` (DRAM) or `file:PATH` (a file, a block device, or a directory for a temporary file)"
             ))),
         }
     }
 
     /// Open the device with room for `capacity_bytes` (a non-zero multiple of 4096). A missing
-    /// file is created and a smaller one extended; see [`FileDevice::open`].
+    /// file is created and a smaller one extended; see [`FileDevice::open`]. A directory gets a
+    /// private unnamed device file inside it; see [`FileDevice::create_temporary`].
     pub fn open(&self, capacity_bytes: u64) -> Result<Arc<dyn Device>> {
         Ok(match self {
             Self::Mem => Arc::new(MemDevice::new(capacity_bytes)?),
+            Self::File(path) if path.is_dir() => Arc::new(FileDevice::create_temporary(path, capacity_bytes)?),
             Self::File(path) => Arc::new(FileDevice::open(path, Some(capacity_bytes))?),
         })
     }

@@ -206,3 +206,40 @@ pub(crate) fn uninstall_sigbus(shared: &Shared) {
         }
     }
 }
+
+/// In a forked child: stop serving SIGBUS (the child's memory is no longer registered, and the
+/// engine's threads stayed in the parent) and restore the action in place before the engine's.
+pub(crate) fn detach_sigbus_in_child(shared: &Shared) {
+    uninstall_sigbus(shared);
+}
+
+/// Replace the action the engine's SIGBUS handler chains to for faults that are not its own,
+/// for a program that installs its own SIGBUS handler while the engine runs in sigbus mode (the
+/// engine's handler must stay first). Writes the action it replaced to `old`. Returns false,
+/// changing nothing, when no engine in this process is in sigbus mode.
+pub fn replace_chained_sigbus_action(new: Option<&libc::sigaction>, old: Option<&mut libc::sigaction>) -> bool {
+    if SIGBUS_ENGINE.load(Ordering::Acquire).is_null() {
+        return false;
+    }
+    let current = PREVIOUS_ACTION.load(Ordering::Acquire);
+    if let Some(old) = old {
+        if current.is_null() {
+            // SAFETY: a zeroed sigaction is SIG_DFL with an empty mask and no flags.
+            *old = unsafe { std::mem::zeroed() };
+        } else {
+            // SAFETY: non-null PREVIOUS_ACTION values point to leaked, never-freed sigactions.
+            *old = unsafe { *current };
+        }
+    }
+    if let Some(new) = new {
+        // Leaked on purpose: a handler on another thread may be reading the old one right now.
+        PREVIOUS_ACTION.store(Box::into_raw(Box::new(*new)), Ordering::Release);
+    }
+    true
+}
+
+/// Whether `action` installs the engine's own SIGBUS handler (which an interposed sigaction must
+/// let through).
+pub fn is_engine_sigbus_action(action: &libc::sigaction) -> bool {
+    action.sa_sigaction == on_sigbus as *const () as usize
+}

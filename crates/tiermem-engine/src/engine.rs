@@ -36,8 +36,11 @@ pub(crate) struct Shared {
     /// Resident managed pages, counted before they are mapped and after they are dropped, so
     /// the kernel's count never exceeds it.
     pub(crate) resident: AtomicU64,
-    pub(crate) limit_pages: u64,
-    pub(crate) watermark_pages: u64,
+    /// The budget in pages now: the configured limit, or less while the cgroup leaves less room
+    /// (see [`Engine::set_limit_bytes`]).
+    limit_pages: AtomicU64,
+    /// Residency that wakes the reclaim thread, derived from the current limit.
+    watermark_pages: AtomicU64,
     /// Pages come in write-protected and the first write faults (sync WP).
     pub(crate) write_protect: bool,
     /// Zeros to copy into untouched pages (enough for one zero-fill-around).
@@ -60,6 +63,18 @@ impl Shared {
         self.regions.read().unwrap_or_else(|e| e.into_inner())
     }
 
+    pub(crate) fn limit_pages(&self) -> u64 {
+        self.limit_pages.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn watermark_pages(&self) -> u64 {
+        self.watermark_pages.load(Ordering::Relaxed)
+    }
+
+    fn watermark_for(&self, limit_pages: u64) -> u64 {
+        ((limit_pages as f64 * self.config.watermark) as u64).clamp(1, limit_pages)
+    }
+
     pub(crate) fn resident(&self) -> u64 {
         self.resident.load(Ordering::Acquire)
     }
@@ -68,13 +83,13 @@ impl Shared {
     pub(crate) fn try_reserve_resident(&self) -> bool {
         let mut cur = self.resident.load(Ordering::Relaxed);
         loop {
-            if cur >= self.limit_pages {
+            if cur >= self.limit_pages() {
                 return false;
             }
             match self.resident.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Relaxed) {
                 Ok(_) => {
                     self.stats.observe_resident(cur + 1);
-                    if cur + 1 > self.watermark_pages && self.config.reclaim_mode == ReclaimMode::Background {
+                    if cur + 1 > self.watermark_pages() && self.config.reclaim_mode == ReclaimMode::Background {
                         self.wake_reclaim();
                     }
                     return true;
@@ -98,7 +113,7 @@ impl Shared {
 /// A running paging engine.
 #[derive(Debug)]
 pub struct Engine {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
     features: KernelFeatures,
 }
@@ -107,8 +122,8 @@ pub struct Engine {
 /// Dropping it waits for its in-flight I/O, frees its slots and unmaps it.
 #[derive(Debug)]
 pub struct Region {
-    shared: Arc<Shared>,
-    inner: Arc<RegionInner>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) inner: Arc<RegionInner>,
 }
 
 impl Engine {
@@ -177,8 +192,8 @@ impl Engine {
             stats: Stats::default(),
             queues,
             resident: AtomicU64::new(0),
-            limit_pages,
-            watermark_pages,
+            limit_pages: AtomicU64::new(limit_pages),
+            watermark_pages: AtomicU64::new(watermark_pages),
             write_protect,
             zero_page: Mapping::anonymous(PAGE_SIZE * crate::fault::ZERO_FILL_AROUND, true)?,
             reclaim_wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
@@ -292,7 +307,22 @@ impl Engine {
 
     /// The budget in pages.
     pub fn limit_pages(&self) -> u64 {
-        self.shared.limit_pages
+        self.shared.limit_pages()
+    }
+
+    /// Change the budget while running, never above the configured limit (the policies are sized
+    /// for it) nor below 16 pages. Lowering it below residency wakes reclaim; faulting threads
+    /// reclaim directly until they fit. Used to stay inside a cgroup whose room shrinks as the
+    /// program's unmanaged memory grows. Returns the budget now in force, in bytes.
+    pub fn set_limit_bytes(&self, bytes: u64) -> u64 {
+        let pages = (bytes / PAGE_SIZE as u64)
+            .clamp(16.min(self.shared.config.limit_pages()), self.shared.config.limit_pages());
+        self.shared.watermark_pages.store(self.shared.watermark_for(pages), Ordering::Relaxed);
+        self.shared.limit_pages.store(pages, Ordering::Relaxed);
+        if self.shared.resident() > self.shared.watermark_pages() {
+            self.shared.wake_reclaim();
+        }
+        pages * PAGE_SIZE as u64
     }
 
     /// What the kernel offered at start-up.
@@ -321,7 +351,7 @@ impl Engine {
             self.shared.queues.describe(),
             self.shared.config.reclaim_mode,
             self.shared.config.watermark * 100.0,
-            (self.shared.limit_pages * PAGE_SIZE as u64) >> 20,
+            (self.shared.limit_pages() * PAGE_SIZE as u64) >> 20,
             self.shared.prefetcher.name(),
             self.shared.replacement.name(),
         )

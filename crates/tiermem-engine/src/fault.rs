@@ -57,7 +57,7 @@ pub(crate) fn alloc_buffer(shared: &Shared, regions: &RegionTable) -> BufId {
 /// Claim room for one resident page; at the hard limit (or past the watermark in on-fault-path
 /// mode) evict on this thread first. Holds no page lock.
 fn reserve_room(shared: &Shared, regions: &RegionTable) {
-    if shared.config.reclaim_mode == ReclaimMode::OnFaultPath && shared.resident() >= shared.watermark_pages {
+    if shared.config.reclaim_mode == ReclaimMode::OnFaultPath && shared.resident() >= shared.watermark_pages() {
         crate::reclaim::evict_batch(shared, regions, shared.config.reclaim_batch, Path::DirectReclaim);
     }
     loop {
@@ -286,6 +286,18 @@ fn map_pages(shared: &Shared, dst: *mut u8, src: *const u8, count: usize, write_
         // locked by the caller.
         match unsafe { shared.uffd.copy(dst, src, count * PAGE_SIZE, write_protect, false) } {
             Err(Errno::AGAIN) => std::hint::spin_loop(),
+            // The run crosses a VMA boundary (the program split the region with madvise or
+            // mprotect), which one copy cannot: the kernel copied nothing; go page by page.
+            Err(Errno::NOENT) if count > 1 => {
+                for i in 0..count {
+                    let offset = i * PAGE_SIZE;
+                    match map_pages(shared, dst.wrapping_add(offset), src.wrapping_add(offset), 1, write_protect) {
+                        Ok(()) | Err(Errno::EXIST) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                return Ok(());
+            }
             other => return other,
         }
     }
@@ -365,7 +377,7 @@ fn issue_prefetches(
     }
     // Leave room for the pages to land: eager install never exceeds the budget, but reading
     // pages that will be dropped wastes the device.
-    let headroom = shared.limit_pages.saturating_sub(shared.resident() + 1) as usize;
+    let headroom = shared.limit_pages().saturating_sub(shared.resident() + 1) as usize;
     let mut guard;
     let queue: &mut dyn tiermem_device::IoQueue = match lane {
         Some(q) => q,
@@ -467,10 +479,10 @@ pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize
     let start = addr & !(PAGE_SIZE - 1);
     let end = (addr + len).div_ceil(PAGE_SIZE) * PAGE_SIZE;
     let pages = ((end - start) / PAGE_SIZE) as u64;
-    if pages * 2 > shared.limit_pages {
+    if pages * 2 > shared.limit_pages() {
         return Err(Error::invalid(format!(
             "cannot hold {pages} pages resident for a system call under a budget of {} pages",
-            shared.limit_pages
+            shared.limit_pages()
         )));
     }
     {

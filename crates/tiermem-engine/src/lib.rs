@@ -13,8 +13,10 @@
 
 pub mod config;
 mod delivery;
+mod discard;
 mod engine;
 mod fault;
+mod fork;
 mod io;
 pub mod page;
 pub mod policy;
@@ -24,11 +26,15 @@ pub use tiermem_policy::prefetch;
 pub use tiermem_policy::replace;
 mod reclaim;
 mod region;
+pub mod settings;
 pub mod stats;
 mod trace_sink;
 
 pub use config::{DirtyTracking, EngineConfig, FaultMode, IoMode, Limit, ReclaimMode};
+pub use delivery::{is_engine_sigbus_action, replace_chained_sigbus_action};
 pub use engine::{Engine, Region};
 pub use fault::PinGuard;
+pub use fork::{ChildCopy, ForkHold};
+pub use settings::RunSettings;
 pub use stats::StatsSnapshot;
 pub use tiermem_sys::{Error, ErrorKind, Result};

@@ -294,16 +294,16 @@ fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
 /// Background reclaim: sleeps until residency passes the watermark, then evicts down below it.
 pub(crate) fn reclaim_thread(shared: &Shared) {
     let batch = shared.config.reclaim_batch;
-    let target = shared.watermark_pages.saturating_sub(batch as u64 / 2);
     let mut buf = [0u8; 8];
     while !shared.shutdown.load(Ordering::Acquire) {
         let mut fds = [PollFd::new(&shared.reclaim_wake, PollFlags::IN)];
         let timeout = rustix::event::Timespec { tv_sec: 0, tv_nsec: 20_000_000 };
         let _ = poll(&mut fds, Some(&timeout));
         let _ = rustix::io::read(&shared.reclaim_wake, &mut buf);
-        if shared.resident() <= shared.watermark_pages {
+        if shared.resident() <= shared.watermark_pages() {
             continue;
         }
+        let target = shared.watermark_pages().saturating_sub(batch as u64 / 2);
         Stats::add(&shared.stats.counters.reclaim_wakeups, 1);
         let regions = shared.regions();
         let mut idle_rounds = 0;

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use hdrhistogram::Histogram;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The timed paths.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,7 +119,7 @@ impl Stats {
                 let h = self.histograms[i].lock().unwrap_or_else(|e| e.into_inner());
                 let us = |v: u64| v as f64 / 1000.0;
                 PathStats {
-                    path: name,
+                    path: name.to_string(),
                     count: h.len(),
                     mean_us: if h.is_empty() { 0.0 } else { h.mean() / 1000.0 },
                     p50_us: us(h.value_at_quantile(0.5)),
@@ -163,10 +163,10 @@ impl Stats {
 }
 
 /// Latency of one path.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PathStats {
     /// Path name.
-    pub path: &'static str,
+    pub path: String,
     /// Samples.
     pub count: u64,
     /// Mean µs.
@@ -182,7 +182,7 @@ pub struct PathStats {
 }
 
 /// Everything the engine counted, at one moment.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StatsSnapshot {
     /// See [`Counters`].
     pub critical_reads: u64,
@@ -284,11 +284,63 @@ impl StatsSnapshot {
         s
     }
 
+    /// Add another process's counts to these (for a program that ran several managed
+    /// processes). Counters and path totals add up; percentiles and maxima take the larger one;
+    /// ratios are recomputed where both sides know them.
+    pub fn merge(&mut self, other: &StatsSnapshot) {
+        let weighted = |a: Option<f64>, wa: u64, b: Option<f64>, wb: u64| match (a, b) {
+            (Some(a), Some(b)) if wa + wb > 0 => Some((a * wa as f64 + b * wb as f64) / (wa + wb) as f64),
+            (a, b) => a.or(b),
+        };
+        self.prefetch_accuracy =
+            weighted(self.prefetch_accuracy, self.prefetch_issued, other.prefetch_accuracy, other.prefetch_issued);
+        let page_ins = |s: &StatsSnapshot| s.critical_reads + s.prefetch_issued;
+        self.prefetch_coverage =
+            weighted(self.prefetch_coverage, page_ins(self), other.prefetch_coverage, page_ins(other));
+        self.prefetched_share =
+            weighted(self.prefetched_share, page_ins(self), other.prefetched_share, page_ins(other));
+        self.critical_reads += other.critical_reads;
+        self.prefetch_issued += other.prefetch_issued;
+        self.prefetch_hits += other.prefetch_hits;
+        self.prefetch_installed += other.prefetch_installed;
+        self.prefetch_dropped += other.prefetch_dropped;
+        self.writeback_hits += other.writeback_hits;
+        self.zero_fills += other.zero_fills;
+        self.wp_faults += other.wp_faults;
+        self.evictions += other.evictions;
+        self.writebacks += other.writebacks;
+        self.clean_drops += other.clean_drops;
+        self.zero_drops += other.zero_drops;
+        self.direct_reclaims += other.direct_reclaims;
+        self.reclaim_wakeups += other.reclaim_wakeups;
+        self.io_errors += other.io_errors;
+        self.peak_resident_pages = self.peak_resident_pages.max(other.peak_resident_pages);
+        for theirs in &other.paths {
+            match self.paths.iter_mut().find(|p| p.path == theirs.path) {
+                Some(mine) => {
+                    let count = mine.count + theirs.count;
+                    if count > 0 {
+                        mine.mean_us =
+                            (mine.mean_us * mine.count as f64 + theirs.mean_us * theirs.count as f64) / count as f64;
+                    }
+                    mine.count = count;
+                    mine.total_ms += theirs.total_ms;
+                    mine.p50_us = mine.p50_us.max(theirs.p50_us);
+                    mine.p99_us = mine.p99_us.max(theirs.p99_us);
+                    mine.max_us = mine.max_us.max(theirs.max_us);
+                }
+                None => self.paths.push(theirs.clone()),
+            }
+        }
+    }
+
     /// Total time spent on faulting threads (faults + direct reclaim), ms.
     pub fn fault_path_ms(&self) -> f64 {
         self.paths
             .iter()
-            .filter(|p| matches!(p.path, "critical_fault" | "zero_fault" | "hit_fault" | "wp_fault" | "direct_reclaim"))
+            .filter(|p| {
+                matches!(p.path.as_str(), "critical_fault" | "zero_fault" | "hit_fault" | "wp_fault" | "direct_reclaim")
+            })
             .map(|p| p.total_ms)
             .sum()
     }

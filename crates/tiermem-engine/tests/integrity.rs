@@ -112,11 +112,11 @@ fn check(name: &str, tweak: impl Fn(&mut EngineConfig) + Copy, ops: u64) {
     if features_or_skip(name).is_none() {
         return;
     }
-    // TIERMEM_DEVICES=mem (or file) narrows a run to one device, e.g. for the long run.
-    let only = std::env::var("TIERMEM_DEVICES").ok();
+    // TIERMEM_TEST_DEVICES=mem (or file) narrows a run to one device, e.g. for the long run.
+    let only = std::env::var("TIERMEM_TEST_DEVICES").ok();
     for (dev_name, device) in devices(LIMIT_PAGES * 4 * 4096 * 2) {
         if only.as_deref().is_some_and(|o| !o.split(',').any(|d| d == dev_name)) {
-            eprintln!("{name}: device {dev_name} left out by TIERMEM_DEVICES");
+            eprintln!("{name}: device {dev_name} left out by TIERMEM_TEST_DEVICES");
             continue;
         }
         let out = hammer(tweak, device, ops);
@@ -170,7 +170,7 @@ fn io_variants_keep_every_write() {
 
 /// The long run asked for outside CI: `cargo test --release -p tiermem-engine --test integrity
 /// long -- --ignored --nocapture` (>= 10^7 page operations per configuration; add
-/// `TIERMEM_DEVICES=mem` to keep it to the DRAM device).
+/// `TIERMEM_TEST_DEVICES=mem` to keep it to the DRAM device).
 #[test]
 #[ignore = "long run (>= 10^7 page operations per mode): run with --ignored"]
 fn long_integrity_run() {

@@ -21,6 +21,8 @@ pub enum ErrorKind {
     Permission,
     /// The device reported an I/O error.
     Io,
+    /// The resource is held by someone else (a device file another engine uses).
+    Busy,
     /// An invariant of tiermem itself broke; a bug.
     Internal,
 }

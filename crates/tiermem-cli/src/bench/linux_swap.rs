@@ -672,7 +672,7 @@ pub fn run_in_cgroup(cgroup: &MemCgroup, command: &mut Command) -> Result<Output
 }
 
 /// Write this process's pid to `procs_file`, without allocating (runs between fork and exec).
-fn join_cgroup_in_child(procs_file: &CStr) -> io::Result<()> {
+pub(crate) fn join_cgroup_in_child(procs_file: &CStr) -> io::Result<()> {
     let mut digits = [0u8; 20];
     let mut pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
     let mut start = digits.len();

@@ -1,0 +1,127 @@
+"""Nothing is left behind when the harness fails mid-run: the helper is stopped (SIGTERM) and, with
+the real helper, the cgroup, the swap file and the program are gone."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tiermem_bench import runner
+
+FAKE_HELPER = r"""
+import os, signal, subprocess, sys, time
+marker = sys.argv[1]
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def on_term(sig, frame):
+    child.kill(); child.wait()
+    open(marker, "w").write("cleaned %d" % child.pid)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, on_term)
+open(marker + ".pid", "w").write(str(child.pid))
+time.sleep(60)
+"""
+
+
+class Injected(Exception):
+    pass
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def fail_during_run(monkeypatch, started, error=Injected):
+    """Make Popen.communicate raise once `started()` is true (an exception or Ctrl-C mid-run)."""
+    real = subprocess.Popen.communicate
+
+    def communicate(self, *a, **kw):
+        assert wait_for(started), "the helper never got going"
+        raise error("injected")
+
+    monkeypatch.setattr(subprocess.Popen, "communicate", communicate)
+    return real
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.parametrize("error", [Injected, KeyboardInterrupt])
+def test_helper_is_stopped_and_cleans_up_on_an_exception(tmp_path, monkeypatch, error):
+    script = tmp_path / "fake_helper.py"
+    script.write_text(FAKE_HELPER)
+    marker = tmp_path / "marker"
+    fail_during_run(monkeypatch, lambda: (tmp_path / "marker.pid").exists(), error)
+    with pytest.raises(error):
+        runner.run_helper([sys.executable, str(script), str(marker)], tmp_path / "result.json")
+    # run_helper returned only after the helper had handled SIGTERM and exited.
+    assert marker.read_text().startswith("cleaned")
+    child = int((tmp_path / "marker.pid").read_text())
+    assert not pid_alive(child)
+
+
+def tiermem_cgroups():
+    roots = [Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")]
+    found = []
+    for root in roots:
+        if root.is_dir():
+            found += [p.name for p in root.iterdir() if p.name.startswith("tiermem-apps-pytest")]
+    return found
+
+
+def swap_files(directory):
+    table = Path("/proc/swaps").read_text().splitlines()[1:]
+    return [line.split()[0] for line in table if line.split()[0].startswith(str(directory))]
+
+
+def real_helper_argv(tiermem, tmp_path):
+    return [tiermem, "bench", "limited-run", "--cgroup-prefix", "tiermem-apps-pytest", "--limit", str(64 << 20),
+            "--swap-dir", str(tmp_path), "--swap-bytes", str(32 << 20), "--result", str(tmp_path / "r.json"), "--",
+            sys.executable, "-c", "import os, time; open(%r, 'w').write(str(os.getpid())); time.sleep(60)"
+            % str(tmp_path / "program.pid")]
+
+
+@pytest.mark.parametrize("error", [Injected, KeyboardInterrupt])
+def test_real_helper_leaves_no_cgroup_swap_file_or_process(tiermem_root, tmp_path, monkeypatch, error):
+    pid_file = tmp_path / "program.pid"
+    fail_during_run(monkeypatch, lambda: pid_file.exists() and pid_file.read_text() != "", error)
+    with pytest.raises(error):
+        runner.run_helper(real_helper_argv(tiermem_root, tmp_path), tmp_path / "r.json")
+    program = int(pid_file.read_text())
+    assert wait_for(lambda: not pid_alive(program), 10), "the program survived"
+    assert tiermem_cgroups() == []
+    assert swap_files(tmp_path) == []
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".swap"] == []
+
+
+def test_real_helper_cleans_up_on_ctrl_c(tiermem_root, tmp_path):
+    pid_file = tmp_path / "program.pid"
+    helper = subprocess.Popen(real_helper_argv(tiermem_root, tmp_path), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    try:
+        assert wait_for(lambda: pid_file.exists() and pid_file.read_text() != "")
+        assert len(swap_files(tmp_path)) == 1 and len(tiermem_cgroups()) == 1  # it really had them
+        helper.send_signal(signal.SIGINT)
+        assert helper.wait(timeout=30) == 130
+    finally:
+        if helper.poll() is None:
+            helper.kill()
+    assert not pid_alive(int(pid_file.read_text()))
+    assert tiermem_cgroups() == [] and swap_files(tmp_path) == []

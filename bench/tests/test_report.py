@@ -1,0 +1,65 @@
+"""CSV and JSON schema of the outputs, the printed tables and the plot."""
+
+import csv
+import json
+
+from tiermem_bench import report, stats
+from tiermem_bench.runner import CSV_FIELDS, STATUSES, RunRecord
+
+
+def make_runs():
+    runs = []
+    for system, ratio, wall, status in [("unlimited", None, 1.0, "ok"), ("linux-swap", 100, 1.2, "ok"),
+                                        ("linux-swap", 20, 4.0, "ok"), ("linux-swap", 20, 0.5, "oom"),
+                                        ("tiermem-file", 100, 1.1, "ok"), ("tiermem-file", 20, 2.0, "ok"),
+                                        ("tiermem-mem", 100, 1.0, "ok"), ("tiermem-mem", 20, 1.5, "ok")]:
+        rec = RunRecord(workload="sortw", system=system, ratio=ratio, repeat=1, limit_bytes=None if ratio is None
+                        else 1000 * ratio, footprint_bytes=100000, status=status, wall_s=wall, digest="d")
+        runs.append(rec.to_dict())
+    return runs
+
+
+def test_csv_has_one_row_per_run_with_the_documented_columns(tmp_path):
+    runs = make_runs()
+    report.write_csv(runs, tmp_path / "runs.csv")
+    with open(tmp_path / "runs.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(runs)
+    assert list(rows[0].keys()) == CSV_FIELDS
+    for needed in ("workload", "system", "ratio", "repeat", "status", "wall_s", "limit_bytes", "footprint_bytes",
+                   "digest", "expected_digest", "oom_kills", "peak_bytes"):
+        assert needed in CSV_FIELDS
+    assert rows[0]["ratio"] == ""  # the unlimited run has no ratio
+    assert {r["status"] for r in rows} <= set(STATUSES)
+    assert float(rows[2]["wall_s"]) == 4.0
+
+
+def test_json_has_meta_runs_and_points(tmp_path):
+    runs = make_runs()
+    report.write_json(runs, {"scale": "tiny"}, stats.summarise(runs), tmp_path / "runs.json")
+    doc = json.loads((tmp_path / "runs.json").read_text())
+    assert doc["schema"] == report.SCHEMA_VERSION
+    assert doc["meta"] == {"scale": "tiny"}
+    assert len(doc["runs"]) == len(runs)
+    point = next(p for p in doc["points"] if p["system"] == "linux-swap" and p["ratio"] == 20)
+    assert point["runs"] == 2 and point["failures"] == 1 and point["median_s"] == 4.0
+    assert point["failure_rate"] == 0.5
+
+
+def test_table_shows_speedup_gap_and_failures():
+    text = report.format_tables(make_runs(), ["linux-swap", "tiermem-file", "tiermem-mem"], [100, 20])
+    # normalised: swap 20% = 4.0 with 1 of 2 runs failed
+    assert "4.00(1/2)" in text
+    # speed-up at 20%: 4.0 / 2.0 = 2.00x; at 100%: 1.2 / 1.1 = 1.09x
+    assert "2.00x" in text and "1.09x" in text
+    # gap at 20%: (4 - 2) / (4 - 1.5) = 80%; at 100%: (1.2 - 1.1) / (1.2 - 1.0) = 50%
+    assert "80%" in text and "50%" in text
+    assert "sortw      linux-swap" in text and "1/2 failed (50%; oom 1)" in text
+
+
+def test_plot_writes_a_png(tmp_path):
+    from tiermem_bench import plot
+
+    path = plot.plot(make_runs(), ["linux-swap", "tiermem-file", "tiermem-mem"], [100, 20], tmp_path / "a.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

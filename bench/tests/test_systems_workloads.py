@@ -1,0 +1,108 @@
+"""Command lines per system, argument parsing, and the workloads' determinism at tiny scale."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiermem_bench import cli
+from tiermem_bench.digest import parse_result
+from tiermem_bench.systems import BASELINE, SYSTEMS, helper_command, parse_systems
+from tiermem_bench.workloads import WORKLOADS
+
+BENCH_DIR = Path(__file__).resolve().parent.parent
+
+
+def command(system, limit=1 << 20):
+    return helper_command(system, tiermem_bin="tm", limit=limit, workload_argv=["prog", "-x"],
+                          result_file=Path("/r.json"), work_dir=Path("/w"), swap_bytes=99,
+                          device_file=Path("/w"), footprint=5 << 20, stats_file=Path("/s.json"), timeout=12)
+
+
+def test_linux_swap_gets_a_limit_and_its_own_swap_file():
+    argv = command(SYSTEMS["linux-swap"])
+    assert argv[:3] == ["tm", "bench", "limited-run"]
+    assert argv[argv.index("--limit") + 1] == str(1 << 20)
+    assert argv[argv.index("--swap-dir") + 1] == "/w" and argv[argv.index("--swap-bytes") + 1] == "99"
+    assert "--no-swap" not in argv
+    assert argv[argv.index("--") + 1:] == ["prog", "-x"]
+
+
+def test_tiermem_file_runs_under_the_same_limit_without_swap():
+    argv = command(SYSTEMS["tiermem-file"])
+    helper, program = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    assert "--no-swap" in helper and helper[helper.index("--limit") + 1] == str(1 << 20)
+    assert program[:2] == ["tm", "run"]
+    assert program[program.index("--limit") + 1] == str(1 << 20)
+    assert program[program.index("--device") + 1] == "file:/w"
+    assert program[program.index("--stats-json") + 1] == "/s.json"
+    assert program[program.index("--footprint") + 1] == str(5 << 20)
+    assert program[-3:] == ["--", "prog", "-x"]
+
+
+def test_variants_pass_their_modes_and_the_ideal_uses_the_mem_device():
+    assert "poll-only" in command(SYSTEMS["tiermem-poll-only"])
+    assert "interrupt-only" in command(SYSTEMS["tiermem-interrupt-only"])
+    assert "on-fault-path" in command(SYSTEMS["tiermem-reclaim-on-fault-path"])
+    ideal = command(SYSTEMS["tiermem-mem"])
+    helper = ideal[:ideal.index("--")]
+    assert "--limit" not in helper and "--no-swap" not in helper
+    assert ideal[ideal.index("--device") + 1] == "mem"
+
+
+def test_unlimited_has_no_limit():
+    argv = command(BASELINE, limit=None)
+    assert "--limit" not in argv and "--swap-dir" not in argv
+
+
+def test_argument_parsing():
+    assert cli.parse_ratios("20,100,60%") == [100, 60, 20]
+    with pytest.raises(ValueError):
+        cli.parse_ratios("0")
+    with pytest.raises(ValueError):
+        parse_systems("linux-swap,nope")
+    with pytest.raises(ValueError):
+        cli.parse_workloads("quicksort,bogus")
+    assert cli.limit_for(1000 * 4096, 20) == 200 * 4096
+    assert cli.limit_for(4096 * 10 + 1, 100) == 4096 * 11  # rounded up to pages
+    assert cli.swap_bytes_for(1 << 30) >= 1 << 30
+
+
+def test_every_workload_has_every_scale():
+    for w in WORKLOADS.values():
+        assert set(w.params) == {"tiny", "quick", "full"}, w.name
+
+
+def run_tiny(name, cache):
+    w = WORKLOADS[name]
+    w.prepare("tiny", cache)
+    env = dict(os.environ, PYTHONPATH=str(BENCH_DIR), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    out = subprocess.run(w.command("tiny", cache), capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = parse_result(out.stdout)
+    assert result is not None, out.stdout
+    return result
+
+
+@pytest.mark.parametrize("name", ["quicksort", "intsort", "linpack"])
+def test_tiny_workloads_are_deterministic(tmp_path, name):
+    if name == "quicksort" and not any(os.access(os.path.join(d, "g++"), os.X_OK)
+                                       for d in os.environ.get("PATH", "").split(os.pathsep)):
+        pytest.skip("no g++ to build the quicksort driver")
+    first, second = run_tiny(name, tmp_path), run_tiny(name, tmp_path)
+    assert first["digest"] == second["digest"]
+    assert first["work_s"] > 0
+
+
+def test_quicksort_digest_depends_on_the_input(tmp_path):
+    if subprocess.run(["which", "g++"], capture_output=True).returncode != 0:
+        pytest.skip("no g++ to build the quicksort driver")
+    from tiermem_bench.workloads import quicksort_binary
+
+    binary = quicksort_binary(tmp_path)
+    a = parse_result(subprocess.run([str(binary), "1000", "1"], capture_output=True, text=True).stdout)
+    b = parse_result(subprocess.run([str(binary), "1000", "2"], capture_output=True, text=True).stdout)
+    assert a["digest"] != b["digest"] and a["digest"].endswith("-1000-1")

@@ -1,0 +1,1 @@
+"""The tiermem application benchmark harness (`tiermem bench apps`)."""

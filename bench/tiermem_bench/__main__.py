@@ -1,0 +1,5 @@
+import sys
+
+from tiermem_bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,312 @@
+"""`tiermem bench apps`: the application benchmark matrix (Ultraswap §4.3/§4.4 on this machine).
+
+For every workload: run it unlimited (its footprint = the highest cgroup peak, its output digest =
+the reference), then at each ratio of the footprint under every system, `--repeats` times, checking
+each run's digest. Failed runs (OOM kill, crash, wrong output, timeout) are recorded as failures of
+that system, never dropped, and the matrix goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tiermem_bench import plot as plotting
+from tiermem_bench import report, stats
+from tiermem_bench.runner import OK, WRONG, RunRecord, run_once
+from tiermem_bench.systems import BASELINE, DEFAULT_SYSTEMS, SYSTEMS, helper_command, parse_systems
+from tiermem_bench.workloads import SCALES, WORKLOADS
+from tiermem_bench.workloads._common import THREAD_VARIABLES
+
+BENCH_DIR = Path(__file__).resolve().parent.parent
+REPO_DIR = BENCH_DIR.parent
+PAGE = 4096
+MIB = 1 << 20
+
+
+def parse_ratios(text: str) -> list[int]:
+    ratios = []
+    for part in text.split(","):
+        part = part.strip().rstrip("%")
+        if not part:
+            continue
+        value = int(part)
+        if not 1 <= value <= 100:
+            raise ValueError(f"ratio {value} is not a percentage in 1..100")
+        ratios.append(value)
+    if not ratios:
+        raise ValueError("no ratios given")
+    return sorted(set(ratios), reverse=True)
+
+
+def parse_workloads(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
+    return names
+
+
+def limit_for(footprint: int, ratio: int) -> int:
+    """ratio% of the footprint, rounded up to whole pages."""
+    raw = footprint * ratio // 100
+    return max(PAGE, -(-raw // PAGE) * PAGE)
+
+
+def swap_bytes_for(footprint: int) -> int:
+    """A swap file that can hold the whole footprint with room to spare."""
+    return -(-(footprint * 3 // 2 + 64 * MIB) // MIB) * MIB
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tiermem bench apps", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", choices=SCALES, default="quick",
+                   help="workload sizes: tiny (CI smoke), quick (default), full (footprints of 2-6 GB)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"comma-separated, from: {', '.join(SYSTEMS)} (default: all)")
+    p.add_argument("--ratios", default="100,80,60,40,20", help="memory limits in %% of the footprint")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from: {', '.join(WORKLOADS)}")
+    p.add_argument("--repeats", type=int, default=3, help="runs per point (median reported); default 3")
+    p.add_argument("--out", type=Path, help="output directory (default target/bench-apps/<timestamp>)")
+    p.add_argument("--dir", type=Path,
+                   help="directory for the swap file and tiermem's device file (same file system for both; "
+                        "default: <out>/scratch)")
+    p.add_argument("--cache", type=Path, help="where the compiled driver and graph files are kept "
+                                              "(default target/bench-apps/cache)")
+    p.add_argument("--tiermem", help="the tiermem binary (default: the one that started this, $TIERMEM_BIN)")
+    p.add_argument("--timeout-factor", type=float, default=25.0,
+                   help="kill a run after this many times the unlimited run's time (default 25)")
+    p.add_argument("--min-timeout", type=float, default=60.0, help="but never sooner than this many seconds")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--report-only", type=Path, metavar="RUNS_JSON",
+                   help="do not run anything: print the tables and draw the plot of an earlier runs.json")
+    return p
+
+
+def find_tiermem(explicit: str | None) -> str | None:
+    for candidate in (explicit, os.environ.get("TIERMEM_BIN"), shutil.which("tiermem"),
+                      str(REPO_DIR / "target/release/tiermem")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def tiermem_run_available(tiermem: str) -> bool:
+    """Whether this tiermem binary has the `run` subcommand the tiermem systems need."""
+    try:
+        probe = subprocess.run([tiermem, "run", "--help"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+# Variables of the harness itself; `tiermem run` rejects TIERMEM_* variables it does not know.
+HARNESS_VARIABLES = ("TIERMEM_BIN", "TIERMEM_PYTHON", "TIERMEM_BENCH_DIR")
+
+
+def run_environment() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in HARNESS_VARIABLES}
+    for name in THREAD_VARIABLES:
+        env[name] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+_libc = None
+
+
+def _die_with_parent():
+    """preexec_fn: the helper gets SIGTERM (and cleans up) if this harness dies without warning."""
+    global _libc
+    try:
+        _libc = _libc or ctypes.CDLL(None, use_errno=True)
+        _libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Matrix:
+    """Runs the matrix, keeping every run (also across an interruption) in `self.runs`."""
+
+    def __init__(self, args, systems, workloads, ratios, tiermem, out, scratch, cache, progress):
+        self.args, self.systems, self.workloads, self.ratios = args, systems, workloads, ratios
+        self.tiermem, self.out, self.scratch, self.cache, self.progress = tiermem, out, scratch, cache, progress
+        self.runs: list[dict] = []
+        self.env = run_environment()
+        self.journal = open(out / "runs.jsonl", "a")
+        self.sequence = 0
+
+    def record(self, rec: RunRecord) -> None:
+        run = rec.to_dict()
+        self.runs.append(run)
+        self.journal.write(json.dumps(run, sort_keys=True) + "\n")
+        self.journal.flush()
+        self.progress.update(1)
+        if rec.status != OK:
+            where = "unlimited" if rec.ratio is None else f"{rec.ratio}%"
+            self.progress.write(f"FAILED {rec.workload} {rec.system} {where} run {rec.repeat}: {rec.status}: "
+                                f"{rec.reason}")
+
+    def one(self, system, workload, ratio, repeat, footprint, expected, timeout) -> RunRecord:
+        self.sequence += 1
+        limit = None if ratio is None else limit_for(footprint, ratio)
+        rec = RunRecord(workload=workload.name, system=system.name, ratio=ratio, repeat=repeat,
+                        limit_bytes=limit, footprint_bytes=footprint, expected_digest=expected)
+        stats_file = self.scratch / f"stats-{os.getpid()}-{self.sequence}.json"
+        result_file = self.scratch / "limited-run.json"
+        argv = helper_command(system, tiermem_bin=self.tiermem, limit=limit,
+                              workload_argv=workload.command(self.args.scale, self.cache), result_file=result_file,
+                              work_dir=self.scratch, swap_bytes=swap_bytes_for(footprint or 0),
+                              device_file=self.scratch, footprint=footprint or 0, stats_file=stats_file,
+                              timeout=timeout)
+        self.progress.set_postfix_str(f"{workload.name} {system.name} "
+                                      f"{'unlimited' if ratio is None else f'{ratio}%'} #{repeat}")
+        return run_once(rec, argv, result_file=result_file, expected=expected, env=self.env,
+                        stats_file=stats_file if system.kind == "tiermem" else None,
+                        preexec_fn=_die_with_parent)
+
+    def run_workload(self, workload) -> None:
+        repeats = self.args.repeats
+        baseline = []
+        for repeat in range(1, repeats + 1):
+            rec = self.one(BASELINE, workload, None, repeat, None, None, None)
+            baseline.append(rec)
+        # The reference output is the first unlimited run's; the others must agree with it.
+        digests = [r.digest for r in baseline if r.status == "wrong" and r.reason == "no reference digest"]
+        expected = digests[0] if digests else None
+        for rec in baseline:
+            if rec.status == "wrong" and rec.reason == "no reference digest":
+                rec.expected_digest = expected
+                rec.status, rec.reason = (OK, "") if rec.digest == expected else (WRONG, "unlimited runs disagree")
+            self.record(rec)
+        ok = [r for r in baseline if r.status == OK]
+        if not ok:
+            skipped = len(self.ratios) * len(self.systems) * repeats
+            self.progress.update(skipped)
+            self.progress.write(f"{workload.name}: no successful unlimited run, so no footprint or reference "
+                                f"output; its {skipped} limited runs were not started")
+            return
+        footprint = max(r.peak_bytes for r in ok if r.peak_bytes)
+        base_time = stats.median(r.wall_s for r in ok)
+        timeout = max(self.args.min_timeout, self.args.timeout_factor * base_time)
+        self.progress.write(f"{workload.name}: footprint {footprint / MIB:.0f} MiB, unlimited {base_time:.2f} s")
+        for ratio in self.ratios:
+            for repeat in range(1, repeats + 1):
+                for system in self.systems:  # systems interleaved, so drift hits them alike
+                    self.record(self.one(system, workload, ratio, repeat, footprint, expected, timeout))
+
+
+def finish(out: Path, runs: list[dict], meta: dict, systems: list[str], ratios: list[int], draw: bool) -> str:
+    summary = stats.summarise(runs)
+    report.write_csv(runs, out / "runs.csv")
+    report.write_json(runs, meta, summary, out / "runs.json")
+    text = report.format_tables(runs, systems, ratios)
+    (out / "table.txt").write_text(text)
+    if draw and runs:
+        plotting.plot(runs, systems, ratios, out / "apps.png",
+                      title=f"tiermem bench apps --scale {meta.get('scale')}")
+    return text
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        ratios = parse_ratios(args.ratios)
+        systems = parse_systems(args.systems)
+        workload_names = parse_workloads(args.workloads)
+    except ValueError as e:
+        print(f"tiermem bench apps: {e}", file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print("tiermem bench apps: --repeats must be at least 1", file=sys.stderr)
+        return 2
+
+    if args.report_only:
+        document = json.loads(args.report_only.read_text())
+        meta = document.get("meta", {})
+        names = meta.get("systems") or [s.name for s in systems]
+        out = args.report_only.parent
+        print(finish(out, document["runs"], meta, names, meta.get("ratios") or ratios, not args.no_plot), end="")
+        return 0
+
+    if os.geteuid() != 0:
+        print("tiermem bench apps: needs root (memory cgroups, swapon); run it as root", file=sys.stderr)
+        return 2
+    tiermem = find_tiermem(args.tiermem)
+    if tiermem is None:
+        print("tiermem bench apps: no tiermem binary found (build it, or pass --tiermem)", file=sys.stderr)
+        return 2
+    skipped_systems = {}
+    if any(s.kind == "tiermem" for s in systems) and not tiermem_run_available(tiermem):
+        for s in systems:
+            if s.kind == "tiermem":
+                skipped_systems[s.name] = f"{tiermem} has no `run` subcommand yet"
+        systems = [s for s in systems if s.kind != "tiermem"]
+        print(f"NOTE: {tiermem} has no `tiermem run`; NOT measuring {', '.join(skipped_systems)}", file=sys.stderr)
+    if not systems:
+        print("tiermem bench apps: no system left to measure", file=sys.stderr)
+        return 2
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = (args.out or REPO_DIR / "target" / "bench-apps" / stamp).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = (args.dir or out / "scratch").resolve()
+    scratch.mkdir(parents=True, exist_ok=True)
+    cache = (args.cache or REPO_DIR / "target" / "bench-apps" / "cache").resolve()
+    workloads = [WORKLOADS[n] for n in workload_names]
+    system_names = [s.name for s in systems]
+    meta = {
+        "command": "tiermem bench apps " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "scale": args.scale, "systems": system_names, "ratios": ratios, "workloads": workload_names,
+        "repeats": args.repeats, "started": stamp, "kernel": platform.release(), "machine": platform.machine(),
+        "cpus": os.cpu_count(), "tiermem": tiermem, "scratch_dir": str(scratch),
+        "skipped_systems": skipped_systems,
+        "workload_params": {w.name: w.params[args.scale] for w in workloads},
+        "time": "wall_s: spawn to exit of the program (for tiermem systems, of `tiermem run`)",
+    }
+
+    from tqdm import tqdm
+
+    for w in workloads:
+        print(f"preparing {w.name} ({args.scale})", file=sys.stderr)
+        w.prepare(args.scale, cache)
+    total = len(workloads) * args.repeats * (1 + len(ratios) * len(systems))
+    started = time.time()
+    progress = tqdm(total=total, unit="run", desc="bench apps", file=sys.stderr, dynamic_ncols=True)
+    matrix = Matrix(args, systems, workloads, ratios, tiermem, out, scratch, cache, progress)
+    interrupted = False
+    try:
+        for workload in workloads:
+            matrix.run_workload(workload)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        progress.close()
+        matrix.journal.close()
+        meta["elapsed_s"] = round(time.time() - started, 1)
+        meta["interrupted"] = interrupted
+        text = finish(out, matrix.runs, meta, system_names, ratios, not args.no_plot)
+        try:
+            scratch.rmdir()
+        except OSError:
+            pass
+    print(text, end="")
+    for name, why in skipped_systems.items():
+        print(f"not measured: {name} ({why})")
+    print(f"{len(matrix.runs)} runs in {meta['elapsed_s']:.0f} s; results in {out} "
+          f"(runs.csv, runs.json, table.txt{'' if args.no_plot else ', apps.png'})")
+    if interrupted:
+        print("interrupted: the results above are partial", file=sys.stderr)
+        return 130
+    return 0

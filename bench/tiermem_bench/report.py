@@ -1,0 +1,91 @@
+"""Writing runs as CSV/JSON and formatting the printed tables."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from tiermem_bench import stats
+from tiermem_bench.runner import CSV_FIELDS
+from tiermem_bench.systems import UNLIMITED
+
+SCHEMA_VERSION = 1
+
+
+def write_csv(runs: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for run in runs:
+            writer.writerow({k: ("" if run.get(k) is None else run.get(k)) for k in CSV_FIELDS})
+
+
+def write_json(runs: list[dict], meta: dict, summary: dict, path: Path) -> None:
+    document = {
+        "schema": SCHEMA_VERSION,
+        "meta": meta,
+        "runs": runs,
+        "points": [{"workload": w, "system": s, "ratio": r, **v} for (w, s, r), v in sorted(
+            summary.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0))],
+    }
+    path.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+
+
+def _fmt(value, spec="{:.2f}", none="-"):
+    return none if value is None else spec.format(value)
+
+
+def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> str:
+    """The printed result: per-workload normalised medians with failure counts, the speed-up
+    over Linux swap per ratio and on average, the gap closed, and every failed point."""
+    summary = stats.summarise(runs)
+    norm = stats.normalised(summary)
+    workloads = sorted({r["workload"] for r in runs})
+    lines = []
+    header = f"{'':<32}" + "".join(f"{str(r) + '%':>12}" for r in ratios)
+    lines.append("Execution time normalised to the unlimited run (median of the successful runs; "
+                 "'x' = every run failed; (k/n) = k of n runs failed)")
+    for workload in workloads:
+        base = summary.get((workload, UNLIMITED, None))
+        base_s = _fmt(base and base["median_s"], "{:.2f} s")
+        lines.append(f"{workload}  (unlimited: {base_s})")
+        lines.append(header)
+        for system in systems:
+            cells = []
+            for ratio in ratios:
+                s = summary.get((workload, system, ratio))
+                if s is None:
+                    cells.append("")
+                    continue
+                value = norm.get((workload, system, ratio))
+                cell = "x" if value is None else f"{value:.2f}"
+                if s["failures"]:
+                    cell += f"({s['failures']}/{s['runs']})"
+                cells.append(cell)
+            lines.append(f"  {system:<30}" + "".join(f"{c:>12}" for c in cells))
+        lines.append("")
+
+    table = stats.speedup_table(summary, systems, ratios)
+    if table:
+        lines.append("Speed-up over Linux swap (Linux swap time / system time; geometric mean over the workloads "
+                     "where both completed)")
+        lines.append(f"{'':<32}" + "".join(f"{str(r) + '%':>9}" for r in ratios) + f"{'avg':>9}")
+        for system, row in table.items():
+            lines.append(f"  {system:<30}" + "".join(f"{_fmt(row[r], '{:.2f}x'):>9}" for r in ratios)
+                         + f"{_fmt(row['avg'], '{:.2f}x'):>9}")
+        lines.append("")
+    if stats.FILE in systems and stats.IDEAL in systems and stats.SWAP in systems:
+        gap = stats.gap_closed(norm, ratios)
+        lines.append("Share of the gap between Linux swap and the ideal (tiermem-mem) closed by tiermem-file")
+        lines.append(f"{'':<32}" + "".join(f"{str(r) + '%':>9}" for r in ratios) + f"{'avg':>9}")
+        lines.append(f"  {'tiermem-file':<30}" + "".join(f"{_fmt(gap[r], '{:.0%}'):>9}" for r in ratios)
+                     + f"{_fmt(gap['avg'], '{:.0%}'):>9}")
+        lines.append("")
+    failures = stats.failure_table(summary)
+    lines.append("Failed runs" if failures else "Failed runs: none")
+    for workload, system, ratio, failed, total, statuses in failures:
+        where = "unlimited" if ratio is None else f"{ratio}%"
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()) if k != "ok")
+        lines.append(f"  {workload:<10} {system:<30} {where:>9}: {failed}/{total} failed ({failed / total:.0%}; {kinds})")
+    return "\n".join(lines) + "\n"

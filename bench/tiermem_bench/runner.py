@@ -1,0 +1,147 @@
+"""One run: start the helper, wait, classify the outcome. Never leaves a helper behind: on any
+exception (Ctrl-C included) the helper gets SIGTERM, which makes it kill the program's cgroup and
+remove its swap file, and is waited for (SIGKILL only as a last resort)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tiermem_bench.digest import check_digest, parse_result
+
+# Outcomes. Everything but "ok" is a failure of the system at that point.
+OK, OOM, WRONG, CRASH, TIMEOUT, ERROR = "ok", "oom", "wrong", "crash", "timeout", "error"
+STATUSES = (OK, OOM, WRONG, CRASH, TIMEOUT, ERROR)
+
+HELPER_GRACE_S = 30.0  # how long the helper may take to clean up after SIGTERM
+
+
+@dataclass
+class RunRecord:
+    workload: str
+    system: str
+    ratio: int | None  # percent of the footprint; None for the unlimited runs
+    repeat: int
+    limit_bytes: int | None
+    footprint_bytes: int | None
+    status: str = ERROR
+    reason: str = ""
+    wall_s: float | None = None  # the program's wall time, spawn to exit
+    work_s: float | None = None  # the workload's own timed part
+    exit_code: int | None = None
+    signal: int | None = None
+    oom_kills: int | None = None
+    peak_bytes: int | None = None
+    major_faults: int | None = None
+    digest: str | None = None
+    expected_digest: str | None = None
+    tiermem_stats: dict | None = None
+    stderr_tail: str = ""
+    started_at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# The columns of runs.csv, in order.
+CSV_FIELDS = [f for f in RunRecord.__dataclass_fields__ if f not in ("tiermem_stats",)]
+
+
+def classify(record: RunRecord, report: dict | None, stdout: str, expected: str | None) -> RunRecord:
+    """Fill in status/reason from the helper's report and the program's stdout."""
+    result = parse_result(stdout)
+    if result is not None:
+        record.digest = result["digest"]
+        work = result.get("work_s")
+        record.work_s = float(work) if isinstance(work, (int, float)) else None
+    if report is None:
+        record.status, record.reason = ERROR, record.reason or "the helper wrote no report"
+        return record
+    record.wall_s = report.get("wall_s")
+    record.exit_code = report.get("exit_code")
+    record.signal = report.get("signal")
+    record.oom_kills = report.get("oom_kills")
+    record.peak_bytes = report.get("peak_bytes")
+    record.major_faults = report.get("major_faults")
+    if report.get("timed_out"):
+        record.status, record.reason = TIMEOUT, "killed after the time limit"
+    elif record.signal is not None and (record.oom_kills or 0) > 0:
+        record.status, record.reason = OOM, f"killed by signal {record.signal}, {record.oom_kills} OOM kill(s)"
+    elif record.signal is not None:
+        record.status, record.reason = CRASH, f"killed by signal {record.signal}"
+    elif record.exit_code != 0:
+        oom = f", {record.oom_kills} OOM kill(s)" if record.oom_kills else ""
+        record.status = OOM if record.oom_kills else CRASH
+        record.reason = f"exit code {record.exit_code}{oom}"
+    else:
+        ok, why = check_digest(expected, result)
+        record.status, record.reason = (OK, "") if ok else (WRONG, why)
+    return record
+
+
+def _stop_helper(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=HELPER_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def run_helper(argv: list[str], result_file: Path, env: dict | None = None,
+               preexec_fn=None) -> tuple[dict | None, str, str, int]:
+    """Run the helper to completion: (report or None, stdout, stderr, helper exit code)."""
+    try:
+        result_file.unlink()
+    except FileNotFoundError:
+        pass
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            env=env, text=True, errors="replace", preexec_fn=preexec_fn)
+    try:
+        stdout, stderr = proc.communicate()
+    except BaseException:
+        _stop_helper(proc)
+        raise
+    report = None
+    if result_file.exists():
+        try:
+            report = json.loads(result_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            report = None
+        result_file.unlink()
+    return report, stdout, stderr, proc.returncode
+
+
+def run_once(record: RunRecord, argv: list[str], *, result_file: Path, expected: str | None,
+             env: dict | None = None, stats_file: Path | None = None,
+             cleanup_paths: tuple = (), preexec_fn=None) -> RunRecord:
+    """Run `argv` (a helper command line) and classify it into `record`."""
+    try:
+        report, stdout, stderr, code = run_helper(argv, result_file, env=env, preexec_fn=preexec_fn)
+    finally:
+        for path in cleanup_paths:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+    record.stderr_tail = stderr[-2000:]
+    if report is None:
+        tail = stderr.strip().splitlines()[-1:] or [f"helper exit code {code}"]
+        record.reason = tail[0][:500]
+    classify(record, report, stdout, expected)
+    if stats_file is not None and stats_file.exists():
+        try:
+            record.tiermem_stats = json.loads(stats_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            record.tiermem_stats = None
+        stats_file.unlink()
+    return record

@@ -1,0 +1,81 @@
+"""The systems a workload is run under, and the helper command line for each.
+
+Every run goes through `tiermem bench limited-run` (Rust): it creates the memory cgroup (and, for
+Linux swap, the swap file), starts the program inside, and removes all of it again, also on
+Ctrl-C, with the same signal-safe cleanup registry as `tiermem bench micro`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+UNLIMITED = "unlimited"
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    kind: str  # "unlimited" | "linux-swap" | "tiermem"
+    description: str
+    tiermem_args: tuple = field(default_factory=tuple)  # extra `tiermem run` options
+    device: str = "file"  # tiermem device: "file" or "mem"
+
+
+SYSTEMS: dict[str, System] = {
+    s.name: s
+    for s in [
+        System("linux-swap", "linux-swap", "kernel swap to a swap file, cgroup memory limit"),
+        System("tiermem-file", "tiermem", "tiermem run, file device (Ultraswap I/O path)"),
+        System("tiermem-mem", "tiermem", "tiermem run, mem device: the ideal", device="mem"),
+        System("tiermem-poll-only", "tiermem", "tiermem run, file device, every request polled",
+               ("--io-mode", "poll-only")),
+        System("tiermem-interrupt-only", "tiermem", "tiermem run, file device, every request interrupt-driven",
+               ("--io-mode", "interrupt-only")),
+        System("tiermem-reclaim-on-fault-path", "tiermem", "tiermem run, file device, reclaim in the faulting thread",
+               ("--reclaim-mode", "on-fault-path")),
+    ]
+}
+BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")
+
+DEFAULT_SYSTEMS = tuple(SYSTEMS)
+
+
+def parse_systems(text: str) -> list[System]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+    return [SYSTEMS[n] for n in names]
+
+
+def helper_command(system: System, *, tiermem_bin: str, limit: int | None, workload_argv: list[str],
+                   result_file: Path, work_dir: Path, swap_bytes: int, device_file: Path,
+                   footprint: int, stats_file: Path, timeout: float | None) -> list[str]:
+    """The `tiermem bench limited-run ...` argv for one run of `workload_argv` under `system`."""
+    cmd = [tiermem_bin, "bench", "limited-run", "--result", str(result_file)]
+    if timeout:
+        cmd += ["--timeout", f"{timeout:.1f}"]
+    program = list(workload_argv)
+    if system.kind == "unlimited":
+        cmd += ["--cgroup-prefix", "tiermem-apps-unlimited"]
+    elif system.kind == "linux-swap":
+        cmd += ["--cgroup-prefix", "tiermem-apps-swap", "--limit", str(limit),
+                "--swap-dir", str(work_dir), "--swap-bytes", str(swap_bytes)]
+    elif system.kind == "tiermem":
+        if system.device == "mem":
+            # The mem device keeps evicted pages in DRAM by definition (the ideal far tier), so its
+            # cgroup does not limit memory; tiermem's own budget is the limit.
+            cmd += ["--cgroup-prefix", "tiermem-apps-ideal"]
+            device = "mem"
+        else:
+            # Same memory as Linux swap had, and no swap: everything tiermem uses must fit.
+            cmd += ["--cgroup-prefix", "tiermem-apps-tiermem", "--limit", str(limit), "--no-swap"]
+            # A directory: `tiermem run` makes its temporary device file there (same file system as
+            # the swap file) and removes it when the program ends.
+            device = f"file:{device_file}"
+        program = [tiermem_bin, "run", "--limit", str(limit), "--footprint", str(footprint),
+                   "--device", device, *system.tiermem_args, "--stats-json", str(stats_file), "--", *program]
+    else:
+        raise ValueError(f"unknown system kind {system.kind}")
+    return cmd + ["--", *program]

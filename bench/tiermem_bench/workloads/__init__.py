@@ -1,0 +1,109 @@
+"""The application workloads, their sizes per scale, and how to start them.
+
+Every workload is real library code (C++ std::sort, scikit-learn, igraph/PRPACK, LAPACK through
+SciPy, numpy) driven by a short script with a fixed seed that prints a digest of its result.
+Scales: "tiny" (CI smoke and tests, tens of MB), "quick" (a few hundred MB: the whole matrix in
+minutes) and "full" (footprints of 2-6 GB).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+SCALES = ("tiny", "quick", "full")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    params: dict = field(default_factory=dict)  # scale -> parameters
+
+    def command(self, scale: str, cache_dir: Path, python: str = sys.executable) -> list[str]:
+        """The argv that runs this workload at `scale` (call `prepare` first)."""
+        p = self.params[scale]
+        if self.name == "quicksort":
+            return [str(quicksort_binary(cache_dir)), str(p["n"]), str(p["seed"])]
+        if self.name == "pagerank":
+            from tiermem_bench.workloads import pagerank
+
+            return [python, "-m", "tiermem_bench.workloads.pagerank", "--edges-file",
+                    pagerank.edge_file(str(cache_dir), p["nodes"], p["edges"], p["seed"])]
+        module = f"tiermem_bench.workloads.{self.name}"
+        args = [python, "-m", module]
+        for key, value in p.items():
+            args += [f"--{key}", str(value)]
+        return args
+
+    def prepare(self, scale: str, cache_dir: Path) -> None:
+        """One-time, unmeasured set-up: compile the C++ driver, write the graph file."""
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        p = self.params[scale]
+        if self.name == "quicksort":
+            quicksort_binary(cache_dir)
+        elif self.name == "pagerank":
+            from tiermem_bench.workloads import pagerank
+
+            pagerank.prepare(str(cache_dir), p["nodes"], p["edges"], p["seed"])
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in [
+        Workload("quicksort", "C++ std::sort over 64-bit integers (g++ -O2)", {
+            "tiny": {"n": 4_000_000, "seed": 4},
+            "quick": {"n": 12_000_000, "seed": 4},
+            "full": {"n": 400_000_000, "seed": 4},
+        }),
+        Workload("kmeans", "scikit-learn KMeans (Lloyd) on make_blobs", {
+            "tiny": {"samples": 100_000, "features": 32, "clusters": 8, "iterations": 5, "seed": 4},
+            "quick": {"samples": 300_000, "features": 32, "clusters": 16, "iterations": 8, "seed": 4},
+            "full": {"samples": 8_000_000, "features": 64, "clusters": 16, "iterations": 10, "seed": 4},
+        }),
+        Workload("pagerank", "igraph PageRank (PRPACK), 655k/7.5M-shaped graph scaled", {
+            "tiny": {"nodes": 40_000, "edges": 460_000, "seed": 4},
+            "quick": {"nodes": 164_000, "edges": 1_875_000, "seed": 4},
+            "full": {"nodes": 5_240_000, "edges": 60_000_000, "seed": 4},
+        }),
+        Workload("linpack", "LU solve of a dense system (SciPy/LAPACK getrf+getrs)", {
+            "tiny": {"n": 1_500, "seed": 4},
+            "quick": {"n": 2_800, "seed": 4},
+            "full": {"n": 14_000, "seed": 4},
+        }),
+        Workload("mlp", "scikit-learn MLPClassifier training (Adam, mini-batches)", {
+            "tiny": {"samples": 40_000, "features": 64, "hidden": 128, "epochs": 1, "batch": 1024, "seed": 4},
+            "quick": {"samples": 80_000, "features": 128, "hidden": 256, "epochs": 1, "batch": 4096, "seed": 4},
+            "full": {"samples": 2_500_000, "features": 256, "hidden": 512, "epochs": 2, "batch": 4096, "seed": 4},
+        }),
+        Workload("intsort", "NPB-IS-style integer sort (bucket ranking + radix sort, streaming)", {
+            "tiny": {"keys": 4_000_000, "bits": 19, "iterations": 5, "seed": 4},
+            "quick": {"keys": 16_000_000, "bits": 21, "iterations": 5, "seed": 4},
+            "full": {"keys": 600_000_000, "bits": 23, "iterations": 10, "seed": 4},
+        }),
+    ]
+}
+
+
+def quicksort_binary(cache_dir: Path) -> Path:
+    """Compile quicksort.cpp with g++ -O2 into `cache_dir` (once per source version)."""
+    source = HERE / "quicksort.cpp"
+    tag = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    binary = Path(cache_dir) / f"quicksort-{tag}"
+    if binary.exists():
+        return binary
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler (g++) found; install g++ to run the quicksort workload")
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    tmp = binary.with_name(binary.name + f".tmp{os.getpid()}")
+    subprocess.run([compiler, "-O2", "-std=c++17", "-o", str(tmp), str(source)], check=True)
+    os.replace(tmp, binary)
+    return binary

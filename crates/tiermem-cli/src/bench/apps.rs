@@ -1,0 +1,246 @@
+//! The application benchmarks (`tiermem bench apps`): the harness itself is the Python package in
+//! the repository's `bench/` directory; this module starts it, and provides the one piece it reuses
+//! from Rust, `tiermem bench limited-run`: run a program inside a memory cgroup (optionally with a
+//! swap file of its own) and report how it went, with the cgroups, swap files and stray children
+//! removed by the signal-safe registry of [`crate::bench::cleanup`] on every exit path, Ctrl-C
+//! included. The Python side never creates a kernel resource itself.
+
+use std::ffi::OsString;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use tiermem_sys::{Error, ErrorKind, Result};
+
+use super::linux_swap::{join_cgroup_in_child, CgroupVersion, MemCgroup, SwapFile};
+
+/// A cgroup limit that never binds (1 PiB): the unlimited runs still get a cgroup, for its peak
+/// usage counter and so that stray children can be found and killed.
+pub const UNLIMITED_BYTES: u64 = 1 << 50;
+
+/// Environment variable naming the Python interpreter for the harness (default `python3`).
+pub const PYTHON_ENV: &str = "TIERMEM_PYTHON";
+/// Environment variable naming the directory holding the `tiermem_bench` package.
+pub const BENCH_DIR_ENV: &str = "TIERMEM_BENCH_DIR";
+/// Environment variable through which the harness learns which `tiermem` binary started it.
+pub const BIN_ENV: &str = "TIERMEM_BIN";
+
+/// `tiermem bench apps ARGS...`: everything after `apps` goes to `python3 -m tiermem_bench`.
+#[derive(Debug, Args)]
+#[command(disable_help_flag = true)]
+pub struct AppsArgs {
+    /// Arguments for the harness (`--help` lists them).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<OsString>,
+}
+
+/// The directory holding the `tiermem_bench` package: $TIERMEM_BENCH_DIR, else `bench/` of the
+/// source tree this binary was built from.
+pub fn bench_dir() -> PathBuf {
+    std::env::var_os(BENCH_DIR_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench"))
+}
+
+/// Replace this process with the Python harness. Returns only on failure to start it.
+pub fn exec_harness(args: &AppsArgs) -> Error {
+    let dir = bench_dir();
+    if !dir.join("tiermem_bench").is_dir() {
+        return Error::new(
+            ErrorKind::NotFound,
+            format!(
+                "no tiermem_bench package in {}; set {BENCH_DIR_ENV} to the repository's bench directory",
+                dir.display()
+            ),
+        );
+    }
+    let python = std::env::var_os(PYTHON_ENV).unwrap_or_else(|| "python3".into());
+    let mut python_path = OsString::from(dir.as_os_str());
+    if let Some(existing) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
+        python_path.push(":");
+        python_path.push(existing);
+    }
+    let mut command = Command::new(&python);
+    command.arg("-m").arg("tiermem_bench").args(&args.args).env("PYTHONPATH", python_path);
+    if let Ok(exe) = std::env::current_exe() {
+        command.env(BIN_ENV, exe);
+    }
+    let e = command.exec();
+    Error::os(e, format!("starting the benchmark harness with {}", python.to_string_lossy()))
+}
+
+/// `tiermem bench limited-run`: run PROGRAM in a fresh memory cgroup and write a JSON report.
+#[derive(Debug, Args)]
+pub struct LimitedRunArgs {
+    /// Memory limit of the cgroup in bytes; without it the cgroup does not limit memory.
+    #[arg(long)]
+    pub limit: Option<u64>,
+    /// Forbid swap in the cgroup (v1 memory.memsw.limit_in_bytes = the limit, v2 memory.swap.max = 0).
+    #[arg(long, conflicts_with = "swap_dir")]
+    pub no_swap: bool,
+    /// Create and activate a swap file of --swap-bytes in this directory for the run.
+    #[arg(long, requires = "swap_bytes")]
+    pub swap_dir: Option<PathBuf>,
+    /// Size of that swap file.
+    #[arg(long, requires = "swap_dir")]
+    pub swap_bytes: Option<u64>,
+    /// Kill the program after this many seconds.
+    #[arg(long)]
+    pub timeout: Option<f64>,
+    /// Name prefix of the cgroup.
+    #[arg(long, default_value = "tiermem-apps")]
+    pub cgroup_prefix: String,
+    /// Where to write the JSON report (default: stderr's last line).
+    #[arg(long)]
+    pub result: Option<PathBuf>,
+    /// The program and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, last = true)]
+    pub command: Vec<OsString>,
+}
+
+/// What `limited-run` reports about one run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LimitedRunReport {
+    /// Wall-clock seconds from spawn to exit.
+    pub wall_s: f64,
+    /// Exit code, if the program exited.
+    pub exit_code: Option<i32>,
+    /// Signal that ended it, if one did.
+    pub signal: Option<i32>,
+    /// Whether --timeout killed it.
+    pub timed_out: bool,
+    /// The cgroup's limit in bytes (null: unlimited).
+    pub limit_bytes: Option<u64>,
+    /// Highest memory use of the cgroup (v1 max_usage_in_bytes, v2 memory.peak).
+    pub peak_bytes: Option<u64>,
+    /// OOM kills in the cgroup.
+    pub oom_kills: Option<u64>,
+    /// Major faults of the cgroup's tasks (swap-ins and file refaults), from memory.stat.
+    pub major_faults: Option<u64>,
+    /// Cgroup interface used.
+    pub cgroup_version: CgroupVersion,
+    /// Size of the swap file, if one was made.
+    pub swap_file_bytes: Option<u64>,
+    /// File system of the swap file, if one was made.
+    pub swap_file_system: Option<String>,
+}
+
+impl LimitedRunArgs {
+    fn validate(&self) -> Result<()> {
+        if self.limit == Some(0) {
+            return Err(Error::invalid("--limit must be positive"));
+        }
+        if self.no_swap && self.limit.is_none() {
+            return Err(Error::invalid("--no-swap needs --limit"));
+        }
+        if let Some(t) = self.timeout {
+            if !(t > 0.0 && t.is_finite()) {
+                return Err(Error::invalid("--timeout must be a positive number of seconds"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Run one limited program as `args` says. Resources are released before returning, also on error.
+pub fn limited_run(args: &LimitedRunArgs) -> Result<LimitedRunReport> {
+    args.validate()?;
+    // The swap file is created first so that it is dropped last: the cgroup's tasks are dead and
+    // their swap slots freed by the time swapoff runs.
+    let swap = match (&args.swap_dir, args.swap_bytes) {
+        (Some(dir), Some(bytes)) => Some(SwapFile::create(dir, bytes)?),
+        _ => None,
+    };
+    let limit = args.limit.unwrap_or(UNLIMITED_BYTES);
+    let cgroup =
+        MemCgroup::create_with_swap_limit(&args.cgroup_prefix, limit, if args.no_swap { Some(0) } else { None })?;
+
+    let (program, rest) = args.command.split_first().ok_or_else(|| Error::invalid("no program given"))?;
+    let mut command = Command::new(program);
+    command.args(rest);
+    let (status, wall, timed_out) = spawn_and_wait(&cgroup, &mut command, args.timeout.map(Duration::from_secs_f64))?;
+
+    let report = LimitedRunReport {
+        wall_s: wall.as_secs_f64(),
+        exit_code: status.and_then(|s| s.code()),
+        signal: status.and_then(|s| s.signal()),
+        timed_out,
+        limit_bytes: args.limit,
+        peak_bytes: cgroup.peak_bytes().ok(),
+        oom_kills: cgroup.oom_kills(),
+        major_faults: cgroup.memory_stat().ok().and_then(|stat| stat.get("pgmajfault").copied()),
+        cgroup_version: cgroup.version(),
+        swap_file_bytes: swap.as_ref().map(SwapFile::size_bytes),
+        swap_file_system: swap.as_ref().map(|s| s.file_system().to_owned()),
+    };
+    // Kills whatever the program left running in the cgroup (stray children), then removes it.
+    cgroup.close()?;
+    if let Some(swap) = swap {
+        swap.close()?;
+    }
+    Ok(report)
+}
+
+/// Start `command` inside `cgroup` (stdin closed, stdout/stderr inherited) and wait for it, at most
+/// `timeout`. On timeout the program is killed (the cgroup teardown kills its children too) and the
+/// status is `None`.
+fn spawn_and_wait(
+    cgroup: &MemCgroup,
+    command: &mut Command,
+    timeout: Option<Duration>,
+) -> Result<(Option<ExitStatus>, Duration, bool)> {
+    let procs_file = std::ffi::CString::new(cgroup.procs_file().into_os_string().into_encoded_bytes())
+        .map_err(|_| Error::invalid("cgroup path contains a NUL byte"))?;
+    command.stdin(std::process::Stdio::null());
+    // SAFETY: the hook runs between fork and exec and only makes raw system calls without
+    // allocating (see `join_cgroup_in_child`).
+    unsafe {
+        command.pre_exec(move || join_cgroup_in_child(&procs_file));
+    }
+    let program = command.get_program().to_string_lossy().into_owned();
+    let start = Instant::now();
+    let mut child = command.spawn().map_err(|e| Error::os(e, format!("starting {program} in its cgroup")))?;
+    let pid = child.id();
+    let (sender, receiver) = mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let status = child.wait();
+        let _ = sender.send((status, Instant::now()));
+    });
+    let received = match timeout {
+        Some(t) => receiver.recv_timeout(t).ok(),
+        None => receiver.recv().ok(),
+    };
+    match received {
+        Some((status, end)) => {
+            let _ = waiter.join();
+            let status = status.map_err(|e| Error::os(e, format!("waiting for {program}")))?;
+            Ok((Some(status), end - start, false))
+        }
+        None => {
+            let wall = start.elapsed();
+            if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            }
+            let _ = waiter.join();
+            Ok((None, wall, true))
+        }
+    }
+}
+
+/// Write `report` as JSON to `path`, or print it on stderr when no path is given.
+pub fn write_report(report: &LimitedRunReport, path: Option<&Path>) -> Result<()> {
+    let json = serde_json::to_string(report).map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?;
+    match path {
+        Some(path) => {
+            std::fs::write(path, json + "\n").map_err(|e| Error::os(e, format!("writing {}", path.display())))
+        }
+        None => {
+            eprintln!("{json}");
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,410 @@
+//! `tiermem run` and `tiermem profile`: run an unmodified program with its large allocations in
+//! managed memory (through the preload shim), or measure its peak footprint for later
+//! percentage limits.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use tiermem_engine::stats::StatsSnapshot;
+use tiermem_engine::RunSettings;
+use tiermem_sys::probe::KernelFeatures;
+use tiermem_sys::{Error, ErrorKind, Result};
+
+/// File name of the preload shim, looked for next to the `tiermem` executable.
+pub const SHIM_NAME: &str = "libtiermem_preload.so";
+
+/// How the program ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// Exited with this status.
+    Exited(i32),
+    /// Killed by this signal.
+    Signaled(i32),
+}
+
+/// What one run produced.
+#[derive(Debug)]
+pub struct RunOutcome {
+    /// How the program ended.
+    pub ending: Ending,
+    /// Wall-clock time.
+    pub elapsed: Duration,
+    /// The kernel's peak resident set of the largest process (wait4's ru_maxrss).
+    pub peak_rss_bytes: u64,
+    /// Per-process statistics the shim wrote (one per managed process).
+    pub processes: Vec<serde_json::Value>,
+    /// The settings the program ran with.
+    pub settings: RunSettings,
+}
+
+/// Find the preload shim: TIERMEM_PRELOAD_LIB, else next to this executable (and one directory
+/// up, where cargo puts libraries when the executable is a test's `deps/` build).
+pub fn locate_shim() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os("TIERMEM_PRELOAD_LIB") {
+        let path = PathBuf::from(path);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(Error::new(ErrorKind::NotFound, format!("TIERMEM_PRELOAD_LIB={} is not a file", path.display())))
+        };
+    }
+    let exe = std::env::current_exe().map_err(|e| Error::os(e, "locating the tiermem executable"))?;
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    for candidate in [dir.join(SHIM_NAME), dir.join("..").join(SHIM_NAME)] {
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    Err(Error::new(
+        ErrorKind::NotFound,
+        format!(
+            "the preload shim {SHIM_NAME} is not next to {}; build it with `cargo build --release -p tiermem-preload` \
+             (or set TIERMEM_PRELOAD_LIB)",
+            exe.display()
+        ),
+    ))
+}
+
+/// A directory for a temporary device file: the first of $TIERMEM_TMPDIR, /var/tmp, $TMPDIR,
+/// /tmp and the current directory that is on a disk file system (not tmpfs: that is DRAM) and
+/// accepts unnamed O_DIRECT files.
+pub fn default_device_dir() -> Result<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    candidates.extend(std::env::var_os("TIERMEM_TMPDIR").map(PathBuf::from));
+    candidates.push(PathBuf::from("/var/tmp"));
+    candidates.extend(std::env::var_os("TMPDIR").map(PathBuf::from));
+    candidates.push(PathBuf::from("/tmp"));
+    candidates.extend(std::env::current_dir().ok());
+    let mut reasons = Vec::new();
+    for dir in candidates {
+        match usable_device_dir(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(why) => reasons.push(format!("{}: {why}", dir.display())),
+        }
+    }
+    Err(Error::new(
+        ErrorKind::Unsupported,
+        format!("no directory can hold a temporary device file ({}); give --device file:PATH", reasons.join("; ")),
+    ))
+}
+
+fn usable_device_dir(dir: &Path) -> std::result::Result<(), String> {
+    let fs = rustix::fs::statfs(dir).map_err(|e| e.to_string())?;
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    if fs.f_type as i64 == TMPFS_MAGIC || fs.f_type as i64 == RAMFS_MAGIC {
+        return Err("in memory (tmpfs)".into());
+    }
+    tiermem_device::FileDevice::create_temporary(dir, 1 << 20).map(drop).map_err(|e| e.to_string())
+}
+
+/// Where `tiermem profile` remembers footprints.
+pub fn profile_store() -> PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("tiermem").join("footprints.json")
+}
+
+/// The key a program's footprint is remembered under: its command line.
+pub fn profile_key(program: &[OsString]) -> String {
+    program.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ")
+}
+
+/// The remembered footprint of `program`, if `tiermem profile` measured it.
+pub fn remembered_footprint(store: &Path, program: &[OsString]) -> Option<u64> {
+    let text = std::fs::read_to_string(store).ok()?;
+    let map: BTreeMap<String, u64> = serde_json::from_str(&text).ok()?;
+    map.get(&profile_key(program)).copied()
+}
+
+/// Remember `footprint` for `program`.
+pub fn remember_footprint(store: &Path, program: &[OsString], footprint: u64) -> Result<()> {
+    let mut map: BTreeMap<String, u64> =
+        std::fs::read_to_string(store).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+    map.insert(profile_key(program), footprint);
+    if let Some(dir) = store.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| Error::os(e, format!("creating {}", dir.display())))?;
+    }
+    let text = serde_json::to_string_pretty(&map).map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?;
+    std::fs::write(store, text).map_err(|e| Error::os(e, format!("writing {}", store.display())))
+}
+
+/// Run `program` and wait for it, collecting the kernel's peak RSS; `prepare` adjusts the command.
+fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> Result<(Ending, Duration, u64)> {
+    let (name, args) = program.split_first().ok_or_else(|| Error::invalid("no program given after --"))?;
+    let mut command = Command::new(name);
+    command.args(args);
+    prepare(&mut command);
+    let started = Instant::now();
+    let child = command.spawn().map_err(|e| {
+        let kind = if e.kind() == std::io::ErrorKind::NotFound { ErrorKind::NotFound } else { ErrorKind::Io };
+        Error::os_kind(kind, e, format!("cannot start {}", name.to_string_lossy()))
+    })?;
+    // Ctrl-C reaches the program (same process group); we stay to report and pass its status on.
+    let _ignore = IgnoreInterrupts::new();
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: zeroed rusage is valid for wait4 to fill.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: waiting for our own child with valid out-pointers.
+        let rc = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+        if rc == pid {
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(Error::os(e, "waiting for the program"));
+        }
+    }
+    let elapsed = started.elapsed();
+    let exit = std::process::ExitStatus::from_raw(status);
+    let ending = match (exit.code(), exit.signal()) {
+        (Some(code), _) => Ending::Exited(code),
+        (None, Some(sig)) => Ending::Signaled(sig),
+        _ => Ending::Exited(1),
+    };
+    Ok((ending, elapsed, usage.ru_maxrss as u64 * 1024))
+}
+
+/// SIGINT and SIGQUIT ignored while alive (as a shell does while it waits for a foreground job).
+struct IgnoreInterrupts {
+    previous: [libc::sighandler_t; 2],
+}
+
+impl IgnoreInterrupts {
+    fn new() -> Self {
+        // SAFETY: setting the disposition of a signal in this process; restored on drop.
+        let interrupt = unsafe { libc::signal(libc::SIGINT, libc::SIG_IGN) };
+        // SAFETY: as above.
+        let quit = unsafe { libc::signal(libc::SIGQUIT, libc::SIG_IGN) };
+        let previous = [interrupt, quit];
+        Self { previous }
+    }
+}
+
+impl Drop for IgnoreInterrupts {
+    fn drop(&mut self) {
+        for (sig, previous) in [libc::SIGINT, libc::SIGQUIT].into_iter().zip(self.previous) {
+            // SAFETY: restoring a disposition saved in new().
+            unsafe { libc::signal(sig, previous) };
+        }
+    }
+}
+
+/// `tiermem profile`: run the program unmanaged and return its peak footprint (the kernel's
+/// peak resident set), remembered for later `--limit N%`.
+pub fn profile(program: &[OsString]) -> Result<(Ending, u64)> {
+    let (ending, _, peak) = spawn_and_wait(program, |_| {})?;
+    if ending == Ending::Exited(0) {
+        remember_footprint(&profile_store(), program, peak)?;
+    }
+    Ok((ending, peak))
+}
+
+/// Resolve the settings for `tiermem run` from `TIERMEM_*` variables overridden by `flags`,
+/// filling in the footprint from the profile store and the default device. Every bad value is
+/// an error here, before the program starts.
+pub fn resolve_settings(
+    env: impl IntoIterator<Item = (String, String)>,
+    flags: &[(&str, String)],
+    program: &[OsString],
+) -> Result<RunSettings> {
+    let mut vars: BTreeMap<String, String> = env.into_iter().filter(|(k, _)| k.starts_with("TIERMEM_")).collect();
+    for (k, v) in flags {
+        vars.insert((*k).to_string(), v.clone());
+    }
+    let limit_is_percent = vars.get("TIERMEM_LIMIT").is_some_and(|v| v.trim().ends_with('%'));
+    if limit_is_percent && !vars.contains_key("TIERMEM_FOOTPRINT") {
+        let store = profile_store();
+        match remembered_footprint(&store, program) {
+            Some(f) => {
+                vars.insert("TIERMEM_FOOTPRINT".into(), f.to_string());
+            }
+            None => {
+                return Err(Error::invalid(format!(
+                    "--limit {} is a share of the footprint, which is not known: give --footprint, or measure it \
+                     once with `tiermem profile -- {}`",
+                    vars["TIERMEM_LIMIT"],
+                    profile_key(program)
+                )))
+            }
+        }
+    }
+    if !vars.contains_key("TIERMEM_DEVICE") {
+        vars.insert("TIERMEM_DEVICE".into(), format!("file:{}", default_device_dir()?.display()));
+    }
+    let settings = RunSettings::from_vars(vars)?;
+    check_device(&settings)?;
+    Ok(settings)
+}
+
+/// Make sure the device can be opened, so the program does not start only to fail.
+fn check_device(settings: &RunSettings) -> Result<()> {
+    match &settings.device {
+        tiermem_device::DeviceSpec::Mem => Ok(()),
+        tiermem_device::DeviceSpec::File(path) if path.is_dir() => {
+            tiermem_device::FileDevice::create_temporary(path, 1 << 20).map(drop).map_err(|e| e.context("--device"))
+        }
+        tiermem_device::DeviceSpec::File(path) => {
+            let existed = path.exists();
+            let opened = tiermem_device::FileDevice::open(path, if existed { None } else { Some(1 << 20) });
+            if !existed {
+                let _ = std::fs::remove_file(path);
+            }
+            opened.map(drop).map_err(|e| e.context("--device"))
+        }
+    }
+}
+
+/// `tiermem run`: run `program` under the shim with `settings` and collect what it measured.
+pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
+    let features = KernelFeatures::probe();
+    if !features.userfaultfd {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            format!("this kernel offers no userfaultfd to this user: {}", features.summary_lines().join("; ")),
+        ));
+    }
+    let shim = locate_shim()?;
+    let stats_dir = tempfile::Builder::new()
+        .prefix("tiermem-stats-")
+        .tempdir()
+        .map_err(|e| Error::os(e, "creating a directory for statistics"))?;
+    let mut settings = settings;
+    settings.stats_dir = Some(stats_dir.path().to_path_buf());
+    let preload = match std::env::var_os("LD_PRELOAD") {
+        Some(existing) if !existing.is_empty() => {
+            let mut joined = shim.clone().into_os_string();
+            joined.push(":");
+            joined.push(existing);
+            joined
+        }
+        _ => shim.clone().into_os_string(),
+    };
+    let vars = settings.to_vars();
+    let (ending, elapsed, peak_rss_bytes) = spawn_and_wait(program, |command| {
+        for (k, v) in &vars {
+            command.env(k, v);
+        }
+        command.env("LD_PRELOAD", &preload);
+    })?;
+    let mut processes = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(stats_dir.path()) {
+        for entry in entries.flatten() {
+            if let Ok(text) = std::fs::read_to_string(entry.path()) {
+                if let Ok(value) = serde_json::from_str::<serde_json::Value>(&text) {
+                    processes.push(value);
+                }
+            }
+        }
+    }
+    processes.sort_by_key(|p| p["pid"].as_u64());
+    Ok(RunOutcome { ending, elapsed, peak_rss_bytes, processes, settings })
+}
+
+impl RunOutcome {
+    /// The engine statistics of all managed processes added up.
+    pub fn merged_engine_stats(&self) -> Option<StatsSnapshot> {
+        let mut merged: Option<StatsSnapshot> = None;
+        for p in &self.processes {
+            let Ok(stats) = serde_json::from_value::<StatsSnapshot>(p["engine"].clone()) else { continue };
+            match &mut merged {
+                Some(m) => m.merge(&stats),
+                None => merged = Some(stats),
+            }
+        }
+        merged
+    }
+
+    fn sum(&self, key: &str) -> u64 {
+        self.processes.iter().filter_map(|p| p[key].as_u64()).sum()
+    }
+
+    /// The one-screen summary printed at exit.
+    pub fn summary(&self) -> String {
+        use std::fmt::Write;
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        let mut s = String::new();
+        let ending = match self.ending {
+            Ending::Exited(code) => format!("exited with status {code}"),
+            Ending::Signaled(sig) => format!("was killed by signal {sig}"),
+        };
+        let _ = writeln!(s, "tiermem: the program {ending} after {:.2} s", self.elapsed.as_secs_f64());
+        let budget = self.settings.engine.limit_bytes;
+        let lowest = self.processes.iter().filter_map(|p| p["lowest_budget_bytes"].as_u64()).min();
+        let _ = writeln!(
+            s,
+            "budget          {:.1} MiB{}  device {}  fault mode {}  prefetch {}  replace {}",
+            mib(budget),
+            lowest
+                .filter(|&l| l < budget)
+                .map(|l| format!(" (cgroup room: down to {:.1} MiB)", mib(l)))
+                .unwrap_or_default(),
+            self.settings.device,
+            self.settings.engine.fault_mode,
+            self.settings.engine.prefetch,
+            self.settings.engine.replace
+        );
+        let _ = writeln!(
+            s,
+            "managed         {} processes, {} allocations, {:.1} MiB allocated, {:.1} MiB at peak; {} left unmanaged",
+            self.processes.len(),
+            self.sum("managed_allocations"),
+            mib(self.sum("managed_bytes")),
+            mib(self.processes.iter().filter_map(|p| p["peak_managed_bytes"].as_u64()).max().unwrap_or(0)),
+            self.sum("fallback_allocations")
+        );
+        let _ = writeln!(
+            s,
+            "peak RSS        {:.1} MiB (the kernel's count for the largest process)",
+            mib(self.peak_rss_bytes)
+        );
+        match self.merged_engine_stats() {
+            Some(stats) => {
+                let _ = writeln!(s, "fault path      {:.1} ms in total on faulting threads", stats.fault_path_ms());
+                s.push_str(&stats.summary());
+            }
+            None => s.push_str("no managed memory: the program made no allocation above the threshold\n"),
+        }
+        s
+    }
+
+    /// Everything, for `--stats-json`.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "exit": match self.ending { Ending::Exited(c) => serde_json::json!({"status": c}), Ending::Signaled(s) => serde_json::json!({"signal": s}) },
+            "elapsed_s": self.elapsed.as_secs_f64(),
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "limit_bytes": self.settings.engine.limit_bytes,
+            "footprint_bytes": self.settings.footprint,
+            "device": self.settings.device.to_string(),
+            "engine_config": self.settings.engine,
+            "threshold_bytes": self.settings.threshold,
+            "merged": self.merged_engine_stats(),
+            "managed_allocations": self.sum("managed_allocations"),
+            "fallback_allocations": self.sum("fallback_allocations"),
+            "processes": self.processes,
+        })
+    }
+}
+
+/// Exit the way the program did: the same status, or the same signal.
+pub fn exit_like(ending: Ending) -> ! {
+    match ending {
+        Ending::Exited(code) => std::process::exit(code),
+        Ending::Signaled(sig) => {
+            // SAFETY: the default disposition for the signal the program died of...
+            unsafe { libc::signal(sig, libc::SIG_DFL) };
+            // SAFETY: ...then that signal, so our parent sees the same ending.
+            unsafe { libc::raise(sig) };
+            std::process::exit(128 + sig)
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! `tiermem bench limited-run` (the helper the application benchmarks run every program through)
+//! and `tiermem bench apps` (which starts the Python harness). The cgroup tests need root and a
+//! memory cgroup; without them they print "SKIPPED: <reason>".
+
+use std::process::{Command, Output};
+
+use tiermem_cli::bench::apps::LimitedRunReport;
+use tiermem_cli::bench::linux_swap::memory_hierarchy;
+
+fn tiermem(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tiermem")).args(args).output().expect("running tiermem")
+}
+
+fn skip_reason() -> Option<String> {
+    if !rustix::process::geteuid().is_root() {
+        return Some("needs root (cgroup creation)".into());
+    }
+    memory_hierarchy().err().map(|e| e.to_string())
+}
+
+macro_rules! skip_unless_privileged {
+    () => {
+        if let Some(reason) = skip_reason() {
+            eprintln!("SKIPPED: {reason}");
+            return;
+        }
+    };
+}
+
+fn limited_run(options: &[&str], program: &[&str]) -> (Output, LimitedRunReport) {
+    let dir = tempfile::tempdir().unwrap();
+    let result = dir.path().join("report.json");
+    let mut args = vec!["bench", "limited-run", "--cgroup-prefix", "tiermem-apps-test", "--result"];
+    let result_str = result.to_str().unwrap().to_owned();
+    args.push(&result_str);
+    args.extend_from_slice(options);
+    args.push("--");
+    args.extend_from_slice(program);
+    let out = tiermem(&args);
+    assert!(out.status.success(), "limited-run failed: {}", String::from_utf8_lossy(&out.stderr));
+    let report = serde_json::from_str(&std::fs::read_to_string(&result).expect("a report")).expect("valid JSON");
+    (out, report)
+}
+
+#[test]
+fn bad_limited_run_arguments_fail_with_a_message() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["bench", "limited-run", "--no-swap", "--", "true"], "--no-swap needs --limit"),
+        (&["bench", "limited-run", "--limit", "0", "--", "true"], "--limit must be positive"),
+        (&["bench", "limited-run", "--timeout", "0", "--", "true"], "--timeout must be a positive"),
+        (&["bench", "limited-run", "--swap-dir", "/tmp", "--", "true"], "--swap-bytes"),
+    ];
+    for (args, needle) in cases {
+        let out = tiermem(args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: expected '{needle}' in: {err}");
+    }
+}
+
+#[test]
+fn limited_run_passes_output_through_and_reports_the_exit() {
+    skip_unless_privileged!();
+    let (out, report) = limited_run(&["--limit", "268435456"], &["sh", "-c", "echo hello; exit 3"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hello\n");
+    assert_eq!(report.exit_code, Some(3));
+    assert_eq!(report.signal, None);
+    assert!(!report.timed_out);
+    assert_eq!(report.limit_bytes, Some(268_435_456));
+    assert!(report.wall_s > 0.0 && report.wall_s < 10.0);
+}
+
+#[test]
+fn limited_run_without_swap_oom_kills_a_program_over_its_limit() {
+    skip_unless_privileged!();
+    // 64 MiB of dirty anonymous memory in a 16 MiB cgroup without swap: the OOM killer must act.
+    let program =
+        ["python3", "-c", "b = bytearray(64 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint('survived')"];
+    if Command::new("python3").arg("-c").arg("pass").status().map(|s| !s.success()).unwrap_or(true) {
+        eprintln!("SKIPPED: no python3 for the OOM test");
+        return;
+    }
+    let (out, report) = limited_run(&["--limit", "16777216", "--no-swap"], &program);
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("survived"));
+    assert_eq!(report.signal, Some(9));
+    assert!(report.oom_kills.unwrap_or(0) >= 1, "{report:?}");
+}
+
+#[test]
+fn limited_run_kills_on_timeout_with_children() {
+    skip_unless_privileged!();
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("child.pid");
+    let script = format!("sleep 30 & echo $! > {}; wait", pid_file.display());
+    let (_, report) = limited_run(&["--timeout", "0.5"], &["sh", "-c", &script]);
+    assert!(report.timed_out);
+    assert!(report.wall_s >= 0.5 && report.wall_s < 5.0, "{report:?}");
+    let child: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+    // The cgroup teardown killed the background child too (reaped by init, so no zombie stays).
+    let gone = (0..100).any(|_| {
+        let alive =
+            std::fs::read_to_string(format!("/proc/{child}/stat")).map(|stat| !stat.contains(") Z")).unwrap_or(false);
+        if alive {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        !alive
+    });
+    assert!(gone, "child {child} of the timed-out program survived");
+}
+
+#[test]
+fn limited_run_with_a_swap_file_reports_and_removes_it() {
+    skip_unless_privileged!();
+    let dir = tempfile::Builder::new().prefix("tiermem-test-").tempdir_in(std::env::temp_dir()).unwrap();
+    let dir_str = dir.path().to_str().unwrap().to_owned();
+    let (_, report) =
+        limited_run(&["--limit", "67108864", "--swap-dir", &dir_str, "--swap-bytes", "33554432"], &["true"]);
+    assert_eq!(report.exit_code, Some(0));
+    assert!(report.swap_file_bytes.unwrap() >= 33_554_432);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "swap file left behind");
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
+    assert!(!swaps.contains(&dir_str), "swap still active: {swaps}");
+}
+
+#[test]
+fn bench_apps_starts_the_python_harness() {
+    let out = tiermem(&["bench", "apps", "--help"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("No module named") {
+        eprintln!("SKIPPED: the harness's Python packages are not installed");
+        return;
+    }
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for option in ["--scale", "--systems", "--ratios", "--workloads", "--repeats", "--out"] {
+        assert!(text.contains(option), "no {option} in: {text}");
+    }
+}

@@ -1,0 +1,431 @@
+//! `tiermem run` with real programs nobody here wrote: their output must be byte-for-byte what
+//! they print without tiermem, their large allocations must really be managed (the statistics
+//! show evictions and page-ins), and the managed memory resident in each process — sampled from
+//! the kernel's /proc/PID/smaps, userfaultfd-registered mappings only, with the process stopped
+//! so the walk is a snapshot — must never exceed the budget. Sizes follow the issue (a 500 MB numpy array, 100M integers, a 300 MB file);
+//! TIERMEM_TEST_SCALE (e.g. 0.2) shrinks them for a quick local run.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tiermem_sys::probe::KernelFeatures;
+
+fn scale() -> f64 {
+    std::env::var("TIERMEM_TEST_SCALE").ok().and_then(|s| s.parse().ok()).filter(|&s: &f64| s > 0.0).unwrap_or(1.0)
+}
+
+fn scaled(n: u64) -> u64 {
+    (n as f64 * scale()) as u64
+}
+
+fn uffd_or_skip(test: &str) -> bool {
+    let f = KernelFeatures::probe();
+    if !f.userfaultfd || !f.wp {
+        eprintln!("SKIPPED {test}: userfaultfd with write-protect is unavailable: {}", f.error.unwrap_or_default());
+        return false;
+    }
+    true
+}
+
+fn have(program: &str, args: &[&str], test: &str) -> bool {
+    let ok = Command::new(program)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("SKIPPED {test}: `{program} {}` does not work here", args.join(" "));
+    }
+    ok
+}
+
+/// A scratch directory, removed on drop; also the cache home, so footprints stay private.
+struct Scratch(tempfile::TempDir);
+
+impl Scratch {
+    fn new() -> Self {
+        Self(tempfile::Builder::new().prefix("tiermem-run-test-").tempdir_in("/var/tmp").expect("scratch dir"))
+    }
+    fn path(&self) -> &Path {
+        self.0.path()
+    }
+    fn command(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_tiermem"));
+        c.args(args).env("XDG_CACHE_HOME", self.path().join("cache")).current_dir(self.path());
+        for (k, _) in std::env::vars() {
+            if k.starts_with("TIERMEM_") && !k.starts_with("TIERMEM_TEST_") {
+                c.env_remove(k);
+            }
+        }
+        c
+    }
+}
+
+/// The unmanaged reference run, through `tiermem profile` (which also remembers the footprint).
+fn profile(scratch: &Scratch, program: &[&str]) -> (Output, u64) {
+    let mut args = vec!["profile", "--"];
+    args.extend_from_slice(program);
+    let out = scratch.command(&args).output().expect("tiermem profile");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "profile of {program:?} failed: {err}");
+    let footprint = err
+        .split("peak footprint ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no footprint in: {err}"));
+    (out, footprint)
+}
+
+/// Resident bytes of userfaultfd-registered (managed) mappings of one process, from smaps.
+fn managed_rss(pid: u32) -> u64 {
+    let Ok(smaps) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else { return 0 };
+    let mut total = 0;
+    let mut rss = 0;
+    for line in smaps.lines() {
+        if let Some(v) = line.strip_prefix("Rss:") {
+            rss = v.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap_or(0) * 1024;
+        } else if let Some(flags) = line.strip_prefix("VmFlags:") {
+            if flags.split_whitespace().any(|f| f == "um") {
+                total += rss;
+            }
+        }
+    }
+    total
+}
+
+/// Stop `pid` (all its threads), measure, let it go on. A /proc walk of a running process is no
+/// snapshot: pages evicted behind the walker and faulted in ahead of it would both be counted.
+fn managed_rss_stopped(pid: u32) -> u64 {
+    // SAFETY: signalling a process of our own test.
+    if unsafe { libc::kill(pid as i32, libc::SIGSTOP) } != 0 {
+        return 0;
+    }
+    let stopped = |tid: &std::path::Path| {
+        std::fs::read_to_string(tid.join("stat"))
+            .map(|s| {
+                s.rsplit(')')
+                    .next()
+                    .is_some_and(|rest| matches!(rest.trim_start().chars().next(), Some('T' | 't' | 'Z' | 'X')))
+            })
+            .unwrap_or(true)
+    };
+    for _ in 0..2000 {
+        let all = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|tasks| tasks.flatten().all(|t| stopped(&t.path())))
+            .unwrap_or(true);
+        if all {
+            break;
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    let rss = managed_rss(pid);
+    // SAFETY: as above.
+    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+    rss
+}
+
+fn descendants(pid: u32, out: &mut Vec<u32>) {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return };
+    for task in tasks.flatten() {
+        let Ok(children) = std::fs::read_to_string(task.path().join("children")) else { continue };
+        for child in children.split_whitespace().filter_map(|c| c.parse().ok()) {
+            out.push(child);
+            descendants(child, out);
+        }
+    }
+}
+
+struct Managed {
+    out: Output,
+    stats: serde_json::Value,
+    /// Largest managed resident size seen in any one process.
+    peak_managed_rss: u64,
+}
+
+/// `tiermem run --limit LIMIT EXTRA -- PROGRAM`, sampling managed residency every 25 ms.
+fn run_managed(scratch: &Scratch, limit: &str, extra: &[&str], program: &[&str]) -> Managed {
+    let stats_path = scratch.path().join(format!("stats-{}.json", std::process::id()));
+    let stats_arg = stats_path.display().to_string();
+    let mut args = vec!["run", "--limit", limit, "--stats-json", &stats_arg];
+    args.extend_from_slice(extra);
+    args.push("--");
+    args.extend_from_slice(program);
+    let child = scratch.command(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("tiermem run");
+    let done = Arc::new(AtomicBool::new(false));
+    let peak = Arc::new(AtomicU64::new(0));
+    let sampler = {
+        let (done, peak, pid) = (done.clone(), peak.clone(), child.id());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                let mut pids = Vec::new();
+                descendants(pid, &mut pids);
+                for p in pids {
+                    peak.fetch_max(managed_rss_stopped(p), Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(25));
+            }
+        })
+    };
+    let out = child.wait_with_output().expect("waiting for tiermem run");
+    done.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    let stats = std::fs::read_to_string(&stats_path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or(serde_json::Value::Null);
+    Managed { out, stats, peak_managed_rss: peak.load(Ordering::Relaxed) }
+}
+
+/// The checks every real-program run shares.
+fn assert_managed_like_reference(name: &str, reference: &Output, managed: &Managed) {
+    let err = String::from_utf8_lossy(&managed.out.stderr);
+    assert!(managed.out.status.success(), "{name}: tiermem run failed: {err}");
+    assert!(managed.out.stdout == reference.stdout, "{name}: output differs from the unmanaged run\n{err}");
+    let limit = managed.stats["limit_bytes"].as_u64().expect("limit in stats");
+    let merged = &managed.stats["merged"];
+    assert!(managed.stats["managed_allocations"].as_u64().unwrap_or(0) > 0, "{name}: nothing was managed: {err}");
+    assert!(merged["evictions"].as_u64().unwrap_or(0) > 0, "{name}: nothing was evicted: {err}");
+    assert!(merged["critical_reads"].as_u64().unwrap_or(0) > 0, "{name}: nothing was read back: {err}");
+    // The engine's own count is exact (a page is counted before it is mapped and after it
+    // is dropped) and must never pass the budget.
+    let engine_peak = merged["peak_resident_pages"].as_u64().unwrap_or(u64::MAX) * 4096;
+    assert!(engine_peak <= limit, "{name}: the engine counted {engine_peak} resident bytes, over {limit}");
+    assert!(
+        managed.peak_managed_rss <= limit,
+        "{name}: the kernel had {} bytes of managed memory resident, over the budget of {limit}",
+        managed.peak_managed_rss
+    );
+    assert!(managed.peak_managed_rss > 0, "{name}: the sampler never saw managed memory");
+    eprintln!(
+        "{name}: identical output; budget {} MiB, peak managed resident seen {} MiB, {} evictions, {} page-ins",
+        limit >> 20,
+        managed.peak_managed_rss >> 20,
+        merged["evictions"],
+        merged["critical_reads"].as_u64().unwrap_or(0) + merged["prefetch_issued"].as_u64().unwrap_or(0)
+    );
+}
+
+const NUMPY_JOB: &str = r#"
+import hashlib, sys
+import numpy as np
+n = int(sys.argv[1])
+a = np.random.default_rng(42).random(n)
+total = float(a.sum())
+a.sort()
+print(f"n={n} sum={total:.6f} sorted-sha256={hashlib.sha256(a.tobytes()).hexdigest()}")
+"#;
+
+#[test]
+fn numpy_sum_and_sort_under_30_percent() {
+    let name = "numpy_sum_and_sort_under_30_percent";
+    if !uffd_or_skip(name) || !have("python3", &["-c", "import numpy"], name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let n = scaled(62_500_000).to_string(); // 500 MB of float64
+    let program = ["python3", "-c", NUMPY_JOB, n.as_str()];
+    let (reference, _) = profile(&scratch, &program);
+    let managed = run_managed(&scratch, "30%", &[], &program);
+    assert_managed_like_reference(name, &reference, &managed);
+}
+
+const STD_SORT: &str = r#"
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+int main(int argc, char** argv) {
+    size_t n = strtoull(argv[1], nullptr, 10);
+    std::vector<uint32_t> v(n);
+    uint64_t x = 88172645463325252ULL;
+    for (auto& e : v) { x ^= x << 13; x ^= x >> 7; x ^= x << 17; e = (uint32_t)x; }
+    std::sort(v.begin(), v.end());
+    uint64_t h = 1469598103934665603ULL;
+    for (auto e : v) h = (h ^ e) * 1099511628211ULL;
+    printf("n=%zu min=%u max=%u fnv=%016llx sorted=%d\n", n, v.front(), v.back(), (unsigned long long)h,
+           (int)std::is_sorted(v.begin(), v.end()));
+}
+"#;
+
+fn build_cpp(scratch: &Scratch, source: &str, name: &str, test: &str) -> Option<PathBuf> {
+    if !have("g++", &["--version"], test) {
+        return None;
+    }
+    let src = scratch.path().join(format!("{name}.cpp"));
+    let bin = scratch.path().join(name);
+    std::fs::write(&src, source).unwrap();
+    let out = Command::new("g++").args(["-O2", "-o"]).arg(&bin).arg(&src).output().expect("g++");
+    assert!(out.status.success(), "g++ failed: {}", String::from_utf8_lossy(&out.stderr));
+    Some(bin)
+}
+
+#[test]
+fn cpp_std_sort_of_100m_integers_under_30_percent() {
+    let name = "cpp_std_sort_of_100m_integers_under_30_percent";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, STD_SORT, "std_sort", name) else { return };
+    let bin = bin.display().to_string();
+    let n = scaled(100_000_000).to_string();
+    let program = [bin.as_str(), n.as_str()];
+    let (reference, _) = profile(&scratch, &program);
+    let managed = run_managed(&scratch, "30%", &[], &program);
+    assert_managed_like_reference(name, &reference, &managed);
+}
+
+/// GNU sort, multi-threaded (--parallel=2), in sigbus mode: its input arrives through fread
+/// into a managed buffer and its output leaves through fwrite, both wrapped by the shim.
+#[test]
+fn gnu_sort_of_a_300mb_file_two_threads_sigbus_mode() {
+    let name = "gnu_sort_of_a_300mb_file_two_threads_sigbus_mode";
+    if !uffd_or_skip(name) || !have("sort", &["--version"], name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let input = scratch.path().join("input.txt");
+    {
+        use std::io::Write;
+        let mut w = std::io::BufWriter::new(std::fs::File::create(&input).unwrap());
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let lines = scaled(300_000_000) / 20;
+        for _ in 0..lines {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            writeln!(w, "{:019}", x % 10_000_000_000_000_000_000).unwrap();
+        }
+    }
+    let input = input.display().to_string();
+    let program = ["sort", "--parallel=2", "-S", "1G", "-T", ".", input.as_str()];
+    let (reference, _) = profile(&scratch, &program);
+    let managed = run_managed(&scratch, "30%", &["--fault-mode", "sigbus"], &program);
+    assert!(reference.stdout.len() as u64 >= scaled(300_000_000) / 20 * 20, "sort printed too little");
+    assert_managed_like_reference(name, &reference, &managed);
+    assert!(managed.stats["processes"][0]["syscalls_wrapped"].as_u64().unwrap_or(0) > 0, "no system call was wrapped");
+}
+
+const FORK_JOB: &str = r#"
+import os, sys
+import numpy as np
+a = np.arange(int(sys.argv[1]), dtype=np.int64)
+a[::7] += 3
+expected = int(a.sum())
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(r)
+    seen = int(a.sum())
+    a[:] = 1  # the child's own copy
+    os.write(w, f"child sum {seen} ok={seen == expected} after write {int(a.sum())}\n".encode())
+    os._exit(0 if seen == expected else 3)
+os.close(w)
+child_says = os.read(r, 200).decode()
+_, status = os.waitpid(pid, 0)
+print(child_says.strip())
+print(f"parent sum {int(a.sum())} ok={int(a.sum()) == expected} child status {os.waitstatus_to_exitcode(status)}")
+"#;
+
+#[test]
+fn a_program_that_forks_keeps_working_in_both_fault_modes() {
+    let name = "a_program_that_forks_keeps_working_in_both_fault_modes";
+    if !uffd_or_skip(name) || !have("python3", &["-c", "import numpy"], name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let n = scaled(40_000_000).to_string(); // 320 MB
+    let program = ["python3", "-c", FORK_JOB, n.as_str()];
+    let (reference, _) = profile(&scratch, &program);
+    let text = String::from_utf8_lossy(&reference.stdout).into_owned();
+    assert!(text.contains("ok=True") && !text.contains("ok=False"), "reference run: {text}");
+    for mode in ["thread", "sigbus"] {
+        let managed = run_managed(&scratch, "30%", &["--fault-mode", mode], &program);
+        assert_managed_like_reference(&format!("{name} ({mode})"), &reference, &managed);
+    }
+}
+
+const EXEC_JOB: &str = r#"
+import os, subprocess, sys
+import numpy as np
+n = int(sys.argv[1])
+a = np.full(n, 5, dtype=np.int64)
+child = "import numpy as np, sys; b = np.arange(int(sys.argv[1]), dtype=np.int64); print('spawned', int(b.sum()))"
+out = subprocess.run([sys.executable, "-c", child, str(n)], capture_output=True, text=True, check=True).stdout
+print(out.strip(), "parent", int(a.sum()), flush=True)
+os.execv(sys.executable, [sys.executable, "-c", child.replace("spawned", "execd"), str(n)])
+"#;
+
+#[test]
+fn a_program_that_spawns_and_execs_keeps_working_in_both_fault_modes() {
+    let name = "a_program_that_spawns_and_execs_keeps_working_in_both_fault_modes";
+    if !uffd_or_skip(name) || !have("python3", &["-c", "import numpy"], name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let n = scaled(20_000_000).to_string(); // 160 MB per process
+    let program = ["python3", "-c", EXEC_JOB, n.as_str()];
+    let (reference, _) = profile(&scratch, &program);
+    for mode in ["thread", "sigbus"] {
+        let managed = run_managed(&scratch, "30%", &["--fault-mode", mode], &program);
+        assert_managed_like_reference(&format!("{name} ({mode})"), &reference, &managed);
+        let processes = managed.stats["processes"].as_array().map_or(0, Vec::len);
+        assert!(processes >= 2, "{mode}: the spawned and exec'ed programs should each run an engine ({processes})");
+    }
+}
+
+#[test]
+fn status_and_signals_pass_through() {
+    if !uffd_or_skip("status_and_signals_pass_through") {
+        return;
+    }
+    let scratch = Scratch::new();
+    let out = scratch.command(&["run", "--limit", "64MiB", "--", "sh", "-c", "echo hi; exit 7"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(7));
+    assert_eq!(out.stdout, b"hi\n");
+    let out = scratch.command(&["run", "--limit", "64MiB", "--", "sh", "-c", "kill -TERM $$"]).output().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(libc::SIGTERM), "{:?}", out.status);
+}
+
+#[test]
+fn bad_options_fail_before_the_program_starts() {
+    let scratch = Scratch::new();
+    let marker = scratch.path().join("ran");
+    let touch = format!("touch {}", marker.display());
+    // (flags, environment, what the message must name)
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    let cases: &[Case<'_>] = &[
+        (&["--limit", "lots"], &[], "lots"),
+        (&["--limit", "40%"], &[], "tiermem profile"),
+        (&["--limit", "1G", "--fault-mode", "telepathy"], &[], "telepathy"),
+        (&["--limit", "1G", "--prefetch", "oracle"], &[], "oracle"),
+        (&["--limit", "1G", "--watermark", "2"], &[], "watermark"),
+        (&["--limit", "1G", "--device", "floppy"], &[], "floppy"),
+        (&["--limit", "1G", "--device", "file:/proc/tiermem-cannot-be-here"], &[], "/proc/tiermem-cannot-be-here"),
+        (&["--limit", "1G", "--device", "file:/nonexistent/dir/dev"], &[], "/nonexistent/dir"),
+        (&["--limit", "1G"], &[("TIERMEM_LIMT", "1G")], "unknown variable TIERMEM_LIMT"),
+        (&["--limit", "1G"], &[("TIERMEM_THRESHOLD", "0")], "TIERMEM_THRESHOLD"),
+    ];
+    for (flags, env, needle) in cases {
+        let mut args = vec!["run"];
+        args.extend_from_slice(flags);
+        args.extend_from_slice(&["--", "sh", "-c", touch.as_str()]);
+        let mut command = scratch.command(&args);
+        command.envs(env.iter().copied());
+        let out = command.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?} {env:?} succeeded");
+        assert!(err.contains(needle), "{flags:?} {env:?}: expected '{needle}' in: {err}");
+        assert!(!marker.exists(), "{flags:?} {env:?}: the program ran despite the error");
+    }
+    let out = scratch.command(&["run", "--limit", "1G", "--", "/nonexistent/program"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/program"));
+}

@@ -1,0 +1,58 @@
+//! Giving pages of a live region back, as MADV_DONTNEED does for anonymous memory: afterwards
+//! they read as zeros, hold no memory and no slot. Programs do this to memory they no longer
+//! need (allocators trimming, a partial munmap); without the engine knowing, its state would
+//! say "resident" for pages the kernel has dropped.
+
+use tiermem_sys::{Error, Result, PAGE_SIZE};
+
+use crate::engine::Region;
+use crate::io::reap_background;
+use crate::page::{Kind, PageState};
+
+impl Region {
+    /// Discard the pages of `[offset, offset + len)` (page-aligned, inside the region). Waits
+    /// for I/O in flight on them; safe against concurrent faults and reclaim.
+    pub fn discard(&self, offset: usize, len: usize) -> Result<()> {
+        if !offset.is_multiple_of(PAGE_SIZE) || offset.checked_add(len).is_none_or(|end| end > self.len()) {
+            return Err(Error::invalid(format!(
+                "discard of {len} bytes at offset {offset} is not page-aligned inside a region of {} bytes",
+                self.len()
+            )));
+        }
+        let shared = &*self.shared;
+        let first = offset / PAGE_SIZE;
+        let last = (offset + len).div_ceil(PAGE_SIZE);
+        for index in first..last {
+            loop {
+                let regions = shared.regions();
+                let cell = &self.inner.pages[index];
+                let mut page = cell.lock();
+                let state = page.state();
+                if state.writing() || state.kind() == Kind::Incoming {
+                    // Its I/O must finish first (the completion needs the page unlocked).
+                    drop(page);
+                    reap_background(shared, &regions);
+                    drop(regions);
+                    std::thread::yield_now();
+                    continue;
+                }
+                match state.kind() {
+                    Kind::Untouched => {}
+                    Kind::Resident => {
+                        // SAFETY: the page is ours and locked; a racing access faults and waits.
+                        unsafe { tiermem_sys::mem::discard(self.inner.page_addr(index as u64), PAGE_SIZE)? };
+                        shared.release_resident();
+                    }
+                    Kind::Prefetched => shared.arena.release(state.buf()),
+                    Kind::Evicted | Kind::Incoming => {}
+                }
+                if let Some(slot) = state.slot() {
+                    shared.slots.free(slot);
+                }
+                page.set(PageState::UNTOUCHED);
+                break;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,80 @@
+//! What happens to managed memory across fork().
+//!
+//! A child does not inherit userfaultfd registrations (the engine does not ask for fork events),
+//! so in the child every managed region becomes ordinary private memory: resident pages are the
+//! kernel's copy-on-write copies, and evicted pages would read as zeros. To give the child the
+//! parent's data, the engine holds all its work still across the fork ([`Engine::hold_for_fork`])
+//! and the child copies every page that is not resident from the device or from the in-flight
+//! write buffer into its own memory ([`Engine::copy_into_forked_child`]) before fork() returns to
+//! it. The parent's slots cannot change meanwhile: the caller keeps the hold until the child says
+//! it is done. The child's copy is unmanaged (no budget, no engine threads); it is freed with
+//! munmap.
+
+use std::sync::RwLockWriteGuard;
+
+use tiermem_sys::{Error, ErrorKind, Result, PAGE_SIZE};
+
+use crate::engine::Engine;
+use crate::page::Kind;
+use crate::region::RegionTable;
+
+/// Stops faults, reclaim and region changes while held (the region table's write lock).
+#[derive(Debug)]
+pub struct ForkHold {
+    table: RwLockWriteGuard<'static, RegionTable>,
+}
+
+/// What the child copied.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ChildCopy {
+    /// Pages read from device slots.
+    pub from_device: u64,
+    /// Pages copied from buffers of writes or prefetches still in flight.
+    pub from_buffers: u64,
+}
+
+impl Engine {
+    /// Wait for in-progress faults and reclaim to finish and hold off new ones; call just before
+    /// fork() and keep the hold in the parent until the child has run
+    /// [`Engine::copy_into_forked_child`]. Needs a `'static` engine (the hold borrows it).
+    pub fn hold_for_fork(&'static self) -> ForkHold {
+        ForkHold { table: self.shared.regions.write().unwrap_or_else(|e| e.into_inner()) }
+    }
+
+    /// In the child of a fork made under `hold`: copy every managed page that is not resident
+    /// into the child's own memory, so the child sees exactly the parent's data, and detach the
+    /// SIGBUS handler. The engine must not be used in the child afterwards (its threads and
+    /// queues belong to the parent); forget its regions instead of dropping them.
+    pub fn copy_into_forked_child(&'static self, hold: &ForkHold) -> Result<ChildCopy> {
+        crate::delivery::detach_sigbus_in_child(&self.shared);
+        let mut copied = ChildCopy::default();
+        for region in hold.table.slots.iter().flatten() {
+            for (index, cell) in region.pages.iter().enumerate() {
+                let state = cell.peek();
+                let addr = region.page_addr(index as u64);
+                // SAFETY: the page lies inside the region's mapping, which in the child is plain
+                // private memory that only this thread touches until fork() returns.
+                let page = unsafe { std::slice::from_raw_parts_mut(addr, PAGE_SIZE) };
+                let holds_buffer = state.writing() || state.kind() == Kind::Prefetched;
+                match state.kind() {
+                    Kind::Untouched | Kind::Resident => {}
+                    Kind::Evicted | Kind::Incoming | Kind::Prefetched if holds_buffer => {
+                        page.copy_from_slice(self.shared.arena.bytes(state.buf()));
+                        copied.from_buffers += 1;
+                    }
+                    Kind::Evicted | Kind::Incoming | Kind::Prefetched => {
+                        let slot = state.slot().ok_or_else(|| {
+                            Error::new(
+                                ErrorKind::Internal,
+                                format!("page {index} of region {} is evicted without a slot", region.index),
+                            )
+                        })?;
+                        self.shared.device.read_slot_blocking(slot, page)?;
+                        copied.from_device += 1;
+                    }
+                }
+            }
+        }
+        Ok(copied)
+    }
+}

@@ -1,0 +1,255 @@
+//! Settings for running an unmodified program: the engine configuration plus what the preload
+//! shim needs (device, allocation threshold, where to write statistics), read from and written
+//! to `TIERMEM_*` environment variables. `tiermem run` and the shim share this one parser, so a
+//! value the shim would refuse is refused before the program starts.
+
+use std::path::PathBuf;
+
+use tiermem_device::DeviceSpec;
+use tiermem_sys::{Error, Result};
+
+use crate::config::{parse_size, EngineConfig, Limit};
+
+/// Everything a managed process is told.
+#[derive(Debug, Clone)]
+pub struct RunSettings {
+    /// The engine's configuration; its `limit_bytes` is the resolved budget.
+    pub engine: EngineConfig,
+    /// The budget as given (bytes or a share of the footprint).
+    pub limit: Limit,
+    /// The program's peak footprint, when known (percent limits and device sizing need it).
+    pub footprint: Option<u64>,
+    /// Where evicted pages go. A directory gets a private temporary file.
+    pub device: DeviceSpec,
+    /// Device capacity; by default sized from the footprint or the machine's memory.
+    pub device_bytes: Option<u64>,
+    /// Allocations of at least this many bytes are managed; smaller ones go to the C library.
+    pub threshold: u64,
+    /// Directory where each managed process writes `<pid>.json` statistics at exit.
+    pub stats_dir: Option<PathBuf>,
+    /// Keep the budget inside the memory cgroup's room (on unless turned off).
+    pub respect_cgroup: bool,
+}
+
+/// The variables [`RunSettings::from_vars`] understands, with what each holds.
+pub const VARIABLES: &[(&str, &str)] = &[
+    ("TIERMEM_LIMIT", "budget of resident managed memory: bytes (2GiB) or a share of the footprint (40%)"),
+    ("TIERMEM_FOOTPRINT", "the program's peak footprint in bytes (for percentage limits)"),
+    ("TIERMEM_DEVICE", "mem | file:PATH (a file, a block device, or a directory for a temporary file)"),
+    ("TIERMEM_DEVICE_SIZE", "device capacity in bytes"),
+    ("TIERMEM_PREFETCH", "prefetcher name"),
+    ("TIERMEM_REPLACE", "replacement policy name"),
+    ("TIERMEM_WATERMARK", "fraction of the budget that wakes background reclaim, in (0, 1]"),
+    ("TIERMEM_FAULT_MODE", "thread | sigbus"),
+    ("TIERMEM_IO_MODE", "hybrid | poll-only | interrupt-only"),
+    ("TIERMEM_RECLAIM_MODE", "background | on-fault-path"),
+    ("TIERMEM_DIRTY_TRACKING", "auto | sync-wp | none"),
+    ("TIERMEM_THRESHOLD", "smallest allocation that is managed, in bytes (default 1MiB)"),
+    ("TIERMEM_STATS_DIR", "directory for per-process statistics (<pid>.json)"),
+    ("TIERMEM_CGROUP", "on | off: keep the budget inside the memory cgroup's room"),
+    ("TIERMEM_STATS_JSON", "tiermem run: file for the run's statistics as JSON"),
+    ("TIERMEM_TMPDIR", "tiermem run: directory for the temporary device file"),
+    ("TIERMEM_PRELOAD_LIB", "tiermem run: path of the preload shim"),
+];
+
+/// Variables only `tiermem run` reads; the shim accepts and ignores them.
+const RUN_ONLY: &[&str] = &["TIERMEM_STATS_JSON", "TIERMEM_TMPDIR", "TIERMEM_PRELOAD_LIB"];
+
+/// Prefix of variables for tests and tools, which the parser ignores.
+const IGNORED_PREFIXES: &[&str] = &["TIERMEM_TEST_", "TIERMEM_BENCH_"];
+
+/// Default smallest managed allocation.
+pub const DEFAULT_THRESHOLD: u64 = 1 << 20;
+
+impl Default for RunSettings {
+    fn default() -> Self {
+        let engine = EngineConfig::default();
+        Self {
+            limit: Limit::Bytes(engine.limit_bytes),
+            engine,
+            footprint: None,
+            device: DeviceSpec::File(std::env::temp_dir()),
+            device_bytes: None,
+            threshold: DEFAULT_THRESHOLD,
+            stats_dir: None,
+            respect_cgroup: true,
+        }
+    }
+}
+
+impl RunSettings {
+    /// Settings from `TIERMEM_*` variables (others are ignored). Any unknown `TIERMEM_*` name
+    /// or bad value is an error that names the variable.
+    pub fn from_vars<K: AsRef<str>, V: AsRef<str>>(vars: impl IntoIterator<Item = (K, V)>) -> Result<Self> {
+        let mut s = Self::default();
+        let mut limit_given = false;
+        for (key, value) in vars {
+            let (key, value) = (key.as_ref(), value.as_ref());
+            if !key.starts_with("TIERMEM_")
+                || IGNORED_PREFIXES.iter().any(|p| key.starts_with(p))
+                || RUN_ONLY.contains(&key)
+            {
+                continue;
+            }
+            let named = |e: Error| e.context(format!("{key}={value}"));
+            match key {
+                "TIERMEM_LIMIT" => {
+                    s.limit = value.parse().map_err(named)?;
+                    limit_given = true;
+                }
+                "TIERMEM_FOOTPRINT" => s.footprint = Some(nonzero_size(value).map_err(named)?),
+                "TIERMEM_DEVICE" => s.device = value.parse().map_err(named)?,
+                "TIERMEM_DEVICE_SIZE" => s.device_bytes = Some(nonzero_size(value).map_err(named)?),
+                "TIERMEM_PREFETCH" => s.engine.prefetch = value.to_string(),
+                "TIERMEM_REPLACE" => s.engine.replace = value.to_string(),
+                "TIERMEM_WATERMARK" => {
+                    s.engine.watermark =
+                        value.trim().parse().map_err(|_| named(Error::invalid("not a number (example: 0.7)")))?;
+                }
+                "TIERMEM_FAULT_MODE" => s.engine.fault_mode = value.parse().map_err(named)?,
+                "TIERMEM_IO_MODE" => s.engine.io_mode = value.parse().map_err(named)?,
+                "TIERMEM_RECLAIM_MODE" => s.engine.reclaim_mode = value.parse().map_err(named)?,
+                "TIERMEM_DIRTY_TRACKING" => s.engine.dirty_tracking = value.parse().map_err(named)?,
+                "TIERMEM_THRESHOLD" => s.threshold = nonzero_size(value).map_err(named)?,
+                "TIERMEM_STATS_DIR" => s.stats_dir = Some(PathBuf::from(value)),
+                "TIERMEM_CGROUP" => {
+                    s.respect_cgroup = match value {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(named(Error::invalid("expected on or off"))),
+                    }
+                }
+                _ => {
+                    let known: Vec<&str> = VARIABLES.iter().map(|(k, _)| *k).collect();
+                    return Err(Error::invalid(format!(
+                        "unknown variable {key}; tiermem understands: {}",
+                        known.join(", ")
+                    )));
+                }
+            }
+        }
+        if !limit_given {
+            return Err(Error::invalid(
+                "TIERMEM_LIMIT is not set: give the budget (bytes, or a percentage with TIERMEM_FOOTPRINT)",
+            ));
+        }
+        s.engine.limit_bytes = s.limit.resolve(s.footprint).map_err(|e| e.context("TIERMEM_LIMIT"))?;
+        s.engine.validate()?;
+        Ok(s)
+    }
+
+    /// Settings from this process's environment.
+    pub fn from_env() -> Result<Self> {
+        Self::from_vars(std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))))
+    }
+
+    /// The variables that reproduce these settings in another process.
+    pub fn to_vars(&self) -> Vec<(&'static str, String)> {
+        let e = &self.engine;
+        let mut vars = vec![
+            ("TIERMEM_LIMIT", self.engine.limit_bytes.to_string()),
+            ("TIERMEM_DEVICE", self.device.to_string()),
+            ("TIERMEM_PREFETCH", e.prefetch.clone()),
+            ("TIERMEM_REPLACE", e.replace.clone()),
+            ("TIERMEM_WATERMARK", e.watermark.to_string()),
+            ("TIERMEM_FAULT_MODE", e.fault_mode.to_string()),
+            ("TIERMEM_IO_MODE", e.io_mode.to_string()),
+            ("TIERMEM_RECLAIM_MODE", e.reclaim_mode.to_string()),
+            ("TIERMEM_DIRTY_TRACKING", e.dirty_tracking.to_string()),
+            ("TIERMEM_THRESHOLD", self.threshold.to_string()),
+            ("TIERMEM_CGROUP", if self.respect_cgroup { "on" } else { "off" }.to_string()),
+        ];
+        if let Some(f) = self.footprint {
+            vars.push(("TIERMEM_FOOTPRINT", f.to_string()));
+        }
+        if let Some(d) = self.device_bytes {
+            vars.push(("TIERMEM_DEVICE_SIZE", d.to_string()));
+        }
+        if let Some(dir) = &self.stats_dir {
+            vars.push(("TIERMEM_STATS_DIR", dir.display().to_string()));
+        }
+        vars
+    }
+
+    /// Device capacity to create: as given, else room for every managed byte the program may
+    /// reserve at once, which can be far more than it touches (GNU sort allocates its whole
+    /// buffer up front): the machine's memory or twice the footprint, whichever is larger.
+    /// Rounded up to whole pages. Temporary device files are allocated, not written, so a large
+    /// capacity costs no time.
+    pub fn device_capacity(&self, machine_memory: u64) -> u64 {
+        let bytes = self
+            .device_bytes
+            .unwrap_or_else(|| self.footprint.map_or(machine_memory, |f| f.saturating_mul(2).max(machine_memory)));
+        bytes.div_ceil(4096) * 4096
+    }
+}
+
+fn nonzero_size(text: &str) -> Result<u64> {
+    match parse_size(text)? {
+        0 => Err(Error::invalid("must be greater than zero")),
+        n => Ok(n),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(vars: &[(&str, &str)]) -> Result<RunSettings> {
+        RunSettings::from_vars(vars.iter().copied())
+    }
+
+    #[test]
+    fn round_trips_through_variables() {
+        let s = parse(&[
+            ("TIERMEM_LIMIT", "40%"),
+            ("TIERMEM_FOOTPRINT", "1GiB"),
+            ("TIERMEM_DEVICE", "mem"),
+            ("TIERMEM_FAULT_MODE", "sigbus"),
+            ("TIERMEM_THRESHOLD", "2MiB"),
+            ("PATH", "/bin"),
+            ("TIERMEM_TEST_DEVICES", "mem"),
+        ])
+        .unwrap();
+        assert_eq!(s.engine.limit_bytes, (1u64 << 30) * 40 / 100);
+        assert_eq!(s.threshold, 2 << 20);
+        assert_eq!(s.device, DeviceSpec::Mem);
+        let again = RunSettings::from_vars(s.to_vars()).unwrap();
+        assert_eq!(again.engine.limit_bytes, s.engine.limit_bytes);
+        assert_eq!(again.engine.fault_mode, s.engine.fault_mode);
+        assert_eq!(again.threshold, s.threshold);
+        assert_eq!(again.footprint, s.footprint);
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[], "TIERMEM_LIMIT is not set"),
+            (&[("TIERMEM_LIMIT", "40%")], "footprint"),
+            (&[("TIERMEM_LIMIT", "lots")], "TIERMEM_LIMIT=lots"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_THRESHOLD", "0")], "TIERMEM_THRESHOLD=0"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_FAULT_MODE", "fast")], "TIERMEM_FAULT_MODE=fast"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_PREFETCH", "magic")], "magic"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_LIMT", "1G")], "unknown variable TIERMEM_LIMT"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "1.5")], "watermark"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_CGROUP", "maybe")], "TIERMEM_CGROUP=maybe"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_DEVICE", "floppy")], "TIERMEM_DEVICE=floppy"),
+        ];
+        for (vars, expected) in cases {
+            let message = parse(vars).unwrap_err().to_string();
+            assert!(message.contains(expected), "{vars:?}: {message}");
+        }
+    }
+
+    #[test]
+    fn device_is_sized_from_the_footprint() {
+        let mut s = parse(&[("TIERMEM_LIMIT", "1G")]).unwrap();
+        assert_eq!(s.device_capacity(8 << 30), 8 << 30);
+        s.footprint = Some(1000 << 20);
+        assert_eq!(s.device_capacity(8 << 30), 8 << 30);
+        s.footprint = Some(6 << 30);
+        assert_eq!(s.device_capacity(8 << 30), 12 << 30);
+        s.device_bytes = Some(5000);
+        assert_eq!(s.device_capacity(8 << 30), 8192);
+    }
+}

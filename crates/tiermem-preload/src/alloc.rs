@@ -1,0 +1,319 @@
+//! The malloc family. Requests of at least the threshold become managed regions; everything else
+//! (and every pointer that is not ours) goes to glibc unchanged.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tiermem_sys::PAGE_SIZE;
+
+use crate::libc_alloc::{
+    __libc_calloc, __libc_free, __libc_malloc, __libc_memalign, __libc_pvalloc, __libc_realloc, __libc_valloc,
+};
+use crate::registry::{self, Entry, Origin};
+use crate::runtime;
+
+/// Look a C library function up past this library (RTLD_NEXT) once, and call it through `$ty`.
+macro_rules! real {
+    ($name:literal, $ty:ty) => {{
+        static ADDRESS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let mut address = ADDRESS.load(std::sync::atomic::Ordering::Relaxed);
+        if address == 0 {
+            // SAFETY: dlsym with a NUL-terminated name; RTLD_NEXT finds the C library's definition.
+            address = unsafe { libc::dlsym(libc::RTLD_NEXT, concat!($name, "\0").as_ptr().cast()) } as usize;
+            if address == 0 {
+                $crate::runtime::die(&["tiermem: the C library has no ", $name]);
+            }
+            ADDRESS.store(address, std::sync::atomic::Ordering::Relaxed);
+        }
+        // SAFETY: the symbol is the C library's function of this name, whose C signature $ty states.
+        unsafe { std::mem::transmute::<usize, $ty>(address) }
+    }};
+}
+pub(crate) use real;
+
+use runtime::set_errno;
+
+/// A managed allocation of `size` bytes aligned to `align`, or null (the caller falls back to
+/// the C library) when the engine cannot take it.
+pub fn managed_alloc(size: usize, align: usize, origin: Origin) -> *mut c_void {
+    let extra = if align > PAGE_SIZE { align } else { 0 };
+    let Some(len) = size.checked_add(extra).and_then(|n| n.checked_next_multiple_of(PAGE_SIZE)) else {
+        return std::ptr::null_mut();
+    };
+    let engine = runtime::engine();
+    let mut table = registry::lock();
+    match engine.create_region(len) {
+        Ok(region) => {
+            let base = region.as_ptr() as usize;
+            let user = if extra > 0 { base.next_multiple_of(align) } else { base };
+            registry::insert(&mut table, Entry { region, user, size, origin, unmapped: 0 });
+            drop(table);
+            runtime::count_allocation(len);
+            user as *mut c_void
+        }
+        Err(e) => {
+            drop(table);
+            static WARNED: AtomicBool = AtomicBool::new(false);
+            runtime::FALLBACK_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                runtime::say(&[
+                    "tiermem: an allocation is served by the C library, unmanaged (further ones are counted, not shown): ",
+                    &e.to_string(),
+                ]);
+            }
+            std::ptr::null_mut()
+        }
+    }
+}
+
+fn is_large(size: usize) -> bool {
+    size >= runtime::threshold()
+}
+
+/// What [`take_malloc_entry`] found at a pointer.
+enum Found {
+    Ours(Entry),
+    NotOurs,
+}
+
+/// Remove and return the managed malloc allocation starting at `ptr`, stopping the program on
+/// a pointer into the middle of one, into mapped memory, or freed twice.
+fn take_malloc_entry(ptr: usize, what: &str) -> Found {
+    // Only page-aligned pointers are looked up: an unaligned one is never a managed start, and
+    // glibc reports most bad frees of its own.
+    if !registry::may_be_managed_pointer(ptr) {
+        return Found::NotOurs;
+    }
+    let mut table = registry::lock();
+    let Some(base) = registry::containing(&table, ptr) else {
+        drop(table);
+        if registry::is_double_free(ptr) {
+            runtime::die(&["tiermem: ", what, "(): double free of a managed allocation"]);
+        }
+        return Found::NotOurs;
+    };
+    let entry = &table[&base];
+    if entry.origin == Origin::Mmap {
+        runtime::die(&["tiermem: ", what, "() of memory that came from mmap"]);
+    }
+    if entry.user != ptr {
+        runtime::die(&["tiermem: ", what, "() of a pointer inside a managed allocation, not its start"]);
+    }
+    let entry = registry::remove(&mut table, base).expect("entry found above");
+    drop(table);
+    registry::remember_freed(ptr);
+    Found::Ours(entry)
+}
+
+/// # Safety
+/// The C contract of malloc.
+#[no_mangle]
+pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
+    if is_large(size) {
+        let p = managed_alloc(size, 16, Origin::Malloc);
+        if !p.is_null() {
+            return p;
+        }
+    }
+    // SAFETY: forwarding the caller's request.
+    unsafe { __libc_malloc(size) }
+}
+
+/// # Safety
+/// The C contract of free.
+#[no_mangle]
+pub unsafe extern "C" fn free(ptr: *mut c_void) {
+    if ptr.is_null() {
+        return;
+    }
+    match take_malloc_entry(ptr as usize, "free") {
+        Found::Ours(entry) => runtime::release(entry),
+        // SAFETY: not ours, so the C library's (or a bug the C library reports).
+        Found::NotOurs => unsafe { __libc_free(ptr) },
+    }
+}
+
+/// # Safety
+/// The C contract of calloc.
+#[no_mangle]
+pub unsafe extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
+    let Some(total) = n.checked_mul(size) else {
+        set_errno(libc::ENOMEM);
+        return std::ptr::null_mut();
+    };
+    if is_large(total) {
+        // Fresh managed pages read as zeros without being written.
+        let p = managed_alloc(total, 16, Origin::Malloc);
+        if !p.is_null() {
+            return p;
+        }
+    }
+    // SAFETY: forwarding the caller's request.
+    unsafe { __libc_calloc(n, size) }
+}
+
+/// # Safety
+/// The C contract of realloc.
+#[no_mangle]
+pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
+    if ptr.is_null() {
+        // SAFETY: realloc(NULL, n) is malloc(n).
+        return unsafe { malloc(size) };
+    }
+    let addr = ptr as usize;
+    if registry::may_be_managed_pointer(addr) {
+        let mut table = registry::lock();
+        if let Some(base) = registry::containing(&table, addr) {
+            let entry = table.get_mut(&base).expect("found above");
+            if entry.user != addr || entry.origin != Origin::Malloc {
+                runtime::die(&["tiermem: realloc() of a pointer that is not the start of a managed allocation"]);
+            }
+            if size == 0 {
+                drop(table);
+                // SAFETY: glibc's realloc(p, 0) frees p and returns NULL.
+                unsafe { free(ptr) };
+                return std::ptr::null_mut();
+            }
+            if is_large(size) && size <= entry.usable() {
+                entry.size = size;
+                return ptr;
+            }
+            let old_size = entry.size;
+            drop(table);
+            // SAFETY: a fresh allocation (managed or not) of the new size.
+            let new = unsafe { malloc(size) };
+            if new.is_null() {
+                return new;
+            }
+            // SAFETY: both ranges are valid for the smaller size and do not overlap (distinct
+            // allocations); reading the old managed bytes faults them in as needed.
+            unsafe { std::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old_size.min(size)) };
+            // SAFETY: ptr is the managed allocation looked up above.
+            unsafe { free(ptr) };
+            return new;
+        }
+    }
+    if is_large(size) {
+        let new = managed_alloc(size, 16, Origin::Malloc);
+        if !new.is_null() {
+            let usable = real!("malloc_usable_size", unsafe extern "C" fn(*mut c_void) -> usize);
+            // SAFETY: ptr is a live C library allocation (the caller's contract).
+            let old_size = unsafe { usable(ptr) };
+            // SAFETY: old_size bytes are readable at ptr, and new holds at least size bytes.
+            unsafe { std::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old_size.min(size)) };
+            // SAFETY: the old C library allocation is no longer referenced.
+            unsafe { __libc_free(ptr) };
+            return new;
+        }
+    }
+    // SAFETY: forwarding the caller's request for a C library allocation.
+    unsafe { __libc_realloc(ptr, size) }
+}
+
+/// # Safety
+/// The C contract of reallocarray.
+#[no_mangle]
+pub unsafe extern "C" fn reallocarray(ptr: *mut c_void, n: usize, size: usize) -> *mut c_void {
+    match n.checked_mul(size) {
+        // SAFETY: forwarding to realloc with the checked product.
+        Some(total) => unsafe { realloc(ptr, total) },
+        None => {
+            set_errno(libc::ENOMEM);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+fn aligned(align: usize, size: usize) -> *mut c_void {
+    if is_large(size) {
+        let p = managed_alloc(size, align, Origin::Malloc);
+        if !p.is_null() {
+            return p;
+        }
+    }
+    // SAFETY: forwarding an aligned request to the C library.
+    unsafe { __libc_memalign(align, size) }
+}
+
+/// # Safety
+/// The C contract of posix_memalign.
+#[no_mangle]
+pub unsafe extern "C" fn posix_memalign(out: *mut *mut c_void, align: usize, size: usize) -> i32 {
+    if !align.is_power_of_two() || !align.is_multiple_of(std::mem::size_of::<usize>()) {
+        return libc::EINVAL;
+    }
+    let p = aligned(align, size);
+    if p.is_null() {
+        return libc::ENOMEM;
+    }
+    // SAFETY: out is a valid pointer to a pointer (the caller's contract).
+    unsafe { *out = p };
+    0
+}
+
+/// # Safety
+/// The C contract of aligned_alloc.
+#[no_mangle]
+pub unsafe extern "C" fn aligned_alloc(align: usize, size: usize) -> *mut c_void {
+    if !align.is_power_of_two() {
+        set_errno(libc::EINVAL);
+        return std::ptr::null_mut();
+    }
+    aligned(align, size)
+}
+
+/// # Safety
+/// The C contract of memalign.
+#[no_mangle]
+pub unsafe extern "C" fn memalign(align: usize, size: usize) -> *mut c_void {
+    // glibc rounds a non-power-of-two alignment up; so do we.
+    aligned(align.max(1).next_power_of_two(), size)
+}
+
+/// # Safety
+/// The C contract of valloc.
+#[no_mangle]
+pub unsafe extern "C" fn valloc(size: usize) -> *mut c_void {
+    if is_large(size) {
+        let p = managed_alloc(size, PAGE_SIZE, Origin::Malloc);
+        if !p.is_null() {
+            return p;
+        }
+    }
+    // SAFETY: forwarding the caller's request.
+    unsafe { __libc_valloc(size) }
+}
+
+/// # Safety
+/// The C contract of pvalloc.
+#[no_mangle]
+pub unsafe extern "C" fn pvalloc(size: usize) -> *mut c_void {
+    let rounded = size.max(1).checked_next_multiple_of(PAGE_SIZE).unwrap_or(usize::MAX);
+    if is_large(rounded) {
+        let p = managed_alloc(rounded, PAGE_SIZE, Origin::Malloc);
+        if !p.is_null() {
+            return p;
+        }
+    }
+    // SAFETY: forwarding the caller's request.
+    unsafe { __libc_pvalloc(size) }
+}
+
+/// # Safety
+/// The C contract of malloc_usable_size.
+#[no_mangle]
+pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
+    if ptr.is_null() {
+        return 0;
+    }
+    if registry::may_be_managed_pointer(ptr as usize) {
+        let table = registry::lock();
+        if let Some(base) = registry::containing(&table, ptr as usize) {
+            let entry = &table[&base];
+            return if entry.user == ptr as usize { entry.usable() } else { 0 };
+        }
+    }
+    let usable = real!("malloc_usable_size", unsafe extern "C" fn(*mut c_void) -> usize);
+    // SAFETY: a C library allocation (the caller's contract).
+    unsafe { usable(ptr) }
+}

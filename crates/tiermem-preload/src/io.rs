@@ -1,0 +1,323 @@
+//! System calls that read or write program memory, wrapped for sigbus fault mode. There the
+//! kernel cannot wait for a missing managed page (userfaultfd's SIGBUS feature makes such a
+//! copy fail with EFAULT), so the wrapper makes the buffer resident and holds it so while the
+//! call runs, chunk by chunk to stay inside the budget. Regular files are read and written in
+//! full, as the program asked; for pipes and sockets the first chunk's result is returned, a
+//! short transfer those callers must already handle. In thread mode, and for buffers outside
+//! managed memory, the calls go straight to the kernel.
+
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+
+use tiermem_sys::PAGE_SIZE;
+
+use crate::alloc::real;
+use crate::registry;
+use crate::runtime;
+
+/// Largest piece held resident for one call.
+const CHUNK_BYTES: usize = 256 << 10;
+
+/// Whether a buffer needs wrapping.
+fn needs_wrapping(buf: *const c_void, len: usize) -> bool {
+    runtime::sigbus_mode() && len > 0 && registry::may_overlap(buf as usize, len)
+}
+
+fn is_regular_file(fd: i32) -> bool {
+    // SAFETY: fstat writes into the zeroed struct it is given.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::fstat(fd, &mut st) == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG }
+}
+
+/// Bytes from `addr` that lie in one stretch of managed (`Some(region end)`) or unmanaged memory.
+fn stretch(addr: usize, want: usize) -> (usize, bool) {
+    let table = registry::lock();
+    match registry::containing(&table, addr) {
+        Some(base) => {
+            let end = base + table[&base].len();
+            (want.min(end - addr), true)
+        }
+        None => {
+            let next = table.range(addr..).next().map_or(usize::MAX, |(&b, _)| b);
+            (want.min(next - addr), false)
+        }
+    }
+}
+
+/// Run `op(ptr, len)` over `[buf, buf+len)` in pieces, each held resident while the kernel copies
+/// to (`kernel_writes`) or from it. Stops at a short transfer, and after the first piece unless
+/// `whole`. Returns the bytes moved, or the first piece's error.
+fn in_resident_pieces(
+    buf: *mut c_void,
+    len: usize,
+    kernel_writes: bool,
+    whole: bool,
+    mut op: impl FnMut(*mut c_void, usize) -> isize,
+) -> isize {
+    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
+    let Some(engine) = runtime::running_engine() else { return op(buf, len) };
+    let budget_piece = (engine.limit_pages() as usize * PAGE_SIZE / 4).max(PAGE_SIZE);
+    let mut done = 0usize;
+    while done < len {
+        let at = buf as usize + done;
+        let (piece, managed) = stretch(at, (len - done).min(CHUNK_BYTES).min(budget_piece));
+        let _pin = if managed {
+            match engine.prepare_kernel_access(at as *const u8, piece, kernel_writes) {
+                Ok(pin) => Some(pin),
+                Err(e) => runtime::die(&["tiermem: cannot make a system call's buffer resident: ", &e.to_string()]),
+            }
+        } else {
+            None
+        };
+        let n = op(at as *mut c_void, piece);
+        if n < 0 {
+            return if done > 0 { done as isize } else { n };
+        }
+        done += n as usize;
+        if (n as usize) < piece || !whole {
+            break;
+        }
+    }
+    done as isize
+}
+
+macro_rules! sys {
+    ($($arg:expr),*) => {
+        // SAFETY: the caller's own system call, with its own arguments (buffer pieces stay inside
+        // the caller's buffer).
+        unsafe { libc::syscall($($arg),*) as isize }
+    };
+}
+
+/// # Safety
+/// The C contract of read.
+#[no_mangle]
+pub unsafe extern "C" fn read(fd: i32, buf: *mut c_void, len: usize) -> isize {
+    if !needs_wrapping(buf, len) {
+        return sys!(libc::SYS_read, fd, buf, len);
+    }
+    in_resident_pieces(buf, len, true, is_regular_file(fd), |p, n| sys!(libc::SYS_read, fd, p, n))
+}
+
+/// # Safety
+/// The C contract of write.
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: i32, buf: *const c_void, len: usize) -> isize {
+    if !needs_wrapping(buf, len) {
+        return sys!(libc::SYS_write, fd, buf, len);
+    }
+    in_resident_pieces(buf.cast_mut(), len, false, true, |p, n| sys!(libc::SYS_write, fd, p, n))
+}
+
+/// # Safety
+/// The C contract of pread.
+#[no_mangle]
+pub unsafe extern "C" fn pread(fd: i32, buf: *mut c_void, len: usize, off: i64) -> isize {
+    if !needs_wrapping(buf, len) {
+        return sys!(libc::SYS_pread64, fd, buf, len, off);
+    }
+    let mut at = off;
+    in_resident_pieces(buf, len, true, true, |p, n| {
+        let r = sys!(libc::SYS_pread64, fd, p, n, at);
+        at += r.max(0) as i64;
+        r
+    })
+}
+
+/// # Safety
+/// The C contract of pread64.
+#[no_mangle]
+pub unsafe extern "C" fn pread64(fd: i32, buf: *mut c_void, len: usize, off: i64) -> isize {
+    // SAFETY: the same call.
+    unsafe { pread(fd, buf, len, off) }
+}
+
+/// # Safety
+/// The C contract of pwrite.
+#[no_mangle]
+pub unsafe extern "C" fn pwrite(fd: i32, buf: *const c_void, len: usize, off: i64) -> isize {
+    if !needs_wrapping(buf, len) {
+        return sys!(libc::SYS_pwrite64, fd, buf, len, off);
+    }
+    let mut at = off;
+    in_resident_pieces(buf.cast_mut(), len, false, true, |p, n| {
+        let r = sys!(libc::SYS_pwrite64, fd, p, n, at);
+        at += r.max(0) as i64;
+        r
+    })
+}
+
+/// # Safety
+/// The C contract of pwrite64.
+#[no_mangle]
+pub unsafe extern "C" fn pwrite64(fd: i32, buf: *const c_void, len: usize, off: i64) -> isize {
+    // SAFETY: the same call.
+    unsafe { pwrite(fd, buf, len, off) }
+}
+
+/// # Safety
+/// The C contract of recvfrom.
+#[no_mangle]
+pub unsafe extern "C" fn recvfrom(
+    fd: i32,
+    buf: *mut c_void,
+    len: usize,
+    flags: i32,
+    from: *mut libc::sockaddr,
+    from_len: *mut libc::socklen_t,
+) -> isize {
+    if !needs_wrapping(buf, len) {
+        return sys!(libc::SYS_recvfrom, fd, buf, len, flags, from, from_len);
+    }
+    in_resident_pieces(buf, len, true, false, |p, n| sys!(libc::SYS_recvfrom, fd, p, n, flags, from, from_len))
+}
+
+/// # Safety
+/// The C contract of recv.
+#[no_mangle]
+pub unsafe extern "C" fn recv(fd: i32, buf: *mut c_void, len: usize, flags: i32) -> isize {
+    // SAFETY: recv is recvfrom without an address.
+    unsafe { recvfrom(fd, buf, len, flags, std::ptr::null_mut(), std::ptr::null_mut()) }
+}
+
+/// # Safety
+/// The C contract of sendto.
+#[no_mangle]
+pub unsafe extern "C" fn sendto(
+    fd: i32,
+    buf: *const c_void,
+    len: usize,
+    flags: i32,
+    to: *const libc::sockaddr,
+    to_len: libc::socklen_t,
+) -> isize {
+    if !needs_wrapping(buf, len) {
+        return sys!(libc::SYS_sendto, fd, buf, len, flags, to, to_len);
+    }
+    in_resident_pieces(buf.cast_mut(), len, false, true, |p, n| sys!(libc::SYS_sendto, fd, p, n, flags, to, to_len))
+}
+
+/// # Safety
+/// The C contract of send.
+#[no_mangle]
+pub unsafe extern "C" fn send(fd: i32, buf: *const c_void, len: usize, flags: i32) -> isize {
+    // SAFETY: send is sendto without an address.
+    unsafe { sendto(fd, buf, len, flags, std::ptr::null(), 0) }
+}
+
+/// readv/writev over managed buffers: one vector element at a time, stopping at a short one.
+fn vectored(fd: i32, iov: *const libc::iovec, count: i32, kernel_writes: bool) -> isize {
+    let syscall = if kernel_writes { libc::SYS_readv } else { libc::SYS_writev };
+    if count <= 0 || !runtime::sigbus_mode() {
+        return sys!(syscall, fd, iov, count);
+    }
+    // SAFETY: iov holds count elements (the caller's contract).
+    let vecs = unsafe { std::slice::from_raw_parts(iov, count as usize) };
+    if !vecs.iter().any(|v| needs_wrapping(v.iov_base, v.iov_len)) {
+        return sys!(syscall, fd, iov, count);
+    }
+    let whole = !kernel_writes || is_regular_file(fd);
+    let mut total = 0isize;
+    for v in vecs {
+        let single = if kernel_writes { libc::SYS_read } else { libc::SYS_write };
+        let n = in_resident_pieces(v.iov_base, v.iov_len, kernel_writes, whole, |p, n| sys!(single, fd, p, n));
+        if n < 0 {
+            return if total > 0 { total } else { n };
+        }
+        total += n;
+        if (n as usize) < v.iov_len || !whole {
+            break;
+        }
+    }
+    total
+}
+
+/// # Safety
+/// The C contract of readv.
+#[no_mangle]
+pub unsafe extern "C" fn readv(fd: i32, iov: *const libc::iovec, count: i32) -> isize {
+    vectored(fd, iov, count, true)
+}
+
+/// # Safety
+/// The C contract of writev.
+#[no_mangle]
+pub unsafe extern "C" fn writev(fd: i32, iov: *const libc::iovec, count: i32) -> isize {
+    vectored(fd, iov, count, false)
+}
+
+type StdioFn = unsafe extern "C" fn(*mut c_void, usize, usize, *mut libc::FILE) -> usize;
+
+/// fread/fwrite over a managed buffer in pieces of whole elements. stdio moves large requests
+/// straight between the file and the caller's buffer, inside the C library where the read and
+/// write wrappers above cannot see it.
+fn stdio_pieces(
+    real: StdioFn,
+    buf: *mut c_void,
+    size: usize,
+    count: usize,
+    stream: *mut libc::FILE,
+    kernel_writes: bool,
+) -> usize {
+    let Some(total) = size.checked_mul(count) else { return 0 };
+    if size == 0 || !needs_wrapping(buf, total) {
+        // SAFETY: the caller's own call.
+        return unsafe { real(buf, size, count, stream) };
+    }
+    let per_piece = (CHUNK_BYTES / size).max(1);
+    let mut done = 0usize;
+    while done < count {
+        let items = per_piece.min(count - done);
+        let at = (buf as usize + done * size) as *mut c_void;
+        let moved = in_resident_pieces(at, items * size, kernel_writes, true, |p, n| {
+            // SAFETY: the caller's call on a piece of its own buffer (n is a whole number of
+            // items except where a piece ends at a region boundary, handled by the byte count).
+            let got = unsafe { real(p, 1, n, stream) };
+            got as isize
+        });
+        let items_moved = moved.max(0) as usize / size;
+        done += items_moved;
+        if items_moved < items {
+            break;
+        }
+    }
+    done
+}
+
+/// # Safety
+/// The C contract of fread.
+#[no_mangle]
+pub unsafe extern "C" fn fread(buf: *mut c_void, size: usize, count: usize, stream: *mut libc::FILE) -> usize {
+    let real = real!("fread", StdioFn);
+    stdio_pieces(real, buf, size, count, stream, true)
+}
+
+/// # Safety
+/// The C contract of fwrite.
+#[no_mangle]
+pub unsafe extern "C" fn fwrite(buf: *const c_void, size: usize, count: usize, stream: *mut libc::FILE) -> usize {
+    let real = real!("fwrite", StdioFn);
+    stdio_pieces(real, buf.cast_mut(), size, count, stream, false)
+}
+
+/// # Safety
+/// The C contract of fread_unlocked (what GNU programs built with gnulib call for fread).
+#[no_mangle]
+pub unsafe extern "C" fn fread_unlocked(buf: *mut c_void, size: usize, count: usize, stream: *mut libc::FILE) -> usize {
+    let real = real!("fread_unlocked", StdioFn);
+    stdio_pieces(real, buf, size, count, stream, true)
+}
+
+/// # Safety
+/// The C contract of fwrite_unlocked.
+#[no_mangle]
+pub unsafe extern "C" fn fwrite_unlocked(
+    buf: *const c_void,
+    size: usize,
+    count: usize,
+    stream: *mut libc::FILE,
+) -> usize {
+    let real = real!("fwrite_unlocked", StdioFn);
+    stdio_pieces(real, buf.cast_mut(), size, count, stream, false)
+}

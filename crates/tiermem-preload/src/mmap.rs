@@ -1,0 +1,231 @@
+//! Anonymous private mmap, munmap and mremap. Only plain read-write anonymous private mappings
+//! of at least the threshold are managed; shared, fixed, huge-page, stack, executable and
+//! PROT_NONE reservations (runtimes' address-space tricks) go to the kernel unchanged, as do all
+//! file mappings. The real calls are made as system calls, so nothing recurses into the shim.
+
+use std::ffi::c_void;
+
+use tiermem_sys::PAGE_SIZE;
+
+use crate::alloc::managed_alloc;
+use crate::registry::{self, Origin};
+use crate::runtime;
+
+const UNMANAGED_FLAGS: i32 = libc::MAP_FIXED
+    | libc::MAP_FIXED_NOREPLACE
+    | libc::MAP_HUGETLB
+    | libc::MAP_GROWSDOWN
+    | libc::MAP_STACK
+    | libc::MAP_32BIT
+    | libc::MAP_SHARED
+    | libc::MAP_SHARED_VALIDATE;
+
+fn manageable(len: usize, prot: i32, flags: i32, fd: i32) -> bool {
+    flags & libc::MAP_ANONYMOUS != 0
+        && flags & libc::MAP_PRIVATE != 0
+        && flags & UNMANAGED_FLAGS == 0
+        && fd == -1
+        && prot == libc::PROT_READ | libc::PROT_WRITE
+        && len >= runtime::threshold()
+}
+
+fn syscall_result(rc: libc::c_long) -> *mut c_void {
+    rc as *mut c_void
+}
+
+/// # Safety
+/// The C contract of mmap.
+#[no_mangle]
+pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut c_void {
+    if manageable(len, prot, flags, fd) {
+        // The address is only a hint without MAP_FIXED; the engine picks its own.
+        let p = managed_alloc(len, PAGE_SIZE, Origin::Mmap);
+        if !p.is_null() {
+            return p;
+        }
+    }
+    // SAFETY: the caller's own mmap, passed to the kernel unchanged.
+    syscall_result(unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) })
+}
+
+/// # Safety
+/// The C contract of mmap64 (the same call on 64-bit Linux).
+#[no_mangle]
+pub unsafe extern "C" fn mmap64(
+    addr: *mut c_void,
+    len: usize,
+    prot: i32,
+    flags: i32,
+    fd: i32,
+    off: i64,
+) -> *mut c_void {
+    // SAFETY: forwarded with the same contract.
+    unsafe { mmap(addr, len, prot, flags, fd, off) }
+}
+
+/// Unmap `[start, end)` in the kernel (no managed memory inside).
+fn kernel_munmap(start: usize, end: usize) -> i32 {
+    if end <= start {
+        return 0;
+    }
+    // SAFETY: the caller's own munmap of memory that is not managed.
+    unsafe { libc::syscall(libc::SYS_munmap, start, end - start) as i32 }
+}
+
+/// # Safety
+/// The C contract of munmap.
+#[no_mangle]
+pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
+    let start = addr as usize;
+    if !registry::may_overlap(start, len) {
+        return kernel_munmap(start, start.saturating_add(len.next_multiple_of(PAGE_SIZE)));
+    }
+    if !start.is_multiple_of(PAGE_SIZE) || len == 0 {
+        runtime::set_errno(libc::EINVAL);
+        return -1;
+    }
+    let end = start.saturating_add(len.next_multiple_of(PAGE_SIZE));
+    let mut table = registry::lock();
+    let bases = registry::overlapping(&table, start, end - start);
+    // Managed mmap regions are released when the program has unmapped all of them; pieces
+    // unmapped before then stay reserved (their pages are never touched again, so reclaim
+    // moves them out). munmap of malloc'd managed memory is refused, as the kernel would refuse
+    // nothing and the heap would be corrupt.
+    let mut released = Vec::new();
+    let mut cursor = start;
+    let mut rc = 0;
+    for base in bases {
+        let entry = table.get_mut(&base).expect("listed above");
+        let entry_end = base + entry.len();
+        rc |= kernel_munmap(cursor, base);
+        cursor = entry_end.min(end);
+        if entry.origin == Origin::Malloc {
+            runtime::say(&["tiermem: munmap() of memory that came from malloc is ignored"]);
+            continue;
+        }
+        let from = base.max(start);
+        let covered = entry_end.min(end) - from;
+        entry.unmapped = (entry.unmapped + covered).min(entry.len());
+        // The pages go now (the address range stays reserved until the whole region goes).
+        if entry.unmapped < entry.len() {
+            if let Err(e) = entry.region.discard(from - base, covered) {
+                runtime::say(&["tiermem: munmap() of part of a managed mapping: ", &e.to_string()]);
+            }
+        }
+        if entry.unmapped == entry.len() {
+            released.push(registry::remove(&mut table, base).expect("listed above"));
+        }
+    }
+    rc |= kernel_munmap(cursor, end);
+    drop(table);
+    for entry in released {
+        runtime::release(entry);
+    }
+    if rc != 0 {
+        -1
+    } else {
+        0
+    }
+}
+
+/// mremap is variadic in C (the fifth argument only with MREMAP_FIXED); on x86-64 the fifth
+/// argument arrives in the same register either way, so it is declared and only read then.
+///
+/// # Safety
+/// The C contract of mremap.
+#[no_mangle]
+pub unsafe extern "C" fn mremap(
+    old: *mut c_void,
+    old_len: usize,
+    new_len: usize,
+    flags: i32,
+    new_addr: *mut c_void,
+) -> *mut c_void {
+    let start = old as usize;
+    let fail = |errno: i32| {
+        runtime::set_errno(errno);
+        libc::MAP_FAILED
+    };
+    if registry::may_overlap(start, old_len.max(1)) {
+        let mut table = registry::lock();
+        if let Some(base) = registry::containing(&table, start) {
+            let entry = table.get_mut(&base).expect("found above");
+            if entry.origin != Origin::Mmap || base != start || flags & libc::MREMAP_FIXED != 0 {
+                return fail(libc::EINVAL);
+            }
+            if new_len <= entry.len() {
+                entry.size = new_len;
+                return old;
+            }
+            if flags & libc::MREMAP_MAYMOVE == 0 {
+                return fail(libc::ENOMEM);
+            }
+            let copy_len = entry.size.min(old_len).min(entry.len());
+            drop(table);
+            let new = managed_alloc(new_len, PAGE_SIZE, Origin::Mmap);
+            if new.is_null() {
+                return fail(libc::ENOMEM);
+            }
+            // SAFETY: both are managed mappings at least copy_len long and distinct.
+            unsafe { std::ptr::copy_nonoverlapping(old.cast::<u8>(), new.cast::<u8>(), copy_len) };
+            let mut table = registry::lock();
+            let released = registry::remove(&mut table, base);
+            drop(table);
+            if let Some(entry) = released {
+                runtime::release(entry);
+            }
+            return new;
+        }
+    }
+    // SAFETY: the caller's own mremap of memory that is not managed.
+    syscall_result(unsafe { libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) })
+}
+
+/// # Safety
+/// The C contract of madvise.
+#[no_mangle]
+pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: i32) -> i32 {
+    let start = addr as usize;
+    if registry::may_overlap(start, len) && start.is_multiple_of(PAGE_SIZE) {
+        let end = start.saturating_add(len.next_multiple_of(PAGE_SIZE));
+        match advice {
+            // Huge pages would bring in and pin 512 pages behind the engine's back.
+            libc::MADV_HUGEPAGE | libc::MADV_NOHUGEPAGE | libc::MADV_COLLAPSE => {
+                let table = registry::lock();
+                if !registry::overlapping(&table, start, end - start).is_empty() {
+                    return 0;
+                }
+            }
+            // "These pages may be dropped and read as zeros": tell the engine.
+            libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_REMOVE | libc::MADV_DONTNEED_LOCKED => {
+                let table = registry::lock();
+                let bases = registry::overlapping(&table, start, end - start);
+                if !bases.is_empty() && !runtime::in_forked_child() {
+                    let mut cursor = start;
+                    for base in bases {
+                        let entry = &table[&base];
+                        let region_end = base + entry.len();
+                        if cursor < base {
+                            // SAFETY: the caller's own advice on memory that is not managed.
+                            unsafe { libc::syscall(libc::SYS_madvise, cursor, base - cursor, advice) };
+                        }
+                        let from = base.max(start);
+                        let to = region_end.min(end);
+                        if let Err(e) = entry.region.discard(from - base, to - from) {
+                            runtime::say(&["tiermem: madvise() on managed memory: ", &e.to_string()]);
+                        }
+                        cursor = to;
+                    }
+                    if cursor < end {
+                        // SAFETY: as above.
+                        unsafe { libc::syscall(libc::SYS_madvise, cursor, end - cursor, advice) };
+                    }
+                    return 0;
+                }
+            }
+            _ => {}
+        }
+    }
+    // SAFETY: the caller's own advice, passed to the kernel unchanged.
+    unsafe { libc::syscall(libc::SYS_madvise, addr, len, advice) as i32 }
+}

@@ -1,0 +1,121 @@
+//! Which addresses are managed: one entry per managed allocation or mapping, keyed by the start
+//! of its region. free() is called for every small object too, so the common "not ours" answer
+//! must be cheap: managed pointers are page-aligned (glibc's never are, except from memalign),
+//! and they lie between the lowest and highest managed addresses seen.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use tiermem_engine::Region;
+use tiermem_sys::PAGE_SIZE;
+
+/// How the program got the memory, which decides how it may give it back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// malloc, calloc, realloc, memalign and friends: released by free or realloc.
+    Malloc,
+    /// Anonymous private mmap: released by munmap (possibly piecewise) or moved by mremap.
+    Mmap,
+}
+
+/// One managed allocation.
+#[derive(Debug)]
+pub struct Entry {
+    /// The engine's region (the whole mapping).
+    pub region: Region,
+    /// The pointer handed to the program (the region start, or above it for large alignments).
+    pub user: usize,
+    /// Bytes the program asked for.
+    pub size: usize,
+    /// How it was allocated.
+    pub origin: Origin,
+    /// Bytes of an mmap'd region the program has unmapped piecewise (the region goes when all are).
+    pub unmapped: usize,
+}
+
+impl Entry {
+    pub fn base(&self) -> usize {
+        self.region.as_ptr() as usize
+    }
+
+    pub fn len(&self) -> usize {
+        self.region.len()
+    }
+
+    /// Bytes usable from the user pointer to the end of the region.
+    pub fn usable(&self) -> usize {
+        self.base() + self.len() - self.user
+    }
+}
+
+static TABLE: Mutex<BTreeMap<usize, Entry>> = Mutex::new(BTreeMap::new());
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static LOWEST: AtomicUsize = AtomicUsize::new(usize::MAX);
+static HIGHEST: AtomicUsize = AtomicUsize::new(0);
+
+/// The table, locked. Lock order: this before the engine's region table.
+pub fn lock() -> MutexGuard<'static, BTreeMap<usize, Entry>> {
+    TABLE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether `[addr, addr+len)` may touch managed memory (false is certain, true needs a lookup).
+pub fn may_overlap(addr: usize, len: usize) -> bool {
+    LIVE.load(Ordering::Acquire) != 0
+        && addr < HIGHEST.load(Ordering::Acquire)
+        && addr.saturating_add(len) > LOWEST.load(Ordering::Acquire)
+}
+
+/// Whether `ptr` could be a managed malloc pointer (false is certain).
+pub fn may_be_managed_pointer(ptr: usize) -> bool {
+    ptr.is_multiple_of(PAGE_SIZE) && may_overlap(ptr, 1)
+}
+
+pub fn insert(table: &mut BTreeMap<usize, Entry>, entry: Entry) {
+    let (base, end) = (entry.base(), entry.base() + entry.len());
+    LOWEST.fetch_min(base, Ordering::AcqRel);
+    HIGHEST.fetch_max(end, Ordering::AcqRel);
+    table.insert(base, entry);
+    LIVE.fetch_add(1, Ordering::AcqRel);
+}
+
+pub fn remove(table: &mut BTreeMap<usize, Entry>, base: usize) -> Option<Entry> {
+    let entry = table.remove(&base)?;
+    LIVE.fetch_sub(1, Ordering::AcqRel);
+    Some(entry)
+}
+
+/// The start of the entry whose region contains `addr`.
+pub fn containing(table: &BTreeMap<usize, Entry>, addr: usize) -> Option<usize> {
+    let (&base, entry) = table.range(..=addr).next_back()?;
+    (addr < base + entry.len()).then_some(base)
+}
+
+/// Starts of the entries whose regions overlap `[addr, addr+len)`.
+pub fn overlapping(table: &BTreeMap<usize, Entry>, addr: usize, len: usize) -> Vec<usize> {
+    let end = addr.saturating_add(len);
+    let first = containing(table, addr).unwrap_or(addr);
+    table.range(first..end).map(|(&base, _)| base).collect()
+}
+
+/// Recently freed managed pointers, to recognise a double free cheaply.
+static RECENTLY_FREED: [AtomicUsize; 64] = [const { AtomicUsize::new(0) }; 64];
+static RECENT_NEXT: AtomicUsize = AtomicUsize::new(0);
+
+pub fn remember_freed(ptr: usize) {
+    let i = RECENT_NEXT.fetch_add(1, Ordering::Relaxed) % RECENTLY_FREED.len();
+    RECENTLY_FREED[i].store(ptr, Ordering::Relaxed);
+}
+
+/// `ptr` was freed by this shim recently and nothing is mapped there now: freeing it again is a
+/// double free (if something is mapped there, the C library may own it now).
+pub fn is_double_free(ptr: usize) -> bool {
+    if ptr == 0 || !RECENTLY_FREED.iter().any(|p| p.load(Ordering::Relaxed) == ptr) {
+        return false;
+    }
+    let mut vec = 0u8;
+    // SAFETY: mincore only reads the page tables for the page at ptr and writes one byte to vec;
+    // ENOMEM means the page is not mapped.
+    let rc = unsafe { libc::mincore(ptr as *mut libc::c_void, 1, &mut vec) };
+    rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOMEM)
+}

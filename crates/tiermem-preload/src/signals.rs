@@ -1,0 +1,89 @@
+//! In sigbus fault mode the engine's SIGBUS handler must stay installed and SIGBUS must never be
+//! blocked (a blocked fault signal kills the process). A program's own SIGBUS handler becomes the
+//! one the engine chains to for faults that are not its own; masks lose SIGBUS on the way in.
+
+use crate::alloc::real;
+use crate::runtime;
+
+type SigactionFn = unsafe extern "C" fn(i32, *const libc::sigaction, *mut libc::sigaction) -> i32;
+type SignalFn = unsafe extern "C" fn(i32, libc::sighandler_t) -> libc::sighandler_t;
+type MaskFn = unsafe extern "C" fn(i32, *const libc::sigset_t, *mut libc::sigset_t) -> i32;
+
+/// # Safety
+/// The C contract of sigaction.
+#[no_mangle]
+pub unsafe extern "C" fn sigaction(sig: i32, act: *const libc::sigaction, old: *mut libc::sigaction) -> i32 {
+    if sig == libc::SIGBUS && runtime::sigbus_mode() {
+        // SAFETY: act is null or valid (the caller's contract).
+        let new = unsafe { act.as_ref() };
+        // SAFETY: old is null or valid (the caller's contract).
+        let old_ref = unsafe { old.as_mut() };
+        let engine_installing = new.is_some_and(tiermem_engine::is_engine_sigbus_action);
+        if !engine_installing && tiermem_engine::replace_chained_sigbus_action(new, old_ref) {
+            return 0;
+        }
+    }
+    let real = real!("sigaction", SigactionFn);
+    // SAFETY: the caller's own call.
+    unsafe { real(sig, act, old) }
+}
+
+/// # Safety
+/// The C contract of signal.
+#[no_mangle]
+pub unsafe extern "C" fn signal(sig: i32, handler: libc::sighandler_t) -> libc::sighandler_t {
+    if sig == libc::SIGBUS && runtime::sigbus_mode() {
+        // SAFETY: zeroed is an empty action; filled in as glibc's signal() would (BSD semantics).
+        let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+        action.sa_sigaction = handler;
+        action.sa_flags = libc::SA_RESTART;
+        // SAFETY: as above.
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        if tiermem_engine::replace_chained_sigbus_action(Some(&action), Some(&mut old)) {
+            return old.sa_sigaction;
+        }
+    }
+    let real = real!("signal", SignalFn);
+    // SAFETY: the caller's own call.
+    unsafe { real(sig, handler) }
+}
+
+/// `set` without SIGBUS when it would block it, in `copy`.
+fn without_sigbus(how: i32, set: *const libc::sigset_t, copy: &mut libc::sigset_t) -> *const libc::sigset_t {
+    if set.is_null() || how == libc::SIG_UNBLOCK || !runtime::sigbus_mode() {
+        return set;
+    }
+    // SAFETY: set points to a valid sigset (the caller's contract).
+    if unsafe { libc::sigismember(set, libc::SIGBUS) } != 1 {
+        return set;
+    }
+    // SAFETY: as above; copy is ours.
+    *copy = unsafe { *set };
+    // SAFETY: copy is a valid sigset.
+    unsafe { libc::sigdelset(copy, libc::SIGBUS) };
+    copy
+}
+
+/// # Safety
+/// The C contract of sigprocmask.
+#[no_mangle]
+pub unsafe extern "C" fn sigprocmask(how: i32, set: *const libc::sigset_t, old: *mut libc::sigset_t) -> i32 {
+    // SAFETY: zeroed is an empty set, overwritten before use.
+    let mut copy: libc::sigset_t = unsafe { std::mem::zeroed() };
+    let set = without_sigbus(how, set, &mut copy);
+    let real = real!("sigprocmask", MaskFn);
+    // SAFETY: the caller's call with SIGBUS left out of a blocking set.
+    unsafe { real(how, set, old) }
+}
+
+/// # Safety
+/// The C contract of pthread_sigmask.
+#[no_mangle]
+pub unsafe extern "C" fn pthread_sigmask(how: i32, set: *const libc::sigset_t, old: *mut libc::sigset_t) -> i32 {
+    // SAFETY: as in sigprocmask.
+    let mut copy: libc::sigset_t = unsafe { std::mem::zeroed() };
+    let set = without_sigbus(how, set, &mut copy);
+    let real = real!("pthread_sigmask", MaskFn);
+    // SAFETY: as in sigprocmask.
+    unsafe { real(how, set, old) }
+}
