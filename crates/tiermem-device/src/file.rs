@@ -76,8 +76,20 @@ impl FileDevice {
             }
         }
         let (file, created) = open_direct(path, size.is_some())?;
-        // One engine per device file: two would hand out the same slots.
-        if let Err(e) = rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        // One engine per device file: two would hand out the same slots. A device just closed
+        // may hold the lock a moment longer (the kernel tears io_uring rings down, and their
+        // registered file, asynchronously), so a busy lock is retried for up to two seconds.
+        let mut tries = 0;
+        let locked = loop {
+            match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+                Err(rustix::io::Errno::WOULDBLOCK) if tries < 200 => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                other => break other,
+            }
+        };
+        if let Err(e) = locked {
             return Err(if e == rustix::io::Errno::WOULDBLOCK {
                 Error::new(
                     ErrorKind::Busy,

@@ -98,7 +98,7 @@ pub struct LimitedRunArgs {
     #[arg(long)]
     pub result: Option<PathBuf>,
     /// The program and its arguments.
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, last = true)]
+    #[arg(required = true, allow_hyphen_values = true, last = true)]
     pub command: Vec<OsString>,
 }
 
