@@ -32,6 +32,8 @@ enum Command {
     Bench(BenchArgs),
     /// Replay a memory trace through prefetchers and replacement policies (the engine's own).
     Sim(tiermem_cli::sim::SimArgs),
+    /// Record the page-level trace the engine sees while running a program (for `tiermem sim`).
+    Trace(TraceArgs),
     /// Internal: the child process of `bench micro --system linux-swap`.
     #[command(hide = true)]
     MicroWorker(MicroWorkerArgs),
@@ -287,13 +289,50 @@ struct RunArgs {
 }
 
 #[derive(Debug, Args)]
+struct TraceArgs {
+    #[command(subcommand)]
+    command: TraceCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum TraceCommand {
+    /// Run a program as `tiermem run` does and record every fault and write fault of each
+    /// managed process in the simulator's binary trace format.
+    Record(Box<TraceRecordArgs>),
+}
+
+#[derive(Debug, Args)]
+struct TraceRecordArgs {
+    /// Where the trace goes (other processes' traces go to FILE.<pid>).
+    #[arg(long, short)]
+    output: PathBuf,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, Args)]
 struct ProfileArgs {
     /// The program and its arguments.
     #[arg(last = true, required = true, value_name = "PROGRAM")]
     program: Vec<std::ffi::OsString>,
 }
 
-fn run_command(args: &RunArgs) -> Result<std::convert::Infallible> {
+fn trace_record(args: &TraceRecordArgs) -> Result<std::convert::Infallible> {
+    let settings = tiermem_cli::run::resolve_settings(std::env::vars(), &run_flags(&args.run), &args.run.program)?;
+    let (outcome, written) = tiermem_cli::run::record_trace(settings, &args.run.program, &args.output)?;
+    if !args.run.quiet {
+        eprint!("{}", outcome.summary());
+    }
+    if written.is_empty() {
+        eprintln!("tiermem: no trace: the program made no allocation above the threshold");
+    }
+    for path in &written {
+        eprintln!("tiermem: trace written to {}", path.display());
+    }
+    tiermem_cli::run::exit_like(outcome.ending)
+}
+
+fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
     let mut flags: Vec<(&str, String)> = vec![("TIERMEM_LIMIT", args.limit.clone())];
     let optional = [
         ("TIERMEM_FOOTPRINT", &args.footprint),
@@ -310,6 +349,11 @@ fn run_command(args: &RunArgs) -> Result<std::convert::Infallible> {
         ("TIERMEM_CGROUP", &args.cgroup),
     ];
     flags.extend(optional.into_iter().filter_map(|(k, v)| v.clone().map(|v| (k, v))));
+    flags
+}
+
+fn run_command(args: &RunArgs) -> Result<std::convert::Infallible> {
+    let flags = run_flags(args);
     let settings = tiermem_cli::run::resolve_settings(std::env::vars(), &flags, &args.program)?;
     let outcome = tiermem_cli::run::run(settings, &args.program)?;
     if !args.quiet {
@@ -350,6 +394,9 @@ fn main() -> ExitCode {
         }
         Command::MicroWorker(args) => micro_worker(args),
         Command::Sim(args) => tiermem_cli::sim::run(args),
+        Command::Trace(TraceArgs { command: TraceCommand::Record(args) }) => {
+            trace_record(args).map(|never| match never {})
+        }
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,

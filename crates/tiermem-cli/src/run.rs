@@ -395,6 +395,35 @@ impl RunOutcome {
     }
 }
 
+/// `tiermem trace record`: run `program` like `tiermem run`, with every managed process
+/// recording its faults; the first process's trace goes to `output`, any others' to
+/// `output.<pid>`. Returns the run and the trace files written.
+pub fn record_trace(settings: RunSettings, program: &[OsString], output: &Path) -> Result<(RunOutcome, Vec<PathBuf>)> {
+    let traces = tempfile::Builder::new()
+        .prefix("tiermem-traces-")
+        .tempdir()
+        .map_err(|e| Error::os(e, "creating a directory for traces"))?;
+    let mut settings = settings;
+    settings.trace_dir = Some(traces.path().to_path_buf());
+    let outcome = run(settings, program)?;
+    let mut recorded: Vec<(u32, PathBuf)> = std::fs::read_dir(traces.path())
+        .map_err(|e| Error::os(e, "reading the trace directory"))?
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.path().file_stem()?.to_str()?.parse().ok()?;
+            Some((pid, e.path()))
+        })
+        .collect();
+    recorded.sort();
+    let mut written = Vec::new();
+    for (i, (pid, path)) in recorded.iter().enumerate() {
+        let target = if i == 0 { output.to_path_buf() } else { PathBuf::from(format!("{}.{pid}", output.display())) };
+        std::fs::copy(path, &target).map_err(|e| Error::os(e, format!("writing the trace {}", target.display())))?;
+        written.push(target);
+    }
+    Ok((outcome, written))
+}
+
 /// Exit the way the program did: the same status, or the same signal.
 pub fn exit_like(ending: Ending) -> ! {
     match ending {

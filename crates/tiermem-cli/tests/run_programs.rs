@@ -429,3 +429,34 @@ fn bad_options_fail_before_the_program_starts() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/program"));
 }
+
+/// `tiermem trace record` gives a trace of what the engine saw, which `tiermem sim` replays.
+#[test]
+fn trace_record_writes_a_trace_the_simulator_replays() {
+    let name = "trace_record_writes_a_trace_the_simulator_replays";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, STD_SORT, "std_sort", name) else { return };
+    let bin = bin.display().to_string();
+    let trace = scratch.path().join("sort.trace");
+    let trace_arg = trace.display().to_string();
+    let out = scratch
+        .command(&["trace", "record", "--output", &trace_arg, "--limit", "8MiB", "--", &bin, "4000000"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "trace record failed: {err}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("sorted=1"), "the program's output passes through");
+    let size = std::fs::metadata(&trace).map(|m| m.len()).unwrap_or(0);
+    assert!(size > 1000, "trace of {size} bytes: {err}");
+    let sim = scratch
+        .command(&["sim", &trace_arg, "--local", "50%", "--prefetch", "none,readahead", "--json"])
+        .output()
+        .unwrap();
+    let sim_err = String::from_utf8_lossy(&sim.stderr);
+    assert!(sim.status.success(), "tiermem sim of the recorded trace failed: {sim_err}");
+    let text = String::from_utf8_lossy(&sim.stdout);
+    assert!(text.contains("faults"), "sim printed: {text}");
+}

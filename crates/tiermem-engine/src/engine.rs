@@ -290,6 +290,14 @@ impl Engine {
         Ok(Region { shared: self.shared.clone(), inner })
     }
 
+    /// Finish the fault trace ([`EngineConfig::trace_path`]): write out what is recorded and
+    /// close the file. Later faults are not recorded. Dropping the engine does this too.
+    pub fn finish_trace(&self) {
+        if let Some(trace) = &self.shared.trace {
+            trace.finish();
+        }
+    }
+
     /// Counters and latencies so far.
     pub fn stats(&self) -> StatsSnapshot {
         self.shared.stats.snapshot()

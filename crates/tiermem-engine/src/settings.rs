@@ -29,6 +29,9 @@ pub struct RunSettings {
     pub stats_dir: Option<PathBuf>,
     /// Keep the budget inside the memory cgroup's room (on unless turned off).
     pub respect_cgroup: bool,
+    /// Directory where each managed process records its faults as `<pid>.trace` (the
+    /// simulator's binary format), for `tiermem trace record`.
+    pub trace_dir: Option<PathBuf>,
 }
 
 /// The variables [`RunSettings::from_vars`] understands, with what each holds.
@@ -47,6 +50,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_THRESHOLD", "smallest allocation that is managed, in bytes (default 1MiB)"),
     ("TIERMEM_STATS_DIR", "directory for per-process statistics (<pid>.json)"),
     ("TIERMEM_CGROUP", "on | off: keep the budget inside the memory cgroup's room"),
+    ("TIERMEM_TRACE_DIR", "directory where each managed process records its faults (<pid>.trace)"),
     ("TIERMEM_STATS_JSON", "tiermem run: file for the run's statistics as JSON"),
     ("TIERMEM_TMPDIR", "tiermem run: directory for the temporary device file"),
     ("TIERMEM_PRELOAD_LIB", "tiermem run: path of the preload shim"),
@@ -73,6 +77,7 @@ impl Default for RunSettings {
             threshold: DEFAULT_THRESHOLD,
             stats_dir: None,
             respect_cgroup: true,
+            trace_dir: None,
         }
     }
 }
@@ -112,6 +117,7 @@ impl RunSettings {
                 "TIERMEM_DIRTY_TRACKING" => s.engine.dirty_tracking = value.parse().map_err(named)?,
                 "TIERMEM_THRESHOLD" => s.threshold = nonzero_size(value).map_err(named)?,
                 "TIERMEM_STATS_DIR" => s.stats_dir = Some(PathBuf::from(value)),
+                "TIERMEM_TRACE_DIR" => s.trace_dir = Some(PathBuf::from(value)),
                 "TIERMEM_CGROUP" => {
                     s.respect_cgroup = match value {
                         "on" => true,
@@ -167,6 +173,9 @@ impl RunSettings {
         }
         if let Some(dir) = &self.stats_dir {
             vars.push(("TIERMEM_STATS_DIR", dir.display().to_string()));
+        }
+        if let Some(dir) = &self.trace_dir {
+            vars.push(("TIERMEM_TRACE_DIR", dir.display().to_string()));
         }
         vars
     }

@@ -37,7 +37,7 @@ struct Ring {
 #[derive(Debug)]
 pub(crate) struct TraceSink {
     ring: Arc<Ring>,
-    writer: Option<JoinHandle<std::io::Result<u64>>>,
+    writer: std::sync::Mutex<Option<JoinHandle<std::io::Result<u64>>>>,
 }
 
 impl TraceSink {
@@ -77,7 +77,7 @@ impl TraceSink {
                 }
             })
             .map_err(|e| Error::os(e, "starting the trace writer thread"))?;
-        Ok(Self { ring, writer: Some(writer) })
+        Ok(Self { ring, writer: std::sync::Mutex::new(Some(writer)) })
     }
 
     /// Record an access to `page` (a page id); safe in a signal handler.
@@ -100,15 +100,24 @@ impl TraceSink {
     }
 }
 
-impl Drop for TraceSink {
-    fn drop(&mut self) {
+impl TraceSink {
+    /// Write out what is recorded, close the file and record nothing more (a process that exits
+    /// without dropping its engine, like one under the preload shim, calls this at exit).
+    pub(crate) fn finish(&self) {
         self.ring.stop.store(true, Ordering::Release);
-        let written = self.writer.take().map(|w| w.join());
+        let Some(writer) = self.writer.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
+        let written = Some(writer.join());
         let dropped = self.ring.dropped.load(Ordering::Relaxed);
         match written {
             Some(Ok(Ok(n))) => tracing::info!(records = n, dropped, "trace written"),
             Some(Ok(Err(e))) => tracing::error!(error = %e, "writing the trace failed"),
             _ => tracing::error!("the trace writer thread panicked"),
         }
+    }
+}
+
+impl Drop for TraceSink {
+    fn drop(&mut self) {
+        self.finish();
     }
 }

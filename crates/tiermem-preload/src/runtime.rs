@@ -141,6 +141,9 @@ pub fn engine() -> &'static Engine {
     // The I/O buffers are pinned memory charged to the program's cgroup: a small budget gets
     // fewer (1/16 of it), so tiermem's own overhead does not eat the room it pages into.
     config.io_buffers = u32::try_from(config.limit_pages() / 16).unwrap_or(u32::MAX).clamp(64, config.io_buffers);
+    if let Some(dir) = &settings.trace_dir {
+        config.trace_path = Some(dir.join(format!("{}.trace", std::process::id())));
+    }
     let engine = match Engine::new(config, device) {
         Ok(engine) => engine,
         Err(e) => die(&["tiermem: cannot start the paging engine: ", &e.to_string()]),
@@ -309,6 +312,7 @@ extern "C" fn at_exit() {
         return;
     }
     let (Some(engine), Some(settings)) = (ENGINE.get(), SETTINGS.get()) else { return };
+    engine.finish_trace();
     let Some(dir) = &settings.stats_dir else { return };
     let lowest = LOWEST_BUDGET.load(Ordering::Relaxed);
     let report = serde_json::json!({
