@@ -110,19 +110,24 @@ pub unsafe extern "C" fn write(fd: i32, buf: *const c_void, len: usize) -> isize
     in_resident_pieces(buf.cast_mut(), len, false, true, |p, n| sys!(libc::SYS_write, fd, p, n))
 }
 
+/// pread/pwrite: pieces at advancing file offsets.
+fn positioned(syscall: libc::c_long, fd: i32, buf: *mut c_void, len: usize, off: i64, kernel_writes: bool) -> isize {
+    if !needs_wrapping(buf, len) {
+        return sys!(syscall, fd, buf, len, off);
+    }
+    let mut at = off;
+    in_resident_pieces(buf, len, kernel_writes, true, |p, n| {
+        let r = sys!(syscall, fd, p, n, at);
+        at += r.max(0) as i64;
+        r
+    })
+}
+
 /// # Safety
 /// The C contract of pread.
 #[no_mangle]
 pub unsafe extern "C" fn pread(fd: i32, buf: *mut c_void, len: usize, off: i64) -> isize {
-    if !needs_wrapping(buf, len) {
-        return sys!(libc::SYS_pread64, fd, buf, len, off);
-    }
-    let mut at = off;
-    in_resident_pieces(buf, len, true, true, |p, n| {
-        let r = sys!(libc::SYS_pread64, fd, p, n, at);
-        at += r.max(0) as i64;
-        r
-    })
+    positioned(libc::SYS_pread64, fd, buf, len, off, true)
 }
 
 /// # Safety
@@ -137,15 +142,7 @@ pub unsafe extern "C" fn pread64(fd: i32, buf: *mut c_void, len: usize, off: i64
 /// The C contract of pwrite.
 #[no_mangle]
 pub unsafe extern "C" fn pwrite(fd: i32, buf: *const c_void, len: usize, off: i64) -> isize {
-    if !needs_wrapping(buf, len) {
-        return sys!(libc::SYS_pwrite64, fd, buf, len, off);
-    }
-    let mut at = off;
-    in_resident_pieces(buf.cast_mut(), len, false, true, |p, n| {
-        let r = sys!(libc::SYS_pwrite64, fd, p, n, at);
-        at += r.max(0) as i64;
-        r
-    })
+    positioned(libc::SYS_pwrite64, fd, buf.cast_mut(), len, off, false)
 }
 
 /// # Safety

@@ -157,7 +157,7 @@ pub fn engine() -> &'static Engine {
     // SAFETY: as above.
     unsafe { libc::atexit(at_exit) };
     if settings.respect_cgroup {
-        if let Some(cgroup) = crate::runtime::CgroupRoom::of_self() {
+        if let Some(cgroup) = CgroupRoom::of_self() {
             let _ =
                 std::thread::Builder::new().name("tiermem-cgroup".into()).spawn(move || watch_cgroup(engine, cgroup));
         }

@@ -23,25 +23,9 @@ pub const MAX_PAGE: u64 = (1 << 40) - 1;
 /// One page-level event, packed as `page << 2 | kind`.
 pub type Event = u64;
 
-/// What an event is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EventKind {
-    /// A read reaching memory.
-    Read = 0,
-    /// A write reaching memory.
-    Write = 1,
-    /// The access monitor reported the page as used (no residency effect).
-    Report = 2,
-    /// CPU work: the value counts byte-level accesses since the previous event that stayed in
-    /// the caches.
-    Compute = 3,
-}
-
-/// Pack an event.
-#[inline]
-pub fn event(page: u64, kind: EventKind) -> Event {
-    page << 2 | kind as u64
-}
+/// What an event is, and how one is packed: the same kinds and packing as the binary trace
+/// format's records, so a trace loads without translation.
+pub use tiermem_monitor::trace_format::{record as event, RecordKind as EventKind};
 
 /// Unpack an event.
 #[inline]
