@@ -8,7 +8,7 @@ use tiermem_cli::bench::apps;
 use tiermem_cli::bench::array::Phase;
 use tiermem_cli::bench::micro;
 use tiermem_cli::bench::micro_tiermem::{self, Row, Variant};
-use tiermem_engine::FaultMode;
+use tiermem_engine::EngineConfig;
 use tiermem_sys::probe::KernelFeatures;
 use tiermem_sys::{Error, ErrorKind, Result};
 
@@ -74,6 +74,12 @@ struct MicroArgs {
     /// How tiermem takes faults.
     #[arg(long, default_value = "sigbus", env = "TIERMEM_FAULT_MODE")]
     fault_mode: String,
+    /// tiermem's prefetcher (default: the engine's).
+    #[arg(long, env = "TIERMEM_PREFETCH")]
+    prefetch: Option<String>,
+    /// tiermem's replacement policy (default: the engine's).
+    #[arg(long, env = "TIERMEM_REPLACE")]
+    replace: Option<String>,
     /// Array size in MiB.
     #[arg(long, default_value_t = 100)]
     size_mb: u64,
@@ -139,7 +145,15 @@ struct MicroWorkerArgs {
 fn bench_micro(args: &MicroArgs) -> Result<()> {
     let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     micro::validate_micro_args(args.size_mb, args.limit_mb, &dir)?;
-    let fault_mode: FaultMode = args.fault_mode.parse()?;
+    let mut base = EngineConfig { fault_mode: args.fault_mode.parse()?, ..EngineConfig::default() };
+    if let Some(p) = &args.prefetch {
+        base.prefetch = p.clone();
+    }
+    if let Some(r) = &args.replace {
+        base.replace = r.clone();
+    }
+    // Bad policy names fail here, before any system runs.
+    tiermem_engine::policy::build_policies(&base.prefetch, &base.replace, 1, &Default::default())?;
     let mut rows = Vec::new();
     let mut details = Vec::new();
     for &system in &args.systems {
@@ -158,7 +172,7 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
                 })
             }
             Some(variant) => {
-                micro_tiermem::tiermem_point(variant, args.size_mb, args.limit_mb, &dir, fault_mode, Some(&report)).map(
+                micro_tiermem::tiermem_point(variant, args.size_mb, args.limit_mb, &dir, &base, Some(&report)).map(
                     |point| {
                         rows.push(Row::new(&name, &point.array, Some(&point.stats)));
                         details.push(serde_json::json!({"system": name, "tiermem": point}));

@@ -120,10 +120,10 @@ impl Default for EngineConfig {
             dirty_tracking: DirtyTracking::Auto,
             io_mode: IoMode::Hybrid,
             reclaim_mode: ReclaimMode::Background,
-            // Linux-style readahead sizes its window from prefetch hits, which the engine cannot
-            // see while it maps prefetched pages at once (eager install): its window shrinks to
-            // one page on a sequential scan. Fastswap's fixed next-7 does not depend on hits.
-            prefetch: "fastswap".into(),
+            // Sequential windows ramping to 64 pages, driven by where faults land: swap-style
+            // readahead sizes its window from prefetch hits, which eager install hides, and a
+            // fixed next-7 is too short to cover a device latency of tens of microseconds.
+            prefetch: "ondemand".into(),
             replace: "clock".into(),
             io_buffers: 1024,
             queue_depth: 128,

@@ -127,6 +127,18 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, lane_hint:
                         shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
                     }
                 }
+                if waited_on_prefetch {
+                    // The program caught up with a prefetch in flight: the moment to read
+                    // further ahead (a prefetch hit, as for a page found in the prefetch cache).
+                    let info = FaultInfo {
+                        region: region.index,
+                        page: index,
+                        region_pages: region.page_count(),
+                        write,
+                        hit: true,
+                    };
+                    issue_prefetches(shared, region, &info, None);
+                }
                 return Outcome::Resolved;
             }
             Kind::Incoming => {

@@ -6,7 +6,8 @@
 //!
 //! Prefetchers: `none`, `readahead` (Linux VMA swap readahead), `fastswap` (next 7 pages),
 //! `leap` (majority trend over a delta history), `stream` (the co-designed remote memory paper's
-//! §3.2 stream training table). Replacement: `fifo`, `clock`, `lru`, `stream-first` (§3.1), and
+//! §3.2 stream training table), `ondemand` (sequential windows ramping up to 64 pages, after
+//! Linux's file readahead). Replacement: `fifo`, `clock`, `lru`, `stream-first` (§3.1), and
 //! the offline reference `belady`, which needs the future and so is built from a trace
 //! ([`replace::Belady::from_trace`]), never by name.
 
@@ -18,7 +19,7 @@ use std::sync::Arc;
 
 pub use tiermem_sys::{Error, ErrorKind, Result};
 
-use crate::prefetch::{Fastswap, Leap, NoPrefetch, Readahead, StreamPrefetcher};
+use crate::prefetch::{Fastswap, Leap, NoPrefetch, Ondemand, Readahead, StreamPrefetcher};
 use crate::replace::{Clock, Lru, StreamFirst};
 use crate::stream::{StreamConfig, StreamTable};
 
@@ -132,7 +133,7 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
 }
 
 /// Names accepted by [`prefetcher_by_name`].
-pub const PREFETCHERS: &[&str] = &["none", "readahead", "fastswap", "leap", "stream"];
+pub const PREFETCHERS: &[&str] = &["none", "readahead", "fastswap", "leap", "stream", "ondemand"];
 /// Names accepted by [`replacement_by_name`].
 pub const REPLACEMENTS: &[&str] = &["clock", "fifo", "lru", "stream-first"];
 /// Replacement policies that exist only offline (they read the future from a trace).
@@ -174,6 +175,7 @@ pub fn build_policies(
         "readahead" => Box::new(Readahead::new(3)),
         "fastswap" => Box::new(Fastswap::new(7)),
         "leap" => Box::new(Leap::new()),
+        "ondemand" => Box::new(Ondemand::new(PageList::CAPACITY as u64)),
         _ => {
             Box::new(StreamPrefetcher::new(table.clone().unwrap_or_else(|| Arc::new(StreamTable::new(options.stream)))))
         }

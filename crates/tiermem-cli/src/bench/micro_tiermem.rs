@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use tiermem_device::{BufferArena, Device, DeviceSpec, QueueKind, Request};
-use tiermem_engine::{Engine, EngineConfig, FaultMode, IoMode, StatsSnapshot};
+use tiermem_engine::{Engine, EngineConfig, IoMode, StatsSnapshot};
 use tiermem_sys::{Error, Result};
 
 use super::array::{run_array_bench, ArrayResult};
@@ -79,13 +79,12 @@ pub fn tiermem_point(
     size_mb: u64,
     limit_mb: u64,
     dir: &Path,
-    fault_mode: FaultMode,
+    base: &EngineConfig,
     progress: Option<&dyn Fn(super::array::Phase, usize)>,
 ) -> Result<TiermemPoint> {
     let bytes = size_mb << 20;
     let device = open_device(variant, dir, bytes + (bytes / 4).max(16 << 20))?;
-    let config =
-        EngineConfig { limit_bytes: limit_mb << 20, io_mode: variant.io_mode(), fault_mode, ..EngineConfig::default() };
+    let config = EngineConfig { limit_bytes: limit_mb << 20, io_mode: variant.io_mode(), ..base.clone() };
     let engine = Engine::new(config, device)?;
     let region = engine.create_region(bytes as usize)?;
     // SAFETY: the region is `bytes` long, page-aligned, and nothing else uses it.

@@ -3,12 +3,14 @@
 mod fastswap;
 mod leap;
 mod none;
+mod ondemand;
 mod readahead;
 mod stream;
 
 pub use fastswap::Fastswap;
 pub use leap::Leap;
 pub use none::NoPrefetch;
+pub use ondemand::Ondemand;
 pub use readahead::Readahead;
 pub use stream::StreamPrefetcher;
 
