@@ -80,6 +80,9 @@ struct MicroArgs {
     /// tiermem's replacement policy (default: the engine's).
     #[arg(long, env = "TIERMEM_REPLACE")]
     replace: Option<String>,
+    /// How tiermem notices writes: auto, sync-wp, async-wp, none.
+    #[arg(long, default_value = "auto", env = "TIERMEM_DIRTY_TRACKING")]
+    dirty_tracking: String,
     /// Array size in MiB.
     #[arg(long, default_value_t = 100)]
     size_mb: u64,
@@ -145,7 +148,11 @@ struct MicroWorkerArgs {
 fn bench_micro(args: &MicroArgs) -> Result<()> {
     let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     micro::validate_micro_args(args.size_mb, args.limit_mb, &dir)?;
-    let mut base = EngineConfig { fault_mode: args.fault_mode.parse()?, ..EngineConfig::default() };
+    let mut base = EngineConfig {
+        fault_mode: args.fault_mode.parse()?,
+        dirty_tracking: args.dirty_tracking.parse()?,
+        ..EngineConfig::default()
+    };
     if let Some(p) = &args.prefetch {
         base.prefetch = p.clone();
     }

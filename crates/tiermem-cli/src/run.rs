@@ -341,7 +341,7 @@ impl RunOutcome {
         let lowest = self.processes.iter().filter_map(|p| p["lowest_budget_bytes"].as_u64()).min();
         let _ = writeln!(
             s,
-            "budget          {:.1} MiB{}  device {}  fault mode {}  prefetch {}  replace {}",
+            "budget          {:.1} MiB{}  device {}  fault mode {}  dirty tracking {}  prefetch {}  replace {}",
             mib(budget),
             lowest
                 .filter(|&l| l < budget)
@@ -349,6 +349,8 @@ impl RunOutcome {
                 .unwrap_or_default(),
             self.settings.device,
             self.settings.engine.fault_mode,
+            // What the engine picked (auto resolves to what the kernel offers).
+            self.processes.iter().find_map(|p| p["dirty_tracking"].as_str()).unwrap_or("?"),
             self.settings.engine.prefetch,
             self.settings.engine.replace
         );

@@ -24,6 +24,11 @@ pub enum DirtyTracking {
     Auto,
     /// Pages come in write-protected; the first write faults synchronously and marks them dirty.
     SyncWriteProtect,
+    /// Pages come in write-protected and the kernel lifts the protection on the first write
+    /// without a fault reaching the engine (UFFD_FEATURE_WP_ASYNC); eviction finds written pages
+    /// with PAGEMAP_SCAN, takes each page out with UFFDIO_MOVE (a writer then waits for the
+    /// engine) and confirms an unwritten page against a hash of what its slot holds.
+    AsyncWriteProtect,
     /// No tracking: every resident page is written back when evicted.
     None,
 }
@@ -75,7 +80,7 @@ macro_rules! parse_enum {
 }
 
 parse_enum!(FaultMode, "fault mode", "thread" => FaultMode::HandlerThread, "sigbus" => FaultMode::Sigbus);
-parse_enum!(DirtyTracking, "dirty tracking", "auto" => DirtyTracking::Auto, "sync-wp" => DirtyTracking::SyncWriteProtect, "none" => DirtyTracking::None);
+parse_enum!(DirtyTracking, "dirty tracking", "auto" => DirtyTracking::Auto, "sync-wp" => DirtyTracking::SyncWriteProtect, "async-wp" => DirtyTracking::AsyncWriteProtect, "none" => DirtyTracking::None);
 parse_enum!(IoMode, "I/O mode", "hybrid" => IoMode::Hybrid, "poll-only" => IoMode::PollOnly, "interrupt-only" => IoMode::InterruptOnly);
 parse_enum!(ReclaimMode, "reclaim mode", "background" => ReclaimMode::Background, "on-fault-path" => ReclaimMode::OnFaultPath);
 

@@ -41,8 +41,10 @@ pub(crate) struct Shared {
     limit_pages: AtomicU64,
     /// Residency that wakes the reclaim thread, derived from the current limit.
     watermark_pages: AtomicU64,
-    /// Pages come in write-protected and the first write faults (sync WP).
+    /// Pages come in write-protected (for sync or async WP).
     pub(crate) write_protect: bool,
+    /// Async WP: writes never fault; eviction takes pages out with UFFDIO_MOVE.
+    pub(crate) capture: Option<crate::capture::Capture>,
     /// Zeros to copy into untouched pages (enough for one zero-fill-around).
     pub(crate) zero_page: Mapping,
     /// Written to wake the reclaim thread (an eventfd: safe to write from a signal handler).
@@ -148,17 +150,32 @@ impl Engine {
                 ),
             ));
         }
-        let write_protect = match config.dirty_tracking {
-            DirtyTracking::None => false,
-            DirtyTracking::Auto => features.wp && features.copy_mode_wp,
+        let can_sync = features.wp && features.copy_mode_wp;
+        let can_async = can_sync && features.wp_async && features.pagemap_scan && features.move_pages;
+        let (write_protect, async_wp) = match config.dirty_tracking {
+            DirtyTracking::None => (false, false),
+            DirtyTracking::Auto => (can_sync, can_async),
             DirtyTracking::SyncWriteProtect => {
-                if !(features.wp && features.copy_mode_wp) {
+                if !can_sync {
                     return Err(Error::new(
                         ErrorKind::Unsupported,
                         "sync-wp dirty tracking needs userfaultfd WP and COPY_MODE_WP, which this kernel lacks",
                     ));
                 }
-                true
+                (true, false)
+            }
+            DirtyTracking::AsyncWriteProtect => {
+                if !can_async {
+                    return Err(Error::new(
+                        ErrorKind::Unsupported,
+                        format!(
+                            "async-wp dirty tracking needs userfaultfd WP_ASYNC and MOVE and PAGEMAP_SCAN \
+                             (Linux >= 6.8); kernel {} lacks some: use sync-wp",
+                            features.kernel
+                        ),
+                    ));
+                }
+                (true, true)
             }
         };
         let mut wanted = Features::THREAD_ID.with(Features::WP);
@@ -171,7 +188,11 @@ impl Engine {
             }
             wanted = wanted.with(Features::SIGBUS);
         }
+        if async_wp {
+            wanted = wanted.with(Features::WP_ASYNC).with(Features::MOVE);
+        }
         let uffd = Uffd::open(wanted, true)?;
+        let capture = if async_wp { Some(crate::capture::Capture::new(&uffd)?) } else { None };
         let arena = Arc::new(BufferArena::new(config.io_buffers)?);
         let queues = Queues::open(&config, &*device, &arena)?;
         let limit_pages = config.limit_pages();
@@ -195,6 +216,7 @@ impl Engine {
             limit_pages: AtomicU64::new(limit_pages),
             watermark_pages: AtomicU64::new(watermark_pages),
             write_protect,
+            capture,
             zero_page: Mapping::anonymous(PAGE_SIZE * crate::fault::ZERO_FILL_AROUND, true)?,
             reclaim_wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
                 .map_err(|e| Error::os(e.into(), "eventfd"))?,
@@ -286,7 +308,7 @@ impl Engine {
             .regions
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(|index| RegionInner::new(index, mapping));
+            .insert(|index| RegionInner::new(index, mapping, self.shared.capture.is_some()));
         Ok(Region { shared: self.shared.clone(), inner })
     }
 
@@ -348,13 +370,25 @@ impl Engine {
         self.shared.write_protect
     }
 
+    /// How writes are tracked: "sync-wp", "async-wp" or "none".
+    pub fn dirty_tracking(&self) -> &'static str {
+        match (self.shared.write_protect, self.shared.capture.is_some()) {
+            (_, true) => "async-wp",
+            (true, false) => "sync-wp",
+            (false, false) => "none",
+        }
+    }
+
     /// A line saying how the engine runs, for logs and summaries.
     pub fn describe(&self) -> String {
         format!(
             "device {}; fault mode {}; dirty tracking {}; I/O {} ({}); reclaim {} at {:.0}% of {} MiB; prefetch {}; replace {}",
             self.shared.device.describe(),
             self.shared.config.fault_mode,
-            if self.shared.write_protect { "sync-wp" } else { "none (every eviction writes)" },
+            match self.dirty_tracking() {
+                "none" => "none (every eviction writes)",
+                other => other,
+            },
             self.shared.config.io_mode,
             self.shared.queues.describe(),
             self.shared.config.reclaim_mode,

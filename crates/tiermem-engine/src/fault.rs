@@ -291,7 +291,7 @@ fn zero_fill_around(
 
 /// Map `count` pages of `src` at `dst` with UFFDIO_COPY, retrying while the address space is
 /// being changed.
-fn map_pages(shared: &Shared, dst: *mut u8, src: *const u8, count: usize, write_protect: bool) -> Result<(), Errno> {
+pub(crate) fn map_pages(shared: &Shared, dst: *mut u8, src: *const u8, count: usize, write_protect: bool) -> Result<(), Errno> {
     loop {
         // SAFETY: src is readable for `count` pages (an arena buffer, or the zero area of
         // ZERO_FILL_AROUND pages); dst..dst+count pages lie in a registered region and are all

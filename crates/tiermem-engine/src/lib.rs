@@ -12,6 +12,7 @@
 //!   lost; pages not written since they came in are dropped without a device write.
 
 pub mod config;
+mod capture;
 mod delivery;
 mod discard;
 mod engine;

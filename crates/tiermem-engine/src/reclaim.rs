@@ -5,6 +5,9 @@
 //! - dirty: write-protect it (a racing write now faults and waits for the lock), copy it to a
 //!   buffer, drop it, and queue the write. Until the write completes, a fault on the page is
 //!   served from that buffer; the buffer is freed on completion, never waited for here.
+//!
+//! Under async write protection a racing write is not stopped by protection, so pages are taken
+//! out with UFFDIO_MOVE first and judged afterwards (see [`crate::capture`]).
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -33,6 +36,8 @@ struct Victim<'a> {
     slot: Option<(u64, bool)>,
     /// The state to publish, once decided.
     next: Option<PageState>,
+    /// Async WP: the staging page the page was moved to (its contents are read there).
+    staged: Option<usize>,
 }
 
 /// Evict up to `max` pages chosen by the replacement policy. Returns how many were evicted.
@@ -67,43 +72,51 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
     }
     let victims = &mut storage[..n];
     victims.sort_by_key(|v| v.as_ref().map_or(PageId::MAX, |v| v.id));
-    // Write-protect the dirty pages, run by run: from here a racing write waits for our lock.
-    for_each_run(
-        victims,
-        |v| v.buf.is_some(),
-        |addr, len| shared.uffd.write_protect(addr, len, true, false).is_ok(),
-        |v, ok| {
-            if !ok {
-                v.next = Some(v.page.state());
-            }
-        },
-    );
-    queue_writes(shared, victims);
-    for v in victims.iter_mut().flatten().filter(|v| v.next.is_none()) {
-        v.next = Some(match v.page.state().slot() {
-            Some(_) => v.page.state().with_kind(Kind::Evicted),
-            None => PageState::UNTOUCHED,
-        });
+    if let Some(capture) = &shared.capture {
+        let mut staging = capture.claim();
+        move_out(shared, capture, &mut staging, victims);
+        queue_writes(shared, victims);
+        put_back_failed(shared, victims);
+        // Dropping `staging` empties it: every page moved there is copied or clean.
+    } else {
+        // Write-protect the dirty pages, run by run: from here a racing write waits for our lock.
+        for_each_run(
+            victims,
+            |v| v.buf.is_some(),
+            |addr, len| shared.uffd.write_protect(addr, len, true, false).is_ok(),
+            |v, ok| {
+                if !ok {
+                    v.next = Some(v.page.state());
+                }
+            },
+        );
+        queue_writes(shared, victims);
+        for v in victims.iter_mut().flatten().filter(|v| v.next.is_none()) {
+            v.next = Some(match v.page.state().slot() {
+                Some(_) => v.page.state().with_kind(Kind::Evicted),
+                None => PageState::UNTOUCHED,
+            });
+        }
+        // Drop every page that leaves, run by run; its data is in its slot or a write buffer.
+        for_each_run(
+            victims,
+            |v| v.next.is_some_and(|n| n.kind() != Kind::Resident),
+            // SAFETY: every page in the run is locked by us and its contents are saved.
+            |addr, len| unsafe { tiermem_sys::mem::discard(addr, len) }.is_ok(),
+            |v, ok| {
+                if !ok {
+                    // Still mapped: stays resident (a write in flight for it is harmless).
+                    let keep = v.page.state();
+                    v.next = Some(match v.buf {
+                        Some(b) if v.next.is_some_and(|n| n.writing()) => {
+                            keep.with_slot(v.slot.map(|s| s.0)).with_writing(true).with_buf(b)
+                        }
+                        _ => keep,
+                    });
+                }
+            },
+        );
     }
-    // Drop every page that leaves, run by run; its data is in its slot or a write buffer.
-    for_each_run(
-        victims,
-        |v| v.next.is_some_and(|n| n.kind() != Kind::Resident),
-        // SAFETY: every page in the run is locked by us and its contents are saved.
-        |addr, len| unsafe { tiermem_sys::mem::discard(addr, len) }.is_ok(),
-        |v, ok| {
-            if !ok {
-                // Still mapped: stays resident (a write in flight for it is harmless).
-                let keep = v.page.state();
-                v.next = Some(match v.buf {
-                    Some(b) if v.next.is_some_and(|n| n.writing()) => {
-                        keep.with_slot(v.slot.map(|s| s.0)).with_writing(true).with_buf(b)
-                    }
-                    _ => keep,
-                });
-            }
-        },
-    );
     let mut evicted = 0;
     for v in victims.iter_mut().filter_map(Option::take) {
         let next = v.next.unwrap_or_else(|| v.page.state());
@@ -114,7 +127,9 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
             } else {
                 // Not evicted: undo what was done for it.
                 if v.buf.is_some() {
-                    let _ = shared.uffd.write_protect(v.region.page_addr(v.index), PAGE_SIZE, false, false);
+                    if shared.capture.is_none() {
+                        let _ = shared.uffd.write_protect(v.region.page_addr(v.index), PAGE_SIZE, false, false);
+                    }
                     release(shared, v.buf);
                 }
                 if let Some((slot, true)) = v.slot {
@@ -183,7 +198,7 @@ fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId) -> Res
         release(shared, buf);
         None
     };
-    Ok(Victim { id, region, index, page, buf, slot: None, next: None })
+    Ok(Victim { id, region, index, page, buf, slot: None, next: None, staged: None })
 }
 
 /// Call `act` once per maximal run of address-contiguous victims selected by `pick` (victims
@@ -231,6 +246,121 @@ fn release(shared: &Shared, buf: Option<tiermem_device::BufId>) {
     }
 }
 
+/// Async WP: move every victim's page to `staging`, run by run, and decide which need a write
+/// (they get a buffer and stay undecided for [`queue_writes`]) and which are clean (decided
+/// here). A page that cannot be moved stays resident.
+fn move_out(
+    shared: &Shared,
+    capture: &crate::capture::Capture,
+    staging: &mut crate::capture::Staging<'_>,
+    victims: &mut [Option<Victim<'_>>],
+) {
+    let n = victims.len();
+    let mut written = [false; PageList::CAPACITY];
+    let mut moved = [false; PageList::CAPACITY];
+    let mut i = 0;
+    while i < n {
+        let mut j = i + 1;
+        while j < n && contiguous(victims[j - 1].as_ref(), victims[j].as_ref()) {
+            j += 1;
+        }
+        let Some(first) = victims[i].as_ref() else {
+            i = j;
+            continue;
+        };
+        let addr = first.region.page_addr(first.index);
+        capture.find_written(addr as usize, &mut written[i..j]);
+        // SAFETY: the run's pages are resident and locked by this thread, in a registered
+        // region; the staging pages i..j are empty and registered on the same userfaultfd.
+        let done = match unsafe { shared.uffd.move_pages(staging.page(i), addr, (j - i) * PAGE_SIZE) } {
+            Ok(bytes) | Err((bytes, _)) => bytes / PAGE_SIZE,
+        };
+        moved[i..i + done].fill(true);
+        for (k, ok) in moved.iter_mut().enumerate().take(j).skip(i + done) {
+            *ok = move_one(shared, staging.page(k), addr.wrapping_add((k - i) * PAGE_SIZE));
+        }
+        staging.note_used(j);
+        i = j;
+    }
+    for (k, slot) in victims.iter_mut().enumerate() {
+        let Some(v) = slot.as_mut() else { continue };
+        let state = v.page.state();
+        if !moved[k] {
+            release(shared, v.buf.take());
+            v.next = Some(state);
+            continue;
+        }
+        let page = staging.page(k);
+        v.staged = Some(page as usize);
+        let clean = !written[k] && !state.dirty() && state.slot().is_some() && {
+            // SAFETY: the page was moved to this staging page, which only this thread touches.
+            let bytes = unsafe { std::slice::from_raw_parts(page.cast_const(), PAGE_SIZE) };
+            v.region.slot_hashes.get(v.index as usize).is_some_and(|h| h.load(Ordering::Relaxed) == crate::capture::page_hash(bytes))
+        };
+        if clean {
+            release(shared, v.buf.take());
+            v.next = Some(state.with_kind(Kind::Evicted));
+            continue;
+        }
+        if v.buf.is_none() {
+            v.buf = shared.arena.alloc();
+        }
+        if v.buf.is_none() {
+            // No buffer to write it from: it goes back (see put_back_failed).
+            v.next = Some(state.with_dirty(true));
+        }
+    }
+}
+
+/// Move one page; a page shared with a forked child (not exclusively ours, which UFFDIO_MOVE
+/// refuses) is made ours by a write that changes nothing, then moved.
+fn move_one(shared: &Shared, dst: *mut u8, src: *mut u8) -> bool {
+    let mut made_ours = false;
+    // EAGAIN: the page table changed under the kernel's check; retried a bounded number of times.
+    for _ in 0..64 {
+        // SAFETY: as in move_out: `src` is resident and locked by this thread, `dst` an empty
+        // registered staging page.
+        match unsafe { shared.uffd.move_pages(dst, src, PAGE_SIZE) } {
+            Ok(_) => return true,
+            Err((_, rustix::io::Errno::BUSY)) if !made_ours => {
+                made_ours = true;
+                // SAFETY: `src` is a resident, page-aligned (so u64-aligned) page of a region,
+                // locked by this thread and mapped; the program may write it meanwhile, which
+                // the compare-exchange below never undoes.
+                let word = unsafe { &*src.cast::<std::sync::atomic::AtomicU64>() };
+                // Write the first word back unchanged, which makes the kernel give this process
+                // its own copy (a copy-on-write break). A compare-exchange, not `fetch_or(0)`:
+                // the compiler turns an idempotent read-modify-write into a plain load.
+                let mut current = word.load(Ordering::Relaxed);
+                while let Err(seen) = word.compare_exchange(current, current, Ordering::SeqCst, Ordering::Relaxed) {
+                    current = seen;
+                }
+            }
+            Err((_, rustix::io::Errno::AGAIN)) => std::hint::spin_loop(),
+            Err(_) => return false,
+        }
+    }
+    false
+}
+
+/// Async WP: a victim that was moved out but stays resident after all (no buffer, no slot, a
+/// failed submission) goes back where it was, dirty.
+fn put_back_failed(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
+    for v in victims.iter_mut().flatten() {
+        let (Some(staged), Some(next)) = (v.staged, v.next) else { continue };
+        if next.kind() != Kind::Resident {
+            continue;
+        }
+        let addr = v.region.page_addr(v.index);
+        if crate::fault::map_pages(shared, addr, staged as *const u8, 1, false).is_err() {
+            // Nothing left to try: say so loudly rather than return wrong data later.
+            tracing::error!(page = v.index, "an evicted page could not be put back");
+            std::process::abort();
+        }
+        v.next = Some(next.with_dirty(true));
+    }
+}
+
 /// Copy each protected dirty victim to its buffer and queue its write. Sets `next` for the ones
 /// that leave (or stay, on failure).
 fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
@@ -240,9 +370,11 @@ fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
         let buf = v.buf.unwrap_or_default();
         let state = v.page.state();
         let copy = shared.arena.bytes_mut(buf);
-        // SAFETY: the page is mapped (resident, locked) and write-protected, so its PAGE_SIZE
-        // bytes are readable and stable while copied.
-        copy.copy_from_slice(unsafe { std::slice::from_raw_parts(v.region.page_addr(v.index), PAGE_SIZE) });
+        let from = v.staged.map_or(v.region.page_addr(v.index).cast_const(), |a| a as *const u8);
+        // SAFETY: `from` is the page, mapped (resident, locked) and write-protected, or the
+        // staging page it was moved to, which only this thread touches: its PAGE_SIZE bytes are
+        // readable and stable while copied.
+        copy.copy_from_slice(unsafe { std::slice::from_raw_parts(from, PAGE_SIZE) });
         if copy.iter().all(|&b| b == 0) {
             // Zeros need no slot: the page becomes untouched again.
             if let Some(slot) = state.slot() {
@@ -272,6 +404,9 @@ fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
             continue;
         }
         queued += 1;
+        if let Some(hash) = v.region.slot_hashes.get(v.index as usize) {
+            hash.store(crate::capture::page_hash(shared.arena.bytes_mut(buf)), Ordering::Relaxed);
+        }
         Stats::add(&shared.stats.counters.writebacks, 1);
         v.next = Some(
             state.with_kind(Kind::Evicted).with_slot(Some(slot)).with_dirty(false).with_writing(true).with_buf(buf),

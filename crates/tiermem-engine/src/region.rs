@@ -15,14 +15,19 @@ pub(crate) struct RegionInner {
     pub(crate) index: u32,
     pub(crate) mapping: Mapping,
     pub(crate) pages: Box<[PageCell]>,
+    /// Async WP only: per page, a hash of what its slot holds, set when it came in from there;
+    /// eviction drops an unwritten page only if its contents still hash the same.
+    pub(crate) slot_hashes: Box<[std::sync::atomic::AtomicU64]>,
     /// Set when the region is being freed: reclaim and prefetch start no new work on it.
     pub(crate) closing: std::sync::atomic::AtomicBool,
 }
 
 impl RegionInner {
-    pub(crate) fn new(index: u32, mapping: Mapping) -> Self {
-        let pages = (0..mapping.len() / PAGE_SIZE).map(|_| PageCell::default()).collect();
-        Self { index, mapping, pages, closing: std::sync::atomic::AtomicBool::new(false) }
+    pub(crate) fn new(index: u32, mapping: Mapping, with_hashes: bool) -> Self {
+        let count = mapping.len() / PAGE_SIZE;
+        let pages = (0..count).map(|_| PageCell::default()).collect();
+        let slot_hashes = (0..if with_hashes { count } else { 0 }).map(|_| Default::default()).collect();
+        Self { index, mapping, pages, slot_hashes, closing: std::sync::atomic::AtomicBool::new(false) }
     }
 
     pub(crate) fn is_closing(&self) -> bool {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use common::*;
 use tiermem_device::MemDevice;
-use tiermem_engine::{Engine, EngineConfig, FaultMode};
+use tiermem_engine::{DirtyTracking, Engine, EngineConfig, FaultMode};
 
 fn touch_all(base: *mut u8, pages: usize, write: bool) -> u64 {
     let mut sum = 0u64;
@@ -32,8 +32,19 @@ fn rereading_an_unmodified_region_writes_nothing() {
     if features_or_skip("rereading_an_unmodified_region_writes_nothing").is_none() {
         return;
     }
-    for (name, device) in devices(64 << 20) {
-        let engine = engine(device, 256, |_| {});
+    let f = tiermem_sys::probe::KernelFeatures::probe();
+    let mut modes = vec![DirtyTracking::SyncWriteProtect];
+    if f.wp_async && f.move_pages && f.pagemap_scan {
+        modes.push(DirtyTracking::AsyncWriteProtect);
+    } else {
+        eprintln!("SKIPPED async-wp part: kernel lacks WP_ASYNC, MOVE or PAGEMAP_SCAN");
+    }
+    for ((device_name, device), mode) in
+        modes.iter().flat_map(|&m| devices(64 << 20).into_iter().map(move |d| (d, m)))
+    {
+        let name = format!("{device_name} {mode}");
+        let engine = engine(device, 256, |c| c.dirty_tracking = mode);
+        assert_eq!(engine.dirty_tracking(), mode.to_string());
         let pages = 1024;
         let region = engine.create_region(pages * 4096).unwrap();
         touch_all(region.as_ptr(), pages, true);
@@ -213,4 +224,56 @@ fn freeing_regions_while_reclaim_runs_keeps_the_books_straight() {
     }
     drop(keep);
     assert_eq!(engine.resident_pages(), 0, "every page of every freed region is accounted for");
+}
+
+/// After fork(), resident pages are shared copy-on-write with the child, and UFFDIO_MOVE refuses
+/// pages not exclusively the parent's: async-WP eviction must still evict them (by breaking the
+/// sharing) and lose nothing, on both sides.
+#[test]
+fn pages_shared_with_a_forked_child_are_evicted_intact() {
+    let _serial = serial();
+    if features_or_skip("pages_shared_with_a_forked_child_are_evicted_intact").is_none() {
+        return;
+    }
+    let f = tiermem_sys::probe::KernelFeatures::probe();
+    if !(f.wp_async && f.move_pages && f.pagemap_scan) {
+        eprintln!("SKIPPED pages_shared_with_a_forked_child_are_evicted_intact: kernel lacks WP_ASYNC, MOVE or PAGEMAP_SCAN");
+        return;
+    }
+    let device: Arc<dyn tiermem_device::Device> = Arc::new(MemDevice::new(64 << 20).unwrap());
+    let engine = engine(device, 256, |c| c.dirty_tracking = DirtyTracking::AsyncWriteProtect);
+    // Under the reclaim watermark (70% of 256): every page is still resident at fork time.
+    let pages = 150;
+    let region = engine.create_region(pages * 4096).unwrap();
+    let base = region.as_ptr();
+    touch_all(base, pages, true);
+    let pagemap = tiermem_sys::pagemap::Pagemap::open_self().unwrap();
+    assert_eq!(region.kernel_resident_pages(&pagemap).unwrap(), pages as u64);
+    // SAFETY: fork in a test process; the child only checks memory it inherited and exits.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork failed");
+    if child == 0 {
+        // The child's copy is plain memory now (registrations are not inherited): every page
+        // resident at fork time must read as the parent wrote it, also after the parent
+        // evicted its own.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let expect: u64 = (1..=pages as u64).sum();
+        let code = if touch_all(base, pages, false) == expect { 0 } else { 1 };
+        // SAFETY: leave without running the parent's destructors.
+        unsafe { libc::_exit(code) };
+    }
+    let before = engine.stats();
+    // Push every page of the region out while the child may still share them.
+    let flush = engine.create_region(1024 * 4096).unwrap();
+    touch_all(flush.as_ptr(), 1024, true);
+    let after = engine.stats();
+    assert!(after.evictions > before.evictions);
+    let left = region.kernel_resident_pages(&pagemap).unwrap();
+    assert!(left < pages as u64 / 4, "{left} of {pages} shared pages still resident: not evicted");
+    let expect: u64 = (1..=pages as u64).sum();
+    assert_eq!(touch_all(base, pages, false), expect, "parent's data after eviction");
+    let mut status = 0;
+    // SAFETY: waiting for the child forked above.
+    assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child saw wrong data: status {status}");
 }

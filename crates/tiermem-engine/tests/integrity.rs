@@ -153,6 +153,25 @@ fn sigbus_mode_keeps_every_write() {
 }
 
 #[test]
+fn dirty_tracking_variants_keep_every_write() {
+    check("sync-wp", |c| c.dirty_tracking = DirtyTracking::SyncWriteProtect, 20_000);
+    let f = tiermem_sys::probe::KernelFeatures::probe();
+    if !(f.wp_async && f.move_pages && f.pagemap_scan) {
+        eprintln!("SKIPPED async-wp integrity: kernel lacks WP_ASYNC, MOVE or PAGEMAP_SCAN");
+        return;
+    }
+    check("async-wp", |c| c.dirty_tracking = DirtyTracking::AsyncWriteProtect, 20_000);
+    check(
+        "async-wp sigbus",
+        |c| {
+            c.dirty_tracking = DirtyTracking::AsyncWriteProtect;
+            c.fault_mode = FaultMode::Sigbus;
+        },
+        20_000,
+    );
+}
+
+#[test]
 fn io_variants_keep_every_write() {
     check("poll-only", |c| c.io_mode = IoMode::PollOnly, 10_000);
     check("interrupt-only", |c| c.io_mode = IoMode::InterruptOnly, 10_000);

@@ -323,6 +323,7 @@ extern "C" fn at_exit() {
         "limit_bytes": engine.config().limit_bytes,
         "lowest_budget_bytes": (lowest != u64::MAX).then_some(lowest),
         "fault_mode": engine.config().fault_mode.to_string(),
+        "dirty_tracking": engine.dirty_tracking(),
         "device_description": engine.describe(),
         "managed_allocations": MANAGED_ALLOCATIONS.load(Ordering::Relaxed),
         "managed_bytes": MANAGED_BYTES.load(Ordering::Relaxed),

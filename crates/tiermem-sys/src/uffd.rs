@@ -293,14 +293,26 @@ impl Uffd {
     }
 
     /// Move the pages at `[src, src+len)` to the holes at `[dst, dst+len)` without copying.
-    /// Needs [`Features::MOVE`].
+    /// Needs [`Features::MOVE`]. Returns the bytes moved; on failure, the bytes moved before it
+    /// with the error (the kernel moves page by page, in order).
     ///
     /// # Safety
     /// Both ranges must be private anonymous memory of this process; `dst` must be registered here.
-    pub unsafe fn move_pages(&self, dst: *mut u8, src: *mut u8, len: usize) -> Result<(), Errno> {
-        let mut arg = uapi::uffdio_move { dst: dst as u64, src: src as u64, len: len as u64, mode: 0, move_: 0 };
+    pub unsafe fn move_pages(&self, dst: *mut u8, src: *mut u8, len: usize) -> Result<usize, (usize, Errno)> {
+        let mut arg = uapi::uffdio_move {
+            dst: dst as u64,
+            src: src as u64,
+            len: len as u64,
+            // UFFDIO_MOVE_MODE_DONTWAKE (linux/userfaultfd.h; not in linux-raw-sys 0.11).
+            mode: 1,
+            move_: 0,
+        };
         // SAFETY: UFFDIO_MOVE takes a uffdio_move; the caller vouches for the ranges.
-        unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_MOVE, &mut arg) }
+        match unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_MOVE, &mut arg) } {
+            Ok(()) => Ok(len),
+            // `move` holds the bytes moved, or a negative errno when nothing was.
+            Err(e) => Err((usize::try_from(arg.move_).unwrap_or(0), e)),
+        }
     }
 
     /// Read one event. `Ok(None)` when the descriptor is non-blocking and nothing is queued.

@@ -1,0 +1,132 @@
+//! Eviction under async write protection: taking pages out of the program's reach.
+//!
+//! With UFFD_FEATURE_WP_ASYNC the kernel lifts a page's write protection itself on the first
+//! write, so no write faults reach the engine; but protecting a page no longer stops a writer
+//! either, and the usual eviction (protect, copy, drop) could lose a write landing between the
+//! copy and the drop. Here eviction instead moves the page into a staging area with UFFDIO_MOVE:
+//! one atomic step after which any access to the page's address faults and waits for the
+//! engine, while the moved page holds every write made before it.
+//!
+//! Which pages need writing comes from PAGEMAP_SCAN: a page still protected was not written
+//! since it came in. A write may still land between the scan and the move, so such a page is
+//! dropped without a device write only if its contents hash as what its slot holds (xxh3, set
+//! whenever the slot is written); otherwise it is written like a dirty page.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tiermem_sys::mem::Mapping;
+use tiermem_sys::pagemap::{category, PageRegion, Pagemap, ScanQuery};
+use tiermem_sys::uffd::{RegisterMode, Uffd};
+use tiermem_sys::{Result, PAGE_SIZE};
+
+use crate::policy::PageList;
+
+/// Pages one staging area holds: one eviction batch at most.
+pub(crate) const AREA_PAGES: usize = PageList::CAPACITY;
+/// Staging areas: threads evicting at the same time (reclaim, direct reclaim by faulting
+/// threads) each need one.
+const AREAS: usize = 8;
+
+/// The staging areas and the pagemap handle used for async-WP eviction.
+#[derive(Debug)]
+pub(crate) struct Capture {
+    areas: Box<[Area]>,
+    pagemap: Pagemap,
+}
+
+#[derive(Debug)]
+struct Area {
+    mapping: Mapping,
+    busy: AtomicBool,
+}
+
+/// A staging area held by one evicting thread; empty again when dropped.
+#[derive(Debug)]
+pub(crate) struct Staging<'a> {
+    area: &'a Area,
+    used_pages: usize,
+}
+
+impl Capture {
+    /// Map and register the staging areas on `uffd` (UFFDIO_MOVE only moves into registered
+    /// memory, with the same protection as the source, so they are registered as regions are).
+    pub(crate) fn new(uffd: &Uffd) -> Result<Self> {
+        let mut areas = Vec::with_capacity(AREAS);
+        for _ in 0..AREAS {
+            let mapping = Mapping::anonymous(AREA_PAGES * PAGE_SIZE, false)?;
+            uffd.register(mapping.as_ptr(), mapping.len(), RegisterMode { missing: true, write_protect: true })?;
+            // SAFETY: the range is the mapping just created and owned here.
+            let _ = unsafe {
+                rustix::mm::madvise(mapping.as_ptr().cast(), mapping.len(), rustix::mm::Advice::LinuxNoHugepage)
+            };
+            areas.push(Area { mapping, busy: AtomicBool::new(false) });
+        }
+        Ok(Self { areas: areas.into_boxed_slice(), pagemap: Pagemap::open_self()? })
+    }
+
+    /// Take a free staging area, waiting for one if all are in use.
+    pub(crate) fn claim(&self) -> Staging<'_> {
+        loop {
+            for area in self.areas.iter() {
+                if area.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                    return Staging { area, used_pages: 0 };
+                }
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Mark in `written` (one entry per page from `addr`) the pages the program wrote since
+    /// they came in. A failed scan marks every page written: that only costs device writes.
+    pub(crate) fn find_written(&self, addr: usize, written: &mut [bool]) {
+        let end = addr + written.len() * PAGE_SIZE;
+        let query = ScanQuery { required: category::WRITTEN, report: category::WRITTEN, ..Default::default() };
+        let mut out = [PageRegion::default(); AREA_PAGES];
+        written.fill(false);
+        let mut at = addr;
+        while at < end {
+            let Ok((n, walk_end)) = self.pagemap.scan(at, end, &query, &mut out) else {
+                written.fill(true);
+                return;
+            };
+            for r in &out[..n] {
+                let first = (r.start as usize).saturating_sub(addr) / PAGE_SIZE;
+                let last = ((r.end as usize).min(end) - addr) / PAGE_SIZE;
+                written[first..last].fill(true);
+            }
+            if walk_end <= at {
+                break;
+            }
+            at = walk_end;
+        }
+    }
+}
+
+impl Staging<'_> {
+    /// Address of staging page `k`.
+    pub(crate) fn page(&self, k: usize) -> *mut u8 {
+        self.area.mapping.as_ptr().wrapping_add(k * PAGE_SIZE)
+    }
+
+    /// Note that pages up to `k` (exclusive) may hold moved pages, to empty them on drop.
+    pub(crate) fn note_used(&mut self, k: usize) {
+        self.used_pages = self.used_pages.max(k);
+    }
+}
+
+impl Drop for Staging<'_> {
+    fn drop(&mut self) {
+        if self.used_pages > 0 {
+            // SAFETY: the staging pages belong to this area, which this thread holds; their
+            // contents have been copied or were clean.
+            let _ = unsafe { tiermem_sys::mem::discard(self.area.mapping.as_ptr(), self.used_pages * PAGE_SIZE) };
+        }
+        self.area.busy.store(false, Ordering::Release);
+    }
+}
+
+/// The hash kept per slot: what a page's contents must still hash to for it to be dropped
+/// without a write.
+pub(crate) fn page_hash(page: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(page)
+}
