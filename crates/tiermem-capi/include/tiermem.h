@@ -58,7 +58,7 @@ const char *tiermem_last_error(void);
  *   device=mem|file:PATH  where evicted pages go (default mem)
  *   device_size=SIZE      device capacity, rounded up to pages (default 4 x limit)
  *   fault_mode=thread|sigbus
- *   dirty_tracking=auto|sync-wp|none
+ *   dirty_tracking=auto|sync-wp|async-wp|none
  *   io_mode=hybrid|poll-only|interrupt-only
  *   reclaim_mode=background|on-fault-path
  *   prefetch=NAME         prefetcher (default readahead)

@@ -289,7 +289,7 @@ struct RunArgs {
     /// background | on-fault-path.
     #[arg(long, env = "TIERMEM_RECLAIM_MODE")]
     reclaim_mode: Option<String>,
-    /// auto | sync-wp | none.
+    /// auto | sync-wp | async-wp | none (auto: async-wp where the kernel has it).
     #[arg(long, env = "TIERMEM_DIRTY_TRACKING")]
     dirty_tracking: Option<String>,
     /// Smallest allocation that is managed.
