@@ -79,26 +79,36 @@ impl Capture {
     /// Mark in `written` (one entry per page from `addr`) the pages the program wrote since
     /// they came in. A failed scan marks every page written: that only costs device writes.
     pub(crate) fn find_written(&self, addr: usize, written: &mut [bool]) {
-        let end = addr + written.len() * PAGE_SIZE;
-        let query = ScanQuery { required: category::WRITTEN, report: category::WRITTEN, ..Default::default() };
-        let mut out = [PageRegion::default(); AREA_PAGES];
-        written.fill(false);
+        if self.find(addr, category::WRITTEN, written).is_err() {
+            written.fill(true);
+        }
+    }
+
+    /// Mark in `present` the pages of `staging` (from its first page) that hold a page.
+    pub(crate) fn find_present(&self, staging: &Staging<'_>, present: &mut [bool]) -> std::result::Result<(), rustix::io::Errno> {
+        self.find(staging.page(0) as usize, category::PRESENT, present)
+    }
+
+    /// Mark in `out` (one entry per page from `addr`) the pages in `wanted` categories.
+    fn find(&self, addr: usize, wanted: u64, out: &mut [bool]) -> std::result::Result<(), rustix::io::Errno> {
+        let end = addr + out.len() * PAGE_SIZE;
+        let query = ScanQuery { required: wanted, report: wanted, ..Default::default() };
+        let mut regions = [PageRegion::default(); AREA_PAGES];
+        out.fill(false);
         let mut at = addr;
         while at < end {
-            let Ok((n, walk_end)) = self.pagemap.scan(at, end, &query, &mut out) else {
-                written.fill(true);
-                return;
-            };
-            for r in &out[..n] {
+            let (n, walk_end) = self.pagemap.scan(at, end, &query, &mut regions)?;
+            for r in &regions[..n] {
                 let first = (r.start as usize).saturating_sub(addr) / PAGE_SIZE;
                 let last = ((r.end as usize).min(end) - addr) / PAGE_SIZE;
-                written[first..last].fill(true);
+                out[first..last].fill(true);
             }
             if walk_end <= at {
                 break;
             }
             at = walk_end;
         }
+        Ok(())
     }
 }
 

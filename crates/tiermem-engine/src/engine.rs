@@ -45,6 +45,9 @@ pub(crate) struct Shared {
     pub(crate) write_protect: bool,
     /// Async WP: writes never fault; eviction takes pages out with UFFDIO_MOVE.
     pub(crate) capture: Option<crate::capture::Capture>,
+    /// This process's pagemap, to tell a page dropped behind the engine's back from a racing
+    /// fault (see [`crate::fault::handle_fault`]); none where it cannot be opened.
+    pub(crate) pagemap: Option<tiermem_sys::pagemap::Pagemap>,
     /// Zeros to copy into untouched pages (enough for one zero-fill-around).
     pub(crate) zero_page: Mapping,
     /// Written to wake the reclaim thread (an eventfd: safe to write from a signal handler).
@@ -217,6 +220,7 @@ impl Engine {
             watermark_pages: AtomicU64::new(watermark_pages),
             write_protect,
             capture,
+            pagemap: tiermem_sys::pagemap::Pagemap::open_self().ok(),
             zero_page: Mapping::anonymous(PAGE_SIZE * crate::fault::ZERO_FILL_AROUND, true)?,
             reclaim_wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
                 .map_err(|e| Error::os(e.into(), "eventfd"))?,

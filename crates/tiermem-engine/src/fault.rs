@@ -72,9 +72,10 @@ fn reserve_room(shared: &Shared, regions: &RegionTable) {
     }
 }
 
-/// Resolve a fault at `addr`. `write` says whether the access was a write; `lane_hint` spreads
-/// concurrent faulting threads over the polled lanes.
-pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, lane_hint: usize) -> Outcome {
+/// Resolve a fault at `addr`. `write` says whether the access was a write; `missing` that the
+/// kernel found no page there (not a write to a protected one); `lane_hint` spreads concurrent
+/// faulting threads over the polled lanes.
+pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, missing: bool, lane_hint: usize) -> Outcome {
     let regions = shared.regions();
     let Some(region) = regions.find(addr) else { return Outcome::NotOurs };
     let index = region.page_index(addr);
@@ -105,6 +106,19 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, lane_hint:
         let state = locked.state();
         let protect = !write && shared.write_protect;
         match state.kind() {
+            Kind::Resident if missing && !is_mapped(shared, page_addr) => {
+                // Counted resident, yet the kernel has no page: the program dropped it with a
+                // madvise the engine did not see. Re-fault, and lose the page as the kernel
+                // would (zeros), rather than wake the thread into the same fault forever.
+                give_back(needs_room, staging);
+                if let Some(slot) = state.slot() {
+                    shared.slots.free(slot);
+                }
+                locked.set(PageState::UNTOUCHED);
+                drop(locked);
+                shared.release_resident();
+                Stats::add(&shared.stats.counters.dropped_outside, 1);
+            }
             Kind::Resident => {
                 give_back(needs_room, staging);
                 if write {
@@ -239,6 +253,11 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, lane_hint:
     }
 }
 
+/// Whether the kernel has a page at `addr` (a failed check answers yes: the old behaviour).
+fn is_mapped(shared: &Shared, addr: *mut u8) -> bool {
+    shared.pagemap.as_ref().is_none_or(|p| p.is_mapped(addr as usize).unwrap_or(true))
+}
+
 /// Most pages one zero-fill maps: the faulting page and the untouched pages after it.
 pub(crate) const ZERO_FILL_AROUND: usize = 16;
 
@@ -290,18 +309,33 @@ fn zero_fill_around(
 }
 
 /// Map `count` pages of `src` at `dst` with UFFDIO_COPY, retrying while the address space is
-/// being changed.
+/// being changed. A copy that stops part-way goes on from where it stopped, never from the
+/// start (the pages before are mapped now and would fail it with EEXIST). In a multi-page run a
+/// page found already mapped is skipped: it is there, which is all the caller wants; a single
+/// page reports EEXIST.
 pub(crate) fn map_pages(shared: &Shared, dst: *mut u8, src: *const u8, count: usize, write_protect: bool) -> Result<(), Errno> {
-    loop {
+    let mut done = 0;
+    while done < count {
+        let offset = done * PAGE_SIZE;
         // SAFETY: src is readable for `count` pages (an arena buffer, or the zero area of
         // ZERO_FILL_AROUND pages); dst..dst+count pages lie in a registered region and are all
         // locked by the caller.
-        match unsafe { shared.uffd.copy(dst, src, count * PAGE_SIZE, write_protect, false) } {
-            Err(Errno::AGAIN) => std::hint::spin_loop(),
+        let result = unsafe {
+            shared.uffd.copy(dst.wrapping_add(offset), src.wrapping_add(offset), (count - done) * PAGE_SIZE, write_protect, false)
+        };
+        let (copied, err) = match result {
+            Ok(()) => return Ok(()),
+            Err(failure) => failure,
+        };
+        done += copied / PAGE_SIZE;
+        match err {
+            Errno::AGAIN => std::hint::spin_loop(),
+            Errno::EXIST if count == 1 => return Err(err),
+            Errno::EXIST => done += 1,
             // The run crosses a VMA boundary (the program split the region with madvise or
-            // mprotect), which one copy cannot: the kernel copied nothing; go page by page.
-            Err(Errno::NOENT) if count > 1 => {
-                for i in 0..count {
+            // mprotect), which one copy cannot: go page by page.
+            Errno::NOENT if count - done > 1 => {
+                for i in done..count {
                     let offset = i * PAGE_SIZE;
                     match map_pages(shared, dst.wrapping_add(offset), src.wrapping_add(offset), 1, write_protect) {
                         Ok(()) | Err(Errno::EXIST) => {}
@@ -310,9 +344,10 @@ pub(crate) fn map_pages(shared: &Shared, dst: *mut u8, src: *const u8, count: us
                 }
                 return Ok(());
             }
-            other => return other,
+            other => return Err(other),
         }
     }
+    Ok(())
 }
 
 fn outcome_of_copy_error(e: Errno) -> Outcome {
@@ -507,7 +542,7 @@ pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize
     let guard = PinGuard { shared: shared.clone(), range: (start, end) };
     for page in (start..end).step_by(PAGE_SIZE) {
         loop {
-            match handle_fault(shared, page, write, 0) {
+            match handle_fault(shared, page, write, false, 0) {
                 Outcome::Resolved => {}
                 Outcome::NotOurs => return Err(Error::invalid(format!("address {page:#x} left its region"))),
                 Outcome::Failed(e) => {

@@ -257,7 +257,7 @@ fn move_out(
 ) {
     let n = victims.len();
     let mut written = [false; PageList::CAPACITY];
-    let mut moved = [false; PageList::CAPACITY];
+    let mut reported = [false; PageList::CAPACITY];
     let mut i = 0;
     while i < n {
         let mut j = i + 1;
@@ -275,12 +275,20 @@ fn move_out(
         let done = match unsafe { shared.uffd.move_pages(staging.page(i), addr, (j - i) * PAGE_SIZE) } {
             Ok(bytes) | Err((bytes, _)) => bytes / PAGE_SIZE,
         };
-        moved[i..i + done].fill(true);
-        for (k, ok) in moved.iter_mut().enumerate().take(j).skip(i + done) {
+        reported[i..i + done].fill(true);
+        for (k, ok) in reported.iter_mut().enumerate().take(j).skip(i + done) {
             *ok = move_one(shared, staging.page(k), addr.wrapping_add((k - i) * PAGE_SIZE));
         }
         staging.note_used(j);
         i = j;
+    }
+    // What the staging area holds, not what UFFDIO_MOVE returned, says which pages left: 6.18
+    // was seen to move a page and still fail the call with EEXIST (and a retry with ENOENT).
+    // Trusting the error would leave such a page counted resident, unmapped, and thrown away
+    // with the staging area.
+    let mut moved = [false; PageList::CAPACITY];
+    if capture.find_present(staging, &mut moved[..n]).is_err() {
+        moved = reported;
     }
     for (k, slot) in victims.iter_mut().enumerate() {
         let Some(v) = slot.as_mut() else { continue };

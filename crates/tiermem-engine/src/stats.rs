@@ -71,6 +71,9 @@ pub struct Counters {
     pub reclaim_wakeups: AtomicU64,
     /// Device errors seen.
     pub io_errors: AtomicU64,
+    /// Resident pages found unmapped at a fault: dropped behind the engine's back (a madvise
+    /// that bypassed it). They read as zeros afterwards, as MADV_DONTNEED promises.
+    pub dropped_outside: AtomicU64,
     /// Highest resident page count seen.
     pub peak_resident: AtomicU64,
 }
@@ -148,6 +151,7 @@ impl Stats {
             direct_reclaims: l(&c.direct_reclaims),
             reclaim_wakeups: l(&c.reclaim_wakeups),
             io_errors: l(&c.io_errors),
+            dropped_outside: l(&c.dropped_outside),
             peak_resident_pages: l(&c.peak_resident),
             // Pages mapped as soon as they arrive (eager install) are never seen being used, so
             // accuracy is only known when every prefetched page waited for its first touch.
@@ -214,6 +218,9 @@ pub struct StatsSnapshot {
     pub reclaim_wakeups: u64,
     /// See [`Counters`].
     pub io_errors: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub dropped_outside: u64,
     /// Highest number of resident managed pages.
     pub peak_resident_pages: u64,
     /// Prefetched pages used per prefetch issued (known only when prefetched pages wait for
@@ -261,6 +268,13 @@ impl StatsSnapshot {
             "eviction        {} pages: {} written, {} clean (no write), {} zero; {} on faulting threads",
             self.evictions, self.writebacks, self.clean_drops, self.zero_drops, self.direct_reclaims
         );
+        if self.dropped_outside > 0 {
+            let _ = writeln!(
+                s,
+                "warning         {} resident pages were dropped behind the engine's back (a madvise it did not see); they read as zeros",
+                self.dropped_outside
+            );
+        }
         let read_pages = self.critical_reads + self.prefetch_issued;
         let _ = writeln!(
             s,
@@ -314,6 +328,7 @@ impl StatsSnapshot {
         self.direct_reclaims += other.direct_reclaims;
         self.reclaim_wakeups += other.reclaim_wakeups;
         self.io_errors += other.io_errors;
+        self.dropped_outside += other.dropped_outside;
         self.peak_resident_pages = self.peak_resident_pages.max(other.peak_resident_pages);
         for theirs in &other.paths {
             match self.paths.iter_mut().find(|p| p.path == theirs.path) {

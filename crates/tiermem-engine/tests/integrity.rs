@@ -54,6 +54,22 @@ fn hammer(
             }
         })
     };
+    // A lost page shows as a thread faulting on it forever: fail loudly instead of hanging the
+    // suite (a run takes seconds; the long run minutes).
+    let watchdog = {
+        let (done, engine) = (done.clone(), engine.clone());
+        let limit = std::time::Duration::from_secs(120 + ops_per_thread / 1000);
+        std::thread::spawn(move || {
+            let started = std::time::Instant::now();
+            while !done.load(Ordering::Acquire) {
+                if started.elapsed() > limit {
+                    eprintln!("integrity: no progress after {limit:?}; engine state:\n{}", engine.stats().summary());
+                    std::process::abort();
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        })
+    };
     let workers: Vec<_> = (0..THREADS)
         .map(|t| {
             std::thread::spawn(move || {
@@ -97,8 +113,11 @@ fn hammer(
     let mismatches = workers.into_iter().map(|w| w.join().unwrap()).sum();
     done.store(true, Ordering::Release);
     sampler.join().unwrap();
+    watchdog.join().unwrap();
     let stats = engine.stats();
     assert!(stats.evictions > 0, "the test must actually evict: {}", stats.summary());
+    // Nothing here drops pages behind the engine: a count means it lost track of one.
+    assert_eq!(stats.dropped_outside, 0, "the engine lost track of mapped pages: {}", stats.summary());
     Outcome {
         mismatches,
         ops: ops_per_thread * THREADS as u64,

@@ -102,6 +102,20 @@ impl Pagemap {
         Ok((rc as usize, arg.walk_end as usize))
     }
 
+    /// Whether the page at `addr` is mapped (in memory or swapped out by the kernel), from its
+    /// /proc/self/pagemap entry: works without PAGEMAP_SCAN and is safe in a signal handler.
+    pub fn is_mapped(&self, addr: usize) -> Result<bool, Errno> {
+        const PRESENT: u64 = 1 << 63;
+        const SWAPPED: u64 = 1 << 62;
+        let mut entry = [0u8; 8];
+        let offset = (addr / PAGE_SIZE * size_of::<u64>()) as u64;
+        let n = rustix::io::pread(&self.file, &mut entry, offset)?;
+        if n != entry.len() {
+            return Err(Errno::IO);
+        }
+        Ok(u64::from_ne_bytes(entry) & (PRESENT | SWAPPED) != 0)
+    }
+
     /// How many pages of `[start, end)` are present in memory, per the kernel.
     pub fn count_present(&self, start: usize, end: usize) -> Result<u64, Errno> {
         let query = ScanQuery { required: category::PRESENT, report: category::PRESENT, ..Default::default() };

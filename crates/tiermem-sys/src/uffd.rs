@@ -230,7 +230,9 @@ impl Uffd {
 
     /// Atomically fill the missing pages `[dst, dst+len)` with a copy of `src` and wake threads
     /// waiting on them (unless `dont_wake`). `write_protect` installs them write-protected.
-    /// `EEXIST` means another thread mapped the page first.
+    /// `EEXIST` means another thread mapped the page first. On failure, the bytes copied before
+    /// it come with the error: the kernel fills page by page, in order, and a multi-page copy
+    /// can stop part-way (EAGAIN, or the error of the page it stopped at).
     ///
     /// # Safety
     /// `src` must be readable for `len` bytes; `dst` must lie in a range registered here.
@@ -241,7 +243,7 @@ impl Uffd {
         len: usize,
         write_protect: bool,
         dont_wake: bool,
-    ) -> Result<(), Errno> {
+    ) -> Result<(), (usize, Errno)> {
         let mut mode = 0u64;
         if write_protect {
             mode |= uapi::UFFDIO_COPY_MODE_WP as u64;
@@ -251,7 +253,11 @@ impl Uffd {
         }
         let mut arg = uapi::uffdio_copy { dst: dst as u64, src: src as u64, len: len as u64, mode, copy: 0 };
         // SAFETY: UFFDIO_COPY takes a uffdio_copy; the caller vouches for src and dst.
-        unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_COPY, &mut arg) }
+        match unsafe { ioctl_with(self.fd.as_fd(), UFFDIO_COPY, &mut arg) } {
+            Ok(()) => Ok(()),
+            // `copy` holds the bytes copied, or a negative errno when nothing was.
+            Err(e) => Err((usize::try_from(arg.copy).unwrap_or(0), e)),
+        }
     }
 
     /// Map the zero page at the missing pages `[dst, dst+len)` and wake waiters.
