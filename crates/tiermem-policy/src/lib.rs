@@ -115,6 +115,16 @@ pub trait Prefetcher: Send + Sync + std::fmt::Debug {
     fn on_report(&self, region: u32, page: u64, region_pages: u64, out: &mut PageList) {
         let _ = (region, page, region_pages, out);
     }
+    /// [`Prefetcher::on_fault`] for a caller with exclusive use of the policy and of everything
+    /// it shares (the simulator): same result, without taking locks where the policy can avoid
+    /// them. Must not allocate either.
+    fn on_fault_mut(&mut self, fault: &FaultInfo, out: &mut PageList) {
+        self.on_fault(fault, out);
+    }
+    /// [`Prefetcher::on_report`] for an exclusive caller; see [`Prefetcher::on_fault_mut`].
+    fn on_report_mut(&mut self, region: u32, page: u64, region_pages: u64, out: &mut PageList) {
+        self.on_report(region, page, region_pages, out);
+    }
 }
 
 /// Chooses pages to evict. Hooks follow libCacheSim: insert, access, evict.
@@ -130,6 +140,20 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
     /// `is_referenced` reports and clears a page's referenced bit (second chance). The engine
     /// re-checks every proposal and hands back the ones it could not evict via `on_insert`.
     fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList);
+    /// [`Replacement::on_insert`] for a caller with exclusive use of the policy and of everything
+    /// it shares (the simulator): same result, without taking locks where the policy can avoid
+    /// them. Must not allocate either.
+    fn on_insert_mut(&mut self, page: PageId) {
+        self.on_insert(page);
+    }
+    /// [`Replacement::on_access`] for an exclusive caller; see [`Replacement::on_insert_mut`].
+    fn on_access_mut(&mut self, page: PageId) {
+        self.on_access(page);
+    }
+    /// [`Replacement::pick_victims`] for an exclusive caller; see [`Replacement::on_insert_mut`].
+    fn pick_victims_mut(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        self.pick_victims(max, is_referenced, out);
+    }
 }
 
 /// Names accepted by [`prefetcher_by_name`].
@@ -228,6 +252,12 @@ pub fn replacement_by_name(name: &str, capacity_pages: usize) -> Result<Box<dyn 
 /// statements, so a poisoned lock still guards consistent data.
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The data of a mutex its owner holds exclusively (no locking), carrying on after a panic as
+/// [`lock`] does.
+pub(crate) fn owned<T>(m: &mut std::sync::Mutex<T>) -> &mut T {
+    m.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]

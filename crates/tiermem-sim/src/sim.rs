@@ -295,7 +295,7 @@ impl Simulator {
                     s & REFERENCED != 0
                 })
             };
-            self.replacement.pick_victims(1, &is_referenced, &mut self.victims);
+            self.replacement.pick_victims_mut(1, &is_referenced, &mut self.victims);
             if self.victims.is_empty() {
                 // A second-chance pass may clear every referenced bit without choosing; the
                 // next pass then chooses. Twice empty: the policy tracks nothing resident.
@@ -342,7 +342,7 @@ impl Simulator {
             self.arrivals.insert(page, arrival);
             self.resident += 1;
             self.result.prefetch_issued += 1;
-            self.replacement.on_insert(page);
+            self.replacement.on_insert_mut(page);
         }
         self.wanted.clear();
     }
@@ -351,7 +351,7 @@ impl Simulator {
     fn report(&mut self, page: u64) {
         self.result.reports += 1;
         self.policy_mru = u64::MAX;
-        self.prefetcher.on_report(0, page, REGION_PAGES, &mut self.wanted);
+        self.prefetcher.on_report_mut(0, page, REGION_PAGES, &mut self.wanted);
         if !self.wanted.is_empty() {
             self.issue_wanted();
         }
@@ -394,7 +394,7 @@ impl Simulator {
         }
         if s & RESIDENT != 0 {
             cell.set((s & !PREFETCHED) | REFERENCED | dirty);
-            self.replacement.on_access(page);
+            self.replacement.on_access_mut(page);
             self.policy_mru = page;
             if s & PREFETCHED != 0 {
                 self.result.prefetch_hits += 1;
@@ -405,7 +405,7 @@ impl Simulator {
                 }
                 self.now += self.config.latency.hit_ns;
                 let info = FaultInfo { region: 0, page, region_pages: REGION_PAGES, write, hit: true };
-                self.prefetcher.on_fault(&info, &mut self.wanted);
+                self.prefetcher.on_fault_mut(&info, &mut self.wanted);
                 if !self.wanted.is_empty() {
                     self.issue_wanted();
                 }
@@ -418,10 +418,10 @@ impl Simulator {
         self.now = arrival + self.config.latency.fault_ns;
         self.pages.cell(page).set(RESIDENT | dirty);
         self.resident += 1;
-        self.replacement.on_insert(page);
+        self.replacement.on_insert_mut(page);
         self.policy_mru = u64::MAX;
         let info = FaultInfo { region: 0, page, region_pages: REGION_PAGES, write, hit: false };
-        self.prefetcher.on_fault(&info, &mut self.wanted);
+        self.prefetcher.on_fault_mut(&info, &mut self.wanted);
         if !self.wanted.is_empty() {
             self.issue_wanted();
         }
@@ -518,6 +518,99 @@ mod tests {
             sim.step(e);
         }
         sim.finish()
+    }
+
+    /// Forwards only the `&self` hooks, so the simulator's `_mut` calls take the trait's default
+    /// path: every call locks, exactly as in the engine.
+    #[derive(Debug)]
+    struct ViaShared<T: ?Sized>(Box<T>);
+
+    impl Prefetcher for ViaShared<dyn Prefetcher> {
+        fn name(&self) -> &'static str {
+            self.0.name()
+        }
+        fn on_fault(&self, fault: &FaultInfo, out: &mut PageList) {
+            self.0.on_fault(fault, out);
+        }
+        fn on_report(&self, region: u32, page: u64, region_pages: u64, out: &mut PageList) {
+            self.0.on_report(region, page, region_pages, out);
+        }
+    }
+
+    impl Replacement for ViaShared<dyn Replacement> {
+        fn name(&self) -> &'static str {
+            self.0.name()
+        }
+        fn on_insert(&self, page: u64) {
+            self.0.on_insert(page);
+        }
+        fn on_access(&self, page: u64) {
+            self.0.on_access(page);
+        }
+        fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(u64) -> bool, out: &mut PageList) {
+            self.0.pick_victims(max, is_referenced, out);
+        }
+    }
+
+    fn run_paths(events: &[Event], prefetch: &str, replace: &str, monitor: MonitorInput, exclusive: bool) -> SimResult {
+        let config = SimConfig {
+            local_pages: 16,
+            prefetch: prefetch.into(),
+            replace: replace.into(),
+            options: PolicyOptions::default(),
+            latency: Latency::default(),
+            monitor,
+        };
+        let mut sim = if exclusive {
+            Simulator::new(config).unwrap()
+        } else {
+            let pair = tiermem_policy::build_policies(prefetch, replace, config.local_pages, &config.options).unwrap();
+            Simulator::with_policies(
+                config,
+                Box::new(ViaShared(pair.prefetcher)),
+                Box::new(ViaShared(pair.replacement)),
+            )
+        };
+        for &e in events {
+            sim.step(e);
+        }
+        sim.finish()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 32, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// The lock-free `_mut` hooks the simulator calls give exactly what the engine's locking
+        /// `&self` hooks give, for every policy pair and monitor input, on random traces mixing
+        /// runs, strided streams (so stream training and prefetching happen), writes and reports.
+        #[test]
+        fn exclusive_hooks_match_shared_hooks(ops in proptest::collection::vec((0u64..96, 0u8..10, 1u64..4), 1..300)) {
+            let mut events = Vec::new();
+            for (page, op, stride) in ops {
+                let kind = match op { 0 => EventKind::Report, 1 => EventKind::Write, _ => EventKind::Read };
+                if op == 9 {
+                    // A short stream.
+                    for k in 0..8 {
+                        events.push(event(page + k * stride, EventKind::Read));
+                    }
+                } else {
+                    for _ in 0..1 + op % 3 {
+                        events.push(event(page, kind));
+                    }
+                }
+            }
+            for monitor in [MonitorInput::None, MonitorInput::Reports, MonitorInput::Accesses] {
+                for p in tiermem_policy::PREFETCHERS {
+                    for r in tiermem_policy::REPLACEMENTS {
+                        prop_assert_eq!(
+                            run_paths(&events, p, r, monitor, true),
+                            run_paths(&events, p, r, monitor, false),
+                            "{} × {}, {:?}", p, r, monitor
+                        );
+                    }
+                }
+            }
+        }
     }
 
     proptest! {

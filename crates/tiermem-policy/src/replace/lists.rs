@@ -172,6 +172,19 @@ impl<const L: usize> Lists<L> {
         Some(list)
     }
 
+    /// Move `page` to the front of `list` if tracked. Exactly [`Lists::touch_if_present`] and
+    /// then, if the page was in another list, [`Lists::touch`] into `list` (the clock advances
+    /// twice then), with one lookup.
+    pub(crate) fn move_if_present(&mut self, page: PageId, list: usize) {
+        let Some((_, n)) = self.find(page) else { return };
+        let from = self.nodes[n as usize].list as usize;
+        self.unlink(n);
+        if from != list {
+            self.clock += 1;
+        }
+        self.link_mru(n, list);
+    }
+
     /// Stop tracking `page`.
     pub(crate) fn remove(&mut self, page: PageId) -> bool {
         let Some((i, n)) = self.find(page) else { return false };

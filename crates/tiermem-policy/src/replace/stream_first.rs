@@ -4,7 +4,7 @@ use std::sync::Mutex;
 use super::lists::Lists;
 use super::lru::pick_lru;
 use crate::stream::StreamTable;
-use crate::{lock, split_page_id, PageId, PageList, Replacement};
+use crate::{lock, owned, split_page_id, PageId, PageList, Replacement};
 
 const STREAM: usize = 0;
 const RANDOM: usize = 1;
@@ -66,40 +66,74 @@ impl Replacement for StreamFirst {
 
     fn on_access(&self, page: PageId) {
         self.informed.store(true, std::sync::atomic::Ordering::Relaxed);
-        let (owner, index) = split_page_id(page);
-        if self.trains {
-            self.table.train(owner, index);
-        }
-        let group = if self.table.in_stream(owner, index) { STREAM } else { RANDOM };
-        let mut lists = lock(&self.lists);
-        if lists.touch_if_present(page).is_some_and(|g| g != group) {
-            lists.touch(page, group);
-        }
+        let group = self.classify(page);
+        lock(&self.lists).move_if_present(page, group);
     }
 
     fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
         let second_chance = !self.informed.load(std::sync::atomic::Ordering::Relaxed);
-        let mut lists = lock(&self.lists);
-        let max = max.min(PageList::CAPACITY);
-        while out.len() < max {
-            // The oldest head goes, a stream head counting `stream_bonus` uses older.
-            let stream = lists.lru_stamp(STREAM).map(|s| s.saturating_sub(self.stream_bonus));
-            let list = [(stream, STREAM), (lists.lru_stamp(UNTOUCHED), UNTOUCHED), (lists.lru_stamp(RANDOM), RANDOM)]
-                .into_iter()
-                .filter_map(|(stamp, list)| stamp.map(|s| (s, list)))
-                .min()
-                .map_or(RANDOM, |(_, list)| list);
-            let before = out.len();
-            pick_lru(&mut lists, list, out.len() + 1, second_chance, is_referenced, out);
-            if out.len() == before {
-                // Everything there was referenced (moved to its front): fall back to the others.
-                for other in [STREAM, UNTOUCHED, RANDOM] {
-                    if out.len() < max {
-                        pick_lru(&mut lists, other, max, second_chance, is_referenced, out);
-                    }
+        pick(&mut lock(&self.lists), self.stream_bonus, second_chance, max, is_referenced, out);
+    }
+
+    fn on_insert_mut(&mut self, page: PageId) {
+        owned(&mut self.lists).touch(page, UNTOUCHED);
+    }
+
+    fn on_access_mut(&mut self, page: PageId) {
+        *self.informed.get_mut() = true;
+        // The table may be shared with the stream prefetcher: it keeps its (uncontended) lock.
+        let group = self.classify(page);
+        owned(&mut self.lists).move_if_present(page, group);
+    }
+
+    fn pick_victims_mut(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        let second_chance = !*self.informed.get_mut();
+        pick(owned(&mut self.lists), self.stream_bonus, second_chance, max, is_referenced, out);
+    }
+}
+
+impl StreamFirst {
+    /// Train the table on a used page if this policy does, and give the page's group.
+    fn classify(&self, page: PageId) -> usize {
+        let (owner, index) = split_page_id(page);
+        if self.trains {
+            self.table.train(owner, index);
+        }
+        if self.table.in_stream(owner, index) {
+            STREAM
+        } else {
+            RANDOM
+        }
+    }
+}
+
+fn pick(
+    lists: &mut Lists<3>,
+    stream_bonus: u64,
+    second_chance: bool,
+    max: usize,
+    is_referenced: &dyn Fn(PageId) -> bool,
+    out: &mut PageList,
+) {
+    let max = max.min(PageList::CAPACITY);
+    while out.len() < max {
+        // The oldest head goes, a stream head counting `stream_bonus` uses older.
+        let stream = lists.lru_stamp(STREAM).map(|s| s.saturating_sub(stream_bonus));
+        let list = [(stream, STREAM), (lists.lru_stamp(UNTOUCHED), UNTOUCHED), (lists.lru_stamp(RANDOM), RANDOM)]
+            .into_iter()
+            .filter_map(|(stamp, list)| stamp.map(|s| (s, list)))
+            .min()
+            .map_or(RANDOM, |(_, list)| list);
+        let before = out.len();
+        pick_lru(lists, list, out.len() + 1, second_chance, is_referenced, out);
+        if out.len() == before {
+            // Everything there was referenced (moved to its front): fall back to the others.
+            for other in [STREAM, UNTOUCHED, RANDOM] {
+                if out.len() < max {
+                    pick_lru(lists, other, max, second_chance, is_referenced, out);
                 }
-                break;
             }
+            break;
         }
     }
 }
