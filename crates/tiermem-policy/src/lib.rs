@@ -168,6 +168,10 @@ pub const OFFLINE_REPLACEMENTS: &[&str] = &["belady"];
 pub struct PolicyOptions {
     /// The stream training table and stream prefetcher.
     pub stream: StreamConfig,
+    /// Page ids below this are tracked by `lru` and `stream-first` in arrays indexed by page
+    /// instead of a hash table (faster when ids are small and dense, as the simulator's are;
+    /// costs 32 bytes per id, allocated at construction). 0, the default: hashing only.
+    pub dense_pages: u64,
 }
 
 /// A prefetcher and a replacement policy built together, sharing one stream training table
@@ -207,11 +211,12 @@ pub fn build_policies(
     let replacement: Box<dyn Replacement> = match replace {
         "clock" => Box::new(Clock::new(capacity_pages, true)),
         "fifo" => Box::new(Clock::new(capacity_pages, false)),
-        "lru" => Box::new(Lru::new(capacity_pages)),
-        _ => Box::new(StreamFirst::new(
+        "lru" => Box::new(Lru::with_dense(capacity_pages, options.dense_pages)),
+        _ => Box::new(StreamFirst::with_dense(
             capacity_pages,
             table.clone().unwrap_or_else(|| Arc::new(StreamTable::new(options.stream))),
             prefetch != "stream",
+            options.dense_pages,
         )),
     };
     Ok(PolicyPair { prefetcher, replacement, stream_table: table })

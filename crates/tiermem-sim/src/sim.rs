@@ -236,8 +236,13 @@ impl Simulator {
             return Err(Error::invalid("local memory must be at least one page"));
         }
         config.options.stream.validate()?;
-        let pair =
-            tiermem_policy::build_policies(&config.prefetch, &config.replace, config.local_pages, &config.options)?;
+        // Synthetic and page-list traces number pages from 0: index them directly up to a
+        // footprint twice the local memory (pages beyond are hashed, as always).
+        let mut options = config.options;
+        if options.dense_pages == 0 {
+            options.dense_pages = (config.local_pages as u64).saturating_mul(2).saturating_add(64).min(1 << 26);
+        }
+        let pair = tiermem_policy::build_policies(&config.prefetch, &config.replace, config.local_pages, &options)?;
         Ok(Self::with_policies(config, pair.prefetcher, pair.replacement))
     }
 
@@ -521,7 +526,8 @@ mod tests {
     }
 
     /// Forwards only the `&self` hooks, so the simulator's `_mut` calls take the trait's default
-    /// path: every call locks, exactly as in the engine.
+    /// path: every call locks, exactly as in the engine. Built with the default options, these
+    /// policies also hash every page id, where [`Simulator::new`] indexes small ids directly.
     #[derive(Debug)]
     struct ViaShared<T: ?Sized>(Box<T>);
 

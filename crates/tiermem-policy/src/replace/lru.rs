@@ -18,7 +18,13 @@ impl Lru {
     /// Room for `capacity` resident pages, with slack for pages the engine hands back and
     /// stale entries of closed regions.
     pub fn new(capacity: usize) -> Self {
-        Self { lists: Mutex::new(Lists::new(capacity * 2 + 64)), informed: AtomicBool::new(false) }
+        Self::with_dense(capacity, 0)
+    }
+
+    /// As [`Lru::new`], page ids below `dense` tracked without hashing (see
+    /// [`crate::PolicyOptions::dense_pages`]).
+    pub fn with_dense(capacity: usize, dense: u64) -> Self {
+        Self { lists: Mutex::new(Lists::with_dense(capacity * 2 + 64, dense)), informed: AtomicBool::new(false) }
     }
 }
 

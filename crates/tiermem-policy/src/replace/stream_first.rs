@@ -39,10 +39,16 @@ impl StreamFirst {
     /// Room for `capacity` resident pages; `table` is the shared training table, which this
     /// policy trains itself (from the accesses it hears) unless the stream prefetcher does.
     pub fn new(capacity: usize, table: Arc<StreamTable>, trains: bool) -> Self {
+        Self::with_dense(capacity, table, trains, 0)
+    }
+
+    /// As [`StreamFirst::new`], page ids below `dense` tracked without hashing (see
+    /// [`crate::PolicyOptions::dense_pages`]).
+    pub fn with_dense(capacity: usize, table: Arc<StreamTable>, trains: bool, dense: u64) -> Self {
         Self {
             table,
             trains,
-            lists: Mutex::new(Lists::new(capacity * 2 + 64)),
+            lists: Mutex::new(Lists::with_dense(capacity * 2 + 64, dense)),
             informed: std::sync::atomic::AtomicBool::new(false),
             stream_bonus: capacity as u64,
         }
