@@ -11,9 +11,12 @@
 //! the offline reference `belady`, which needs the future and so is built from a trace
 //! ([`replace::Belady::from_trace`]), never by name.
 
+mod pair;
 pub mod prefetch;
 pub mod replace;
 pub mod stream;
+
+pub use pair::StreamPair;
 
 use std::sync::Arc;
 

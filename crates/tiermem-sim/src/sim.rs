@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use serde::Serialize;
-use tiermem_policy::{FaultInfo, PageList, PolicyOptions, Prefetcher, Replacement};
+use tiermem_policy::{FaultInfo, PageList, PolicyOptions, Prefetcher, Replacement, StreamPair};
 use tiermem_sys::{Error, Result};
 
 use crate::trace::{split_event, Event, EventKind};
@@ -204,12 +204,69 @@ impl std::fmt::Debug for PageTable {
     }
 }
 
+/// The policy objects, which the simulator owns outright: any pair through the traits'
+/// exclusive (`_mut`) hooks, or `stream` × `stream-first` as one object whose shared training
+/// table needs no lock.
+#[derive(Debug)]
+enum Policies {
+    Pair { prefetcher: Box<dyn Prefetcher>, replacement: Box<dyn Replacement> },
+    Stream(Box<StreamPair>),
+}
+
+impl Policies {
+    fn names(&self) -> (&'static str, &'static str) {
+        match self {
+            Policies::Pair { prefetcher, replacement } => (prefetcher.name(), replacement.name()),
+            Policies::Stream(_) => ("stream", "stream-first"),
+        }
+    }
+
+    #[inline]
+    fn on_fault(&mut self, fault: &FaultInfo, out: &mut PageList) {
+        match self {
+            Policies::Pair { prefetcher, .. } => prefetcher.on_fault_mut(fault, out),
+            Policies::Stream(pair) => pair.on_fault(fault, out),
+        }
+    }
+
+    #[inline]
+    fn on_report(&mut self, page: u64, out: &mut PageList) {
+        match self {
+            Policies::Pair { prefetcher, .. } => prefetcher.on_report_mut(0, page, REGION_PAGES, out),
+            Policies::Stream(pair) => pair.on_report(0, page, REGION_PAGES, out),
+        }
+    }
+
+    #[inline]
+    fn on_insert(&mut self, page: u64) {
+        match self {
+            Policies::Pair { replacement, .. } => replacement.on_insert_mut(page),
+            Policies::Stream(pair) => pair.on_insert(page),
+        }
+    }
+
+    #[inline]
+    fn on_access(&mut self, page: u64) {
+        match self {
+            Policies::Pair { replacement, .. } => replacement.on_access_mut(page),
+            Policies::Stream(pair) => pair.on_access(page),
+        }
+    }
+
+    #[inline]
+    fn pick_victims(&mut self, max: usize, is_referenced: &dyn Fn(u64) -> bool, out: &mut PageList) {
+        match self {
+            Policies::Pair { replacement, .. } => replacement.pick_victims_mut(max, is_referenced, out),
+            Policies::Stream(pair) => pair.pick_victims(max, is_referenced, out),
+        }
+    }
+}
+
 /// A running simulation; feed it events with [`Simulator::step`].
 #[derive(Debug)]
 pub struct Simulator {
     config: SimConfig,
-    prefetcher: Box<dyn Prefetcher>,
-    replacement: Box<dyn Replacement>,
+    policies: Policies,
     pages: PageTable,
     /// Arrival times of prefetched pages not touched yet.
     arrivals: FastMap<f64>,
@@ -242,6 +299,10 @@ impl Simulator {
         if options.dense_pages == 0 {
             options.dense_pages = (config.local_pages as u64).saturating_mul(2).saturating_add(64).min(1 << 26);
         }
+        if config.prefetch == "stream" && config.replace == "stream-first" {
+            let pair = StreamPair::new(config.local_pages, &options);
+            return Ok(Self::build(config, Policies::Stream(Box::new(pair))));
+        }
         let pair = tiermem_policy::build_policies(&config.prefetch, &config.replace, config.local_pages, &options)?;
         Ok(Self::with_policies(config, pair.prefetcher, pair.replacement))
     }
@@ -252,19 +313,23 @@ impl Simulator {
         prefetcher: Box<dyn Prefetcher>,
         replacement: Box<dyn Replacement>,
     ) -> Self {
+        Self::build(config, Policies::Pair { prefetcher, replacement })
+    }
+
+    fn build(config: SimConfig, policies: Policies) -> Self {
+        let (prefetch, replace) = policies.names();
         // Exact only for policies whose state is an order of pages: stream-first also counts
         // uses (its stream bonus and its table's LRU clock), and Belady needs every access.
-        let skip_repeats = matches!(replacement.name(), "fifo" | "clock" | "lru");
+        let skip_repeats = matches!(replace, "fifo" | "clock" | "lru");
         let result = SimResult {
-            prefetch: prefetcher.name().to_string(),
-            replace: replacement.name().to_string(),
+            prefetch: prefetch.to_string(),
+            replace: replace.to_string(),
             local_pages: config.local_pages,
             ..SimResult::default()
         };
         Self {
             config,
-            prefetcher,
-            replacement,
+            policies,
             pages: PageTable::default(),
             arrivals: FastMap::default(),
             resident: 0,
@@ -300,7 +365,7 @@ impl Simulator {
                     s & REFERENCED != 0
                 })
             };
-            self.replacement.pick_victims_mut(1, &is_referenced, &mut self.victims);
+            self.policies.pick_victims(1, &is_referenced, &mut self.victims);
             if self.victims.is_empty() {
                 // A second-chance pass may clear every referenced bit without choosing; the
                 // next pass then chooses. Twice empty: the policy tracks nothing resident.
@@ -347,7 +412,7 @@ impl Simulator {
             self.arrivals.insert(page, arrival);
             self.resident += 1;
             self.result.prefetch_issued += 1;
-            self.replacement.on_insert_mut(page);
+            self.policies.on_insert(page);
         }
         self.wanted.clear();
     }
@@ -356,7 +421,7 @@ impl Simulator {
     fn report(&mut self, page: u64) {
         self.result.reports += 1;
         self.policy_mru = u64::MAX;
-        self.prefetcher.on_report_mut(0, page, REGION_PAGES, &mut self.wanted);
+        self.policies.on_report(page, &mut self.wanted);
         if !self.wanted.is_empty() {
             self.issue_wanted();
         }
@@ -399,7 +464,7 @@ impl Simulator {
         }
         if s & RESIDENT != 0 {
             cell.set((s & !PREFETCHED) | REFERENCED | dirty);
-            self.replacement.on_access_mut(page);
+            self.policies.on_access(page);
             self.policy_mru = page;
             if s & PREFETCHED != 0 {
                 self.result.prefetch_hits += 1;
@@ -410,7 +475,7 @@ impl Simulator {
                 }
                 self.now += self.config.latency.hit_ns;
                 let info = FaultInfo { region: 0, page, region_pages: REGION_PAGES, write, hit: true };
-                self.prefetcher.on_fault_mut(&info, &mut self.wanted);
+                self.policies.on_fault(&info, &mut self.wanted);
                 if !self.wanted.is_empty() {
                     self.issue_wanted();
                 }
@@ -423,10 +488,10 @@ impl Simulator {
         self.now = arrival + self.config.latency.fault_ns;
         self.pages.cell(page).set(RESIDENT | dirty);
         self.resident += 1;
-        self.replacement.on_insert_mut(page);
+        self.policies.on_insert(page);
         self.policy_mru = u64::MAX;
         let info = FaultInfo { region: 0, page, region_pages: REGION_PAGES, write, hit: false };
-        self.prefetcher.on_fault_mut(&info, &mut self.wanted);
+        self.policies.on_fault(&info, &mut self.wanted);
         if !self.wanted.is_empty() {
             self.issue_wanted();
         }

@@ -29,10 +29,62 @@ const UNTOUCHED: usize = 2;
 pub struct StreamFirst {
     table: Arc<StreamTable>,
     trains: bool,
+    groups: Groups,
+}
+
+/// The three groups and how victims are chosen among them: all of stream-first but its table.
+#[derive(Debug)]
+pub(crate) struct Groups {
     lists: Mutex<Lists<3>>,
     informed: std::sync::atomic::AtomicBool,
     /// How much older than it is a walked stream page counts, in uses.
     stream_bonus: u64,
+}
+
+impl Groups {
+    pub(crate) fn new(capacity: usize, dense: u64) -> Self {
+        Self {
+            lists: Mutex::new(Lists::with_dense(capacity * 2 + 64, dense)),
+            informed: std::sync::atomic::AtomicBool::new(false),
+            stream_bonus: capacity as u64,
+        }
+    }
+
+    fn insert(&self, page: PageId) {
+        lock(&self.lists).touch(page, UNTOUCHED);
+    }
+
+    fn access(&self, page: PageId, in_stream: bool) {
+        self.informed.store(true, std::sync::atomic::Ordering::Relaxed);
+        lock(&self.lists).move_if_present(page, group(in_stream));
+    }
+
+    fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        let second_chance = !self.informed.load(std::sync::atomic::Ordering::Relaxed);
+        pick(&mut lock(&self.lists), self.stream_bonus, second_chance, max, is_referenced, out);
+    }
+
+    pub(crate) fn insert_mut(&mut self, page: PageId) {
+        owned(&mut self.lists).touch(page, UNTOUCHED);
+    }
+
+    pub(crate) fn access_mut(&mut self, page: PageId, in_stream: bool) {
+        *self.informed.get_mut() = true;
+        owned(&mut self.lists).move_if_present(page, group(in_stream));
+    }
+
+    pub(crate) fn pick_victims_mut(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        let second_chance = !*self.informed.get_mut();
+        pick(owned(&mut self.lists), self.stream_bonus, second_chance, max, is_referenced, out);
+    }
+}
+
+fn group(in_stream: bool) -> usize {
+    if in_stream {
+        STREAM
+    } else {
+        RANDOM
+    }
 }
 
 impl StreamFirst {
@@ -45,19 +97,24 @@ impl StreamFirst {
     /// As [`StreamFirst::new`], page ids below `dense` tracked without hashing (see
     /// [`crate::PolicyOptions::dense_pages`]).
     pub fn with_dense(capacity: usize, table: Arc<StreamTable>, trains: bool, dense: u64) -> Self {
-        Self {
-            table,
-            trains,
-            lists: Mutex::new(Lists::with_dense(capacity * 2 + 64, dense)),
-            informed: std::sync::atomic::AtomicBool::new(false),
-            stream_bonus: capacity as u64,
-        }
+        Self { table, trains, groups: Groups::new(capacity, dense) }
     }
 
     /// Pages currently in the stream, random and untouched groups.
     pub fn group_sizes(&self) -> (usize, usize, usize) {
-        let lists = lock(&self.lists);
+        let lists = lock(&self.groups.lists);
         (lists.len(STREAM), lists.len(RANDOM), lists.len(UNTOUCHED))
+    }
+
+    /// Train the table on a used page if this policy does, and say whether the page is on a
+    /// walked stream. The table may be shared with the stream prefetcher, so this locks it
+    /// (uncontended in the simulator; [`crate::StreamPair`] avoids even that).
+    fn classify(&self, page: PageId) -> bool {
+        let (owner, index) = split_page_id(page);
+        if self.trains {
+            self.table.train(owner, index);
+        }
+        self.table.in_stream(owner, index)
     }
 }
 
@@ -67,49 +124,28 @@ impl Replacement for StreamFirst {
     }
 
     fn on_insert(&self, page: PageId) {
-        lock(&self.lists).touch(page, UNTOUCHED);
+        self.groups.insert(page);
     }
 
     fn on_access(&self, page: PageId) {
-        self.informed.store(true, std::sync::atomic::Ordering::Relaxed);
-        let group = self.classify(page);
-        lock(&self.lists).move_if_present(page, group);
+        self.groups.access(page, self.classify(page));
     }
 
     fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
-        let second_chance = !self.informed.load(std::sync::atomic::Ordering::Relaxed);
-        pick(&mut lock(&self.lists), self.stream_bonus, second_chance, max, is_referenced, out);
+        self.groups.pick_victims(max, is_referenced, out);
     }
 
     fn on_insert_mut(&mut self, page: PageId) {
-        owned(&mut self.lists).touch(page, UNTOUCHED);
+        self.groups.insert_mut(page);
     }
 
     fn on_access_mut(&mut self, page: PageId) {
-        *self.informed.get_mut() = true;
-        // The table may be shared with the stream prefetcher: it keeps its (uncontended) lock.
-        let group = self.classify(page);
-        owned(&mut self.lists).move_if_present(page, group);
+        let in_stream = self.classify(page);
+        self.groups.access_mut(page, in_stream);
     }
 
     fn pick_victims_mut(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
-        let second_chance = !*self.informed.get_mut();
-        pick(owned(&mut self.lists), self.stream_bonus, second_chance, max, is_referenced, out);
-    }
-}
-
-impl StreamFirst {
-    /// Train the table on a used page if this policy does, and give the page's group.
-    fn classify(&self, page: PageId) -> usize {
-        let (owner, index) = split_page_id(page);
-        if self.trains {
-            self.table.train(owner, index);
-        }
-        if self.table.in_stream(owner, index) {
-            STREAM
-        } else {
-            RANDOM
-        }
+        self.groups.pick_victims_mut(max, is_referenced, out);
     }
 }
 
@@ -154,7 +190,7 @@ mod tests {
     fn walked_stream_pages_go_first_then_the_rest_by_last_use() {
         let table = Arc::new(StreamTable::new(StreamConfig::default()));
         let policy = StreamFirst::new(64, table, true);
-        assert_eq!(policy.stream_bonus, 64);
+        assert_eq!(policy.groups.stream_bonus, 64);
         // Random pages of region 1, used once each after coming in.
         for p in [5000, 9000, 13000] {
             policy.on_insert(page_id(1, p));
