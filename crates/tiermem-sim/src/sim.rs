@@ -170,23 +170,27 @@ impl Default for PageTable {
 }
 
 impl PageTable {
-    #[inline]
+    #[inline(always)]
     fn cell(&mut self, page: u64) -> &std::cell::Cell<u8> {
         let key = page >> CHUNK_SHIFT;
         let slot = (key as usize) & (RECENT - 1);
         let (cached_key, cached_chunk) = self.recent[slot];
-        let chunk = if cached_key == key {
-            cached_chunk
-        } else {
-            let next = self.chunks.len() as u32;
-            let c = *self.index.entry(key).or_insert(next);
-            if c == next {
-                self.chunks.push(Box::new(std::array::from_fn(|_| std::cell::Cell::new(0))));
-            }
-            self.recent[slot] = (key, c);
-            c
-        };
+        let chunk = if cached_key == key { cached_chunk } else { self.find_chunk(key, slot) };
         &self.chunks[chunk as usize][(page as usize) & (CHUNK - 1)]
+    }
+
+    /// The chunk of `key` (made if new), remembered in `recent[slot]`: the slow path of
+    /// [`PageTable::cell`], kept out of line so the replay loop stays small.
+    #[cold]
+    #[inline(never)]
+    fn find_chunk(&mut self, key: u64, slot: usize) -> u32 {
+        let next = self.chunks.len() as u32;
+        let c = *self.index.entry(key).or_insert(next);
+        if c == next {
+            self.chunks.push(Box::new(std::array::from_fn(|_| std::cell::Cell::new(0))));
+        }
+        self.recent[slot] = (key, c);
+        c
     }
 
     /// Read-only lookup that never creates a chunk (for the referenced-bit callback).
