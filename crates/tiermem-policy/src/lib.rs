@@ -11,9 +11,12 @@
 //! the offline reference `belady`, which needs the future and so is built from a trace
 //! ([`replace::Belady::from_trace`]), never by name.
 
+mod pair;
 pub mod prefetch;
 pub mod replace;
 pub mod stream;
+
+pub use pair::StreamPair;
 
 use std::sync::Arc;
 
@@ -115,6 +118,16 @@ pub trait Prefetcher: Send + Sync + std::fmt::Debug {
     fn on_report(&self, region: u32, page: u64, region_pages: u64, out: &mut PageList) {
         let _ = (region, page, region_pages, out);
     }
+    /// [`Prefetcher::on_fault`] for a caller with exclusive use of the policy and of everything
+    /// it shares (the simulator): same result, without taking locks where the policy can avoid
+    /// them. Must not allocate either.
+    fn on_fault_mut(&mut self, fault: &FaultInfo, out: &mut PageList) {
+        self.on_fault(fault, out);
+    }
+    /// [`Prefetcher::on_report`] for an exclusive caller; see [`Prefetcher::on_fault_mut`].
+    fn on_report_mut(&mut self, region: u32, page: u64, region_pages: u64, out: &mut PageList) {
+        self.on_report(region, page, region_pages, out);
+    }
 }
 
 /// Chooses pages to evict. Hooks follow libCacheSim: insert, access, evict.
@@ -130,6 +143,20 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
     /// `is_referenced` reports and clears a page's referenced bit (second chance). The engine
     /// re-checks every proposal and hands back the ones it could not evict via `on_insert`.
     fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList);
+    /// [`Replacement::on_insert`] for a caller with exclusive use of the policy and of everything
+    /// it shares (the simulator): same result, without taking locks where the policy can avoid
+    /// them. Must not allocate either.
+    fn on_insert_mut(&mut self, page: PageId) {
+        self.on_insert(page);
+    }
+    /// [`Replacement::on_access`] for an exclusive caller; see [`Replacement::on_insert_mut`].
+    fn on_access_mut(&mut self, page: PageId) {
+        self.on_access(page);
+    }
+    /// [`Replacement::pick_victims`] for an exclusive caller; see [`Replacement::on_insert_mut`].
+    fn pick_victims_mut(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        self.pick_victims(max, is_referenced, out);
+    }
 }
 
 /// Names accepted by [`prefetcher_by_name`].
@@ -144,6 +171,10 @@ pub const OFFLINE_REPLACEMENTS: &[&str] = &["belady"];
 pub struct PolicyOptions {
     /// The stream training table and stream prefetcher.
     pub stream: StreamConfig,
+    /// Page ids below this are tracked by `lru` and `stream-first` in arrays indexed by page
+    /// instead of a hash table (faster when ids are small and dense, as the simulator's are;
+    /// costs 32 bytes per id, allocated at construction). 0, the default: hashing only.
+    pub dense_pages: u64,
 }
 
 /// A prefetcher and a replacement policy built together, sharing one stream training table
@@ -183,11 +214,12 @@ pub fn build_policies(
     let replacement: Box<dyn Replacement> = match replace {
         "clock" => Box::new(Clock::new(capacity_pages, true)),
         "fifo" => Box::new(Clock::new(capacity_pages, false)),
-        "lru" => Box::new(Lru::new(capacity_pages)),
-        _ => Box::new(StreamFirst::new(
+        "lru" => Box::new(Lru::with_dense(capacity_pages, options.dense_pages)),
+        _ => Box::new(StreamFirst::with_dense(
             capacity_pages,
             table.clone().unwrap_or_else(|| Arc::new(StreamTable::new(options.stream))),
             prefetch != "stream",
+            options.dense_pages,
         )),
     };
     Ok(PolicyPair { prefetcher, replacement, stream_table: table })
@@ -228,6 +260,12 @@ pub fn replacement_by_name(name: &str, capacity_pages: usize) -> Result<Box<dyn 
 /// statements, so a poisoned lock still guards consistent data.
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The data of a mutex its owner holds exclusively (no locking), carrying on after a panic as
+/// [`lock`] does.
+pub(crate) fn owned<T>(m: &mut std::sync::Mutex<T>) -> &mut T {
+    m.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 #[cfg(test)]

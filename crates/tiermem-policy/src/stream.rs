@@ -11,7 +11,7 @@
 
 use std::sync::Mutex;
 
-use crate::lock;
+use crate::{lock, owned};
 
 /// Most entries a table can be built with.
 pub const MAX_ENTRIES: usize = 256;
@@ -259,14 +259,27 @@ impl StreamTable {
     /// has a stride (the moment the paper issues a prefetch), else None. A page equal to the
     /// entry's newest one teaches nothing (several reports of one page).
     pub fn train(&self, owner: u32, page: u64) -> Option<Stream> {
-        let mut guard = lock(&self.state);
-        let s = &mut *guard;
+        Self::train_in(&self.config, self.bucket_shift, self.filters, &mut lock(&self.state), owner, page)
+    }
+
+    /// [`StreamTable::train`] without locking, for an exclusive owner.
+    pub fn train_mut(&mut self, owner: u32, page: u64) -> Option<Stream> {
+        Self::train_in(&self.config, self.bucket_shift, self.filters, owned(&mut self.state), owner, page)
+    }
+
+    fn train_in(
+        config: &StreamConfig,
+        shift: u32,
+        filters: bool,
+        s: &mut Entries,
+        owner: u32,
+        page: u64,
+    ) -> Option<Stream> {
         s.clock += 1;
         let now = s.clock;
-        let n = self.config.entries;
-        let join = self.config.join_distance;
+        let n = config.entries;
+        let join = config.join_distance;
         let matches = |s: &Entries, i: usize| s.used[i] != 0 && s.owner[i] == owner && s.first[i].abs_diff(page) < join;
-        let shift = self.bucket_shift;
         let bucket = page >> shift;
         // The most recently used entry, if it matches, is the most recent match. Otherwise the
         // chains of the page's bucket and its neighbours hold every candidate (without the
@@ -274,7 +287,7 @@ impl StreamTable {
         let mut victim = 0;
         let found = if matches(s, s.mru) {
             Some(s.mru)
-        } else if self.filters {
+        } else if filters {
             let (mut best, mut best_used) = (usize::MAX, 0u64);
             for b in [bucket.wrapping_sub(1), bucket, bucket.wrapping_add(1)] {
                 let mut e = s.firsts[filter_slot(owner, b)];
@@ -302,7 +315,7 @@ impl StreamTable {
         };
         let Some(i) = found else {
             // Take over the least recently used entry (a free one has `used` 0).
-            if self.filters {
+            if filters {
                 victim = s.tail as usize;
             }
             s.count(victim, shift, -1);
@@ -322,7 +335,7 @@ impl StreamTable {
         s.used[i] = now;
         s.mru = i;
         s.touch(i);
-        let history = self.config.history;
+        let history = config.history;
         let len = usize::from(s.len[i]);
         let pages = &mut s.pages[i];
         if pages[len - 1] == page {
@@ -359,7 +372,22 @@ impl StreamTable {
     /// stream (read ahead, not used yet) are not: stream-first replacement must keep those.
     /// Stream-first asks this when a page comes in or is used.
     pub fn in_stream(&self, owner: u32, page: u64) -> bool {
-        let s = lock(&self.state);
+        self.in_stream_in(&lock(&self.state), owner, page)
+    }
+
+    /// [`StreamTable::in_stream`] without locking, for an exclusive owner.
+    pub fn in_stream_mut(&mut self, owner: u32, page: u64) -> bool {
+        let s = owned(&mut self.state);
+        // Reborrow shared: the query changes nothing.
+        let s: &Entries = s;
+        Self::in_stream_at(&self.config, self.bucket_shift, self.filters, s, owner, page)
+    }
+
+    fn in_stream_in(&self, s: &Entries, owner: u32, page: u64) -> bool {
+        Self::in_stream_at(&self.config, self.bucket_shift, self.filters, s, owner, page)
+    }
+
+    fn in_stream_at(config: &StreamConfig, shift: u32, filters: bool, s: &Entries, owner: u32, page: u64) -> bool {
         let on =
             |i: usize| s.stride[i] != 0 && s.owner[i] == owner && s.lo[i] <= page && page <= s.hi[i] && s.used[i] != 0;
         // The entry trained last usually answers (the page was just reported); a zero count in
@@ -367,10 +395,10 @@ impl StreamTable {
         if on(s.mru) {
             return true;
         }
-        if self.filters && s.wide == 0 && s.hulls[filter_slot(owner, page >> self.bucket_shift)] == 0 {
+        if filters && s.wide == 0 && s.hulls[filter_slot(owner, page >> shift)] == 0 {
             return false;
         }
-        (0..self.config.entries).any(on)
+        (0..config.entries).any(on)
     }
 
     /// Push the pages to prefetch for `stream` (clipped to `0..region_pages`) into `out`.

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use serde::Serialize;
-use tiermem_policy::{FaultInfo, PageList, PolicyOptions, Prefetcher, Replacement};
+use tiermem_policy::{FaultInfo, PageList, PolicyOptions, Prefetcher, Replacement, StreamPair};
 use tiermem_sys::{Error, Result};
 
 use crate::trace::{split_event, Event, EventKind};
@@ -170,23 +170,27 @@ impl Default for PageTable {
 }
 
 impl PageTable {
-    #[inline]
+    #[inline(always)]
     fn cell(&mut self, page: u64) -> &std::cell::Cell<u8> {
         let key = page >> CHUNK_SHIFT;
         let slot = (key as usize) & (RECENT - 1);
         let (cached_key, cached_chunk) = self.recent[slot];
-        let chunk = if cached_key == key {
-            cached_chunk
-        } else {
-            let next = self.chunks.len() as u32;
-            let c = *self.index.entry(key).or_insert(next);
-            if c == next {
-                self.chunks.push(Box::new(std::array::from_fn(|_| std::cell::Cell::new(0))));
-            }
-            self.recent[slot] = (key, c);
-            c
-        };
+        let chunk = if cached_key == key { cached_chunk } else { self.find_chunk(key, slot) };
         &self.chunks[chunk as usize][(page as usize) & (CHUNK - 1)]
+    }
+
+    /// The chunk of `key` (made if new), remembered in `recent[slot]`: the slow path of
+    /// [`PageTable::cell`], kept out of line so the replay loop stays small.
+    #[cold]
+    #[inline(never)]
+    fn find_chunk(&mut self, key: u64, slot: usize) -> u32 {
+        let next = self.chunks.len() as u32;
+        let c = *self.index.entry(key).or_insert(next);
+        if c == next {
+            self.chunks.push(Box::new(std::array::from_fn(|_| std::cell::Cell::new(0))));
+        }
+        self.recent[slot] = (key, c);
+        c
     }
 
     /// Read-only lookup that never creates a chunk (for the referenced-bit callback).
@@ -204,12 +208,69 @@ impl std::fmt::Debug for PageTable {
     }
 }
 
+/// The policy objects, which the simulator owns outright: any pair through the traits'
+/// exclusive (`_mut`) hooks, or `stream` × `stream-first` as one object whose shared training
+/// table needs no lock.
+#[derive(Debug)]
+enum Policies {
+    Pair { prefetcher: Box<dyn Prefetcher>, replacement: Box<dyn Replacement> },
+    Stream(Box<StreamPair>),
+}
+
+impl Policies {
+    fn names(&self) -> (&'static str, &'static str) {
+        match self {
+            Policies::Pair { prefetcher, replacement } => (prefetcher.name(), replacement.name()),
+            Policies::Stream(_) => ("stream", "stream-first"),
+        }
+    }
+
+    #[inline]
+    fn on_fault(&mut self, fault: &FaultInfo, out: &mut PageList) {
+        match self {
+            Policies::Pair { prefetcher, .. } => prefetcher.on_fault_mut(fault, out),
+            Policies::Stream(pair) => pair.on_fault(fault, out),
+        }
+    }
+
+    #[inline]
+    fn on_report(&mut self, page: u64, out: &mut PageList) {
+        match self {
+            Policies::Pair { prefetcher, .. } => prefetcher.on_report_mut(0, page, REGION_PAGES, out),
+            Policies::Stream(pair) => pair.on_report(0, page, REGION_PAGES, out),
+        }
+    }
+
+    #[inline]
+    fn on_insert(&mut self, page: u64) {
+        match self {
+            Policies::Pair { replacement, .. } => replacement.on_insert_mut(page),
+            Policies::Stream(pair) => pair.on_insert(page),
+        }
+    }
+
+    #[inline]
+    fn on_access(&mut self, page: u64) {
+        match self {
+            Policies::Pair { replacement, .. } => replacement.on_access_mut(page),
+            Policies::Stream(pair) => pair.on_access(page),
+        }
+    }
+
+    #[inline]
+    fn pick_victims(&mut self, max: usize, is_referenced: &dyn Fn(u64) -> bool, out: &mut PageList) {
+        match self {
+            Policies::Pair { replacement, .. } => replacement.pick_victims_mut(max, is_referenced, out),
+            Policies::Stream(pair) => pair.pick_victims(max, is_referenced, out),
+        }
+    }
+}
+
 /// A running simulation; feed it events with [`Simulator::step`].
 #[derive(Debug)]
 pub struct Simulator {
     config: SimConfig,
-    prefetcher: Box<dyn Prefetcher>,
-    replacement: Box<dyn Replacement>,
+    policies: Policies,
     pages: PageTable,
     /// Arrival times of prefetched pages not touched yet.
     arrivals: FastMap<f64>,
@@ -236,8 +297,17 @@ impl Simulator {
             return Err(Error::invalid("local memory must be at least one page"));
         }
         config.options.stream.validate()?;
-        let pair =
-            tiermem_policy::build_policies(&config.prefetch, &config.replace, config.local_pages, &config.options)?;
+        // Synthetic and page-list traces number pages from 0: index them directly up to a
+        // footprint twice the local memory (pages beyond are hashed, as always).
+        let mut options = config.options;
+        if options.dense_pages == 0 {
+            options.dense_pages = (config.local_pages as u64).saturating_mul(2).saturating_add(64).min(1 << 26);
+        }
+        if config.prefetch == "stream" && config.replace == "stream-first" {
+            let pair = StreamPair::new(config.local_pages, &options);
+            return Ok(Self::build(config, Policies::Stream(Box::new(pair))));
+        }
+        let pair = tiermem_policy::build_policies(&config.prefetch, &config.replace, config.local_pages, &options)?;
         Ok(Self::with_policies(config, pair.prefetcher, pair.replacement))
     }
 
@@ -247,19 +317,23 @@ impl Simulator {
         prefetcher: Box<dyn Prefetcher>,
         replacement: Box<dyn Replacement>,
     ) -> Self {
+        Self::build(config, Policies::Pair { prefetcher, replacement })
+    }
+
+    fn build(config: SimConfig, policies: Policies) -> Self {
+        let (prefetch, replace) = policies.names();
         // Exact only for policies whose state is an order of pages: stream-first also counts
         // uses (its stream bonus and its table's LRU clock), and Belady needs every access.
-        let skip_repeats = matches!(replacement.name(), "fifo" | "clock" | "lru");
+        let skip_repeats = matches!(replace, "fifo" | "clock" | "lru");
         let result = SimResult {
-            prefetch: prefetcher.name().to_string(),
-            replace: replacement.name().to_string(),
+            prefetch: prefetch.to_string(),
+            replace: replace.to_string(),
             local_pages: config.local_pages,
             ..SimResult::default()
         };
         Self {
             config,
-            prefetcher,
-            replacement,
+            policies,
             pages: PageTable::default(),
             arrivals: FastMap::default(),
             resident: 0,
@@ -295,7 +369,7 @@ impl Simulator {
                     s & REFERENCED != 0
                 })
             };
-            self.replacement.pick_victims(1, &is_referenced, &mut self.victims);
+            self.policies.pick_victims(1, &is_referenced, &mut self.victims);
             if self.victims.is_empty() {
                 // A second-chance pass may clear every referenced bit without choosing; the
                 // next pass then chooses. Twice empty: the policy tracks nothing resident.
@@ -342,7 +416,7 @@ impl Simulator {
             self.arrivals.insert(page, arrival);
             self.resident += 1;
             self.result.prefetch_issued += 1;
-            self.replacement.on_insert(page);
+            self.policies.on_insert(page);
         }
         self.wanted.clear();
     }
@@ -351,7 +425,7 @@ impl Simulator {
     fn report(&mut self, page: u64) {
         self.result.reports += 1;
         self.policy_mru = u64::MAX;
-        self.prefetcher.on_report(0, page, REGION_PAGES, &mut self.wanted);
+        self.policies.on_report(page, &mut self.wanted);
         if !self.wanted.is_empty() {
             self.issue_wanted();
         }
@@ -394,7 +468,7 @@ impl Simulator {
         }
         if s & RESIDENT != 0 {
             cell.set((s & !PREFETCHED) | REFERENCED | dirty);
-            self.replacement.on_access(page);
+            self.policies.on_access(page);
             self.policy_mru = page;
             if s & PREFETCHED != 0 {
                 self.result.prefetch_hits += 1;
@@ -405,7 +479,7 @@ impl Simulator {
                 }
                 self.now += self.config.latency.hit_ns;
                 let info = FaultInfo { region: 0, page, region_pages: REGION_PAGES, write, hit: true };
-                self.prefetcher.on_fault(&info, &mut self.wanted);
+                self.policies.on_fault(&info, &mut self.wanted);
                 if !self.wanted.is_empty() {
                     self.issue_wanted();
                 }
@@ -418,10 +492,10 @@ impl Simulator {
         self.now = arrival + self.config.latency.fault_ns;
         self.pages.cell(page).set(RESIDENT | dirty);
         self.resident += 1;
-        self.replacement.on_insert(page);
+        self.policies.on_insert(page);
         self.policy_mru = u64::MAX;
         let info = FaultInfo { region: 0, page, region_pages: REGION_PAGES, write, hit: false };
-        self.prefetcher.on_fault(&info, &mut self.wanted);
+        self.policies.on_fault(&info, &mut self.wanted);
         if !self.wanted.is_empty() {
             self.issue_wanted();
         }
@@ -518,6 +592,100 @@ mod tests {
             sim.step(e);
         }
         sim.finish()
+    }
+
+    /// Forwards only the `&self` hooks, so the simulator's `_mut` calls take the trait's default
+    /// path: every call locks, exactly as in the engine. Built with the default options, these
+    /// policies also hash every page id, where [`Simulator::new`] indexes small ids directly.
+    #[derive(Debug)]
+    struct ViaShared<T: ?Sized>(Box<T>);
+
+    impl Prefetcher for ViaShared<dyn Prefetcher> {
+        fn name(&self) -> &'static str {
+            self.0.name()
+        }
+        fn on_fault(&self, fault: &FaultInfo, out: &mut PageList) {
+            self.0.on_fault(fault, out);
+        }
+        fn on_report(&self, region: u32, page: u64, region_pages: u64, out: &mut PageList) {
+            self.0.on_report(region, page, region_pages, out);
+        }
+    }
+
+    impl Replacement for ViaShared<dyn Replacement> {
+        fn name(&self) -> &'static str {
+            self.0.name()
+        }
+        fn on_insert(&self, page: u64) {
+            self.0.on_insert(page);
+        }
+        fn on_access(&self, page: u64) {
+            self.0.on_access(page);
+        }
+        fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(u64) -> bool, out: &mut PageList) {
+            self.0.pick_victims(max, is_referenced, out);
+        }
+    }
+
+    fn run_paths(events: &[Event], prefetch: &str, replace: &str, monitor: MonitorInput, exclusive: bool) -> SimResult {
+        let config = SimConfig {
+            local_pages: 16,
+            prefetch: prefetch.into(),
+            replace: replace.into(),
+            options: PolicyOptions::default(),
+            latency: Latency::default(),
+            monitor,
+        };
+        let mut sim = if exclusive {
+            Simulator::new(config).unwrap()
+        } else {
+            let pair = tiermem_policy::build_policies(prefetch, replace, config.local_pages, &config.options).unwrap();
+            Simulator::with_policies(
+                config,
+                Box::new(ViaShared(pair.prefetcher)),
+                Box::new(ViaShared(pair.replacement)),
+            )
+        };
+        for &e in events {
+            sim.step(e);
+        }
+        sim.finish()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 32, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// The lock-free `_mut` hooks the simulator calls give exactly what the engine's locking
+        /// `&self` hooks give, for every policy pair and monitor input, on random traces mixing
+        /// runs, strided streams (so stream training and prefetching happen), writes and reports.
+        #[test]
+        fn exclusive_hooks_match_shared_hooks(ops in proptest::collection::vec((0u64..96, 0u8..10, 1u64..4), 1..300)) {
+            let mut events = Vec::new();
+            for (page, op, stride) in ops {
+                let kind = match op { 0 => EventKind::Report, 1 => EventKind::Write, _ => EventKind::Read };
+                if op == 9 {
+                    // A short stream.
+                    for k in 0..8 {
+                        events.push(event(page + k * stride, EventKind::Read));
+                    }
+                } else {
+                    for _ in 0..1 + op % 3 {
+                        events.push(event(page, kind));
+                    }
+                }
+            }
+            for monitor in [MonitorInput::None, MonitorInput::Reports, MonitorInput::Accesses] {
+                for p in tiermem_policy::PREFETCHERS {
+                    for r in tiermem_policy::REPLACEMENTS {
+                        prop_assert_eq!(
+                            run_paths(&events, p, r, monitor, true),
+                            run_paths(&events, p, r, monitor, false),
+                            "{} × {}, {:?}", p, r, monitor
+                        );
+                    }
+                }
+            }
+        }
     }
 
     proptest! {

@@ -1,7 +1,7 @@
 use std::sync::Mutex;
 
 use super::{Readahead, REGION_SLOTS};
-use crate::{lock, FaultInfo, PageList, Prefetcher};
+use crate::{lock, owned, FaultInfo, PageList, Prefetcher};
 
 /// Deltas remembered per region (Leap: 32).
 const HISTORY: usize = 32;
@@ -113,36 +113,53 @@ impl Prefetcher for Leap {
     }
 
     fn on_fault(&self, fault: &FaultInfo, out: &mut PageList) {
-        let mut state = lock(&self.state);
-        let h = &mut state[fault.region as usize % REGION_SLOTS];
-        h.record(fault.page);
-        if fault.hit {
-            h.hits += 1;
-            drop(state);
-            // Keep the fallback's hit count in step.
-            self.fallback.on_fault(fault, out);
-            return;
-        }
-        let trend = h.trend().filter(|&d| d != 0);
-        let window = (h.hits + 1).next_power_of_two().min(MAX_WINDOW).max(h.prev_window / 2);
-        h.hits = 0;
-        h.prev_window = window;
-        drop(state);
-        let Some(delta) = trend else {
-            self.fallback.on_fault(fault, out);
-            return;
-        };
-        // Keep the fallback's history current so a lost trend falls back with a sane window.
-        let mut ignored = PageList::default();
-        self.fallback.on_fault(fault, &mut ignored);
-        let mut page = fault.page as i64;
-        for _ in 0..window {
-            page += delta;
-            if page < 0 || page as u64 >= fault.region_pages {
-                break;
+        let advice = advance(&mut lock(&self.state), fault);
+        match advice {
+            None => self.fallback.on_fault(fault, out),
+            Some(run) => {
+                // Keep the fallback's history current so a lost trend falls back with a sane window.
+                self.fallback.on_fault(fault, &mut PageList::default());
+                push_run(run, fault, out);
             }
-            out.push(page as u64);
         }
+    }
+
+    fn on_fault_mut(&mut self, fault: &FaultInfo, out: &mut PageList) {
+        let advice = advance(owned(&mut self.state), fault);
+        match advice {
+            None => self.fallback.on_fault_mut(fault, out),
+            Some(run) => {
+                self.fallback.on_fault_mut(fault, &mut PageList::default());
+                push_run(run, fault, out);
+            }
+        }
+    }
+}
+
+/// Record `fault`; the trend and window to follow, or None to let the fallback decide (a hit,
+/// which the fallback also counts, or no trend).
+fn advance(state: &mut [History; REGION_SLOTS], fault: &FaultInfo) -> Option<(i64, u64)> {
+    let h = &mut state[fault.region as usize % REGION_SLOTS];
+    h.record(fault.page);
+    if fault.hit {
+        h.hits += 1;
+        return None;
+    }
+    let trend = h.trend().filter(|&d| d != 0);
+    let window = (h.hits + 1).next_power_of_two().min(MAX_WINDOW).max(h.prev_window / 2);
+    h.hits = 0;
+    h.prev_window = window;
+    trend.map(|delta| (delta, window))
+}
+
+fn push_run((delta, window): (i64, u64), fault: &FaultInfo, out: &mut PageList) {
+    let mut page = fault.page as i64;
+    for _ in 0..window {
+        page += delta;
+        if page < 0 || page as u64 >= fault.region_pages {
+            break;
+        }
+        out.push(page as u64);
     }
 }
 

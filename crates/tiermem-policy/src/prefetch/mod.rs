@@ -13,6 +13,7 @@ pub use none::NoPrefetch;
 pub use ondemand::Ondemand;
 pub use readahead::Readahead;
 pub use stream::StreamPrefetcher;
+pub(crate) use stream::SWAP_PAGES;
 
 /// Per-region state slots a prefetcher keeps: regions share a slot when their numbers agree
 /// modulo this, which only blurs their histories, never breaks correctness.

@@ -1,7 +1,7 @@
 use std::sync::Mutex;
 
 use super::REGION_SLOTS;
-use crate::{lock, FaultInfo, PageList, Prefetcher};
+use crate::{lock, owned, FaultInfo, PageList, Prefetcher};
 
 /// Sequential readahead that ramps up, after Linux's on-demand file readahead (mm/readahead.c)
 /// rather than its swap readahead: windows run forward only, start at 4 pages and double up to
@@ -42,10 +42,6 @@ impl Ondemand {
             state: Mutex::new([Window::default(); REGION_SLOTS]),
         }
     }
-
-    fn grow(&self, size: u64) -> u64 {
-        (size * 2).clamp(INITIAL_PAGES.min(self.max_pages), self.max_pages)
-    }
 }
 
 impl Prefetcher for Ondemand {
@@ -54,38 +50,58 @@ impl Prefetcher for Ondemand {
     }
 
     fn on_fault(&self, fault: &FaultInfo, out: &mut PageList) {
-        let mut state = lock(&self.state);
+        let window = Self::advance(self.max_pages, &mut lock(&self.state), fault);
+        push_range(window, out);
+    }
+
+    fn on_fault_mut(&mut self, fault: &FaultInfo, out: &mut PageList) {
+        let window = Self::advance(self.max_pages, owned(&mut self.state), fault);
+        push_range(window, out);
+    }
+}
+
+fn grow(max_pages: u64, size: u64) -> u64 {
+    (size * 2).clamp(INITIAL_PAGES.min(max_pages), max_pages)
+}
+
+fn push_range(window: Option<(u64, u64)>, out: &mut PageList) {
+    let Some((start, end)) = window else { return };
+    for p in start..end {
+        out.push(p);
+    }
+}
+
+impl Ondemand {
+    /// Update the window for `fault`; the pages to read, if any.
+    fn advance(max_pages: u64, state: &mut [Window; REGION_SLOTS], fault: &FaultInfo) -> Option<(u64, u64)> {
         let w = &mut state[fault.region as usize % REGION_SLOTS];
         let page = fault.page;
         let (start, size) = if fault.hit {
             if w.size == 0 || page != w.start {
-                return;
+                return None;
             }
-            (w.start + w.size, self.grow(w.size))
+            (w.start + w.size, grow(max_pages, w.size))
         } else {
             let in_stream = w.size > 0 && page >= w.start && page <= w.start + w.size;
             let adjacent = w.prev_miss.is_some_and(|p| p + 1 == page);
             w.prev_miss = Some(page);
             if in_stream {
-                (page + 1, self.grow(w.size))
+                (page + 1, grow(max_pages, w.size))
             } else if adjacent {
-                (page + 1, INITIAL_PAGES.min(self.max_pages))
+                (page + 1, INITIAL_PAGES.min(max_pages))
             } else {
                 w.size = 0;
-                return;
+                return None;
             }
         };
         let end = start.saturating_add(size).min(fault.region_pages);
         if end <= start {
             w.size = 0;
-            return;
+            return None;
         }
         w.start = start;
         w.size = end - start;
-        drop(state);
-        for p in start..end {
-            out.push(p);
-        }
+        Some((start, end))
     }
 }
 

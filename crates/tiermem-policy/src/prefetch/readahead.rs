@@ -1,7 +1,7 @@
 use std::sync::Mutex;
 
 use super::REGION_SLOTS;
-use crate::{lock, FaultInfo, PageList, Prefetcher};
+use crate::{lock, owned, FaultInfo, PageList, Prefetcher};
 
 /// Linux's VMA-based swap readahead (mm/swap_state.c, `swap_vma_readahead`).
 ///
@@ -37,11 +37,33 @@ impl Prefetcher for Readahead {
     }
 
     fn on_fault(&self, fault: &FaultInfo, out: &mut PageList) {
-        let mut state = lock(&self.state);
+        let window = Self::advance(self.max_pages, &mut lock(&self.state), fault);
+        push_window(window, fault, out);
+    }
+
+    fn on_fault_mut(&mut self, fault: &FaultInfo, out: &mut PageList) {
+        let window = Self::advance(self.max_pages, owned(&mut self.state), fault);
+        push_window(window, fault, out);
+    }
+}
+
+/// Push the pages of `start..end` except the faulting one, clipped to the region.
+fn push_window(window: Option<(u64, u64)>, fault: &FaultInfo, out: &mut PageList) {
+    let Some((start, end)) = window else { return };
+    for p in start..end.min(fault.region_pages) {
+        if p != fault.page {
+            out.push(p);
+        }
+    }
+}
+
+impl Readahead {
+    /// Update the history for `fault`; the window to read on a miss.
+    fn advance(max_pages: u64, state: &mut [History; REGION_SLOTS], fault: &FaultInfo) -> Option<(u64, u64)> {
         let h = &mut state[fault.region as usize % REGION_SLOTS];
         if fault.hit {
             h.hits += 1;
-            return;
+            return None;
         }
         let page = fault.page;
         let adjacent = h.prev_page.is_some_and(|p| p.abs_diff(page) == 1);
@@ -53,7 +75,7 @@ impl Prefetcher for Readahead {
         } else {
             window = window.next_power_of_two();
         }
-        window = window.min(self.max_pages).max(h.prev_window / 2);
+        window = window.min(max_pages).max(h.prev_window / 2);
         let (start, end) = match h.prev_page {
             _ if window == 1 => (page, page + 1),
             Some(p) if page == p + 1 => (page, page + window),
@@ -66,12 +88,7 @@ impl Prefetcher for Readahead {
         h.prev_page = Some(page);
         h.prev_window = window;
         h.hits = 0;
-        drop(state);
-        for p in start..end.min(fault.region_pages) {
-            if p != page {
-                out.push(p);
-            }
-        }
+        Some((start, end))
     }
 }
 

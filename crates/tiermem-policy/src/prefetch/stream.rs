@@ -3,6 +3,9 @@ use std::sync::Arc;
 use crate::stream::StreamTable;
 use crate::{FaultInfo, PageList, Prefetcher};
 
+/// Pages after a miss the swap system reads itself (Fastswap's 7).
+pub(crate) const SWAP_PAGES: u64 = 7;
+
 /// The stream prefetcher of §3.2: every access it hears of (monitor reports, and faults, which
 /// are accesses too) trains the shared stream table; when a page completes a stream entry it
 /// prefetches `end + i × stride`. Like the paper's integration with Fastswap, a miss also reads
@@ -17,7 +20,7 @@ pub struct StreamPrefetcher {
 impl StreamPrefetcher {
     /// A prefetcher training `table` (shared with stream-first replacement, if any).
     pub fn new(table: Arc<StreamTable>) -> Self {
-        Self { table, swap: super::Fastswap::new(7) }
+        Self { table, swap: super::Fastswap::new(SWAP_PAGES) }
     }
 
     /// The training table.

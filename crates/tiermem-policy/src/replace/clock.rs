@@ -1,7 +1,7 @@
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
-use crate::{PageId, PageList, Replacement};
+use crate::{owned, PageId, PageList, Replacement};
 
 /// FIFO order with an optional second chance for referenced pages (CLOCK), the kernel-like
 /// default. User space cannot see hardware accessed bits, so "referenced" means a fault touched
@@ -42,17 +42,36 @@ impl Replacement for Clock {
     }
 
     fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
-        let mut queue = self.queue();
-        // Each page gets at most one second chance per call, so this terminates.
-        let mut budget = queue.len();
-        while out.as_slice().len() < max.min(PageList::CAPACITY) && budget > 0 {
-            let Some(page) = queue.pop_front() else { break };
-            budget -= 1;
-            if self.second_chance && is_referenced(page) {
-                queue.push_back(page);
-            } else {
-                out.push(page);
-            }
+        pick(&mut self.queue(), self.second_chance, max, is_referenced, out);
+    }
+
+    fn on_insert_mut(&mut self, page: PageId) {
+        owned(&mut self.queue).push_back(page);
+    }
+
+    fn on_access_mut(&mut self, _page: PageId) {}
+
+    fn pick_victims_mut(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        pick(owned(&mut self.queue), self.second_chance, max, is_referenced, out);
+    }
+}
+
+fn pick(
+    queue: &mut VecDeque<PageId>,
+    second_chance: bool,
+    max: usize,
+    is_referenced: &dyn Fn(PageId) -> bool,
+    out: &mut PageList,
+) {
+    // Each page gets at most one second chance per call, so this terminates.
+    let mut budget = queue.len();
+    while out.as_slice().len() < max.min(PageList::CAPACITY) && budget > 0 {
+        let Some(page) = queue.pop_front() else { break };
+        budget -= 1;
+        if second_chance && is_referenced(page) {
+            queue.push_back(page);
+        } else {
+            out.push(page);
         }
     }
 }

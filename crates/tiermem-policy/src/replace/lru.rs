@@ -2,7 +2,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use super::lists::Lists;
-use crate::{lock, PageId, PageList, Replacement};
+use crate::{lock, owned, PageId, PageList, Replacement};
 
 /// Least recently used, from full access information when a source gives it: every
 /// [`Replacement::on_access`] (a traced access, a monitor report) moves the page to the front.
@@ -18,7 +18,13 @@ impl Lru {
     /// Room for `capacity` resident pages, with slack for pages the engine hands back and
     /// stale entries of closed regions.
     pub fn new(capacity: usize) -> Self {
-        Self { lists: Mutex::new(Lists::new(capacity * 2 + 64)), informed: AtomicBool::new(false) }
+        Self::with_dense(capacity, 0)
+    }
+
+    /// As [`Lru::new`], page ids below `dense` tracked without hashing (see
+    /// [`crate::PolicyOptions::dense_pages`]).
+    pub fn with_dense(capacity: usize, dense: u64) -> Self {
+        Self { lists: Mutex::new(Lists::with_dense(capacity * 2 + 64, dense)), informed: AtomicBool::new(false) }
     }
 }
 
@@ -41,6 +47,20 @@ impl Replacement for Lru {
     fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
         let second_chance = !self.informed.load(Ordering::Relaxed);
         pick_lru(&mut lock(&self.lists), 0, max, second_chance, is_referenced, out);
+    }
+
+    fn on_insert_mut(&mut self, page: PageId) {
+        owned(&mut self.lists).touch(page, 0);
+    }
+
+    fn on_access_mut(&mut self, page: PageId) {
+        *self.informed.get_mut() = true;
+        owned(&mut self.lists).touch_if_present(page);
+    }
+
+    fn pick_victims_mut(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        let second_chance = !*self.informed.get_mut();
+        pick_lru(owned(&mut self.lists), 0, max, second_chance, is_referenced, out);
     }
 }
 

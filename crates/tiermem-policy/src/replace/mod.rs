@@ -9,4 +9,5 @@ mod stream_first;
 pub use belady::Belady;
 pub use clock::Clock;
 pub use lru::Lru;
+pub(crate) use stream_first::Groups;
 pub use stream_first::StreamFirst;

@@ -4,7 +4,7 @@ use std::sync::Mutex;
 use super::lists::Lists;
 use super::lru::pick_lru;
 use crate::stream::StreamTable;
-use crate::{lock, split_page_id, PageId, PageList, Replacement};
+use crate::{lock, owned, split_page_id, PageId, PageList, Replacement};
 
 const STREAM: usize = 0;
 const RANDOM: usize = 1;
@@ -29,29 +29,92 @@ const UNTOUCHED: usize = 2;
 pub struct StreamFirst {
     table: Arc<StreamTable>,
     trains: bool,
+    groups: Groups,
+}
+
+/// The three groups and how victims are chosen among them: all of stream-first but its table.
+#[derive(Debug)]
+pub(crate) struct Groups {
     lists: Mutex<Lists<3>>,
     informed: std::sync::atomic::AtomicBool,
     /// How much older than it is a walked stream page counts, in uses.
     stream_bonus: u64,
 }
 
-impl StreamFirst {
-    /// Room for `capacity` resident pages; `table` is the shared training table, which this
-    /// policy trains itself (from the accesses it hears) unless the stream prefetcher does.
-    pub fn new(capacity: usize, table: Arc<StreamTable>, trains: bool) -> Self {
+impl Groups {
+    pub(crate) fn new(capacity: usize, dense: u64) -> Self {
         Self {
-            table,
-            trains,
-            lists: Mutex::new(Lists::new(capacity * 2 + 64)),
+            lists: Mutex::new(Lists::with_dense(capacity * 2 + 64, dense)),
             informed: std::sync::atomic::AtomicBool::new(false),
             stream_bonus: capacity as u64,
         }
     }
 
+    fn insert(&self, page: PageId) {
+        lock(&self.lists).touch(page, UNTOUCHED);
+    }
+
+    fn access(&self, page: PageId, in_stream: bool) {
+        self.informed.store(true, std::sync::atomic::Ordering::Relaxed);
+        lock(&self.lists).move_if_present(page, group(in_stream));
+    }
+
+    fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        let second_chance = !self.informed.load(std::sync::atomic::Ordering::Relaxed);
+        pick(&mut lock(&self.lists), self.stream_bonus, second_chance, max, is_referenced, out);
+    }
+
+    pub(crate) fn insert_mut(&mut self, page: PageId) {
+        owned(&mut self.lists).touch(page, UNTOUCHED);
+    }
+
+    pub(crate) fn access_mut(&mut self, page: PageId, in_stream: bool) {
+        *self.informed.get_mut() = true;
+        owned(&mut self.lists).move_if_present(page, group(in_stream));
+    }
+
+    pub(crate) fn pick_victims_mut(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        let second_chance = !*self.informed.get_mut();
+        pick(owned(&mut self.lists), self.stream_bonus, second_chance, max, is_referenced, out);
+    }
+}
+
+fn group(in_stream: bool) -> usize {
+    if in_stream {
+        STREAM
+    } else {
+        RANDOM
+    }
+}
+
+impl StreamFirst {
+    /// Room for `capacity` resident pages; `table` is the shared training table, which this
+    /// policy trains itself (from the accesses it hears) unless the stream prefetcher does.
+    pub fn new(capacity: usize, table: Arc<StreamTable>, trains: bool) -> Self {
+        Self::with_dense(capacity, table, trains, 0)
+    }
+
+    /// As [`StreamFirst::new`], page ids below `dense` tracked without hashing (see
+    /// [`crate::PolicyOptions::dense_pages`]).
+    pub fn with_dense(capacity: usize, table: Arc<StreamTable>, trains: bool, dense: u64) -> Self {
+        Self { table, trains, groups: Groups::new(capacity, dense) }
+    }
+
     /// Pages currently in the stream, random and untouched groups.
     pub fn group_sizes(&self) -> (usize, usize, usize) {
-        let lists = lock(&self.lists);
+        let lists = lock(&self.groups.lists);
         (lists.len(STREAM), lists.len(RANDOM), lists.len(UNTOUCHED))
+    }
+
+    /// Train the table on a used page if this policy does, and say whether the page is on a
+    /// walked stream. The table may be shared with the stream prefetcher, so this locks it
+    /// (uncontended in the simulator; [`crate::StreamPair`] avoids even that).
+    fn classify(&self, page: PageId) -> bool {
+        let (owner, index) = split_page_id(page);
+        if self.trains {
+            self.table.train(owner, index);
+        }
+        self.table.in_stream(owner, index)
     }
 }
 
@@ -61,45 +124,58 @@ impl Replacement for StreamFirst {
     }
 
     fn on_insert(&self, page: PageId) {
-        lock(&self.lists).touch(page, UNTOUCHED);
+        self.groups.insert(page);
     }
 
     fn on_access(&self, page: PageId) {
-        self.informed.store(true, std::sync::atomic::Ordering::Relaxed);
-        let (owner, index) = split_page_id(page);
-        if self.trains {
-            self.table.train(owner, index);
-        }
-        let group = if self.table.in_stream(owner, index) { STREAM } else { RANDOM };
-        let mut lists = lock(&self.lists);
-        if lists.touch_if_present(page).is_some_and(|g| g != group) {
-            lists.touch(page, group);
-        }
+        self.groups.access(page, self.classify(page));
     }
 
     fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
-        let second_chance = !self.informed.load(std::sync::atomic::Ordering::Relaxed);
-        let mut lists = lock(&self.lists);
-        let max = max.min(PageList::CAPACITY);
-        while out.len() < max {
-            // The oldest head goes, a stream head counting `stream_bonus` uses older.
-            let stream = lists.lru_stamp(STREAM).map(|s| s.saturating_sub(self.stream_bonus));
-            let list = [(stream, STREAM), (lists.lru_stamp(UNTOUCHED), UNTOUCHED), (lists.lru_stamp(RANDOM), RANDOM)]
-                .into_iter()
-                .filter_map(|(stamp, list)| stamp.map(|s| (s, list)))
-                .min()
-                .map_or(RANDOM, |(_, list)| list);
-            let before = out.len();
-            pick_lru(&mut lists, list, out.len() + 1, second_chance, is_referenced, out);
-            if out.len() == before {
-                // Everything there was referenced (moved to its front): fall back to the others.
-                for other in [STREAM, UNTOUCHED, RANDOM] {
-                    if out.len() < max {
-                        pick_lru(&mut lists, other, max, second_chance, is_referenced, out);
-                    }
+        self.groups.pick_victims(max, is_referenced, out);
+    }
+
+    fn on_insert_mut(&mut self, page: PageId) {
+        self.groups.insert_mut(page);
+    }
+
+    fn on_access_mut(&mut self, page: PageId) {
+        let in_stream = self.classify(page);
+        self.groups.access_mut(page, in_stream);
+    }
+
+    fn pick_victims_mut(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        self.groups.pick_victims_mut(max, is_referenced, out);
+    }
+}
+
+fn pick(
+    lists: &mut Lists<3>,
+    stream_bonus: u64,
+    second_chance: bool,
+    max: usize,
+    is_referenced: &dyn Fn(PageId) -> bool,
+    out: &mut PageList,
+) {
+    let max = max.min(PageList::CAPACITY);
+    while out.len() < max {
+        // The oldest head goes, a stream head counting `stream_bonus` uses older.
+        let stream = lists.lru_stamp(STREAM).map(|s| s.saturating_sub(stream_bonus));
+        let list = [(stream, STREAM), (lists.lru_stamp(UNTOUCHED), UNTOUCHED), (lists.lru_stamp(RANDOM), RANDOM)]
+            .into_iter()
+            .filter_map(|(stamp, list)| stamp.map(|s| (s, list)))
+            .min()
+            .map_or(RANDOM, |(_, list)| list);
+        let before = out.len();
+        pick_lru(lists, list, out.len() + 1, second_chance, is_referenced, out);
+        if out.len() == before {
+            // Everything there was referenced (moved to its front): fall back to the others.
+            for other in [STREAM, UNTOUCHED, RANDOM] {
+                if out.len() < max {
+                    pick_lru(lists, other, max, second_chance, is_referenced, out);
                 }
-                break;
             }
+            break;
         }
     }
 }
@@ -114,7 +190,7 @@ mod tests {
     fn walked_stream_pages_go_first_then_the_rest_by_last_use() {
         let table = Arc::new(StreamTable::new(StreamConfig::default()));
         let policy = StreamFirst::new(64, table, true);
-        assert_eq!(policy.stream_bonus, 64);
+        assert_eq!(policy.groups.stream_bonus, 64);
         // Random pages of region 1, used once each after coming in.
         for p in [5000, 9000, 13000] {
             policy.on_insert(page_id(1, p));
