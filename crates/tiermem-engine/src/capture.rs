@@ -85,7 +85,11 @@ impl Capture {
     }
 
     /// Mark in `present` the pages of `staging` (from its first page) that hold a page.
-    pub(crate) fn find_present(&self, staging: &Staging<'_>, present: &mut [bool]) -> std::result::Result<(), rustix::io::Errno> {
+    pub(crate) fn find_present(
+        &self,
+        staging: &Staging<'_>,
+        present: &mut [bool],
+    ) -> std::result::Result<(), rustix::io::Errno> {
         self.find(staging.page(0) as usize, category::PRESENT, present)
     }
 

@@ -313,7 +313,13 @@ fn zero_fill_around(
 /// start (the pages before are mapped now and would fail it with EEXIST). In a multi-page run a
 /// page found already mapped is skipped: it is there, which is all the caller wants; a single
 /// page reports EEXIST.
-pub(crate) fn map_pages(shared: &Shared, dst: *mut u8, src: *const u8, count: usize, write_protect: bool) -> Result<(), Errno> {
+pub(crate) fn map_pages(
+    shared: &Shared,
+    dst: *mut u8,
+    src: *const u8,
+    count: usize,
+    write_protect: bool,
+) -> Result<(), Errno> {
     let mut done = 0;
     while done < count {
         let offset = done * PAGE_SIZE;
@@ -321,7 +327,13 @@ pub(crate) fn map_pages(shared: &Shared, dst: *mut u8, src: *const u8, count: us
         // ZERO_FILL_AROUND pages); dst..dst+count pages lie in a registered region and are all
         // locked by the caller.
         let result = unsafe {
-            shared.uffd.copy(dst.wrapping_add(offset), src.wrapping_add(offset), (count - done) * PAGE_SIZE, write_protect, false)
+            shared.uffd.copy(
+                dst.wrapping_add(offset),
+                src.wrapping_add(offset),
+                (count - done) * PAGE_SIZE,
+                write_protect,
+                false,
+            )
         };
         let (copied, err) = match result {
             Ok(()) => return Ok(()),

@@ -11,8 +11,8 @@
 //! - eviction write-protects a page before copying it, so a racing write waits instead of being
 //!   lost; pages not written since they came in are dropped without a device write.
 
-pub mod config;
 mod capture;
+pub mod config;
 mod delivery;
 mod discard;
 mod engine;

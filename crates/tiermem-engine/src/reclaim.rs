@@ -303,7 +303,10 @@ fn move_out(
         let clean = !written[k] && !state.dirty() && state.slot().is_some() && {
             // SAFETY: the page was moved to this staging page, which only this thread touches.
             let bytes = unsafe { std::slice::from_raw_parts(page.cast_const(), PAGE_SIZE) };
-            v.region.slot_hashes.get(v.index as usize).is_some_and(|h| h.load(Ordering::Relaxed) == crate::capture::page_hash(bytes))
+            v.region
+                .slot_hashes
+                .get(v.index as usize)
+                .is_some_and(|h| h.load(Ordering::Relaxed) == crate::capture::page_hash(bytes))
         };
         if clean {
             release(shared, v.buf.take());

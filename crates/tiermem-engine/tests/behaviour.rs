@@ -39,8 +39,7 @@ fn rereading_an_unmodified_region_writes_nothing() {
     } else {
         eprintln!("SKIPPED async-wp part: kernel lacks WP_ASYNC, MOVE or PAGEMAP_SCAN");
     }
-    for ((device_name, device), mode) in
-        modes.iter().flat_map(|&m| devices(64 << 20).into_iter().map(move |d| (d, m)))
+    for ((device_name, device), mode) in modes.iter().flat_map(|&m| devices(64 << 20).into_iter().map(move |d| (d, m)))
     {
         let name = format!("{device_name} {mode}");
         let engine = engine(device, 256, |c| c.dirty_tracking = mode);
@@ -237,7 +236,9 @@ fn pages_shared_with_a_forked_child_are_evicted_intact() {
     }
     let f = tiermem_sys::probe::KernelFeatures::probe();
     if !(f.wp_async && f.move_pages && f.pagemap_scan) {
-        eprintln!("SKIPPED pages_shared_with_a_forked_child_are_evicted_intact: kernel lacks WP_ASYNC, MOVE or PAGEMAP_SCAN");
+        eprintln!(
+            "SKIPPED pages_shared_with_a_forked_child_are_evicted_intact: kernel lacks WP_ASYNC, MOVE or PAGEMAP_SCAN"
+        );
         return;
     }
     let device: Arc<dyn tiermem_device::Device> = Arc::new(MemDevice::new(64 << 20).unwrap());
