@@ -5,9 +5,9 @@
 
 use tiermem_sys::{Error, Result, PAGE_SIZE};
 
-use crate::engine::Region;
+use crate::engine::{Region, Shared};
 use crate::io::reap_background;
-use crate::page::{Kind, PageState};
+use crate::page::{Kind, LockedPage, PageState};
 
 impl Region {
     /// Discard the pages of `[offset, offset + len)` (page-aligned, inside the region). Waits
@@ -36,23 +36,29 @@ impl Region {
                     std::thread::yield_now();
                     continue;
                 }
-                match state.kind() {
-                    Kind::Untouched => {}
-                    Kind::Resident => {
-                        // SAFETY: the page is ours and locked; a racing access faults and waits.
-                        unsafe { tiermem_sys::mem::discard(self.inner.page_addr(index as u64), PAGE_SIZE)? };
-                        shared.release_resident();
-                    }
-                    Kind::Prefetched => shared.arena.release(state.buf()),
-                    Kind::Evicted | Kind::Incoming => {}
+                if state.kind() == Kind::Resident {
+                    // SAFETY: the page is ours and locked; a racing access faults and waits.
+                    unsafe { tiermem_sys::mem::discard(self.inner.page_addr(index as u64), PAGE_SIZE)? };
                 }
-                if let Some(slot) = state.slot() {
-                    shared.slots.free(slot);
-                }
-                page.set(PageState::UNTOUCHED);
+                forget_page(shared, &mut page);
                 break;
             }
         }
         Ok(())
     }
+}
+
+/// Forget a locked page as MADV_DONTNEED does: no memory, no slot, zeros on the next touch. A
+/// resident page's mapping must be gone already (dropped by the caller, or by the kernel).
+pub(crate) fn forget_page(shared: &Shared, page: &mut LockedPage<'_>) {
+    let state = page.state();
+    match state.kind() {
+        Kind::Resident => shared.release_resident(),
+        Kind::Prefetched => shared.arena.release(state.buf()),
+        Kind::Untouched | Kind::Evicted | Kind::Incoming => {}
+    }
+    if let Some(slot) = state.slot() {
+        shared.slots.free(slot);
+    }
+    page.set(PageState::UNTOUCHED);
 }

@@ -111,12 +111,8 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, missing: b
                 // madvise the engine did not see. Re-fault, and lose the page as the kernel
                 // would (zeros), rather than wake the thread into the same fault forever.
                 give_back(needs_room, staging);
-                if let Some(slot) = state.slot() {
-                    shared.slots.free(slot);
-                }
-                locked.set(PageState::UNTOUCHED);
+                crate::discard::forget_page(shared, &mut locked);
                 drop(locked);
-                shared.release_resident();
                 Stats::add(&shared.stats.counters.dropped_outside, 1);
             }
             Kind::Resident => {
