@@ -277,9 +277,13 @@ struct RunArgs {
     /// Replacement policy.
     #[arg(long, env = "TIERMEM_REPLACE")]
     replace: Option<String>,
-    /// Fraction of the budget that wakes background reclaim.
+    /// Fraction of the budget that wakes background reclaim; from there it writes cold pages
+    /// back ahead of eviction [default: 0.7].
     #[arg(long, env = "TIERMEM_WATERMARK")]
     watermark: Option<String>,
+    /// Fraction of the budget from which background reclaim drops pages [default: 0.98].
+    #[arg(long, env = "TIERMEM_EVICT_WATERMARK")]
+    evict_watermark: Option<String>,
     /// thread | sigbus.
     #[arg(long, env = "TIERMEM_FAULT_MODE")]
     fault_mode: Option<String>,
@@ -362,6 +366,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_PREFETCH", &args.prefetch),
         ("TIERMEM_REPLACE", &args.replace),
         ("TIERMEM_WATERMARK", &args.watermark),
+        ("TIERMEM_EVICT_WATERMARK", &args.evict_watermark),
         ("TIERMEM_FAULT_MODE", &args.fault_mode),
         ("TIERMEM_IO_MODE", &args.io_mode),
         ("TIERMEM_RECLAIM_MODE", &args.reclaim_mode),

@@ -48,7 +48,8 @@ pub enum IoMode {
 /// Where reclaim runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum ReclaimMode {
-    /// A reclaim thread woken at the watermark; faulting threads reclaim only at the hard limit.
+    /// A reclaim thread woken at the watermark (it writes cold pages back ahead of need there, and
+    /// drops pages from the evict watermark on); faulting threads reclaim only at the hard limit.
     Background,
     /// Faulting threads reclaim whenever residency passes the watermark (the Linux behaviour the
     /// paper moves off the fault path).
@@ -89,8 +90,14 @@ parse_enum!(ReclaimMode, "reclaim mode", "background" => ReclaimMode::Background
 pub struct EngineConfig {
     /// Most bytes of managed memory resident at once (rounded down to pages).
     pub limit_bytes: u64,
-    /// Fraction of the limit at which background reclaim starts (the paper: 0.7).
+    /// Fraction of the limit at which background reclaim starts (the paper: 0.7): from here the
+    /// reclaim thread writes the coldest dirty pages back, keeping them resident, so that pages
+    /// can later be dropped without waiting for a write.
     pub watermark: f64,
+    /// Fraction of the limit from which the reclaim thread drops pages (the cleaned ones first),
+    /// keeping the rest as headroom for faults and prefetches. Never below `watermark`; setting
+    /// it to `watermark` makes reclaim evict down to the watermark, as the paper's kernel does.
+    pub evict_watermark: f64,
     /// How faults arrive.
     pub fault_mode: FaultMode,
     /// How writes are noticed.
@@ -121,6 +128,7 @@ impl Default for EngineConfig {
         Self {
             limit_bytes: 256 << 20,
             watermark: 0.7,
+            evict_watermark: 0.98,
             fault_mode: FaultMode::HandlerThread,
             dirty_tracking: DirtyTracking::Auto,
             io_mode: IoMode::Hybrid,
@@ -156,6 +164,9 @@ impl EngineConfig {
         }
         if !(self.watermark > 0.0 && self.watermark <= 1.0) {
             return Err(Error::invalid(format!("watermark {} must be in (0, 1]", self.watermark)));
+        }
+        if !(self.evict_watermark > 0.0 && self.evict_watermark <= 1.0) {
+            return Err(Error::invalid(format!("evict watermark {} must be in (0, 1]", self.evict_watermark)));
         }
         if self.io_buffers < 16 || self.io_buffers > crate::page::MAX_BUF {
             return Err(Error::invalid(format!(
@@ -270,6 +281,8 @@ mod tests {
     fn validation_names_the_bad_field() {
         let cfg = EngineConfig { watermark: 1.5, ..EngineConfig::default() };
         assert!(cfg.validate().unwrap_err().to_string().contains("watermark"));
+        let cfg = EngineConfig { evict_watermark: 0.0, ..EngineConfig::default() };
+        assert!(cfg.validate().unwrap_err().to_string().contains("evict watermark"));
         let cfg = EngineConfig { limit_bytes: 4096, ..EngineConfig::default() };
         assert!(cfg.validate().unwrap_err().to_string().contains("too small"));
         let cfg = EngineConfig { prefetch: "magic".into(), ..EngineConfig::default() };

@@ -41,6 +41,20 @@ pub(crate) struct Shared {
     limit_pages: AtomicU64,
     /// Residency that wakes the reclaim thread, derived from the current limit.
     watermark_pages: AtomicU64,
+    /// Residency from which the reclaim thread drops pages, derived from the current limit.
+    evict_pages: AtomicU64,
+    /// Pages taken from the replacement policy and written back ahead of need, still resident:
+    /// the first dropped when room is needed (see [`crate::reclaim`]). Pages here are not in
+    /// the policy; ids may be stale (the page left meanwhile), which eviction checks anyway.
+    pub(crate) cleaned: std::sync::Mutex<std::collections::VecDeque<crate::policy::PageId>>,
+    /// Length of `cleaned`, readable without its lock.
+    pub(crate) cleaned_pages: AtomicU64,
+    /// The reclaim thread is about to sleep or sleeping: the next thread that finds work for it
+    /// writes `reclaim_wake` (others need not, which saves a system call per fault).
+    pub(crate) reclaim_asleep: AtomicBool,
+    /// The last cleaning round found nothing to clean: faults stop waking the reclaim thread
+    /// for cleaning until its next timed wake-up.
+    pub(crate) clean_stalled: AtomicBool,
     /// Pages come in write-protected (for sync or async WP).
     pub(crate) write_protect: bool,
     /// Async WP: writes never fault; eviction takes pages out with UFFDIO_MOVE.
@@ -76,8 +90,31 @@ impl Shared {
         self.watermark_pages.load(Ordering::Relaxed)
     }
 
-    fn watermark_for(&self, limit_pages: u64) -> u64 {
-        ((limit_pages as f64 * self.config.watermark) as u64).clamp(1, limit_pages)
+    pub(crate) fn evict_pages(&self) -> u64 {
+        self.evict_pages.load(Ordering::Relaxed)
+    }
+
+    /// Pages the reclaim thread should have cleaned ahead at residency `resident`: everything
+    /// above the watermark.
+    pub(crate) fn clean_target(&self, resident: u64) -> u64 {
+        resident.saturating_sub(self.watermark_pages())
+    }
+
+    /// Whether residency `resident` gives the reclaim thread work: dropping pages past the
+    /// evict watermark, or cleaning past the watermark while too few pages are cleaned.
+    pub(crate) fn reclaim_wanted(&self, resident: u64) -> bool {
+        resident > self.evict_pages()
+            || (resident > self.watermark_pages()
+                && !self.clean_stalled.load(Ordering::Relaxed)
+                && self.cleaned_pages.load(Ordering::Relaxed) < self.clean_target(resident))
+    }
+
+    /// Set the limit and the two watermarks derived from it.
+    fn set_limit_pages(&self, limit_pages: u64) {
+        let (watermark, evict) = watermarks(&self.config, limit_pages);
+        self.watermark_pages.store(watermark, Ordering::Relaxed);
+        self.evict_pages.store(evict, Ordering::Relaxed);
+        self.limit_pages.store(limit_pages, Ordering::Relaxed);
     }
 
     pub(crate) fn resident(&self) -> u64 {
@@ -94,7 +131,7 @@ impl Shared {
             match self.resident.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Relaxed) {
                 Ok(_) => {
                     self.stats.observe_resident(cur + 1);
-                    if cur + 1 > self.watermark_pages() && self.config.reclaim_mode == ReclaimMode::Background {
+                    if self.config.reclaim_mode == ReclaimMode::Background && self.reclaim_wanted(cur + 1) {
                         self.wake_reclaim();
                     }
                     return true;
@@ -109,10 +146,21 @@ impl Shared {
         self.resident.fetch_sub(1, Ordering::AcqRel);
     }
 
+    /// Wake the reclaim thread if it sleeps. SeqCst pairs with the thread's own store of
+    /// `reclaim_asleep` and re-check of residency, so a wake-up is never lost.
     pub(crate) fn wake_reclaim(&self) {
-        // An eventfd write never blocks here (the counter cannot overflow in practice).
-        let _ = rustix::io::write(&self.reclaim_wake, &1u64.to_ne_bytes());
+        if self.reclaim_asleep.swap(false, Ordering::SeqCst) {
+            // An eventfd write never blocks here (the counter cannot overflow in practice).
+            let _ = rustix::io::write(&self.reclaim_wake, &1u64.to_ne_bytes());
+        }
     }
+}
+
+/// The watermarks in pages for a limit: (wake-up and cleaning, dropping).
+fn watermarks(config: &EngineConfig, limit_pages: u64) -> (u64, u64) {
+    let at = |fraction: f64| ((limit_pages as f64 * fraction) as u64).clamp(1, limit_pages);
+    let watermark = at(config.watermark);
+    (watermark, at(config.evict_watermark).max(watermark))
 }
 
 /// A running paging engine.
@@ -199,7 +247,7 @@ impl Engine {
         let arena = Arc::new(BufferArena::new(config.io_buffers)?);
         let queues = Queues::open(&config, &*device, &arena)?;
         let limit_pages = config.limit_pages();
-        let watermark_pages = ((limit_pages as f64 * config.watermark) as u64).clamp(1, limit_pages);
+        let (watermark_pages, evict_pages) = watermarks(&config, limit_pages);
         // Built together so stream and stream-first share one training table.
         let policies =
             build_policies(&config.prefetch, &config.replace, limit_pages as usize, &PolicyOptions::default())?;
@@ -218,6 +266,11 @@ impl Engine {
             resident: AtomicU64::new(0),
             limit_pages: AtomicU64::new(limit_pages),
             watermark_pages: AtomicU64::new(watermark_pages),
+            evict_pages: AtomicU64::new(evict_pages),
+            cleaned: std::sync::Mutex::new(std::collections::VecDeque::new()),
+            cleaned_pages: AtomicU64::new(0),
+            reclaim_asleep: AtomicBool::new(true),
+            clean_stalled: AtomicBool::new(false),
             write_protect,
             capture,
             pagemap: tiermem_sys::pagemap::Pagemap::open_self().ok(),
@@ -351,9 +404,8 @@ impl Engine {
     pub fn set_limit_bytes(&self, bytes: u64) -> u64 {
         let pages = (bytes / PAGE_SIZE as u64)
             .clamp(16.min(self.shared.config.limit_pages()), self.shared.config.limit_pages());
-        self.shared.watermark_pages.store(self.shared.watermark_for(pages), Ordering::Relaxed);
-        self.shared.limit_pages.store(pages, Ordering::Relaxed);
-        if self.shared.resident() > self.shared.watermark_pages() {
+        self.shared.set_limit_pages(pages);
+        if self.shared.reclaim_wanted(self.shared.resident()) {
             self.shared.wake_reclaim();
         }
         pages * PAGE_SIZE as u64
@@ -385,18 +437,26 @@ impl Engine {
 
     /// A line saying how the engine runs, for logs and summaries.
     pub fn describe(&self) -> String {
+        let config = &self.shared.config;
+        let reclaim = match config.reclaim_mode {
+            ReclaimMode::Background => format!(
+                "background (cleans from {:.0}%, drops from {:.0}%)",
+                config.watermark * 100.0,
+                config.evict_watermark.max(config.watermark) * 100.0
+            ),
+            ReclaimMode::OnFaultPath => format!("on the fault path from {:.0}%", config.watermark * 100.0),
+        };
         format!(
-            "device {}; fault mode {}; dirty tracking {}; I/O {} ({}); reclaim {} at {:.0}% of {} MiB; prefetch {}; replace {}",
+            "device {}; fault mode {}; dirty tracking {}; I/O {} ({}); reclaim {} of {} MiB; prefetch {}; replace {}",
             self.shared.device.describe(),
-            self.shared.config.fault_mode,
+            config.fault_mode,
             match self.dirty_tracking() {
                 "none" => "none (every eviction writes)",
                 other => other,
             },
-            self.shared.config.io_mode,
+            config.io_mode,
             self.shared.queues.describe(),
-            self.shared.config.reclaim_mode,
-            self.shared.config.watermark * 100.0,
+            reclaim,
             (self.shared.limit_pages() * PAGE_SIZE as u64) >> 20,
             self.shared.prefetcher.name(),
             self.shared.replacement.name(),

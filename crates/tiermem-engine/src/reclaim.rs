@@ -48,34 +48,26 @@ struct Victim<'a> {
 pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, path: Path) -> usize {
     let started = Instant::now();
     let mut picked = PageList::default();
-    let is_referenced = |id: PageId| {
-        let (r, i) = split_page_id(id);
-        regions.get(r).and_then(|r| r.pages.get(i as usize)).is_some_and(take_referenced)
-    };
-    shared.replacement.pick_victims(max, &is_referenced, &mut picked);
+    let is_referenced = |id: PageId| is_referenced(regions, id);
+    take_cleaned(shared, max, &is_referenced, &mut picked);
+    if picked.len() < max {
+        let mut more = PageList::default();
+        shared.replacement.pick_victims(max - picked.len(), &is_referenced, &mut more);
+        for &id in more.as_slice() {
+            picked.push(id);
+        }
+    }
     // A fixed array, not a Vec: this runs inside the SIGBUS handler too, where allocating is
     // not safe.
     let mut storage: [Option<Victim<'_>>; PageList::CAPACITY] = std::array::from_fn(|_| None);
-    let mut n = 0;
-    for &id in picked.as_slice() {
-        match lock_victim(shared, regions, id) {
-            Ok(v) => {
-                storage[n] = Some(v);
-                n += 1;
-            }
-            Err(true) => shared.replacement.on_insert(id),
-            Err(false) => {}
-        }
-    }
-    if n == 0 {
+    let victims = lock_victims(shared, regions, &picked, &mut storage);
+    if victims.is_empty() {
         return 0;
     }
-    let victims = &mut storage[..n];
-    victims.sort_by_key(|v| v.as_ref().map_or(PageId::MAX, |v| v.id));
     if let Some(capture) = &shared.capture {
         let mut staging = capture.claim();
         move_out(shared, capture, &mut staging, victims);
-        queue_writes(shared, victims);
+        queue_writes(shared, victims, true);
         put_back_failed(shared, victims);
         // Dropping `staging` empties it: every page moved there is copied or clean.
     } else {
@@ -90,7 +82,7 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
                 }
             },
         );
-        queue_writes(shared, victims);
+        queue_writes(shared, victims, true);
         for v in victims.iter_mut().flatten().filter(|v| v.next.is_none()) {
             v.next = Some(match v.page.state().slot() {
                 Some(_) => v.page.state().with_kind(Kind::Evicted),
@@ -161,6 +153,144 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
         }
     }
     evicted
+}
+
+/// Lock the proposed victims that can be evicted now, sorted by page; busy ones go back to the
+/// replacement policy. Returns the locked ones, at the front of `storage`.
+fn lock_victims<'s, 'a>(
+    shared: &Shared,
+    regions: &'a RegionTable,
+    picked: &PageList,
+    storage: &'s mut [Option<Victim<'a>>; PageList::CAPACITY],
+) -> &'s mut [Option<Victim<'a>>] {
+    let mut n = 0;
+    for &id in picked.as_slice() {
+        match lock_victim(shared, regions, id) {
+            Ok(v) => {
+                storage[n] = Some(v);
+                n += 1;
+            }
+            Err(true) => shared.replacement.on_insert(id),
+            Err(false) => {}
+        }
+    }
+    let victims = &mut storage[..n];
+    victims.sort_by_key(|v| v.as_ref().map_or(PageId::MAX, |v| v.id));
+    victims
+}
+
+/// Whether page `id` was touched since last asked (and clear that). Unknown pages: no.
+fn is_referenced(regions: &RegionTable, id: PageId) -> bool {
+    let (r, i) = split_page_id(id);
+    regions.get(r).and_then(|r| r.pages.get(i as usize)).is_some_and(take_referenced)
+}
+
+/// Move up to `max` pages from the front of the cleaned list to `out`; a page touched since it
+/// was cleaned gets a second chance instead: back to the replacement policy.
+fn take_cleaned(shared: &Shared, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+    if shared.cleaned_pages.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let mut cleaned = shared.cleaned.lock().unwrap_or_else(|e| e.into_inner());
+    while out.len() < max.min(PageList::CAPACITY) {
+        let Some(id) = cleaned.pop_front() else { break };
+        if is_referenced(id) {
+            shared.replacement.on_insert(id);
+        } else {
+            out.push(id);
+        }
+    }
+    shared.cleaned_pages.store(cleaned.len() as u64, Ordering::Relaxed);
+}
+
+/// Clean ahead of need: take up to `max` pages from the replacement policy, write back the ones
+/// that are dirty while keeping them resident (write-protected again, so a later write is seen),
+/// and put them all on the cleaned list, from which eviction takes first. Dropping them later
+/// costs no write unless they are written meanwhile. Returns the pages put on the list.
+pub(crate) fn clean_batch(shared: &Shared, regions: &RegionTable, max: usize) -> usize {
+    // Untracked writes (dirty tracking off) would make every page dirty again at once.
+    if !shared.write_protect {
+        return 0;
+    }
+    let room = {
+        let queue = shared.queues.writeback();
+        (shared.config.queue_depth as usize).saturating_sub(queue.in_flight())
+    };
+    // Leave half the write-back queue to eviction, which cannot wait.
+    let max = max.min(room / 2);
+    if max == 0 {
+        return 0;
+    }
+    let mut picked = PageList::default();
+    shared.replacement.pick_victims(max, &|id| is_referenced(regions, id), &mut picked);
+    let mut storage: [Option<Victim<'_>>; PageList::CAPACITY] = std::array::from_fn(|_| None);
+    let victims = lock_victims(shared, regions, &picked, &mut storage);
+    if victims.is_empty() {
+        return 0;
+    }
+    // Which need a write: dirty, never written out (no slot), or (async WP, where writes do not
+    // fault) written since they were last protected.
+    let mut written = [false; PageList::CAPACITY];
+    if let Some(capture) = &shared.capture {
+        let mut i = 0;
+        while i < victims.len() {
+            let mut j = i + 1;
+            while j < victims.len() && contiguous(victims[j - 1].as_ref(), victims[j].as_ref()) {
+                j += 1;
+            }
+            if let Some(v) = victims[i].as_ref() {
+                capture.find_written(v.region.page_addr(v.index) as usize, &mut written[i..j]);
+            }
+            i = j;
+        }
+    }
+    for (k, v) in victims.iter_mut().enumerate() {
+        let Some(v) = v.as_mut() else { continue };
+        let state = v.page.state();
+        if !(state.dirty() || state.slot().is_none() || written[k]) {
+            release(shared, v.buf.take());
+            v.next = Some(state);
+            continue;
+        }
+        if v.buf.is_none() {
+            v.buf = shared.arena.alloc();
+        }
+        if v.buf.is_none() {
+            v.next = Some(state);
+        }
+    }
+    // Protect before copying: a write after this faults (sync WP) or shows as written (async
+    // WP), so the copy never hides a later write.
+    for_each_run(
+        victims,
+        |v| v.next.is_none(),
+        |addr, len| shared.uffd.write_protect(addr, len, true, false).is_ok(),
+        |v, ok| {
+            if !ok {
+                release(shared, v.buf.take());
+                v.next = Some(v.page.state());
+            }
+        },
+    );
+    queue_writes(shared, victims, false);
+    let mut cleaned = shared.cleaned.lock().unwrap_or_else(|e| e.into_inner());
+    let mut listed = 0;
+    for v in victims.iter_mut().filter_map(Option::take) {
+        let next = v.next.unwrap_or_else(|| v.page.state());
+        if !next.writing() {
+            release(shared, v.buf);
+            if let Some((slot, true)) = v.slot {
+                shared.slots.free(slot);
+            }
+        }
+        let mut page = v.page;
+        page.set(next);
+        drop(page);
+        cleaned.push_back(v.id);
+        listed += 1;
+    }
+    shared.cleaned_pages.store(cleaned.len() as u64, Ordering::Relaxed);
+    listed
 }
 
 /// Lock one proposed victim. `Err(true)`: busy, try later; `Err(false)`: not resident any more.
@@ -373,8 +503,9 @@ fn put_back_failed(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
 }
 
 /// Copy each protected dirty victim to its buffer and queue its write. Sets `next` for the ones
-/// that leave (or stay, on failure).
-fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
+/// that leave (or stay, on failure). With `leave` false the pages stay resident, clean once
+/// the write completes (cleaning ahead); all-zero pages then stay as they are.
+fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>], leave: bool) {
     let mut queue = shared.queues.writeback();
     let mut queued = 0;
     for v in victims.iter_mut().flatten().filter(|v| v.buf.is_some() && v.next.is_none()) {
@@ -387,12 +518,17 @@ fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
         // readable and stable while copied.
         copy.copy_from_slice(unsafe { std::slice::from_raw_parts(from, PAGE_SIZE) });
         if copy.iter().all(|&b| b == 0) {
+            shared.arena.release(buf);
+            v.buf = None;
+            if !leave {
+                // Nothing to gain from writing zeros; eviction will make it untouched.
+                v.next = Some(state);
+                continue;
+            }
             // Zeros need no slot: the page becomes untouched again.
             if let Some(slot) = state.slot() {
                 shared.slots.free(slot);
             }
-            shared.arena.release(buf);
-            v.buf = None;
             v.next = Some(PageState::UNTOUCHED);
             continue;
         }
@@ -419,9 +555,13 @@ fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
             hash.store(crate::capture::page_hash(shared.arena.bytes_mut(buf)), Ordering::Relaxed);
         }
         Stats::add(&shared.stats.counters.writebacks, 1);
-        v.next = Some(
-            state.with_kind(Kind::Evicted).with_slot(Some(slot)).with_dirty(false).with_writing(true).with_buf(buf),
-        );
+        let written = state.with_slot(Some(slot)).with_dirty(false).with_writing(true).with_buf(buf);
+        v.next = Some(if leave {
+            written.with_kind(Kind::Evicted)
+        } else {
+            Stats::add(&shared.stats.counters.cleaned_ahead, 1);
+            written
+        });
     }
     if queued > 0 && queue.submit().is_err() {
         tracing::error!("submitting write-backs failed; their pages stay resident");
@@ -437,36 +577,56 @@ fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
     }
 }
 
-/// Background reclaim: sleeps until residency passes the watermark, then evicts down below it.
+/// Background reclaim. Past the watermark it cleans ahead (see [`clean_batch`]) until the pages
+/// above the watermark are all cleaned; past the evict watermark it drops pages, cleaned ones
+/// first, down to a little below it. Sleeps when neither is needed.
 pub(crate) fn reclaim_thread(shared: &Shared) {
     let batch = shared.config.reclaim_batch;
     let mut buf = [0u8; 8];
     while !shared.shutdown.load(Ordering::Acquire) {
-        let mut fds = [PollFd::new(&shared.reclaim_wake, PollFlags::IN)];
-        let timeout = rustix::event::Timespec { tv_sec: 0, tv_nsec: 20_000_000 };
-        let _ = poll(&mut fds, Some(&timeout));
-        let _ = rustix::io::read(&shared.reclaim_wake, &mut buf);
-        if shared.resident() <= shared.watermark_pages() {
-            continue;
-        }
-        let target = shared.watermark_pages().saturating_sub(batch as u64 / 2);
-        Stats::add(&shared.stats.counters.reclaim_wakeups, 1);
-        let regions = shared.regions();
-        let mut idle_rounds = 0;
-        while shared.resident() > target && !shared.shutdown.load(Ordering::Acquire) {
-            let evicted = evict_batch(shared, &regions, batch, Path::Reclaim);
-            // Finish earlier writes here too: their buffers are what the next batch needs, and
-            // the completion thread may not get a CPU soon on a busy machine.
-            reap_background(shared, &regions);
-            if evicted == 0 {
-                idle_rounds += 1;
-                if idle_rounds > 100 {
-                    break;
-                }
-                std::thread::yield_now();
-            } else {
-                idle_rounds = 0;
+        // Say we sleep before the last look at residency (SeqCst, paired with wake_reclaim), so
+        // a thread that raises it after that look wakes us.
+        shared.reclaim_asleep.store(true, Ordering::SeqCst);
+        if !shared.reclaim_wanted(shared.resident()) {
+            let mut fds = [PollFd::new(&shared.reclaim_wake, PollFlags::IN)];
+            let timeout = rustix::event::Timespec { tv_sec: 0, tv_nsec: 20_000_000 };
+            let woken = poll(&mut fds, Some(&timeout)).is_ok_and(|n| n > 0);
+            let _ = rustix::io::read(&shared.reclaim_wake, &mut buf);
+            if !woken {
+                // A timed look: try cleaning again even if the last round found nothing.
+                shared.clean_stalled.store(false, Ordering::Relaxed);
             }
+        }
+        shared.reclaim_asleep.store(false, Ordering::SeqCst);
+        let regions = shared.regions();
+        if shared.resident() > shared.evict_pages() {
+            Stats::add(&shared.stats.counters.reclaim_wakeups, 1);
+            let target = shared.evict_pages().saturating_sub(batch as u64 / 2);
+            let mut idle_rounds = 0;
+            while shared.resident() > target && !shared.shutdown.load(Ordering::Acquire) {
+                let evicted = evict_batch(shared, &regions, batch, Path::Reclaim);
+                // Finish earlier writes here too: their buffers are what the next batch needs,
+                // and the completion thread may not get a CPU soon on a busy machine.
+                reap_background(shared, &regions);
+                if evicted == 0 {
+                    idle_rounds += 1;
+                    if idle_rounds > 100 {
+                        // Nothing evictable now (all locked, pinned or in flight): let the
+                        // fault path and completions move before looking again.
+                        std::thread::sleep(Duration::from_millis(1));
+                        break;
+                    }
+                    std::thread::yield_now();
+                } else {
+                    idle_rounds = 0;
+                }
+            }
+        } else if shared.reclaim_wanted(shared.resident()) {
+            // Cleaning only: one batch, then look at residency again (faults may need drops).
+            if clean_batch(shared, &regions, batch) == 0 {
+                shared.clean_stalled.store(true, Ordering::Relaxed);
+            }
+            reap_background(shared, &regions);
         }
     }
 }

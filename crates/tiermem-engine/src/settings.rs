@@ -42,7 +42,8 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_DEVICE_SIZE", "device capacity in bytes"),
     ("TIERMEM_PREFETCH", "prefetcher name"),
     ("TIERMEM_REPLACE", "replacement policy name"),
-    ("TIERMEM_WATERMARK", "fraction of the budget that wakes background reclaim, in (0, 1]"),
+    ("TIERMEM_WATERMARK", "fraction of the budget that wakes background reclaim (it cleans from there), in (0, 1]"),
+    ("TIERMEM_EVICT_WATERMARK", "fraction of the budget from which background reclaim drops pages, in (0, 1]"),
     ("TIERMEM_FAULT_MODE", "thread | sigbus"),
     ("TIERMEM_IO_MODE", "hybrid | poll-only | interrupt-only"),
     ("TIERMEM_RECLAIM_MODE", "background | on-fault-path"),
@@ -111,6 +112,10 @@ impl RunSettings {
                     s.engine.watermark =
                         value.trim().parse().map_err(|_| named(Error::invalid("not a number (example: 0.7)")))?;
                 }
+                "TIERMEM_EVICT_WATERMARK" => {
+                    s.engine.evict_watermark =
+                        value.trim().parse().map_err(|_| named(Error::invalid("not a number (example: 0.98)")))?;
+                }
                 "TIERMEM_FAULT_MODE" => s.engine.fault_mode = value.parse().map_err(named)?,
                 "TIERMEM_IO_MODE" => s.engine.io_mode = value.parse().map_err(named)?,
                 "TIERMEM_RECLAIM_MODE" => s.engine.reclaim_mode = value.parse().map_err(named)?,
@@ -158,6 +163,7 @@ impl RunSettings {
             ("TIERMEM_PREFETCH", e.prefetch.clone()),
             ("TIERMEM_REPLACE", e.replace.clone()),
             ("TIERMEM_WATERMARK", e.watermark.to_string()),
+            ("TIERMEM_EVICT_WATERMARK", e.evict_watermark.to_string()),
             ("TIERMEM_FAULT_MODE", e.fault_mode.to_string()),
             ("TIERMEM_IO_MODE", e.io_mode.to_string()),
             ("TIERMEM_RECLAIM_MODE", e.reclaim_mode.to_string()),
@@ -241,6 +247,7 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_PREFETCH", "magic")], "magic"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_LIMT", "1G")], "unknown variable TIERMEM_LIMT"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "1.5")], "watermark"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_EVICT_WATERMARK", "high")], "TIERMEM_EVICT_WATERMARK=high"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_CGROUP", "maybe")], "TIERMEM_CGROUP=maybe"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_DEVICE", "floppy")], "TIERMEM_DEVICE=floppy"),
         ];

@@ -59,8 +59,10 @@ pub struct Counters {
     pub wp_faults: AtomicU64,
     /// Pages evicted.
     pub evictions: AtomicU64,
-    /// Write-backs issued (evicted pages that needed a write).
+    /// Page writes issued: at eviction (dirty pages) and ahead of it (`cleaned_ahead`).
     pub writebacks: AtomicU64,
+    /// Page writes issued ahead of eviction by the reclaim thread (the page stayed resident).
+    pub cleaned_ahead: AtomicU64,
     /// Evicted pages dropped without a write (clean, slot still valid).
     pub clean_drops: AtomicU64,
     /// Evicted pages found all-zero and returned to untouched.
@@ -146,6 +148,7 @@ impl Stats {
             wp_faults: l(&c.wp_faults),
             evictions: l(&c.evictions),
             writebacks: l(&c.writebacks),
+            cleaned_ahead: l(&c.cleaned_ahead),
             clean_drops: l(&c.clean_drops),
             zero_drops: l(&c.zero_drops),
             direct_reclaims: l(&c.direct_reclaims),
@@ -209,6 +212,9 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     pub writebacks: u64,
     /// See [`Counters`].
+    #[serde(default)]
+    pub cleaned_ahead: u64,
+    /// See [`Counters`].
     pub clean_drops: u64,
     /// See [`Counters`].
     pub zero_drops: u64,
@@ -266,8 +272,15 @@ impl StatsSnapshot {
         let _ = writeln!(
             s,
             "eviction        {} pages: {} written, {} clean (no write), {} zero; {} on faulting threads",
-            self.evictions, self.writebacks, self.clean_drops, self.zero_drops, self.direct_reclaims
+            self.evictions,
+            self.writebacks - self.cleaned_ahead.min(self.writebacks),
+            self.clean_drops,
+            self.zero_drops,
+            self.direct_reclaims
         );
+        if self.cleaned_ahead > 0 {
+            let _ = writeln!(s, "cleaning        {} pages written back ahead of eviction", self.cleaned_ahead);
+        }
         if self.dropped_outside > 0 {
             let _ = writeln!(
                 s,
@@ -323,6 +336,7 @@ impl StatsSnapshot {
         self.wp_faults += other.wp_faults;
         self.evictions += other.evictions;
         self.writebacks += other.writebacks;
+        self.cleaned_ahead += other.cleaned_ahead;
         self.clean_drops += other.clean_drops;
         self.zero_drops += other.zero_drops;
         self.direct_reclaims += other.direct_reclaims;
