@@ -473,6 +473,92 @@ mod tests {
         }
     }
 
+    /// §3.2 written as plainly as possible: a list of entries scanned in full on every call.
+    /// The table (filtered or not) must give its answers.
+    #[derive(Default)]
+    struct Model {
+        /// (last use, owner, pages oldest first, stride); last use 0 = free.
+        entries: Vec<(u64, u32, Vec<u64>, i64)>,
+        clock: u64,
+    }
+
+    impl Model {
+        fn new(config: &StreamConfig) -> Self {
+            Self { entries: vec![(0, 0, Vec::new(), 0); config.entries], clock: 0 }
+        }
+
+        fn train(&mut self, config: &StreamConfig, owner: u32, page: u64) -> Option<Stream> {
+            self.clock += 1;
+            let joinable = |e: &(u64, u32, Vec<u64>, i64)| {
+                e.0 != 0 && e.1 == owner && e.2[0].abs_diff(page) < config.join_distance
+            };
+            let found =
+                (0..self.entries.len()).filter(|&i| joinable(&self.entries[i])).max_by_key(|&i| self.entries[i].0);
+            let Some(i) = found else {
+                // Least recently used; free entries (0) first, lowest index first.
+                let victim = (0..self.entries.len()).min_by_key(|&i| (self.entries[i].0, i)).unwrap();
+                self.entries[victim] = (self.clock, owner, vec![page], 0);
+                return None;
+            };
+            let e = &mut self.entries[i];
+            e.0 = self.clock;
+            if *e.2.last().unwrap() == page {
+                return None;
+            }
+            if e.2.len() == config.history {
+                e.2.remove(0);
+            }
+            e.2.push(page);
+            if e.2.len() < config.history {
+                return None;
+            }
+            e.3 = most_frequent_stride(&e.2);
+            (e.3 != 0).then_some(Stream { end: page, stride: e.3 })
+        }
+
+        fn in_stream(&self, owner: u32, page: u64) -> bool {
+            self.entries.iter().any(|e| {
+                e.0 != 0
+                    && e.1 == owner
+                    && e.3 != 0
+                    && *e.2.iter().min().unwrap() <= page
+                    && page <= *e.2.iter().max().unwrap()
+            })
+        }
+    }
+
+    proptest! {
+        /// The table against the plain model, both with and without its filters, including a
+        /// longer history (other strides) and re-reports of an entry's newest page.
+        #[test]
+        fn matches_the_plain_model(
+            entries in prop_oneof![Just(64usize), 1usize..10],
+            history in prop_oneof![Just(5usize), 3usize..=MAX_HISTORY],
+            join in prop_oneof![Just(64u64), 1u64..300],
+            ops in proptest::collection::vec((0u32..3, prop_oneof![0u64..400, 0u64..100_000], 0u8..4), 1..600),
+        ) {
+            let config = StreamConfig { entries, history, join_distance: join, ..StreamConfig::default() };
+            let fast = StreamTable::new(config);
+            let mut scan = StreamTable::new(config);
+            scan.filters = false;
+            let mut model = Model::new(&config);
+            let mut last = 0;
+            for (owner, page, op) in ops {
+                // Op 3 follows the last page with a stride, so streams form.
+                let page = if op == 3 { last + page % 5 } else { page };
+                last = page;
+                let want = model.train(&config, owner, page);
+                prop_assert_eq!(fast.train(owner, page), want);
+                prop_assert_eq!(scan.train(owner, page), want);
+                for p in [page, page + 1, page.saturating_sub(3), page + 64, page.saturating_sub(200)] {
+                    let want = model.in_stream(owner, p);
+                    prop_assert_eq!(fast.in_stream(owner, p), want, "page {}", p);
+                    prop_assert_eq!(scan.in_stream(owner, p), want, "page {}", p);
+                }
+            }
+        }
+    }
+
     /// §3.2's worked example (figure 7): the first entry of pid 2 holds 0, 2, 4, 6; page 8 of pid 2
     /// arrives, joins it (|8 − 0| < 64), fills it, the most frequent stride is 2, and the page to
     /// prefetch is 8 + 2 × 100 = 208.
