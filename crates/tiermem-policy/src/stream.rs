@@ -72,48 +72,78 @@ pub struct Stream {
     pub stride: i64,
 }
 
-/// The entries, field by field (the scans on every access read only `used`, `owner`, `first`
-/// or the hull, so these stay in a few cache lines).
+/// One training entry. Everything a lookup or a classification reads (`used`, `owner`, `first`,
+/// the hull, the links) sits in its first cache line, and the paper's five pages in the next:
+/// training touches two lines of one entry instead of one line in each of a dozen arrays.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct Entry {
+    /// Last use, for LRU; 0 = never used (free).
+    used: u64,
+    /// Oldest remembered page.
+    first: u64,
+    /// Smallest and largest remembered page (the part of the stream already used); kept only
+    /// while `stride` is not 0.
+    lo: u64,
+    hi: u64,
+    /// Detected stride (0 = no stream yet).
+    stride: i64,
+    owner: u32,
+    /// Neighbours in the LRU list.
+    prev: u16,
+    next: u16,
+    /// Neighbours in the chain of its first page's filter slot, and that slot.
+    chain_prev: u16,
+    chain_next: u16,
+    chain_slot: u16,
+    len: u8,
+    /// Remembered pages, oldest first (`len` of them).
+    pages: [u64; MAX_HISTORY],
+}
+
+const FREE: Entry = Entry {
+    used: 0,
+    first: 0,
+    lo: 0,
+    hi: 0,
+    stride: 0,
+    owner: 0,
+    prev: NONE,
+    next: NONE,
+    chain_prev: END,
+    chain_next: END,
+    chain_slot: 0,
+    len: 0,
+    pages: [0; MAX_HISTORY],
+};
+
 #[derive(Debug)]
 struct Entries {
     clock: u64,
     /// The most recently used entry: checked first, since accesses come in runs.
     mru: usize,
-    /// Last use, for LRU; 0 = never used (free).
-    used: [u64; MAX_ENTRIES],
-    owner: [u32; MAX_ENTRIES],
-    /// Oldest remembered page.
-    first: [u64; MAX_ENTRIES],
-    /// Detected stride (0 = no stream yet).
-    stride: [i64; MAX_ENTRIES],
-    /// Smallest and largest remembered page (the part of the stream already used).
-    lo: [u64; MAX_ENTRIES],
-    hi: [u64; MAX_ENTRIES],
-    len: [u8; MAX_ENTRIES],
-    pages: [[u64; MAX_HISTORY]; MAX_ENTRIES],
-    /// Entries by last use, a doubly-linked list (its tail is the least recently used).
-    prev: [u16; MAX_ENTRIES],
-    next: [u16; MAX_ENTRIES],
+    /// Ends of the LRU list (its tail is the least recently used entry).
     head: u16,
     tail: u16,
+    /// Detected streams too wide for `hulls` (then every `in_stream` scans).
+    wide: u32,
+    e: [Entry; MAX_ENTRIES],
     /// Entries by the (owner, bucket) slot of their first page, as chains: a page can only join
     /// an entry in its own bucket or a neighbour, so three short chains replace a scan of the
     /// table. Collisions only lengthen a chain.
     firsts: [u16; FILTER],
-    chain_next: [u16; MAX_ENTRIES],
-    chain_prev: [u16; MAX_ENTRIES],
-    chain_slot: [u16; MAX_ENTRIES],
     /// Counting filter: detected streams whose walked range covers each (owner, bucket) slot.
     hulls: [u16; FILTER],
-    /// Detected streams too wide for `hulls` (then every `in_stream` scans).
-    wide: u32,
 }
 
-/// Slots of each counting filter.
-const FILTER: usize = 4096;
+/// Slots of each filter: a few times the most entries, and small enough (2 KiB each) to stay
+/// in L1 next to the entries.
+const FILTER: usize = 1024;
 /// Most buckets one stream's range may cover in the `hulls` filter.
 const MAX_HULL_BUCKETS: u64 = 16;
 const NONE: u16 = u16::MAX;
+/// The end of a chain.
+const END: u16 = u16::MAX;
 
 /// The shared training table; see the module docs.
 #[derive(Debug)]
@@ -127,16 +157,16 @@ pub struct StreamTable {
 }
 
 fn filter_slot(owner: u32, bucket: u64) -> usize {
-    ((bucket ^ u64::from(owner) << 40).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 52) as usize & (FILTER - 1)
+    ((bucket ^ u64::from(owner) << 40).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 54) as usize & (FILTER - 1)
 }
 
 impl Entries {
     fn push_front(&mut self, i: usize) {
         let i16 = i as u16;
-        self.prev[i] = NONE;
-        self.next[i] = self.head;
+        self.e[i].prev = NONE;
+        self.e[i].next = self.head;
         if self.head != NONE {
-            self.prev[self.head as usize] = i16;
+            self.e[self.head as usize].prev = i16;
         } else {
             self.tail = i16;
         }
@@ -144,19 +174,20 @@ impl Entries {
     }
 
     fn unlink(&mut self, i: usize) {
-        let (p, n) = (self.prev[i], self.next[i]);
+        let (p, n) = (self.e[i].prev, self.e[i].next);
         if p != NONE {
-            self.next[p as usize] = n;
+            self.e[p as usize].next = n;
         } else {
             self.head = n;
         }
         if n != NONE {
-            self.prev[n as usize] = p;
+            self.e[n as usize].prev = p;
         } else {
             self.tail = p;
         }
     }
 
+    #[inline]
     fn touch(&mut self, i: usize) {
         if self.head != i as u16 {
             self.unlink(i);
@@ -164,38 +195,35 @@ impl Entries {
         }
     }
 
-    /// Add (`delta` 1) or remove (`delta` -1) entry `i`'s first page and, if it is a detected
-    /// stream, its walked range from the filters.
-    fn count(&mut self, i: usize, shift: u32, delta: i32) {
-        if self.used[i] == 0 {
-            return;
+    /// Put entry `i` at the front of the chain of `slot`.
+    fn chain_in(&mut self, i: usize, slot: usize) {
+        let old = self.firsts[slot];
+        let e = &mut self.e[i];
+        e.chain_slot = slot as u16;
+        e.chain_prev = END;
+        e.chain_next = old;
+        if old != END {
+            self.e[old as usize].chain_prev = i as u16;
         }
-        let owner = self.owner[i];
-        if delta > 0 {
-            let slot = filter_slot(owner, self.first[i] >> shift);
-            let old = self.firsts[slot];
-            self.chain_slot[i] = slot as u16;
-            self.chain_prev[i] = NONE;
-            self.chain_next[i] = old;
-            if old != NONE {
-                self.chain_prev[old as usize] = i as u16;
-            }
-            self.firsts[slot] = i as u16;
+        self.firsts[slot] = i as u16;
+    }
+
+    /// Take entry `i` out of its chain.
+    fn chain_out(&mut self, i: usize) {
+        let Entry { chain_prev: p, chain_next: n, chain_slot, .. } = self.e[i];
+        if p != END {
+            self.e[p as usize].chain_next = n;
         } else {
-            let (p, n) = (self.chain_prev[i], self.chain_next[i]);
-            if p != NONE {
-                self.chain_next[p as usize] = n;
-            } else {
-                self.firsts[self.chain_slot[i] as usize] = n;
-            }
-            if n != NONE {
-                self.chain_prev[n as usize] = p;
-            }
+            self.firsts[chain_slot as usize] = n;
         }
-        if self.stride[i] == 0 {
-            return;
+        if n != END {
+            self.e[n as usize].chain_prev = p;
         }
-        let (lo, hi) = (self.lo[i] >> shift, self.hi[i] >> shift);
+    }
+
+    /// Add (`delta` 1) or remove (`delta` -1) a detected stream of `owner` walking buckets
+    /// `lo..=hi` to or from the hull filter.
+    fn count_hull(&mut self, owner: u32, lo: u64, hi: u64, delta: i32) {
         if hi - lo >= MAX_HULL_BUCKETS {
             self.wide = (self.wide as i32 + delta) as u32;
             return;
@@ -203,6 +231,23 @@ impl Entries {
         for b in lo..=hi {
             let slot = filter_slot(owner, b);
             self.hulls[slot] = (i32::from(self.hulls[slot]) + delta) as u16;
+        }
+    }
+
+    /// Add (`delta` 1) or remove (`delta` -1) entry `i`'s first page and, if it is a detected
+    /// stream, its walked range from the filters.
+    fn count(&mut self, i: usize, shift: u32, delta: i32) {
+        let Entry { used, owner, first, stride, lo, hi, .. } = self.e[i];
+        if used == 0 {
+            return;
+        }
+        if delta > 0 {
+            self.chain_in(i, filter_slot(owner, first >> shift));
+        } else {
+            self.chain_out(i);
+        }
+        if stride != 0 {
+            self.count_hull(owner, lo >> shift, hi >> shift, delta);
         }
     }
 }
@@ -217,30 +262,17 @@ impl StreamTable {
             join_distance: config.join_distance.max(1),
             distance: config.distance.max(1),
         };
-        let entries = Entries {
+        let mut entries = Entries {
             clock: 0,
             mru: 0,
-            used: [0; MAX_ENTRIES],
-            owner: [0; MAX_ENTRIES],
-            first: [0; MAX_ENTRIES],
-            stride: [0; MAX_ENTRIES],
-            lo: [0; MAX_ENTRIES],
-            hi: [0; MAX_ENTRIES],
-            len: [0; MAX_ENTRIES],
-            pages: [[0; MAX_HISTORY]; MAX_ENTRIES],
-            prev: [NONE; MAX_ENTRIES],
-            next: [NONE; MAX_ENTRIES],
             head: NONE,
             tail: NONE,
-            firsts: [NONE; FILTER],
-            chain_next: [NONE; MAX_ENTRIES],
-            chain_prev: [NONE; MAX_ENTRIES],
-            chain_slot: [NONE; MAX_ENTRIES],
-            hulls: [0; FILTER],
             wide: 0,
+            e: [FREE; MAX_ENTRIES],
+            firsts: [END; FILTER],
+            hulls: [0; FILTER],
         };
         // Free entries go first, lowest index first: the list runs n-1 (front) .. 0 (tail).
-        let mut entries = entries;
         for i in 0..config.entries {
             entries.push_front(i);
         }
@@ -267,6 +299,43 @@ impl StreamTable {
         Self::train_in(&self.config, self.bucket_shift, self.filters, owned(&mut self.state), owner, page)
     }
 
+    /// The entry `page` of `owner` joins: the most recently used one whose first page is less
+    /// than the join distance away.
+    #[inline]
+    fn find(config: &StreamConfig, shift: u32, filters: bool, s: &Entries, owner: u32, page: u64) -> Option<usize> {
+        let join = config.join_distance;
+        let matches = |e: &Entry| e.used != 0 && e.owner == owner && e.first.abs_diff(page) < join;
+        // The most recently used entry, if it matches, is the most recent match. Otherwise the
+        // chains of the page's bucket and its neighbours hold every candidate (without the
+        // filters, a pass over the table).
+        if matches(&s.e[s.mru]) {
+            return Some(s.mru);
+        }
+        let (mut best, mut best_used) = (usize::MAX, 0u64);
+        let mut consider = |c: u16, e: &Entry| {
+            if e.used > best_used && matches(e) {
+                best = usize::from(c);
+                best_used = e.used;
+            }
+        };
+        if filters {
+            let bucket = page >> shift;
+            for b in [bucket.wrapping_sub(1), bucket, bucket.wrapping_add(1)] {
+                let mut c = s.firsts[filter_slot(owner, b)];
+                while c != END {
+                    let e = &s.e[usize::from(c)];
+                    consider(c, e);
+                    c = e.chain_next;
+                }
+            }
+        } else {
+            for (i, e) in s.e[..config.entries].iter().enumerate() {
+                consider(i as u16, e);
+            }
+        }
+        (best != usize::MAX).then_some(best)
+    }
+
     fn train_in(
         config: &StreamConfig,
         shift: u32,
@@ -277,93 +346,98 @@ impl StreamTable {
     ) -> Option<Stream> {
         s.clock += 1;
         let now = s.clock;
-        let n = config.entries;
-        let join = config.join_distance;
-        let matches = |s: &Entries, i: usize| s.used[i] != 0 && s.owner[i] == owner && s.first[i].abs_diff(page) < join;
-        let bucket = page >> shift;
-        // The most recently used entry, if it matches, is the most recent match. Otherwise the
-        // chains of the page's bucket and its neighbours hold every candidate (without the
-        // filters, one branch-free pass over the table finds the match and the LRU entry).
-        let mut victim = 0;
-        let found = if matches(s, s.mru) {
-            Some(s.mru)
-        } else if filters {
-            let (mut best, mut best_used) = (usize::MAX, 0u64);
-            for b in [bucket.wrapping_sub(1), bucket, bucket.wrapping_add(1)] {
-                let mut e = s.firsts[filter_slot(owner, b)];
-                while e != NONE {
-                    let i = e as usize;
-                    if s.used[i] > best_used && matches(s, i) {
-                        best = i;
-                        best_used = s.used[i];
-                    }
-                    e = s.chain_next[i];
-                }
-            }
-            (best != usize::MAX).then_some(best)
-        } else {
-            let (mut best, mut best_used, mut oldest) = (usize::MAX, 0u64, u64::MAX);
-            for i in 0..n {
-                let used = s.used[i];
-                let hit = used > best_used && s.owner[i] == owner && s.first[i].abs_diff(page) < join;
-                best = if hit { i } else { best };
-                best_used = if hit { used } else { best_used };
-                victim = if used < oldest { i } else { victim };
-                oldest = oldest.min(used);
-            }
-            (best != usize::MAX).then_some(best)
-        };
-        let Some(i) = found else {
-            // Take over the least recently used entry (a free one has `used` 0).
-            if filters {
-                victim = s.tail as usize;
-            }
+        let Some(i) = Self::find(config, shift, filters, s, owner, page) else {
+            // Take over the least recently used entry (a free one has `used` 0; without the
+            // filters, the first entry of the smallest `used`).
+            let victim = if filters {
+                s.tail as usize
+            } else {
+                let used = s.e[..config.entries].iter().map(|e| e.used);
+                used.enumerate().min_by_key(|&(i, u)| (u, i)).map_or(0, |(i, _)| i)
+            };
             s.count(victim, shift, -1);
-            s.used[victim] = now;
-            s.owner[victim] = owner;
-            s.first[victim] = page;
-            s.stride[victim] = 0;
-            s.lo[victim] = page;
-            s.hi[victim] = page;
-            s.len[victim] = 1;
-            s.pages[victim][0] = page;
+            let e = &mut s.e[victim];
+            e.used = now;
+            e.owner = owner;
+            e.first = page;
+            e.stride = 0;
+            e.lo = page;
+            e.hi = page;
+            e.len = 1;
+            e.pages[0] = page;
             s.mru = victim;
             s.touch(victim);
             s.count(victim, shift, 1);
             return None;
         };
-        s.used[i] = now;
         s.mru = i;
         s.touch(i);
         let history = config.history;
-        let len = usize::from(s.len[i]);
-        let pages = &mut s.pages[i];
-        if pages[len - 1] == page {
+        let e = &mut s.e[i];
+        e.used = now;
+        let len = usize::from(e.len);
+        if e.pages[len - 1] == page {
             return None;
         }
-        let len = if len == history {
-            pages.copy_within(1..history, 0);
-            len - 1
-        } else {
+        // `lo` and `hi` are kept only while the entry has a stride: nothing else reads them.
+        let hull = |e: &Entry| (e.stride != 0).then_some((e.lo >> shift, e.hi >> shift));
+        let (first_before, hull_before) = (e.first >> shift, hull(e));
+        let was_full = len == history;
+        let delta = page.wrapping_sub(e.pages[len - 1]) as i64;
+        // Slide the window when full: the oldest page leaves. The whole array moves (a fixed-size
+        // move, no memmove call); the tail beyond `len` is unused.
+        let len = if was_full {
+            e.pages.copy_within(1.., 0);
             len
+        } else {
+            len + 1
         };
-        pages[len] = page;
-        let len = len + 1;
-        let window = s.pages[i];
-        let window = &window[..len];
-        s.count(i, shift, -1);
-        s.len[i] = len as u8;
-        s.first[i] = window[0];
-        s.lo[i] = window.iter().copied().min().unwrap_or(page);
-        s.hi[i] = window.iter().copied().max().unwrap_or(page);
+        e.pages[len - 1] = page;
+        e.len = len as u8;
+        e.first = e.pages[0];
         if len == history {
-            s.stride[i] = most_frequent_stride(window);
+            e.stride = if was_full && e.stride == 0 {
+                // The previous window repeated no non-zero distance, so only the new one can
+                // repeat now, and if it does it is the most frequent (and the most recent).
+                let older = e.pages[..len - 1].windows(2);
+                let repeats = delta != 0 && older.fold(false, |r, w| r | (w[1].wrapping_sub(w[0]) as i64 == delta));
+                if repeats {
+                    delta
+                } else {
+                    0
+                }
+            } else {
+                most_frequent_stride(&e.pages[..len])
+            };
         }
-        s.count(i, shift, 1);
+        let stride = e.stride;
+        if stride != 0 {
+            let (mut lo, mut hi) = (page, page);
+            for &p in &e.pages[..len - 1] {
+                lo = lo.min(p);
+                hi = hi.max(p);
+            }
+            e.lo = lo;
+            e.hi = hi;
+        }
+        let (first_after, hull_after) = (e.first >> shift, hull(e));
+        // The filters change only where a bucket did (a window sliding along a stream mostly
+        // stays within its buckets).
+        if first_after != first_before {
+            s.chain_out(i);
+            s.chain_in(i, filter_slot(owner, first_after));
+        }
+        if hull_after != hull_before {
+            if let Some((lo, hi)) = hull_before {
+                s.count_hull(owner, lo, hi, -1);
+            }
+            if let Some((lo, hi)) = hull_after {
+                s.count_hull(owner, lo, hi, 1);
+            }
+        }
         if len < history {
             return None;
         }
-        let stride = s.stride[i];
         (stride != 0).then_some(Stream { end: page, stride })
     }
 
@@ -388,17 +462,16 @@ impl StreamTable {
     }
 
     fn in_stream_at(config: &StreamConfig, shift: u32, filters: bool, s: &Entries, owner: u32, page: u64) -> bool {
-        let on =
-            |i: usize| s.stride[i] != 0 && s.owner[i] == owner && s.lo[i] <= page && page <= s.hi[i] && s.used[i] != 0;
+        let on = |e: &Entry| e.stride != 0 && e.owner == owner && e.lo <= page && page <= e.hi && e.used != 0;
         // The entry trained last usually answers (the page was just reported); a zero count in
         // the page's bucket means no detected stream covers it.
-        if on(s.mru) {
+        if on(&s.e[s.mru]) {
             return true;
         }
         if filters && s.wide == 0 && s.hulls[filter_slot(owner, page >> shift)] == 0 {
             return false;
         }
-        (0..config.entries).any(on)
+        s.e[..config.entries].iter().any(on)
     }
 
     /// Push the pages to prefetch for `stream` (clipped to `0..region_pages`) into `out`.
@@ -417,19 +490,19 @@ impl StreamTable {
 /// The most frequent non-zero difference between adjacent pages; ties go to the most recent.
 /// A stride seen only once among several candidates is not a stream (0).
 fn most_frequent_stride(pages: &[u64]) -> i64 {
-    let mut deltas = [0i64; MAX_HISTORY];
+    let mut deltas = [0i64; MAX_HISTORY - 1];
     let n = pages.len() - 1;
-    for k in 0..n {
-        deltas[k] = pages[k + 1].wrapping_sub(pages[k]) as i64;
+    for (d, w) in deltas.iter_mut().zip(pages.windows(2)) {
+        *d = w[1].wrapping_sub(w[0]) as i64;
     }
-    let mut best = 0;
-    let mut best_count = 0;
-    for k in (0..n).rev() {
-        let d = deltas[k];
-        if d == 0 {
+    let deltas = &deltas[..n];
+    let (mut best, mut best_count) = (0, 0);
+    for &d in deltas.iter().rev() {
+        // A value already counted has the same count again (and, being older, loses ties).
+        if d == 0 || d == best {
             continue;
         }
-        let count = deltas[..n].iter().filter(|&&x| x == d).count();
+        let count = deltas.iter().fold(0, |c, &x| c + usize::from(x == d));
         if count > best_count {
             best = d;
             best_count = count;
@@ -468,6 +541,103 @@ mod tests {
                 }
                 for p in [page, page + 1, page.saturating_sub(2), page + 64] {
                     prop_assert_eq!(fast.in_stream(owner, p), reference.in_stream(owner, p), "page {}", p);
+                }
+            }
+        }
+    }
+
+    /// §3.2 written as plainly as possible: a list of entries scanned in full on every call.
+    /// The table (filtered or not) must give its answers.
+    #[derive(Default)]
+    struct Model {
+        /// (last use, owner, pages oldest first, stride); last use 0 = free.
+        entries: Vec<(u64, u32, Vec<u64>, i64)>,
+        clock: u64,
+    }
+
+    impl Model {
+        fn new(config: &StreamConfig) -> Self {
+            Self { entries: vec![(0, 0, Vec::new(), 0); config.entries], clock: 0 }
+        }
+
+        fn train(&mut self, config: &StreamConfig, owner: u32, page: u64) -> Option<Stream> {
+            self.clock += 1;
+            let joinable = |e: &(u64, u32, Vec<u64>, i64)| {
+                e.0 != 0 && e.1 == owner && e.2[0].abs_diff(page) < config.join_distance
+            };
+            let found =
+                (0..self.entries.len()).filter(|&i| joinable(&self.entries[i])).max_by_key(|&i| self.entries[i].0);
+            let Some(i) = found else {
+                // Least recently used; free entries (0) first, lowest index first.
+                let victim = (0..self.entries.len()).min_by_key(|&i| (self.entries[i].0, i)).unwrap();
+                self.entries[victim] = (self.clock, owner, vec![page], 0);
+                return None;
+            };
+            let e = &mut self.entries[i];
+            e.0 = self.clock;
+            if *e.2.last().unwrap() == page {
+                return None;
+            }
+            if e.2.len() == config.history {
+                e.2.remove(0);
+            }
+            e.2.push(page);
+            if e.2.len() < config.history {
+                return None;
+            }
+            e.3 = Self::stride(&e.2);
+            (e.3 != 0).then_some(Stream { end: page, stride: e.3 })
+        }
+
+        /// The most frequent non-zero adjacent difference, ties to the most recent, if seen twice.
+        fn stride(pages: &[u64]) -> i64 {
+            let deltas: Vec<i64> = pages.windows(2).map(|w| w[1] as i64 - w[0] as i64).collect();
+            let count = |d: i64| deltas.iter().filter(|&&x| x == d).count();
+            let best = deltas.iter().rev().filter(|&&d| d != 0).fold(None, |best: Option<i64>, &d| match best {
+                Some(b) if count(b) >= count(d) => Some(b),
+                _ => Some(d),
+            });
+            best.filter(|&d| count(d) >= 2).unwrap_or(0)
+        }
+
+        fn in_stream(&self, owner: u32, page: u64) -> bool {
+            self.entries.iter().any(|e| {
+                e.0 != 0
+                    && e.1 == owner
+                    && e.3 != 0
+                    && *e.2.iter().min().unwrap() <= page
+                    && page <= *e.2.iter().max().unwrap()
+            })
+        }
+    }
+
+    proptest! {
+        /// The table against the plain model, both with and without its filters, including a
+        /// longer history (other strides) and re-reports of an entry's newest page.
+        #[test]
+        fn matches_the_plain_model(
+            entries in prop_oneof![Just(64usize), 1usize..10],
+            history in prop_oneof![Just(5usize), 3usize..=MAX_HISTORY],
+            join in prop_oneof![Just(64u64), 1u64..300],
+            ops in proptest::collection::vec((0u32..3, prop_oneof![0u64..400, 0u64..100_000], 0u8..4), 1..600),
+        ) {
+            let config = StreamConfig { entries, history, join_distance: join, ..StreamConfig::default() };
+            let fast = StreamTable::new(config);
+            let mut scan = StreamTable::new(config);
+            scan.filters = false;
+            let mut model = Model::new(&config);
+            let mut last = 0;
+            for (owner, page, op) in ops {
+                // Op 3 follows the last page with a stride, so streams form.
+                let page = if op == 3 { last + page % 5 } else { page };
+                last = page;
+                let want = model.train(&config, owner, page);
+                prop_assert_eq!(fast.train(owner, page), want);
+                prop_assert_eq!(scan.train(owner, page), want);
+                for p in [page, page + 1, page.saturating_sub(3), page + 64, page.saturating_sub(200)] {
+                    let want = model.in_stream(owner, p);
+                    prop_assert_eq!(fast.in_stream(owner, p), want, "page {}", p);
+                    prop_assert_eq!(scan.in_stream(owner, p), want, "page {}", p);
                 }
             }
         }
