@@ -281,6 +281,59 @@ fn cpp_std_sort_of_100m_integers_under_30_percent() {
     assert_managed_like_reference(name, &reference, &managed);
 }
 
+/// Memory in 1 MiB anonymous mappings, as CPython's object allocator takes its arenas: each one
+/// exactly at the default threshold. Some are unmapped again and one is grown with mremap.
+const ARENAS: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <sys/mman.h>
+int main(int argc, char** argv) {
+    size_t n = strtoull(argv[1], nullptr, 10), mib = 1 << 20;
+    uint64_t** a = (uint64_t**)calloc(n, sizeof(uint64_t*));
+    size_t* len = (size_t*)calloc(n, sizeof(size_t));
+    uint64_t x = 88172645463325252ULL;
+    for (size_t i = 0; i < n; i++) {
+        a[i] = (uint64_t*)mmap(nullptr, mib, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (a[i] == MAP_FAILED) { perror("mmap"); return 1; }
+        len[i] = mib;
+        for (size_t w = 0; w < mib / 8; w++) { x ^= x << 13; x ^= x >> 7; x ^= x << 17; a[i][w] = x; }
+        if (i % 4 == 3) { munmap(a[i - 1], mib); a[i - 1] = nullptr; }
+    }
+    a[0] = (uint64_t*)mremap(a[0], mib, 2 * mib, MREMAP_MAYMOVE);
+    if (a[0] == MAP_FAILED) { perror("mremap"); return 1; }
+    len[0] = 2 * mib;
+    for (size_t w = mib / 8; w < 2 * mib / 8; w++) a[0][w] = w;
+    // Read everything back in a different order than it was written.
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t k = 0; k < n; k++) {
+        size_t i = (k * 7919) % n;
+        if (!a[i]) continue;
+        for (size_t w = 0; w < len[i] / 8; w += 8) h = (h ^ a[i][w]) * 1099511628211ULL;
+    }
+    printf("arenas=%zu fnv=%016llx\n", n, (unsigned long long)h);
+}
+"#;
+
+#[test]
+fn a_program_allocating_1mib_arenas_with_mmap_is_managed() {
+    let name = "a_program_allocating_1mib_arenas_with_mmap_is_managed";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, ARENAS, "arenas", name) else { return };
+    let bin = bin.display().to_string();
+    let n = scaled(512).max(64);
+    let count = n.to_string();
+    let program = [bin.as_str(), count.as_str()];
+    let (reference, _) = profile(&scratch, &program);
+    let managed = run_managed(&scratch, "30%", &[], &program);
+    assert_managed_like_reference(name, &reference, &managed);
+    let allocations = managed.stats["managed_allocations"].as_u64().unwrap_or(0);
+    assert!(allocations >= n, "{name}: {allocations} managed allocations for {n} 1 MiB mappings");
+}
+
 /// GNU sort, multi-threaded (--parallel=2), in sigbus mode: its input arrives through fread
 /// into a managed buffer and its output leaves through fwrite, both wrapped by the shim.
 #[test]

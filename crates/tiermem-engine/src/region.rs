@@ -73,11 +73,17 @@ impl RegionInner {
 #[derive(Debug, Default)]
 pub(crate) struct RegionTable {
     pub(crate) slots: Vec<Option<Arc<RegionInner>>>,
+    /// (first address, slot) of every live region, sorted by address: a program under the
+    /// preload shim can have thousands of small regions (an interpreter's 1 MiB arenas), and
+    /// every fault looks its address up here.
+    by_start: Vec<(usize, u32)>,
 }
 
 impl RegionTable {
     pub(crate) fn find(&self, addr: usize) -> Option<&RegionInner> {
-        self.slots.iter().flatten().map(|r| &**r).find(|r| r.contains(addr))
+        let after = self.by_start.partition_point(|&(start, _)| start <= addr);
+        let (_, index) = *self.by_start.get(after.checked_sub(1)?)?;
+        self.get(index).filter(|r| r.contains(addr))
     }
 
     pub(crate) fn get(&self, index: u32) -> Option<&RegionInner> {
@@ -90,11 +96,16 @@ impl RegionTable {
             self.slots.len() - 1
         });
         let region = Arc::new(make(index as u32));
+        let start = region.start();
+        let at = self.by_start.partition_point(|&(s, _)| s < start);
+        self.by_start.insert(at, (start, index as u32));
         self.slots[index] = Some(region.clone());
         region
     }
 
     pub(crate) fn remove(&mut self, index: u32) -> Option<Arc<RegionInner>> {
-        self.slots.get_mut(index as usize).and_then(Option::take)
+        let region = self.slots.get_mut(index as usize).and_then(Option::take)?;
+        self.by_start.retain(|&(_, i)| i != index);
+        Some(region)
     }
 }

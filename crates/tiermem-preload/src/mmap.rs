@@ -16,13 +16,15 @@ const UNMANAGED_FLAGS: i32 = libc::MAP_FIXED
     | libc::MAP_HUGETLB
     | libc::MAP_GROWSDOWN
     | libc::MAP_STACK
-    | libc::MAP_32BIT
-    | libc::MAP_SHARED
-    | libc::MAP_SHARED_VALIDATE;
+    | libc::MAP_32BIT;
+
+/// The bits of `flags` that say shared or private: a value, not a set of bits
+/// (MAP_SHARED_VALIDATE is MAP_SHARED | MAP_PRIVATE), so it is compared, not masked.
+const MAP_SHARING_TYPE: i32 = 0x0f;
 
 fn manageable(len: usize, prot: i32, flags: i32, fd: i32) -> bool {
     flags & libc::MAP_ANONYMOUS != 0
-        && flags & libc::MAP_PRIVATE != 0
+        && flags & MAP_SHARING_TYPE == libc::MAP_PRIVATE
         && flags & UNMANAGED_FLAGS == 0
         && fd == -1
         && prot == libc::PROT_READ | libc::PROT_WRITE
