@@ -373,6 +373,11 @@ impl RunOutcome {
                 let _ = writeln!(s, "fault path      {:.1} ms in total on faulting threads", stats.fault_path_ms());
                 s.push_str(&stats.summary());
             }
+            // Each process writes its statistics as it exits; one killed outright (SIGKILL,
+            // the OOM killer) writes none, which says nothing about what it allocated.
+            None if matches!(self.ending, Ending::Signaled(_)) => s.push_str(
+                "no statistics: the program was killed before its processes could write them (so the counts above are unknown, not zero)\n",
+            ),
             None => s.push_str("no managed memory: the program made no allocation above the threshold\n"),
         }
         s

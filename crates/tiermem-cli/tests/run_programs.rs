@@ -445,6 +445,12 @@ fn status_and_signals_pass_through() {
     let out = scratch.command(&["run", "--limit", "64MiB", "--", "sh", "-c", "kill -TERM $$"]).output().unwrap();
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(out.status.signal(), Some(libc::SIGTERM), "{:?}", out.status);
+    // A program killed outright leaves no statistics: the summary must not claim it allocated
+    // nothing.
+    let out = scratch.command(&["run", "--limit", "64MiB", "--", "sh", "-c", "kill -KILL $$"]).output().unwrap();
+    assert_eq!(out.status.signal(), Some(libc::SIGKILL), "{:?}", out.status);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no statistics: the program was killed"), "{err}");
 }
 
 #[test]
