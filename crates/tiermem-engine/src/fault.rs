@@ -254,12 +254,14 @@ fn is_mapped(shared: &Shared, addr: *mut u8) -> bool {
     shared.pagemap.as_ref().is_none_or(|p| p.is_mapped(addr as usize).unwrap_or(true))
 }
 
-/// Most pages one zero-fill maps: the faulting page and the untouched pages after it.
-pub(crate) const ZERO_FILL_AROUND: usize = 16;
+/// Most pages one zero-fill maps: the faulting page and the untouched pages after it. 64 rather
+/// than 16 cut the first-touch faults of numpy/scikit-learn programs fourfold (at 100% of their
+/// footprint, with nothing to page, intsort went 1.65x -> 1.33x of its unmanaged time).
+pub(crate) const ZERO_FILL_AROUND: usize = 64;
 
 /// Map zeros at the faulting untouched page (locked, room reserved) and at the untouched pages
 /// right after it that can be locked and fit under the budget, with one UFFDIO_COPY. A program
-/// touching fresh memory then takes one fault per 16 pages instead of one per page, as the
+/// touching fresh memory then takes one fault per 64 pages instead of one per page, as the
 /// kernel's fault-around does for files.
 fn zero_fill_around(
     shared: &Shared,
