@@ -267,18 +267,23 @@ fn build_cpp(scratch: &Scratch, source: &str, name: &str, test: &str) -> Option<
 
 #[test]
 fn cpp_std_sort_of_100m_integers_under_30_percent() {
-    let name = "cpp_std_sort_of_100m_integers_under_30_percent";
+    run_cpp_under_30_percent("cpp_std_sort_of_100m_integers_under_30_percent", STD_SORT, scaled(100_000_000));
+}
+
+/// Build `source`, run it with argument `arg` unmanaged and then under 30% of its footprint,
+/// and check the managed run like every real-program run. None when skipped.
+fn run_cpp_under_30_percent(name: &str, source: &str, arg: u64) -> Option<Managed> {
     if !uffd_or_skip(name) {
-        return;
+        return None;
     }
     let scratch = Scratch::new();
-    let Some(bin) = build_cpp(&scratch, STD_SORT, "std_sort", name) else { return };
-    let bin = bin.display().to_string();
-    let n = scaled(100_000_000).to_string();
-    let program = [bin.as_str(), n.as_str()];
+    let bin = build_cpp(&scratch, source, "program", name)?.display().to_string();
+    let arg = arg.to_string();
+    let program = [bin.as_str(), arg.as_str()];
     let (reference, _) = profile(&scratch, &program);
     let managed = run_managed(&scratch, "30%", &[], &program);
     assert_managed_like_reference(name, &reference, &managed);
+    Some(managed)
 }
 
 /// Memory in 1 MiB anonymous mappings, as CPython's object allocator takes its arenas: each one
@@ -318,18 +323,8 @@ int main(int argc, char** argv) {
 #[test]
 fn a_program_allocating_1mib_arenas_with_mmap_is_managed() {
     let name = "a_program_allocating_1mib_arenas_with_mmap_is_managed";
-    if !uffd_or_skip(name) {
-        return;
-    }
-    let scratch = Scratch::new();
-    let Some(bin) = build_cpp(&scratch, ARENAS, "arenas", name) else { return };
-    let bin = bin.display().to_string();
     let n = scaled(512).max(64);
-    let count = n.to_string();
-    let program = [bin.as_str(), count.as_str()];
-    let (reference, _) = profile(&scratch, &program);
-    let managed = run_managed(&scratch, "30%", &[], &program);
-    assert_managed_like_reference(name, &reference, &managed);
+    let Some(managed) = run_cpp_under_30_percent(name, ARENAS, n) else { return };
     let allocations = managed.stats["managed_allocations"].as_u64().unwrap_or(0);
     assert!(allocations >= n, "{name}: {allocations} managed allocations for {n} 1 MiB mappings");
 }

@@ -234,10 +234,7 @@ pub(crate) fn clean_batch(shared: &Shared, regions: &RegionTable, max: usize) ->
     if let Some(capture) = &shared.capture {
         let mut i = 0;
         while i < victims.len() {
-            let mut j = i + 1;
-            while j < victims.len() && contiguous(victims[j - 1].as_ref(), victims[j].as_ref()) {
-                j += 1;
-            }
+            let j = run_end(victims, i, |_| true);
             if let Some(v) = victims[i].as_ref() {
                 capture.find_written(v.region.page_addr(v.index) as usize, &mut written[i..j]);
             }
@@ -346,10 +343,7 @@ fn for_each_run<'a>(
             i += 1;
             continue;
         }
-        let mut j = i + 1;
-        while j < victims.len() && picked(&victims[j]) && contiguous(victims[j - 1].as_ref(), victims[j].as_ref()) {
-            j += 1;
-        }
+        let j = run_end(victims, i, picked);
         let first = victims[i].as_ref().map(|v| v.region.page_addr(v.index));
         let ok = first.is_some_and(|addr| act(addr, (j - i) * PAGE_SIZE));
         for v in victims[i..j].iter_mut().flatten() {
@@ -357,6 +351,16 @@ fn for_each_run<'a>(
         }
         i = j;
     }
+}
+
+/// End (exclusive) of the run of address-contiguous victims, all accepted by `pick`, that starts
+/// at `i` (victims are sorted).
+fn run_end<'a>(victims: &[Option<Victim<'a>>], i: usize, pick: impl Fn(&Option<Victim<'a>>) -> bool) -> usize {
+    let mut j = i + 1;
+    while j < victims.len() && pick(&victims[j]) && contiguous(victims[j - 1].as_ref(), victims[j].as_ref()) {
+        j += 1;
+    }
+    j
 }
 
 fn contiguous(a: Option<&Victim<'_>>, b: Option<&Victim<'_>>) -> bool {
@@ -390,10 +394,7 @@ fn move_out(
     let mut reported = [false; PageList::CAPACITY];
     let mut i = 0;
     while i < n {
-        let mut j = i + 1;
-        while j < n && contiguous(victims[j - 1].as_ref(), victims[j].as_ref()) {
-            j += 1;
-        }
+        let j = run_end(victims, i, |_| true);
         let Some(first) = victims[i].as_ref() else {
             i = j;
             continue;
