@@ -302,6 +302,9 @@ struct RunArgs {
     /// on | off: keep the budget inside the memory cgroup's room.
     #[arg(long, env = "TIERMEM_CGROUP")]
     cgroup: Option<String>,
+    /// on | off: serve allocations below the threshold from a managed heap [default: on].
+    #[arg(long, env = "TIERMEM_SMALL_HEAP")]
+    small_heap: Option<String>,
     /// Write the run's statistics as JSON to this file.
     #[arg(long, env = "TIERMEM_STATS_JSON")]
     stats_json: Option<PathBuf>,
@@ -373,6 +376,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_DIRTY_TRACKING", &args.dirty_tracking),
         ("TIERMEM_THRESHOLD", &args.threshold),
         ("TIERMEM_CGROUP", &args.cgroup),
+        ("TIERMEM_SMALL_HEAP", &args.small_heap),
     ];
     flags.extend(optional.into_iter().filter_map(|(k, v)| v.clone().map(|v| (k, v))));
     flags

@@ -365,6 +365,17 @@ impl RunOutcome {
         );
         let _ = writeln!(
             s,
+            "small heap      {} allocations below the threshold served from {:.1} MiB of managed chunks{}",
+            self.sum("small_heap_allocations"),
+            mib(self.sum("small_heap_bytes")),
+            match (self.settings.small_heap, self.settings.engine.fault_mode) {
+                (false, _) => " (off)",
+                (true, tiermem_engine::FaultMode::Sigbus) => " (off in sigbus fault mode)",
+                _ => "",
+            }
+        );
+        let _ = writeln!(
+            s,
             "peak RSS        {:.1} MiB (the kernel's count for the largest process)",
             mib(self.peak_rss_bytes)
         );
@@ -397,6 +408,8 @@ impl RunOutcome {
             "merged": self.merged_engine_stats(),
             "managed_allocations": self.sum("managed_allocations"),
             "fallback_allocations": self.sum("fallback_allocations"),
+            "small_heap_allocations": self.sum("small_heap_allocations"),
+            "small_heap_bytes": self.sum("small_heap_bytes"),
             "processes": self.processes,
         })
     }

@@ -329,6 +329,68 @@ fn a_program_allocating_1mib_arenas_with_mmap_is_managed() {
     assert!(allocations >= n, "{name}: {allocations} managed allocations for {n} 1 MiB mappings");
 }
 
+/// Small objects only (map nodes and strings of 16 B to 3 KB, two threads at once, a third of
+/// them freed again), then a calloc'd buffer grown with realloc past the 1 MiB threshold: the
+/// memory is almost all below the threshold, so only the small heap can keep it in the budget.
+const SMALL_OBJECTS: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <thread>
+static uint64_t next(uint64_t x) { x ^= x << 13; x ^= x >> 7; x ^= x << 17; return x; }
+static void build(uint64_t seed, size_t n, uint64_t* hash, size_t* kept) {
+    std::map<uint64_t, std::string> m;
+    uint64_t x = seed;
+    for (size_t i = 0; i < n; i++) {
+        x = next(x);
+        m[x] = std::string(16 + x % 3000, char('a' + x % 26));
+        if (i % 3 == 0) m.erase(m.begin());
+    }
+    size_t cap = 1000, len = 0;
+    unsigned char* buf = (unsigned char*)calloc(cap, 1);
+    for (size_t i = 0; i < cap; i++) if (buf[i]) { printf("calloc gave a non-zero byte\n"); exit(1); }
+    uint64_t h = 1469598103934665603ULL;
+    for (auto& kv : m) {
+        h = (h ^ kv.first) * 1099511628211ULL;
+        for (char c : kv.second) h = (h ^ (unsigned char)c) * 1099511628211ULL;
+        while (len + 8 > cap || (len == 8 * m.size() - 8 && cap < (2u << 20))) {
+            cap *= 2;
+            buf = (unsigned char*)realloc(buf, cap);
+        }
+        memcpy(buf + len, &kv.first, 8);
+        len += 8;
+    }
+    for (size_t i = 0; i < len; i++) h = (h ^ buf[i]) * 1099511628211ULL;
+    free(buf);
+    *hash = h;
+    *kept = m.size();
+}
+int main(int argc, char** argv) {
+    size_t n = strtoull(argv[1], nullptr, 10);
+    uint64_t h1, h2;
+    size_t k1, k2;
+    std::thread a(build, 1, n, &h1, &k1), b(build, 2, n, &h2, &k2);
+    a.join();
+    b.join();
+    printf("kept=%zu,%zu hash=%016llx,%016llx\n", k1, k2, (unsigned long long)h1, (unsigned long long)h2);
+}
+"#;
+
+#[test]
+fn a_program_of_small_objects_pages_through_the_small_heap() {
+    let name = "a_program_of_small_objects_pages_through_the_small_heap";
+    let Some(managed) = run_cpp_under_30_percent(name, SMALL_OBJECTS, scaled(120_000)) else { return };
+    let allocations = managed.stats["small_heap_allocations"].as_u64().unwrap_or(0);
+    let bytes = managed.stats["small_heap_bytes"].as_u64().unwrap_or(0);
+    let limit = managed.stats["limit_bytes"].as_u64().unwrap_or(0);
+    assert!(allocations > scaled(120_000), "{name}: only {allocations} small-heap allocations");
+    // The heap holds more than the budget: without paging it the program could not fit.
+    assert!(bytes > limit, "{name}: small heap of {bytes} bytes, budget {limit}");
+}
+
 /// GNU sort, multi-threaded (--parallel=2), in sigbus mode: its input arrives through fread
 /// into a managed buffer and its output leaves through fwrite, both wrapped by the shim.
 #[test]

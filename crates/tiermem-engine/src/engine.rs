@@ -369,6 +369,14 @@ impl Engine {
         Ok(Region { shared: self.shared.clone(), inner })
     }
 
+    /// The POSIX thread ids of the engine's own threads (completion, reclaim, fault handlers).
+    /// They must never fault on managed memory: a caller that routes allocations into managed
+    /// memory (the preload shim's small heap) sends theirs elsewhere.
+    pub fn thread_ids(&self) -> Vec<u64> {
+        use std::os::unix::thread::JoinHandleExt;
+        self.threads.iter().map(|t| t.as_pthread_t()).collect()
+    }
+
     /// Finish the fault trace ([`EngineConfig::trace_path`]): write out what is recorded and
     /// close the file. Later faults are not recorded. Dropping the engine does this too.
     pub fn finish_trace(&self) {

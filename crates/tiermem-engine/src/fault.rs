@@ -83,7 +83,9 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, missing: b
     let page_addr = region.page_addr(index);
     let id = region.id(index);
     if let Some(trace) = &shared.trace {
-        trace.record(id, write);
+        // The virtual page number: below 2^40 (the trace format's limit) for any user address,
+        // and regions stay distinct page ranges (a page id would put the region above bit 40).
+        trace.record((page_addr as usize / PAGE_SIZE) as u64, write);
     }
     let started = Instant::now();
     let mut waited_on_prefetch = false;

@@ -29,6 +29,9 @@ pub struct RunSettings {
     pub stats_dir: Option<PathBuf>,
     /// Keep the budget inside the memory cgroup's room (on unless turned off).
     pub respect_cgroup: bool,
+    /// Serve the program's allocations below the threshold from a managed heap too (on unless
+    /// turned off), so its small objects page like the rest instead of pinning memory.
+    pub small_heap: bool,
     /// Directory where each managed process records its faults as `<pid>.trace` (the
     /// simulator's binary format), for `tiermem trace record`.
     pub trace_dir: Option<PathBuf>,
@@ -51,6 +54,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_THRESHOLD", "smallest allocation that is managed, in bytes (default 1MiB)"),
     ("TIERMEM_STATS_DIR", "directory for per-process statistics (<pid>.json)"),
     ("TIERMEM_CGROUP", "on | off: keep the budget inside the memory cgroup's room"),
+    ("TIERMEM_SMALL_HEAP", "on | off: serve allocations below the threshold from a managed heap (default on)"),
     ("TIERMEM_TRACE_DIR", "directory where each managed process records its faults (<pid>.trace)"),
     ("TIERMEM_STATS_JSON", "tiermem run: file for the run's statistics as JSON"),
     ("TIERMEM_TMPDIR", "tiermem run: directory for the temporary device file"),
@@ -78,6 +82,7 @@ impl Default for RunSettings {
             threshold: DEFAULT_THRESHOLD,
             stats_dir: None,
             respect_cgroup: true,
+            small_heap: true,
             trace_dir: None,
         }
     }
@@ -123,13 +128,8 @@ impl RunSettings {
                 "TIERMEM_THRESHOLD" => s.threshold = nonzero_size(value).map_err(named)?,
                 "TIERMEM_STATS_DIR" => s.stats_dir = Some(PathBuf::from(value)),
                 "TIERMEM_TRACE_DIR" => s.trace_dir = Some(PathBuf::from(value)),
-                "TIERMEM_CGROUP" => {
-                    s.respect_cgroup = match value {
-                        "on" => true,
-                        "off" => false,
-                        _ => return Err(named(Error::invalid("expected on or off"))),
-                    }
-                }
+                "TIERMEM_CGROUP" => s.respect_cgroup = on_off(value).map_err(named)?,
+                "TIERMEM_SMALL_HEAP" => s.small_heap = on_off(value).map_err(named)?,
                 _ => {
                     let known: Vec<&str> = VARIABLES.iter().map(|(k, _)| *k).collect();
                     return Err(Error::invalid(format!(
@@ -170,6 +170,7 @@ impl RunSettings {
             ("TIERMEM_DIRTY_TRACKING", e.dirty_tracking.to_string()),
             ("TIERMEM_THRESHOLD", self.threshold.to_string()),
             ("TIERMEM_CGROUP", if self.respect_cgroup { "on" } else { "off" }.to_string()),
+            ("TIERMEM_SMALL_HEAP", if self.small_heap { "on" } else { "off" }.to_string()),
         ];
         if let Some(f) = self.footprint {
             vars.push(("TIERMEM_FOOTPRINT", f.to_string()));
@@ -199,6 +200,14 @@ impl RunSettings {
     }
 }
 
+fn on_off(text: &str) -> Result<bool> {
+    match text {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(Error::invalid("expected on or off")),
+    }
+}
+
 fn nonzero_size(text: &str) -> Result<u64> {
     match parse_size(text)? {
         0 => Err(Error::invalid("must be greater than zero")),
@@ -222,6 +231,7 @@ mod tests {
             ("TIERMEM_DEVICE", "mem"),
             ("TIERMEM_FAULT_MODE", "sigbus"),
             ("TIERMEM_THRESHOLD", "2MiB"),
+            ("TIERMEM_SMALL_HEAP", "off"),
             ("PATH", "/bin"),
             ("TIERMEM_TEST_DEVICES", "mem"),
         ])
@@ -233,6 +243,7 @@ mod tests {
         assert_eq!(again.engine.limit_bytes, s.engine.limit_bytes);
         assert_eq!(again.engine.fault_mode, s.engine.fault_mode);
         assert_eq!(again.threshold, s.threshold);
+        assert!(!s.small_heap && !again.small_heap);
         assert_eq!(again.footprint, s.footprint);
     }
 
@@ -249,6 +260,7 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "1.5")], "watermark"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_EVICT_WATERMARK", "high")], "TIERMEM_EVICT_WATERMARK=high"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_CGROUP", "maybe")], "TIERMEM_CGROUP=maybe"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_SMALL_HEAP", "yes")], "TIERMEM_SMALL_HEAP=yes"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_DEVICE", "floppy")], "TIERMEM_DEVICE=floppy"),
         ];
         for (vars, expected) in cases {

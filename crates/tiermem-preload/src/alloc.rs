@@ -2,10 +2,11 @@
 //! (and every pointer that is not ours) goes to glibc unchanged.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use tiermem_sys::PAGE_SIZE;
 
+use crate::heap;
 use crate::libc_alloc::{
     __libc_calloc, __libc_free, __libc_malloc, __libc_memalign, __libc_pvalloc, __libc_realloc, __libc_valloc,
 };
@@ -114,9 +115,28 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
         if !p.is_null() {
             return p;
         }
+    } else if let Some(p) = small_alloc(size, 16) {
+        return p;
     }
     // SAFETY: forwarding the caller's request.
     unsafe { __libc_malloc(size) }
+}
+
+/// A small allocation from the managed heap, if it serves this request. A program that makes
+/// many small allocations and no large one starts the engine once they add up.
+fn small_alloc(size: usize, align: usize) -> Option<*mut c_void> {
+    static SMALL_BYTES: AtomicUsize = AtomicUsize::new(0);
+    const START_ENGINE_AFTER: usize = 16 << 20;
+    if runtime::running_engine().is_none() {
+        if runtime::threshold() == usize::MAX
+            || SMALL_BYTES.fetch_add(size, Ordering::Relaxed) < START_ENGINE_AFTER
+            || !runtime::small_heap_wanted()
+        {
+            return None;
+        }
+        runtime::try_start_engine()?;
+    }
+    heap::alloc(size, align)
 }
 
 /// # Safety
@@ -125,6 +145,10 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
 pub unsafe extern "C" fn free(ptr: *mut c_void) {
     if ptr.is_null() {
         return;
+    }
+    if heap::contains(ptr as usize) {
+        // SAFETY: a heap block, live by the caller's contract.
+        return unsafe { heap::free(ptr) };
     }
     match take_malloc_entry(ptr as usize, "free") {
         Found::Ours(entry) => runtime::release(entry),
@@ -147,6 +171,10 @@ pub unsafe extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
         if !p.is_null() {
             return p;
         }
+    } else if let Some(p) = small_alloc(total, 16) {
+        // SAFETY: the block holds at least `total` bytes; a reused one holds old data.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, total) };
+        return p;
     }
     // SAFETY: forwarding the caller's request.
     unsafe { __libc_calloc(n, size) }
@@ -161,6 +189,10 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
         return unsafe { malloc(size) };
     }
     let addr = ptr as usize;
+    if heap::contains(addr) {
+        // SAFETY: a live heap block (the caller's contract).
+        return unsafe { realloc_heap_block(ptr, size) };
+    }
     if registry::may_be_managed_pointer(addr) {
         let mut table = registry::lock();
         if let Some(base) = registry::containing(&table, addr) {
@@ -210,6 +242,37 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
     unsafe { __libc_realloc(ptr, size) }
 }
 
+/// realloc of a block of the small heap.
+///
+/// # Safety
+/// `ptr` is a live heap block.
+unsafe fn realloc_heap_block(ptr: *mut c_void, size: usize) -> *mut c_void {
+    if size == 0 {
+        // SAFETY: glibc's realloc(p, 0) frees p and returns NULL.
+        unsafe { heap::free(ptr) };
+        return std::ptr::null_mut();
+    }
+    if !is_large(size) {
+        // SAFETY: a live heap block, non-zero size.
+        if let Some(p) = unsafe { heap::realloc(ptr, size) } {
+            return p;
+        }
+    }
+    // Across the threshold, or the heap cannot hold it: move the bytes to a new allocation.
+    // SAFETY: a fresh allocation (managed, heap or C library) of the new size.
+    let new = unsafe { malloc(size) };
+    if new.is_null() {
+        return new;
+    }
+    // SAFETY: a live heap block.
+    let old_size = unsafe { heap::usable_size(ptr) };
+    // SAFETY: the old block holds old_size bytes, the new one at least `size`; distinct blocks.
+    unsafe { std::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old_size.min(size)) };
+    // SAFETY: the old block is no longer referenced.
+    unsafe { heap::free(ptr) };
+    new
+}
+
 /// # Safety
 /// The C contract of reallocarray.
 #[no_mangle]
@@ -230,6 +293,8 @@ fn aligned(align: usize, size: usize) -> *mut c_void {
         if !p.is_null() {
             return p;
         }
+    } else if let Some(p) = small_alloc(size, align) {
+        return p;
     }
     // SAFETY: forwarding an aligned request to the C library.
     unsafe { __libc_memalign(align, size) }
@@ -305,6 +370,10 @@ pub unsafe extern "C" fn pvalloc(size: usize) -> *mut c_void {
 pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
     if ptr.is_null() {
         return 0;
+    }
+    if heap::contains(ptr as usize) {
+        // SAFETY: a live heap block (the caller's contract).
+        return unsafe { heap::usable_size(ptr) };
     }
     if registry::may_be_managed_pointer(ptr as usize) {
         let table = registry::lock();

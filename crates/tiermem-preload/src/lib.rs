@@ -5,7 +5,11 @@
 //!
 //! - The shim's own memory (and the engine's) comes from glibc's `__libc_*` entry points, never
 //!   through the interposed functions ([`libc_alloc`]).
-//! - The engine starts at the first large allocation, configured from `TIERMEM_*` variables
+//! - Once the engine runs, allocations below the threshold come from a managed small-object
+//!   heap ([`heap`]; handler-thread fault mode, `TIERMEM_SMALL_HEAP=off` turns it off), so a
+//!   program's small objects page too instead of pinning memory.
+//! - The engine starts at the first large allocation (or once small ones add up to 16 MiB),
+//!   configured from `TIERMEM_*` variables
 //!   ([`tiermem_engine::RunSettings`]); a bad value stops the program before `main` with a message.
 //! - fork: the child gets a private, unmanaged copy of all managed memory ([`runtime`]).
 //! - In sigbus fault mode, system calls that read or write managed memory are wrapped so the
@@ -14,6 +18,7 @@
 //! - At exit each managed process writes its statistics to `TIERMEM_STATS_DIR/<pid>.json`.
 
 mod alloc;
+mod heap;
 mod io;
 mod libc_alloc;
 mod mmap;

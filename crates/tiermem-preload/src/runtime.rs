@@ -103,7 +103,25 @@ pub fn engine() -> &'static Engine {
     if let Some(engine) = ENGINE.get() {
         return engine;
     }
-    let _guard = START.lock().unwrap_or_else(|e| e.into_inner());
+    let guard = START.lock().unwrap_or_else(|e| e.into_inner());
+    start_engine(guard)
+}
+
+/// Start the engine unless it is starting right now (None then: on this thread that is the
+/// start itself allocating, which must not wait for itself).
+pub fn try_start_engine() -> Option<&'static Engine> {
+    if let Some(engine) = ENGINE.get() {
+        return Some(engine);
+    }
+    let guard = match START.try_lock() {
+        Ok(guard) => guard,
+        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return None,
+    };
+    Some(start_engine(guard))
+}
+
+fn start_engine(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engine {
     if let Some(engine) = ENGINE.get() {
         return engine;
     }
@@ -156,13 +174,29 @@ pub fn engine() -> &'static Engine {
     }
     // SAFETY: as above.
     unsafe { libc::atexit(at_exit) };
+    let mut engine_threads = engine.thread_ids();
     if settings.respect_cgroup {
         if let Some(cgroup) = CgroupRoom::of_self() {
-            let _ =
+            use std::os::unix::thread::JoinHandleExt;
+            // Before the first managed page: the room is known from the start.
+            fit_budget_to_cgroup(engine, &cgroup, engine.config().limit_bytes);
+            let watch =
                 std::thread::Builder::new().name("tiermem-cgroup".into()).spawn(move || watch_cgroup(engine, cgroup));
+            if let Ok(handle) = watch {
+                engine_threads.push(handle.as_pthread_t());
+            }
         }
     }
+    if small_heap_wanted() {
+        crate::heap::enable(&engine_threads);
+    }
     engine
+}
+
+/// The settings ask for the small heap and the fault mode allows it (see [`crate::heap`]).
+pub fn small_heap_wanted() -> bool {
+    SETTINGS.get().is_some_and(|s| s.small_heap && s.engine.fault_mode == FaultMode::HandlerThread)
+        && !in_forked_child()
 }
 
 fn machine_memory() -> u64 {
@@ -172,15 +206,27 @@ fn machine_memory() -> u64 {
 // ---- fork ---------------------------------------------------------------------------------
 
 struct ForkState {
+    _heap: crate::heap::HeapGuard,
     _table: std::sync::MutexGuard<'static, std::collections::BTreeMap<usize, registry::Entry>>,
     hold: ForkHold,
     done_read: std::os::fd::OwnedFd,
     done_write: std::os::fd::OwnedFd,
 }
 
-thread_local! {
-    /// Held by the forking thread from prepare to the parent or child handler (the same thread).
-    static FORK_STATE: std::cell::RefCell<Option<ForkState>> = const { std::cell::RefCell::new(None) };
+/// What the forking thread holds from the prepare handler to the parent or child handler. Not a
+/// thread-local: initialising one registers its destructor with a calloc, which would reach the
+/// small heap while the prepare handler holds the heap's lock.
+struct ForkSlot(std::cell::UnsafeCell<Option<ForkState>>);
+
+// SAFETY: glibc runs one fork's prepare, parent and child handlers on the forking thread while it
+// holds its atfork lock (forks are serialised), so two threads never touch the slot at once.
+unsafe impl Sync for ForkSlot {}
+
+static FORK_STATE: ForkSlot = ForkSlot(std::cell::UnsafeCell::new(None));
+
+fn fork_state() -> &'static mut Option<ForkState> {
+    // SAFETY: see ForkSlot: only the forking thread reaches the slot, one handler at a time.
+    unsafe { &mut *FORK_STATE.0.get() }
 }
 
 extern "C" fn before_fork() {
@@ -188,19 +234,20 @@ extern "C" fn before_fork() {
     if in_forked_child() {
         return;
     }
-    // Lock order: the registry, then the engine's regions (as allocation does).
+    // Lock order: the small heap, the registry, then the engine's regions (as allocation does).
+    let heap = crate::heap::lock_for_fork();
     let table = registry::lock();
     let hold = engine.hold_for_fork();
     let (done_read, done_write) = match rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC) {
         Ok(p) => p,
         Err(_) => die(&["tiermem: cannot create a pipe for fork"]),
     };
-    FORK_STATE.with(|s| *s.borrow_mut() = Some(ForkState { _table: table, hold, done_read, done_write }));
+    *fork_state() = Some(ForkState { _heap: heap, _table: table, hold, done_read, done_write });
 }
 
 extern "C" fn after_fork_in_parent() {
-    let Some(state) = FORK_STATE.with(|s| s.borrow_mut().take()) else { return };
-    let ForkState { _table, hold, done_read, done_write } = state;
+    let Some(state) = fork_state().take() else { return };
+    let ForkState { _heap, _table, hold, done_read, done_write } = state;
     drop(done_write);
     // Wait until the child has copied what it needs from our device: until then our slots must
     // not change. EOF (the child wrote its byte and closed, or died) ends the wait.
@@ -211,10 +258,12 @@ extern "C" fn after_fork_in_parent() {
 }
 
 extern "C" fn after_fork_in_child() {
-    let Some(state) = FORK_STATE.with(|s| s.borrow_mut().take()) else { return };
-    let ForkState { _table, hold, done_read, done_write } = state;
+    let Some(state) = fork_state().take() else { return };
+    let ForkState { _heap, _table, hold, done_read, done_write } = state;
     drop(done_read);
     FORKED_CHILD.store(true, Ordering::Release);
+    // The child's heap blocks are plain memory now: they can be freed, but no new ones come.
+    crate::heap::disable();
     THRESHOLD.store(usize::MAX, Ordering::Release);
     SIGBUS_MODE.store(false, Ordering::Release);
     let Some(engine) = ENGINE.get() else { return };
@@ -249,8 +298,9 @@ pub fn release(entry: registry::Entry) {
 #[derive(Debug)]
 pub struct CgroupRoom {
     limit: u64,
+    usage: std::path::PathBuf,
     stat: std::path::PathBuf,
-    anon_key: &'static str,
+    cache_key: &'static str,
 }
 
 impl CgroupRoom {
@@ -264,21 +314,35 @@ impl CgroupRoom {
             if controllers.split(',').any(|c| c == "memory") {
                 let dir = std::path::Path::new("/sys/fs/cgroup/memory").join(path);
                 let limit = read_number(&dir.join("memory.limit_in_bytes"))?;
-                return (limit < 1 << 60).then(|| Self { limit, stat: dir.join("memory.stat"), anon_key: "total_rss" });
+                return (limit < 1 << 60).then(|| Self {
+                    limit,
+                    usage: dir.join("memory.usage_in_bytes"),
+                    stat: dir.join("memory.stat"),
+                    cache_key: "total_cache ",
+                });
             }
             if controllers.is_empty() {
                 let dir = std::path::Path::new("/sys/fs/cgroup").join(path);
                 if let Some(limit) = read_number(&dir.join("memory.max")) {
-                    return Some(Self { limit, stat: dir.join("memory.stat"), anon_key: "anon" });
+                    return Some(Self {
+                        limit,
+                        usage: dir.join("memory.current"),
+                        stat: dir.join("memory.stat"),
+                        cache_key: "file ",
+                    });
                 }
             }
         }
         None
     }
 
-    fn anon_bytes(&self) -> Option<u64> {
+    /// What the cgroup is charged for that the kernel cannot simply drop: everything but the
+    /// page cache (anonymous memory, page tables, kernel stacks and other kernel memory).
+    fn charged_bytes(&self) -> Option<u64> {
+        let usage = read_number(&self.usage)?;
         let stat = std::fs::read_to_string(&self.stat).ok()?;
-        stat.lines().find_map(|l| l.strip_prefix(self.anon_key)?.trim().parse().ok())
+        let cache: u64 = stat.lines().find_map(|l| l.strip_prefix(self.cache_key)?.trim().parse().ok())?;
+        Some(usage.saturating_sub(cache))
     }
 }
 
@@ -286,22 +350,26 @@ fn read_number(path: &std::path::Path) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
-/// Keep the budget inside the cgroup: the room left is the limit minus the anonymous memory the
-/// engine does not manage (the program's small allocations, the runtime, our own buffers) minus
-/// a margin for what the kernel charges besides (page tables, kernel stacks, page cache).
-fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom) {
-    let configured = engine.config().limit_bytes;
+/// Keep the budget inside the cgroup: the room left is the limit minus everything charged that
+/// the engine does not manage (the program's unmanaged memory, the runtime, our own buffers,
+/// kernel memory such as page tables) minus a margin for growth between two looks.
+fn fit_budget_to_cgroup(engine: &Engine, cgroup: &CgroupRoom, configured: u64) {
     // Proportional, so a small cgroup still leaves the engine most of its room.
     let margin = (cgroup.limit / 50).max(1 << 20);
+    if let Some(charged) = cgroup.charged_bytes() {
+        let managed = engine.resident_pages() * tiermem_sys::PAGE_SIZE as u64;
+        let unmanaged = charged.saturating_sub(managed);
+        let room = cgroup.limit.saturating_sub(unmanaged + margin);
+        let budget = engine.set_limit_bytes(room.min(configured));
+        LOWEST_BUDGET.fetch_min(budget, Ordering::Relaxed);
+    }
+}
+
+fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom) {
+    let configured = engine.config().limit_bytes;
     loop {
-        if let Some(anon) = cgroup.anon_bytes() {
-            let managed = engine.resident_pages() * tiermem_sys::PAGE_SIZE as u64;
-            let unmanaged = anon.saturating_sub(managed);
-            let room = cgroup.limit.saturating_sub(unmanaged + margin);
-            let budget = engine.set_limit_bytes(room.min(configured));
-            LOWEST_BUDGET.fetch_min(budget, Ordering::Relaxed);
-        }
         std::thread::sleep(Duration::from_millis(20));
+        fit_budget_to_cgroup(engine, &cgroup, configured);
     }
 }
 
@@ -329,6 +397,8 @@ extern "C" fn at_exit() {
         "managed_bytes": MANAGED_BYTES.load(Ordering::Relaxed),
         "peak_managed_bytes": PEAK_MANAGED_BYTES.load(Ordering::Relaxed),
         "fallback_allocations": FALLBACK_ALLOCATIONS.load(Ordering::Relaxed),
+        "small_heap_allocations": crate::heap::ALLOCATIONS.load(Ordering::Relaxed),
+        "small_heap_bytes": crate::heap::CHUNK_BYTES.load(Ordering::Relaxed),
         "syscalls_wrapped": SYSCALLS_WRAPPED.load(Ordering::Relaxed),
     });
     let path = dir.join(format!("{}.json", std::process::id()));

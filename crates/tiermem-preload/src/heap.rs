@@ -1,0 +1,229 @@
+//! The small-object heap: the program's allocations below the threshold, served from managed
+//! chunks by a TLSF allocator (rlsf), so a program made of many small objects (a Python or Java
+//! runtime, a hash table of strings) pages like one made of big arrays instead of pinning its
+//! heap in memory.
+//!
+//! - Chunks are engine regions (4 MiB first, then as large as the heap so far, up to 256 MiB);
+//!   each is one TLSF pool. Every block is 16-byte aligned (malloc's guarantee); requests for
+//!   a larger alignment go to the C library, so a pointer is freed without knowing its alignment.
+//! - Only program threads use it. The engine's own threads (which serve faults and must never
+//!   take one) and anything allocated while the engine starts go to the C library, as does
+//!   everything in a forked child and in sigbus fault mode: there the kernel cannot wait for a
+//!   missing page, and glibc's own read/write calls on stdio buffers (which would live here) are
+//!   not ours to wrap.
+//! - One lock: a program thread may fault while holding it; the fault is served by a handler
+//!   thread, which never takes it.
+
+use std::alloc::Layout;
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use tiermem_engine::Region;
+
+type Pools = rlsf::Tlsf<'static, u32, u32, 24, 16>;
+
+/// malloc's alignment on x86-64; every heap block has it.
+const ALIGN: usize = 16;
+const FIRST_CHUNK: usize = 4 << 20;
+const LARGEST_CHUNK: usize = 256 << 20;
+/// Chunks the fast pointer check knows; the heap stops growing there (and the C library serves).
+const MAX_CHUNKS: usize = 64;
+/// Engine threads recognised (completion, reclaim, handlers, the cgroup watch).
+const MAX_ENGINE_THREADS: usize = 16;
+
+pub struct Heap {
+    pools: Pools,
+    /// Keeps the chunks' regions alive for the life of the process.
+    chunks: Vec<Region>,
+    bytes: usize,
+}
+
+// SAFETY: the TLSF structure holds raw pointers into chunks this heap owns for the life of the
+// process; it is only reached under HEAP's lock.
+unsafe impl Send for Heap {}
+
+static HEAP: Mutex<Heap> = Mutex::new(Heap { pools: Pools::new(), chunks: Vec::new(), bytes: 0 });
+static ENABLED: AtomicBool = AtomicBool::new(false);
+/// Chunk bounds for `contains`, published before a chunk's first block is handed out.
+static CHUNK_START: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; MAX_CHUNKS];
+static CHUNK_END: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; MAX_CHUNKS];
+static CHUNK_COUNT: AtomicUsize = AtomicUsize::new(0);
+static LOWEST: AtomicUsize = AtomicUsize::new(usize::MAX);
+static HIGHEST: AtomicUsize = AtomicUsize::new(0);
+static ENGINE_THREADS: [AtomicU64; MAX_ENGINE_THREADS] = [const { AtomicU64::new(0) }; MAX_ENGINE_THREADS];
+static ENGINE_THREAD_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+/// Heap allocations made (for the statistics).
+pub static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+/// Bytes of chunks the heap holds.
+pub static CHUNK_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// The thread holding the heap's lock (0: none). A request from that thread (the shim's own
+/// code reaching malloc while it holds the lock) goes to the C library instead of deadlocking.
+static HOLDER: AtomicU64 = AtomicU64::new(0);
+
+fn this_thread() -> u64 {
+    // SAFETY: pthread_self has no preconditions and reads only the thread register.
+    unsafe { libc::pthread_self() as u64 }
+}
+
+/// The heap, locked; the holder is recorded until the guard goes.
+pub struct HeapGuard(MutexGuard<'static, Heap>);
+
+impl Drop for HeapGuard {
+    fn drop(&mut self) {
+        HOLDER.store(0, Ordering::Release);
+    }
+}
+
+impl std::ops::Deref for HeapGuard {
+    type Target = Heap;
+    fn deref(&self) -> &Heap {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for HeapGuard {
+    fn deref_mut(&mut self) -> &mut Heap {
+        &mut self.0
+    }
+}
+
+fn lock() -> HeapGuard {
+    let guard = HEAP.lock().unwrap_or_else(|e| e.into_inner());
+    HOLDER.store(this_thread(), Ordering::Release);
+    HeapGuard(guard)
+}
+
+/// Start serving small allocations; `engine_threads` are the POSIX thread ids whose requests
+/// must keep going to the C library.
+pub fn enable(engine_threads: &[u64]) {
+    for &id in engine_threads {
+        let i = ENGINE_THREAD_COUNT.fetch_add(1, Ordering::AcqRel);
+        if i < MAX_ENGINE_THREADS {
+            ENGINE_THREADS[i].store(id, Ordering::Release);
+        } else {
+            // Unknown engine threads could be handed managed memory: rather serve nobody.
+            return;
+        }
+    }
+    ENABLED.store(true, Ordering::Release);
+}
+
+/// Stop serving new allocations (a forked child); frees of heap blocks keep working.
+pub fn disable() {
+    ENABLED.store(false, Ordering::Release);
+}
+
+fn on_engine_thread_or_holder() -> bool {
+    let this = this_thread();
+    if HOLDER.load(Ordering::Acquire) == this {
+        return true;
+    }
+    let n = ENGINE_THREAD_COUNT.load(Ordering::Acquire).min(MAX_ENGINE_THREADS);
+    ENGINE_THREADS[..n].iter().any(|t| t.load(Ordering::Relaxed) == this)
+}
+
+/// Whether this request should come from the heap.
+fn serves_here(align: usize) -> bool {
+    align <= ALIGN && ENABLED.load(Ordering::Acquire) && !on_engine_thread_or_holder()
+}
+
+/// Whether `ptr` is a heap block (false is certain for anything outside every chunk).
+pub fn contains(ptr: usize) -> bool {
+    if ptr < LOWEST.load(Ordering::Acquire) || ptr >= HIGHEST.load(Ordering::Acquire) {
+        return false;
+    }
+    let n = CHUNK_COUNT.load(Ordering::Acquire);
+    (0..n).any(|i| CHUNK_START[i].load(Ordering::Acquire) <= ptr && ptr < CHUNK_END[i].load(Ordering::Acquire))
+}
+
+/// A block of at least `size` bytes, or None when the heap does not serve this request (the
+/// caller asks the C library).
+pub fn alloc(size: usize, align: usize) -> Option<*mut c_void> {
+    if !serves_here(align) {
+        return None;
+    }
+    let layout = Layout::from_size_align(size.max(1), ALIGN).ok()?;
+    let mut heap = lock();
+    let block = match heap.pools.allocate(layout) {
+        Some(block) => block,
+        None => {
+            grow(&mut heap, layout.size())?;
+            heap.pools.allocate(layout)?
+        }
+    };
+    drop(heap);
+    ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    Some(block.as_ptr().cast())
+}
+
+/// Add a chunk that can hold `size` more bytes. None when the engine cannot give one.
+fn grow(heap: &mut HeapGuard, size: usize) -> Option<()> {
+    let index = CHUNK_COUNT.load(Ordering::Acquire);
+    // Disabled: a forked child, whose engine (left in the parent) must not be used.
+    if index == MAX_CHUNKS || !ENABLED.load(Ordering::Acquire) {
+        return None;
+    }
+    let engine = crate::runtime::running_engine()?;
+    // Room for the block, its header and the pool's own sentinel.
+    let len = heap.bytes.clamp(FIRST_CHUNK, LARGEST_CHUNK).max(size.checked_add(4096)?.next_multiple_of(4096));
+    let region = engine.create_region(len).ok()?;
+    let (start, len) = (region.as_ptr() as usize, region.len());
+    CHUNK_START[index].store(start, Ordering::Release);
+    CHUNK_END[index].store(start + len, Ordering::Release);
+    LOWEST.fetch_min(start, Ordering::AcqRel);
+    HIGHEST.fetch_max(start + len, Ordering::AcqRel);
+    CHUNK_COUNT.store(index + 1, Ordering::Release);
+    let pool = NonNull::slice_from_raw_parts(NonNull::new(start as *mut u8)?, len);
+    // SAFETY: the chunk is a fresh region owned by the heap (kept in `chunks`) for the life of
+    // the process, and no other pool covers it.
+    unsafe { heap.pools.insert_free_block_ptr(pool) }?;
+    heap.chunks.push(region);
+    heap.bytes += len;
+    CHUNK_BYTES.fetch_add(len as u64, Ordering::Relaxed);
+    Some(())
+}
+
+/// # Safety
+/// `ptr` is a live heap block ([`contains`] said so, and it was not freed since).
+pub unsafe fn free(ptr: *mut c_void) {
+    let Some(block) = NonNull::new(ptr.cast::<u8>()) else { return };
+    // SAFETY: a live block of this heap, allocated with ALIGN (the caller's contract).
+    unsafe { lock().pools.deallocate(block, ALIGN) };
+}
+
+/// Bytes usable at `ptr`.
+///
+/// # Safety
+/// As [`free`].
+pub unsafe fn usable_size(ptr: *mut c_void) -> usize {
+    let Some(block) = NonNull::new(ptr.cast::<u8>()) else { return 0 };
+    // SAFETY: a live block of this heap (the caller's contract); the size sits in its header.
+    unsafe { Pools::allocation_usable_size(block) }
+}
+
+/// Resize a heap block, in place when it can be; None when the heap cannot hold the new size
+/// (the block is then untouched and still live).
+///
+/// # Safety
+/// As [`free`]; `size` is non-zero.
+pub unsafe fn realloc(ptr: *mut c_void, size: usize) -> Option<*mut c_void> {
+    let block = NonNull::new(ptr.cast::<u8>())?;
+    let layout = Layout::from_size_align(size, ALIGN).ok()?;
+    let mut heap = lock();
+    // SAFETY: a live block of this heap allocated with ALIGN (the caller's contract).
+    if let Some(moved) = unsafe { heap.pools.reallocate(block, layout) } {
+        return Some(moved.as_ptr().cast());
+    }
+    grow(&mut heap, size)?;
+    // SAFETY: as above; the failed attempt left the block as it was.
+    unsafe { heap.pools.reallocate(block, layout) }.map(|p| p.as_ptr().cast())
+}
+
+/// Held across fork so the child never sees the heap half-changed.
+pub fn lock_for_fork() -> HeapGuard {
+    lock()
+}
