@@ -41,10 +41,15 @@ SYSTEMS: dict[str, System] = {
                ("--fault-mode", "sigbus")),
         System("tiermem-file-evict-at-70", "tiermem", "tiermem run, file device, pages dropped from 70% of the budget",
                ("--evict-watermark", "0.7")),
+        # Stream-first replacement (co-designed remote memory §3.1): pages of detected streams go
+        # before randomly accessed ones, against the loop pathology of a scan a little larger
+        # than the budget.
+        System("tiermem-file-stream-first", "tiermem", "tiermem run, file device, stream-first replacement",
+               ("--replace", "stream-first")),
     ]
 }
 # Systems measured unless --systems says otherwise: the paper's matrix.
-NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70")
+NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70", "tiermem-file-stream-first")
 BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")
 
 DEFAULT_SYSTEMS = tuple(n for n in SYSTEMS if n not in NOT_BY_DEFAULT)
