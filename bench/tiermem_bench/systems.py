@@ -46,10 +46,14 @@ SYSTEMS: dict[str, System] = {
         # than the budget.
         System("tiermem-file-stream-first", "tiermem", "tiermem run, file device, stream-first replacement",
                ("--replace", "stream-first")),
+        # SEQ-style scan-resistant replacement: pages of sequential fault runs go first, most
+        # recent first behind a window.
+        System("tiermem-file-seq", "tiermem", "tiermem run, file device, seq replacement",
+               ("--replace", "seq")),
     ]
 }
 # Systems measured unless --systems says otherwise: the paper's matrix.
-NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70", "tiermem-file-stream-first")
+NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70", "tiermem-file-stream-first", "tiermem-file-seq")
 BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")
 
 DEFAULT_SYSTEMS = tuple(n for n in SYSTEMS if n not in NOT_BY_DEFAULT)

@@ -56,7 +56,7 @@ impl Replacement for Clock {
     }
 }
 
-fn pick(
+pub(super) fn pick(
     queue: &mut VecDeque<PageId>,
     second_chance: bool,
     max: usize,
