@@ -12,7 +12,9 @@
 //!   missing page, and glibc's own read/write calls on stdio buffers (which would live here) are
 //!   not ours to wrap.
 //! - One lock: a program thread may fault while holding it; the fault is served by a handler
-//!   thread, which never takes it.
+//!   thread, which never takes it. A request from the thread that holds it (the shim's own code
+//!   reaching malloc while inside the heap, or around fork) goes to the C library instead of
+//!   waiting for itself.
 
 use std::alloc::Layout;
 use std::ffi::c_void;
