@@ -39,14 +39,13 @@ pub struct Heap {
     pools: Pools,
     /// Keeps the chunks' regions alive for the life of the process.
     chunks: Vec<Region>,
-    bytes: usize,
 }
 
 // SAFETY: the TLSF structure holds raw pointers into chunks this heap owns for the life of the
 // process; it is only reached under HEAP's lock.
 unsafe impl Send for Heap {}
 
-static HEAP: Mutex<Heap> = Mutex::new(Heap { pools: Pools::new(), chunks: Vec::new(), bytes: 0 });
+static HEAP: Mutex<Heap> = Mutex::new(Heap { pools: Pools::new(), chunks: Vec::new() });
 static ENABLED: AtomicBool = AtomicBool::new(false);
 /// Chunk bounds for `contains`, published before a chunk's first block is handed out.
 static CHUNK_START: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; MAX_CHUNKS];
@@ -171,7 +170,8 @@ fn grow(heap: &mut HeapGuard, size: usize) -> Option<()> {
     }
     let engine = crate::runtime::running_engine()?;
     // Room for the block, its header and the pool's own sentinel.
-    let len = heap.bytes.clamp(FIRST_CHUNK, LARGEST_CHUNK).max(size.checked_add(4096)?.next_multiple_of(4096));
+    let held: usize = heap.chunks.iter().map(Region::len).sum();
+    let len = held.clamp(FIRST_CHUNK, LARGEST_CHUNK).max(size.checked_add(4096)?.next_multiple_of(4096));
     let region = engine.create_region(len).ok()?;
     let (start, len) = (region.as_ptr() as usize, region.len());
     CHUNK_START[index].store(start, Ordering::Release);
@@ -184,7 +184,6 @@ fn grow(heap: &mut HeapGuard, size: usize) -> Option<()> {
     // the process, and no other pool covers it.
     unsafe { heap.pools.insert_free_block_ptr(pool) }?;
     heap.chunks.push(region);
-    heap.bytes += len;
     CHUNK_BYTES.fetch_add(len as u64, Ordering::Relaxed);
     Some(())
 }
