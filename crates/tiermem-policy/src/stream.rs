@@ -72,9 +72,10 @@ pub struct Stream {
     pub stride: i64,
 }
 
-/// One training entry. Everything a lookup or a classification reads (`used`, `owner`, `first`,
-/// the hull, the links) sits in its first cache line, and the paper's five pages in the next:
-/// training touches two lines of one entry instead of one line in each of a dozen arrays.
+/// One training entry. Everything a lookup or a classification reads (`used`, `owner`,
+/// `first`, the hull, the links) sits in its first cache line, and the paper's five pages in
+/// the next: training touches two lines of one entry instead of one line in each of a dozen
+/// arrays.
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(64))]
 struct Entry {
@@ -92,10 +93,6 @@ struct Entry {
     /// Neighbours in the LRU list.
     prev: u16,
     next: u16,
-    /// Neighbours in the chain of its first page's filter slot, and that slot.
-    chain_prev: u16,
-    chain_next: u16,
-    chain_slot: u16,
     len: u8,
     /// Remembered pages, oldest first (`len` of them).
     pages: [u64; MAX_HISTORY],
@@ -110,9 +107,6 @@ const FREE: Entry = Entry {
     owner: 0,
     prev: NONE,
     next: NONE,
-    chain_prev: END,
-    chain_next: END,
-    chain_slot: 0,
     len: 0,
     pages: [0; MAX_HISTORY],
 };
@@ -128,22 +122,21 @@ struct Entries {
     /// Detected streams too wide for `hulls` (then every `in_stream` scans).
     wide: u32,
     e: [Entry; MAX_ENTRIES],
-    /// Entries by the (owner, bucket) slot of their first page, as chains: a page can only join
-    /// an entry in its own bucket or a neighbour, so three short chains replace a scan of the
-    /// table. Collisions only lengthen a chain.
-    firsts: [u16; FILTER],
+    /// The low 32 bits of each entry's first page, side by side so that a lookup compares them
+    /// all in one branch-free pass (see [`near_firsts`]).
+    first_lows: [u32; MAX_ENTRIES],
     /// Counting filter: detected streams whose walked range covers each (owner, bucket) slot.
     hulls: [u16; FILTER],
 }
 
-/// Slots of each filter: a few times the most entries, and small enough (2 KiB each) to stay
-/// in L1 next to the entries.
+/// Slots of the hull filter: a few times the most entries, and small enough (2 KiB) to stay in
+/// L1 next to the entries.
 const FILTER: usize = 1024;
 /// Most buckets one stream's range may cover in the `hulls` filter.
 const MAX_HULL_BUCKETS: u64 = 16;
 const NONE: u16 = u16::MAX;
-/// The end of a chain.
-const END: u16 = u16::MAX;
+/// Entries compared per [`near_firsts`] pass (one bit each in its mask).
+const LANES: usize = 64;
 
 /// The shared training table; see the module docs.
 #[derive(Debug)]
@@ -151,8 +144,8 @@ pub struct StreamTable {
     config: StreamConfig,
     state: Mutex<Entries>,
     bucket_shift: u32,
-    /// Use the counting filters and the LRU list (false: scan every time; the reference the
-    /// filtered table is tested against).
+    /// Use the hull filter and the LRU list (false: scan the entries for a stream or the least
+    /// recently used one every time; the reference the filtered table is tested against).
     filters: bool,
 }
 
@@ -195,32 +188,6 @@ impl Entries {
         }
     }
 
-    /// Put entry `i` at the front of the chain of `slot`.
-    fn chain_in(&mut self, i: usize, slot: usize) {
-        let old = self.firsts[slot];
-        let e = &mut self.e[i];
-        e.chain_slot = slot as u16;
-        e.chain_prev = END;
-        e.chain_next = old;
-        if old != END {
-            self.e[old as usize].chain_prev = i as u16;
-        }
-        self.firsts[slot] = i as u16;
-    }
-
-    /// Take entry `i` out of its chain.
-    fn chain_out(&mut self, i: usize) {
-        let Entry { chain_prev: p, chain_next: n, chain_slot, .. } = self.e[i];
-        if p != END {
-            self.e[p as usize].chain_next = n;
-        } else {
-            self.firsts[chain_slot as usize] = n;
-        }
-        if n != END {
-            self.e[n as usize].chain_prev = p;
-        }
-    }
-
     /// Add (`delta` 1) or remove (`delta` -1) a detected stream of `owner` walking buckets
     /// `lo..=hi` to or from the hull filter.
     fn count_hull(&mut self, owner: u32, lo: u64, hi: u64, delta: i32) {
@@ -234,19 +201,11 @@ impl Entries {
         }
     }
 
-    /// Add (`delta` 1) or remove (`delta` -1) entry `i`'s first page and, if it is a detected
-    /// stream, its walked range from the filters.
+    /// Add (`delta` 1) or remove (`delta` -1) entry `i`'s walked range, if it is a detected
+    /// stream, to or from the hull filter.
     fn count(&mut self, i: usize, shift: u32, delta: i32) {
-        let Entry { used, owner, first, stride, lo, hi, .. } = self.e[i];
-        if used == 0 {
-            return;
-        }
-        if delta > 0 {
-            self.chain_in(i, filter_slot(owner, first >> shift));
-        } else {
-            self.chain_out(i);
-        }
-        if stride != 0 {
+        let Entry { used, owner, stride, lo, hi, .. } = self.e[i];
+        if used != 0 && stride != 0 {
             self.count_hull(owner, lo >> shift, hi >> shift, delta);
         }
     }
@@ -269,7 +228,7 @@ impl StreamTable {
             tail: NONE,
             wide: 0,
             e: [FREE; MAX_ENTRIES],
-            firsts: [END; FILTER],
+            first_lows: [0; MAX_ENTRIES],
             hulls: [0; FILTER],
         };
         // Free entries go first, lowest index first: the list runs n-1 (front) .. 0 (tail).
@@ -302,35 +261,29 @@ impl StreamTable {
     /// The entry `page` of `owner` joins: the most recently used one whose first page is less
     /// than the join distance away.
     #[inline]
-    fn find(config: &StreamConfig, shift: u32, filters: bool, s: &Entries, owner: u32, page: u64) -> Option<usize> {
+    fn find(config: &StreamConfig, s: &Entries, owner: u32, page: u64) -> Option<usize> {
         let join = config.join_distance;
-        let matches = |e: &Entry| e.used != 0 && e.owner == owner && e.first.abs_diff(page) < join;
-        // The most recently used entry, if it matches, is the most recent match. Otherwise the
-        // chains of the page's bucket and its neighbours hold every candidate (without the
-        // filters, a pass over the table).
-        if matches(&s.e[s.mru]) {
+        let matches = |i: usize| {
+            let e = &s.e[i];
+            e.used != 0 && e.owner == owner && e.first.abs_diff(page) < join
+        };
+        // The most recently used entry, if it matches, is the most recent match. Otherwise one
+        // branch-free pass over the first pages gives the few candidates to check.
+        if matches(s.mru) {
             return Some(s.mru);
         }
         let (mut best, mut best_used) = (usize::MAX, 0u64);
-        let mut consider = |c: u16, e: &Entry| {
-            if e.used > best_used && matches(e) {
-                best = usize::from(c);
-                best_used = e.used;
-            }
-        };
-        if filters {
-            let bucket = page >> shift;
-            for b in [bucket.wrapping_sub(1), bucket, bucket.wrapping_add(1)] {
-                let mut c = s.firsts[filter_slot(owner, b)];
-                while c != END {
-                    let e = &s.e[usize::from(c)];
-                    consider(c, e);
-                    c = e.chain_next;
+        let lows = s.first_lows[..config.entries.next_multiple_of(LANES)].chunks_exact(LANES);
+        for (chunk, firsts) in lows.enumerate() {
+            let firsts: &[u32; LANES] = firsts.try_into().expect("chunks_exact gives LANES");
+            let mut near = near_firsts(firsts, page, join);
+            while near != 0 {
+                let i = chunk * LANES + near.trailing_zeros() as usize;
+                near &= near - 1;
+                if s.e[i].used > best_used && matches(i) {
+                    best = i;
+                    best_used = s.e[i].used;
                 }
-            }
-        } else {
-            for (i, e) in s.e[..config.entries].iter().enumerate() {
-                consider(i as u16, e);
             }
         }
         (best != usize::MAX).then_some(best)
@@ -346,7 +299,7 @@ impl StreamTable {
     ) -> Option<Stream> {
         s.clock += 1;
         let now = s.clock;
-        let Some(i) = Self::find(config, shift, filters, s, owner, page) else {
+        let Some(i) = Self::find(config, s, owner, page) else {
             // Take over the least recently used entry (a free one has `used` 0; without the
             // filters, the first entry of the smallest `used`).
             let victim = if filters {
@@ -359,12 +312,13 @@ impl StreamTable {
             let e = &mut s.e[victim];
             e.used = now;
             e.owner = owner;
-            e.first = page;
             e.stride = 0;
             e.lo = page;
             e.hi = page;
             e.len = 1;
             e.pages[0] = page;
+            e.first = page;
+            s.first_lows[victim] = page as u32;
             s.mru = victim;
             s.touch(victim);
             s.count(victim, shift, 1);
@@ -381,7 +335,7 @@ impl StreamTable {
         }
         // `lo` and `hi` are kept only while the entry has a stride: nothing else reads them.
         let hull = |e: &Entry| (e.stride != 0).then_some((e.lo >> shift, e.hi >> shift));
-        let (first_before, hull_before) = (e.first >> shift, hull(e));
+        let hull_before = hull(e);
         let was_full = len == history;
         let delta = page.wrapping_sub(e.pages[len - 1]) as i64;
         // Slide the window when full: the oldest page leaves. The whole array moves (a fixed-size
@@ -395,6 +349,7 @@ impl StreamTable {
         e.pages[len - 1] = page;
         e.len = len as u8;
         e.first = e.pages[0];
+        let first = e.first;
         if len == history {
             e.stride = if was_full && e.stride == 0 {
                 // The previous window repeated no non-zero distance, so only the new one can
@@ -420,13 +375,10 @@ impl StreamTable {
             e.lo = lo;
             e.hi = hi;
         }
-        let (first_after, hull_after) = (e.first >> shift, hull(e));
-        // The filters change only where a bucket did (a window sliding along a stream mostly
-        // stays within its buckets).
-        if first_after != first_before {
-            s.chain_out(i);
-            s.chain_in(i, filter_slot(owner, first_after));
-        }
+        let hull_after = hull(e);
+        s.first_lows[i] = first as u32;
+        // The hull filter changes only where a bucket did (a window sliding along a stream
+        // mostly stays within its buckets).
         if hull_after != hull_before {
             if let Some((lo, hi)) = hull_before {
                 s.count_hull(owner, lo, hi, -1);
@@ -487,6 +439,30 @@ impl StreamTable {
     }
 }
 
+/// Bit i set when `first_lows[i]`, the low 32 bits of an entry's first page, is less than `join`
+/// from those of `page` modulo 2^32: every entry the page may join, and a few it may not (the
+/// caller checks each candidate exactly, owner and use included). 32-bit lanes, a flag byte per
+/// lane and no branches let the compiler use vector compares even at the x86-64 baseline; for
+/// a 64-entry table that costs less than walking three hashed chains did, and nothing has to be
+/// maintained per update.
+#[inline]
+fn near_firsts(first_lows: &[u32; LANES], page: u64, join: u64) -> u64 {
+    // Wider than half the 32-bit space: everything is a candidate.
+    let width = u32::try_from((join - 1).saturating_mul(2)).unwrap_or(u32::MAX);
+    let lowest = (page as u32).wrapping_sub(width / 2);
+    let mut flags = [0u8; LANES];
+    for (flag, &first) in flags.iter_mut().zip(first_lows) {
+        *flag = u8::from(first.wrapping_sub(lowest) <= width);
+    }
+    let mut near = 0u64;
+    for (k, bytes) in flags.chunks_exact(8).enumerate() {
+        let bytes = u64::from_le_bytes(bytes.try_into().expect("chunks of 8"));
+        // Gathers the low bit of each byte into the top byte, byte j to bit 56 + j.
+        near |= (bytes.wrapping_mul(0x0102_0408_1020_4080) >> 56) << (8 * k);
+    }
+    near
+}
+
 /// The most frequent non-zero difference between adjacent pages; ties go to the most recent.
 /// A stride seen only once among several candidates is not a stream (0).
 fn most_frequent_stride(pages: &[u64]) -> i64 {
@@ -522,14 +498,19 @@ mod tests {
     use super::*;
 
     proptest! {
-        /// The counting filters and the LRU list only save work: training and classification
+        /// The hull filter, the lookup's 32-bit pass and the LRU list only save work: training and classification
         /// agree with plain scans on any sequence, with few entries (much eviction), several
         /// owners, clustered and far pages, strides of both signs, and a small join distance.
         #[test]
         fn filters_change_no_answer(
             entries in 1usize..8,
             join in prop_oneof![Just(64u64), 1u64..200],
-            ops in proptest::collection::vec((0u32..3, prop_oneof![0u64..300, 0u64..100_000], any::<bool>()), 1..500),
+            // Pages equal in their low 32 bits too: the lookup's first pass compares only those.
+            ops in proptest::collection::vec((0u32..3, prop_oneof![
+                0u64..300,
+                0u64..100_000,
+                (0u64..3, 0u64..300).prop_map(|(high, low)| high << 32 | low),
+            ], any::<bool>()), 1..500),
         ) {
             let config = StreamConfig { entries, join_distance: join, ..StreamConfig::default() };
             let fast = StreamTable::new(config);
