@@ -75,6 +75,8 @@ pub(crate) struct Shared {
     pub(crate) pins: std::sync::Mutex<Vec<(usize, usize)>>,
     /// Where faults are recorded, if asked ([`EngineConfig::trace_path`]).
     pub(crate) trace: Option<crate::trace_sink::TraceSink>,
+    /// Which prefetched pages wait for a fault, to measure accuracy (see `prefetch_sample`).
+    pub(crate) prefetch_sampler: crate::prefetch_sample::PrefetchSampler,
 }
 
 impl Shared {
@@ -121,11 +123,35 @@ impl Shared {
         self.resident.load(Ordering::Acquire)
     }
 
-    /// Claim room for one more resident page if under the limit.
+    /// Claim room for one more resident page, for a faulting thread: if under the limit.
     pub(crate) fn try_reserve_resident(&self) -> bool {
+        self.try_reserve_resident_under(self.limit_pages())
+    }
+
+    /// Claim room for a page nobody is waiting for yet (a prefetched page, zeros mapped around
+    /// a fault): only below [`Shared::background_cap`].
+    pub(crate) fn try_reserve_background(&self) -> bool {
+        self.try_reserve_resident_under(self.background_cap())
+    }
+
+    /// Pages a background page-in may still claim now (see [`Shared::try_reserve_background`]).
+    pub(crate) fn background_room(&self) -> u64 {
+        self.background_cap().saturating_sub(self.resident())
+    }
+
+    /// Residency up to which background page-ins may go: the limit less one reclaim batch, but
+    /// never below the evict watermark. The batch is kept for faults, which otherwise find the
+    /// budget full whenever prefetching has just filled it and evict on the faulting thread
+    /// (tens of µs each) before the reclaim thread, woken past the evict watermark, catches up.
+    fn background_cap(&self) -> u64 {
+        let limit = self.limit_pages();
+        limit.saturating_sub(self.config.reclaim_batch as u64).max(self.evict_pages().min(limit))
+    }
+
+    fn try_reserve_resident_under(&self, cap: u64) -> bool {
         let mut cur = self.resident.load(Ordering::Relaxed);
         loop {
-            if cur >= self.limit_pages() {
+            if cur >= cap {
                 return false;
             }
             match self.resident.compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Relaxed) {
@@ -282,6 +308,7 @@ impl Engine {
             shutdown: AtomicBool::new(false),
             reserved_pages: AtomicU64::new(0),
             pins: std::sync::Mutex::new(Vec::new()),
+            prefetch_sampler: crate::prefetch_sample::PrefetchSampler::new(config.io_buffers as usize),
             config,
         });
         let mut threads = Vec::new();
@@ -527,8 +554,11 @@ impl Drop for Region {
             if let Some(slot) = state.slot() {
                 self.shared.slots.free(slot);
             }
-            if state.kind() == Kind::Resident {
-                freed_resident += 1;
+            match state.kind() {
+                Kind::Resident => freed_resident += 1,
+                // A prefetch sample still waiting holds its buffer.
+                Kind::Prefetched => self.shared.arena.release(state.buf()),
+                _ => {}
             }
         }
         self.shared.resident.fetch_sub(freed_resident, Ordering::AcqRel);

@@ -185,6 +185,8 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, missing: b
                 shared.arena.release(buf);
                 shared.replacement.on_insert(id);
                 Stats::add(&shared.stats.counters.prefetch_hits, 1);
+                // Only prefetch samples wait in their buffers (see `prefetch_sample`).
+                Stats::add(&shared.stats.counters.prefetch_sample_used, 1);
                 shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
                 let info = FaultInfo {
                     region: region.index,
@@ -281,7 +283,7 @@ fn zero_fill_around(
             break;
         }
         let Some(page) = cell.try_lock() else { break };
-        if page.state().kind() != Kind::Untouched || !shared.try_reserve_resident() {
+        if page.state().kind() != Kind::Untouched || !shared.try_reserve_background() {
             break;
         }
         run[len] = Some(page);
@@ -384,6 +386,7 @@ fn read_critical(
 ) -> Result<(), Errno> {
     let critical_tag = tag(Op::Critical, id);
     let mut lane = shared.queues.lane(lane_hint);
+    let submitted = Instant::now();
     lane.push(Request::Read { slot, buf }, critical_tag).map_err(|_| Errno::IO)?;
     lane.submit().map_err(|_| Errno::IO)?;
     let poll_only = shared.config.io_mode == IoMode::PollOnly;
@@ -399,6 +402,7 @@ fn read_critical(
             .wait(want - seen, &mut |c| {
                 if c.tag == critical_tag {
                     critical_ok = Some(c.result.is_ok());
+                    shared.stats.record(Path::CriticalRead, submitted.elapsed().as_nanos() as u64);
                 } else if n < lane_prefetches.len() {
                     lane_prefetches[n] = crate::io::Done { tag: c.tag, ok: c.result.is_ok() };
                     n += 1;
@@ -434,9 +438,9 @@ fn issue_prefetches(
     if wanted.as_slice().is_empty() {
         return 0;
     }
-    // Leave room for the pages to land: eager install never exceeds the budget, but reading
-    // pages that will be dropped wastes the device.
-    let headroom = shared.limit_pages().saturating_sub(shared.resident() + 1) as usize;
+    // Leave room for the pages to land: eager install stops a reclaim batch below the limit,
+    // and reading pages that will be dropped wastes the device.
+    let headroom = shared.background_room() as usize;
     let mut guard;
     let queue: &mut dyn tiermem_device::IoQueue = match lane {
         Some(q) => q,
@@ -478,7 +482,7 @@ fn issue_prefetches(
 /// holds it). Called with the page locked; returns the state to publish.
 pub(crate) fn install_prefetched(shared: &Shared, region: &RegionInner, index: u64, state: PageState) -> PageState {
     let buf = state.buf();
-    if !shared.try_reserve_resident() {
+    if !shared.try_reserve_background() {
         shared.arena.release(buf);
         Stats::add(&shared.stats.counters.prefetch_dropped, 1);
         return state.with_kind(Kind::Evicted);

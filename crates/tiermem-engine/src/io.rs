@@ -240,7 +240,12 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
         Some(Op::Prefetch) => {
             debug_assert_eq!(state.kind(), Kind::Incoming);
             shared.stats.record(Path::Prefetch, shared.queues.elapsed_since_submit(buf));
-            let next = if done.ok {
+            let sampled = done.ok && !region.is_closing() && shared.prefetch_sampler.take_sample();
+            let next = if sampled {
+                // Left in its buffer: the program's first touch shows that it was used.
+                Stats::add(&shared.stats.counters.prefetch_sampled, 1);
+                state.with_kind(Kind::Prefetched)
+            } else if done.ok {
                 crate::fault::install_prefetched(shared, region, index, state)
             } else {
                 Stats::add(&shared.stats.counters.io_errors, 1);
@@ -248,6 +253,12 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
                 state.with_kind(Kind::Evicted)
             };
             locked.set(next);
+            drop(locked);
+            if sampled {
+                if let Some(oldest) = shared.prefetch_sampler.push(page) {
+                    end_sample(shared, regions, oldest);
+                }
+            }
         }
         Some(Op::Critical) | None => {
             // Critical reads are waited for on their lane and never reach here.
@@ -255,6 +266,22 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
         }
     }
     true
+}
+
+/// A sample has waited long enough: if the program has not touched it, put it back to its slot
+/// and count it unused. A page locked by someone else is left alone and not counted (its state
+/// is changing: touched, discarded or forked), which biases nothing much for a sample in 64.
+fn end_sample(shared: &Shared, regions: &RegionTable, id: u64) {
+    let (region_index, index) = split_page_id(id);
+    let Some(cell) = regions.get(region_index).and_then(|r| r.pages.get(index as usize)) else { return };
+    let Some(mut locked) = cell.try_lock() else { return };
+    let state = locked.state();
+    if state.kind() == Kind::Prefetched {
+        locked.set(state.with_kind(Kind::Evicted));
+        drop(locked);
+        shared.arena.release(state.buf());
+        Stats::add(&shared.stats.counters.prefetch_sample_unused, 1);
+    }
 }
 
 /// Sleeps until the background queues signal completions, then processes them.

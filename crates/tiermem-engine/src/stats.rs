@@ -11,6 +11,10 @@ use serde::{Deserialize, Serialize};
 pub enum Path {
     /// A missing-page fault served by a device read of that page.
     CriticalFault,
+    /// The device read inside a critical fault, from submission (the submit call included) to
+    /// its completion: the device's latency as that fault saw it, so that the engine's own
+    /// share of a critical fault is the difference, measured on the same requests.
+    CriticalRead,
     /// A fault on a page that was untouched (zero-filled, no I/O).
     ZeroFault,
     /// A fault on a page prefetched, in flight, or still in a write-back buffer.
@@ -27,8 +31,9 @@ pub enum Path {
     DirectReclaim,
 }
 
-const PATHS: [(Path, &str); 8] = [
+const PATHS: [(Path, &str); 9] = [
     (Path::CriticalFault, "critical_fault"),
+    (Path::CriticalRead, "critical_read"),
     (Path::ZeroFault, "zero_fault"),
     (Path::HitFault, "hit_fault"),
     (Path::WriteProtectFault, "wp_fault"),
@@ -51,6 +56,13 @@ pub struct Counters {
     pub prefetch_installed: AtomicU64,
     /// Prefetched pages thrown away unused (no room, or evicted before use).
     pub prefetch_dropped: AtomicU64,
+    /// Prefetched pages left in their buffers to see whether they are used (the samples that
+    /// measure accuracy under eager install).
+    pub prefetch_sampled: AtomicU64,
+    /// Samples the program touched.
+    pub prefetch_sample_used: AtomicU64,
+    /// Samples still untouched when their wait ended.
+    pub prefetch_sample_unused: AtomicU64,
     /// Faults served from a write-back buffer still in flight.
     pub writeback_hits: AtomicU64,
     /// Pages zero-filled.
@@ -85,7 +97,7 @@ pub struct Counters {
 pub struct Stats {
     /// Event counters.
     pub counters: Counters,
-    histograms: [Mutex<Histogram<u64>>; 8],
+    histograms: [Mutex<Histogram<u64>>; PATHS.len()],
 }
 
 impl Default for Stats {
@@ -137,12 +149,28 @@ impl Stats {
         let issued = l(&c.prefetch_issued);
         let hits = l(&c.prefetch_hits);
         let critical = l(&c.critical_reads);
+        let installed = l(&c.prefetch_installed);
+        let (used, unused, sampled) =
+            (l(&c.prefetch_sample_used), l(&c.prefetch_sample_unused), l(&c.prefetch_sampled));
+        // With eager install, a used prefetched page is never seen: estimate from the samples.
+        // Without it (nothing installed), every prefetched page waits and is counted.
+        let (accuracy, coverage) = if installed > 0 {
+            crate::prefetch_sample::estimate(used, unused, installed + sampled, issued, critical).unzip()
+        } else {
+            (
+                (issued > 0).then(|| hits as f64 / issued as f64),
+                (hits + critical > 0).then(|| hits as f64 / (hits + critical) as f64),
+            )
+        };
         StatsSnapshot {
             critical_reads: critical,
             prefetch_issued: issued,
             prefetch_hits: hits,
             prefetch_installed: l(&c.prefetch_installed),
             prefetch_dropped: l(&c.prefetch_dropped),
+            prefetch_sampled: sampled,
+            prefetch_sample_used: used,
+            prefetch_sample_unused: unused,
             writeback_hits: l(&c.writeback_hits),
             zero_fills: l(&c.zero_fills),
             wp_faults: l(&c.wp_faults),
@@ -156,11 +184,8 @@ impl Stats {
             io_errors: l(&c.io_errors),
             dropped_outside: l(&c.dropped_outside),
             peak_resident_pages: l(&c.peak_resident),
-            // Pages mapped as soon as they arrive (eager install) are never seen being used, so
-            // accuracy is only known when every prefetched page waited for its first touch.
-            prefetch_accuracy: (issued > 0 && l(&c.prefetch_installed) == 0).then(|| hits as f64 / issued as f64),
-            prefetch_coverage: (hits + critical > 0 && l(&c.prefetch_installed) == 0)
-                .then(|| hits as f64 / (hits + critical) as f64),
+            prefetch_accuracy: accuracy,
+            prefetch_coverage: coverage,
             prefetched_share: (l(&c.prefetch_installed) + hits + critical > 0).then(|| {
                 (l(&c.prefetch_installed) + hits) as f64 / (l(&c.prefetch_installed) + hits + critical) as f64
             }),
@@ -202,6 +227,15 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     pub prefetch_dropped: u64,
     /// See [`Counters`].
+    #[serde(default)]
+    pub prefetch_sampled: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub prefetch_sample_used: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub prefetch_sample_unused: u64,
+    /// See [`Counters`].
     pub writeback_hits: u64,
     /// See [`Counters`].
     pub zero_fills: u64,
@@ -229,11 +263,11 @@ pub struct StatsSnapshot {
     pub dropped_outside: u64,
     /// Highest number of resident managed pages.
     pub peak_resident_pages: u64,
-    /// Prefetched pages used per prefetch issued (known only when prefetched pages wait for
-    /// their first touch; n/a with eager install).
+    /// Prefetched pages used per prefetch issued. With eager install, estimated from the
+    /// samples that waited for their first touch (none ended yet: None).
     pub prefetch_accuracy: Option<f64>,
-    /// Faults served by prefetch per fault that needed a page from the device (known only when
-    /// prefetched pages wait for their first touch).
+    /// Used prefetched pages per page the program needed from the device (used prefetched
+    /// pages + critical reads); estimated like the accuracy.
     pub prefetch_coverage: Option<f64>,
     /// Share of pages read from the device that came by prefetch rather than by a fault.
     pub prefetched_share: Option<f64>,
@@ -261,12 +295,22 @@ impl StatsSnapshot {
         );
         let _ = writeln!(
             s,
-            "prefetch        issued {}  installed {}  dropped {}  accuracy {}  coverage {}  prefetched share of page-ins {}",
+            "prefetch        issued {}  installed {}  dropped {}  accuracy {}  coverage {}{}  prefetched share of page-ins {}",
             self.prefetch_issued,
             self.prefetch_installed,
             self.prefetch_dropped,
             pct(self.prefetch_accuracy),
             pct(self.prefetch_coverage),
+            if self.prefetch_installed > 0 && self.prefetch_accuracy.is_some() {
+                format!(
+                    " (from {} of {} samples: used {})",
+                    self.prefetch_sample_used + self.prefetch_sample_unused,
+                    self.prefetch_sampled,
+                    self.prefetch_sample_used
+                )
+            } else {
+                String::new()
+            },
             pct(self.prefetched_share)
         );
         let _ = writeln!(
@@ -331,6 +375,9 @@ impl StatsSnapshot {
         self.prefetch_hits += other.prefetch_hits;
         self.prefetch_installed += other.prefetch_installed;
         self.prefetch_dropped += other.prefetch_dropped;
+        self.prefetch_sampled += other.prefetch_sampled;
+        self.prefetch_sample_used += other.prefetch_sample_used;
+        self.prefetch_sample_unused += other.prefetch_sample_unused;
         self.writeback_hits += other.writeback_hits;
         self.zero_fills += other.zero_fills;
         self.wp_faults += other.wp_faults;

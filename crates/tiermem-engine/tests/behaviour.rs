@@ -317,3 +317,44 @@ fn a_page_dropped_behind_the_engines_back_reads_as_zeros() {
         }
     }
 }
+
+/// Prefetched pages are mapped on arrival, so their use is seen only on the samples left waiting
+/// for a first touch: a sequential re-read uses what `ondemand` fetched (accuracy near 1); a walk
+/// touching one page in 16 uses none of `fastswap`'s next 7 (accuracy near 0).
+#[test]
+fn prefetch_accuracy_is_measured_on_samples_under_eager_install() {
+    let _serial = serial();
+    if features_or_skip("prefetch_accuracy_is_measured_on_samples_under_eager_install").is_none() {
+        return;
+    }
+    for (prefetch, stride, lowest, highest) in [("ondemand", 1, 0.8, 1.0), ("fastswap", 16, 0.0, 0.2)] {
+        let device = Arc::new(MemDevice::new(256 << 20).unwrap());
+        let engine = engine(device, 512, |c| {
+            c.prefetch = prefetch.into();
+            // A 32nd of the buffers may wait as samples: 4 here, so most samples end in the run.
+            c.io_buffers = 128;
+        });
+        // Enough faults for dozens of samples (one prefetched page in 64) either way.
+        let pages = 8192 * stride.min(4);
+        let region = engine.create_region(pages * 4096).unwrap();
+        touch_all(region.as_ptr(), pages, true);
+        let mut sum = 0;
+        for p in (0..pages).step_by(stride) {
+            // SAFETY: p < pages, inside the region.
+            sum += unsafe { (region.as_ptr().add(p * 4096) as *const u64).read_volatile() };
+        }
+        assert_eq!(sum, (0..pages as u64).step_by(stride).map(|p| p + 1).sum::<u64>(), "{prefetch}: data");
+        let s = engine.stats();
+        let ended = s.prefetch_sample_used + s.prefetch_sample_unused;
+        eprintln!(
+            "{prefetch}, one page in {stride}: {} prefetched, {} samples, {} used, {} unused: accuracy {:?}, coverage {:?}",
+            s.prefetch_issued, s.prefetch_sampled, s.prefetch_sample_used, s.prefetch_sample_unused,
+            s.prefetch_accuracy, s.prefetch_coverage
+        );
+        assert!(s.prefetch_installed > 0, "{prefetch}: pages are installed eagerly");
+        assert!(ended >= 10 && s.prefetch_sampled >= ended, "{prefetch}: too few samples ended");
+        let accuracy = s.prefetch_accuracy.expect("samples ended, so accuracy is known");
+        assert!((lowest..=highest).contains(&accuracy), "{prefetch}: accuracy {accuracy}");
+        assert!(s.prefetch_coverage.is_some());
+    }
+}
