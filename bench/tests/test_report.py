@@ -63,3 +63,15 @@ def test_plot_writes_a_png(tmp_path):
     path = plot.plot(make_runs(), ["linux-swap", "tiermem-file", "tiermem-mem"], [100, 20], tmp_path / "a.png")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_table_shows_prefetch_accuracy_and_coverage_of_tiermem_runs():
+    runs = make_runs()
+    for run, (accuracy, coverage) in zip([r for r in runs if r["system"] == "tiermem-file"], [(0.9, 0.5), (0.25, 1.0)]):
+        run["tiermem_stats"] = {"merged": {"prefetch_accuracy": accuracy, "prefetch_coverage": coverage}}
+    text = report.format_tables(runs, ["linux-swap", "tiermem-file", "tiermem-mem"], [100, 20])
+    assert "accuracy / coverage" in text
+    row = next(line for line in text.splitlines() if line.startswith("  sortw tiermem-file"))
+    assert row.split()[2:] == ["90%/50%", "25%/100%"]
+    # No run reported them: no section.
+    assert "accuracy / coverage" not in report.format_tables(make_runs(), ["tiermem-file"], [100, 20])

@@ -36,6 +36,33 @@ def _fmt(value, spec="{:.2f}", none="-"):
     return none if value is None else spec.format(value)
 
 
+def _prefetch_table(runs: list[dict], systems: list[str], ratios: list[int]) -> list[str]:
+    """One row per workload and tiermem system: the engine's prefetch accuracy / coverage at
+    each ratio, '-' where no run reported them. Empty when no run did."""
+    def median(values):
+        values = sorted(values)
+        return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+
+    found = {}
+    for run in runs:
+        merged = (run.get("tiermem_stats") or {}).get("merged") or {}
+        if run.get("status") != "ok" or merged.get("prefetch_accuracy") is None:
+            continue
+        key = (run["workload"], run["system"], run["ratio"])
+        found.setdefault(key, []).append((merged["prefetch_accuracy"], merged.get("prefetch_coverage") or 0.0))
+    rows = []
+    for workload in sorted({w for w, _, _ in found}):
+        for system in systems:
+            cells = []
+            for ratio in ratios:
+                pairs = found.get((workload, system, ratio))
+                cells.append("-" if not pairs else
+                             f"{median([a for a, _ in pairs]):.0%}/{median([c for _, c in pairs]):.0%}")
+            if any(c != "-" for c in cells):
+                rows.append(f"  {workload + ' ' + system:<30}" + "".join(f"{c:>12}" for c in cells))
+    return rows
+
+
 def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> str:
     """The printed result: per-workload normalised medians with failure counts, the speed-up
     over Linux swap per ratio and on average, the gap closed, and every failed point."""
@@ -81,6 +108,13 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
         lines.append(f"{'':<32}" + "".join(f"{str(r) + '%':>9}" for r in ratios) + f"{'avg':>9}")
         lines.append(f"  {'tiermem-file':<30}" + "".join(f"{_fmt(gap[r], '{:.0%}'):>9}" for r in ratios)
                      + f"{_fmt(gap['avg'], '{:.0%}'):>9}")
+        lines.append("")
+    prefetch = _prefetch_table(runs, [s for s in systems if s.startswith("tiermem")], ratios)
+    if prefetch:
+        lines.append("tiermem's prefetching: accuracy / coverage (median of the successful runs; "
+                     "estimated from sampled prefetches)")
+        lines.append(header)
+        lines.extend(prefetch)
         lines.append("")
     failures = stats.failure_table(summary)
     lines.append("Failed runs" if failures else "Failed runs: none")
