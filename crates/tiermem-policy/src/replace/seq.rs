@@ -1,4 +1,4 @@
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
 use super::clock;
@@ -8,6 +8,8 @@ use crate::{lock, owned, PageId, PageList, Replacement};
 const RUNS: usize = 8;
 /// Pages in a row that make a run sequential.
 const RUN_MIN: u32 = 8;
+/// `seq-adaptive` decides its order once per this many page-ins.
+const VERDICT_EVERY: u32 = 1024;
 
 /// Scan-resistant replacement in the manner of SEQ (Glass and Cao, 1997): pages that came in as
 /// part of a sequential run of faults are evicted first, most recent first but never the newest
@@ -19,9 +21,18 @@ const RUN_MIN: u32 = 8;
 /// instead (behind a window the scan is still working in) keeps the start of the data resident
 /// and reads only what does not fit. A run page touched again while resident (its referenced
 /// bit) has shown reuse and joins the CLOCK pages.
+///
+/// That order wins only when the data is a little larger than memory; when it is much larger,
+/// a program's locality (the halves a sort recurses into) favours insertion order. The adaptive
+/// variant ([`Seq::adaptive`], `seq-adaptive`) therefore keeps every page in CLOCK order unless
+/// most page-ins are *short refaults*: pages evicted fewer than a fifth of
+/// memory's worth of evictions ago, i.e. pages memory 20% larger would have kept. Then it is a
+/// scan just larger than memory, and it switches to most recent first (Linux's workingset
+/// detection measures the same refault distance, to decide what to protect).
 #[derive(Debug)]
 pub struct Seq {
     state: Mutex<State>,
+    name: &'static str,
 }
 
 #[derive(Debug)]
@@ -30,26 +41,100 @@ struct State {
     others: VecDeque<PageId>,
     /// The newest run pages, at most `window` of them.
     recent: VecDeque<PageId>,
-    /// Older run pages; victims come from the back (most recent first).
-    older: Vec<PageId>,
+    /// Older run pages, oldest at the front; victims come from the back (most recent first)
+    /// or, in the adaptive variant outside a scan, from the front.
+    older: VecDeque<PageId>,
     window: usize,
     /// (next page expected going up, next going down, length, last use) per followed run.
     runs: [(PageId, PageId, u32, u64); RUNS],
     clock: u64,
+    /// The adaptive variant's refault tracking, if this is it.
+    refaults: Option<Refaults>,
+}
+
+/// Pages recently proposed for eviction, to tell how soon they come back.
+#[derive(Debug)]
+struct Refaults {
+    /// Victims proposed so far.
+    evicted: u64,
+    /// Page -> `evicted` when it was proposed, for the last `horizon` proposals.
+    ghosts: HashMap<PageId, u64>,
+    order: VecDeque<(PageId, u64)>,
+    /// A fifth of the expected capacity: refaults within it are short.
+    horizon: u64,
+    page_ins: u32,
+    short: u32,
+    /// Evict run pages most recent first (a scan just larger than memory is under way).
+    scan: bool,
+}
+
+impl Refaults {
+    fn new(capacity: usize) -> Self {
+        let horizon = (capacity / 5).max(1);
+        Self {
+            evicted: 0,
+            ghosts: HashMap::with_capacity(horizon),
+            order: VecDeque::with_capacity(horizon),
+            horizon: horizon as u64,
+            page_ins: 0,
+            short: 0,
+            scan: false,
+        }
+    }
+
+    fn evicting(&mut self, page: PageId) {
+        self.evicted += 1;
+        self.ghosts.insert(page, self.evicted);
+        self.order.push_back((page, self.evicted));
+        while let Some(&(old, at)) = self.order.front() {
+            if self.evicted - at < self.horizon {
+                break;
+            }
+            self.order.pop_front();
+            if self.ghosts.get(&old) == Some(&at) {
+                self.ghosts.remove(&old);
+            }
+        }
+    }
+
+    fn paging_in(&mut self, page: PageId) {
+        if self.ghosts.remove(&page).is_some() {
+            self.short += 1;
+        }
+        self.page_ins += 1;
+        if self.page_ins == VERDICT_EVERY {
+            self.scan = self.short * 2 > VERDICT_EVERY;
+            self.page_ins = 0;
+            self.short = 0;
+        }
+    }
 }
 
 impl Seq {
-    /// A policy expecting about `capacity` resident pages.
+    /// A policy expecting about `capacity` resident pages (`seq`).
     pub fn new(capacity: usize) -> Self {
+        Self::build(capacity, None, "seq")
+    }
+
+    /// The variant that evicts run pages most recent first only during a scan just larger than
+    /// memory (`seq-adaptive`; see the type's docs). Outside such a scan every page goes in CLOCK
+    /// order, as with `clock`.
+    pub fn adaptive(capacity: usize) -> Self {
+        Self::build(capacity, Some(Refaults::new(capacity)), "seq-adaptive")
+    }
+
+    fn build(capacity: usize, refaults: Option<Refaults>, name: &'static str) -> Self {
         Self {
             state: Mutex::new(State {
                 others: VecDeque::with_capacity(capacity),
                 recent: VecDeque::with_capacity(capacity / 8 + 1),
-                older: Vec::with_capacity(capacity),
+                older: VecDeque::with_capacity(capacity),
                 window: (capacity / 8).max(1),
                 runs: [(u64::MAX, u64::MAX, 0, 0); RUNS],
                 clock: 0,
+                refaults,
             }),
+            name,
         }
     }
 }
@@ -82,11 +167,17 @@ impl State {
     }
 
     fn insert(&mut self, page: PageId) {
-        if self.in_run(page) {
+        if let Some(r) = &mut self.refaults {
+            r.paging_in(page);
+        }
+        // The adaptive variant outside a scan keeps every page in CLOCK order (runs are still
+        // followed, to be ready when the verdict changes).
+        let scan = self.refaults.as_ref().is_none_or(|r| r.scan);
+        if self.in_run(page) && scan {
             self.recent.push_back(page);
             while self.recent.len() > self.window {
                 let aged = self.recent.pop_front().expect("longer than the window");
-                self.older.push(aged);
+                self.older.push_back(aged);
             }
         } else {
             self.others.push_back(page);
@@ -95,8 +186,11 @@ impl State {
 
     fn pick(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
         let max = max.min(PageList::CAPACITY);
+        let first = out.as_slice().len();
+        let most_recent_first = self.refaults.as_ref().is_none_or(|r| r.scan);
         while out.as_slice().len() < max {
-            let Some(page) = self.older.pop() else { break };
+            let next = if most_recent_first { self.older.pop_back() } else { self.older.pop_front() };
+            let Some(page) = next else { break };
             if is_referenced(page) {
                 self.others.push_back(page);
             } else {
@@ -110,12 +204,15 @@ impl State {
             let Some(page) = self.recent.pop_front() else { break };
             out.push(page);
         }
+        if let Some(r) = &mut self.refaults {
+            out.as_slice()[first..].iter().for_each(|&page| r.evicting(page));
+        }
     }
 }
 
 impl Replacement for Seq {
     fn name(&self) -> &'static str {
-        "seq"
+        self.name
     }
 
     fn on_insert(&self, page: PageId) {
@@ -183,5 +280,49 @@ mod tests {
         // Both runs became sequential at their 8th page; the newest 8 insertions are the window.
         let v = victims(&p, 4, &|page| page == 1015);
         assert_eq!(v, vec![4985, 4986, 1014, 4987], "most recent first, 1015 referenced");
+    }
+
+    /// Drive a policy of `capacity` pages with a cyclic scan over `pages` pages, evicting as an
+    /// engine would; returns the page-ins of the last 5 cycles.
+    fn cyclic_scan(p: &Seq, capacity: usize, pages: u64, cycles: usize) -> usize {
+        let mut resident = std::collections::HashSet::new();
+        let mut page_ins = 0;
+        for cycle in 0..cycles {
+            for page in 0..pages {
+                if resident.contains(&page) {
+                    continue;
+                }
+                if resident.len() == capacity {
+                    for v in victims(p, 1, &|_| false) {
+                        resident.remove(&v);
+                    }
+                }
+                p.on_insert(page);
+                resident.insert(page);
+                if cycle + 5 >= cycles {
+                    page_ins += 1;
+                }
+            }
+        }
+        page_ins
+    }
+
+    #[test]
+    fn the_adaptive_variant_goes_most_recent_first_only_for_a_scan_just_larger_than_memory() {
+        let capacity = 4000;
+        // 5% larger than memory: every refault is short; after the first verdict it behaves
+        // like seq and pages in a small part of each cycle, where insertion order re-reads all.
+        let adaptive = cyclic_scan(&Seq::adaptive(capacity), capacity, 4200, 20);
+        let plain = cyclic_scan(&Seq::new(capacity), capacity, 4200, 20);
+        assert!(adaptive < 5 * 4200 / 4, "adaptive paged in {adaptive} pages in 5 cycles");
+        assert!(adaptive <= plain * 2, "adaptive {adaptive} vs seq {plain}");
+        // Twice as large as memory: refaults come a whole capacity later, so it keeps
+        // insertion order for run pages: the oldest run page goes first.
+        let p = Seq::adaptive(capacity);
+        cyclic_scan(&p, capacity, 8000, 3);
+        (100_000..100_040).for_each(|page| p.on_insert(page));
+        let v = victims(&p, 1, &|_| false);
+        assert!(v[0] < 8000, "oldest run page first, got {v:?}");
+        assert_eq!(p.name(), "seq-adaptive");
     }
 }
