@@ -166,7 +166,7 @@ impl Stats {
             critical_reads: critical,
             prefetch_issued: issued,
             prefetch_hits: hits,
-            prefetch_installed: l(&c.prefetch_installed),
+            prefetch_installed: installed,
             prefetch_dropped: l(&c.prefetch_dropped),
             prefetch_sampled: sampled,
             prefetch_sample_used: used,
@@ -186,9 +186,8 @@ impl Stats {
             peak_resident_pages: l(&c.peak_resident),
             prefetch_accuracy: accuracy,
             prefetch_coverage: coverage,
-            prefetched_share: (l(&c.prefetch_installed) + hits + critical > 0).then(|| {
-                (l(&c.prefetch_installed) + hits) as f64 / (l(&c.prefetch_installed) + hits + critical) as f64
-            }),
+            prefetched_share: (installed + hits + critical > 0)
+                .then(|| (installed + hits) as f64 / (installed + hits + critical) as f64),
             paths,
         }
     }
