@@ -39,10 +39,6 @@ def _fmt(value, spec="{:.2f}", none="-"):
 def _prefetch_table(runs: list[dict], systems: list[str], ratios: list[int]) -> list[str]:
     """One row per workload and tiermem system: the engine's prefetch accuracy / coverage at
     each ratio, '-' where no run reported them. Empty when no run did."""
-    def median(values):
-        values = sorted(values)
-        return values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
-
     found = {}
     for run in runs:
         merged = (run.get("tiermem_stats") or {}).get("merged") or {}
@@ -57,7 +53,7 @@ def _prefetch_table(runs: list[dict], systems: list[str], ratios: list[int]) -> 
             for ratio in ratios:
                 pairs = found.get((workload, system, ratio))
                 cells.append("-" if not pairs else
-                             f"{median([a for a, _ in pairs]):.0%}/{median([c for _, c in pairs]):.0%}")
+                             f"{stats.median([a for a, _ in pairs]):.0%}/{stats.median([c for _, c in pairs]):.0%}")
             if any(c != "-" for c in cells):
                 rows.append(f"  {workload + ' ' + system:<30}" + "".join(f"{c:>12}" for c in cells))
     return rows

@@ -166,13 +166,19 @@ impl State {
         length >= RUN_MIN
     }
 
+    /// Whether run pages go most recent first: always for `seq`, during a scan for the
+    /// adaptive variant.
+    fn scan_order(&self) -> bool {
+        self.refaults.as_ref().is_none_or(|r| r.scan)
+    }
+
     fn insert(&mut self, page: PageId) {
         if let Some(r) = &mut self.refaults {
             r.paging_in(page);
         }
         // The adaptive variant outside a scan keeps every page in CLOCK order (runs are still
         // followed, to be ready when the verdict changes).
-        let scan = self.refaults.as_ref().is_none_or(|r| r.scan);
+        let scan = self.scan_order();
         if self.in_run(page) && scan {
             self.recent.push_back(page);
             while self.recent.len() > self.window {
@@ -187,7 +193,7 @@ impl State {
     fn pick(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
         let max = max.min(PageList::CAPACITY);
         let first = out.as_slice().len();
-        let most_recent_first = self.refaults.as_ref().is_none_or(|r| r.scan);
+        let most_recent_first = self.scan_order();
         while out.as_slice().len() < max {
             let next = if most_recent_first { self.older.pop_back() } else { self.older.pop_front() };
             let Some(page) = next else { break };
