@@ -305,6 +305,10 @@ struct RunArgs {
     /// on | off: serve allocations below the threshold from a managed heap [default: on].
     #[arg(long, env = "TIERMEM_SMALL_HEAP")]
     small_heap: Option<String>,
+    /// on | off: while the program has one thread, the streams it opens skip the stdio locks
+    /// the engine's threads would otherwise switch on [default: on].
+    #[arg(long, env = "TIERMEM_SINGLE_THREAD_STDIO")]
+    single_thread_stdio: Option<String>,
     /// Write the run's statistics as JSON to this file.
     #[arg(long, env = "TIERMEM_STATS_JSON")]
     stats_json: Option<PathBuf>,
@@ -377,6 +381,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_THRESHOLD", &args.threshold),
         ("TIERMEM_CGROUP", &args.cgroup),
         ("TIERMEM_SMALL_HEAP", &args.small_heap),
+        ("TIERMEM_SINGLE_THREAD_STDIO", &args.single_thread_stdio),
     ];
     flags.extend(optional.into_iter().filter_map(|(k, v)| v.clone().map(|v| (k, v))));
     flags

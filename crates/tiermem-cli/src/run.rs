@@ -376,6 +376,13 @@ impl RunOutcome {
         );
         let _ = writeln!(
             s,
+            "stdio           {} streams used without locks while the program had one thread ({} locked again when it started threads){}",
+            self.sum("stdio_streams_unlocked"),
+            self.sum("stdio_streams_relocked"),
+            if self.settings.single_thread_stdio { "" } else { " (off)" }
+        );
+        let _ = writeln!(
+            s,
             "peak RSS        {:.1} MiB (the kernel's count for the largest process)",
             mib(self.peak_rss_bytes)
         );
@@ -410,6 +417,8 @@ impl RunOutcome {
             "fallback_allocations": self.sum("fallback_allocations"),
             "small_heap_allocations": self.sum("small_heap_allocations"),
             "small_heap_bytes": self.sum("small_heap_bytes"),
+            "stdio_streams_unlocked": self.sum("stdio_streams_unlocked"),
+            "stdio_streams_relocked": self.sum("stdio_streams_relocked"),
             "processes": self.processes,
         })
     }

@@ -391,6 +391,103 @@ fn a_program_of_small_objects_pages_through_the_small_heap() {
     assert!(bytes > limit, "{name}: small heap of {bytes} bytes, budget {limit}");
 }
 
+/// Streams opened while the program has one thread skip stdio's locks under tiermem (the
+/// engine's threads would otherwise switch them on); they must get them back before the program
+/// starts threads: two threads then append lines to one stream (reopened with freopen first)
+/// and read another by getc. Without the locks, lines come out torn or lost.
+const STDIO_THREADS: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+static long read_sum(const char* path, long* lines) {
+    FILE* in = fopen(path, "r");
+    if (!in) { perror(path); exit(1); }
+    long sum = 0; int c;
+    *lines = 0;
+    while ((c = getc(in)) != EOF) { sum = sum * 31 + c; if (c == '\n') ++*lines; if (ferror(in)) exit(2); }
+    fclose(in);
+    return sum;
+}
+int main(int argc, char** argv) {
+    std::string dir = argv[1];
+    long n = atol(argv[2]);
+    // A managed allocation first, so the engine (and its threads) run before any stream opens.
+    size_t big = 8u << 20;
+    char* buf = (char*)malloc(big);
+    memset(buf, 7, big);
+    std::string single = dir + "/single.txt", shared = dir + "/shared.txt";
+    FILE* out = fopen(single.c_str(), "w");
+    for (long i = 0; i < n; i++) fprintf(out, "single %ld %ld\n", i, i * i);
+    fclose(out);
+    long single_lines, single_sum = read_sum(single.c_str(), &single_lines);
+    FILE* both = fopen(shared.c_str(), "w");
+    fputs("header\n", both);
+    both = freopen(shared.c_str(), "a", both);
+    FILE* in = fopen(single.c_str(), "r");
+    long got[2] = {0, 0};
+    auto work = [&](int t) {
+        for (long i = 0; i < n; i++) {
+            fprintf(both, "thread %d line %ld of %ld\n", t, i, n);
+            if (getc(in) != EOF) got[t]++;
+        }
+    };
+    std::thread a(work, 0), b(work, 1);
+    a.join();
+    b.join();
+    fclose(in);
+    fclose(both);
+    FILE* check = fopen(shared.c_str(), "r");
+    char line[128];
+    long next[2] = {0, 0}, bad = 0, total = 0;
+    while (fgets(line, sizeof line, check)) {
+        int t; long i, of;
+        if (total++ == 0 && strcmp(line, "header\n") == 0) continue;
+        if (sscanf(line, "thread %d line %ld of %ld\n", &t, &i, &of) != 3 || t < 0 || t > 1 || of != n || i != next[t]) { bad++; continue; }
+        next[t]++;
+    }
+    fclose(check);
+    printf("single lines=%ld sum=%ld; shared lines=%ld torn=%ld per-thread=%ld,%ld; chars read=%ld; buf=%d\n",
+           single_lines, single_sum, total, bad, next[0], next[1], got[0] + got[1], buf[big - 1]);
+    return bad != 0;
+}
+"#;
+
+#[test]
+fn streams_skip_stdio_locks_only_while_the_program_has_one_thread() {
+    let name = "streams_skip_stdio_locks_only_while_the_program_has_one_thread";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, STDIO_THREADS, "stdio_threads", name) else { return };
+    let (bin, dir) = (bin.display().to_string(), scratch.path().display().to_string());
+    let lines = scaled(200_000).max(20_000).to_string();
+    let program = [bin.as_str(), dir.as_str(), lines.as_str()];
+    let (reference, _) = profile(&scratch, &program);
+    let expected = String::from_utf8_lossy(&reference.stdout).to_string();
+    assert!(expected.contains("torn=0"), "{name}: the unmanaged run itself tore lines: {expected}");
+    for mode in ["thread", "sigbus"] {
+        let managed = run_managed(&scratch, "64MiB", &["--fault-mode", mode], &program);
+        let err = String::from_utf8_lossy(&managed.out.stderr);
+        let out = String::from_utf8_lossy(&managed.out.stdout);
+        assert!(managed.out.status.success(), "{name} ({mode}): {out}{err}");
+        assert_eq!(out, expected, "{name} ({mode}): output differs from the unmanaged run\n{err}");
+        let unlocked = managed.stats["stdio_streams_unlocked"].as_u64().unwrap_or(0);
+        let relocked = managed.stats["stdio_streams_relocked"].as_u64().unwrap_or(0);
+        // Five streams opened while single-threaded (two reads, a write, the shared one and
+        // its freopen); the shared one and the read one are open when the threads start.
+        assert!(unlocked >= 5, "{name} ({mode}): {unlocked} streams went without locks\n{err}");
+        assert_eq!(relocked, 2, "{name} ({mode}): {relocked} streams got their locks back\n{err}");
+        eprintln!("{name} ({mode}): identical output, {unlocked} streams without locks, {relocked} locked again");
+    }
+    // Off, nothing is switched.
+    let managed = run_managed(&scratch, "64MiB", &["--single-thread-stdio", "off"], &program);
+    assert_eq!(String::from_utf8_lossy(&managed.out.stdout), expected, "{name} (off)");
+    assert_eq!(managed.stats["stdio_streams_unlocked"].as_u64(), Some(0), "{name} (off)");
+}
+
 /// GNU sort, multi-threaded (--parallel=2), in sigbus mode: its input arrives through fread
 /// into a managed buffer and its output leaves through fwrite, both wrapped by the shim.
 #[test]

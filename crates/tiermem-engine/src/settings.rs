@@ -32,6 +32,9 @@ pub struct RunSettings {
     /// Serve the program's allocations below the threshold from a managed heap too (on unless
     /// turned off), so its small objects page like the rest instead of pinning memory.
     pub small_heap: bool,
+    /// While the program has one thread of its own, the streams it opens skip the stdio locks
+    /// that the engine's threads would otherwise switch on (on unless turned off).
+    pub single_thread_stdio: bool,
     /// Directory where each managed process records its faults as `<pid>.trace` (the
     /// simulator's binary format), for `tiermem trace record`.
     pub trace_dir: Option<PathBuf>,
@@ -55,6 +58,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_STATS_DIR", "directory for per-process statistics (<pid>.json)"),
     ("TIERMEM_CGROUP", "on | off: keep the budget inside the memory cgroup's room"),
     ("TIERMEM_SMALL_HEAP", "on | off: serve allocations below the threshold from a managed heap (default on)"),
+    (
+        "TIERMEM_SINGLE_THREAD_STDIO",
+        "on | off: while the program has one thread, its streams skip stdio locks (default on)",
+    ),
     ("TIERMEM_TRACE_DIR", "directory where each managed process records its faults (<pid>.trace)"),
     ("TIERMEM_STATS_JSON", "tiermem run: file for the run's statistics as JSON"),
     ("TIERMEM_TMPDIR", "tiermem run: directory for the temporary device file"),
@@ -83,6 +90,7 @@ impl Default for RunSettings {
             stats_dir: None,
             respect_cgroup: true,
             small_heap: true,
+            single_thread_stdio: true,
             trace_dir: None,
         }
     }
@@ -130,6 +138,7 @@ impl RunSettings {
                 "TIERMEM_TRACE_DIR" => s.trace_dir = Some(PathBuf::from(value)),
                 "TIERMEM_CGROUP" => s.respect_cgroup = on_off(value).map_err(named)?,
                 "TIERMEM_SMALL_HEAP" => s.small_heap = on_off(value).map_err(named)?,
+                "TIERMEM_SINGLE_THREAD_STDIO" => s.single_thread_stdio = on_off(value).map_err(named)?,
                 _ => {
                     let known: Vec<&str> = VARIABLES.iter().map(|(k, _)| *k).collect();
                     return Err(Error::invalid(format!(
@@ -171,6 +180,7 @@ impl RunSettings {
             ("TIERMEM_THRESHOLD", self.threshold.to_string()),
             ("TIERMEM_CGROUP", if self.respect_cgroup { "on" } else { "off" }.to_string()),
             ("TIERMEM_SMALL_HEAP", if self.small_heap { "on" } else { "off" }.to_string()),
+            ("TIERMEM_SINGLE_THREAD_STDIO", if self.single_thread_stdio { "on" } else { "off" }.to_string()),
         ];
         if let Some(f) = self.footprint {
             vars.push(("TIERMEM_FOOTPRINT", f.to_string()));
@@ -232,6 +242,7 @@ mod tests {
             ("TIERMEM_FAULT_MODE", "sigbus"),
             ("TIERMEM_THRESHOLD", "2MiB"),
             ("TIERMEM_SMALL_HEAP", "off"),
+            ("TIERMEM_SINGLE_THREAD_STDIO", "off"),
             ("PATH", "/bin"),
             ("TIERMEM_TEST_DEVICES", "mem"),
         ])
@@ -244,6 +255,7 @@ mod tests {
         assert_eq!(again.engine.fault_mode, s.engine.fault_mode);
         assert_eq!(again.threshold, s.threshold);
         assert!(!s.small_heap && !again.small_heap);
+        assert!(!s.single_thread_stdio && !again.single_thread_stdio);
         assert_eq!(again.footprint, s.footprint);
     }
 
@@ -261,6 +273,7 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_EVICT_WATERMARK", "high")], "TIERMEM_EVICT_WATERMARK=high"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_CGROUP", "maybe")], "TIERMEM_CGROUP=maybe"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_SMALL_HEAP", "yes")], "TIERMEM_SMALL_HEAP=yes"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_SINGLE_THREAD_STDIO", "1")], "TIERMEM_SINGLE_THREAD_STDIO=1"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_DEVICE", "floppy")], "TIERMEM_DEVICE=floppy"),
         ];
         for (vars, expected) in cases {

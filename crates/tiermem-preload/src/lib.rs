@@ -15,6 +15,8 @@
 //! - In sigbus fault mode, system calls that read or write managed memory are wrapped so the
 //!   pages are resident while the kernel touches them ([`io`]), and the program cannot displace
 //!   or block the engine's SIGBUS handler ([`signals`]).
+//! - While the program has one thread of its own, the streams it opens skip the stdio locks the
+//!   engine's threads would otherwise switch on ([`stdio`]).
 //! - At exit each managed process writes its statistics to `TIERMEM_STATS_DIR/<pid>.json`.
 
 mod alloc;
@@ -25,6 +27,7 @@ mod mmap;
 mod registry;
 mod runtime;
 mod signals;
+mod stdio;
 
 #[global_allocator]
 static SHIM_ALLOCATOR: libc_alloc::LibcAllocator = libc_alloc::LibcAllocator;
@@ -32,6 +35,7 @@ static SHIM_ALLOCATOR: libc_alloc::LibcAllocator = libc_alloc::LibcAllocator;
 /// Runs when the library is loaded, before the program's `main`: reads the settings so a bad
 /// value is reported before the program does anything.
 extern "C" fn on_load() {
+    stdio::note_load();
     runtime::load_settings();
 }
 

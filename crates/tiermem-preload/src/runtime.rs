@@ -121,10 +121,18 @@ pub fn try_start_engine() -> Option<&'static Engine> {
     Some(start_engine(guard))
 }
 
-fn start_engine(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engine {
+fn start_engine(guard: std::sync::MutexGuard<'_, ()>) -> &'static Engine {
     if let Some(engine) = ENGINE.get() {
         return engine;
     }
+    let engine = crate::stdio::starting_engine(|| start_engine_threads(guard));
+    crate::stdio::activate(SETTINGS.get().is_some_and(|s| s.single_thread_stdio));
+    engine
+}
+
+/// Open the device, start the engine and the cgroup watch (the threads created here are the
+/// engine's own).
+fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engine {
     let Some(settings) = SETTINGS.get() else {
         die(&["tiermem: the engine was needed before the settings were read"]);
     };
@@ -400,6 +408,8 @@ extern "C" fn at_exit() {
         "small_heap_allocations": crate::heap::ALLOCATIONS.load(Ordering::Relaxed),
         "small_heap_bytes": crate::heap::CHUNK_BYTES.load(Ordering::Relaxed),
         "syscalls_wrapped": SYSCALLS_WRAPPED.load(Ordering::Relaxed),
+        "stdio_streams_unlocked": crate::stdio::STREAMS_UNLOCKED.load(Ordering::Relaxed),
+        "stdio_streams_relocked": crate::stdio::STREAMS_RELOCKED.load(Ordering::Relaxed),
     });
     let path = dir.join(format!("{}.json", std::process::id()));
     if let Err(e) = std::fs::write(&path, report.to_string()) {
