@@ -53,11 +53,15 @@ SYSTEMS: dict[str, System] = {
         # The same, most recent first only while page-ins are mostly short refaults.
         System("tiermem-file-seq-adaptive", "tiermem", "tiermem run, file device, seq-adaptive replacement",
                ("--replace", "seq-adaptive")),
+        # Streams keep stdio's locks even while the program has one thread (what the engine's
+        # threads made glibc do before the shim switched them off).
+        System("tiermem-file-locked-stdio", "tiermem", "tiermem run, file device, stdio locks kept",
+               ("--single-thread-stdio", "off")),
     ]
 }
 # Systems measured unless --systems says otherwise: the paper's matrix.
 NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70", "tiermem-file-stream-first", "tiermem-file-seq",
-                  "tiermem-file-seq-adaptive")
+                  "tiermem-file-seq-adaptive", "tiermem-file-locked-stdio")
 BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")
 
 DEFAULT_SYSTEMS = tuple(n for n in SYSTEMS if n not in NOT_BY_DEFAULT)

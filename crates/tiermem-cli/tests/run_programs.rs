@@ -329,6 +329,55 @@ fn a_program_allocating_1mib_arenas_with_mmap_is_managed() {
     assert!(allocations >= n, "{name}: {allocations} managed allocations for {n} 1 MiB mappings");
 }
 
+/// Pieces of managed mappings given back: one piece unmapped three times (the kernel takes that
+/// as once), a mapping shrunk with mremap and then unmapped: the rest keeps its data, and each
+/// mapping is gone once all of it is.
+const UNMAP_PIECES: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <sys/mman.h>
+static bool gone(void* p) { unsigned char v; return mincore(p, 1, &v) != 0; }
+int main() {
+    size_t mib = 1 << 20;
+    uint64_t* p = (uint64_t*)mmap(nullptr, 8 * mib, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    char* q = (char*)mmap(nullptr, 4 * mib, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED || q == MAP_FAILED) { perror("mmap"); return 1; }
+    for (size_t w = 0; w < 8 * mib / 8; w++) p[w] = w * 2654435761u;
+    for (size_t i = 0; i < 4 * mib; i++) q[i] = (char)i;
+    for (int k = 0; k < 3; k++)
+        if (munmap((char*)p + 2 * mib, 2 * mib) != 0) { perror("munmap"); return 1; }
+    if (munmap(p, 2 * mib) != 0) { perror("munmap"); return 1; }
+    uint64_t bad = 0;
+    for (size_t w = 4 * mib / 8; w < 8 * mib / 8; w++) bad += p[w] != w * 2654435761u;
+    if (mremap(q, 4 * mib, mib, 0) != q) { perror("mremap"); return 1; }
+    for (size_t i = 0; i < mib; i++) bad += q[i] != (char)i;
+    munmap(q, mib);
+    munmap((char*)p + 4 * mib, 4 * mib);
+    printf("bad=%llu p gone=%d q gone=%d\n", (unsigned long long)bad, (int)gone((char*)p + 6 * mib), (int)gone(q));
+}
+"#;
+
+#[test]
+fn pieces_of_managed_mappings_can_be_unmapped_in_any_order_and_twice() {
+    let name = "pieces_of_managed_mappings_can_be_unmapped_in_any_order_and_twice";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, UNMAP_PIECES, "unmap_pieces", name) else { return };
+    let bin = bin.display().to_string();
+    let (reference, _) = profile(&scratch, &[bin.as_str()]);
+    let expected = String::from_utf8_lossy(&reference.stdout).to_string();
+    assert_eq!(expected, "bad=0 p gone=1 q gone=1\n", "{name}: the unmanaged run");
+    for mode in ["thread", "sigbus"] {
+        let managed = run_managed(&scratch, "64MiB", &["--fault-mode", mode], &[bin.as_str()]);
+        let err = String::from_utf8_lossy(&managed.out.stderr);
+        assert_eq!(String::from_utf8_lossy(&managed.out.stdout), expected, "{name} ({mode}): {err}");
+        assert!(managed.out.status.success(), "{name} ({mode}): {err}");
+        assert_eq!(managed.stats["managed_allocations"].as_u64(), Some(2), "{name} ({mode}): {err}");
+    }
+}
+
 /// Small objects only (map nodes and strings of 16 B to 3 KB, two threads at once, a third of
 /// them freed again), then a calloc'd buffer grown with realloc past the 1 MiB threshold: the
 /// memory is almost all below the threshold, so only the small heap can keep it in the budget.

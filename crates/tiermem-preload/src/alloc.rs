@@ -47,7 +47,7 @@ pub fn managed_alloc(size: usize, align: usize, origin: Origin) -> *mut c_void {
         Ok(region) => {
             let base = region.as_ptr() as usize;
             let user = if extra > 0 { base.next_multiple_of(align) } else { base };
-            registry::insert(&mut table, Entry { region, user, size, origin, unmapped: 0 });
+            registry::insert(&mut table, Entry { region, user, size, origin, unmapped: Vec::new() });
             drop(table);
             runtime::count_allocation(len);
             user as *mut c_void

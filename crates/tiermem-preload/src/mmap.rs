@@ -89,9 +89,10 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
     let end = start.saturating_add(len.next_multiple_of(PAGE_SIZE));
     let mut table = registry::lock();
     let bases = registry::overlapping(&table, start, end - start);
-    // Managed mmap regions are released when the program has unmapped all of them; pieces
-    // unmapped before then stay reserved (their pages are never touched again, so reclaim
-    // moves them out). munmap of malloc'd managed memory is refused, as the kernel would refuse
+    // Managed mmap regions are released when the program has unmapped all of them (a piece
+    // unmapped twice counts once). A piece unmapped before then loses its pages at once, but
+    // its addresses stay reserved until the whole region goes: the engine works on the region's
+    // range as a whole. munmap of malloc'd managed memory is refused, as the kernel would refuse
     // nothing and the heap would be corrupt.
     let mut released = Vec::new();
     let mut cursor = start;
@@ -105,17 +106,13 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
             runtime::say(&["tiermem: munmap() of memory that came from malloc is ignored"]);
             continue;
         }
-        let from = base.max(start);
-        let covered = entry_end.min(end) - from;
-        entry.unmapped = (entry.unmapped + covered).min(entry.len());
-        // The pages go now (the address range stays reserved until the whole region goes).
-        if entry.unmapped < entry.len() {
-            if let Err(e) = entry.region.discard(from - base, covered) {
-                runtime::say(&["tiermem: munmap() of part of a managed mapping: ", &e.to_string()]);
-            }
-        }
-        if entry.unmapped == entry.len() {
+        let (from, to) = (base.max(start), entry_end.min(end));
+        if entry.note_unmapped(from - base, to - base) {
             released.push(registry::remove(&mut table, base).expect("listed above"));
+            continue;
+        }
+        if let Err(e) = entry.region.discard(from - base, to - from) {
+            runtime::say(&["tiermem: munmap() of part of a managed mapping: ", &e.to_string()]);
         }
     }
     rc |= kernel_munmap(cursor, end);
@@ -155,7 +152,24 @@ pub unsafe extern "C" fn mremap(
             if entry.origin != Origin::Mmap || base != start || flags & libc::MREMAP_FIXED != 0 {
                 return fail(libc::EINVAL);
             }
+            if new_len == 0 {
+                return fail(libc::EINVAL);
+            }
             if new_len <= entry.len() {
+                // In place: everything up to the new length is mapped (again, if an earlier
+                // shrink had unmapped it), and the tail beyond it is unmapped, its pages gone.
+                let keep = new_len.next_multiple_of(PAGE_SIZE);
+                entry.unmapped.retain_mut(|(from, to)| {
+                    *from = (*from).max(keep);
+                    from < to
+                });
+                if keep < entry.len() {
+                    let len = entry.len();
+                    entry.note_unmapped(keep, len);
+                    if let Err(e) = entry.region.discard(keep, len - keep) {
+                        runtime::say(&["tiermem: mremap() shrinking a managed mapping: ", &e.to_string()]);
+                    }
+                }
                 entry.size = new_len;
                 return old;
             }

@@ -30,8 +30,9 @@ pub struct Entry {
     pub size: usize,
     /// How it was allocated.
     pub origin: Origin,
-    /// Bytes of an mmap'd region the program has unmapped piecewise (the region goes when all are).
-    pub unmapped: usize,
+    /// Pieces of an mmap'd region the program has unmapped (offsets, sorted and merged); the
+    /// region goes when they cover all of it.
+    pub unmapped: Vec<(usize, usize)>,
 }
 
 impl Entry {
@@ -46,6 +47,22 @@ impl Entry {
     /// Bytes usable from the user pointer to the end of the region.
     pub fn usable(&self) -> usize {
         self.base() + self.len() - self.user
+    }
+
+    /// Note that the program unmapped `[from, to)` (offsets in the region; again is harmless,
+    /// as for the kernel). Returns whether the whole region is unmapped now.
+    pub fn note_unmapped(&mut self, from: usize, to: usize) -> bool {
+        self.unmapped.push((from, to));
+        self.unmapped.sort_unstable();
+        let mut merged: Vec<(usize, usize)> = Vec::with_capacity(self.unmapped.len());
+        for &(a, b) in &self.unmapped {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        self.unmapped = merged;
+        self.unmapped == [(0, self.len())]
     }
 }
 
