@@ -210,6 +210,30 @@ fn assert_managed_like_reference(name: &str, reference: &Output, managed: &Manag
     );
 }
 
+/// Run `program` under a roomy budget in each fault mode (plus `extra` options); each run must
+/// succeed with the unmanaged run's output. Returns the runs, for further checks.
+fn run_like_reference_in_both_modes(
+    name: &str,
+    scratch: &Scratch,
+    expected: &str,
+    extra: &[&str],
+    program: &[&str],
+) -> Vec<(&'static str, Managed)> {
+    ["thread", "sigbus"]
+        .into_iter()
+        .map(|mode| {
+            let mut options = vec!["--fault-mode", mode];
+            options.extend_from_slice(extra);
+            let managed = run_managed(scratch, "64MiB", &options, program);
+            let err = String::from_utf8_lossy(&managed.out.stderr);
+            let out = String::from_utf8_lossy(&managed.out.stdout);
+            assert!(managed.out.status.success(), "{name} ({mode}): {out}{err}");
+            assert_eq!(out, expected, "{name} ({mode}): output differs from the unmanaged run\n{err}");
+            (mode, managed)
+        })
+        .collect()
+}
+
 const NUMPY_JOB: &str = r#"
 import hashlib, sys
 import numpy as np
@@ -369,12 +393,8 @@ fn pieces_of_managed_mappings_can_be_unmapped_in_any_order_and_twice() {
     let (reference, _) = profile(&scratch, &[bin.as_str()]);
     let expected = String::from_utf8_lossy(&reference.stdout).to_string();
     assert_eq!(expected, "bad=0 p gone=1 q gone=1\n", "{name}: the unmanaged run");
-    for mode in ["thread", "sigbus"] {
-        let managed = run_managed(&scratch, "64MiB", &["--fault-mode", mode], &[bin.as_str()]);
-        let err = String::from_utf8_lossy(&managed.out.stderr);
-        assert_eq!(String::from_utf8_lossy(&managed.out.stdout), expected, "{name} ({mode}): {err}");
-        assert!(managed.out.status.success(), "{name} ({mode}): {err}");
-        assert_eq!(managed.stats["managed_allocations"].as_u64(), Some(2), "{name} ({mode}): {err}");
+    for (mode, managed) in run_like_reference_in_both_modes(name, &scratch, &expected, &[], &[bin.as_str()]) {
+        assert_eq!(managed.stats["managed_allocations"].as_u64(), Some(2), "{name} ({mode})");
     }
 }
 
@@ -517,24 +537,21 @@ fn streams_skip_stdio_locks_only_while_the_program_has_one_thread() {
     let (reference, _) = profile(&scratch, &program);
     let expected = String::from_utf8_lossy(&reference.stdout).to_string();
     assert!(expected.contains("torn=0"), "{name}: the unmanaged run itself tore lines: {expected}");
-    for mode in ["thread", "sigbus"] {
-        let managed = run_managed(&scratch, "64MiB", &["--fault-mode", mode], &program);
-        let err = String::from_utf8_lossy(&managed.out.stderr);
-        let out = String::from_utf8_lossy(&managed.out.stdout);
-        assert!(managed.out.status.success(), "{name} ({mode}): {out}{err}");
-        assert_eq!(out, expected, "{name} ({mode}): output differs from the unmanaged run\n{err}");
+    for (mode, managed) in run_like_reference_in_both_modes(name, &scratch, &expected, &[], &program) {
         let unlocked = managed.stats["stdio_streams_unlocked"].as_u64().unwrap_or(0);
         let relocked = managed.stats["stdio_streams_relocked"].as_u64().unwrap_or(0);
         // Five streams opened while single-threaded (two reads, a write, the shared one and
         // its freopen); the shared one and the read one are open when the threads start.
-        assert!(unlocked >= 5, "{name} ({mode}): {unlocked} streams went without locks\n{err}");
-        assert_eq!(relocked, 2, "{name} ({mode}): {relocked} streams got their locks back\n{err}");
+        assert!(unlocked >= 5, "{name} ({mode}): {unlocked} streams went without locks");
+        assert_eq!(relocked, 2, "{name} ({mode}): {relocked} streams got their locks back");
         eprintln!("{name} ({mode}): identical output, {unlocked} streams without locks, {relocked} locked again");
     }
     // Off, nothing is switched.
-    let managed = run_managed(&scratch, "64MiB", &["--single-thread-stdio", "off"], &program);
-    assert_eq!(String::from_utf8_lossy(&managed.out.stdout), expected, "{name} (off)");
-    assert_eq!(managed.stats["stdio_streams_unlocked"].as_u64(), Some(0), "{name} (off)");
+    for (mode, managed) in
+        run_like_reference_in_both_modes(name, &scratch, &expected, &["--single-thread-stdio", "off"], &program)
+    {
+        assert_eq!(managed.stats["stdio_streams_unlocked"].as_u64(), Some(0), "{name} ({mode}, off)");
+    }
 }
 
 /// GNU sort, multi-threaded (--parallel=2), in sigbus mode: its input arrives through fread
