@@ -57,11 +57,14 @@ SYSTEMS: dict[str, System] = {
         # threads made glibc do before the shim switched them off).
         System("tiermem-file-locked-stdio", "tiermem", "tiermem run, file device, stdio locks kept",
                ("--single-thread-stdio", "off")),
+        System("tiermem-file-2-handlers", "tiermem", "tiermem run, file device, two fault handler threads",
+               ("--handler-threads", "2")),
     ]
 }
 # Systems measured unless --systems says otherwise: the paper's matrix.
 NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70", "tiermem-file-stream-first", "tiermem-file-seq",
-                  "tiermem-file-seq-adaptive", "tiermem-file-locked-stdio")
+                  "tiermem-file-seq-adaptive", "tiermem-file-locked-stdio",
+                  "tiermem-file-2-handlers")
 BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")
 
 DEFAULT_SYSTEMS = tuple(n for n in SYSTEMS if n not in NOT_BY_DEFAULT)

@@ -290,6 +290,9 @@ struct RunArgs {
     /// hybrid | poll-only | interrupt-only.
     #[arg(long, env = "TIERMEM_IO_MODE")]
     io_mode: Option<String>,
+    /// thread fault mode: threads serving faults, 1..=64 [default: 1].
+    #[arg(long, env = "TIERMEM_HANDLER_THREADS")]
+    handler_threads: Option<String>,
     /// background | on-fault-path.
     #[arg(long, env = "TIERMEM_RECLAIM_MODE")]
     reclaim_mode: Option<String>,
@@ -376,6 +379,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_EVICT_WATERMARK", &args.evict_watermark),
         ("TIERMEM_FAULT_MODE", &args.fault_mode),
         ("TIERMEM_IO_MODE", &args.io_mode),
+        ("TIERMEM_HANDLER_THREADS", &args.handler_threads),
         ("TIERMEM_RECLAIM_MODE", &args.reclaim_mode),
         ("TIERMEM_DIRTY_TRACKING", &args.dirty_tracking),
         ("TIERMEM_THRESHOLD", &args.threshold),

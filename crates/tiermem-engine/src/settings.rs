@@ -52,6 +52,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_EVICT_WATERMARK", "fraction of the budget from which background reclaim drops pages, in (0, 1]"),
     ("TIERMEM_FAULT_MODE", "thread | sigbus"),
     ("TIERMEM_IO_MODE", "hybrid | poll-only | interrupt-only"),
+    ("TIERMEM_HANDLER_THREADS", "thread fault mode: threads serving faults, 1..=64 (default 1)"),
     ("TIERMEM_RECLAIM_MODE", "background | on-fault-path"),
     ("TIERMEM_DIRTY_TRACKING", "auto | sync-wp | none"),
     ("TIERMEM_THRESHOLD", "smallest allocation that is managed, in bytes (default 1MiB)"),
@@ -131,6 +132,10 @@ impl RunSettings {
                 }
                 "TIERMEM_FAULT_MODE" => s.engine.fault_mode = value.parse().map_err(named)?,
                 "TIERMEM_IO_MODE" => s.engine.io_mode = value.parse().map_err(named)?,
+                "TIERMEM_HANDLER_THREADS" => {
+                    s.engine.handler_threads =
+                        value.trim().parse().map_err(|_| named(Error::invalid("not a whole number (example: 2)")))?;
+                }
                 "TIERMEM_RECLAIM_MODE" => s.engine.reclaim_mode = value.parse().map_err(named)?,
                 "TIERMEM_DIRTY_TRACKING" => s.engine.dirty_tracking = value.parse().map_err(named)?,
                 "TIERMEM_THRESHOLD" => s.threshold = nonzero_size(value).map_err(named)?,
@@ -175,6 +180,7 @@ impl RunSettings {
             ("TIERMEM_EVICT_WATERMARK", e.evict_watermark.to_string()),
             ("TIERMEM_FAULT_MODE", e.fault_mode.to_string()),
             ("TIERMEM_IO_MODE", e.io_mode.to_string()),
+            ("TIERMEM_HANDLER_THREADS", e.handler_threads.to_string()),
             ("TIERMEM_RECLAIM_MODE", e.reclaim_mode.to_string()),
             ("TIERMEM_DIRTY_TRACKING", e.dirty_tracking.to_string()),
             ("TIERMEM_THRESHOLD", self.threshold.to_string()),
@@ -274,6 +280,8 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_CGROUP", "maybe")], "TIERMEM_CGROUP=maybe"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_SMALL_HEAP", "yes")], "TIERMEM_SMALL_HEAP=yes"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_SINGLE_THREAD_STDIO", "1")], "TIERMEM_SINGLE_THREAD_STDIO=1"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_THREADS", "two")], "TIERMEM_HANDLER_THREADS=two"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_THREADS", "0")], "handler threads 0"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_DEVICE", "floppy")], "TIERMEM_DEVICE=floppy"),
         ];
         for (vars, expected) in cases {

@@ -166,6 +166,15 @@ fn check(name: &str, tweak: impl Fn(&mut EngineConfig) + Copy, ops: u64) {
 #[test]
 fn handler_thread_mode_keeps_every_write() {
     check("handler-thread", |c| c.fault_mode = FaultMode::HandlerThread, 30_000);
+    // Three handler threads wait on one userfaultfd (each fault wakes one of them).
+    check(
+        "three handler threads",
+        |c| {
+            c.fault_mode = FaultMode::HandlerThread;
+            c.handler_threads = 3;
+        },
+        20_000,
+    );
 }
 
 #[test]
