@@ -75,3 +75,20 @@ def test_table_shows_prefetch_accuracy_and_coverage_of_tiermem_runs():
     assert row.split()[2:] == ["90%/50%", "25%/100%"]
     # No run reported them: no section.
     assert "accuracy / coverage" not in report.format_tables(make_runs(), ["tiermem-file"], [100, 20])
+
+
+def test_table_shows_run_to_run_spread():
+    runs = make_runs()
+    again = [dict(r) for r in runs if r["status"] == "ok"]
+    for run in again:
+        run["repeat"] = 2
+        run["wall_s"] *= {"unlimited": 1.1, "linux-swap": 1.5, "tiermem-file": 1.2, "tiermem-mem": 1.0}[run["system"]]
+    text = report.format_tables(runs + again, ["linux-swap", "tiermem-file", "tiermem-mem"], [100, 20])
+    assert "Run-to-run spread" in text
+    rows = text.split("Run-to-run spread")[1].splitlines()
+    row = lambda name: next(line for line in rows if line.startswith(f"  {name} ")).split()[1:]
+    assert row("unlimited") == ["1.10", "(1.10)"]
+    # linux-swap at 20%: runs of 4.0 (ok), 0.5 (oom: not counted) and 6.0 -> 1.5
+    assert row("linux-swap") == ["1.50", "(1.50)", "1.50", "(1.50)"]
+    assert row("tiermem-file") == ["1.20", "(1.20)", "1.20", "(1.20)"]
+    assert row("tiermem-mem") == ["1.00", "(1.00)", "1.00", "(1.00)"]

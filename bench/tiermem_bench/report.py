@@ -98,6 +98,17 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
             lines.append(f"  {system:<30}" + "".join(f"{_fmt(row[r], '{:.2f}x'):>9}" for r in ratios)
                          + f"{_fmt(row['avg'], '{:.2f}x'):>9}")
         lines.append("")
+    spread = stats.spread_table(summary, systems, ratios)
+    if any(m is not None for row in spread.values() for m, _ in row.values()):
+        lines.append("Run-to-run spread (slowest / fastest successful run of a point; median over the workloads, "
+                     "worst in brackets)")
+        lines.append(header)
+        for system, row in spread.items():
+            cells = [f"{m:.2f} ({w:.2f})" if m is not None else "-" for m, w in row.values()]
+            if system == UNLIMITED:
+                cells = cells + [""] * (len(ratios) - 1)
+            lines.append(f"  {system:<30}" + "".join(f"{c:>12}" for c in cells))
+        lines.append("")
     if stats.FILE in systems and stats.IDEAL in systems and stats.SWAP in systems:
         gap = stats.gap_closed(norm, ratios)
         lines.append("Share of the gap between Linux swap and the ideal (tiermem-mem) closed by tiermem-file")

@@ -29,9 +29,31 @@ def geomean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def spread(times):
+    """Slowest over fastest, or None with fewer than two positive times."""
+    times = [t for t in times if t is not None and t > 0]
+    return max(times) / min(times) if len(times) >= 2 else None
+
+
+def spread_table(summary: dict, systems: list[str], ratios: list[int]) -> dict:
+    """{system: {ratio: (median, worst) spread over the workloads}}, the unlimited runs under
+    ratio None; (None, None) where no point had two successful runs."""
+    out = {}
+    for system, points in [(UNLIMITED, [None])] + [(s, ratios) for s in systems]:
+        row = {}
+        for ratio in points:
+            values = [v["spread"] for (_, name, r), v in summary.items()
+                      if name == system and r == ratio and v["spread"] is not None]
+            row[ratio] = (median(values), max(values)) if values else (None, None)
+        out[system] = row
+    return out
+
+
 def summarise(runs: list[dict], time_key: str = "wall_s") -> dict:
     """{(workload, system, ratio): {"runs", "ok", "failures", "failure_rate", "median_s",
-    "statuses"}}; the median is over the successful runs only (None when none succeeded)."""
+    "spread", "statuses"}}; the median is over the successful runs only (None when none
+    succeeded), the spread is the slowest successful run's time over the fastest's (None with
+    fewer than two)."""
     groups = defaultdict(list)
     for run in runs:
         groups[(run["workload"], run["system"], run["ratio"])].append(run)
@@ -47,6 +69,7 @@ def summarise(runs: list[dict], time_key: str = "wall_s") -> dict:
             "failures": len(group) - len(ok),
             "failure_rate": (len(group) - len(ok)) / len(group),
             "median_s": median(r[time_key] for r in ok),
+            "spread": spread([r[time_key] for r in ok]),
             "statuses": dict(statuses),
         }
     return out
