@@ -14,9 +14,8 @@ use crate::fault::{handle_fault, Outcome};
 /// How an idle handler thread waits for the next fault.
 struct FaultWait {
     /// This thread's epoll set, holding the userfaultfd as an exclusive waiter (a fault wakes one
-    /// idle handler thread: with plain poll() every idle one woke for every fault, and a second
-    /// handler thread made single-threaded programs 12-15% slower), and the stop event as a
-    /// shared one (all wake). None if epoll is unavailable: poll() then.
+    /// idle handler thread; with plain poll() every idle one woke for every fault), and the stop
+    /// event as a shared one (all wake). None if epoll is unavailable: poll() then.
     epoll: Option<rustix::fd::OwnedFd>,
 }
 

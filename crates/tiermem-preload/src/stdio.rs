@@ -129,10 +129,11 @@ fn closing(fp: *mut libc::FILE) -> bool {
     true
 }
 
-/// Every switched stream still open goes back to internal locking.
-fn relock_all(list: &mut Vec<usize>) {
+/// Every switched stream still open goes back to internal locking. Returns how many did.
+fn relock_all(list: &mut Vec<usize>) -> u64 {
+    let mut relocked = 0;
     if list.is_empty() {
-        return;
+        return relocked;
     }
     // SAFETY: glibc's lock of its list of open streams, released below.
     unsafe { _IO_list_lock() };
@@ -145,7 +146,7 @@ fn relock_all(list: &mut Vec<usize>) {
             // SAFETY: an open stream (above); nothing is inside a stdio call on it, as the
             // program's one thread is here.
             unsafe { __fsetlocking(fp.cast(), FSETLOCKING_INTERNAL) };
-            STREAMS_RELOCKED.fetch_add(1, Ordering::Relaxed);
+            relocked += 1;
         }
         // SAFETY: an open stream's link to the next, read under the list's lock.
         fp = unsafe { (*fp).chain };
@@ -153,6 +154,7 @@ fn relock_all(list: &mut Vec<usize>) {
     // SAFETY: the lock taken above.
     unsafe { _IO_list_unlock() };
     list.clear();
+    relocked
 }
 
 /// The program is about to get a second thread of its own (unless the engine is starting).
@@ -164,7 +166,7 @@ fn program_thread_coming() {
     if ACTIVE.load(Ordering::Acquire) {
         let mut list = switched();
         ACTIVE.store(false, Ordering::Release);
-        relock_all(&mut list);
+        STREAMS_RELOCKED.fetch_add(relock_all(&mut list), Ordering::Relaxed);
     }
 }
 
@@ -259,7 +261,7 @@ closer!(pclose, "pclose");
 #[no_mangle]
 pub unsafe extern "C" fn fcloseall() -> c_int {
     if ACTIVE.load(Ordering::Acquire) {
-        relock_all(&mut switched());
+        relock_all(&mut switched()); // closing them all: not counted as relocked for threads
     }
     let real = real!("fcloseall", CloseAllFn);
     // SAFETY: the caller's own call.
