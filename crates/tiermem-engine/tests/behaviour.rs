@@ -358,3 +358,34 @@ fn prefetch_accuracy_is_measured_on_samples_under_eager_install() {
         assert!(s.prefetch_coverage.is_some());
     }
 }
+
+fn zero_faults(engine: &Engine) -> u64 {
+    engine.stats().paths.iter().find(|p| p.path == "zero_fault").map_or(0, |p| p.count)
+}
+
+/// First touches of fresh memory are served a window of 64 pages at a time, walking up or down.
+#[test]
+fn first_touches_fault_once_per_window_whichever_way_the_program_walks() {
+    let _serial = serial();
+    if features_or_skip("first_touches_fault_once_per_window_whichever_way_the_program_walks").is_none() {
+        return;
+    }
+    let device = Arc::new(MemDevice::new(64 << 20).unwrap());
+    let engine = engine(device, 8192, |_| {});
+    let pages = 1024;
+    for descending in [false, true] {
+        let region = engine.create_region(pages * 4096).unwrap();
+        let (faults, fills) = (zero_faults(&engine), engine.stats().zero_fills);
+        let order: Vec<usize> = if descending { (0..pages).rev().collect() } else { (0..pages).collect() };
+        for &p in &order {
+            // SAFETY: p < pages, inside the region.
+            unsafe { (region.as_ptr().add(p * 4096) as *mut u64).write_volatile(p as u64 + 1) };
+        }
+        let faults = zero_faults(&engine) - faults;
+        let fills = engine.stats().zero_fills - fills;
+        eprintln!("descending {descending}: {pages} pages, {faults} zero-fill faults, {fills} pages filled");
+        assert_eq!(touch_all(region.as_ptr(), pages, false), (1..=pages as u64).sum::<u64>());
+        assert_eq!(fills, pages as u64, "descending {descending}: every page filled once");
+        assert!(faults <= (pages / 64) as u64 + 1, "descending {descending}: {faults} faults for {pages} pages");
+    }
+}
