@@ -59,12 +59,16 @@ SYSTEMS: dict[str, System] = {
                ("--single-thread-stdio", "off")),
         System("tiermem-file-2-handlers", "tiermem", "tiermem run, file device, two fault handler threads",
                ("--handler-threads", "2")),
+        # Every large malloc gets a fresh region (first-touch faults on all of it) instead of
+        # reusing a freed one of about its size.
+        System("tiermem-file-no-reuse", "tiermem", "tiermem run, file device, freed allocations not reused",
+               ("--reuse-freed", "off")),
     ]
 }
 # Systems measured unless --systems says otherwise: the paper's matrix.
 NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70", "tiermem-file-stream-first", "tiermem-file-seq",
                   "tiermem-file-seq-adaptive", "tiermem-file-locked-stdio",
-                  "tiermem-file-2-handlers")
+                  "tiermem-file-2-handlers", "tiermem-file-no-reuse")
 BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")
 
 DEFAULT_SYSTEMS = tuple(n for n in SYSTEMS if n not in NOT_BY_DEFAULT)

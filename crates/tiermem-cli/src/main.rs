@@ -312,6 +312,10 @@ struct RunArgs {
     /// the engine's threads would otherwise switch on [default: on].
     #[arg(long, env = "TIERMEM_SINGLE_THREAD_STDIO")]
     single_thread_stdio: Option<String>,
+    /// on | off: a freed large allocation serves the next malloc of about its size instead of
+    /// a fresh region, which would take a first-touch fault per 64 pages [default: on].
+    #[arg(long, env = "TIERMEM_REUSE_FREED")]
+    reuse_freed: Option<String>,
     /// Write the run's statistics as JSON to this file.
     #[arg(long, env = "TIERMEM_STATS_JSON")]
     stats_json: Option<PathBuf>,
@@ -386,6 +390,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_CGROUP", &args.cgroup),
         ("TIERMEM_SMALL_HEAP", &args.small_heap),
         ("TIERMEM_SINGLE_THREAD_STDIO", &args.single_thread_stdio),
+        ("TIERMEM_REUSE_FREED", &args.reuse_freed),
     ];
     flags.extend(optional.into_iter().filter_map(|(k, v)| v.clone().map(|v| (k, v))));
     flags

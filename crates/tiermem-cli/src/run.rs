@@ -356,9 +356,10 @@ impl RunOutcome {
         );
         let _ = writeln!(
             s,
-            "managed         {} processes, {} allocations, {:.1} MiB allocated, {:.1} MiB at peak; {} left unmanaged",
+            "managed         {} processes, {} allocations ({} reusing freed ones), {:.1} MiB allocated, {:.1} MiB at peak; {} left unmanaged",
             self.processes.len(),
             self.sum("managed_allocations"),
+            self.sum("reused_allocations"),
             mib(self.sum("managed_bytes")),
             mib(self.processes.iter().filter_map(|p| p["peak_managed_bytes"].as_u64()).max().unwrap_or(0)),
             self.sum("fallback_allocations")
@@ -415,6 +416,7 @@ impl RunOutcome {
             "merged": self.merged_engine_stats(),
             "managed_allocations": self.sum("managed_allocations"),
             "fallback_allocations": self.sum("fallback_allocations"),
+            "reused_allocations": self.sum("reused_allocations"),
             "small_heap_allocations": self.sum("small_heap_allocations"),
             "small_heap_bytes": self.sum("small_heap_bytes"),
             "stdio_streams_unlocked": self.sum("stdio_streams_unlocked"),

@@ -398,6 +398,68 @@ fn pieces_of_managed_mappings_can_be_unmapped_in_any_order_and_twice() {
     }
 }
 
+/// A large buffer freed and allocated again, then calloc and mmap of the same size, which must
+/// read as zeros whatever memory they got.
+const REUSE_FREED: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sys/mman.h>
+static size_t nonzero(const unsigned char* p, size_t n) {
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) k += p[i] != 0;
+    return k;
+}
+int main() {
+    const size_t n = 4u << 20;
+    unsigned long long sum = 0;
+    for (int round = 0; round < 4; round++) {
+        // About the same size each round (the last a page smaller): malloc may reuse.
+        size_t len = round == 3 ? n - 4096 : n;
+        unsigned char* a = (unsigned char*)malloc(len);
+        memset(a, 1 + round, len);
+        for (size_t i = 0; i < len; i += 4096) sum += a[i];
+        free(a);
+    }
+    unsigned char* c = (unsigned char*)calloc(1, n);
+    size_t bad_calloc = nonzero(c, n);
+    free(c);
+    void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    size_t bad_mmap = nonzero((unsigned char*)m, n);
+    munmap(m, n);
+    printf("sum=%llu calloc nonzero=%zu mmap nonzero=%zu\n", sum, bad_calloc, bad_mmap);
+}
+"#;
+
+#[test]
+fn freed_allocations_are_reused_by_malloc_but_never_by_calloc_or_mmap() {
+    let name = "freed_allocations_are_reused_by_malloc_but_never_by_calloc_or_mmap";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, REUSE_FREED, "reuse_freed", name) else { return };
+    let bin = bin.display().to_string();
+    let (reference, _) = profile(&scratch, &[bin.as_str()]);
+    let expected = String::from_utf8_lossy(&reference.stdout).to_string();
+    assert!(expected.ends_with("calloc nonzero=0 mmap nonzero=0\n"), "{name}: the unmanaged run: {expected}");
+    for (reuse, wanted) in [("on", 3), ("off", 0)] {
+        for (mode, managed) in
+            run_like_reference_in_both_modes(name, &scratch, &expected, &["--reuse-freed", reuse], &[bin.as_str()])
+        {
+            // Six large allocations (four malloc, calloc, mmap); with reuse the second to fourth
+            // malloc take the first one's region, and calloc and mmap never take one.
+            assert_eq!(managed.stats["managed_allocations"].as_u64(), Some(6), "{name} ({mode}, reuse {reuse})");
+            assert_eq!(
+                managed.stats["reused_allocations"].as_u64(),
+                Some(wanted),
+                "{name} ({mode}, reuse {reuse}): {}",
+                String::from_utf8_lossy(&managed.out.stderr)
+            );
+        }
+    }
+}
+
 /// Small objects only (map nodes and strings of 16 B to 3 KB, two threads at once, a third of
 /// them freed again), then a calloc'd buffer grown with realloc past the 1 MiB threshold: the
 /// memory is almost all below the threshold, so only the small heap can keep it in the budget.

@@ -15,7 +15,7 @@ use tiermem_sys::{Error, ErrorKind, Result, PAGE_SIZE};
 
 use crate::config::{DirtyTracking, EngineConfig, FaultMode, ReclaimMode};
 use crate::io::Queues;
-use crate::page::Kind;
+use crate::page::{Kind, PageState};
 use crate::policy::{build_policies, PolicyOptions, Prefetcher, Replacement};
 use crate::region::{RegionInner, RegionTable};
 use crate::stats::{Stats, StatsSnapshot};
@@ -432,6 +432,11 @@ impl Engine {
         self.shared.limit_pages()
     }
 
+    /// Whether residency is past the watermark (background reclaim is at work).
+    pub fn under_pressure(&self) -> bool {
+        self.shared.resident() > self.shared.watermark_pages()
+    }
+
     /// Change the budget while running, never above the configured limit (the policies are sized
     /// for it) nor below 16 pages. Lowering it below residency wakes reclaim; faulting threads
     /// reclaim directly until they fit. Used to stay inside a cgroup whose room shrinks as the
@@ -521,6 +526,30 @@ impl Region {
     /// Always false: regions are never empty.
     pub fn is_empty(&self) -> bool {
         false
+    }
+
+    /// Give up the contents of this region's evicted pages: each becomes untouched (its next
+    /// touch maps zeros, no device read) and its slot is freed. For memory whose contents no
+    /// longer matter (a freed allocation kept for reuse); resident pages are left as they are.
+    /// A page whose write-back is still in flight keeps its contents. Returns the pages given up.
+    pub fn forget_evicted(&self) -> u64 {
+        let mut forgotten = 0;
+        for cell in self.inner.pages.iter() {
+            let peek = cell.peek();
+            if peek.kind() != Kind::Evicted || peek.writing() {
+                continue;
+            }
+            let Some(mut page) = cell.try_lock() else { continue };
+            let state = page.state();
+            if state.kind() == Kind::Evicted && !state.writing() {
+                if let Some(slot) = state.slot() {
+                    self.shared.slots.free(slot);
+                }
+                page.set(PageState::UNTOUCHED);
+                forgotten += 1;
+            }
+        }
+        forgotten
     }
 
     /// Pages of this region resident per the kernel (PAGEMAP_SCAN), for checking the budget

@@ -35,6 +35,9 @@ pub struct RunSettings {
     /// While the program has one thread of its own, the streams it opens skip the stdio locks
     /// that the engine's threads would otherwise switch on (on unless turned off).
     pub single_thread_stdio: bool,
+    /// Keep freed large allocations for the next malloc of about the same size, as the C
+    /// library keeps freed memory in its heap (on unless turned off).
+    pub reuse_freed: bool,
     /// Directory where each managed process records its faults as `<pid>.trace` (the
     /// simulator's binary format), for `tiermem trace record`.
     pub trace_dir: Option<PathBuf>,
@@ -63,6 +66,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "TIERMEM_SINGLE_THREAD_STDIO",
         "on | off: while the program has one thread, its streams skip stdio locks (default on)",
     ),
+    ("TIERMEM_REUSE_FREED", "on | off: freed large allocations serve the next malloc of about their size (default on)"),
     ("TIERMEM_TRACE_DIR", "directory where each managed process records its faults (<pid>.trace)"),
     ("TIERMEM_STATS_JSON", "tiermem run: file for the run's statistics as JSON"),
     ("TIERMEM_TMPDIR", "tiermem run: directory for the temporary device file"),
@@ -92,6 +96,7 @@ impl Default for RunSettings {
             respect_cgroup: true,
             small_heap: true,
             single_thread_stdio: true,
+            reuse_freed: true,
             trace_dir: None,
         }
     }
@@ -144,6 +149,7 @@ impl RunSettings {
                 "TIERMEM_CGROUP" => s.respect_cgroup = on_off(value).map_err(named)?,
                 "TIERMEM_SMALL_HEAP" => s.small_heap = on_off(value).map_err(named)?,
                 "TIERMEM_SINGLE_THREAD_STDIO" => s.single_thread_stdio = on_off(value).map_err(named)?,
+                "TIERMEM_REUSE_FREED" => s.reuse_freed = on_off(value).map_err(named)?,
                 _ => {
                     let known: Vec<&str> = VARIABLES.iter().map(|(k, _)| *k).collect();
                     return Err(Error::invalid(format!(
@@ -187,6 +193,7 @@ impl RunSettings {
             ("TIERMEM_CGROUP", if self.respect_cgroup { "on" } else { "off" }.to_string()),
             ("TIERMEM_SMALL_HEAP", if self.small_heap { "on" } else { "off" }.to_string()),
             ("TIERMEM_SINGLE_THREAD_STDIO", if self.single_thread_stdio { "on" } else { "off" }.to_string()),
+            ("TIERMEM_REUSE_FREED", if self.reuse_freed { "on" } else { "off" }.to_string()),
         ];
         if let Some(f) = self.footprint {
             vars.push(("TIERMEM_FOOTPRINT", f.to_string()));
@@ -249,6 +256,7 @@ mod tests {
             ("TIERMEM_THRESHOLD", "2MiB"),
             ("TIERMEM_SMALL_HEAP", "off"),
             ("TIERMEM_SINGLE_THREAD_STDIO", "off"),
+            ("TIERMEM_REUSE_FREED", "off"),
             ("PATH", "/bin"),
             ("TIERMEM_TEST_DEVICES", "mem"),
         ])
@@ -262,6 +270,7 @@ mod tests {
         assert_eq!(again.threshold, s.threshold);
         assert!(!s.small_heap && !again.small_heap);
         assert!(!s.single_thread_stdio && !again.single_thread_stdio);
+        assert!(!s.reuse_freed && !again.reuse_freed);
         assert_eq!(again.footprint, s.footprint);
     }
 
@@ -280,6 +289,7 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_CGROUP", "maybe")], "TIERMEM_CGROUP=maybe"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_SMALL_HEAP", "yes")], "TIERMEM_SMALL_HEAP=yes"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_SINGLE_THREAD_STDIO", "1")], "TIERMEM_SINGLE_THREAD_STDIO=1"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_REUSE_FREED", "sometimes")], "TIERMEM_REUSE_FREED=sometimes"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_THREADS", "two")], "TIERMEM_HANDLER_THREADS=two"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_THREADS", "0")], "handler threads 0"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_DEVICE", "floppy")], "TIERMEM_DEVICE=floppy"),

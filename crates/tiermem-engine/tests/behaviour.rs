@@ -389,3 +389,33 @@ fn first_touches_fault_once_per_window_whichever_way_the_program_walks() {
         assert!(faults <= (pages / 64) as u64 + 1, "descending {descending}: {faults} faults for {pages} pages");
     }
 }
+
+/// Evicted pages of a region whose contents no longer matter become untouched: they read as
+/// zeros without a device read, and the pages still resident keep their data.
+#[test]
+fn forgotten_evicted_pages_read_zeros_without_device_reads() {
+    let _serial = serial();
+    if features_or_skip("forgotten_evicted_pages_read_zeros_without_device_reads").is_none() {
+        return;
+    }
+    for (device_name, device) in devices(64 << 20) {
+        let engine = engine(device, 64, |c| c.prefetch = "none".into());
+        let pages = 512;
+        let region = engine.create_region(pages * 4096).unwrap();
+        touch_all(region.as_ptr(), pages, true);
+        let forgotten = region.forget_evicted();
+        let reads_before = engine.device_counters().reads;
+        let mut zeros = 0;
+        for p in 0..pages {
+            // SAFETY: p < pages, inside the region.
+            let v = unsafe { (region.as_ptr().add(p * 4096) as *const u64).read_volatile() };
+            assert!(v == 0 || v == p as u64 + 1, "{device_name}: page {p} reads {v}");
+            zeros += u64::from(v == 0);
+        }
+        let reads = engine.device_counters().reads - reads_before;
+        eprintln!("{device_name}: {forgotten} of {pages} pages forgotten, {zeros} read as zeros, {reads} device reads");
+        assert!(forgotten >= pages as u64 / 2, "{device_name}: most pages were evicted, so most are forgotten");
+        assert_eq!(zeros, forgotten, "{device_name}: exactly the forgotten pages read as zeros");
+        assert!(reads <= pages as u64 - forgotten, "{device_name}: a forgotten page was read from the device");
+    }
+}

@@ -34,22 +34,38 @@ pub(crate) use real;
 
 use runtime::set_errno;
 
-/// A managed allocation of `size` bytes aligned to `align`, or null (the caller falls back to
-/// the C library) when the engine cannot take it.
+/// A managed allocation of `size` bytes aligned to `align` that reads as zeros, or null (the
+/// caller falls back to the C library) when the engine cannot take it.
 pub fn managed_alloc(size: usize, align: usize, origin: Origin) -> *mut c_void {
+    allocate(size, align, origin, false)
+}
+
+/// As [`managed_alloc`], for malloc and its kin, which promise nothing about the contents: a
+/// kept freed region of about the size serves it if there is one.
+fn managed_alloc_any(size: usize, align: usize) -> *mut c_void {
+    allocate(size, align, Origin::Malloc, runtime::reuse_freed())
+}
+
+fn allocate(size: usize, align: usize, origin: Origin, reuse: bool) -> *mut c_void {
     let extra = if align > PAGE_SIZE { align } else { 0 };
     let Some(len) = size.checked_add(extra).and_then(|n| n.checked_next_multiple_of(PAGE_SIZE)) else {
         return std::ptr::null_mut();
     };
     let engine = runtime::engine();
+    let kept = if reuse && extra == 0 { crate::recycle::take(len) } else { None };
+    let reused = kept.is_some();
     let mut table = registry::lock();
-    match engine.create_region(len) {
+    match kept.map_or_else(|| engine.create_region(len), Ok) {
         Ok(region) => {
             let base = region.as_ptr() as usize;
             let user = if extra > 0 { base.next_multiple_of(align) } else { base };
+            let len = region.len();
             registry::insert(&mut table, Entry { region, user, size, origin, unmapped: Vec::new() });
             drop(table);
             runtime::count_allocation(len);
+            if reused {
+                runtime::REUSED_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+            }
             user as *mut c_void
         }
         Err(e) => {
@@ -111,7 +127,7 @@ fn take_malloc_entry(ptr: usize, what: &str) -> Found {
 #[no_mangle]
 pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
     if is_large(size) {
-        let p = managed_alloc(size, 16, Origin::Malloc);
+        let p = managed_alloc_any(size, 16);
         if !p.is_null() {
             return p;
         }
@@ -226,7 +242,7 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
         }
     }
     if is_large(size) {
-        let new = managed_alloc(size, 16, Origin::Malloc);
+        let new = managed_alloc_any(size, 16);
         if !new.is_null() {
             let usable = real!("malloc_usable_size", unsafe extern "C" fn(*mut c_void) -> usize);
             // SAFETY: ptr is a live C library allocation (the caller's contract).
@@ -289,7 +305,7 @@ pub unsafe extern "C" fn reallocarray(ptr: *mut c_void, n: usize, size: usize) -
 
 fn aligned(align: usize, size: usize) -> *mut c_void {
     if is_large(size) {
-        let p = managed_alloc(size, align, Origin::Malloc);
+        let p = managed_alloc_any(size, align);
         if !p.is_null() {
             return p;
         }
@@ -340,7 +356,7 @@ pub unsafe extern "C" fn memalign(align: usize, size: usize) -> *mut c_void {
 #[no_mangle]
 pub unsafe extern "C" fn valloc(size: usize) -> *mut c_void {
     if is_large(size) {
-        let p = managed_alloc(size, PAGE_SIZE, Origin::Malloc);
+        let p = managed_alloc_any(size, PAGE_SIZE);
         if !p.is_null() {
             return p;
         }
@@ -355,7 +371,7 @@ pub unsafe extern "C" fn valloc(size: usize) -> *mut c_void {
 pub unsafe extern "C" fn pvalloc(size: usize) -> *mut c_void {
     let rounded = size.max(1).checked_next_multiple_of(PAGE_SIZE).unwrap_or(usize::MAX);
     if is_large(rounded) {
-        let p = managed_alloc(rounded, PAGE_SIZE, Origin::Malloc);
+        let p = managed_alloc_any(rounded, PAGE_SIZE);
         if !p.is_null() {
             return p;
         }

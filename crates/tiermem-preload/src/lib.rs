@@ -11,6 +11,9 @@
 //! - The engine starts at the first large allocation (or once small ones add up to 16 MiB),
 //!   configured from `TIERMEM_*` variables
 //!   ([`tiermem_engine::RunSettings`]); a bad value stops the program before `main` with a message.
+//! - A freed large malloc allocation is kept (bounded) for the next malloc of about its size,
+//!   as glibc keeps freed memory in its heap, sparing the first-touch faults of a fresh region
+//!   ([`recycle`]; `TIERMEM_REUSE_FREED=off` turns it off).
 //! - fork: the child gets a private, unmanaged copy of all managed memory ([`runtime`]).
 //! - In sigbus fault mode, system calls that read or write managed memory are wrapped so the
 //!   pages are resident while the kernel touches them ([`io`]), and the program cannot displace
@@ -24,6 +27,7 @@ mod heap;
 mod io;
 mod libc_alloc;
 mod mmap;
+mod recycle;
 mod registry;
 mod runtime;
 mod signals;

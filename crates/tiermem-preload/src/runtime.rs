@@ -27,6 +27,8 @@ pub static MANAGED_BYTES: AtomicU64 = AtomicU64::new(0);
 pub static LIVE_MANAGED_BYTES: AtomicU64 = AtomicU64::new(0);
 pub static PEAK_MANAGED_BYTES: AtomicU64 = AtomicU64::new(0);
 pub static FALLBACK_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+/// Managed allocations served by a kept freed region ([`crate::recycle`]).
+pub static REUSED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 pub static SYSCALLS_WRAPPED: AtomicU64 = AtomicU64::new(0);
 static LOWEST_BUDGET: AtomicU64 = AtomicU64::new(u64::MAX);
 static CHILD_PAGES_COPIED: AtomicU64 = AtomicU64::new(0);
@@ -202,6 +204,11 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
 }
 
 /// The settings ask for the small heap and the fault mode allows it (see [`crate::heap`]).
+/// Whether freed large allocations are kept for reuse ([`crate::recycle`]).
+pub fn reuse_freed() -> bool {
+    SETTINGS.get().is_some_and(|s| s.reuse_freed) && !in_forked_child()
+}
+
 pub fn small_heap_wanted() -> bool {
     SETTINGS.get().is_some_and(|s| s.small_heap && s.engine.fault_mode == FaultMode::HandlerThread)
         && !in_forked_child()
@@ -242,6 +249,8 @@ extern "C" fn before_fork() {
     if in_forked_child() {
         return;
     }
+    // Kept freed regions would be copied into the child for nothing.
+    crate::recycle::clear();
     // Lock order: the small heap, the registry, then the engine's regions (as allocation does).
     let heap = crate::heap::lock_for_fork();
     let table = registry::lock();
@@ -296,7 +305,12 @@ pub fn release(entry: registry::Entry) {
         unsafe { libc::syscall(libc::SYS_munmap, base, len) };
     } else {
         LIVE_MANAGED_BYTES.fetch_sub(entry.len() as u64, Ordering::Relaxed);
-        drop(entry);
+        let reusable =
+            entry.origin == registry::Origin::Malloc && entry.user == entry.base() && entry.unmapped.is_empty();
+        match ENGINE.get() {
+            Some(engine) if reusable && reuse_freed() => crate::recycle::keep(engine, entry.region),
+            _ => drop(entry),
+        }
     }
 }
 
@@ -405,6 +419,7 @@ extern "C" fn at_exit() {
         "managed_bytes": MANAGED_BYTES.load(Ordering::Relaxed),
         "peak_managed_bytes": PEAK_MANAGED_BYTES.load(Ordering::Relaxed),
         "fallback_allocations": FALLBACK_ALLOCATIONS.load(Ordering::Relaxed),
+        "reused_allocations": REUSED_ALLOCATIONS.load(Ordering::Relaxed),
         "small_heap_allocations": crate::heap::ALLOCATIONS.load(Ordering::Relaxed),
         "small_heap_bytes": crate::heap::CHUNK_BYTES.load(Ordering::Relaxed),
         "syscalls_wrapped": SYSCALLS_WRAPPED.load(Ordering::Relaxed),
