@@ -1,6 +1,9 @@
 //! Allocation of device slots for evicted pages.
 //!
-//! A bitmap of 64-bit words with a rotating search hint. Slots are taken on the reclaim path and
+//! A bitmap of 64-bit words, searched from the lowest word that may have a free slot, so slots
+//! are reused lowest first: a device then touches no more of its capacity than the pages it
+//! held at the peak (a rotating search walked the whole capacity, which for the `mem` device,
+//! twice the footprint, made it hold that much memory). Slots are taken on the reclaim path and
 //! given back when a page is freed, so contention is low; a lock-free bitmap keeps the fault path
 //! free of locks anyway.
 
@@ -13,7 +16,8 @@ use crate::Slot;
 pub struct SlotAllocator {
     words: Box<[AtomicU64]>,
     capacity: u64,
-    hint: AtomicUsize,
+    /// No word below this one has a free slot (lowered by `free`, raised by `alloc`).
+    lowest: AtomicUsize,
     used: AtomicU64,
 }
 
@@ -29,7 +33,7 @@ impl SlotAllocator {
                 AtomicU64::new(if valid == 64 { 0 } else { !0u64 << valid })
             })
             .collect();
-        Self { words, capacity, hint: AtomicUsize::new(0), used: AtomicU64::new(0) }
+        Self { words, capacity, lowest: AtomicUsize::new(0), used: AtomicU64::new(0) }
     }
 
     /// Total number of slots.
@@ -48,7 +52,8 @@ impl SlotAllocator {
         if n == 0 {
             return None;
         }
-        let start = self.hint.load(Ordering::Relaxed) % n;
+        let start = self.lowest.load(Ordering::Relaxed) % n;
+        // From the lowest word up, then (a free racing with us may have lowered it) the rest.
         for i in 0..n {
             let w = (start + i) % n;
             let word = &self.words[w];
@@ -57,7 +62,10 @@ impl SlotAllocator {
                 let bit = (!bits).trailing_zeros();
                 match word.compare_exchange_weak(bits, bits | (1 << bit), Ordering::AcqRel, Ordering::Relaxed) {
                     Ok(_) => {
-                        self.hint.store(w, Ordering::Relaxed);
+                        if w > start {
+                            // Words start..w were full when looked at.
+                            let _ = self.lowest.compare_exchange(start, w, Ordering::Relaxed, Ordering::Relaxed);
+                        }
                         self.used.fetch_add(1, Ordering::Relaxed);
                         return Some(w as u64 * 64 + u64::from(bit));
                     }
@@ -76,6 +84,7 @@ impl SlotAllocator {
         let prev = self.words[(slot / 64) as usize].fetch_and(!mask, Ordering::AcqRel);
         assert!(prev & mask != 0, "slot {slot} freed twice");
         self.used.fetch_sub(1, Ordering::Relaxed);
+        self.lowest.fetch_min((slot / 64) as usize, Ordering::Relaxed);
     }
 }
 
@@ -92,6 +101,22 @@ mod tests {
         assert_eq!(all.len(), 70);
         assert!(all.iter().all(|&s| s < 70));
         assert_eq!(slots.used(), 70);
+    }
+
+    #[test]
+    fn freed_slots_are_reused_lowest_first() {
+        let slots = SlotAllocator::new(10_000);
+        let taken: Vec<_> = (0..5_000).map(|_| slots.alloc().unwrap()).collect();
+        assert_eq!(taken, (0..5_000).collect::<Vec<_>>());
+        for s in (100..5_000).step_by(7) {
+            slots.free(s);
+        }
+        // Every freed slot comes back before any slot past the highest ever used.
+        let again: Vec<_> = (100..5_000).step_by(7).map(|_| slots.alloc().unwrap()).collect();
+        assert!(again.iter().all(|&s| s < 5_000), "a slot past 5000 while lower ones were free");
+        assert_eq!(slots.alloc(), Some(5_000));
+        slots.free(3);
+        assert_eq!(slots.alloc(), Some(3));
     }
 
     proptest! {
