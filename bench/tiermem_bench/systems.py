@@ -63,12 +63,16 @@ SYSTEMS: dict[str, System] = {
         # reusing a freed one of about its size.
         System("tiermem-file-no-reuse", "tiermem", "tiermem run, file device, freed allocations not reused",
                ("--reuse-freed", "off")),
+        # Address-contiguous dirty pages of a reclaim batch written as one request (up to 32
+        # pages) instead of one request per page.
+        System("tiermem-file-write-runs", "tiermem", "tiermem run, file device, contiguous write-backs merged",
+               ("--write-runs", "on")),
     ]
 }
 # Systems measured unless --systems says otherwise: the paper's matrix.
 NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70", "tiermem-file-stream-first", "tiermem-file-seq",
                   "tiermem-file-seq-adaptive", "tiermem-file-locked-stdio",
-                  "tiermem-file-2-handlers", "tiermem-file-no-reuse")
+                  "tiermem-file-2-handlers", "tiermem-file-no-reuse", "tiermem-file-write-runs")
 BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")
 
 DEFAULT_SYSTEMS = tuple(n for n in SYSTEMS if n not in NOT_BY_DEFAULT)

@@ -296,6 +296,10 @@ struct RunArgs {
     /// background | on-fault-path.
     #[arg(long, env = "TIERMEM_RECLAIM_MODE")]
     reclaim_mode: Option<String>,
+    /// on | off: write address-contiguous dirty pages of a reclaim batch as one request of up
+    /// to 32 pages to consecutive slots [default: off].
+    #[arg(long, env = "TIERMEM_WRITE_RUNS")]
+    write_runs: Option<String>,
     /// auto | sync-wp | async-wp | none (auto: async-wp where the kernel has it).
     #[arg(long, env = "TIERMEM_DIRTY_TRACKING")]
     dirty_tracking: Option<String>,
@@ -384,6 +388,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_FAULT_MODE", &args.fault_mode),
         ("TIERMEM_IO_MODE", &args.io_mode),
         ("TIERMEM_HANDLER_THREADS", &args.handler_threads),
+        ("TIERMEM_WRITE_RUNS", &args.write_runs),
         ("TIERMEM_RECLAIM_MODE", &args.reclaim_mode),
         ("TIERMEM_DIRTY_TRACKING", &args.dirty_tracking),
         ("TIERMEM_THRESHOLD", &args.threshold),

@@ -377,8 +377,9 @@ fn entry_for(request: Request, arena: &BufferArena) -> squeue::Entry {
         Request::Read { .. } => {
             opcode::ReadFixed::new(types::Fixed(0), addr, PAGE_SIZE as u32, buf_index).offset(offset).build()
         }
-        Request::Write { .. } => {
-            opcode::WriteFixed::new(types::Fixed(0), addr, PAGE_SIZE as u32, buf_index).offset(offset).build()
+        Request::Write { .. } | Request::WriteRun { .. } => {
+            let len = request.pages() * PAGE_SIZE as u32;
+            opcode::WriteFixed::new(types::Fixed(0), addr, len, buf_index).offset(offset).build()
         }
     }
 }
@@ -538,10 +539,12 @@ impl Ledger {
             self.pending[id as usize].take().expect("io_uring completed a request this queue did not submit");
         self.free_ids.push(id as u32);
         let shared = &self.shared;
-        let result = if result == PAGE_SIZE as i32 {
-            match request {
-                Request::Read { .. } => shared.counters.record_read(SLOT_BYTES, SLOT_BYTES),
-                Request::Write { .. } => shared.counters.record_write(SLOT_BYTES, SLOT_BYTES),
+        let bytes = u64::from(request.pages()) * SLOT_BYTES;
+        let result = if i64::from(result) == bytes as i64 {
+            if request.is_write() {
+                shared.counters.record_write(bytes, bytes);
+            } else {
+                shared.counters.record_read(bytes, bytes);
             }
             Ok(())
         } else {
@@ -552,7 +555,7 @@ impl Ledger {
             } else {
                 Error::new(
                     ErrorKind::Io,
-                    format!("{what}: only {result} of {PAGE_SIZE} bytes were transferred (was the file truncated?)"),
+                    format!("{what}: only {result} of {bytes} bytes were transferred (was the file truncated?)"),
                 )
             })
         };

@@ -67,35 +67,52 @@ pub struct Completion {
     pub result: Result<()>,
 }
 
-/// A request for one queue: one page between a slot and an arena buffer.
+/// A request for one queue: pages between slots and arena buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Request {
     /// Read `slot` into arena buffer `buf`.
     Read { slot: Slot, buf: BufId },
     /// Write arena buffer `buf` to `slot`.
     Write { slot: Slot, buf: BufId },
+    /// Write `pages` buffers from `buf` (a run: contiguous in the arena) to as many slots from
+    /// `slot`, in one request.
+    WriteRun { slot: Slot, buf: BufId, pages: u32 },
 }
 
 impl Request {
-    /// The slot the request reads or writes.
+    /// The (first) slot the request reads or writes.
     pub fn slot(&self) -> Slot {
         match *self {
-            Request::Read { slot, .. } | Request::Write { slot, .. } => slot,
+            Request::Read { slot, .. } | Request::Write { slot, .. } | Request::WriteRun { slot, .. } => slot,
         }
     }
 
-    /// The arena buffer the request reads into or writes from.
+    /// The (first) arena buffer the request reads into or writes from.
     pub fn buf(&self) -> BufId {
         match *self {
-            Request::Read { buf, .. } | Request::Write { buf, .. } => buf,
+            Request::Read { buf, .. } | Request::Write { buf, .. } | Request::WriteRun { buf, .. } => buf,
         }
     }
 
-    /// "reading slot N" / "writing slot N", for error messages.
+    /// Pages the request moves.
+    pub fn pages(&self) -> u32 {
+        match *self {
+            Request::WriteRun { pages, .. } => pages,
+            _ => 1,
+        }
+    }
+
+    /// Whether it writes to the device.
+    pub fn is_write(&self) -> bool {
+        !matches!(self, Request::Read { .. })
+    }
+
+    /// "reading slot N" / "writing slot N" / "writing slots N..M", for error messages.
     pub fn describe(&self) -> String {
         match *self {
             Request::Read { slot, .. } => format!("reading slot {slot}"),
             Request::Write { slot, .. } => format!("writing slot {slot}"),
+            Request::WriteRun { slot, pages, .. } => format!("writing slots {slot}..{}", slot + u64::from(pages)),
         }
     }
 }
@@ -130,19 +147,23 @@ pub(crate) fn check_blocking_read(slot: u64, capacity_slots: u64, dst: &[u8]) ->
 }
 
 pub(crate) fn check_request(request: &Request, capacity_slots: u64, arena: &BufferArena) -> Result<()> {
-    if request.slot() >= capacity_slots {
+    let pages = request.pages();
+    if pages == 0 || pages > arena::RUN_PAGES {
+        return Err(Error::invalid(format!("{}: {pages} pages in one request", request.describe())));
+    }
+    if request.slot().saturating_add(u64::from(pages)) > capacity_slots {
         return Err(Error::invalid(format!(
             "{}: the device has only {capacity_slots} slots (0..={})",
             request.describe(),
             capacity_slots.saturating_sub(1)
         )));
     }
-    if request.buf() >= arena.pages() {
+    if request.buf().saturating_add(pages) > arena.end() {
         return Err(Error::invalid(format!(
             "{}: buffer {} is not in the arena of {} buffers",
             request.describe(),
             request.buf(),
-            arena.pages()
+            arena.end()
         )));
     }
     Ok(())

@@ -136,12 +136,14 @@ impl MemQueue {
                 unsafe { std::ptr::copy_nonoverlapping(from, to, PAGE_SIZE) };
                 self.counters.record_read(PAGE_SIZE as u64, PAGE_SIZE as u64);
             }
-            Request::Write { slot, buf } => {
+            Request::Write { slot, buf } | Request::WriteRun { slot, buf, .. } => {
+                let len = request.pages() as usize * PAGE_SIZE;
                 let from = self.arena.ptr(buf);
                 let to = self.store.slot_ptr(slot);
-                // SAFETY: as for reads, with the direction reversed.
-                unsafe { std::ptr::copy_nonoverlapping(from, to, PAGE_SIZE) };
-                self.counters.record_write(PAGE_SIZE as u64, PAGE_SIZE as u64);
+                // SAFETY: as for reads, with the direction reversed; a run's buffers and slots
+                // are contiguous and inside their mappings (checked at push).
+                unsafe { std::ptr::copy_nonoverlapping(from, to, len) };
+                self.counters.record_write(len as u64, len as u64);
             }
         }
     }
@@ -258,6 +260,11 @@ mod tests {
     #[test]
     fn queues_on_several_threads_share_one_device() {
         testing::concurrent_round_trips(Arc::new(MemDevice::new(4096 * 4096).unwrap()));
+    }
+
+    #[test]
+    fn write_runs_land_in_consecutive_slots() {
+        testing::write_runs_land_in_consecutive_slots(&MemDevice::new(256 * 4096).unwrap());
     }
 
     #[test]

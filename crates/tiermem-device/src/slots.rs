@@ -76,6 +76,43 @@ impl SlotAllocator {
         None
     }
 
+    /// Take `n` consecutive free slots (1..=64, within one 64-slot word of the bitmap), lowest
+    /// first; `None` when no word has that many free in a row. Each is given back with `free`.
+    pub fn alloc_run(&self, n: u32) -> Option<Slot> {
+        assert!((1..=64).contains(&n), "a run of {n} slots");
+        let words = self.words.len();
+        let start = self.lowest.load(Ordering::Relaxed).min(words);
+        for w in (start..words).chain(0..start) {
+            let word = &self.words[w];
+            let mut bits = word.load(Ordering::Relaxed);
+            loop {
+                // Bit i of `starts` set: slots i..i + n of this word are all free.
+                let free = !bits;
+                let mut starts = free;
+                for shift in 1..n {
+                    starts &= free >> shift;
+                }
+                if n > 1 {
+                    // Runs must end inside the word.
+                    starts &= u64::MAX >> (n - 1);
+                }
+                if starts == 0 {
+                    break;
+                }
+                let first = starts.trailing_zeros();
+                let mask = (u64::MAX >> (64 - n)) << first;
+                match word.compare_exchange_weak(bits, bits | mask, Ordering::AcqRel, Ordering::Relaxed) {
+                    Ok(_) => {
+                        self.used.fetch_add(u64::from(n), Ordering::Relaxed);
+                        return Some(w as u64 * 64 + u64::from(first));
+                    }
+                    Err(actual) => bits = actual,
+                }
+            }
+        }
+        None
+    }
+
     /// Give a slot back. Panics on a slot that is out of range or not in use: both are bugs that
     /// would otherwise let two pages share a slot.
     pub fn free(&self, slot: Slot) {
@@ -117,6 +154,23 @@ mod tests {
         assert_eq!(slots.alloc(), Some(5_000));
         slots.free(3);
         assert_eq!(slots.alloc(), Some(3));
+    }
+
+    #[test]
+    fn runs_are_consecutive_free_slots_within_a_word() {
+        let slots = SlotAllocator::new(200);
+        assert_eq!(slots.alloc_run(32), Some(0));
+        assert_eq!(slots.alloc_run(32), Some(32));
+        assert_eq!(slots.alloc(), Some(64));
+        // 65..128 has 63 free slots: a run of 63 fits, one of 64 needs the next word.
+        assert_eq!(slots.alloc_run(64), Some(128));
+        assert_eq!(slots.alloc_run(63), Some(65));
+        slots.free(40);
+        slots.free(41);
+        assert_eq!(slots.alloc_run(3), Some(192), "only 8 slots left past 192, and 40..42 is two long");
+        assert_eq!(slots.alloc_run(2), Some(40));
+        assert_eq!(slots.alloc_run(6), None, "195..200 is five long");
+        assert_eq!(slots.used(), 200 - 5);
     }
 
     proptest! {

@@ -241,6 +241,46 @@ pub fn round_trips_with_counters(device: &dyn Device, runs: &[RoundTrip]) {
     model.verify_all(device, QueueKind::Completion);
 }
 
+/// Runs of buffers written in one request each land in consecutive slots, count as one write of
+/// all their bytes, and bad runs are refused. Needs a device of at least 64 slots.
+pub fn write_runs_land_in_consecutive_slots(device: &dyn Device) {
+    let arena = Arc::new(BufferArena::with_runs(1, 2).unwrap());
+    let mut queue = device.open_queue(QueueKind::Completion, 4, &arena).unwrap();
+    let mut model = PageModel::new();
+    let before = device.counters().snapshot();
+    for (first_slot, pages) in [(3u64, 5u32), (40, crate::arena::RUN_PAGES - 8)] {
+        let buf = arena.alloc_run(pages).unwrap();
+        for k in 0..pages {
+            let slot = first_slot + u64::from(k);
+            let version = model.new_version();
+            fill_page(arena.bytes_mut(buf + k), slot, version);
+            model.versions.insert(slot, version);
+        }
+        queue.push(Request::WriteRun { slot: first_slot, buf, pages }, 1).unwrap();
+        queue.submit().unwrap();
+        let mut done = 0;
+        while done < 1 {
+            done += queue.wait(1, &mut |c| c.result.unwrap()).unwrap();
+        }
+        (0..pages).for_each(|k| arena.release(buf + k));
+    }
+    let after = device.counters().snapshot();
+    assert_eq!(after.writes - before.writes, 2, "one device write per run");
+    assert_eq!(after.bytes_written_medium - before.bytes_written_medium, (5 + 24) * PAGE_SIZE as u64);
+    model.verify_all(device, QueueKind::Polled);
+    let capacity = device.capacity_slots();
+    for (bad, says) in [
+        (Request::WriteRun { slot: 0, buf: 32, pages: 0 }, "0 pages"),
+        (Request::WriteRun { slot: 0, buf: 32, pages: 33 }, "33 pages"),
+        (Request::WriteRun { slot: capacity - 2, buf: 32, pages: 3 }, "the device has only"),
+        (Request::WriteRun { slot: 0, buf: 90, pages: 8 }, "not in the arena"),
+    ] {
+        let err = queue.push(bad, 0).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput, "{bad:?}");
+        assert!(err.to_string().contains(says), "{bad:?}: {err}");
+    }
+}
+
 /// Three threads, each with its own queue and slot range, on one device at once.
 pub fn concurrent_round_trips(device: Arc<dyn Device>) {
     let capacity = device.capacity_slots();

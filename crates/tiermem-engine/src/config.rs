@@ -118,6 +118,9 @@ pub struct EngineConfig {
     pub reclaim_batch: usize,
     /// Handler threads in [`FaultMode::HandlerThread`].
     pub handler_threads: usize,
+    /// Write address-contiguous dirty pages of a reclaim batch as one request of up to 32 pages
+    /// to consecutive slots, instead of one request per page (the paper merges nothing).
+    pub write_runs: bool,
     /// Record every fault (page id, read or write) to this file in the simulator's binary trace
     /// format, for `tiermem sim`.
     pub trace_path: Option<std::path::PathBuf>,
@@ -145,6 +148,7 @@ impl Default for EngineConfig {
             queue_depth: 128,
             reclaim_batch: 32,
             handler_threads: 1,
+            write_runs: false,
             trace_path: None,
         }
     }

@@ -270,7 +270,8 @@ impl Engine {
         }
         let uffd = Uffd::open(wanted, true)?;
         let capture = if async_wp { Some(crate::capture::Capture::new(&uffd)?) } else { None };
-        let arena = Arc::new(BufferArena::new(config.io_buffers)?);
+        let runs = if config.write_runs { WRITE_RUNS } else { 0 };
+        let arena = Arc::new(BufferArena::with_runs(config.io_buffers, runs)?);
         let queues = Queues::open(&config, &*device, &arena)?;
         let limit_pages = config.limit_pages();
         let (watermark_pages, evict_pages) = watermarks(&config, limit_pages);
@@ -594,6 +595,10 @@ impl Drop for Region {
         self.shared.reserved_pages.fetch_sub(self.inner.page_count(), Ordering::AcqRel);
     }
 }
+
+/// Runs of arena buffers for [`EngineConfig::write_runs`]: half a reclaim round's worth of
+/// batches in flight (16 x 32 pages, 2 MiB).
+const WRITE_RUNS: u32 = 16;
 
 impl Drop for Engine {
     fn drop(&mut self) {

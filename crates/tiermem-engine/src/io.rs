@@ -9,7 +9,7 @@
 //! The critical read is always pushed and submitted before any prefetch, so a prefetch never
 //! delays it (no head-of-line blocking); nothing is merged or reordered.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -30,6 +30,9 @@ pub(crate) enum Op {
     Critical = 1,
     Prefetch = 2,
     WriteBack = 3,
+    /// A run of write-backs in one request; the tag holds the run's first buffer (see
+    /// [`Queues::note_run`]).
+    WriteRun = 4,
 }
 
 const OP_SHIFT: u32 = 61;
@@ -43,6 +46,7 @@ fn untag(tag: u64) -> (Option<Op>, PageId) {
         1 => Some(Op::Critical),
         2 => Some(Op::Prefetch),
         3 => Some(Op::WriteBack),
+        4 => Some(Op::WriteRun),
         _ => None,
     };
     (op, tag & ((1 << OP_SHIFT) - 1))
@@ -65,6 +69,8 @@ pub(crate) struct Queues {
     deferred: Mutex<Vec<Done>>,
     /// Submission time (ns since `epoch`) of the request using each arena buffer.
     submitted_at: Box<[AtomicU64]>,
+    /// Per arena run in flight as a write: its first page id and its page count.
+    runs: Box<[(AtomicU64, AtomicU32)]>,
     epoch: Instant,
     wake: std::os::fd::OwnedFd,
     description: String,
@@ -111,7 +117,8 @@ impl Queues {
             prefetch: Mutex::new(prefetch),
             writeback: Mutex::new(writeback),
             deferred: Mutex::new(Vec::with_capacity(4 * config.queue_depth as usize + 64)),
-            submitted_at: (0..arena.pages()).map(|_| AtomicU64::new(0)).collect(),
+            submitted_at: (0..arena.end()).map(|_| AtomicU64::new(0)).collect(),
+            runs: (0..tiermem_device::arena::MAX_RUNS).map(|_| Default::default()).collect(),
             epoch: Instant::now(),
             wake,
             description,
@@ -145,6 +152,21 @@ impl Queues {
 
     pub(crate) fn now_ns(&self) -> u64 {
         self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// Remember that the run of arena buffers from `first_buf` carries the write-backs of
+    /// `pages` pages from `first_page` on; returns the request's tag.
+    pub(crate) fn note_run(
+        &self,
+        arena: &tiermem_device::BufferArena,
+        first_buf: BufId,
+        first_page: PageId,
+        pages: u32,
+    ) -> u64 {
+        let (id, count) = &self.runs[arena.run_index(first_buf) as usize];
+        id.store(first_page, Ordering::Relaxed);
+        count.store(pages, Ordering::Release);
+        tag(Op::WriteRun, PageId::from(first_buf))
     }
 
     pub(crate) fn mark_submitted(&self, buf: BufId) {
@@ -213,6 +235,16 @@ pub(crate) fn process_all(shared: &Shared, regions: &RegionTable, done: &[Done])
 /// Process one completion; false (and deferred) if its page is locked by someone else.
 fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
     let (op, page) = untag(done.tag);
+    if op == Some(Op::WriteRun) {
+        // One completion for the run: finish each page's write-back (each deferred on its own
+        // if its page is locked).
+        let (first, count) = &shared.queues.runs[shared.arena.run_index(page as BufId) as usize];
+        let (first, count) = (first.load(Ordering::Relaxed), count.load(Ordering::Acquire));
+        for k in 0..u64::from(count) {
+            process(shared, regions, Done { tag: tag(Op::WriteBack, first + k), ok: done.ok });
+        }
+        return true;
+    }
     let (region_index, index) = split_page_id(page);
     let Some(region) = regions.get(region_index) else { return true };
     let Some(cell) = region.pages.get(index as usize) else { return true };
@@ -260,7 +292,7 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
                 }
             }
         }
-        Some(Op::Critical) | None => {
+        Some(Op::Critical | Op::WriteRun) | None => {
             // Critical reads are waited for on their lane and never reach here.
             debug_assert!(false, "unexpected completion tag {:#x}", done.tag);
         }

@@ -503,24 +503,20 @@ fn put_back_failed(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
     }
 }
 
-/// Copy each protected dirty victim to its buffer and queue its write. Sets `next` for the ones
-/// that leave (or stay, on failure). With `leave` false the pages stay resident, clean once
-/// the write completes (cleaning ahead); all-zero pages then stay as they are.
+/// Queue the write of each protected dirty victim, from a copy in its buffer. Sets `next` for
+/// the ones that leave (or stay, on failure). With `leave` false the pages stay resident, clean
+/// once the write completes (cleaning ahead); all-zero pages then stay as they are. With
+/// [`crate::EngineConfig::write_runs`], address-contiguous victims go as one request to
+/// consecutive slots from a run of buffers (their own buffers go back).
 fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>], leave: bool) {
-    let mut queue = shared.queues.writeback();
-    let mut queued = 0;
-    for v in victims.iter_mut().flatten().filter(|v| v.buf.is_some() && v.next.is_none()) {
-        let buf = v.buf.unwrap_or_default();
-        let state = v.page.state();
-        let copy = shared.arena.bytes_mut(buf);
-        let from = v.staged.map_or(v.region.page_addr(v.index).cast_const(), |a| a as *const u8);
-        // SAFETY: `from` is the page, mapped (resident, locked) and write-protected, or the
-        // staging page it was moved to, which only this thread touches: its PAGE_SIZE bytes are
-        // readable and stable while copied.
-        copy.copy_from_slice(unsafe { std::slice::from_raw_parts(from, PAGE_SIZE) });
-        if copy.iter().all(|&b| b == 0) {
-            shared.arena.release(buf);
-            v.buf = None;
+    // Which still need a write once all-zero pages are taken out.
+    let mut pending = [false; PageList::CAPACITY];
+    for (k, slot) in victims.iter_mut().enumerate() {
+        let Some(v) = slot.as_mut().filter(|v| v.buf.is_some() && v.next.is_none()) else { continue };
+        // SAFETY: see [`source`].
+        if unsafe { source(v) }.iter().all(|&b| b == 0) {
+            let state = v.page.state();
+            release(shared, v.buf.take());
             if !leave {
                 // Nothing to gain from writing zeros; eviction will make it untouched.
                 v.next = Some(state);
@@ -533,36 +529,40 @@ fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>], leave: bool
             v.next = Some(PageState::UNTOUCHED);
             continue;
         }
+        pending[k] = true;
+    }
+    let mut queue = shared.queues.writeback();
+    let mut queued = 0;
+    if shared.config.write_runs {
+        let mut i = 0;
+        while i < victims.len() {
+            let j = run_end(victims, i, |v| v.is_some()).min(i + tiermem_device::arena::RUN_PAGES as usize);
+            let j = (i..j).find(|&k| !pending[k]).unwrap_or(j);
+            if j - i >= 2 && queue_run(shared, &mut **queue, &mut victims[i..j], leave, &mut queued) {
+                pending[i..j].fill(false);
+            }
+            i = j.max(i + 1);
+        }
+    }
+    for (k, slot) in victims.iter_mut().enumerate() {
+        let Some(v) = slot.as_mut().filter(|_| pending[k]) else { continue };
+        let buf = v.buf.unwrap_or_default();
+        let state = v.page.state();
+        // SAFETY: see [`source`].
+        shared.arena.bytes_mut(buf).copy_from_slice(unsafe { source(v) });
         let Some(slot) = state.slot().or_else(|| shared.slots.alloc()) else {
             v.next = Some(state);
             continue;
         };
         v.slot = Some((slot, state.slot().is_none()));
-        if queue.in_flight() >= shared.config.queue_depth as usize {
-            // Full: take finished writes off it (processed later, outside these pages' locks).
-            if queued > 0 {
-                let _ = queue.submit();
-                queued = 0;
-            }
-            let _ = queue.wait(1, &mut |c| shared.queues.defer(c));
-        }
+        make_room(shared, &mut **queue, &mut queued);
         shared.queues.mark_submitted(buf);
         if queue.push(Request::Write { slot, buf }, tag(Op::WriteBack, v.id)).is_err() {
             v.next = Some(state);
             continue;
         }
         queued += 1;
-        if let Some(hash) = v.region.slot_hashes.get(v.index as usize) {
-            hash.store(crate::capture::page_hash(shared.arena.bytes_mut(buf)), Ordering::Relaxed);
-        }
-        Stats::add(&shared.stats.counters.writebacks, 1);
-        let written = state.with_slot(Some(slot)).with_dirty(false).with_writing(true).with_buf(buf);
-        v.next = Some(if leave {
-            written.with_kind(Kind::Evicted)
-        } else {
-            Stats::add(&shared.stats.counters.cleaned_ahead, 1);
-            written
-        });
+        v.next = Some(written(shared, v, slot, buf, leave));
     }
     if queued > 0 && queue.submit().is_err() {
         tracing::error!("submitting write-backs failed; their pages stay resident");
@@ -576,6 +576,89 @@ fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>], leave: bool
             }
         }
     }
+}
+
+/// The page a victim's write copies: the page itself, mapped (resident, locked) and
+/// write-protected, or the staging page it was moved to.
+///
+/// # Safety
+/// Only this thread touches a staging page, and a protected locked page is not written: the
+/// bytes are stable while the returned slice is used, within this reclaim round.
+unsafe fn source<'a>(v: &Victim<'a>) -> &'a [u8] {
+    let from = v.staged.map_or(v.region.page_addr(v.index).cast_const(), |a| a as *const u8);
+    // SAFETY: the caller's contract; `from` is PAGE_SIZE readable bytes (see above).
+    unsafe { std::slice::from_raw_parts(from, PAGE_SIZE) }
+}
+
+/// Full queue: submit what is queued and take finished writes off it (processed later, outside
+/// these pages' locks).
+fn make_room(shared: &Shared, queue: &mut dyn tiermem_device::IoQueue, queued: &mut usize) {
+    if queue.in_flight() >= shared.config.queue_depth as usize {
+        if *queued > 0 {
+            let _ = queue.submit();
+            *queued = 0;
+        }
+        let _ = queue.wait(1, &mut |c| shared.queues.defer(c));
+    }
+}
+
+/// The state of a victim whose write of buffer `buf` to `slot` is queued: the slot's hash is
+/// noted and the write counted.
+fn written(shared: &Shared, v: &Victim<'_>, slot: u64, buf: tiermem_device::BufId, leave: bool) -> PageState {
+    if let Some(hash) = v.region.slot_hashes.get(v.index as usize) {
+        hash.store(crate::capture::page_hash(shared.arena.bytes_mut(buf)), Ordering::Relaxed);
+    }
+    Stats::add(&shared.stats.counters.writebacks, 1);
+    let state = v.page.state().with_slot(Some(slot)).with_dirty(false).with_writing(true).with_buf(buf);
+    if leave {
+        state.with_kind(Kind::Evicted)
+    } else {
+        Stats::add(&shared.stats.counters.cleaned_ahead, 1);
+        state
+    }
+}
+
+/// Write `run` (address-contiguous victims, all needing a write) as one request from a run of
+/// arena buffers to as many consecutive new slots; their old slots are freed once it is queued.
+/// False, with nothing changed, when no buffer run or slot run is free or the push fails.
+fn queue_run(
+    shared: &Shared,
+    queue: &mut dyn tiermem_device::IoQueue,
+    run: &mut [Option<Victim<'_>>],
+    leave: bool,
+    queued: &mut usize,
+) -> bool {
+    let n = run.len() as u32;
+    let Some(bufs) = shared.arena.alloc_run(n) else { return false };
+    let Some(slots) = shared.slots.alloc_run(n) else {
+        (0..n).for_each(|k| shared.arena.release(bufs + k));
+        return false;
+    };
+    for (k, v) in run.iter().flatten().enumerate() {
+        // SAFETY: see [`source`].
+        shared.arena.bytes_mut(bufs + k as u32).copy_from_slice(unsafe { source(v) });
+        shared.queues.mark_submitted(bufs + k as u32);
+    }
+    make_room(shared, queue, queued);
+    let first = run.iter().flatten().next().map_or(0, |v| v.id);
+    let tag = shared.queues.note_run(&shared.arena, bufs, first, n);
+    if queue.push(Request::WriteRun { slot: slots, buf: bufs, pages: n }, tag).is_err() {
+        (0..n).for_each(|k| shared.arena.release(bufs + k));
+        (0..u64::from(n)).for_each(|k| shared.slots.free(slots + k));
+        return false;
+    }
+    *queued += 1;
+    for (k, v) in run.iter_mut().flatten().enumerate() {
+        release(shared, v.buf.take());
+        if let Some(old) = v.page.state().slot() {
+            shared.slots.free(old);
+        }
+        let (slot, buf) = (slots + k as u64, bufs + k as u32);
+        v.buf = Some(buf);
+        v.slot = Some((slot, true));
+        v.next = Some(written(shared, v, slot, buf, leave));
+    }
+    true
 }
 
 /// Background reclaim. Past the watermark it cleans ahead (see [`clean_batch`]) until the pages

@@ -57,6 +57,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_IO_MODE", "hybrid | poll-only | interrupt-only"),
     ("TIERMEM_HANDLER_THREADS", "thread fault mode: threads serving faults, 1..=64 (default 1)"),
     ("TIERMEM_RECLAIM_MODE", "background | on-fault-path"),
+    ("TIERMEM_WRITE_RUNS", "on | off: write contiguous dirty pages as one request of up to 32 pages (default off)"),
     ("TIERMEM_DIRTY_TRACKING", "auto | sync-wp | none"),
     ("TIERMEM_THRESHOLD", "smallest allocation that is managed, in bytes (default 1MiB)"),
     ("TIERMEM_STATS_DIR", "directory for per-process statistics (<pid>.json)"),
@@ -150,6 +151,7 @@ impl RunSettings {
                 "TIERMEM_SMALL_HEAP" => s.small_heap = on_off(value).map_err(named)?,
                 "TIERMEM_SINGLE_THREAD_STDIO" => s.single_thread_stdio = on_off(value).map_err(named)?,
                 "TIERMEM_REUSE_FREED" => s.reuse_freed = on_off(value).map_err(named)?,
+                "TIERMEM_WRITE_RUNS" => s.engine.write_runs = on_off(value).map_err(named)?,
                 _ => {
                     let known: Vec<&str> = VARIABLES.iter().map(|(k, _)| *k).collect();
                     return Err(Error::invalid(format!(
@@ -187,6 +189,7 @@ impl RunSettings {
             ("TIERMEM_FAULT_MODE", e.fault_mode.to_string()),
             ("TIERMEM_IO_MODE", e.io_mode.to_string()),
             ("TIERMEM_HANDLER_THREADS", e.handler_threads.to_string()),
+            ("TIERMEM_WRITE_RUNS", if e.write_runs { "on" } else { "off" }.to_string()),
             ("TIERMEM_RECLAIM_MODE", e.reclaim_mode.to_string()),
             ("TIERMEM_DIRTY_TRACKING", e.dirty_tracking.to_string()),
             ("TIERMEM_THRESHOLD", self.threshold.to_string()),
@@ -257,6 +260,7 @@ mod tests {
             ("TIERMEM_SMALL_HEAP", "off"),
             ("TIERMEM_SINGLE_THREAD_STDIO", "off"),
             ("TIERMEM_REUSE_FREED", "off"),
+            ("TIERMEM_WRITE_RUNS", "on"),
             ("PATH", "/bin"),
             ("TIERMEM_TEST_DEVICES", "mem"),
         ])
@@ -271,6 +275,7 @@ mod tests {
         assert!(!s.small_heap && !again.small_heap);
         assert!(!s.single_thread_stdio && !again.single_thread_stdio);
         assert!(!s.reuse_freed && !again.reuse_freed);
+        assert!(s.engine.write_runs && again.engine.write_runs);
         assert_eq!(again.footprint, s.footprint);
     }
 

@@ -419,3 +419,37 @@ fn forgotten_evicted_pages_read_zeros_without_device_reads() {
         assert!(reads <= pages as u64 - forgotten, "{device_name}: a forgotten page was read from the device");
     }
 }
+
+/// With write runs, a region written front to back is written back in multi-page requests
+/// (far fewer device writes than pages written), and every page reads back intact, with and
+/// without async write protection.
+#[test]
+fn write_runs_write_contiguous_dirty_pages_in_few_requests() {
+    let _serial = serial();
+    let Some(f) = features_or_skip("write_runs_write_contiguous_dirty_pages_in_few_requests") else { return };
+    let mut modes = vec![DirtyTracking::SyncWriteProtect];
+    if f.wp_async && f.move_pages && f.pagemap_scan {
+        modes.push(DirtyTracking::AsyncWriteProtect);
+    }
+    for ((device_name, device), mode) in modes.iter().flat_map(|&m| devices(64 << 20).into_iter().map(move |d| (d, m)))
+    {
+        let engine = engine(device, 256, |c| {
+            c.write_runs = true;
+            c.dirty_tracking = mode;
+        });
+        let pages = 2048;
+        let region = engine.create_region(pages * 4096).unwrap();
+        for round in 0..2u64 {
+            for p in 0..pages {
+                // SAFETY: p < pages, inside the region.
+                unsafe { (region.as_ptr().add(p * 4096) as *mut u64).write_volatile(p as u64 + 1 + round * 10_000) };
+            }
+        }
+        let expect: u64 = (1..=pages as u64).map(|v| v + 10_000).sum();
+        assert_eq!(touch_all(region.as_ptr(), pages, false), expect, "{device_name} {mode}: data");
+        let (s, d) = (engine.stats(), engine.device_counters());
+        eprintln!("{device_name} {mode}: {} pages written back in {} device writes", s.writebacks, d.writes);
+        assert!(s.writebacks >= pages as u64, "{device_name} {mode}: too few write-backs");
+        assert!(d.writes * 4 <= s.writebacks, "{device_name} {mode}: writes were not merged into runs");
+    }
+}

@@ -227,6 +227,28 @@ fn io_variants_keep_every_write() {
     );
 }
 
+#[test]
+fn write_runs_keep_every_write() {
+    check("write runs", |c| c.write_runs = true, 20_000);
+    check(
+        "write runs sync-wp sigbus",
+        |c| {
+            c.write_runs = true;
+            c.dirty_tracking = DirtyTracking::SyncWriteProtect;
+            c.fault_mode = FaultMode::Sigbus;
+        },
+        10_000,
+    );
+    check(
+        "write runs poll-only",
+        |c| {
+            c.write_runs = true;
+            c.io_mode = IoMode::PollOnly;
+        },
+        10_000,
+    );
+}
+
 /// The long run asked for outside CI: `cargo test --release -p tiermem-engine --test integrity
 /// long -- --ignored --nocapture` (>= 10^7 page operations per configuration; add
 /// `TIERMEM_TEST_DEVICES=mem` to keep it to the DRAM device).

@@ -48,6 +48,12 @@ fn data_outlives_the_device_and_is_read_back_after_reopening() {
 }
 
 #[test]
+fn write_runs_land_in_consecutive_slots() {
+    let dir = scratch();
+    testing::write_runs_land_in_consecutive_slots(&device_of(&dir, 256));
+}
+
+#[test]
 fn queues_on_several_threads_share_one_device() {
     let dir = scratch();
     testing::concurrent_round_trips(Arc::new(device_of(&dir, 3 * 256)));
