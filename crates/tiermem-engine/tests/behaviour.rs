@@ -381,6 +381,12 @@ fn first_touches_fault_once_per_window_whichever_way_the_program_walks() {
             // SAFETY: p < pages, inside the region.
             unsafe { (region.as_ptr().add(p * 4096) as *mut u64).write_volatile(p as u64 + 1) };
         }
+        // The handler counts a fill after the copy that already woke this thread: let the last
+        // one land in the counters.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while engine.stats().zero_fills - fills < pages as u64 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         let faults = zero_faults(&engine) - faults;
         let fills = engine.stats().zero_fills - fills;
         eprintln!("descending {descending}: {pages} pages, {faults} zero-fill faults, {fills} pages filled");
