@@ -862,3 +862,79 @@ fn freeing_a_large_region_in_a_memory_cgroup_does_not_dip_the_budget() {
     // margin); the freed pages counted by neither side took it 45 MiB lower.
     assert!(lowest >= limit - (32 << 20), "{name}: the budget dipped to {} MiB", lowest >> 20);
 }
+
+/// Frees (or reallocs) the way its argument says; the bad ways must stop it before "after".
+const BAD_FREES: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#define KEEP(p) asm volatile("" : : "r"(p) : "memory")
+int main(int argc, char** argv) {
+    const char* how = argv[1];
+    // The engine (and with it the small heap) starts with the first managed allocation.
+    char* big = (char*)malloc(8u << 20);
+    KEEP(big);
+    big[0] = 1;
+    size_t n = strncmp(how, "large", 5) == 0 ? (4u << 20) : 100;
+    char* a = (char*)malloc(n);
+    char* b = (char*)malloc(n);
+    char* c = (char*)malloc(n);
+    KEEP(a); KEEP(b); KEEP(c);
+    memset(a, 1, n); memset(b, 2, n); memset(c, 3, n);
+    printf("before\n");
+    fflush(stdout);
+    if (strstr(how, "twice-merged-before")) {
+        free(a); free(b); KEEP(b); free(b);      // b merged into the free block a
+    } else if (strstr(how, "twice-merged-after")) {
+        free(b); free(a); KEEP(a); free(a);      // a merged with the free block b after it
+    } else if (strstr(how, "realloc-freed")) {
+        free(b); KEEP(b); b = (char*)realloc(b, 2 * n); KEEP(b);
+    } else if (strstr(how, "inside")) {
+        free(b + 8);
+    } else {
+        free(b); free(a); b = (char*)realloc(c, 3 * n); KEEP(b); free(b);
+    }
+    printf("after\n");
+}
+"#;
+
+/// A double free, a realloc of a freed pointer and a free of a pointer no allocation returned
+/// stop the program with a message, both for managed allocations and for blocks of the small
+/// heap (whose C library checks no longer see them), and a correct program still runs.
+#[test]
+fn double_and_invalid_frees_stop_the_program_with_a_message() {
+    let name = "double_and_invalid_frees_stop_the_program_with_a_message";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, BAD_FREES, "bad_frees", name) else { return };
+    let bin = bin.display().to_string();
+    let run =
+        |how: &str| scratch.command(&["run", "--limit", "256MiB", "--", &bin, how]).output().expect("tiermem run");
+    for size in ["small", "large"] {
+        let out = run(&format!("{size}-fine"));
+        assert!(out.status.success(), "{size}-fine: {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(out.stdout, b"before\nafter\n");
+        let cases: &[(&str, &str)] = if size == "small" {
+            &[
+                ("twice-merged-before", "free(): double free of a small-heap block"),
+                ("twice-merged-after", "free(): double free of a small-heap block"),
+                ("realloc-freed", "realloc() of a freed small-heap block"),
+                ("inside", "free() of a pointer the small-object heap never returned"),
+            ]
+        } else {
+            &[
+                ("twice-merged-before", "free(): double free of a managed allocation"),
+                ("realloc-freed", "realloc() of a freed managed allocation"),
+            ]
+        };
+        for (how, message) in cases {
+            let out = run(&format!("{size}-{how}"));
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{size}-{how} went on: {err}");
+            assert_eq!(out.stdout, b"before\n", "{size}-{how}: {err}");
+            assert!(err.contains(message), "{size}-{how}: expected {message:?}, got: {err}");
+        }
+    }
+}

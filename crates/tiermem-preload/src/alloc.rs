@@ -104,7 +104,7 @@ fn take_malloc_entry(ptr: usize, what: &str) -> Found {
     let mut table = registry::lock();
     let Some(base) = registry::containing(&table, ptr) else {
         drop(table);
-        if registry::is_double_free(ptr) {
+        if crate::recycle::holds(ptr) || registry::is_double_free(ptr) {
             runtime::die(&["tiermem: ", what, "(): double free of a managed allocation"]);
         }
         return Found::NotOurs;
@@ -239,6 +239,10 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
             // SAFETY: ptr is the managed allocation looked up above.
             unsafe { free(ptr) };
             return new;
+        }
+        drop(table);
+        if crate::recycle::holds(addr) || registry::is_double_free(addr) {
+            runtime::die(&["tiermem: realloc() of a freed managed allocation"]);
         }
     }
     if is_large(size) {

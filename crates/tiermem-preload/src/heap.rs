@@ -188,40 +188,116 @@ fn grow(heap: &mut HeapGuard, size: usize) -> Option<()> {
     Some(())
 }
 
-/// # Safety
-/// `ptr` is a live heap block ([`contains`] said so, and it was not freed since).
-pub unsafe fn free(ptr: *mut c_void) {
-    let Some(block) = NonNull::new(ptr.cast::<u8>()) else { return };
-    // SAFETY: a live block of this heap, allocated with ALIGN (the caller's contract).
-    unsafe { lock().pools.deallocate(block, ALIGN) };
+/// rlsf 0.2.2's block layout (the version is pinned): a block of alignment 16 has a two-word
+/// header right before the pointer, whose first word is the block's size (a multiple of 32, as
+/// blocks start 32-byte aligned) with bit 0 set while it is in use and bit 1 on the pool's
+/// closing sentinel. Reading it makes a double or invalid free a clear stop instead of a
+/// corrupted heap, as the C library's checks would have made it.
+const HEADER: usize = 16;
+const BLOCK_ALIGN: usize = 32;
+const USED: usize = 1;
+const SENTINEL: usize = 2;
+
+/// The bounds of the chunk holding `ptr`.
+fn chunk_of(ptr: usize) -> Option<(usize, usize)> {
+    let n = CHUNK_COUNT.load(Ordering::Acquire);
+    (0..n)
+        .map(|i| (CHUNK_START[i].load(Ordering::Acquire), CHUNK_END[i].load(Ordering::Acquire)))
+        .find(|&(start, end)| start <= ptr && ptr < end)
 }
 
-/// Bytes usable at `ptr`.
+/// The header of the live block at `ptr`; stops the program, naming `what`, when `ptr` is not
+/// one (freed already, or never returned by the heap).
+fn live_header(ptr: usize, what: &str) -> *mut usize {
+    let Some((start, end)) = chunk_of(ptr) else {
+        crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"]);
+    };
+    let header = ptr.wrapping_sub(HEADER);
+    if ptr % BLOCK_ALIGN != HEADER || header < start {
+        crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"]);
+    }
+    let word = header as *mut usize;
+    // SAFETY: header..ptr lies inside a chunk (mapped for the life of the process) and is
+    // word-aligned; a racing change can only come from a program already freeing the block
+    // twice at once, which this check cannot make worse.
+    let size_and_flags = unsafe { word.read_volatile() };
+    let size = size_and_flags & !(BLOCK_ALIGN - 1);
+    if size_and_flags & USED == 0 && what == "free" {
+        crate::runtime::die(&["tiermem: free(): double free of a small-heap block"]);
+    }
+    if size_and_flags & USED == 0 {
+        crate::runtime::die(&["tiermem: ", what, "() of a freed small-heap block"]);
+    }
+    if size_and_flags & SENTINEL != 0 || size < BLOCK_ALIGN || size > end - header {
+        crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"]);
+    }
+    word
+}
+
+/// After a block was given back: when it merged into the free block before it, its old header
+/// is left inside that block still marked used; clear it so a second free of the same pointer
+/// is seen. (A header the pool rewrote as a free block's is not marked used.)
 ///
 /// # Safety
-/// As [`free`].
+/// `word` is the header of a block just freed, under the heap's lock.
+unsafe fn forget_header(word: *mut usize) {
+    // SAFETY: the caller's contract: a word of a chunk, under the heap's lock.
+    let marked_used = unsafe { word.read_volatile() } & USED != 0;
+    if marked_used {
+        // SAFETY: a merged block's old header lies in the payload of a free block, at least
+        // 32 bytes past that block's own header, which nothing reads.
+        unsafe { word.write_volatile(0) };
+    }
+}
+
+/// Give a block back; stops the program on a double or invalid free.
+///
+/// # Safety
+/// [`contains`] said `ptr` is inside the heap.
+pub unsafe fn free(ptr: *mut c_void) {
+    let Some(block) = NonNull::new(ptr.cast::<u8>()) else { return };
+    let mut heap = lock();
+    let word = live_header(ptr as usize, "free");
+    // SAFETY: a live block of this heap (checked above), allocated with ALIGN.
+    unsafe { heap.pools.deallocate(block, ALIGN) };
+    // SAFETY: its header, just freed, under the lock.
+    unsafe { forget_header(word) };
+}
+
+/// Bytes usable at `ptr`; stops the program if it is not a live block.
+///
+/// # Safety
+/// [`contains`] said `ptr` is inside the heap.
 pub unsafe fn usable_size(ptr: *mut c_void) -> usize {
     let Some(block) = NonNull::new(ptr.cast::<u8>()) else { return 0 };
-    // SAFETY: a live block of this heap (the caller's contract); the size sits in its header.
+    live_header(ptr as usize, "malloc_usable_size");
+    // SAFETY: a live block of this heap (checked above); the size sits in its header.
     unsafe { Pools::allocation_usable_size(block) }
 }
 
 /// Resize a heap block, in place when it can be; None when the heap cannot hold the new size
-/// (the block is then untouched and still live).
+/// (the block is then untouched and still live). Stops the program if it is not a live block.
 ///
 /// # Safety
-/// As [`free`]; `size` is non-zero.
+/// [`contains`] said `ptr` is inside the heap; `size` is non-zero.
 pub unsafe fn realloc(ptr: *mut c_void, size: usize) -> Option<*mut c_void> {
     let block = NonNull::new(ptr.cast::<u8>())?;
     let layout = Layout::from_size_align(size, ALIGN).ok()?;
     let mut heap = lock();
-    // SAFETY: a live block of this heap allocated with ALIGN (the caller's contract).
-    if let Some(moved) = unsafe { heap.pools.reallocate(block, layout) } {
-        return Some(moved.as_ptr().cast());
+    let word = live_header(ptr as usize, "realloc");
+    // SAFETY: a live block of this heap (checked above) allocated with ALIGN.
+    let mut moved = unsafe { heap.pools.reallocate(block, layout) };
+    if moved.is_none() {
+        grow(&mut heap, size)?;
+        // SAFETY: as above; the failed attempt left the block as it was.
+        moved = unsafe { heap.pools.reallocate(block, layout) };
     }
-    grow(&mut heap, size)?;
-    // SAFETY: as above; the failed attempt left the block as it was.
-    unsafe { heap.pools.reallocate(block, layout) }.map(|p| p.as_ptr().cast())
+    let moved = moved?;
+    if moved != block {
+        // SAFETY: the old block was freed by the move, under the lock.
+        unsafe { forget_header(word) };
+    }
+    Some(moved.as_ptr().cast())
 }
 
 /// Held across fork so the child never sees the heap half-changed.

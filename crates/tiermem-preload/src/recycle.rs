@@ -63,6 +63,12 @@ pub fn keep(engine: &Engine, region: Region) {
     drop(dropped);
 }
 
+/// Whether `addr` lies in a kept region: memory the program freed and nobody owns now.
+pub fn holds(addr: usize) -> bool {
+    let kept = KEPT.lock().unwrap_or_else(|e| e.into_inner());
+    kept.iter().any(|r| (r.as_ptr() as usize..r.as_ptr() as usize + r.len()).contains(&addr))
+}
+
 /// Drop every kept region (before fork, so the child does not copy garbage).
 pub fn clear() {
     let all = std::mem::take(&mut *KEPT.lock().unwrap_or_else(|e| e.into_inner()));
