@@ -67,12 +67,17 @@ SYSTEMS: dict[str, System] = {
         # pages) instead of one request per page.
         System("tiermem-file-write-runs", "tiermem", "tiermem run, file device, contiguous write-backs merged",
                ("--write-runs", "on")),
+        # Dirty pages tracked by synchronous write-protect faults, victims dropped with one
+        # batched MADV_DONTNEED per reclaim batch, instead of async WP + UFFDIO_MOVE per page.
+        System("tiermem-file-sync-wp", "tiermem", "tiermem run, file device, sync write-protect dirty tracking",
+               ("--dirty-tracking", "sync-wp")),
     ]
 }
 # Systems measured unless --systems says otherwise: the paper's matrix.
 NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70", "tiermem-file-stream-first", "tiermem-file-seq",
                   "tiermem-file-seq-adaptive", "tiermem-file-locked-stdio",
-                  "tiermem-file-2-handlers", "tiermem-file-no-reuse", "tiermem-file-write-runs")
+                  "tiermem-file-2-handlers", "tiermem-file-no-reuse", "tiermem-file-write-runs",
+                  "tiermem-file-sync-wp")
 BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")
 
 DEFAULT_SYSTEMS = tuple(n for n in SYSTEMS if n not in NOT_BY_DEFAULT)

@@ -89,12 +89,10 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
                 None => PageState::UNTOUCHED,
             });
         }
-        // Drop every page that leaves, run by run; its data is in its slot or a write buffer.
-        for_each_run(
+        // Drop every page that leaves; its data is in its slot or a write buffer.
+        discard_runs(
             victims,
             |v| v.next.is_some_and(|n| n.kind() != Kind::Resident),
-            // SAFETY: every page in the run is locked by us and its contents are saved.
-            |addr, len| unsafe { tiermem_sys::mem::discard(addr, len) }.is_ok(),
             |v, ok| {
                 if !ok {
                     // Still mapped: stays resident (a write in flight for it is harmless).
@@ -333,7 +331,7 @@ fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId) -> Res
 fn for_each_run<'a>(
     victims: &mut [Option<Victim<'a>>],
     pick: impl Fn(&Victim<'a>) -> bool,
-    act: impl Fn(*mut u8, usize) -> bool,
+    mut act: impl FnMut(*mut u8, usize) -> bool,
     mut after: impl FnMut(&mut Victim<'a>, bool),
 ) {
     let picked = |v: &Option<Victim<'a>>| v.as_ref().is_some_and(&pick);
@@ -351,6 +349,42 @@ fn for_each_run<'a>(
         }
         i = j;
     }
+}
+
+/// Drop the picked victims' pages: every run in one system call (one TLB flush for the batch)
+/// where the kernel allows it, else run by run. `after` learns for each page whether it left.
+fn discard_runs<'a>(
+    victims: &mut [Option<Victim<'a>>],
+    pick: impl Fn(&Victim<'a>) -> bool,
+    mut after: impl FnMut(&mut Victim<'a>, bool),
+) {
+    // At most one run per victim. A fixed array: this runs in the SIGBUS handler too.
+    let mut ranges = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; PageList::CAPACITY];
+    let mut count = 0;
+    for_each_run(
+        victims,
+        &pick,
+        |addr, len| {
+            ranges[count] = libc::iovec { iov_base: addr.cast(), iov_len: len };
+            count += 1;
+            true
+        },
+        |_, _| {},
+    );
+    // SAFETY: every picked page is locked by us and its contents are saved.
+    if unsafe { tiermem_sys::mem::discard_all(&ranges[..count]) } {
+        for v in victims.iter_mut().flatten().filter(|v| pick(v)) {
+            after(v, true);
+        }
+        return;
+    }
+    for_each_run(
+        victims,
+        pick,
+        // SAFETY: as above; pages already dropped by a partial batch are dropped again, harmlessly.
+        |addr, len| unsafe { tiermem_sys::mem::discard(addr, len) }.is_ok(),
+        after,
+    );
 }
 
 /// End (exclusive) of the run of address-contiguous victims, all accepted by `pick`, that starts

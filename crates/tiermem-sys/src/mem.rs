@@ -1,6 +1,7 @@
 //! Anonymous memory mappings and the madvise calls the engine needs.
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use rustix::mm::{self, Advice, MapFlags, ProtFlags};
 
@@ -65,6 +66,56 @@ impl Drop for Mapping {
     }
 }
 
+/// Whether one `process_madvise` call can drop many ranges here: 0 not tried yet, 1 yes, 2 no.
+static BATCHED_DISCARD: AtomicU8 = AtomicU8::new(0);
+
+/// The calling thread, as a pidfd (PIDFD_SELF_THREAD): its process's memory,
+/// also right after a fork, with no descriptor to open or inherit (Linux 6.15 and later).
+const PIDFD_SELF_THREAD: libc::c_int = -10000;
+
+/// Drop the pages of every range with one system call, so one TLB flush covers them all
+/// (MADV_DONTNEED through `process_madvise` on the calling process: Linux 6.13 and later accept
+/// it, 6.16 and later flush once per call). A flush reaches every other CPU running the process,
+/// which in a VM costs a few microseconds per call: for scattered pages, one call per page was
+/// 6.5 µs a page here and one call for 32 of them 1.0 µs. Returns false when not every range was
+/// dropped that way (an older kernel, a seccomp filter): the caller then drops them one by one,
+/// which is harmless for ranges already dropped. Async-signal-safe.
+///
+/// # Safety
+/// As [`discard`], for every range.
+pub unsafe fn discard_all(ranges: &[libc::iovec]) -> bool {
+    if ranges.is_empty() {
+        return true;
+    }
+    if BATCHED_DISCARD.load(Ordering::Relaxed) == 2 {
+        return false;
+    }
+    let total: usize = ranges.iter().map(|r| r.iov_len).sum();
+    // SAFETY: the iovecs are valid for reading for the call; dropping their pages is the
+    // caller's contract. No flags are defined.
+    let done = unsafe {
+        libc::syscall(
+            libc::SYS_process_madvise,
+            PIDFD_SELF_THREAD,
+            ranges.as_ptr(),
+            ranges.len(),
+            libc::MADV_DONTNEED,
+            0u32,
+        )
+    };
+    if done < 0 {
+        // Not supported here (EBADF: no PIDFD_SELF; EINVAL: advice refused; ENOSYS, EPERM): do not
+        // ask again. Other errors (ENOMEM for an unmapped range) leave it to the caller.
+        let errno = std::io::Error::last_os_error().raw_os_error();
+        if matches!(errno, Some(libc::EBADF | libc::EINVAL | libc::ENOSYS | libc::EPERM)) {
+            BATCHED_DISCARD.store(2, Ordering::Relaxed);
+        }
+        return false;
+    }
+    BATCHED_DISCARD.store(1, Ordering::Relaxed);
+    done as usize == total
+}
+
 /// Drop the pages of `[addr, addr+len)` so the next access faults again (MADV_DONTNEED).
 ///
 /// # Safety
@@ -73,4 +124,33 @@ pub unsafe fn discard(addr: *mut u8, len: usize) -> Result<()> {
     // SAFETY: forwarded to the caller.
     unsafe { mm::madvise(addr.cast(), len, Advice::LinuxDontNeed) }
         .context(|| format!("madvise(DONTNEED) of {len} bytes at {addr:p}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn discard_all_drops_exactly_the_given_ranges() {
+        let map = Mapping::anonymous(8 * PAGE_SIZE, false).unwrap();
+        let base = map.as_ptr();
+        // SAFETY: the mapping is 8 pages, owned here.
+        unsafe { std::ptr::write_bytes(base, 7, 8 * PAGE_SIZE) };
+        let range = |page: usize, pages: usize| libc::iovec {
+            // SAFETY: inside the mapping.
+            iov_base: unsafe { base.add(page * PAGE_SIZE) }.cast(),
+            iov_len: pages * PAGE_SIZE,
+        };
+        // SAFETY: pages of the mapping above, whose contents nobody needs.
+        if !unsafe { discard_all(&[range(1, 1), range(3, 2), range(7, 1)]) } {
+            eprintln!("SKIPPED discard_all_drops_exactly_the_given_ranges: process_madvise(MADV_DONTNEED) on oneself is not available (Linux < 6.15?)");
+            return;
+        }
+        // SAFETY: the mapping's 8 pages, readable.
+        let bytes = unsafe { std::slice::from_raw_parts(base, 8 * PAGE_SIZE) };
+        let first_bytes: Vec<u8> = (0..8).map(|p| bytes[p * PAGE_SIZE]).collect();
+        assert_eq!(first_bytes, [7, 0, 7, 0, 0, 7, 7, 0]);
+        // SAFETY: an empty list touches nothing.
+        assert!(unsafe { discard_all(&[]) });
+    }
 }
