@@ -67,6 +67,9 @@ SYSTEMS: dict[str, System] = {
         # pages) instead of one request per page.
         System("tiermem-file-write-runs", "tiermem", "tiermem run, file device, contiguous write-backs merged",
                ("--write-runs", "on")),
+        # Each handler thread polls for the next fault for 30 µs after one instead of sleeping.
+        System("tiermem-file-handler-spin", "tiermem", "tiermem run, file device, handlers poll 30 µs after a fault",
+               ("--handler-spin-us", "30")),
         # Dirty pages tracked by synchronous write-protect faults, victims dropped with one
         # batched MADV_DONTNEED per reclaim batch, instead of async WP + UFFDIO_MOVE per page.
         System("tiermem-file-sync-wp", "tiermem", "tiermem run, file device, sync write-protect dirty tracking",
@@ -77,7 +80,7 @@ SYSTEMS: dict[str, System] = {
 NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70", "tiermem-file-stream-first", "tiermem-file-seq",
                   "tiermem-file-seq-adaptive", "tiermem-file-locked-stdio",
                   "tiermem-file-2-handlers", "tiermem-file-no-reuse", "tiermem-file-write-runs",
-                  "tiermem-file-sync-wp")
+                  "tiermem-file-sync-wp", "tiermem-file-handler-spin")
 BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")
 
 DEFAULT_SYSTEMS = tuple(n for n in SYSTEMS if n not in NOT_BY_DEFAULT)

@@ -22,6 +22,7 @@ pub const KEYS: &[&str] = &[
     "queue_depth",
     "reclaim_batch",
     "handler_threads",
+    "handler_spin_us",
 ];
 
 /// An engine configuration plus the device to open for it.
@@ -55,6 +56,7 @@ fn apply(config: &mut EngineConfig, key: &str, value: &str) -> Result<()> {
         "queue_depth" => config.queue_depth = number(value)?,
         "reclaim_batch" => config.reclaim_batch = number(value)?,
         "handler_threads" => config.handler_threads = number(value)?,
+        "handler_spin_us" => config.handler_spin_us = number(value)?,
         other => return Err(Error::new(ErrorKind::Internal, format!("option `{other}` is not an engine field"))),
     }
     Ok(())

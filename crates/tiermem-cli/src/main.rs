@@ -293,6 +293,10 @@ struct RunArgs {
     /// thread fault mode: threads serving faults, 1..=64 [default: 1].
     #[arg(long, env = "TIERMEM_HANDLER_THREADS")]
     handler_threads: Option<String>,
+    /// thread fault mode: microseconds a handler keeps polling for the next fault before it
+    /// sleeps, 0..=10000 [default: 0].
+    #[arg(long, env = "TIERMEM_HANDLER_SPIN_US")]
+    handler_spin_us: Option<String>,
     /// background | on-fault-path.
     #[arg(long, env = "TIERMEM_RECLAIM_MODE")]
     reclaim_mode: Option<String>,
@@ -388,6 +392,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_FAULT_MODE", &args.fault_mode),
         ("TIERMEM_IO_MODE", &args.io_mode),
         ("TIERMEM_HANDLER_THREADS", &args.handler_threads),
+        ("TIERMEM_HANDLER_SPIN_US", &args.handler_spin_us),
         ("TIERMEM_WRITE_RUNS", &args.write_runs),
         ("TIERMEM_RECLAIM_MODE", &args.reclaim_mode),
         ("TIERMEM_DIRTY_TRACKING", &args.dirty_tracking),

@@ -118,6 +118,10 @@ pub struct EngineConfig {
     pub reclaim_batch: usize,
     /// Handler threads in [`FaultMode::HandlerThread`].
     pub handler_threads: usize,
+    /// Microseconds a handler thread keeps polling the userfaultfd after a fault before it
+    /// sleeps (0: sleep at once). A program that faults again soon then finds the handler
+    /// awake instead of waiting for its wake-up, which on a VM is an IPI to a halted vCPU.
+    pub handler_spin_us: u32,
     /// Write address-contiguous dirty pages of a reclaim batch as one request of up to 32 pages
     /// to consecutive slots, instead of one request per page (the paper merges nothing).
     pub write_runs: bool,
@@ -148,6 +152,7 @@ impl Default for EngineConfig {
             queue_depth: 128,
             reclaim_batch: 32,
             handler_threads: 1,
+            handler_spin_us: 0,
             write_runs: false,
             trace_path: None,
         }
@@ -190,6 +195,9 @@ impl EngineConfig {
         }
         if self.handler_threads == 0 || self.handler_threads > 64 {
             return Err(Error::invalid(format!("handler threads {} must be in 1..=64", self.handler_threads)));
+        }
+        if self.handler_spin_us > 10_000 {
+            return Err(Error::invalid(format!("handler spin {} µs must be at most 10000", self.handler_spin_us)));
         }
         crate::policy::build_policies(&self.prefetch, &self.replace, 1, &crate::policy::PolicyOptions::default())?;
         Ok(())

@@ -53,12 +53,15 @@ impl FaultWait {
 /// Reads fault messages and resolves them until shutdown.
 pub(crate) fn handler_thread(shared: &Shared, lane: usize) {
     let idle = FaultWait::new(shared);
+    let spin = std::time::Duration::from_micros(u64::from(shared.config.handler_spin_us));
+    let mut last_fault = std::time::Instant::now();
     loop {
         if shared.shutdown.load(Ordering::Acquire) {
             return;
         }
         match shared.uffd.read_event() {
             Ok(Some(Event::PageFault { addr, write, wp, tid })) => {
+                last_fault = std::time::Instant::now();
                 match handle_fault(shared, addr, write || wp, !wp, lane) {
                     Outcome::Resolved => {}
                     Outcome::NotOurs => {
@@ -69,6 +72,8 @@ pub(crate) fn handler_thread(shared: &Shared, lane: usize) {
                 }
             }
             Ok(Some(_)) => {}
+            // Soon after a fault, poll instead of sleeping: the next one is likely on its way.
+            Ok(None) if last_fault.elapsed() < spin => std::hint::spin_loop(),
             Ok(None) => idle.wait(shared),
             Err(Errno::INTR) => {}
             Err(e) => {

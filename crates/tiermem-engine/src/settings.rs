@@ -56,6 +56,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_FAULT_MODE", "thread | sigbus"),
     ("TIERMEM_IO_MODE", "hybrid | poll-only | interrupt-only"),
     ("TIERMEM_HANDLER_THREADS", "thread fault mode: threads serving faults, 1..=64 (default 1)"),
+    (
+        "TIERMEM_HANDLER_SPIN_US",
+        "thread fault mode: microseconds a handler polls for the next fault before sleeping, 0..=10000 (default 0)",
+    ),
     ("TIERMEM_RECLAIM_MODE", "background | on-fault-path"),
     ("TIERMEM_WRITE_RUNS", "on | off: write contiguous dirty pages as one request of up to 32 pages (default off)"),
     ("TIERMEM_DIRTY_TRACKING", "auto | sync-wp | none"),
@@ -142,6 +146,10 @@ impl RunSettings {
                     s.engine.handler_threads =
                         value.trim().parse().map_err(|_| named(Error::invalid("not a whole number (example: 2)")))?;
                 }
+                "TIERMEM_HANDLER_SPIN_US" => {
+                    s.engine.handler_spin_us =
+                        value.trim().parse().map_err(|_| named(Error::invalid("not a whole number (example: 30)")))?;
+                }
                 "TIERMEM_RECLAIM_MODE" => s.engine.reclaim_mode = value.parse().map_err(named)?,
                 "TIERMEM_DIRTY_TRACKING" => s.engine.dirty_tracking = value.parse().map_err(named)?,
                 "TIERMEM_THRESHOLD" => s.threshold = nonzero_size(value).map_err(named)?,
@@ -189,6 +197,7 @@ impl RunSettings {
             ("TIERMEM_FAULT_MODE", e.fault_mode.to_string()),
             ("TIERMEM_IO_MODE", e.io_mode.to_string()),
             ("TIERMEM_HANDLER_THREADS", e.handler_threads.to_string()),
+            ("TIERMEM_HANDLER_SPIN_US", e.handler_spin_us.to_string()),
             ("TIERMEM_WRITE_RUNS", if e.write_runs { "on" } else { "off" }.to_string()),
             ("TIERMEM_RECLAIM_MODE", e.reclaim_mode.to_string()),
             ("TIERMEM_DIRTY_TRACKING", e.dirty_tracking.to_string()),
@@ -297,6 +306,8 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_REUSE_FREED", "sometimes")], "TIERMEM_REUSE_FREED=sometimes"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_THREADS", "two")], "TIERMEM_HANDLER_THREADS=two"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_THREADS", "0")], "handler threads 0"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_SPIN_US", "-1")], "TIERMEM_HANDLER_SPIN_US=-1"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_SPIN_US", "20000")], "handler spin 20000"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_DEVICE", "floppy")], "TIERMEM_DEVICE=floppy"),
         ];
         for (vars, expected) in cases {

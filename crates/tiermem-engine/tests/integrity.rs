@@ -181,6 +181,15 @@ fn handler_thread_mode_keeps_every_write() {
         },
         20_000,
     );
+    // A handler that polls for the next fault before sleeping.
+    check(
+        "handler polling after a fault",
+        |c| {
+            c.fault_mode = FaultMode::HandlerThread;
+            c.handler_spin_us = 50;
+        },
+        20_000,
+    );
 }
 
 #[test]
