@@ -579,10 +579,10 @@ impl Drop for Region {
         }
         let _ = self.shared.uffd.unregister(self.inner.mapping.as_ptr(), self.inner.mapping.len());
         // Give the pages back to the kernel before they leave the resident count: the cgroup
-        // watch reads the count against the cgroup's usage, and pages counted by neither in
-        // between (munmap of a large region takes milliseconds) looked like the program's
-        // unmanaged memory, cutting the budget by up to the region's size (intsort quick at
-        // 100%: to 110 of 248 MiB) and evicting live pages for nothing.
+        // watch reads the count against the cgroup's usage, and pages still charged to the
+        // cgroup but no longer counted here (munmap of a large region takes milliseconds)
+        // looked like the program's unmanaged memory, cutting the budget by up to the region's
+        // size (intsort quick at 100%: to 110 of 248 MiB) and evicting live pages for nothing.
         // SAFETY: the region is out of the table and unregistered; nobody uses its contents.
         let _ = unsafe { tiermem_sys::mem::discard(self.inner.mapping.as_ptr(), self.inner.mapping.len()) };
         let mut freed_resident = 0;

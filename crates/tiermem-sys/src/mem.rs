@@ -1,7 +1,7 @@
 //! Anonymous memory mappings and the madvise calls the engine needs.
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rustix::mm::{self, Advice, MapFlags, ProtFlags};
 
@@ -66,20 +66,21 @@ impl Drop for Mapping {
     }
 }
 
-/// Whether one `process_madvise` call can drop many ranges here: 0 not tried yet, 1 yes, 2 no.
-static BATCHED_DISCARD: AtomicU8 = AtomicU8::new(0);
+/// Set once `process_madvise` refused to drop ranges here: from then on [`discard_all`] leaves
+/// it to the caller at once.
+static BATCHED_DISCARD_REFUSED: AtomicBool = AtomicBool::new(false);
 
-/// The calling thread, as a pidfd (PIDFD_SELF_THREAD): its process's memory,
-/// also right after a fork, with no descriptor to open or inherit (recent kernels only).
+/// The calling thread, as a pidfd (PIDFD_SELF_THREAD, recent kernels only): its process's
+/// memory, also right after a fork, with no descriptor to open or inherit.
 const PIDFD_SELF_THREAD: libc::c_int = -10000;
 
-/// Drop the pages of every range with one system call, so one TLB flush covers them all
-/// (MADV_DONTNEED through `process_madvise` on the calling process, which recent kernels accept
-/// and flush once per call for; measured on 6.18). A flush reaches every other CPU running the process,
-/// which in a VM costs a few microseconds per call: for scattered pages, one call per page was
-/// 6.5 µs a page here and one call for 32 of them 1.0 µs. Returns false when not every range was
-/// dropped that way (an older kernel, a seccomp filter): the caller then drops them one by one,
-/// which is harmless for ranges already dropped. Async-signal-safe.
+/// Drop the pages of every range with one system call, so one TLB flush covers them all:
+/// MADV_DONTNEED through `process_madvise` on the calling process, which recent kernels accept
+/// and flush once per call for (measured on 6.18). A flush reaches every other CPU running the
+/// process, which in a VM costs a few microseconds per call: for scattered pages, one call per
+/// page was 6.5 µs a page here and one call for 32 of them 1.0 µs. Returns false when not every
+/// range was dropped that way (an older kernel, a seccomp filter): the caller then drops them
+/// one by one, which is harmless for ranges already dropped. Async-signal-safe.
 ///
 /// # Safety
 /// As [`discard`], for every range.
@@ -87,7 +88,7 @@ pub unsafe fn discard_all(ranges: &[libc::iovec]) -> bool {
     if ranges.is_empty() {
         return true;
     }
-    if BATCHED_DISCARD.load(Ordering::Relaxed) == 2 {
+    if BATCHED_DISCARD_REFUSED.load(Ordering::Relaxed) {
         return false;
     }
     let total: usize = ranges.iter().map(|r| r.iov_len).sum();
@@ -108,11 +109,10 @@ pub unsafe fn discard_all(ranges: &[libc::iovec]) -> bool {
         // ask again. Other errors (ENOMEM for an unmapped range) leave it to the caller.
         let errno = std::io::Error::last_os_error().raw_os_error();
         if matches!(errno, Some(libc::EBADF | libc::EINVAL | libc::ENOSYS | libc::EPERM)) {
-            BATCHED_DISCARD.store(2, Ordering::Relaxed);
+            BATCHED_DISCARD_REFUSED.store(true, Ordering::Relaxed);
         }
         return false;
     }
-    BATCHED_DISCARD.store(1, Ordering::Relaxed);
     done as usize == total
 }
 
