@@ -70,6 +70,10 @@ SYSTEMS: dict[str, System] = {
         # Each handler thread polls for the next fault for 30 µs after one instead of sleeping.
         System("tiermem-file-handler-spin", "tiermem", "tiermem run, file device, handlers poll 30 µs after a fault",
                ("--handler-spin-us", "30")),
+        # A quarter of the default I/O buffers (1 MiB instead of 4): more of a small budget left
+        # for the program's pages.
+        System("tiermem-file-256-buffers", "tiermem", "tiermem run, file device, 256 I/O buffers",
+               ("--io-buffers", "256")),
         # Dirty pages tracked by synchronous write-protect faults, victims dropped with one
         # batched MADV_DONTNEED per reclaim batch, instead of async WP + UFFDIO_MOVE per page.
         System("tiermem-file-sync-wp", "tiermem", "tiermem run, file device, sync write-protect dirty tracking",
@@ -80,7 +84,8 @@ SYSTEMS: dict[str, System] = {
 NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70", "tiermem-file-stream-first", "tiermem-file-seq",
                   "tiermem-file-seq-adaptive", "tiermem-file-locked-stdio",
                   "tiermem-file-2-handlers", "tiermem-file-no-reuse", "tiermem-file-write-runs",
-                  "tiermem-file-sync-wp", "tiermem-file-handler-spin")
+                  "tiermem-file-sync-wp", "tiermem-file-handler-spin",
+                  "tiermem-file-256-buffers")
 BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")
 
 DEFAULT_SYSTEMS = tuple(n for n in SYSTEMS if n not in NOT_BY_DEFAULT)

@@ -293,6 +293,10 @@ struct RunArgs {
     /// thread fault mode: threads serving faults, 1..=64 [default: 1].
     #[arg(long, env = "TIERMEM_HANDLER_THREADS")]
     handler_threads: Option<String>,
+    /// Most 4 KiB I/O buffers shared by all queues; a budget of fewer than 16 times as many
+    /// pages gets a 16th of it (at least 64) [default: 1024].
+    #[arg(long, env = "TIERMEM_IO_BUFFERS")]
+    io_buffers: Option<String>,
     /// thread fault mode: microseconds a handler keeps polling for the next fault before it
     /// sleeps, 0..=10000 [default: 0].
     #[arg(long, env = "TIERMEM_HANDLER_SPIN_US")]
@@ -393,6 +397,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_IO_MODE", &args.io_mode),
         ("TIERMEM_HANDLER_THREADS", &args.handler_threads),
         ("TIERMEM_HANDLER_SPIN_US", &args.handler_spin_us),
+        ("TIERMEM_IO_BUFFERS", &args.io_buffers),
         ("TIERMEM_WRITE_RUNS", &args.write_runs),
         ("TIERMEM_RECLAIM_MODE", &args.reclaim_mode),
         ("TIERMEM_DIRTY_TRACKING", &args.dirty_tracking),

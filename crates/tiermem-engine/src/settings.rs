@@ -57,6 +57,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_IO_MODE", "hybrid | poll-only | interrupt-only"),
     ("TIERMEM_HANDLER_THREADS", "thread fault mode: threads serving faults, 1..=64 (default 1)"),
     (
+        "TIERMEM_IO_BUFFERS",
+        "most 4 KiB I/O buffers (a small budget gets a 16th of its pages), at least 16 (default 1024)",
+    ),
+    (
         "TIERMEM_HANDLER_SPIN_US",
         "thread fault mode: microseconds a handler polls for the next fault before sleeping, 0..=10000 (default 0)",
     ),
@@ -146,6 +150,10 @@ impl RunSettings {
                     s.engine.handler_threads =
                         value.trim().parse().map_err(|_| named(Error::invalid("not a whole number (example: 2)")))?;
                 }
+                "TIERMEM_IO_BUFFERS" => {
+                    s.engine.io_buffers =
+                        value.trim().parse().map_err(|_| named(Error::invalid("not a whole number (example: 256)")))?;
+                }
                 "TIERMEM_HANDLER_SPIN_US" => {
                     s.engine.handler_spin_us =
                         value.trim().parse().map_err(|_| named(Error::invalid("not a whole number (example: 30)")))?;
@@ -197,6 +205,7 @@ impl RunSettings {
             ("TIERMEM_FAULT_MODE", e.fault_mode.to_string()),
             ("TIERMEM_IO_MODE", e.io_mode.to_string()),
             ("TIERMEM_HANDLER_THREADS", e.handler_threads.to_string()),
+            ("TIERMEM_IO_BUFFERS", e.io_buffers.to_string()),
             ("TIERMEM_HANDLER_SPIN_US", e.handler_spin_us.to_string()),
             ("TIERMEM_WRITE_RUNS", if e.write_runs { "on" } else { "off" }.to_string()),
             ("TIERMEM_RECLAIM_MODE", e.reclaim_mode.to_string()),
@@ -307,6 +316,7 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_THREADS", "two")], "TIERMEM_HANDLER_THREADS=two"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_THREADS", "0")], "handler threads 0"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_SPIN_US", "-1")], "TIERMEM_HANDLER_SPIN_US=-1"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_IO_BUFFERS", "8")], "io_buffers 8"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_SPIN_US", "20000")], "handler spin 20000"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_DEVICE", "floppy")], "TIERMEM_DEVICE=floppy"),
         ];

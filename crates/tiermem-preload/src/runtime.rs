@@ -167,8 +167,10 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
     };
     let mut config = settings.engine.clone();
     // The I/O buffers are pinned memory charged to the program's cgroup: a small budget gets
-    // fewer (1/16 of it), so tiermem's own overhead does not eat the room it pages into.
-    config.io_buffers = u32::try_from(config.limit_pages() / 16).unwrap_or(u32::MAX).clamp(64, config.io_buffers);
+    // fewer (1/16 of it, at least 64), so tiermem's own overhead does not eat the room it pages
+    // into; `io_buffers` is the most it gets.
+    let most = config.io_buffers;
+    config.io_buffers = u32::try_from(config.limit_pages() / 16).unwrap_or(u32::MAX).clamp(most.min(64), most);
     if let Some(dir) = &settings.trace_dir {
         config.trace_path = Some(dir.join(format!("{}.trace", std::process::id())));
     }
