@@ -61,7 +61,9 @@ pub(crate) fn handler_thread(shared: &Shared, lane: usize) {
         }
         match shared.uffd.read_event() {
             Ok(Some(Event::PageFault { addr, write, wp, tid })) => {
-                last_fault = std::time::Instant::now();
+                if !spin.is_zero() {
+                    last_fault = std::time::Instant::now();
+                }
                 match handle_fault(shared, addr, write || wp, !wp, lane) {
                     Outcome::Resolved => {}
                     Outcome::NotOurs => {
@@ -73,7 +75,7 @@ pub(crate) fn handler_thread(shared: &Shared, lane: usize) {
             }
             Ok(Some(_)) => {}
             // Soon after a fault, poll instead of sleeping: the next one is likely on its way.
-            Ok(None) if last_fault.elapsed() < spin => std::hint::spin_loop(),
+            Ok(None) if !spin.is_zero() && last_fault.elapsed() < spin => std::hint::spin_loop(),
             Ok(None) => idle.wait(shared),
             Err(Errno::INTR) => {}
             Err(e) => {

@@ -146,18 +146,9 @@ impl RunSettings {
                 }
                 "TIERMEM_FAULT_MODE" => s.engine.fault_mode = value.parse().map_err(named)?,
                 "TIERMEM_IO_MODE" => s.engine.io_mode = value.parse().map_err(named)?,
-                "TIERMEM_HANDLER_THREADS" => {
-                    s.engine.handler_threads =
-                        value.trim().parse().map_err(|_| named(Error::invalid("not a whole number (example: 2)")))?;
-                }
-                "TIERMEM_IO_BUFFERS" => {
-                    s.engine.io_buffers =
-                        value.trim().parse().map_err(|_| named(Error::invalid("not a whole number (example: 256)")))?;
-                }
-                "TIERMEM_HANDLER_SPIN_US" => {
-                    s.engine.handler_spin_us =
-                        value.trim().parse().map_err(|_| named(Error::invalid("not a whole number (example: 30)")))?;
-                }
+                "TIERMEM_HANDLER_THREADS" => s.engine.handler_threads = whole_number(value, "2").map_err(named)?,
+                "TIERMEM_IO_BUFFERS" => s.engine.io_buffers = whole_number(value, "256").map_err(named)?,
+                "TIERMEM_HANDLER_SPIN_US" => s.engine.handler_spin_us = whole_number(value, "30").map_err(named)?,
                 "TIERMEM_RECLAIM_MODE" => s.engine.reclaim_mode = value.parse().map_err(named)?,
                 "TIERMEM_DIRTY_TRACKING" => s.engine.dirty_tracking = value.parse().map_err(named)?,
                 "TIERMEM_THRESHOLD" => s.threshold = nonzero_size(value).map_err(named)?,
@@ -250,6 +241,10 @@ fn on_off(text: &str) -> Result<bool> {
         "off" => Ok(false),
         _ => Err(Error::invalid("expected on or off")),
     }
+}
+
+fn whole_number<T: std::str::FromStr>(text: &str, example: &str) -> Result<T> {
+    text.trim().parse().map_err(|_| Error::invalid(format!("not a whole number (example: {example})")))
 }
 
 fn nonzero_size(text: &str) -> Result<u64> {

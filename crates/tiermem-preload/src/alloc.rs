@@ -93,6 +93,12 @@ enum Found {
     NotOurs,
 }
 
+/// `ptr`, in no live managed allocation, is one freed earlier: kept for reuse (still mapped), or
+/// freed recently and unmapped since.
+fn freed_managed(ptr: usize) -> bool {
+    crate::recycle::holds(ptr) || registry::is_double_free(ptr)
+}
+
 /// Remove and return the managed malloc allocation starting at `ptr`, stopping the program on
 /// a pointer into the middle of one, into mapped memory, or freed twice.
 fn take_malloc_entry(ptr: usize, what: &str) -> Found {
@@ -104,7 +110,7 @@ fn take_malloc_entry(ptr: usize, what: &str) -> Found {
     let mut table = registry::lock();
     let Some(base) = registry::containing(&table, ptr) else {
         drop(table);
-        if crate::recycle::holds(ptr) || registry::is_double_free(ptr) {
+        if freed_managed(ptr) {
             runtime::die(&["tiermem: ", what, "(): double free of a managed allocation"]);
         }
         return Found::NotOurs;
@@ -241,7 +247,7 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
             return new;
         }
         drop(table);
-        if crate::recycle::holds(addr) || registry::is_double_free(addr) {
+        if freed_managed(addr) {
             runtime::die(&["tiermem: realloc() of a freed managed allocation"]);
         }
     }

@@ -134,11 +134,18 @@ fn serves_here(align: usize) -> bool {
 
 /// Whether `ptr` is a heap block (false is certain for anything outside every chunk).
 pub fn contains(ptr: usize) -> bool {
+    chunk_of(ptr).is_some()
+}
+
+/// The bounds of the chunk holding `ptr`.
+fn chunk_of(ptr: usize) -> Option<(usize, usize)> {
     if ptr < LOWEST.load(Ordering::Acquire) || ptr >= HIGHEST.load(Ordering::Acquire) {
-        return false;
+        return None;
     }
     let n = CHUNK_COUNT.load(Ordering::Acquire);
-    (0..n).any(|i| CHUNK_START[i].load(Ordering::Acquire) <= ptr && ptr < CHUNK_END[i].load(Ordering::Acquire))
+    (0..n)
+        .map(|i| (CHUNK_START[i].load(Ordering::Acquire), CHUNK_END[i].load(Ordering::Acquire)))
+        .find(|&(start, end)| start <= ptr && ptr < end)
 }
 
 /// A block of at least `size` bytes, or None when the heap does not serve this request (the
@@ -198,14 +205,6 @@ const BLOCK_ALIGN: usize = 32;
 const USED: usize = 1;
 const SENTINEL: usize = 2;
 
-/// The bounds of the chunk holding `ptr`.
-fn chunk_of(ptr: usize) -> Option<(usize, usize)> {
-    let n = CHUNK_COUNT.load(Ordering::Acquire);
-    (0..n)
-        .map(|i| (CHUNK_START[i].load(Ordering::Acquire), CHUNK_END[i].load(Ordering::Acquire)))
-        .find(|&(start, end)| start <= ptr && ptr < end)
-}
-
 /// The header of the live block at `ptr`; stops the program, naming `what`, when `ptr` is not
 /// one (freed already, or never returned by the heap).
 fn live_header(ptr: usize, what: &str) -> *mut usize {
@@ -222,11 +221,10 @@ fn live_header(ptr: usize, what: &str) -> *mut usize {
     // twice at once, which this check cannot make worse.
     let size_and_flags = unsafe { word.read_volatile() };
     let size = size_and_flags & !(BLOCK_ALIGN - 1);
-    if size_and_flags & USED == 0 && what == "free" {
-        crate::runtime::die(&["tiermem: free(): double free of a small-heap block"]);
-    }
     if size_and_flags & USED == 0 {
-        crate::runtime::die(&["tiermem: ", what, "() of a freed small-heap block"]);
+        let freed =
+            if what == "free" { "(): double free of a small-heap block" } else { "() of a freed small-heap block" };
+        crate::runtime::die(&["tiermem: ", what, freed]);
     }
     if size_and_flags & SENTINEL != 0 || size < BLOCK_ALIGN || size > end - header {
         crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"]);
