@@ -78,6 +78,16 @@ SYSTEMS: dict[str, System] = {
         # batched MADV_DONTNEED per reclaim batch, instead of async WP + UFFDIO_MOVE per page.
         System("tiermem-file-sync-wp", "tiermem", "tiermem run, file device, sync write-protect dirty tracking",
                ("--dirty-tracking", "sync-wp")),
+        # Prefetched pages that sit in consecutive slots read as one request (up to 32 pages);
+        # with write runs too, contiguous dirty pages also land in consecutive slots.
+        System("tiermem-file-read-runs", "tiermem", "tiermem run, file device, contiguous prefetches merged",
+               ("--read-runs", "on")),
+        # Thread fault mode: a fault on a page whose prefetch is in flight sleeps until the
+        # completion maps it, instead of the handler spinning for it.
+        System("tiermem-file-defer-hits", "tiermem", "tiermem run, file device, faults on pages in flight left to their completion",
+               ("--defer-hits", "on")),
+        System("tiermem-file-runs", "tiermem", "tiermem run, file device, contiguous prefetches and write-backs merged",
+               ("--read-runs", "on", "--write-runs", "on")),
     ]
 }
 # Systems measured unless --systems says otherwise: the paper's matrix.
@@ -85,7 +95,8 @@ NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70", "tiermem-fil
                   "tiermem-file-seq-adaptive", "tiermem-file-locked-stdio",
                   "tiermem-file-2-handlers", "tiermem-file-no-reuse", "tiermem-file-write-runs",
                   "tiermem-file-sync-wp", "tiermem-file-handler-spin",
-                  "tiermem-file-256-buffers")
+                  "tiermem-file-256-buffers", "tiermem-file-read-runs", "tiermem-file-runs",
+                  "tiermem-file-defer-hits")
 BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")
 
 DEFAULT_SYSTEMS = tuple(n for n in SYSTEMS if n not in NOT_BY_DEFAULT)

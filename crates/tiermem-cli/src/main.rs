@@ -308,6 +308,14 @@ struct RunArgs {
     /// to 32 pages to consecutive slots [default: off].
     #[arg(long, env = "TIERMEM_WRITE_RUNS")]
     write_runs: Option<String>,
+    /// on | off: read the prefetcher's pages that sit in consecutive slots as one request of
+    /// up to 32 pages [default: off].
+    #[arg(long, env = "TIERMEM_READ_RUNS")]
+    read_runs: Option<String>,
+    /// on | off: thread fault mode: a fault on a page whose prefetch is in flight sleeps until
+    /// the page lands instead of the handler spinning for it [default: off].
+    #[arg(long, env = "TIERMEM_DEFER_HITS")]
+    defer_hits: Option<String>,
     /// auto | sync-wp | async-wp | none (auto: async-wp where the kernel has it).
     #[arg(long, env = "TIERMEM_DIRTY_TRACKING")]
     dirty_tracking: Option<String>,
@@ -399,6 +407,8 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_HANDLER_SPIN_US", &args.handler_spin_us),
         ("TIERMEM_IO_BUFFERS", &args.io_buffers),
         ("TIERMEM_WRITE_RUNS", &args.write_runs),
+        ("TIERMEM_READ_RUNS", &args.read_runs),
+        ("TIERMEM_DEFER_HITS", &args.defer_hits),
         ("TIERMEM_RECLAIM_MODE", &args.reclaim_mode),
         ("TIERMEM_DIRTY_TRACKING", &args.dirty_tracking),
         ("TIERMEM_THRESHOLD", &args.threshold),

@@ -84,6 +84,11 @@ impl BufferArena {
         self.run_base + self.runs * RUN_PAGES
     }
 
+    /// Whether `buf` belongs to a run (not a single buffer).
+    pub fn in_run(&self, buf: BufId) -> bool {
+        buf >= self.run_base && buf < self.end()
+    }
+
     /// Which run buffer `buf` belongs to. Panics on a single buffer.
     pub fn run_index(&self, buf: BufId) -> u32 {
         assert!(buf >= self.run_base && buf < self.end(), "buffer {buf} is not in a run");

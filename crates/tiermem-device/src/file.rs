@@ -373,12 +373,12 @@ fn entry_for(request: Request, arena: &BufferArena) -> squeue::Entry {
     // Which GiB-sized fixed buffer holds it; 0 unless the arena is larger than 1 GiB.
     let buf_index = (arena.offset(request.buf()) / FIXED_BUFFER_MAX_BYTES) as u16;
     let offset = request.slot() * SLOT_BYTES;
+    let len = request.pages() * PAGE_SIZE as u32;
     match request {
-        Request::Read { .. } => {
-            opcode::ReadFixed::new(types::Fixed(0), addr, PAGE_SIZE as u32, buf_index).offset(offset).build()
+        Request::Read { .. } | Request::ReadRun { .. } => {
+            opcode::ReadFixed::new(types::Fixed(0), addr, len, buf_index).offset(offset).build()
         }
         Request::Write { .. } | Request::WriteRun { .. } => {
-            let len = request.pages() * PAGE_SIZE as u32;
             opcode::WriteFixed::new(types::Fixed(0), addr, len, buf_index).offset(offset).build()
         }
     }

@@ -72,6 +72,9 @@ pub struct Completion {
 pub enum Request {
     /// Read `slot` into arena buffer `buf`.
     Read { slot: Slot, buf: BufId },
+    /// Read `pages` slots from `slot` into as many buffers from `buf` (a run: contiguous in the
+    /// arena), in one request.
+    ReadRun { slot: Slot, buf: BufId, pages: u32 },
     /// Write arena buffer `buf` to `slot`.
     Write { slot: Slot, buf: BufId },
     /// Write `pages` buffers from `buf` (a run: contiguous in the arena) to as many slots from
@@ -83,34 +86,41 @@ impl Request {
     /// The (first) slot the request reads or writes.
     pub fn slot(&self) -> Slot {
         match *self {
-            Request::Read { slot, .. } | Request::Write { slot, .. } | Request::WriteRun { slot, .. } => slot,
+            Request::Read { slot, .. }
+            | Request::ReadRun { slot, .. }
+            | Request::Write { slot, .. }
+            | Request::WriteRun { slot, .. } => slot,
         }
     }
 
     /// The (first) arena buffer the request reads into or writes from.
     pub fn buf(&self) -> BufId {
         match *self {
-            Request::Read { buf, .. } | Request::Write { buf, .. } | Request::WriteRun { buf, .. } => buf,
+            Request::Read { buf, .. }
+            | Request::ReadRun { buf, .. }
+            | Request::Write { buf, .. }
+            | Request::WriteRun { buf, .. } => buf,
         }
     }
 
     /// Pages the request moves.
     pub fn pages(&self) -> u32 {
         match *self {
-            Request::WriteRun { pages, .. } => pages,
-            _ => 1,
+            Request::ReadRun { pages, .. } | Request::WriteRun { pages, .. } => pages,
+            Request::Read { .. } | Request::Write { .. } => 1,
         }
     }
 
     /// Whether it writes to the device.
     pub fn is_write(&self) -> bool {
-        !matches!(self, Request::Read { .. })
+        matches!(self, Request::Write { .. } | Request::WriteRun { .. })
     }
 
-    /// "reading slot N" / "writing slot N" / "writing slots N..M", for error messages.
+    /// "reading slot N" / "writing slot N" / "reading slots N..M", for error messages.
     pub fn describe(&self) -> String {
         match *self {
             Request::Read { slot, .. } => format!("reading slot {slot}"),
+            Request::ReadRun { slot, pages, .. } => format!("reading slots {slot}..{}", slot + u64::from(pages)),
             Request::Write { slot, .. } => format!("writing slot {slot}"),
             Request::WriteRun { slot, pages, .. } => format!("writing slots {slot}..{}", slot + u64::from(pages)),
         }

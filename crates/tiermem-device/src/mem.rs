@@ -127,14 +127,15 @@ pub struct MemQueue {
 impl MemQueue {
     fn copy(&self, request: Request) {
         match request {
-            Request::Read { slot, buf } => {
+            Request::Read { slot, buf } | Request::ReadRun { slot, buf, .. } => {
+                let len = request.pages() as usize * PAGE_SIZE;
                 let from = self.store.slot_ptr(slot);
                 let to = self.arena.ptr(buf);
-                // SAFETY: both are PAGE_SIZE bytes inside live mappings (checked at push); the
-                // caller owns `buf` until its completion and the slot mapping is a different
-                // mapping, so they do not overlap.
-                unsafe { std::ptr::copy_nonoverlapping(from, to, PAGE_SIZE) };
-                self.counters.record_read(PAGE_SIZE as u64, PAGE_SIZE as u64);
+                // SAFETY: both are `len` bytes inside live mappings (a run's buffers and slots
+                // are contiguous; checked at push); the caller owns the buffers until the
+                // completion and the slot mapping is a different mapping, so they do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(from, to, len) };
+                self.counters.record_read(len as u64, len as u64);
             }
             Request::Write { slot, buf } | Request::WriteRun { slot, buf, .. } => {
                 let len = request.pages() as usize * PAGE_SIZE;
@@ -263,8 +264,8 @@ mod tests {
     }
 
     #[test]
-    fn write_runs_land_in_consecutive_slots() {
-        testing::write_runs_land_in_consecutive_slots(&MemDevice::new(256 * 4096).unwrap());
+    fn runs_move_consecutive_slots_in_one_request() {
+        testing::runs_move_consecutive_slots_in_one_request(&MemDevice::new(256 * 4096).unwrap());
     }
 
     #[test]

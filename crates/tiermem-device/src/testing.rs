@@ -242,12 +242,22 @@ pub fn round_trips_with_counters(device: &dyn Device, runs: &[RoundTrip]) {
 }
 
 /// Runs of buffers written in one request each land in consecutive slots, count as one write of
-/// all their bytes, and bad runs are refused. Needs a device of at least 64 slots.
-pub fn write_runs_land_in_consecutive_slots(device: &dyn Device) {
+/// all their bytes; runs read back in one request each (also one straddling both written runs
+/// and a never-written slot) fill consecutive buffers; bad runs are refused. Needs a device of
+/// at least 64 slots.
+pub fn runs_move_consecutive_slots_in_one_request(device: &dyn Device) {
     let arena = Arc::new(BufferArena::with_runs(1, 2).unwrap());
     let mut queue = device.open_queue(QueueKind::Completion, 4, &arena).unwrap();
     let mut model = PageModel::new();
     let before = device.counters().snapshot();
+    let run_trip = |queue: &mut Box<dyn IoQueue>, request: Request| {
+        queue.push(request, 1).unwrap();
+        queue.submit().unwrap();
+        let mut done = 0;
+        while done < 1 {
+            done += queue.wait(1, &mut |c| c.result.unwrap()).unwrap();
+        }
+    };
     for (first_slot, pages) in [(3u64, 5u32), (40, crate::arena::RUN_PAGES - 8)] {
         let buf = arena.alloc_run(pages).unwrap();
         for k in 0..pages {
@@ -256,24 +266,37 @@ pub fn write_runs_land_in_consecutive_slots(device: &dyn Device) {
             fill_page(arena.bytes_mut(buf + k), slot, version);
             model.versions.insert(slot, version);
         }
-        queue.push(Request::WriteRun { slot: first_slot, buf, pages }, 1).unwrap();
-        queue.submit().unwrap();
-        let mut done = 0;
-        while done < 1 {
-            done += queue.wait(1, &mut |c| c.result.unwrap()).unwrap();
-        }
+        run_trip(&mut queue, Request::WriteRun { slot: first_slot, buf, pages });
         (0..pages).for_each(|k| arena.release(buf + k));
     }
     let after = device.counters().snapshot();
     assert_eq!(after.writes - before.writes, 2, "one device write per run");
     assert_eq!(after.bytes_written_medium - before.bytes_written_medium, (5 + 24) * PAGE_SIZE as u64);
     model.verify_all(device, QueueKind::Polled);
+    let mut expected = vec![0u8; PAGE_SIZE];
+    for (first_slot, pages) in [(3u64, 5u32), (40, 24), (1, crate::arena::RUN_PAGES)] {
+        let before = device.counters().snapshot();
+        let buf = arena.alloc_run(pages).unwrap();
+        run_trip(&mut queue, Request::ReadRun { slot: first_slot, buf, pages });
+        let after = device.counters().snapshot();
+        assert_eq!(after.reads - before.reads, 1, "one device read for the run of {pages} from {first_slot}");
+        assert_eq!(after.bytes_read_medium - before.bytes_read_medium, u64::from(pages) * PAGE_SIZE as u64);
+        for k in 0..pages {
+            let slot = first_slot + u64::from(k);
+            fill_page(&mut expected, slot, model.version(slot));
+            assert_page_eq(arena.bytes(buf + k), &expected, slot, model.version(slot));
+            arena.release(buf + k);
+        }
+    }
     let capacity = device.capacity_slots();
     for (bad, says) in [
         (Request::WriteRun { slot: 0, buf: 32, pages: 0 }, "0 pages"),
         (Request::WriteRun { slot: 0, buf: 32, pages: 33 }, "33 pages"),
+        (Request::ReadRun { slot: 0, buf: 32, pages: 33 }, "33 pages"),
         (Request::WriteRun { slot: capacity - 2, buf: 32, pages: 3 }, "the device has only"),
+        (Request::ReadRun { slot: capacity - 2, buf: 32, pages: 3 }, "reading slots"),
         (Request::WriteRun { slot: 0, buf: 90, pages: 8 }, "not in the arena"),
+        (Request::ReadRun { slot: 0, buf: 90, pages: 8 }, "not in the arena"),
     ] {
         let err = queue.push(bad, 0).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidInput, "{bad:?}");

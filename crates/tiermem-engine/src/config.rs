@@ -125,6 +125,13 @@ pub struct EngineConfig {
     /// Write address-contiguous dirty pages of a reclaim batch as one request of up to 32 pages
     /// to consecutive slots, instead of one request per page (the paper merges nothing).
     pub write_runs: bool,
+    /// Read a prefetcher's pages that sit in consecutive slots as one request of up to 32
+    /// pages, instead of one request per page (the faulting page is still read alone, first).
+    pub read_runs: bool,
+    /// In [`FaultMode::HandlerThread`], a fault on a page whose prefetch is in flight leaves the
+    /// faulting thread asleep in the kernel until the completion maps the page (which wakes it),
+    /// instead of the handler spinning until the read lands.
+    pub defer_prefetch_hits: bool,
     /// Record every fault (page id, read or write) to this file in the simulator's binary trace
     /// format, for `tiermem sim`.
     pub trace_path: Option<std::path::PathBuf>,
@@ -154,6 +161,8 @@ impl Default for EngineConfig {
             handler_threads: 1,
             handler_spin_us: 0,
             write_runs: false,
+            read_runs: false,
+            defer_prefetch_hits: false,
             trace_path: None,
         }
     }

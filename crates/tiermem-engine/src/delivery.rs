@@ -64,7 +64,7 @@ pub(crate) fn handler_thread(shared: &Shared, lane: usize) {
                 if !spin.is_zero() {
                     last_fault = std::time::Instant::now();
                 }
-                match handle_fault(shared, addr, write || wp, !wp, lane) {
+                match handle_fault(shared, addr, write || wp, !wp, lane, true) {
                     Outcome::Resolved => {}
                     Outcome::NotOurs => {
                         // A region going away under a faulting thread: let it retry and find out.
@@ -165,7 +165,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *
         // SAFETY: the pointer is published only while the engine is alive (uninstall clears it
         // before the engine is dropped).
         let shared = unsafe { &*engine };
-        match handle_fault(shared, addr, write, true, lane_hint()) {
+        match handle_fault(shared, addr, write, true, lane_hint(), false) {
             Outcome::Resolved => {
                 // SAFETY: as above.
                 unsafe { *libc::__errno_location() = saved_errno };

@@ -270,7 +270,7 @@ impl Engine {
         }
         let uffd = Uffd::open(wanted, true)?;
         let capture = if async_wp { Some(crate::capture::Capture::new(&uffd)?) } else { None };
-        let runs = if config.write_runs { WRITE_RUNS } else { 0 };
+        let runs = if config.write_runs { WRITE_RUNS } else { 0 } + if config.read_runs { READ_RUNS } else { 0 };
         let arena = Arc::new(BufferArena::with_runs(config.io_buffers, runs)?);
         let queues = Queues::open(&config, &*device, &arena)?;
         let limit_pages = config.limit_pages();
@@ -606,6 +606,9 @@ impl Drop for Region {
 /// Runs of arena buffers for [`EngineConfig::write_runs`]: half a reclaim round's worth of
 /// batches in flight (16 x 32 pages, 2 MiB).
 const WRITE_RUNS: u32 = 16;
+/// Runs of arena buffers for [`EngineConfig::read_runs`] (16 x 32 pages, 2 MiB): a dozen
+/// windows of the `ondemand` prefetcher in flight.
+const READ_RUNS: u32 = 16;
 
 impl Drop for Engine {
     fn drop(&mut self) {

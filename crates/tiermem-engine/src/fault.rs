@@ -74,8 +74,17 @@ fn reserve_room(shared: &Shared, regions: &RegionTable) {
 
 /// Resolve a fault at `addr`. `write` says whether the access was a write; `missing` that the
 /// kernel found no page there (not a write to a protected one); `lane_hint` spreads concurrent
-/// faulting threads over the polled lanes.
-pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, missing: bool, lane_hint: usize) -> Outcome {
+/// faulting threads over the polled lanes; `asleep_in_kernel` that the faulting thread waits in
+/// the kernel for a wake (a handler thread's fault), so a page already on its way may be left to
+/// the completion that maps it.
+pub(crate) fn handle_fault(
+    shared: &Shared,
+    addr: usize,
+    write: bool,
+    missing: bool,
+    lane_hint: usize,
+    asleep_in_kernel: bool,
+) -> Outcome {
     let regions = shared.regions();
     let Some(region) = regions.find(addr) else { return Outcome::NotOurs };
     let index = region.page_index(addr);
@@ -151,6 +160,26 @@ pub(crate) fn handle_fault(shared: &Shared, addr: usize, write: bool, missing: b
                     };
                     issue_prefetches(shared, region, &info, None);
                 }
+                return Outcome::Resolved;
+            }
+            Kind::Incoming if asleep_in_kernel && shared.config.defer_prefetch_hits => {
+                // A prefetch of this page is in flight and its completion will map it, which
+                // wakes the faulting thread (a completion that does not map it wakes it to fault
+                // again): nothing to wait for here, and the CPU this handler would spin on is
+                // what the completion and reclaim threads need. Read further ahead now, as the
+                // program has caught up with the prefetcher.
+                drop(locked);
+                give_back(needs_room, staging);
+                Stats::add(&shared.stats.counters.prefetch_hits, 1);
+                Stats::add(&shared.stats.counters.deferred_hits, 1);
+                let info = FaultInfo {
+                    region: region.index,
+                    page: index,
+                    region_pages: region.page_count(),
+                    write,
+                    hit: true,
+                };
+                issue_prefetches(shared, region, &info, None);
                 return Outcome::Resolved;
             }
             Kind::Incoming => {
@@ -405,8 +434,8 @@ fn read_critical(
     lane.push(Request::Read { slot, buf }, critical_tag).map_err(|_| Errno::IO)?;
     lane.submit().map_err(|_| Errno::IO)?;
     let poll_only = shared.config.io_mode == IoMode::PollOnly;
-    let issued = issue_prefetches(shared, region, info, poll_only.then_some(&mut **lane));
-    let on_lane = if poll_only { issued } else { 0 };
+    let requests = issue_prefetches(shared, region, info, poll_only.then_some(&mut **lane));
+    let on_lane = if poll_only { requests } else { 0 };
     let mut critical_ok = None;
     let mut lane_prefetches = [crate::io::Done { tag: 0, ok: false }; PageList::CAPACITY];
     let mut n = 0;
@@ -437,8 +466,8 @@ fn read_critical(
 }
 
 /// Ask the prefetcher and start reading its pages. With `lane`, the reads go there (poll-only
-/// mode) and the count is returned for the caller to wait on; otherwise they go on the
-/// completion-driven prefetch queue.
+/// mode) and the number of requests is returned for the caller to wait on; otherwise they go on
+/// the completion-driven prefetch queue.
 fn issue_prefetches(
     shared: &Shared,
     region: &RegionInner,
@@ -464,33 +493,113 @@ fn issue_prefetches(
             &mut **guard
         }
     };
-    let mut issued = 0;
-    for &page in wanted.as_slice().iter().take(headroom) {
-        let Some(cell) = region.pages.get(page as usize) else { continue };
-        let peek = cell.peek();
-        if peek.kind() != Kind::Evicted || peek.writing() {
-            continue;
+    let wanted = wanted.as_slice();
+    let mut rest = &wanted[..wanted.len().min(headroom)];
+    let (mut requests, mut pages) = (0, 0);
+    while !rest.is_empty() {
+        let queued = queue_prefetch(shared, region, rest, queue);
+        let Some((looked_at, read)) = queued else { break };
+        rest = &rest[looked_at..];
+        if read > 0 {
+            requests += 1;
+            pages += read;
         }
-        let Some(mut locked) = cell.try_lock() else { continue };
-        let state = locked.state();
-        if state.kind() != Kind::Evicted || state.writing() {
-            continue;
+    }
+    if requests > 0 {
+        let _ = queue.submit();
+        Stats::add(&shared.stats.counters.prefetch_issued, pages as u64);
+    }
+    requests
+}
+
+/// Queue one read for the first of `pages` (in the prefetcher's order): with read runs on, the
+/// pages after it that lie next to it in both address and slot come along in the same request,
+/// as far as they can be locked. Returns how many of `pages` were looked at and how many are
+/// read (0: the first was not evicted or was busy), or None when out of buffers or queue room.
+fn queue_prefetch(
+    shared: &Shared,
+    region: &RegionInner,
+    pages: &[u64],
+    queue: &mut dyn tiermem_device::IoQueue,
+) -> Option<(usize, usize)> {
+    let readable_slot = |page: u64| {
+        let state = region.pages.get(page as usize)?.peek();
+        (state.kind() == Kind::Evicted && !state.writing()).then(|| state.slot()).flatten()
+    };
+    let first = pages[0];
+    let Some(first_slot) = readable_slot(first) else { return Some((1, 0)) };
+    // A run steps one page and one slot per entry, each either way; found on peeked states and
+    // checked again under the locks.
+    let mut len = 1;
+    let (mut page_step, mut slot_step) = (1i64, 1i64);
+    if shared.config.read_runs && pages.len() > 1 {
+        page_step = pages[1].wrapping_sub(first) as i64;
+        slot_step = readable_slot(pages[1]).map_or(0, |s| s.wrapping_sub(first_slot) as i64);
+        if page_step.abs() == 1 && slot_step.abs() == 1 {
+            let at = |base: u64, step: i64, k: usize| base.wrapping_add_signed(step * k as i64);
+            let most = pages.len().min(tiermem_device::arena::RUN_PAGES as usize);
+            while len < most
+                && pages[len] == at(first, page_step, len)
+                && readable_slot(pages[len]) == Some(at(first_slot, slot_step, len))
+            {
+                len += 1;
+            }
         }
-        let Some(buf) = shared.arena.alloc() else { break };
-        let slot = state.slot().unwrap_or_default();
-        if queue.push(Request::Read { slot, buf }, tag(Op::Prefetch, region.id(page))).is_err() {
-            shared.arena.release(buf);
+    }
+    let mut locked: [Option<crate::page::LockedPage<'_>>; tiermem_device::arena::RUN_PAGES as usize] =
+        std::array::from_fn(|_| None);
+    let mut got = 0;
+    for (k, &page) in pages[..len].iter().enumerate() {
+        let Some(page_lock) = region.pages[page as usize].try_lock() else { break };
+        let state = page_lock.state();
+        let slot = first_slot.wrapping_add_signed(slot_step * k as i64);
+        if state.kind() != Kind::Evicted || state.writing() || state.slot() != Some(slot) {
             break;
         }
+        locked[k] = Some(page_lock);
+        got += 1;
+    }
+    if got == 0 {
+        return Some((1, 0));
+    }
+    let run = if got > 1 { shared.arena.alloc_run(got as u32) } else { None };
+    let Some(bufs) = run else {
+        // The first page alone, in a single buffer.
+        let mut page_lock = locked[0].take()?;
+        let buf = shared.arena.alloc()?;
+        let state = page_lock.state();
+        if queue.push(Request::Read { slot: first_slot, buf }, tag(Op::Prefetch, region.id(first))).is_err() {
+            shared.arena.release(buf);
+            return None;
+        }
         shared.queues.mark_submitted(buf);
-        locked.set(state.with_kind(Kind::Incoming).with_buf(buf));
-        issued += 1;
+        page_lock.set(state.with_kind(Kind::Incoming).with_buf(buf));
+        return Some((1, 1));
+    };
+    // Buffers follow the slots upwards: with slots descending, the last page locked comes first.
+    let n = got as u32;
+    let buf_of = |k: usize| if slot_step > 0 { bufs + k as u32 } else { bufs + n - 1 - k as u32 };
+    let lowest_slot = if slot_step > 0 { first_slot } else { first_slot - (n as u64 - 1) };
+    let first_buf_page = pages[if slot_step > 0 { 0 } else { got - 1 }];
+    let tag = shared.queues.note_run(
+        &shared.arena,
+        Op::ReadRun,
+        bufs,
+        region.id(first_buf_page),
+        n,
+        page_step * slot_step < 0,
+    );
+    if queue.push(Request::ReadRun { slot: lowest_slot, buf: bufs, pages: n }, tag).is_err() {
+        (0..n).for_each(|k| shared.arena.release(bufs + k));
+        return None;
     }
-    if issued > 0 {
-        let _ = queue.submit();
-        Stats::add(&shared.stats.counters.prefetch_issued, issued as u64);
+    // The first `got` entries are all locked pages, so positions match `k`.
+    for (k, page_lock) in locked.iter_mut().take(got).flatten().enumerate() {
+        shared.queues.mark_submitted(buf_of(k));
+        let state = page_lock.state();
+        page_lock.set(state.with_kind(Kind::Incoming).with_buf(buf_of(k)));
     }
-    issued
+    Some((got, got))
 }
 
 /// A prefetch read finished: map the page now if there is room, else forget it (its slot still
@@ -573,7 +682,7 @@ pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize
     let guard = PinGuard { shared: shared.clone(), range: (start, end) };
     for page in (start..end).step_by(PAGE_SIZE) {
         loop {
-            match handle_fault(shared, page, write, false, 0) {
+            match handle_fault(shared, page, write, false, 0, false) {
                 Outcome::Resolved => {}
                 Outcome::NotOurs => return Err(Error::invalid(format!("address {page:#x} left its region"))),
                 Outcome::Failed(e) => {

@@ -7,7 +7,8 @@
 //! - `writeback`: completion-driven queue for evicted pages.
 //!
 //! The critical read is always pushed and submitted before any prefetch, so a prefetch never
-//! delays it (no head-of-line blocking); nothing is merged or reordered.
+//! delays it (no head-of-line blocking); nothing is reordered, and nothing is merged unless
+//! asked for (write runs, read runs: pages already in consecutive slots, one request).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -33,9 +34,13 @@ pub(crate) enum Op {
     /// A run of write-backs in one request; the tag holds the run's first buffer (see
     /// [`Queues::note_run`]).
     WriteRun = 4,
+    /// A run of prefetches in one request, tagged like a write run.
+    ReadRun = 5,
 }
 
 const OP_SHIFT: u32 = 61;
+/// In a noted run's page count: its buffers carry descending page ids.
+const RUN_DESCENDING: u32 = 1 << 31;
 
 pub(crate) fn tag(op: Op, page: PageId) -> u64 {
     ((op as u64) << OP_SHIFT) | page
@@ -47,6 +52,7 @@ fn untag(tag: u64) -> (Option<Op>, PageId) {
         2 => Some(Op::Prefetch),
         3 => Some(Op::WriteBack),
         4 => Some(Op::WriteRun),
+        5 => Some(Op::ReadRun),
         _ => None,
     };
     (op, tag & ((1 << OP_SHIFT) - 1))
@@ -69,7 +75,8 @@ pub(crate) struct Queues {
     deferred: Mutex<Vec<Done>>,
     /// Submission time (ns since `epoch`) of the request using each arena buffer.
     submitted_at: Box<[AtomicU64]>,
-    /// Per arena run in flight as a write: its first page id and its page count.
+    /// Per arena run in flight: the page id its first buffer carries, and its page count with
+    /// [`RUN_DESCENDING`] set when buffer k carries the page k before that one, not after.
     runs: Box<[(AtomicU64, AtomicU32)]>,
     epoch: Instant,
     wake: std::os::fd::OwnedFd,
@@ -154,19 +161,22 @@ impl Queues {
         self.epoch.elapsed().as_nanos() as u64
     }
 
-    /// Remember that the run of arena buffers from `first_buf` carries the write-backs of
-    /// `pages` pages from `first_page` on; returns the request's tag.
+    /// Remember that the run of arena buffers from `first_buf` carries `pages` pages for `op`
+    /// (a write run or a read run), buffer k the page `first_page + k` (`- k` if `descending`);
+    /// returns the request's tag.
     pub(crate) fn note_run(
         &self,
         arena: &tiermem_device::BufferArena,
+        op: Op,
         first_buf: BufId,
         first_page: PageId,
         pages: u32,
+        descending: bool,
     ) -> u64 {
         let (id, count) = &self.runs[arena.run_index(first_buf) as usize];
         id.store(first_page, Ordering::Relaxed);
-        count.store(pages, Ordering::Release);
-        tag(Op::WriteRun, PageId::from(first_buf))
+        count.store(pages | if descending { RUN_DESCENDING } else { 0 }, Ordering::Release);
+        tag(op, PageId::from(first_buf))
     }
 
     pub(crate) fn mark_submitted(&self, buf: BufId) {
@@ -235,13 +245,15 @@ pub(crate) fn process_all(shared: &Shared, regions: &RegionTable, done: &[Done])
 /// Process one completion; false (and deferred) if its page is locked by someone else.
 fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
     let (op, page) = untag(done.tag);
-    if op == Some(Op::WriteRun) {
-        // One completion for the run: finish each page's write-back (each deferred on its own
-        // if its page is locked).
+    if let Some(run_op @ (Op::WriteRun | Op::ReadRun)) = op {
+        // One completion for the run: finish each page's write-back or prefetch (each deferred
+        // on its own if its page is locked).
+        let each = if run_op == Op::WriteRun { Op::WriteBack } else { Op::Prefetch };
         let (first, count) = &shared.queues.runs[shared.arena.run_index(page as BufId) as usize];
         let (first, count) = (first.load(Ordering::Relaxed), count.load(Ordering::Acquire));
-        for k in 0..u64::from(count) {
-            process(shared, regions, Done { tag: tag(Op::WriteBack, first + k), ok: done.ok });
+        for k in 0..u64::from(count & !RUN_DESCENDING) {
+            let id = if count & RUN_DESCENDING != 0 { first - k } else { first + k };
+            process(shared, regions, Done { tag: tag(each, id), ok: done.ok });
         }
         return true;
     }
@@ -272,11 +284,15 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
         Some(Op::Prefetch) => {
             debug_assert_eq!(state.kind(), Kind::Incoming);
             shared.stats.record(Path::Prefetch, shared.queues.elapsed_since_submit(buf));
-            let sampled = done.ok && !region.is_closing() && shared.prefetch_sampler.take_sample();
-            let next = if sampled {
+            // A sample waits in a single buffer: one in a run would keep the whole run taken.
+            let sample_buf = (done.ok && !region.is_closing() && shared.prefetch_sampler.take_sample())
+                .then(|| single_buffer(shared, buf))
+                .flatten();
+            let sampled = sample_buf.is_some();
+            let next = if let Some(kept) = sample_buf {
                 // Left in its buffer: the program's first touch shows that it was used.
                 Stats::add(&shared.stats.counters.prefetch_sampled, 1);
-                state.with_kind(Kind::Prefetched)
+                state.with_kind(Kind::Prefetched).with_buf(kept)
             } else if done.ok {
                 crate::fault::install_prefetched(shared, region, index, state)
             } else {
@@ -286,18 +302,35 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
             };
             locked.set(next);
             drop(locked);
+            if next.kind() != Kind::Resident && shared.config.defer_prefetch_hits {
+                // A thread that faulted on it may sleep until it is mapped (see
+                // `handle_fault`): let it fault again and find it where it is now.
+                let _ = shared.uffd.wake(region.page_addr(index), tiermem_sys::PAGE_SIZE);
+            }
             if sampled {
                 if let Some(oldest) = shared.prefetch_sampler.push(page) {
                     end_sample(shared, regions, oldest);
                 }
             }
         }
-        Some(Op::Critical | Op::WriteRun) | None => {
+        Some(Op::Critical | Op::WriteRun | Op::ReadRun) | None => {
             // Critical reads are waited for on their lane and never reach here.
             debug_assert!(false, "unexpected completion tag {:#x}", done.tag);
         }
     }
     true
+}
+
+/// `buf` if it is a single buffer; else a single buffer holding a copy of it (`buf` is given
+/// back), or None when none is free.
+fn single_buffer(shared: &Shared, buf: BufId) -> Option<BufId> {
+    if !shared.arena.in_run(buf) {
+        return Some(buf);
+    }
+    let single = shared.arena.alloc()?;
+    shared.arena.bytes_mut(single).copy_from_slice(shared.arena.bytes(buf));
+    shared.arena.release(buf);
+    Some(single)
 }
 
 /// A sample has waited long enough: if the program has not touched it, put it back to its slot

@@ -675,7 +675,7 @@ fn queue_run(
     }
     make_room(shared, queue, queued);
     let first = run.iter().flatten().next().map_or(0, |v| v.id);
-    let tag = shared.queues.note_run(&shared.arena, bufs, first, n);
+    let tag = shared.queues.note_run(&shared.arena, Op::WriteRun, bufs, first, n, false);
     if queue.push(Request::WriteRun { slot: slots, buf: bufs, pages: n }, tag).is_err() {
         (0..n).for_each(|k| shared.arena.release(bufs + k));
         (0..u64::from(n)).for_each(|k| shared.slots.free(slots + k));

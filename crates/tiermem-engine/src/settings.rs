@@ -66,6 +66,8 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     ("TIERMEM_RECLAIM_MODE", "background | on-fault-path"),
     ("TIERMEM_WRITE_RUNS", "on | off: write contiguous dirty pages as one request of up to 32 pages (default off)"),
+    ("TIERMEM_READ_RUNS", "on | off: read prefetched pages in consecutive slots as one request of up to 32 pages (default off)"),
+    ("TIERMEM_DEFER_HITS", "on | off: thread fault mode: a fault on a page being prefetched sleeps until it lands instead of the handler spinning (default off)"),
     ("TIERMEM_DIRTY_TRACKING", "auto | sync-wp | none"),
     ("TIERMEM_THRESHOLD", "smallest allocation that is managed, in bytes (default 1MiB)"),
     ("TIERMEM_STATS_DIR", "directory for per-process statistics (<pid>.json)"),
@@ -159,6 +161,8 @@ impl RunSettings {
                 "TIERMEM_SINGLE_THREAD_STDIO" => s.single_thread_stdio = on_off(value).map_err(named)?,
                 "TIERMEM_REUSE_FREED" => s.reuse_freed = on_off(value).map_err(named)?,
                 "TIERMEM_WRITE_RUNS" => s.engine.write_runs = on_off(value).map_err(named)?,
+                "TIERMEM_READ_RUNS" => s.engine.read_runs = on_off(value).map_err(named)?,
+                "TIERMEM_DEFER_HITS" => s.engine.defer_prefetch_hits = on_off(value).map_err(named)?,
                 _ => {
                     let known: Vec<&str> = VARIABLES.iter().map(|(k, _)| *k).collect();
                     return Err(Error::invalid(format!(
@@ -199,6 +203,8 @@ impl RunSettings {
             ("TIERMEM_IO_BUFFERS", e.io_buffers.to_string()),
             ("TIERMEM_HANDLER_SPIN_US", e.handler_spin_us.to_string()),
             ("TIERMEM_WRITE_RUNS", if e.write_runs { "on" } else { "off" }.to_string()),
+            ("TIERMEM_READ_RUNS", if e.read_runs { "on" } else { "off" }.to_string()),
+            ("TIERMEM_DEFER_HITS", if e.defer_prefetch_hits { "on" } else { "off" }.to_string()),
             ("TIERMEM_RECLAIM_MODE", e.reclaim_mode.to_string()),
             ("TIERMEM_DIRTY_TRACKING", e.dirty_tracking.to_string()),
             ("TIERMEM_THRESHOLD", self.threshold.to_string()),
@@ -274,6 +280,7 @@ mod tests {
             ("TIERMEM_SINGLE_THREAD_STDIO", "off"),
             ("TIERMEM_REUSE_FREED", "off"),
             ("TIERMEM_WRITE_RUNS", "on"),
+            ("TIERMEM_READ_RUNS", "on"),
             ("PATH", "/bin"),
             ("TIERMEM_TEST_DEVICES", "mem"),
         ])
@@ -289,6 +296,7 @@ mod tests {
         assert!(!s.single_thread_stdio && !again.single_thread_stdio);
         assert!(!s.reuse_freed && !again.reuse_freed);
         assert!(s.engine.write_runs && again.engine.write_runs);
+        assert!(s.engine.read_runs && again.engine.read_runs);
         assert_eq!(again.footprint, s.footprint);
     }
 

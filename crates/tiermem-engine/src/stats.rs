@@ -52,6 +52,10 @@ pub struct Counters {
     pub prefetch_issued: AtomicU64,
     /// Prefetched pages later faulted on (prefetch cache hits and in-flight hits).
     pub prefetch_hits: AtomicU64,
+    /// Of the prefetch hits, faults on pages still in flight left to their completion to map
+    /// (the faulting thread slept instead of a handler spinning; see
+    /// [`crate::EngineConfig::defer_prefetch_hits`]).
+    pub deferred_hits: AtomicU64,
     /// Prefetched pages mapped before anyone asked (eager install).
     pub prefetch_installed: AtomicU64,
     /// Prefetched pages thrown away unused (no room, or evicted before use).
@@ -166,6 +170,7 @@ impl Stats {
             critical_reads: critical,
             prefetch_issued: issued,
             prefetch_hits: hits,
+            deferred_hits: l(&c.deferred_hits),
             prefetch_installed: installed,
             prefetch_dropped: l(&c.prefetch_dropped),
             prefetch_sampled: sampled,
@@ -221,6 +226,9 @@ pub struct StatsSnapshot {
     pub prefetch_issued: u64,
     /// See [`Counters`].
     pub prefetch_hits: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub deferred_hits: u64,
     /// See [`Counters`].
     pub prefetch_installed: u64,
     /// See [`Counters`].
@@ -289,8 +297,17 @@ impl StatsSnapshot {
         );
         let _ = writeln!(
             s,
-            "faults          critical {}  zero-fill {}  prefetch-hit {}  write-back-hit {}  write-protect {}",
-            self.critical_reads, self.zero_fills, self.prefetch_hits, self.writeback_hits, self.wp_faults
+            "faults          critical {}  zero-fill {}  prefetch-hit {}{}  write-back-hit {}  write-protect {}",
+            self.critical_reads,
+            self.zero_fills,
+            self.prefetch_hits,
+            if self.deferred_hits > 0 {
+                format!(" ({} left to their completion)", self.deferred_hits)
+            } else {
+                String::new()
+            },
+            self.writeback_hits,
+            self.wp_faults
         );
         let _ = writeln!(
             s,
@@ -372,6 +389,7 @@ impl StatsSnapshot {
         self.critical_reads += other.critical_reads;
         self.prefetch_issued += other.prefetch_issued;
         self.prefetch_hits += other.prefetch_hits;
+        self.deferred_hits += other.deferred_hits;
         self.prefetch_installed += other.prefetch_installed;
         self.prefetch_dropped += other.prefetch_dropped;
         self.prefetch_sampled += other.prefetch_sampled;

@@ -19,6 +19,11 @@ struct Outcome {
     ops: u64,
     kernel_peak: u64,
     engine_peak: u64,
+    /// Faults on pages in flight left to their completion.
+    deferred_hits: u64,
+    /// Device read requests, and the pages they read.
+    read_requests: u64,
+    pages_read: u64,
 }
 
 /// Each thread owns the pages `p % THREADS == t`, so it knows what each of them must hold.
@@ -115,6 +120,7 @@ fn hammer(
     sampler.join().unwrap();
     watchdog.join().unwrap();
     let stats = engine.stats();
+    let device = engine.device_counters();
     assert!(stats.evictions > 0, "the test must actually evict: {}", stats.summary());
     // Nothing here drops pages behind the engine: a count means it lost track of one.
     assert_eq!(stats.dropped_outside, 0, "the engine lost track of mapped pages: {}", stats.summary());
@@ -135,10 +141,23 @@ fn hammer(
         ops: ops_per_thread * THREADS as u64,
         kernel_peak: kernel_peak.load(Ordering::Relaxed),
         engine_peak: engine_peak.load(Ordering::Relaxed),
+        deferred_hits: stats.deferred_hits,
+        read_requests: device.reads,
+        pages_read: device.bytes_read_medium / 4096,
     }
 }
 
 fn check(name: &str, tweak: impl Fn(&mut EngineConfig) + Copy, ops: u64) {
+    check_that(name, tweak, ops, |_| Ok(()));
+}
+
+/// [`check`], and `expect` holds on each device's run (the path under test was taken).
+fn check_that(
+    name: &str,
+    tweak: impl Fn(&mut EngineConfig) + Copy,
+    ops: u64,
+    expect: impl Fn(&Outcome) -> Result<(), String>,
+) {
     let _serial = serial();
     if features_or_skip(name).is_none() {
         return;
@@ -152,9 +171,12 @@ fn check(name: &str, tweak: impl Fn(&mut EngineConfig) + Copy, ops: u64) {
         }
         let out = hammer(tweak, device, ops);
         eprintln!(
-            "{name} on {dev_name}: {} page ops, {} mismatches, peak resident kernel (scan minus evictions during it) {} / engine {} (limit {LIMIT_PAGES})",
-            out.ops, out.mismatches, out.kernel_peak, out.engine_peak
+            "{name} on {dev_name}: {} page ops, {} mismatches, peak resident kernel (scan minus evictions during it) {} / engine {} (limit {LIMIT_PAGES}); {} pages read in {} requests, {} deferred prefetch hits",
+            out.ops, out.mismatches, out.kernel_peak, out.engine_peak, out.pages_read, out.read_requests, out.deferred_hits
         );
+        if let Err(why) = expect(&out) {
+            panic!("{name} on {dev_name}: {why}");
+        }
         assert_eq!(out.mismatches, 0, "{name} on {dev_name}: data corrupted");
         assert!(
             out.kernel_peak <= LIMIT_PAGES,
@@ -253,6 +275,57 @@ fn write_runs_keep_every_write() {
         |c| {
             c.write_runs = true;
             c.io_mode = IoMode::PollOnly;
+        },
+        10_000,
+    );
+}
+
+#[test]
+fn read_runs_keep_every_page() {
+    // Next-7 prefetching asks for neighbours on every miss; write runs put neighbours in
+    // consecutive slots, so runs form.
+    let runs = |c: &mut EngineConfig| {
+        c.read_runs = true;
+        c.write_runs = true;
+        c.prefetch = "fastswap".into();
+    };
+    let merged = |out: &Outcome| {
+        (out.read_requests < out.pages_read).then_some(()).ok_or_else(|| "no read was merged into a run".to_string())
+    };
+    check_that("read runs", runs, 20_000, merged);
+    check_that(
+        "read runs sigbus poll-only",
+        |c| {
+            runs(c);
+            c.fault_mode = FaultMode::Sigbus;
+            c.io_mode = IoMode::PollOnly;
+        },
+        10_000,
+        merged,
+    );
+}
+
+#[test]
+fn deferred_prefetch_hits_keep_every_page() {
+    // Next-7 prefetching leaves many faults on pages still being read; with deferral their
+    // threads sleep until the completion maps the page (or wakes them to fault again).
+    check_that(
+        "deferred prefetch hits",
+        |c| {
+            c.defer_prefetch_hits = true;
+            c.prefetch = "fastswap".into();
+        },
+        20_000,
+        |out| (out.deferred_hits > 0).then_some(()).ok_or_else(|| "no fault was left to its completion".to_string()),
+    );
+    check(
+        "deferred prefetch hits, read runs, two handlers",
+        |c| {
+            c.defer_prefetch_hits = true;
+            c.read_runs = true;
+            c.write_runs = true;
+            c.handler_threads = 2;
+            c.prefetch = "fastswap".into();
         },
         10_000,
     );

@@ -48,9 +48,9 @@ fn data_outlives_the_device_and_is_read_back_after_reopening() {
 }
 
 #[test]
-fn write_runs_land_in_consecutive_slots() {
+fn runs_move_consecutive_slots_in_one_request() {
     let dir = scratch();
-    testing::write_runs_land_in_consecutive_slots(&device_of(&dir, 256));
+    testing::runs_move_consecutive_slots_in_one_request(&device_of(&dir, 256));
 }
 
 #[test]
