@@ -53,6 +53,9 @@ SYSTEMS: dict[str, System] = {
         # The same, most recent first only while page-ins are mostly short refaults.
         System("tiermem-file-seq-adaptive", "tiermem", "tiermem run, file device, seq-adaptive replacement",
                ("--replace", "seq-adaptive")),
+        # CLOCK (FIFO with a second chance), the default before seq-adaptive.
+        System("tiermem-file-clock", "tiermem", "tiermem run, file device, clock replacement",
+               ("--replace", "clock")),
         # Streams keep stdio's locks even while the program has one thread (what the engine's
         # threads made glibc do before the shim switched them off).
         System("tiermem-file-locked-stdio", "tiermem", "tiermem run, file device, stdio locks kept",
@@ -92,7 +95,7 @@ SYSTEMS: dict[str, System] = {
 }
 # Systems measured unless --systems says otherwise: the paper's matrix.
 NOT_BY_DEFAULT = ("tiermem-file-tuned", "tiermem-file-evict-at-70", "tiermem-file-stream-first", "tiermem-file-seq",
-                  "tiermem-file-seq-adaptive", "tiermem-file-locked-stdio",
+                  "tiermem-file-seq-adaptive", "tiermem-file-clock", "tiermem-file-locked-stdio",
                   "tiermem-file-2-handlers", "tiermem-file-no-reuse", "tiermem-file-write-runs",
                   "tiermem-file-sync-wp", "tiermem-file-handler-spin",
                   "tiermem-file-256-buffers", "tiermem-file-read-runs", "tiermem-file-runs",

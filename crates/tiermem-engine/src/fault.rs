@@ -209,7 +209,9 @@ pub(crate) fn handle_fault(
                     return outcome_of_copy_error(e);
                 }
                 give_back(false, staging);
-                locked.set(state.with_kind(Kind::Resident).with_dirty(!protect).with_referenced(true));
+                // Its first use, not a reuse: not referenced, like the prefetched pages mapped
+                // at their completion (whose first touch the engine never sees).
+                locked.set(state.with_kind(Kind::Resident).with_dirty(!protect).with_referenced(false));
                 drop(locked);
                 shared.arena.release(buf);
                 shared.replacement.on_insert(id);

@@ -5,9 +5,10 @@
 //! - a report (monitor input) goes to the prefetcher's `on_report`, whose pages are read
 //!   asynchronously;
 //! - an access to a resident page is a hit: the replacement policy hears `on_access` (the trace
-//!   is full access information) and the page's referenced bit is set; the first touch of a
-//!   prefetched page is a prefetch hit, late if its read has not finished (the access waits),
-//!   and the prefetcher hears `on_fault` with `hit`, as in the engine;
+//!   is full access information) and the page's referenced bit is set, except on the first
+//!   touch of a prefetched page: that is its first use, not a reuse (the engine never sees it).
+//!   It is a prefetch hit, late if its read has not finished (the access waits), and the
+//!   prefetcher hears `on_fault` with `hit`, as in the engine;
 //! - an access to any other page is a fault: room is made (one victim at a time, from the
 //!   replacement policy, dirty victims written back), the page is read and waited for, the
 //!   policy hears `on_insert`, and the prefetcher's `on_fault` pages are read asynchronously.
@@ -467,7 +468,11 @@ impl Simulator {
             return;
         }
         if s & RESIDENT != 0 {
-            cell.set((s & !PREFETCHED) | REFERENCED | dirty);
+            // The first touch of a prefetched page is its first use, as a fault is for a page
+            // read on demand, not a reuse: the engine maps prefetched pages before the program
+            // touches them and never sees that touch, so the referenced bit stays clear there too.
+            let reused = if s & PREFETCHED != 0 { 0 } else { REFERENCED };
+            cell.set((s & !PREFETCHED) | reused | dirty);
             self.policies.on_access(page);
             self.policy_mru = page;
             if s & PREFETCHED != 0 {
@@ -592,6 +597,32 @@ mod tests {
             sim.step(e);
         }
         sim.finish()
+    }
+
+    #[test]
+    fn the_first_touch_of_a_prefetched_page_is_a_use_and_the_second_a_reuse() {
+        let config = SimConfig {
+            local_pages: 16,
+            prefetch: "fastswap".into(),
+            replace: "clock".into(),
+            options: PolicyOptions::default(),
+            latency: Latency::default(),
+            monitor: MonitorInput::None,
+        };
+        let mut sim = Simulator::new(config).unwrap();
+        let referenced = |sim: &mut Simulator, page| sim.pages.cell(page).get() & REFERENCED != 0;
+        sim.step(event(100, EventKind::Read)); // a fault; 101..=107 read ahead
+        assert!(!referenced(&mut sim, 100), "a fault is the page's first use");
+        sim.step(event(101, EventKind::Read));
+        assert_eq!(sim.result.prefetch_hits, 1);
+        // As in the engine, which maps prefetched pages before the program touches them.
+        assert!(!referenced(&mut sim, 101), "the first touch of a prefetched page is its first use");
+        sim.step(event(102, EventKind::Read));
+        sim.step(event(101, EventKind::Read));
+        assert!(referenced(&mut sim, 101), "touched again while resident: reused");
+        sim.step(event(100, EventKind::Read));
+        assert!(referenced(&mut sim, 100));
+        assert_eq!(sim.result.faults, 1);
     }
 
     /// Forwards only the `&self` hooks, so the simulator's `_mut` calls take the trait's default
