@@ -8,6 +8,10 @@ use crate::{lock, owned, PageId, PageList, Replacement};
 const RUNS: usize = 8;
 /// Pages in a row that make a run sequential.
 const RUN_MIN: u32 = 8;
+/// How far past the page a run expects next the following page may land and still extend it:
+/// prefetched pages arrive in completion order, and a sampled prefetch arrives only when the
+/// program first touches it, so a scan's pages do not come in strictly one after the other.
+const RUN_SLACK: u64 = 16;
 /// `seq-adaptive` decides its order once per this many page-ins.
 const VERDICT_EVERY: u32 = 1024;
 
@@ -161,11 +165,13 @@ impl State {
     fn in_run(&mut self, page: PageId) -> bool {
         self.clock += 1;
         let now = self.clock;
-        let hit = self.runs.iter_mut().find(|r| r.0 == page || r.1 == page);
+        let ahead = |r: &(PageId, PageId, u32, u64)| r.0 != u64::MAX && page.wrapping_sub(r.0) < RUN_SLACK;
+        let behind = |r: &(PageId, PageId, u32, u64)| r.1 != u64::MAX && r.1.wrapping_sub(page) < RUN_SLACK;
+        let hit = self.runs.iter_mut().find(|r| ahead(r) || behind(r));
         let length = match hit {
             Some(run) => {
                 // A run keeps its direction once it has one.
-                let up = run.0 == page;
+                let up = ahead(run);
                 *run = (
                     if up { page + 1 } else { u64::MAX },
                     if up { u64::MAX } else { page.wrapping_sub(1) },
@@ -293,6 +299,23 @@ mod tests {
         (0..8).for_each(|i| p.on_insert(10_000 + 7 * i));
         let v = victims(&p, 33, &|_| false);
         assert_eq!(v, (107..140).rev().collect::<Vec<_>>(), "the whole run, most recent first");
+    }
+
+    #[test]
+    fn a_run_is_followed_through_pages_arriving_a_little_out_of_order() {
+        let p = Seq::new(64); // window 8
+        (100..108).for_each(|page| p.on_insert(page));
+        // Then pairs swapped, as prefetch completions arrive: 109, 108, 111, 110, ... 139, 138.
+        for k in 0..16 {
+            p.on_insert(109 + 2 * k);
+            p.on_insert(108 + 2 * k);
+        }
+        // The run went on through 109, 111, ..., 139, and the late even pages made a second
+        // run of their own (108, 110, ...; sequential from 122 on). The newest 8 run pages are
+        // the window; the others go first, most recent first. Without the slack every page
+        // after 107 would have broken the run, and 100 would go first.
+        let v = victims(&p, 9, &|_| false);
+        assert_eq!(v, vec![130, 131, 128, 129, 126, 127, 124, 125, 122], "got {v:?}");
     }
 
     #[test]
