@@ -155,9 +155,11 @@ impl Seq {
     }
 }
 
-/// The newest run pages never evicted while older run pages remain: an eighth of memory.
+/// The newest run pages never evicted while older run pages remain: an eighth of memory, but at
+/// least twice the longest prefetch window (64 pages) up to half of memory, so a small memory
+/// does not evict pages read ahead of a scan before the scan gets to them.
 fn window_of(capacity: usize) -> usize {
-    (capacity / 8).max(1)
+    (capacity / 8).max(128.min(capacity / 2)).max(1)
 }
 
 impl State {
@@ -283,7 +285,7 @@ mod tests {
 
     #[test]
     fn a_scan_loses_its_most_recent_pages_behind_the_window_first() {
-        let p = Seq::new(64); // window 8
+        let p = Seq::new(16); // window 8 (half of memory: see window_of)
         (100..140).for_each(|page| p.on_insert(page));
         // 100..106 came before the run was long enough; 107..131 are older run pages; 132..139
         // the window.
@@ -292,7 +294,7 @@ mod tests {
 
     #[test]
     fn run_pages_leave_the_window_once_a_window_of_other_pages_came_after_them() {
-        let p = Seq::new(64); // window 8
+        let p = Seq::new(16); // window 8 (half of memory: see window_of)
         (100..140).for_each(|page| p.on_insert(page)); // run pages 107..139, window 132..139
                                                        // Then random faults only (PageRank's rank vectors): no run page comes to push the
                                                        // window's pages out, yet after 8 insertions they are as stale as the rest of the run.
@@ -303,7 +305,7 @@ mod tests {
 
     #[test]
     fn a_run_is_followed_through_pages_arriving_a_little_out_of_order() {
-        let p = Seq::new(64); // window 8
+        let p = Seq::new(16); // window 8 (half of memory: see window_of)
         (100..108).for_each(|page| p.on_insert(page));
         // Then pairs swapped, as prefetch completions arrive: 109, 108, 111, 110, ... 139, 138.
         for k in 0..16 {
@@ -319,8 +321,16 @@ mod tests {
     }
 
     #[test]
+    fn the_window_covers_two_prefetch_windows_unless_memory_is_tiny() {
+        assert_eq!(window_of(100_000), 12_500, "an eighth of memory");
+        assert_eq!(window_of(256), 128, "two 64-page prefetch windows");
+        assert_eq!(window_of(16), 8, "at most half of memory");
+        assert_eq!(window_of(1), 1);
+    }
+
+    #[test]
     fn random_pages_go_in_clock_order_after_the_run_pages() {
-        let p = Seq::new(64);
+        let p = Seq::new(16); // window 8
         for page in [7, 3, 11] {
             p.on_insert(page);
         }
@@ -333,7 +343,7 @@ mod tests {
 
     #[test]
     fn interleaved_runs_in_both_directions_are_followed_and_reused_pages_are_spared() {
-        let p = Seq::new(64);
+        let p = Seq::new(16); // window 8
         for i in 0..20 {
             p.on_insert(1000 + i); // forward
             p.on_insert(5000 - i); // backward
