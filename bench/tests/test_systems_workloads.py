@@ -48,9 +48,12 @@ def test_variants_pass_their_modes_and_the_ideal_uses_the_mem_device():
     assert "interrupt-only" in command(SYSTEMS["tiermem-interrupt-only"])
     assert "on-fault-path" in command(SYSTEMS["tiermem-reclaim-on-fault-path"])
     ideal = command(SYSTEMS["tiermem-mem"])
-    helper = ideal[:ideal.index("--")]
-    assert "--limit" not in helper and "--no-swap" not in helper
+    helper, program = ideal[:ideal.index("--")], ideal[ideal.index("--") + 1:]
     assert ideal[ideal.index("--device") + 1] == "mem"
+    # Same local limit as tiermem-file, no swap, and cgroup room for the DRAM store on top.
+    assert program[program.index("--limit") + 1] == str(1 << 20)
+    assert "--no-swap" in helper
+    assert int(helper[helper.index("--limit") + 1]) == (1 << 20) + 2 * (5 << 20) + (64 << 20)
 
 
 def test_unlimited_has_no_limit():

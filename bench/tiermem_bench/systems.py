@@ -113,6 +113,13 @@ def parse_systems(text: str) -> list[System]:
     return [SYSTEMS[n] for n in names]
 
 
+def mem_store_room(footprint: int) -> int:
+    """Cgroup room for the mem device's store on top of the local limit: every managed page
+    evicted at once, twice over (freed regions' slots are reused, but allocations come and go),
+    plus 64 MiB."""
+    return 2 * footprint + (64 << 20)
+
+
 def helper_command(system: System, *, tiermem_bin: str, limit: int | None, workload_argv: list[str],
                    result_file: Path, work_dir: Path, swap_bytes: int, device_file: Path,
                    footprint: int, stats_file: Path, timeout: float | None) -> list[str]:
@@ -128,9 +135,12 @@ def helper_command(system: System, *, tiermem_bin: str, limit: int | None, workl
                 "--swap-dir", str(work_dir), "--swap-bytes", str(swap_bytes)]
     elif system.kind == "tiermem":
         if system.device == "mem":
-            # The mem device keeps evicted pages in DRAM by definition (the ideal far tier), so its
-            # cgroup does not limit memory; tiermem's own budget is the limit.
-            cmd += ["--cgroup-prefix", "tiermem-apps-ideal"]
+            # The ideal differs from tiermem-file only in its device: the mem device keeps evicted
+            # pages in DRAM (far memory emulated), which the cgroup charges too, so the cgroup
+            # gets room for that store on top of the limit; `tiermem run` then fits its budget
+            # into the limit minus everything unmanaged, as it does for the file device.
+            cmd += ["--cgroup-prefix", "tiermem-apps-ideal", "--limit", str(limit + mem_store_room(footprint)),
+                    "--no-swap"]
             device = "mem"
         else:
             # Same memory as Linux swap had, and no swap: everything tiermem uses must fit.

@@ -864,6 +864,80 @@ fn freeing_a_large_region_in_a_memory_cgroup_does_not_dip_the_budget() {
     assert!(lowest >= limit - (32 << 20), "{name}: the budget dipped to {} MiB", lowest >> 20);
 }
 
+/// Fills a 64 MiB buffer and sums it twice.
+const TWO_PASSES: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+int main() {
+    const size_t n = 64u << 20;
+    unsigned char* p = (unsigned char*)malloc(n);
+    for (size_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 7 + i / 4096);
+    unsigned long long sum = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (size_t i = 0; i < n; i += 64) sum += p[i];
+    printf("sum=%llu\n", sum);
+    free(p);
+}
+"#;
+
+/// The mem device keeps evicted pages in the process's own memory, which a memory cgroup
+/// charges too, so the benchmark gives its cgroup room for that store on top of the limit. The
+/// budget must then still fit `--limit` minus everything unmanaged, as a file device's budget
+/// fits the cgroup limit, and the store must not be counted as unmanaged memory (it would
+/// shrink the budget to nothing as pages leave).
+#[test]
+fn with_the_mem_device_in_a_larger_cgroup_the_limit_counts_the_unmanaged_memory() {
+    let name = "with_the_mem_device_in_a_larger_cgroup_the_limit_counts_the_unmanaged_memory";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("SKIPPED {name}: needs root (memory cgroup creation)");
+        return;
+    }
+    if let Err(e) = tiermem_cli::bench::linux_swap::memory_hierarchy() {
+        eprintln!("SKIPPED {name}: {e}");
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, TWO_PASSES, "two_passes", name) else { return };
+    let bin_arg = bin.display().to_string();
+    let reference = Command::new(&bin).output().expect("the program alone");
+    let limit: u64 = 40 << 20;
+    let cgroup =
+        tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", limit + (192 << 20), Some(0))
+            .expect("memory cgroup");
+    let stats = scratch.path().join("two_passes.json");
+    let (limit_arg, stats_arg) = (limit.to_string(), stats.display().to_string());
+    let args = ["run", "--limit", &limit_arg, "--device", "mem", "--stats-json", &stats_arg, "--", &bin_arg];
+    let out = tiermem_cli::bench::linux_swap::run_in_cgroup(&cgroup, &mut scratch.command(&args));
+    let peak = cgroup.peak_bytes();
+    cgroup.close().expect("removing the cgroup");
+    let out = out.expect("tiermem run");
+    assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.stdout, reference.stdout, "{name}: same output as the program alone");
+    let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let process = &stats["processes"][0];
+    let lowest = process["lowest_budget_bytes"].as_u64().unwrap_or_else(|| panic!("{name}: no budget fitted: {stats}"));
+    let evicted = process["engine"]["evictions"].as_u64().unwrap_or(0);
+    eprintln!(
+        "{name}: limit {} MiB, lowest budget {:.1} MiB, cgroup peak {:.1} MiB, {evicted} evictions",
+        limit >> 20,
+        lowest as f64 / 1048576.0,
+        peak.unwrap_or(0) as f64 / 1048576.0
+    );
+    // Below the limit by at least tiermem's own I/O buffers (1/16 of the budget), which the
+    // cgroup charges; the store (up to 64 MiB here) did not count.
+    assert!(
+        lowest <= limit - limit / 16,
+        "{name}: the budget stayed at {} MiB, unmanaged memory not counted",
+        lowest >> 20
+    );
+    assert!(lowest >= limit / 2, "{name}: the budget fell to {} MiB: the store counted as unmanaged", lowest >> 20);
+    assert!(evicted > 0, "{name}: 64 MiB under a 40 MiB limit must evict");
+}
+
 /// Frees (or reallocs) the way its argument says; the bad ways must stop it before "after".
 const BAD_FREES: &str = r#"
 #include <cstdio>

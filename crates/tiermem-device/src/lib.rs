@@ -229,4 +229,11 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// Read one slot into `dst` (one page-aligned page) synchronously, outside any queue. For
     /// where queues cannot be used: a forked child shares its parent's rings and must not touch them.
     fn read_slot_blocking(&self, slot: u64, dst: &mut [u8]) -> Result<()>;
+
+    /// Bytes of this process's own memory that hold stored pages, or None when they live
+    /// elsewhere (a file, a disk). The `mem` device keeps every slot it has written resident, and
+    /// a memory cgroup charges that to the program although it stands for far memory.
+    fn memory_held(&self) -> Option<u64> {
+        None
+    }
 }

@@ -6,6 +6,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use rustix::event::{eventfd, EventfdFlags};
@@ -31,6 +32,9 @@ pub struct MemDevice {
 struct SlotMemory {
     mapping: Mapping,
     slots: u64,
+    /// One past the highest slot ever written: the mapping is populated below it (slots are
+    /// handed out lowest first), so this is what the store costs in memory.
+    written_end: AtomicU64,
 }
 
 impl SlotMemory {
@@ -54,7 +58,7 @@ impl MemDevice {
             Error::invalid(format!("mem device capacity of {capacity_bytes} bytes does not fit in memory"))
         })?;
         let mapping = Mapping::anonymous(len, false).map_err(|e| e.context("creating the mem device"))?;
-        let store = SlotMemory { mapping, slots: capacity_bytes / PAGE_SIZE as u64 };
+        let store = SlotMemory { mapping, slots: capacity_bytes / PAGE_SIZE as u64, written_end: AtomicU64::new(0) };
         Ok(Self { store: Arc::new(store), counters: Arc::new(DeviceCounters::default()) })
     }
 }
@@ -101,6 +105,10 @@ impl Device for MemDevice {
         dst.copy_from_slice(src);
         Ok(())
     }
+
+    fn memory_held(&self) -> Option<u64> {
+        Some(self.store.written_end.load(Ordering::Relaxed) * PAGE_SIZE as u64)
+    }
 }
 
 /// A queue of a [`MemDevice`]: requests are copied at [`IoQueue::submit`] and their completions
@@ -144,6 +152,7 @@ impl MemQueue {
                 // SAFETY: as for reads, with the direction reversed; a run's buffers and slots
                 // are contiguous and inside their mappings (checked at push).
                 unsafe { std::ptr::copy_nonoverlapping(from, to, len) };
+                self.store.written_end.fetch_max(slot + u64::from(request.pages()), Ordering::Relaxed);
                 self.counters.record_write(len as u64, len as u64);
             }
         }
@@ -231,6 +240,27 @@ mod tests {
             assert!(text.contains(&bad.to_string()) && text.contains("multiple of 4096"), "{text}");
         }
         assert_eq!(MemDevice::new(8 * 4096).unwrap().capacity_slots(), 8);
+    }
+
+    #[test]
+    fn the_memory_held_is_what_the_highest_written_slot_populated() {
+        let device = MemDevice::new(64 * 4096).unwrap();
+        assert_eq!(device.memory_held(), Some(0));
+        let arena = Arc::new(BufferArena::with_runs(8, 1).unwrap());
+        let mut queue = device.open_queue(QueueKind::Polled, 4, &arena).unwrap();
+        let buf = arena.alloc().unwrap();
+        let mut run_to_end = |request: Request| {
+            queue.push(request, 0).unwrap();
+            assert_eq!(testing::wait_for(queue.as_mut(), 1).len(), 1);
+        };
+        run_to_end(Request::Write { slot: 9, buf });
+        assert_eq!(device.memory_held(), Some(10 * 4096), "slots 0..=9 are below the highest written");
+        run_to_end(Request::Read { slot: 40, buf });
+        run_to_end(Request::Write { slot: 3, buf });
+        assert_eq!(device.memory_held(), Some(10 * 4096), "reads and lower writes populate nothing new");
+        let run = arena.alloc_run(4).unwrap();
+        run_to_end(Request::WriteRun { slot: 20, buf: run, pages: 4 });
+        assert_eq!(device.memory_held(), Some(24 * 4096), "a run of 4 pages ends at slot 23");
     }
 
     #[test]

@@ -105,5 +105,7 @@ mod tests {
         assert_eq!(device.capacity_slots(), 32);
         assert!(device.describe().starts_with(&spec.to_string()), "{}", device.describe());
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 32 * 4096);
+        // Only the mem device keeps stored pages in this process's memory.
+        assert_eq!((mem.memory_held(), device.memory_held()), (Some(0), None));
     }
 }

@@ -423,6 +423,12 @@ impl Engine {
         self.shared.device.counters().snapshot()
     }
 
+    /// Bytes of this process's memory the device holds for evicted pages (the `mem` device's
+    /// store), None for a device that keeps them elsewhere.
+    pub fn device_memory_held(&self) -> Option<u64> {
+        self.shared.device.memory_held()
+    }
+
     /// Resident managed pages now (the engine's count, never below the kernel's).
     pub fn resident_pages(&self) -> u64 {
         self.shared.resident()

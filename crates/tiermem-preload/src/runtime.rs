@@ -377,13 +377,23 @@ fn read_number(path: &std::path::Path) -> Option<u64> {
 /// Keep the budget inside the cgroup: the room left is the limit minus everything charged that
 /// the engine does not manage (the program's unmanaged memory, the runtime, our own buffers,
 /// kernel memory such as page tables) minus a margin for growth between two looks.
+///
+/// A device that keeps evicted pages in this process's memory (`mem`, far memory emulated in
+/// DRAM) is charged to the cgroup as well, so such a cgroup must be larger than the local
+/// memory; then the configured limit is the local memory, and it counts everything else charged
+/// just as the cgroup does for a file device (what makes `mem` a fair ideal for `file`).
 fn fit_budget_to_cgroup(engine: &Engine, cgroup: &CgroupRoom, configured: u64) {
+    let held = engine.device_memory_held();
+    let local = match held {
+        Some(held) => cgroup.limit.saturating_sub(held).min(configured),
+        None => cgroup.limit,
+    };
     // Proportional, so a small cgroup still leaves the engine most of its room.
-    let margin = (cgroup.limit / 50).max(1 << 20);
+    let margin = (local / 50).max(1 << 20);
     if let Some(charged) = cgroup.charged_bytes() {
         let managed = engine.resident_pages() * tiermem_sys::PAGE_SIZE as u64;
-        let unmanaged = charged.saturating_sub(managed);
-        let room = cgroup.limit.saturating_sub(unmanaged + margin);
+        let unmanaged = charged.saturating_sub(managed + held.unwrap_or(0));
+        let room = local.saturating_sub(unmanaged + margin);
         let budget = engine.set_limit_bytes(room.min(configured));
         LOWEST_BUDGET.fetch_min(budget, Ordering::Relaxed);
     }
