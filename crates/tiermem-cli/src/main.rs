@@ -293,8 +293,8 @@ struct RunArgs {
     /// thread fault mode: threads serving faults, 1..=64 [default: 1].
     #[arg(long, env = "TIERMEM_HANDLER_THREADS")]
     handler_threads: Option<String>,
-    /// Most 4 KiB I/O buffers shared by all queues; a budget of fewer than 16 times as many
-    /// pages gets a 16th of it (at least 64) [default: 1024].
+    /// Most 4 KiB I/O buffers shared by all queues; a budget of fewer than 64 times as many
+    /// pages gets a 64th of it (at least 256) [default: 1024].
     #[arg(long, env = "TIERMEM_IO_BUFFERS")]
     io_buffers: Option<String>,
     /// thread fault mode: microseconds a handler keeps polling for the next fault before it

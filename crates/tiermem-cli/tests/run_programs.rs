@@ -927,10 +927,10 @@ fn with_the_mem_device_in_a_larger_cgroup_the_limit_counts_the_unmanaged_memory(
         lowest as f64 / 1048576.0,
         peak.unwrap_or(0) as f64 / 1048576.0
     );
-    // Below the limit by at least tiermem's own I/O buffers (1/16 of the budget), which the
-    // cgroup charges; the store (up to 64 MiB here) did not count.
+    // Below the limit by at least the 2% margin and tiermem's own I/O buffers (1 MiB at least),
+    // which the cgroup charges; the store (up to 64 MiB here) did not count.
     assert!(
-        lowest <= limit - limit / 16,
+        lowest <= limit - limit / 50 - (1 << 20),
         "{name}: the budget stayed at {} MiB, unmanaged memory not counted",
         lowest >> 20
     );

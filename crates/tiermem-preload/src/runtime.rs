@@ -167,10 +167,11 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
     };
     let mut config = settings.engine.clone();
     // The I/O buffers are pinned memory charged to the program's cgroup: a small budget gets
-    // fewer (1/16 of it, at least 64), so tiermem's own overhead does not eat the room it pages
-    // into; `io_buffers` is the most it gets.
+    // fewer (a 64th of it, at least 256: two queues' depth), so tiermem's own overhead does not
+    // eat the room it pages into; `io_buffers` is the most it gets. (A 16th, at least 64, was
+    // slower: README, *I/O buffers*.)
     let most = config.io_buffers;
-    config.io_buffers = u32::try_from(config.limit_pages() / 16).unwrap_or(u32::MAX).clamp(most.min(64), most);
+    config.io_buffers = u32::try_from(config.limit_pages() / 64).unwrap_or(u32::MAX).clamp(most.min(256), most);
     if let Some(dir) = &settings.trace_dir {
         config.trace_path = Some(dir.join(format!("{}.trace", std::process::id())));
     }
