@@ -802,6 +802,23 @@ fn trace_record_writes_a_trace_the_simulator_replays() {
     assert!(text.contains("faults"), "sim printed: {text}");
 }
 
+/// Whether a test that runs `tiermem run` in a memory cgroup can: userfaultfd, root and a
+/// memory cgroup hierarchy (it says SKIPPED with the reason when not).
+fn cgroup_test_or_skip(name: &str) -> bool {
+    if !uffd_or_skip(name) {
+        return false;
+    }
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("SKIPPED {name}: needs root (memory cgroup creation)");
+        return false;
+    }
+    if let Err(e) = tiermem_cli::bench::linux_swap::memory_hierarchy() {
+        eprintln!("SKIPPED {name}: {e}");
+        return false;
+    }
+    true
+}
+
 /// Allocates, fills and frees a 48 MiB buffer over and over.
 const CHURN: &str = r#"
 #include <cstdio>
@@ -829,15 +846,7 @@ int main() {
 #[test]
 fn freeing_a_large_region_in_a_memory_cgroup_does_not_dip_the_budget() {
     let name = "freeing_a_large_region_in_a_memory_cgroup_does_not_dip_the_budget";
-    if !uffd_or_skip(name) {
-        return;
-    }
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("SKIPPED {name}: needs root (memory cgroup creation)");
-        return;
-    }
-    if let Err(e) = tiermem_cli::bench::linux_swap::memory_hierarchy() {
-        eprintln!("SKIPPED {name}: {e}");
+    if !cgroup_test_or_skip(name) {
         return;
     }
     let scratch = Scratch::new();
@@ -889,15 +898,7 @@ int main() {
 #[test]
 fn with_the_mem_device_in_a_larger_cgroup_the_limit_counts_the_unmanaged_memory() {
     let name = "with_the_mem_device_in_a_larger_cgroup_the_limit_counts_the_unmanaged_memory";
-    if !uffd_or_skip(name) {
-        return;
-    }
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("SKIPPED {name}: needs root (memory cgroup creation)");
-        return;
-    }
-    if let Err(e) = tiermem_cli::bench::linux_swap::memory_hierarchy() {
-        eprintln!("SKIPPED {name}: {e}");
+    if !cgroup_test_or_skip(name) {
         return;
     }
     let scratch = Scratch::new();
