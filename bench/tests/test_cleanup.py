@@ -125,3 +125,18 @@ def test_real_helper_cleans_up_on_ctrl_c(tiermem_root, tmp_path):
             helper.kill()
     assert not pid_alive(int(pid_file.read_text()))
     assert tiermem_cgroups() == [] and swap_files(tmp_path) == []
+
+
+def test_a_program_killed_at_the_timeout_leaves_no_temporary_files(tiermem_root, tmp_path):
+    """`tiermem run` killed at the timeout (or by the OOM killer) cannot remove its statistics
+    directory; the helper gives the program a TMPDIR of its own and removes it."""
+    seen = tmp_path / "tmpdir.txt"
+    script = ("import os, tempfile, time; d = tempfile.mkdtemp(prefix='tiermem-stats-'); "
+              "open(os.path.join(d, 'x'), 'w').write('x'); open(%r, 'w').write(d); time.sleep(60)" % str(seen))
+    argv = [tiermem_root, "bench", "limited-run", "--cgroup-prefix", "tiermem-apps-pytest", "--timeout", "2",
+            "--result", str(tmp_path / "r.json"), "--", sys.executable, "-c", script]
+    subprocess.run(argv, check=True, capture_output=True, timeout=60)
+    made = Path(seen.read_text())
+    assert made.name.startswith("tiermem-stats-") and made.parent.name.startswith("tiermem-limited-run-")
+    assert not made.parent.exists(), f"{made.parent} left behind"
+    assert tiermem_cgroups() == []

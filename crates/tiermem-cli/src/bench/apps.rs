@@ -160,8 +160,15 @@ pub fn limited_run(args: &LimitedRunArgs) -> Result<LimitedRunReport> {
         MemCgroup::create_with_swap_limit(&args.cgroup_prefix, limit, if args.no_swap { Some(0) } else { None })?;
 
     let (program, rest) = args.command.split_first().ok_or_else(|| Error::invalid("no program given"))?;
+    // The program's temporary files (`tiermem run`'s statistics directory among them) go to a
+    // directory of this run, removed when it ends: a program killed at the timeout or by the OOM
+    // killer cannot remove its own.
+    let temp_dir = tempfile::Builder::new()
+        .prefix("tiermem-limited-run-")
+        .tempdir()
+        .map_err(|e| Error::os(e, "creating the run's temporary directory"))?;
     let mut command = Command::new(program);
-    command.args(rest);
+    command.args(rest).env("TMPDIR", temp_dir.path());
     let (status, wall, timed_out) = spawn_and_wait(&cgroup, &mut command, args.timeout.map(Duration::from_secs_f64))?;
 
     let report = LimitedRunReport {
