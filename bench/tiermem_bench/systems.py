@@ -148,8 +148,11 @@ def helper_command(system: System, *, tiermem_bin: str, limit: int | None, workl
             # A directory: `tiermem run` makes its temporary device file there (same file system as
             # the swap file) and removes it when the program ends.
             device = f"file:{device_file}"
+        # `--cgroup guard`: a burst of memory tiermem does not manage pauses the program while the
+        # budget shrinks, instead of the cgroup's OOM killer ending it (README, *OOM guard*).
         program = [tiermem_bin, "run", "--limit", str(limit), "--footprint", str(footprint),
-                   "--device", device, *system.tiermem_args, "--stats-json", str(stats_file), "--", *program]
+                   "--device", device, "--cgroup", "guard", *system.tiermem_args,
+                   "--stats-json", str(stats_file), "--", *program]
     else:
         raise ValueError(f"unknown system kind {system.kind}")
     return cmd + ["--", *program]

@@ -322,7 +322,11 @@ struct RunArgs {
     /// Smallest allocation that is managed.
     #[arg(long, env = "TIERMEM_THRESHOLD")]
     threshold: Option<String>,
-    /// on | off: keep the budget inside the memory cgroup's room.
+    /// on | off | guard: keep the budget inside the memory cgroup's room [default: on]. guard
+    /// (cgroup v1): also turn the cgroup's OOM killer off while the program runs, so a sudden
+    /// burst of memory tiermem does not manage pauses the program while tiermem shrinks its
+    /// budget, instead of killing it (the killer is back on when the program ends, and at once
+    /// if tiermem has nothing left to give).
     #[arg(long, env = "TIERMEM_CGROUP")]
     cgroup: Option<String>,
     /// on | off: serve allocations below the threshold from a managed heap [default: on].

@@ -263,6 +263,22 @@ fn check_device(settings: &RunSettings) -> Result<()> {
     }
 }
 
+/// This process's v1 memory cgroup's `memory.oom_control` and whether its OOM killer is off.
+fn own_v1_oom_control() -> Option<(PathBuf, bool)> {
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = cgroups.lines().find_map(|line| {
+        let mut fields = line.splitn(3, ':');
+        let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then(|| Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/')).join("memory.oom_control"))
+    })?;
+    let text = std::fs::read_to_string(&path).ok()?;
+    let off = text.lines().find_map(|l| l.strip_prefix("oom_kill_disable "))?.trim() == "1";
+    Some((path, off))
+}
+
 /// `tiermem run`: run `program` under the shim with `settings` and collect what it measured.
 pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     let features = KernelFeatures::probe();
@@ -289,12 +305,20 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         _ => shim.clone().into_os_string(),
     };
     let vars = settings.to_vars();
-    let (ending, elapsed, peak_rss_bytes) = spawn_and_wait(program, |command| {
+    // The shim's OOM guard turns the cgroup's OOM killer off; put back what was there.
+    let oom_control = settings.oom_guard.then(own_v1_oom_control).flatten();
+    let ending = spawn_and_wait(program, |command| {
         for (k, v) in &vars {
             command.env(k, v);
         }
         command.env("LD_PRELOAD", &preload);
-    })?;
+    });
+    if let Some((path, killer_was_off)) = oom_control {
+        if let Err(e) = std::fs::write(&path, if killer_was_off { "1" } else { "0" }) {
+            eprintln!("tiermem: cannot restore the OOM killer setting in {}: {e}", path.display());
+        }
+    }
+    let (ending, elapsed, peak_rss_bytes) = ending?;
     let mut processes = Vec::new();
     if let Ok(entries) = std::fs::read_dir(stats_dir.path()) {
         for entry in entries.flatten() {

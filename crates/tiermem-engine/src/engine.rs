@@ -59,6 +59,9 @@ pub(crate) struct Shared {
     pub(crate) write_protect: bool,
     /// Async WP: writes never fault; eviction takes pages out with UFFDIO_MOVE.
     pub(crate) capture: Option<crate::capture::Capture>,
+    /// Touch each new region's page table when it is made (see
+    /// [`Engine::keep_metadata_resident`]).
+    pub(crate) prefault_metadata: AtomicBool,
     /// This process's pagemap, to tell a page dropped behind the engine's back from a racing
     /// fault (see [`crate::fault::handle_fault`]); none where it cannot be opened.
     pub(crate) pagemap: Option<tiermem_sys::pagemap::Pagemap>,
@@ -174,6 +177,12 @@ impl Shared {
 
     /// Wake the reclaim thread if it sleeps. SeqCst pairs with the thread's own store of
     /// `reclaim_asleep` and re-check of residency, so a wake-up is never lost.
+    /// Lower the limit by `pages` (not below 16) and wake reclaim: room is needed now.
+    pub(crate) fn shed(&self, pages: u64) {
+        self.set_limit_pages(self.limit_pages().saturating_sub(pages.max(1)).max(16.min(self.config.limit_pages())));
+        self.wake_reclaim();
+    }
+
     pub(crate) fn wake_reclaim(&self) {
         if self.reclaim_asleep.swap(false, Ordering::SeqCst) {
             // An eventfd write never blocks here (the counter cannot overflow in practice).
@@ -300,6 +309,7 @@ impl Engine {
             clean_stalled: AtomicBool::new(false),
             write_protect,
             capture,
+            prefault_metadata: AtomicBool::new(false),
             pagemap: tiermem_sys::pagemap::Pagemap::open_self().ok(),
             zero_page: Mapping::anonymous(PAGE_SIZE * crate::fault::ZERO_FILL_AROUND, true)?,
             reclaim_wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
@@ -394,7 +404,18 @@ impl Engine {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(|index| RegionInner::new(index, mapping, self.shared.capture.is_some()));
+        if self.shared.prefault_metadata.load(Ordering::Relaxed) {
+            inner.touch_metadata();
+        }
         Ok(Region { shared: self.shared.clone(), inner })
+    }
+
+    /// From now on, make each new region's per-page state resident when the region is made
+    /// (16 bytes per page of the region), instead of page by page as reclaim first writes it.
+    /// For a program whose cgroup pauses it when out of memory (the preload's OOM guard):
+    /// reclaim must not wait for a new page of its own while it is the one to free memory.
+    pub fn keep_metadata_resident(&self) {
+        self.shared.prefault_metadata.store(true, Ordering::Relaxed);
     }
 
     /// The POSIX thread ids of the engine's own threads (completion, reclaim, fault handlers).
@@ -442,6 +463,12 @@ impl Engine {
     /// Whether residency is past the watermark (background reclaim is at work).
     pub fn under_pressure(&self) -> bool {
         self.shared.resident() > self.shared.watermark_pages()
+    }
+
+    /// Page copies the kernel has refused for want of memory so far (see
+    /// [`crate::stats::Counters::memory_waits`]).
+    pub fn memory_waits(&self) -> u64 {
+        self.shared.stats.counters.memory_waits.load(Ordering::Relaxed)
     }
 
     /// Change the budget while running, never above the configured limit (the policies are sized

@@ -369,6 +369,7 @@ pub(crate) fn map_pages(
     write_protect: bool,
 ) -> Result<(), Errno> {
     let mut done = 0;
+    let mut memory_waits = 0;
     while done < count {
         let offset = done * PAGE_SIZE;
         // SAFETY: src is readable for `count` pages (an arena buffer, or the zero area of
@@ -392,6 +393,17 @@ pub(crate) fn map_pages(
             Errno::AGAIN => std::hint::spin_loop(),
             Errno::EXIST if count == 1 => return Err(err),
             Errno::EXIST => done += 1,
+            // The cgroup is full and its OOM killer is off (the preload's OOM guard): the kernel
+            // refuses the page instead of killing. Shrink the budget a step so reclaim makes
+            // room, and try again for a while before giving up.
+            Errno::NOMEM if memory_waits < NOMEM_RETRIES => {
+                if memory_waits == 0 {
+                    Stats::add(&shared.stats.counters.memory_waits, 1);
+                }
+                memory_waits += 1;
+                shared.shed(shared.limit_pages() / 32);
+                std::thread::sleep(std::time::Duration::from_micros(500));
+            }
             // The run crosses a VMA boundary (the program split the region with madvise or
             // mprotect), which one copy cannot: go page by page.
             Errno::NOENT if count - done > 1 => {
@@ -409,6 +421,9 @@ pub(crate) fn map_pages(
     }
     Ok(())
 }
+
+/// How many times a copy refused for want of memory is retried, 0.5 ms apart (two seconds).
+const NOMEM_RETRIES: u32 = 4000;
 
 fn outcome_of_copy_error(e: Errno) -> Outcome {
     if e == Errno::EXIST {

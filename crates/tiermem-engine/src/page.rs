@@ -136,6 +136,13 @@ pub struct LockedPage<'a> {
 }
 
 impl PageCell {
+    /// Write the cell without changing it (makes its memory page resident). Only while no
+    /// one else can use the cell: a load then a swap (an idempotent read-modify-write such as
+    /// adding zero may be compiled to a plain load, which writes nothing).
+    pub(crate) fn touch(&self) {
+        self.0.swap(self.0.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
     /// The state now (may change right after unless the caller holds the lock).
     pub fn peek(&self) -> PageState {
         PageState(self.0.load(Ordering::Acquire) & !LOCK)

@@ -30,6 +30,17 @@ impl RegionInner {
         Self { index, mapping, pages, slot_hashes, closing: std::sync::atomic::AtomicBool::new(false) }
     }
 
+    /// Write to every memory page of the per-page state (see [`crate::Engine::keep_metadata_resident`]).
+    pub(crate) fn touch_metadata(&self) {
+        use std::sync::atomic::Ordering;
+        // Nothing else uses a region being made; one element per 4 KiB page suffices.
+        const STEP: usize = PAGE_SIZE / 8;
+        self.pages.iter().step_by(STEP).for_each(|cell| cell.touch());
+        self.slot_hashes.iter().step_by(STEP).for_each(|hash| {
+            hash.swap(hash.load(Ordering::Relaxed), Ordering::Relaxed);
+        });
+    }
+
     pub(crate) fn is_closing(&self) -> bool {
         self.closing.load(std::sync::atomic::Ordering::SeqCst)
     }

@@ -29,6 +29,11 @@ pub struct RunSettings {
     pub stats_dir: Option<PathBuf>,
     /// Keep the budget inside the memory cgroup's room (on unless turned off).
     pub respect_cgroup: bool,
+    /// Also guard against the cgroup's OOM killer (`TIERMEM_CGROUP=guard`, cgroup v1): turn it
+    /// off while the program runs, so memory tiermem does not manage growing faster than the
+    /// budget can follow pauses the program until the engine has made room, instead of
+    /// killing it.
+    pub oom_guard: bool,
     /// Serve the program's allocations below the threshold from a managed heap too (on unless
     /// turned off), so its small objects page like the rest instead of pinning memory.
     pub small_heap: bool,
@@ -71,7 +76,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_DIRTY_TRACKING", "auto | sync-wp | none"),
     ("TIERMEM_THRESHOLD", "smallest allocation that is managed, in bytes (default 1MiB)"),
     ("TIERMEM_STATS_DIR", "directory for per-process statistics (<pid>.json)"),
-    ("TIERMEM_CGROUP", "on | off: keep the budget inside the memory cgroup's room"),
+    (
+        "TIERMEM_CGROUP",
+        "on | off | guard: keep the budget inside the memory cgroup's room; guard (cgroup v1) also turns the cgroup's OOM killer off while the program runs, so a sudden burst of unmanaged memory pauses it while tiermem shrinks its budget instead of killing it",
+    ),
     ("TIERMEM_SMALL_HEAP", "on | off: serve allocations below the threshold from a managed heap (default on)"),
     (
         "TIERMEM_SINGLE_THREAD_STDIO",
@@ -105,6 +113,7 @@ impl Default for RunSettings {
             threshold: DEFAULT_THRESHOLD,
             stats_dir: None,
             respect_cgroup: true,
+            oom_guard: false,
             small_heap: true,
             single_thread_stdio: true,
             reuse_freed: true,
@@ -156,7 +165,12 @@ impl RunSettings {
                 "TIERMEM_THRESHOLD" => s.threshold = nonzero_size(value).map_err(named)?,
                 "TIERMEM_STATS_DIR" => s.stats_dir = Some(PathBuf::from(value)),
                 "TIERMEM_TRACE_DIR" => s.trace_dir = Some(PathBuf::from(value)),
-                "TIERMEM_CGROUP" => s.respect_cgroup = on_off(value).map_err(named)?,
+                "TIERMEM_CGROUP" => {
+                    (s.respect_cgroup, s.oom_guard) = match value {
+                        "guard" => (true, true),
+                        _ => (on_off(value).map_err(|_| named(Error::invalid("expected on, off or guard")))?, false),
+                    }
+                }
                 "TIERMEM_SMALL_HEAP" => s.small_heap = on_off(value).map_err(named)?,
                 "TIERMEM_SINGLE_THREAD_STDIO" => s.single_thread_stdio = on_off(value).map_err(named)?,
                 "TIERMEM_REUSE_FREED" => s.reuse_freed = on_off(value).map_err(named)?,
@@ -208,7 +222,15 @@ impl RunSettings {
             ("TIERMEM_RECLAIM_MODE", e.reclaim_mode.to_string()),
             ("TIERMEM_DIRTY_TRACKING", e.dirty_tracking.to_string()),
             ("TIERMEM_THRESHOLD", self.threshold.to_string()),
-            ("TIERMEM_CGROUP", if self.respect_cgroup { "on" } else { "off" }.to_string()),
+            (
+                "TIERMEM_CGROUP",
+                match (self.respect_cgroup, self.oom_guard) {
+                    (true, true) => "guard",
+                    (true, false) => "on",
+                    (false, _) => "off",
+                }
+                .to_string(),
+            ),
             ("TIERMEM_SMALL_HEAP", if self.small_heap { "on" } else { "off" }.to_string()),
             ("TIERMEM_SINGLE_THREAD_STDIO", if self.single_thread_stdio { "on" } else { "off" }.to_string()),
             ("TIERMEM_REUSE_FREED", if self.reuse_freed { "on" } else { "off" }.to_string()),
@@ -281,6 +303,7 @@ mod tests {
             ("TIERMEM_REUSE_FREED", "off"),
             ("TIERMEM_WRITE_RUNS", "on"),
             ("TIERMEM_READ_RUNS", "on"),
+            ("TIERMEM_CGROUP", "guard"),
             ("PATH", "/bin"),
             ("TIERMEM_TEST_DEVICES", "mem"),
         ])
@@ -297,6 +320,7 @@ mod tests {
         assert!(!s.reuse_freed && !again.reuse_freed);
         assert!(s.engine.write_runs && again.engine.write_runs);
         assert!(s.engine.read_runs && again.engine.read_runs);
+        assert!(s.respect_cgroup && s.oom_guard && again.respect_cgroup && again.oom_guard);
         assert_eq!(again.footprint, s.footprint);
     }
 
@@ -313,6 +337,7 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "1.5")], "watermark"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_EVICT_WATERMARK", "high")], "TIERMEM_EVICT_WATERMARK=high"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_CGROUP", "maybe")], "TIERMEM_CGROUP=maybe"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_CGROUP", "maybe")], "expected on, off or guard"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_SMALL_HEAP", "yes")], "TIERMEM_SMALL_HEAP=yes"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_SINGLE_THREAD_STDIO", "1")], "TIERMEM_SINGLE_THREAD_STDIO=1"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_REUSE_FREED", "sometimes")], "TIERMEM_REUSE_FREED=sometimes"),

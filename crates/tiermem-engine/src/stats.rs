@@ -87,6 +87,9 @@ pub struct Counters {
     pub direct_reclaims: AtomicU64,
     /// Times the reclaim thread was woken.
     pub reclaim_wakeups: AtomicU64,
+    /// Page copies the kernel refused for want of memory in the cgroup (ENOMEM: its OOM killer
+    /// is off, see the preload's OOM guard), retried after the budget shrank.
+    pub memory_waits: AtomicU64,
     /// Device errors seen.
     pub io_errors: AtomicU64,
     /// Resident pages found unmapped at a fault: dropped behind the engine's back (a madvise
@@ -186,6 +189,7 @@ impl Stats {
             zero_drops: l(&c.zero_drops),
             direct_reclaims: l(&c.direct_reclaims),
             reclaim_wakeups: l(&c.reclaim_wakeups),
+            memory_waits: l(&c.memory_waits),
             io_errors: l(&c.io_errors),
             dropped_outside: l(&c.dropped_outside),
             peak_resident_pages: l(&c.peak_resident),
@@ -264,6 +268,9 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     pub reclaim_wakeups: u64,
     /// See [`Counters`].
+    #[serde(default)]
+    pub memory_waits: u64,
+    /// See [`Counters`].
     pub io_errors: u64,
     /// See [`Counters`].
     #[serde(default)]
@@ -338,6 +345,13 @@ impl StatsSnapshot {
             self.zero_drops,
             self.direct_reclaims
         );
+        if self.memory_waits > 0 {
+            let _ = writeln!(
+                s,
+                "memory waits    {} page copies refused by the full cgroup, retried after making room",
+                self.memory_waits
+            );
+        }
         if self.cleaned_ahead > 0 {
             let _ = writeln!(s, "cleaning        {} pages written back ahead of eviction", self.cleaned_ahead);
         }
@@ -405,6 +419,7 @@ impl StatsSnapshot {
         self.zero_drops += other.zero_drops;
         self.direct_reclaims += other.direct_reclaims;
         self.reclaim_wakeups += other.reclaim_wakeups;
+        self.memory_waits += other.memory_waits;
         self.io_errors += other.io_errors;
         self.dropped_outside += other.dropped_outside;
         self.peak_resident_pages = self.peak_resident_pages.max(other.peak_resident_pages);

@@ -31,6 +31,8 @@ pub static FALLBACK_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 pub static REUSED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 pub static SYSCALLS_WRAPPED: AtomicU64 = AtomicU64::new(0);
 static LOWEST_BUDGET: AtomicU64 = AtomicU64::new(u64::MAX);
+/// Times the cgroup ran out of memory under the OOM guard and the budget was cut for it.
+static OOM_RESCUES: AtomicU64 = AtomicU64::new(0);
 static CHILD_PAGES_COPIED: AtomicU64 = AtomicU64::new(0);
 
 /// Set this thread's errno.
@@ -192,9 +194,28 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
         if let Some(cgroup) = CgroupRoom::of_self() {
             use std::os::unix::thread::JoinHandleExt;
             // Before the first managed page: the room is known from the start.
-            fit_budget_to_cgroup(engine, &cgroup, engine.config().limit_bytes);
-            let watch =
-                std::thread::Builder::new().name("tiermem-cgroup".into()).spawn(move || watch_cgroup(engine, cgroup));
+            fit_budget_to_cgroup(engine, &cgroup, engine.config().limit_bytes, 0);
+            let guard = if settings.oom_guard {
+                match OomGuard::arm(&cgroup) {
+                    Ok(guard) => {
+                        engine.keep_metadata_resident();
+                        Some(guard)
+                    }
+                    Err(why) => {
+                        say(&[
+                            "tiermem: no OOM guard (",
+                            &why,
+                            "); the budget follows the cgroup by looking every 20 ms",
+                        ]);
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            let watch = std::thread::Builder::new()
+                .name("tiermem-cgroup".into())
+                .spawn(move || watch_cgroup(engine, cgroup, guard));
             if let Ok(handle) = watch {
                 engine_threads.push(handle.as_pthread_t());
             }
@@ -326,6 +347,9 @@ pub struct CgroupRoom {
     usage: std::path::PathBuf,
     stat: std::path::PathBuf,
     cache_key: &'static str,
+    /// The cgroup's directory when it is a v1 memory cgroup (the OOM guard needs v1's
+    /// `memory.oom_control`).
+    v1_dir: Option<std::path::PathBuf>,
 }
 
 impl CgroupRoom {
@@ -344,6 +368,7 @@ impl CgroupRoom {
                     usage: dir.join("memory.usage_in_bytes"),
                     stat: dir.join("memory.stat"),
                     cache_key: "total_cache ",
+                    v1_dir: Some(dir.clone()),
                 });
             }
             if controllers.is_empty() {
@@ -354,6 +379,7 @@ impl CgroupRoom {
                         usage: dir.join("memory.current"),
                         stat: dir.join("memory.stat"),
                         cache_key: "file ",
+                        v1_dir: None,
                     });
                 }
             }
@@ -383,14 +409,14 @@ fn read_number(path: &std::path::Path) -> Option<u64> {
 /// DRAM) is charged to the cgroup as well, so such a cgroup must be larger than the local
 /// memory; then the configured limit is the local memory, and it counts everything else charged
 /// just as the cgroup does for a file device (what makes `mem` a fair ideal for `file`).
-fn fit_budget_to_cgroup(engine: &Engine, cgroup: &CgroupRoom, configured: u64) {
-    let held = engine.device_memory_held();
-    let local = match held {
-        Some(held) => cgroup.limit.saturating_sub(held).min(configured),
-        None => cgroup.limit,
-    };
+///
+/// `extra_margin` is room kept free on top of the usual margin after the cgroup ran out of
+/// memory (see [`watch_cgroup`]).
+fn fit_budget_to_cgroup(engine: &Engine, cgroup: &CgroupRoom, configured: u64, extra_margin: u64) {
+    let local = local_room(engine, cgroup, configured);
     // Proportional, so a small cgroup still leaves the engine most of its room.
-    let margin = (local / 50).max(1 << 20);
+    let margin = (local / 50).max(1 << 20) + extra_margin;
+    let held = engine.device_memory_held();
     if let Some(charged) = cgroup.charged_bytes() {
         let managed = engine.resident_pages() * tiermem_sys::PAGE_SIZE as u64;
         let unmanaged = charged.saturating_sub(managed + held.unwrap_or(0));
@@ -400,11 +426,186 @@ fn fit_budget_to_cgroup(engine: &Engine, cgroup: &CgroupRoom, configured: u64) {
     }
 }
 
-fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom) {
+/// The memory the cgroup leaves the program: its limit, or for a device that keeps evicted
+/// pages in this process's memory the configured limit (see [`fit_budget_to_cgroup`]).
+fn local_room(engine: &Engine, cgroup: &CgroupRoom, configured: u64) -> u64 {
+    match engine.device_memory_held() {
+        Some(held) => cgroup.limit.saturating_sub(held).min(configured),
+        None => cgroup.limit,
+    }
+}
+
+/// Follow the cgroup: fit the budget every 20 ms, and at once when the cgroup runs out of
+/// memory (the OOM guard's event, or a page copy the kernel refused for want of memory).
+///
+/// Unmanaged memory can grow faster than one look in 20 ms can follow: 4 MiB filled in a few
+/// milliseconds next to a full budget under a 48 MiB limit was enough for the OOM killer. With
+/// the guard the kernel pauses the program instead; then the budget is cut to a step (a 16th of
+/// the room, at least 2 MiB) below what is resident, without reading anything (reading cgroup files needs memory the
+/// cgroup does not have), and that step stays as extra margin, shrinking by a 256th per look
+/// (about half in 3.5 s), so a program that bursts again finds the room free. If the budget is
+/// already at its floor, tiermem has nothing left to give: the guard turns the killer back on.
+fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<OomGuard>) {
     let configured = engine.config().limit_bytes;
+    let mut extra_margin = 0u64;
+    let mut memory_waits = engine.memory_waits();
+    // Since when the cgroup has been out of memory without a break, while the guard holds.
+    let mut out_since: Option<std::time::Instant> = None;
     loop {
-        std::thread::sleep(Duration::from_millis(20));
-        fit_budget_to_cgroup(engine, &cgroup, configured);
+        let look = if out_since.is_some() { Duration::from_millis(5) } else { Duration::from_millis(20) };
+        let out_of_memory = match &guard {
+            Some(g) => g.wait(look),
+            None => {
+                std::thread::sleep(look);
+                false
+            }
+        };
+        if let (Some(since), Some(g)) = (out_since, &guard) {
+            // The program's tasks are still waiting for memory: if the engine's own threads
+            // wait too (they can need a new page as well), nothing will free any; after two
+            // seconds give up the guard rather than hang. Not readable (no memory even for
+            // that) counts as still out.
+            if g.under_oom().unwrap_or(true) {
+                if since.elapsed() > Duration::from_secs(2) {
+                    if let Some(g) = guard.take() {
+                        g.disarm();
+                        say(&["tiermem: the cgroup stayed out of memory for 2 s: OOM killer back on"]);
+                    }
+                    out_since = None;
+                }
+            } else {
+                out_since = None;
+            }
+        }
+        let waits = engine.memory_waits();
+        if out_of_memory || waits != memory_waits {
+            memory_waits = waits;
+            if guard.is_some() {
+                out_since.get_or_insert_with(std::time::Instant::now);
+            }
+            let step = (local_room(engine, &cgroup, configured) / 16).max(2 << 20);
+            let page = tiermem_sys::PAGE_SIZE as u64;
+            let (limit, resident) = (engine.limit_pages() * page, engine.resident_pages() * page);
+            if resident > limit {
+                // Reclaim is still getting down to the last cut: wait for it, cut no further.
+            } else if limit <= 16 * page {
+                if let Some(g) = guard.take() {
+                    g.disarm();
+                    say(&["tiermem: the cgroup is out of memory and the budget is at its floor: OOM killer back on"]);
+                }
+            } else {
+                OOM_RESCUES.fetch_add(1, Ordering::Relaxed);
+                let budget = engine.set_limit_bytes(resident.saturating_sub(step));
+                LOWEST_BUDGET.fetch_min(budget, Ordering::Relaxed);
+                extra_margin = (extra_margin + step).min(local_room(engine, &cgroup, configured) / 4);
+            }
+            continue;
+        }
+        extra_margin -= extra_margin / 256;
+        fit_budget_to_cgroup(engine, &cgroup, configured, extra_margin);
+    }
+}
+
+/// The cgroup v1 OOM killer turned off for the program's run, and an eventfd the kernel signals
+/// when the cgroup runs out of memory: its tasks then wait in their page faults until memory is
+/// uncharged (here, by the engine evicting) instead of one being killed.
+#[derive(Debug)]
+struct OomGuard {
+    event: rustix::fd::OwnedFd,
+    /// `memory.oom_control`, open for reading and writing for as long as the registration
+    /// lasts: read and written through this descriptor, whose read buffer the kernel allocated
+    /// at the first read, so neither needs memory the cgroup no longer has.
+    control: std::fs::File,
+}
+
+impl OomGuard {
+    fn arm(cgroup: &CgroupRoom) -> Result<Self, String> {
+        use rustix::fd::AsRawFd;
+        let dir = cgroup.v1_dir.as_ref().ok_or("the memory cgroup is not v1: no memory.oom_control")?;
+        let control_path = dir.join("memory.oom_control");
+        let control = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .open(&control_path)
+            .map_err(|e| format!("cannot open {}: {e}", control_path.display()))?;
+        let event =
+            rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
+                .map_err(|e| format!("eventfd: {e}"))?;
+        let register = dir.join("cgroup.event_control");
+        std::fs::write(&register, format!("{} {}", event.as_raw_fd(), control.as_raw_fd()))
+            .map_err(|e| format!("cannot register for OOM events in {}: {e}", register.display()))?;
+        let guard = Self { event, control };
+        guard
+            .set_killer(false)
+            .map_err(|e| format!("cannot turn the OOM killer off in {}: {e}", control_path.display()))?;
+        guard.under_oom().ok_or_else(|| format!("cannot read {}", control_path.display()))?;
+        pin_own_code();
+        Ok(guard)
+    }
+
+    fn set_killer(&self, on: bool) -> std::io::Result<()> {
+        use std::io::Write;
+        (&self.control).write_all(if on { b"0" } else { b"1" })
+    }
+
+    /// Whether a task of the cgroup waits for memory now (None: cannot tell).
+    fn under_oom(&self) -> Option<bool> {
+        use std::os::unix::fs::FileExt;
+        let mut text = [0u8; 256];
+        let n = self.control.read_at(&mut text, 0).ok()?;
+        let text = std::str::from_utf8(&text[..n]).ok()?;
+        let value = text.lines().find_map(|l| l.strip_prefix("under_oom "))?;
+        Some(value.trim() != "0")
+    }
+
+    /// Wait up to `timeout` for the cgroup to run out of memory; true if it did.
+    fn wait(&self, timeout: Duration) -> bool {
+        let mut fds = [rustix::event::PollFd::new(&self.event, rustix::event::PollFlags::IN)];
+        let timeout = rustix::event::Timespec::try_from(timeout).ok();
+        match rustix::event::poll(&mut fds, timeout.as_ref()) {
+            Ok(n) if n > 0 => {
+                let mut count = [0u8; 8];
+                // Non-blocking: clears the count the kernel added (one per event).
+                let _ = rustix::io::read(&self.event, &mut count);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Turn the killer back on: tiermem cannot make more room.
+    fn disarm(self) {
+        let _ = self.set_killer(true);
+    }
+}
+
+/// Lock the code and data of this library and of the C library in memory. Under the OOM guard
+/// the watch must run while the cgroup has no memory left; the kernel reclaims file pages to
+/// make room, and a page of our own code read back in then would wait for memory like the
+/// program does (seen: the watch stuck in a fault on its own code). About 3 MiB, charged once.
+fn pin_own_code() {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else { return };
+    let here = pin_own_code as *const () as usize;
+    let own_path = maps.lines().find_map(|line| {
+        let (range, rest) = line.split_once(' ')?;
+        let (start, end) = range.split_once('-')?;
+        let (start, end) = (usize::from_str_radix(start, 16).ok()?, usize::from_str_radix(end, 16).ok()?);
+        (start <= here && here < end).then(|| rest.rsplit(' ').next().unwrap_or("").to_string())
+    });
+    for line in maps.lines() {
+        let Some(path) = line.rsplit(' ').next().filter(|p| p.starts_with('/')) else { continue };
+        let libc = std::path::Path::new(path).file_name().is_some_and(|n| n.to_string_lossy().starts_with("libc.so"));
+        if !(libc || own_path.as_deref() == Some(path)) {
+            continue;
+        }
+        let Some((start, end)) = line.split_once(' ').and_then(|(r, _)| r.split_once('-')) else { continue };
+        let (Ok(start), Ok(end)) = (usize::from_str_radix(start, 16), usize::from_str_radix(end, 16)) else { continue };
+        // SAFETY: locking pages of a mapping this process has; mlock changes no contents.
+        let rc = unsafe { libc::mlock(start as *const libc::c_void, end - start) };
+        if rc != 0 {
+            say(&["tiermem: cannot lock ", path, " in memory: ", &std::io::Error::last_os_error().to_string()]);
+            return;
+        }
     }
 }
 
@@ -425,6 +626,7 @@ extern "C" fn at_exit() {
         "device": engine.device_counters(),
         "limit_bytes": engine.config().limit_bytes,
         "lowest_budget_bytes": (lowest != u64::MAX).then_some(lowest),
+        "oom_rescues": OOM_RESCUES.load(Ordering::Relaxed),
         "fault_mode": engine.config().fault_mode.to_string(),
         "dirty_tracking": engine.dirty_tracking(),
         "device_description": engine.describe(),
