@@ -134,7 +134,17 @@ fn hammer(
         && config.watermark < 0.9
         && config.handler_threads == 1
     {
-        assert!(stats.cleaned_ahead > 0, "no page was cleaned ahead of eviction: {}", stats.summary());
+        // Unless the reclaim thread hardly ran: a quarter or more of the evictions made by
+        // faulting threads means it was starved of a core (seen once in CI, sigbus on file:
+        // 28,752 of 90,960), and then cleaning ahead is not what this run exercised.
+        if stats.direct_reclaims * 4 < stats.evictions {
+            assert!(stats.cleaned_ahead > 0, "no page was cleaned ahead of eviction: {}", stats.summary());
+        } else if stats.cleaned_ahead == 0 {
+            eprintln!(
+                "NOT CHECKED: cleaning ahead of eviction ({} of {} evictions on faulting threads: the reclaim thread was starved)",
+                stats.direct_reclaims, stats.evictions
+            );
+        }
     }
     Outcome {
         mismatches,
