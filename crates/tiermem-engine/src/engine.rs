@@ -311,7 +311,7 @@ impl Engine {
             capture,
             prefault_metadata: AtomicBool::new(false),
             pagemap: tiermem_sys::pagemap::Pagemap::open_self().ok(),
-            zero_page: Mapping::anonymous(PAGE_SIZE * crate::fault::ZERO_FILL_AROUND, true)?,
+            zero_page: Mapping::zeros(PAGE_SIZE * crate::fault::ZERO_FILL_AROUND)?,
             reclaim_wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
                 .map_err(|e| Error::os(e.into(), "eventfd"))?,
             stop_event: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)

@@ -38,6 +38,26 @@ impl Mapping {
         Ok(Self { ptr, len })
     }
 
+    /// Map `len` bytes of read-only anonymous memory that reads as zeros, backed by the
+    /// kernel's shared zero page (read here once, so later reads never fault): a source of
+    /// zeros that costs no memory, where a populated writable mapping is charged `len` bytes.
+    pub fn zeros(len: usize) -> Result<Self> {
+        if len == 0 || !len.is_multiple_of(PAGE_SIZE) {
+            return Err(Error::invalid(format!("mapping length {len} is not a non-zero multiple of {PAGE_SIZE}")));
+        }
+        // SAFETY: a fresh anonymous mapping at an address of the kernel's choosing aliases nothing.
+        let ptr = unsafe { mm::mmap_anonymous(std::ptr::null_mut(), len, ProtFlags::READ, MapFlags::PRIVATE) }
+            .context(|| format!("mmap of {len} bytes of zeros"))?;
+        let ptr = NonNull::new(ptr.cast::<u8>())
+            .ok_or_else(|| Error::new(crate::ErrorKind::Internal, "mmap returned null"))?;
+        for offset in (0..len).step_by(PAGE_SIZE) {
+            let page = ptr.as_ptr().wrapping_add(offset);
+            // SAFETY: inside the readable mapping just made; a read maps the zero page.
+            unsafe { std::ptr::read_volatile(page) };
+        }
+        Ok(Self { ptr, len })
+    }
+
     /// Start address.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
@@ -129,6 +149,34 @@ pub unsafe fn discard(addr: *mut u8, len: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The Rss of the mapping that holds `addr`, in KiB, from /proc/self/smaps.
+    fn rss_kib(addr: *mut u8) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let holds = |line: &str| {
+            let Some((range, _)) = line.split_once(' ') else { return false };
+            let Some((lo, hi)) = range.split_once('-') else { return false };
+            match (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) {
+                (Ok(lo), Ok(hi)) => lo <= addr as usize && (addr as usize) < hi,
+                _ => false,
+            }
+        };
+        let mut lines = smaps.lines().skip_while(|l| !holds(l));
+        assert!(lines.next().is_some(), "no mapping holds {addr:p}");
+        let rss = lines.find_map(|l| l.strip_prefix("Rss:")).unwrap();
+        rss.trim().trim_end_matches("kB").trim().parse().unwrap()
+    }
+
+    #[test]
+    fn zeros_read_as_zeros_and_hold_no_memory() {
+        let zeros = Mapping::zeros(64 * PAGE_SIZE).unwrap();
+        // SAFETY: the mapping's 64 pages, readable.
+        let bytes = unsafe { std::slice::from_raw_parts(zeros.as_ptr(), 64 * PAGE_SIZE) };
+        assert!(bytes.iter().all(|&b| b == 0));
+        let populated = Mapping::anonymous(64 * PAGE_SIZE, true).unwrap();
+        assert!(rss_kib(populated.as_ptr()) >= 256, "a populated mapping holds its pages");
+        assert_eq!(rss_kib(zeros.as_ptr()), 0, "the zero page is not counted as the mapping's memory");
+    }
 
     #[test]
     fn discard_all_drops_exactly_the_given_ranges() {
