@@ -410,12 +410,17 @@ impl Engine {
         Ok(Region { shared: self.shared.clone(), inner })
     }
 
-    /// From now on, make each new region's per-page state resident when the region is made
-    /// (16 bytes per page of the region), instead of page by page as reclaim first writes it.
-    /// For a program whose cgroup pauses it when out of memory (the preload's OOM guard):
-    /// reclaim must not wait for a new page of its own while it is the one to free memory.
+    /// Make the engine's own bookkeeping resident up front instead of page by page as it is
+    /// first written: the replacement policy's queues and tables (sized for the budget, about
+    /// 1% of it), the latency histograms, and from now on each new region's per-page state when
+    /// the region is made (16 bytes per page of the region). For a program whose cgroup pauses
+    /// it when out of memory (the preload's OOM guard): reclaim and completions must not wait
+    /// for a new page of their own while they are the ones to free memory (seen: reclaim stuck
+    /// on a first store to a slot hash, and to the policy's eviction history).
     pub fn keep_metadata_resident(&self) {
         self.shared.prefault_metadata.store(true, Ordering::Relaxed);
+        self.shared.replacement.reserve_now();
+        self.shared.stats.touch_histograms();
     }
 
     /// The POSIX thread ids of the engine's own threads (completion, reclaim, fault handlers).

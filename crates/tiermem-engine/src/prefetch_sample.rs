@@ -31,7 +31,7 @@ impl PrefetchSampler {
     /// 32nd of them, so critical reads always find one.
     pub(crate) fn new(io_buffers: usize) -> Self {
         let capacity = (io_buffers / 32).clamp(1, MAX_WAITING);
-        Self { completed: AtomicU64::new(0), capacity, waiting: Mutex::new(VecDeque::with_capacity(capacity)) }
+        Self { completed: AtomicU64::new(0), capacity, waiting: Mutex::new(VecDeque::with_capacity(capacity + 1)) }
     }
 
     /// Whether the prefetch that just completed should wait for a fault (one in
@@ -44,6 +44,8 @@ impl PrefetchSampler {
     /// now more than its capacity: the caller ends its wait.
     pub(crate) fn push(&self, id: u64) -> Option<u64> {
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        // Room for one more than `capacity` was reserved: the queue never grows (growing
+        // allocates on the completion thread, which under the OOM guard must not wait for memory).
         waiting.push_back(id);
         (waiting.len() > self.capacity).then(|| waiting.pop_front()).flatten()
     }

@@ -127,6 +127,14 @@ impl Stats {
         h.saturating_record(ns.max(1));
     }
 
+    /// Write every histogram's counts once (a reset writes them all), so recording never
+    /// touches a new page (see [`crate::Engine::keep_metadata_resident`]).
+    pub fn touch_histograms(&self) {
+        for h in &self.histograms {
+            h.lock().unwrap_or_else(|e| e.into_inner()).reset();
+        }
+    }
+
     /// Note the resident count for the peak.
     pub fn observe_resident(&self, pages: u64) {
         self.counters.peak_resident.fetch_max(pages, Ordering::Relaxed);

@@ -143,6 +143,11 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
     /// `is_referenced` reports and clears a page's referenced bit (second chance). The engine
     /// re-checks every proposal and hands back the ones it could not evict via `on_insert`.
     fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList);
+    /// Make the memory the policy set aside for its capacity resident now, instead of page by
+    /// page as it fills (for a caller that must not wait for a new page later: the engine under
+    /// the preload's OOM guard, whose reclaim thread stalled on the first touch of a policy
+    /// queue while the cgroup was out of memory). Policies that set nothing aside do nothing.
+    fn reserve_now(&self) {}
     /// [`Replacement::on_insert`] for a caller with exclusive use of the policy and of everything
     /// it shares (the simulator): same result, without taking locks where the policy can avoid
     /// them. Must not allocate either.

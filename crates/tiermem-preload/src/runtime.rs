@@ -43,17 +43,35 @@ pub fn set_errno(value: i32) {
     unsafe { *errno = value };
 }
 
-/// Write a message to stderr without allocating (usable anywhere, even inside malloc).
+/// Write a message to stderr without allocating (usable anywhere, even inside malloc). A
+/// message up to 1 KiB goes out in one write, so messages from several threads do not mix.
 pub fn say(parts: &[&str]) {
+    let mut line = [0u8; 1024];
+    let mut len = 0;
+    let mut fits = true;
     for part in parts.iter().chain(std::iter::once(&"\n")) {
-        let mut rest = part.as_bytes();
-        while !rest.is_empty() {
-            match rustix::io::write(rustix::stdio::stderr(), rest) {
-                Ok(n) if n > 0 => rest = &rest[n..],
-                Ok(_) => break,
-                Err(rustix::io::Errno::INTR) => {}
-                Err(_) => break,
-            }
+        let bytes = part.as_bytes();
+        if len + bytes.len() > line.len() {
+            fits = false;
+            break;
+        }
+        line[len..len + bytes.len()].copy_from_slice(bytes);
+        len += bytes.len();
+    }
+    if fits {
+        write_all_stderr(&line[..len]);
+    } else {
+        parts.iter().chain(std::iter::once(&"\n")).for_each(|part| write_all_stderr(part.as_bytes()));
+    }
+}
+
+fn write_all_stderr(mut rest: &[u8]) {
+    while !rest.is_empty() {
+        match rustix::io::write(rustix::stdio::stderr(), rest) {
+            Ok(n) if n > 0 => rest = &rest[n..],
+            Ok(_) => break,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(_) => break,
         }
     }
 }
@@ -194,9 +212,10 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
         if let Some(cgroup) = CgroupRoom::of_self() {
             use std::os::unix::thread::JoinHandleExt;
             // Before the first managed page: the room is known from the start.
-            fit_budget_to_cgroup(engine, &cgroup, engine.config().limit_bytes, 0);
+            let configured = engine.config().limit_bytes;
+            fit_budget_to_cgroup(engine, &cgroup, configured, base_margin(engine, &cgroup, configured));
             let guard = if settings.oom_guard {
-                match OomGuard::arm(&cgroup) {
+                match OomGuard::arm(&cgroup, base_margin(engine, &cgroup, configured)) {
                     Ok(guard) => {
                         engine.keep_metadata_resident();
                         Some(guard)
@@ -410,12 +429,9 @@ fn read_number(path: &std::path::Path) -> Option<u64> {
 /// memory; then the configured limit is the local memory, and it counts everything else charged
 /// just as the cgroup does for a file device (what makes `mem` a fair ideal for `file`).
 ///
-/// `extra_margin` is room kept free on top of the usual margin after the cgroup ran out of
-/// memory (see [`watch_cgroup`]).
-fn fit_budget_to_cgroup(engine: &Engine, cgroup: &CgroupRoom, configured: u64, extra_margin: u64) {
+/// `margin` is the room kept free (see [`base_margin`] and [`watch_cgroup`]).
+fn fit_budget_to_cgroup(engine: &Engine, cgroup: &CgroupRoom, configured: u64, margin: u64) {
     let local = local_room(engine, cgroup, configured);
-    // Proportional, so a small cgroup still leaves the engine most of its room.
-    let margin = (local / 50).max(1 << 20) + extra_margin;
     let held = engine.device_memory_held();
     if let Some(charged) = cgroup.charged_bytes() {
         let managed = engine.resident_pages() * tiermem_sys::PAGE_SIZE as u64;
@@ -424,6 +440,12 @@ fn fit_budget_to_cgroup(engine: &Engine, cgroup: &CgroupRoom, configured: u64, e
         let budget = engine.set_limit_bytes(room.min(configured));
         LOWEST_BUDGET.fetch_min(budget, Ordering::Relaxed);
     }
+}
+
+/// Room kept free for growth between two looks: a 50th of the room, at least 1 MiB
+/// (proportional, so a small cgroup still leaves the engine most of its room).
+fn base_margin(engine: &Engine, cgroup: &CgroupRoom, configured: u64) -> u64 {
+    (local_room(engine, cgroup, configured) / 50).max(1 << 20)
 }
 
 /// The memory the cgroup leaves the program: its limit, or for a device that keeps evicted
@@ -448,6 +470,8 @@ fn local_room(engine: &Engine, cgroup: &CgroupRoom, configured: u64) -> u64 {
 fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<OomGuard>) {
     let configured = engine.config().limit_bytes;
     let mut extra_margin = 0u64;
+    // Looks since the cgroup was last out of memory.
+    let mut calm_looks = 0u32;
     let mut memory_waits = engine.memory_waits();
     // Since when the cgroup has been out of memory without a break, while the guard holds.
     let mut out_since: Option<std::time::Instant> = None;
@@ -480,8 +504,13 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
         let waits = engine.memory_waits();
         if out_of_memory || waits != memory_waits {
             memory_waits = waits;
-            if guard.is_some() {
+            calm_looks = 0;
+            if let Some(g) = &mut guard {
                 out_since.get_or_insert_with(std::time::Instant::now);
+                // Room at once, for whoever needs a page first: the program, or one of the
+                // engine's threads, which must not wait for memory while it is the one to free
+                // some (seen: reclaim stuck on a first touch of its own data).
+                g.release_ballast();
             }
             let step = (local_room(engine, &cgroup, configured) / 16).max(2 << 20);
             let page = tiermem_sys::PAGE_SIZE as u64;
@@ -502,7 +531,23 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
             continue;
         }
         extra_margin -= extra_margin / 256;
-        fit_budget_to_cgroup(engine, &cgroup, configured, extra_margin);
+        calm_looks = calm_looks.saturating_add(1);
+        let margin = match &mut guard {
+            // The ballast is the margin, held rather than left free; taken back after a calm
+            // second (a refused attempt, for want of room, is tried again later).
+            Some(g) => {
+                if calm_looks >= 50 {
+                    g.restore_ballast();
+                }
+                if g.ballast_held() {
+                    extra_margin
+                } else {
+                    base_margin(engine, &cgroup, configured) + extra_margin
+                }
+            }
+            None => base_margin(engine, &cgroup, configured) + extra_margin,
+        };
+        fit_budget_to_cgroup(engine, &cgroup, configured, margin);
     }
 }
 
@@ -512,6 +557,10 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
 #[derive(Debug)]
 struct OomGuard {
     event: rustix::fd::OwnedFd,
+    /// Memory held for the moment the cgroup runs out: released at once then (see
+    /// [`watch_cgroup`]), taken back when there is room again.
+    ballast: tiermem_sys::mem::Mapping,
+    ballast_held: bool,
     /// `memory.oom_control`, open for reading and writing for as long as the registration
     /// lasts: read and written through this descriptor, whose read buffer the kernel allocated
     /// at the first read, so neither needs memory the cgroup no longer has.
@@ -519,7 +568,7 @@ struct OomGuard {
 }
 
 impl OomGuard {
-    fn arm(cgroup: &CgroupRoom) -> Result<Self, String> {
+    fn arm(cgroup: &CgroupRoom, ballast_bytes: u64) -> Result<Self, String> {
         use rustix::fd::AsRawFd;
         let dir = cgroup.v1_dir.as_ref().ok_or("the memory cgroup is not v1: no memory.oom_control")?;
         let control_path = dir.join("memory.oom_control");
@@ -534,13 +583,45 @@ impl OomGuard {
         let register = dir.join("cgroup.event_control");
         std::fs::write(&register, format!("{} {}", event.as_raw_fd(), control.as_raw_fd()))
             .map_err(|e| format!("cannot register for OOM events in {}: {e}", register.display()))?;
-        let guard = Self { event, control };
+        let len = usize::try_from(ballast_bytes).unwrap_or(1 << 20).next_multiple_of(tiermem_sys::PAGE_SIZE);
+        let ballast = tiermem_sys::mem::Mapping::anonymous(len, false).map_err(|e| format!("ballast: {e}"))?;
+        let mut guard = Self { event, control, ballast, ballast_held: false };
         guard
             .set_killer(false)
             .map_err(|e| format!("cannot turn the OOM killer off in {}: {e}", control_path.display()))?;
         guard.under_oom().ok_or_else(|| format!("cannot read {}", control_path.display()))?;
         pin_own_code();
+        guard.restore_ballast();
         Ok(guard)
+    }
+
+    fn ballast_held(&self) -> bool {
+        self.ballast_held
+    }
+
+    /// Give the ballast's memory back to the cgroup.
+    fn release_ballast(&mut self) {
+        if self.ballast_held {
+            // SAFETY: the ballast is our own mapping; its contents mean nothing.
+            let _ = unsafe { tiermem_sys::mem::discard(self.ballast.as_ptr(), self.ballast.len()) };
+            self.ballast_held = false;
+        }
+    }
+
+    /// Take the ballast's memory again if the cgroup has room. A system call, not a touch: with
+    /// the killer off a touch would wait for memory, while the call fails (ENOMEM).
+    fn restore_ballast(&mut self) {
+        if !self.ballast_held {
+            // SAFETY: populating our own mapping changes no contents.
+            let populated = unsafe {
+                rustix::mm::madvise(
+                    self.ballast.as_ptr().cast(),
+                    self.ballast.len(),
+                    rustix::mm::Advice::LinuxPopulateWrite,
+                )
+            };
+            self.ballast_held = populated.is_ok();
+        }
     }
 
     fn set_killer(&self, on: bool) -> std::io::Result<()> {

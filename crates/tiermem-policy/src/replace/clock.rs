@@ -41,6 +41,10 @@ impl Replacement for Clock {
         // The engine sets the page's referenced bit; nothing to move in a FIFO.
     }
 
+    fn reserve_now(&self) {
+        super::seq::touch_capacity(&mut self.queue(), 0);
+    }
+
     fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
         pick(&mut self.queue(), self.second_chance, max, is_referenced, out);
     }

@@ -85,8 +85,10 @@ impl Refaults {
         let window = window_of(capacity);
         Self {
             evicted: 0,
-            ghosts: HashMap::with_capacity(horizon + window),
-            order: VecDeque::with_capacity(horizon + window),
+            // One more than the most kept (a proposal goes in before the oldest leaves), so
+            // neither ever grows: a grown table is new memory, touched on the reclaim path.
+            ghosts: HashMap::with_capacity(horizon + window + 1),
+            order: VecDeque::with_capacity(horizon + window + 1),
             horizon: horizon as u64,
             window: window as u64,
             page_ins: 0,
@@ -153,6 +155,14 @@ impl Seq {
             name,
         }
     }
+}
+
+/// Write every free slot of `queue`'s allocation once, leaving its contents as they were.
+pub(crate) fn touch_capacity<T: Copy>(queue: &mut VecDeque<T>, filler: T) {
+    let len = queue.len();
+    let spare = queue.capacity() - len;
+    queue.extend(std::iter::repeat_n(filler, spare));
+    queue.truncate(len);
 }
 
 /// The newest run pages never evicted while older run pages remain: an eighth of memory, but at
@@ -246,6 +256,27 @@ impl State {
 }
 
 impl Replacement for Seq {
+    fn reserve_now(&self) {
+        let mut state = lock(&self.state);
+        let state = &mut *state;
+        touch_capacity(&mut state.others, 0);
+        touch_capacity(&mut state.recent, (0, 0));
+        touch_capacity(&mut state.older, 0);
+        if let Some(r) = &mut state.refaults {
+            touch_capacity(&mut r.order, (0, 0));
+            // Filling the table to its capacity writes its buckets and control bytes.
+            let keep = std::mem::take(&mut r.ghosts);
+            let mut ghosts = keep;
+            let target = ghosts.capacity().saturating_sub(ghosts.len());
+            let dummy_base = u64::MAX - target as u64;
+            (0..target as u64).for_each(|k| {
+                ghosts.insert(dummy_base + k, 0);
+            });
+            ghosts.retain(|&page, _| page < dummy_base);
+            r.ghosts = ghosts;
+        }
+    }
+
     fn name(&self) -> &'static str {
         self.name
     }
@@ -276,6 +307,28 @@ impl Replacement for Seq {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reserving_memory_changes_no_decision() {
+        let (plain, reserved) = (Seq::adaptive(256), Seq::adaptive(256));
+        let pages = |p: &Seq, from: u64| (from..from + 200).chain((1000..1100).step_by(3)).for_each(|x| p.on_insert(x));
+        pages(&plain, 0);
+        reserved.reserve_now();
+        pages(&reserved, 0);
+        reserved.reserve_now();
+        let referenced = |p: PageId| p % 7 == 0;
+        for round in 0..5 {
+            assert_eq!(victims(&plain, 32, &referenced), victims(&reserved, 32, &referenced), "round {round}");
+            pages(&plain, 5000 + round * 300);
+            pages(&reserved, 5000 + round * 300);
+        }
+        let mut queue: VecDeque<u64> = VecDeque::with_capacity(16);
+        queue.extend([3, 1, 2]);
+        queue.pop_front();
+        touch_capacity(&mut queue, 9);
+        assert_eq!(queue, [1, 2]);
+        assert!(queue.capacity() >= 16);
+    }
 
     fn victims(p: &Seq, n: usize, referenced: &dyn Fn(PageId) -> bool) -> Vec<PageId> {
         let mut out = PageList::default();
