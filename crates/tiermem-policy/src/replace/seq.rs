@@ -316,7 +316,7 @@ mod tests {
         reserved.reserve_now();
         pages(&reserved, 0);
         reserved.reserve_now();
-        let referenced = |p: PageId| p % 7 == 0;
+        let referenced = |p: PageId| p.is_multiple_of(7);
         for round in 0..5 {
             assert_eq!(victims(&plain, 32, &referenced), victims(&reserved, 32, &referenced), "round {round}");
             pages(&plain, 5000 + round * 300);
