@@ -91,6 +91,12 @@ def swap_files(directory):
     return [line.split()[0] for line in table if line.split()[0].startswith(str(directory))]
 
 
+def run_temp_dirs():
+    """The helpers' per-run temporary directories in the system's temporary directory."""
+    import tempfile
+    return {p.name for p in Path(tempfile.gettempdir()).glob("tiermem-limited-run-*")}
+
+
 def real_helper_argv(tiermem, tmp_path):
     return [tiermem, "bench", "limited-run", "--cgroup-prefix", "tiermem-apps-pytest", "--limit", str(64 << 20),
             "--swap-dir", str(tmp_path), "--swap-bytes", str(32 << 20), "--result", str(tmp_path / "r.json"), "--",
@@ -101,6 +107,7 @@ def real_helper_argv(tiermem, tmp_path):
 @pytest.mark.parametrize("error", [Injected, KeyboardInterrupt])
 def test_real_helper_leaves_no_cgroup_swap_file_or_process(tiermem_root, tmp_path, monkeypatch, error):
     pid_file = tmp_path / "program.pid"
+    temp_dirs = run_temp_dirs()
     fail_during_run(monkeypatch, lambda: pid_file.exists() and pid_file.read_text() != "", error)
     with pytest.raises(error):
         runner.run_helper(real_helper_argv(tiermem_root, tmp_path), tmp_path / "r.json")
@@ -108,11 +115,13 @@ def test_real_helper_leaves_no_cgroup_swap_file_or_process(tiermem_root, tmp_pat
     assert wait_for(lambda: not pid_alive(program), 10), "the program survived"
     assert tiermem_cgroups() == []
     assert swap_files(tmp_path) == []
+    assert wait_for(lambda: run_temp_dirs() <= temp_dirs, 10), f"left behind: {run_temp_dirs() - temp_dirs}"
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".swap"] == []
 
 
 def test_real_helper_cleans_up_on_ctrl_c(tiermem_root, tmp_path):
     pid_file = tmp_path / "program.pid"
+    temp_dirs = run_temp_dirs()
     helper = subprocess.Popen(real_helper_argv(tiermem_root, tmp_path), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
     try:
@@ -125,6 +134,7 @@ def test_real_helper_cleans_up_on_ctrl_c(tiermem_root, tmp_path):
             helper.kill()
     assert not pid_alive(int(pid_file.read_text()))
     assert tiermem_cgroups() == [] and swap_files(tmp_path) == []
+    assert run_temp_dirs() <= temp_dirs, f"left behind: {run_temp_dirs() - temp_dirs}"
 
 
 def test_a_program_killed_at_the_timeout_leaves_no_temporary_files(tiermem_root, tmp_path):

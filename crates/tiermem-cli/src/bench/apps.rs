@@ -163,12 +163,9 @@ pub fn limited_run(args: &LimitedRunArgs) -> Result<LimitedRunReport> {
     // The program's temporary files (`tiermem run`'s statistics directory among them) go to a
     // directory of this run, removed when it ends: a program killed at the timeout or by the OOM
     // killer cannot remove its own.
-    let temp_dir = tempfile::Builder::new()
-        .prefix("tiermem-limited-run-")
-        .tempdir()
-        .map_err(|e| Error::os(e, "creating the run's temporary directory"))?;
+    let temp_dir = RunTempDir::create()?;
     let mut command = Command::new(program);
-    command.args(rest).env("TMPDIR", temp_dir.path());
+    command.args(rest).env("TMPDIR", &temp_dir.path);
     let (status, wall, timed_out) = spawn_and_wait(&cgroup, &mut command, args.timeout.map(Duration::from_secs_f64))?;
 
     let report = LimitedRunReport {
@@ -190,6 +187,46 @@ pub fn limited_run(args: &LimitedRunArgs) -> Result<LimitedRunReport> {
         swap.close()?;
     }
     Ok(report)
+}
+
+/// A run's temporary directory, removed when dropped and, like the cgroup and the swap file, by
+/// the cleanup registry on Ctrl-C or another signal (a plain `TempDir` outlived an interrupted
+/// run: three were left behind by every CI run's Ctrl-C tests).
+struct RunTempDir {
+    path: PathBuf,
+    cleanup: Option<super::cleanup::CleanupId>,
+}
+
+impl RunTempDir {
+    fn create() -> Result<Self> {
+        let (path, cleanup) = super::cleanup::create_registered(|| {
+            let path = tempfile::Builder::new()
+                .prefix("tiermem-limited-run-")
+                .tempdir()
+                .map_err(|e| Error::os(e, "creating the run's temporary directory"))?
+                .keep();
+            let label = format!("temporary directory {}", path.display());
+            let gone = path.clone();
+            let teardown: super::cleanup::Teardown = Box::new(move || match std::fs::remove_dir_all(&gone) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    Err(Error::os(e, format!("removing {}", gone.display())))
+                }
+                _ => Ok(()),
+            });
+            Ok((path, label, teardown))
+        })?;
+        Ok(Self { path, cleanup: Some(cleanup) })
+    }
+}
+
+impl Drop for RunTempDir {
+    fn drop(&mut self) {
+        if let Some(cleanup) = self.cleanup.take() {
+            if let Err(e) = super::cleanup::release(cleanup) {
+                eprintln!("tiermem: {e}");
+            }
+        }
+    }
 }
 
 /// Start `command` inside `cgroup` (stdin closed, stdout/stderr inherited) and wait for it, at most
