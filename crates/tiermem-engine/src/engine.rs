@@ -175,14 +175,14 @@ impl Shared {
         self.resident.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// Wake the reclaim thread if it sleeps. SeqCst pairs with the thread's own store of
-    /// `reclaim_asleep` and re-check of residency, so a wake-up is never lost.
     /// Lower the limit by `pages` (not below 16) and wake reclaim: room is needed now.
     pub(crate) fn shed(&self, pages: u64) {
         self.set_limit_pages(self.limit_pages().saturating_sub(pages.max(1)).max(16.min(self.config.limit_pages())));
         self.wake_reclaim();
     }
 
+    /// Wake the reclaim thread if it sleeps. SeqCst pairs with the thread's own store of
+    /// `reclaim_asleep` and re-check of residency, so a wake-up is never lost.
     pub(crate) fn wake_reclaim(&self) {
         if self.reclaim_asleep.swap(false, Ordering::SeqCst) {
             // An eventfd write never blocks here (the counter cannot overflow in practice).

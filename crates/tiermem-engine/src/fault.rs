@@ -394,14 +394,17 @@ pub(crate) fn map_pages(
             Errno::EXIST if count == 1 => return Err(err),
             Errno::EXIST => done += 1,
             // The cgroup is full and its OOM killer is off (the preload's OOM guard): the kernel
-            // refuses the page instead of killing. Shrink the budget a step so reclaim makes
-            // room, and try again for a while before giving up.
+            // refuses the page instead of killing. Shrink the budget a step once so reclaim
+            // makes room (the cgroup watch sees the count and cuts more if needed), then keep
+            // reclaim awake and try again for a while before giving up.
             Errno::NOMEM if memory_waits < NOMEM_RETRIES => {
                 if memory_waits == 0 {
                     Stats::add(&shared.stats.counters.memory_waits, 1);
+                    shared.shed(shared.limit_pages() / 32);
+                } else {
+                    shared.wake_reclaim();
                 }
                 memory_waits += 1;
-                shared.shed(shared.limit_pages() / 32);
                 std::thread::sleep(std::time::Duration::from_micros(500));
             }
             // The run crosses a VMA boundary (the program split the region with madvise or

@@ -463,10 +463,11 @@ fn local_room(engine: &Engine, cgroup: &CgroupRoom, configured: u64) -> u64 {
 /// Unmanaged memory can grow faster than one look in 20 ms can follow: 4 MiB filled in a few
 /// milliseconds next to a full budget under a 48 MiB limit was enough for the OOM killer. With
 /// the guard the kernel pauses the program instead; then the budget is cut to a step (a 16th of
-/// the room, at least 2 MiB) below what is resident, without reading anything (reading cgroup files needs memory the
-/// cgroup does not have), and that step stays as extra margin, shrinking by a 256th per look
-/// (about half in 3.5 s), so a program that bursts again finds the room free. If the budget is
-/// already at its floor, tiermem has nothing left to give: the guard turns the killer back on.
+/// the room, at least 2 MiB) below what is resident, without reading anything (reading cgroup
+/// files needs memory the cgroup does not have), and that step stays as extra margin, shrinking
+/// by a 256th per look (about half in 3.5 s), so a program that bursts again finds the room
+/// free. If the budget is already at its floor, tiermem has nothing left to give: the guard
+/// turns the killer back on.
 fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<OomGuard>) {
     let configured = engine.config().limit_bytes;
     let mut extra_margin = 0u64;
@@ -512,7 +513,8 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
                 // some (seen: reclaim stuck on a first touch of its own data).
                 g.release_ballast();
             }
-            let step = (local_room(engine, &cgroup, configured) / 16).max(2 << 20);
+            let room = local_room(engine, &cgroup, configured);
+            let step = (room / 16).max(2 << 20);
             let page = tiermem_sys::PAGE_SIZE as u64;
             let (limit, resident) = (engine.limit_pages() * page, engine.resident_pages() * page);
             if resident > limit {
@@ -526,28 +528,22 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
                 OOM_RESCUES.fetch_add(1, Ordering::Relaxed);
                 let budget = engine.set_limit_bytes(resident.saturating_sub(step));
                 LOWEST_BUDGET.fetch_min(budget, Ordering::Relaxed);
-                extra_margin = (extra_margin + step).min(local_room(engine, &cgroup, configured) / 4);
+                extra_margin = (extra_margin + step).min(room / 4);
             }
             continue;
         }
         extra_margin -= extra_margin / 256;
         calm_looks = calm_looks.saturating_add(1);
-        let margin = match &mut guard {
-            // The ballast is the margin, held rather than left free; taken back after a calm
-            // second (a refused attempt, for want of room, is tried again later).
-            Some(g) => {
-                if calm_looks >= 50 {
-                    g.restore_ballast();
-                }
-                if g.ballast_held() {
-                    extra_margin
-                } else {
-                    base_margin(engine, &cgroup, configured) + extra_margin
-                }
+        // The ballast is the margin, held rather than left free; taken back after a calm second
+        // (a refused attempt, for want of room, is tried again later).
+        let ballast_held = guard.as_mut().is_some_and(|g| {
+            if calm_looks >= 50 {
+                g.restore_ballast();
             }
-            None => base_margin(engine, &cgroup, configured) + extra_margin,
-        };
-        fit_budget_to_cgroup(engine, &cgroup, configured, margin);
+            g.ballast_held()
+        });
+        let margin = if ballast_held { 0 } else { base_margin(engine, &cgroup, configured) };
+        fit_budget_to_cgroup(engine, &cgroup, configured, margin + extra_margin);
     }
 }
 
