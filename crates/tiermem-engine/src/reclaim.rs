@@ -69,13 +69,18 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
         move_out(shared, capture, &mut staging, victims);
         queue_writes(shared, victims, true);
         put_back_failed(shared, victims);
-        // Dropping `staging` empties it: every page moved there is copied or clean.
+        // Dropping `staging` empties it (one MADV_DONTNEED): every page moved there is copied
+        // or clean.
+        Stats::add(&shared.stats.counters.unmap_calls, 1);
     } else {
         // Write-protect the dirty pages, run by run: from here a racing write waits for our lock.
         for_each_run(
             victims,
             |v| v.buf.is_some(),
-            |addr, len| shared.uffd.write_protect(addr, len, true, false).is_ok(),
+            |addr, len| {
+                Stats::add(&shared.stats.counters.unmap_calls, 1);
+                shared.uffd.write_protect(addr, len, true, false).is_ok()
+            },
             |v, ok| {
                 if !ok {
                     v.next = Some(v.page.state());
@@ -91,6 +96,7 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
         }
         // Drop every page that leaves; its data is in its slot or a write buffer.
         discard_runs(
+            shared,
             victims,
             |v| v.next.is_some_and(|n| n.kind() != Kind::Resident),
             |v, ok| {
@@ -259,7 +265,10 @@ pub(crate) fn clean_batch(shared: &Shared, regions: &RegionTable, max: usize) ->
     for_each_run(
         victims,
         |v| v.next.is_none(),
-        |addr, len| shared.uffd.write_protect(addr, len, true, false).is_ok(),
+        |addr, len| {
+            Stats::add(&shared.stats.counters.unmap_calls, 1);
+            shared.uffd.write_protect(addr, len, true, false).is_ok()
+        },
         |v, ok| {
             if !ok {
                 release(shared, v.buf.take());
@@ -354,6 +363,7 @@ fn for_each_run<'a>(
 /// Drop the picked victims' pages: every run in one system call (one TLB flush for the batch)
 /// where the kernel allows it, else run by run. `after` learns for each page whether it left.
 fn discard_runs<'a>(
+    shared: &Shared,
     victims: &mut [Option<Victim<'a>>],
     pick: impl Fn(&Victim<'a>) -> bool,
     mut after: impl FnMut(&mut Victim<'a>, bool),
@@ -373,6 +383,9 @@ fn discard_runs<'a>(
     );
     // SAFETY: every picked page is locked by us and its contents are saved.
     if unsafe { tiermem_sys::mem::discard_all(&ranges[..count]) } {
+        if count > 0 {
+            Stats::add(&shared.stats.counters.unmap_calls, 1);
+        }
         for v in victims.iter_mut().flatten().filter(|v| pick(v)) {
             after(v, true);
         }
@@ -381,8 +394,11 @@ fn discard_runs<'a>(
     for_each_run(
         victims,
         pick,
-        // SAFETY: as above; pages already dropped by a partial batch are dropped again, harmlessly.
-        |addr, len| unsafe { tiermem_sys::mem::discard(addr, len) }.is_ok(),
+        |addr, len| {
+            Stats::add(&shared.stats.counters.unmap_calls, 1);
+            // SAFETY: as above; pages already dropped by a partial batch are dropped again, harmlessly.
+            unsafe { tiermem_sys::mem::discard(addr, len) }.is_ok()
+        },
         after,
     );
 }
@@ -435,6 +451,7 @@ fn move_out(
         };
         let addr = first.region.page_addr(first.index);
         capture.find_written(addr as usize, &mut written[i..j]);
+        Stats::add(&shared.stats.counters.unmap_calls, 1);
         // SAFETY: the run's pages are resident and locked by this thread, in a registered
         // region; the staging pages i..j are empty and registered on the same userfaultfd.
         let done = match unsafe { shared.uffd.move_pages(staging.page(i), addr, (j - i) * PAGE_SIZE) } {
@@ -494,6 +511,7 @@ fn move_one(shared: &Shared, dst: *mut u8, src: *mut u8) -> bool {
     let mut made_ours = false;
     // EAGAIN: the page table changed under the kernel's check; retried a bounded number of times.
     for _ in 0..64 {
+        Stats::add(&shared.stats.counters.unmap_calls, 1);
         // SAFETY: as in move_out: `src` is resident and locked by this thread, `dst` an empty
         // registered staging page.
         match unsafe { shared.uffd.move_pages(dst, src, PAGE_SIZE) } {

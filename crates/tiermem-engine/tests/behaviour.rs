@@ -64,6 +64,41 @@ fn rereading_an_unmodified_region_writes_nothing() {
     }
 }
 
+#[test]
+fn eviction_changes_page_tables_once_per_run_of_contiguous_pages() {
+    let _serial = serial();
+    if features_or_skip("eviction_changes_page_tables_once_per_run_of_contiguous_pages").is_none() {
+        return;
+    }
+    let f = tiermem_sys::probe::KernelFeatures::probe();
+    let mut modes = vec![DirtyTracking::SyncWriteProtect];
+    if f.wp_async && f.move_pages && f.pagemap_scan {
+        modes.push(DirtyTracking::AsyncWriteProtect);
+    } else {
+        eprintln!("SKIPPED async-wp part: kernel lacks WP_ASYNC, MOVE or PAGEMAP_SCAN");
+    }
+    for mode in modes {
+        let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| c.dirty_tracking = mode);
+        let pages = 1024;
+        let region = engine.create_region(pages * 4096).unwrap();
+        // Written in address order and so evicted in runs: a batch's victims are neighbours.
+        touch_all(region.as_ptr(), pages, true);
+        let expect: u64 = (1..=pages as u64).sum();
+        assert_eq!(touch_all(region.as_ptr(), pages, false), expect);
+        let stats = engine.stats();
+        eprintln!("{mode}: {} evictions in {} page-table calls", stats.evictions, stats.unmap_calls);
+        assert!(stats.evictions >= 1000, "{mode}: two passes over 4x the budget must evict");
+        assert!(stats.unmap_calls > 0, "{mode}: evictions without a page-table call counted");
+        assert!(
+            stats.evictions >= 4 * stats.unmap_calls,
+            "{mode}: contiguous victims were not unmapped run by run: {} evictions, {} calls",
+            stats.evictions,
+            stats.unmap_calls
+        );
+        assert!(stats.summary().contains("evictions per call"), "{}", stats.summary());
+    }
+}
+
 /// Fill `pages` pages with a pattern, then push them out by touching a second region.
 fn evicted_pattern(engine: &Engine, pages: usize) -> (tiermem_engine::Region, Vec<u8>) {
     let region = engine.create_region(pages * 4096).unwrap();
