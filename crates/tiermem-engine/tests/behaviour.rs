@@ -26,19 +26,22 @@ fn touch_all(base: *mut u8, pages: usize, write: bool) -> u64 {
     sum
 }
 
-#[test]
-fn rereading_an_unmodified_region_writes_nothing() {
-    let _serial = serial();
-    if features_or_skip("rereading_an_unmodified_region_writes_nothing").is_none() {
-        return;
-    }
-    let f = tiermem_sys::probe::KernelFeatures::probe();
+/// The dirty trackings by write protection this kernel offers (None: the test is skipped).
+fn write_protect_modes(test: &str) -> Option<Vec<DirtyTracking>> {
+    let f = features_or_skip(test)?;
     let mut modes = vec![DirtyTracking::SyncWriteProtect];
     if f.wp_async && f.move_pages && f.pagemap_scan {
         modes.push(DirtyTracking::AsyncWriteProtect);
     } else {
-        eprintln!("SKIPPED async-wp part: kernel lacks WP_ASYNC, MOVE or PAGEMAP_SCAN");
+        eprintln!("SKIPPED {test} async-wp part: kernel lacks WP_ASYNC, MOVE or PAGEMAP_SCAN");
     }
+    Some(modes)
+}
+
+#[test]
+fn rereading_an_unmodified_region_writes_nothing() {
+    let _serial = serial();
+    let Some(modes) = write_protect_modes("rereading_an_unmodified_region_writes_nothing") else { return };
     for ((device_name, device), mode) in modes.iter().flat_map(|&m| devices(64 << 20).into_iter().map(move |d| (d, m)))
     {
         let name = format!("{device_name} {mode}");
@@ -67,16 +70,9 @@ fn rereading_an_unmodified_region_writes_nothing() {
 #[test]
 fn eviction_changes_page_tables_once_per_run_of_contiguous_pages() {
     let _serial = serial();
-    if features_or_skip("eviction_changes_page_tables_once_per_run_of_contiguous_pages").is_none() {
+    let Some(modes) = write_protect_modes("eviction_changes_page_tables_once_per_run_of_contiguous_pages") else {
         return;
-    }
-    let f = tiermem_sys::probe::KernelFeatures::probe();
-    let mut modes = vec![DirtyTracking::SyncWriteProtect];
-    if f.wp_async && f.move_pages && f.pagemap_scan {
-        modes.push(DirtyTracking::AsyncWriteProtect);
-    } else {
-        eprintln!("SKIPPED async-wp part: kernel lacks WP_ASYNC, MOVE or PAGEMAP_SCAN");
-    }
+    };
     for mode in modes {
         let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| c.dirty_tracking = mode);
         let pages = 1024;
