@@ -395,7 +395,7 @@ impl RunOutcome {
             mib(self.sum("small_heap_bytes")),
             match (self.settings.small_heap, self.settings.engine.fault_mode) {
                 (false, _) => " (off)",
-                (true, tiermem_engine::FaultMode::Sigbus) => " (off in sigbus fault mode)",
+                (true, tiermem_engine::FaultMode::Sigbus) => " (faults there served by a handler thread)",
                 _ => "",
             }
         );

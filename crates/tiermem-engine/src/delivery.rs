@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 
 use rustix::event::{poll, PollFd, PollFlags};
 use rustix::io::Errno;
-use tiermem_sys::uffd::Event;
+use tiermem_sys::uffd::{Event, Uffd};
 use tiermem_sys::{Error, ErrorKind, Result, PAGE_SIZE};
 
 use crate::engine::Shared;
@@ -20,46 +20,40 @@ struct FaultWait {
 }
 
 impl FaultWait {
-    fn new(shared: &Shared) -> Self {
+    fn new(shared: &Shared, uffd: &Uffd) -> Self {
         use rustix::event::epoll;
         let epoll = epoll::create(epoll::CreateFlags::CLOEXEC).ok().filter(|set| {
-            epoll::add(
-                set,
-                &shared.uffd,
-                epoll::EventData::new_u64(0),
-                epoll::EventFlags::IN | epoll::EventFlags::EXCLUSIVE,
-            )
-            .is_ok()
+            epoll::add(set, uffd, epoll::EventData::new_u64(0), epoll::EventFlags::IN | epoll::EventFlags::EXCLUSIVE)
+                .is_ok()
                 && epoll::add(set, &shared.stop_event, epoll::EventData::new_u64(1), epoll::EventFlags::IN).is_ok()
         });
         Self { epoll }
     }
 
-    fn wait(&self, shared: &Shared) {
+    fn wait(&self, shared: &Shared, uffd: &Uffd) {
         match &self.epoll {
             Some(set) => {
                 let mut events = [std::mem::MaybeUninit::<rustix::event::epoll::Event>::uninit(); 2];
                 let _ = rustix::event::epoll::wait(set, &mut events, None);
             }
             None => {
-                let mut fds =
-                    [PollFd::new(&shared.uffd, PollFlags::IN), PollFd::new(&shared.stop_event, PollFlags::IN)];
+                let mut fds = [PollFd::new(uffd, PollFlags::IN), PollFd::new(&shared.stop_event, PollFlags::IN)];
                 let _ = poll(&mut fds, None);
             }
         }
     }
 }
 
-/// Reads fault messages and resolves them until shutdown.
-pub(crate) fn handler_thread(shared: &Shared, lane: usize) {
-    let idle = FaultWait::new(shared);
+/// Reads fault messages from `uffd` and resolves them until shutdown.
+pub(crate) fn handler_thread(shared: &Shared, uffd: &Uffd, lane: usize) {
+    let idle = FaultWait::new(shared, uffd);
     let spin = std::time::Duration::from_micros(u64::from(shared.config.handler_spin_us));
     let mut last_fault = std::time::Instant::now();
     loop {
         if shared.shutdown.load(Ordering::Acquire) {
             return;
         }
-        match shared.uffd.read_event() {
+        match uffd.read_event() {
             Ok(Some(Event::PageFault { addr, write, wp, tid })) => {
                 if !spin.is_zero() {
                     last_fault = std::time::Instant::now();
@@ -68,7 +62,7 @@ pub(crate) fn handler_thread(shared: &Shared, lane: usize) {
                     Outcome::Resolved => {}
                     Outcome::NotOurs => {
                         // A region going away under a faulting thread: let it retry and find out.
-                        let _ = shared.uffd.wake((addr & !(PAGE_SIZE - 1)) as *mut u8, PAGE_SIZE);
+                        let _ = uffd.wake((addr & !(PAGE_SIZE - 1)) as *mut u8, PAGE_SIZE);
                     }
                     Outcome::Failed(e) => fail_faulting_thread(addr, tid, e),
                 }
@@ -76,7 +70,7 @@ pub(crate) fn handler_thread(shared: &Shared, lane: usize) {
             Ok(Some(_)) => {}
             // Soon after a fault, poll instead of sleeping: the next one is likely on its way.
             Ok(None) if !spin.is_zero() && last_fault.elapsed() < spin => std::hint::spin_loop(),
-            Ok(None) => idle.wait(shared),
+            Ok(None) => idle.wait(shared, uffd),
             Err(Errno::INTR) => {}
             Err(e) => {
                 tracing::error!(errno = %e, "reading the userfaultfd failed; fault handler stops");

@@ -28,6 +28,11 @@ pub(crate) struct Shared {
     pub(crate) arena: Arc<BufferArena>,
     pub(crate) slots: SlotAllocator,
     pub(crate) uffd: Uffd,
+    /// Sigbus fault mode only: a second userfaultfd, without SIGBUS delivery, for regions the
+    /// kernel itself may fault on (see [`Engine::create_kernel_region`]), served by a handler
+    /// thread; with its own staging areas under async WP (UFFDIO_MOVE moves into memory
+    /// registered on the userfaultfd it is issued on).
+    pub(crate) threaded: Option<(Uffd, Option<crate::capture::Capture>)>,
     pub(crate) regions: RwLock<RegionTable>,
     pub(crate) prefetcher: Box<dyn Prefetcher>,
     pub(crate) replacement: Box<dyn Replacement>,
@@ -83,6 +88,22 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The userfaultfd `region` is registered on.
+    pub(crate) fn uffd_of(&self, region: &RegionInner) -> &Uffd {
+        match &self.threaded {
+            Some((uffd, _)) if region.threaded => uffd,
+            _ => &self.uffd,
+        }
+    }
+
+    /// The staging areas for evicting pages of `region` under async WP.
+    pub(crate) fn capture_of(&self, region: &RegionInner) -> Option<&crate::capture::Capture> {
+        match &self.threaded {
+            Some((_, capture)) if region.threaded => capture.as_ref(),
+            _ => self.capture.as_ref(),
+        }
+    }
+
     pub(crate) fn regions(&self) -> RwLockReadGuard<'_, RegionTable> {
         self.regions.read().unwrap_or_else(|e| e.into_inner())
     }
@@ -279,6 +300,13 @@ impl Engine {
         }
         let uffd = Uffd::open(wanted, true)?;
         let capture = if async_wp { Some(crate::capture::Capture::new(&uffd)?) } else { None };
+        let threaded = if config.fault_mode == FaultMode::Sigbus {
+            let uffd = Uffd::open(Features(wanted.0 & !Features::SIGBUS.0), true)?;
+            let capture = if async_wp { Some(crate::capture::Capture::new(&uffd)?) } else { None };
+            Some((uffd, capture))
+        } else {
+            None
+        };
         let runs = if config.write_runs { WRITE_RUNS } else { 0 } + if config.read_runs { READ_RUNS } else { 0 };
         let arena = Arc::new(BufferArena::with_runs(config.io_buffers, runs)?);
         let queues = Queues::open(&config, &*device, &arena)?;
@@ -296,6 +324,7 @@ impl Engine {
             device,
             arena,
             uffd,
+            threaded,
             regions: RwLock::new(RegionTable::default()),
             stats: Stats::default(),
             queues,
@@ -343,11 +372,23 @@ impl Engine {
                     let s = shared.clone();
                     threads.push(spawn(
                         &format!("tiermem-fault{i}"),
-                        Box::new(move || crate::delivery::handler_thread(&s, i)),
+                        Box::new(move || crate::delivery::handler_thread(&s, &s.uffd, i)),
                     )?);
                 }
             }
-            FaultMode::Sigbus => crate::delivery::install_sigbus(&shared)?,
+            FaultMode::Sigbus => {
+                crate::delivery::install_sigbus(&shared)?;
+                // Faults in kernel regions: a system call may take them, which SIGBUS cannot serve.
+                let s = shared.clone();
+                threads.push(spawn(
+                    "tiermem-fault0",
+                    Box::new(move || {
+                        if let Some((uffd, _)) = &s.threaded {
+                            crate::delivery::handler_thread(&s, uffd, 0);
+                        }
+                    }),
+                )?);
+            }
         }
         tracing::info!(
             device = %shared.device.describe(),
@@ -360,6 +401,20 @@ impl Engine {
 
     /// Create a managed region of `len` bytes (rounded up to whole pages).
     pub fn create_region(&self, len: usize) -> Result<Region> {
+        self.create_region_served(len, false)
+    }
+
+    /// Create a managed region the kernel may fault on in every fault mode: system calls can
+    /// read and write it without [`Engine::prepare_kernel_access`]. In sigbus mode its faults go
+    /// to a handler thread (a round trip between threads, as in handler-thread mode) instead of
+    /// the faulting thread, for memory that system calls use often and unpredictably: the
+    /// preload shim's small-object heap, where stdio and the C library keep their buffers. In
+    /// handler-thread mode it is an ordinary region.
+    pub fn create_kernel_region(&self, len: usize) -> Result<Region> {
+        self.create_region_served(len, self.shared.threaded.is_some())
+    }
+
+    fn create_region_served(&self, len: usize, threaded: bool) -> Result<Region> {
         if len == 0 {
             return Err(Error::invalid("region length must be greater than zero"));
         }
@@ -385,7 +440,11 @@ impl Engine {
         let built = (|| {
             let mapping = Mapping::anonymous(len, false)?;
             let mode = RegisterMode { missing: true, write_protect: true };
-            self.shared.uffd.register(mapping.as_ptr(), len, mode)?;
+            let uffd = match &self.shared.threaded {
+                Some((uffd, _)) if threaded => uffd,
+                _ => &self.shared.uffd,
+            };
+            uffd.register(mapping.as_ptr(), len, mode)?;
             // Huge pages would be faulted in by the kernel behind our back; keep base pages.
             // SAFETY: the range is the mapping just created and owned here.
             let _ = unsafe { rustix::mm::madvise(mapping.as_ptr().cast(), len, rustix::mm::Advice::LinuxNoHugepage) };
@@ -403,7 +462,7 @@ impl Engine {
             .regions
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(|index| RegionInner::new(index, mapping, self.shared.capture.is_some()));
+            .insert(|index| RegionInner::new(index, mapping, self.shared.capture.is_some(), threaded));
         if self.shared.prefault_metadata.load(Ordering::Relaxed) {
             inner.touch_metadata();
         }
@@ -615,7 +674,7 @@ impl Drop for Region {
             table.remove(self.inner.index);
             break;
         }
-        let _ = self.shared.uffd.unregister(self.inner.mapping.as_ptr(), self.inner.mapping.len());
+        let _ = self.shared.uffd_of(&self.inner).unregister(self.inner.mapping.as_ptr(), self.inner.mapping.len());
         // Give the pages back to the kernel before they leave the resident count: the cgroup
         // watch reads the count against the cgroup's usage, and pages still charged to the
         // cgroup but no longer counted here (munmap of a large region takes milliseconds)

@@ -38,8 +38,14 @@ pub(crate) enum Outcome {
 }
 
 /// Map one page of `src` at `dst` with UFFDIO_COPY (see [`map_pages`]).
-fn map_page(shared: &Shared, dst: *mut u8, src: *const u8, write_protect: bool) -> Result<(), Errno> {
-    map_pages(shared, dst, src, 1, write_protect)
+fn map_page(
+    shared: &Shared,
+    region: &RegionInner,
+    dst: *mut u8,
+    src: *const u8,
+    write_protect: bool,
+) -> Result<(), Errno> {
+    map_pages(shared, region, dst, src, 1, write_protect)
 }
 
 /// Take a buffer, reaping background completions until one is free. Holds no page lock.
@@ -133,7 +139,7 @@ pub(crate) fn handle_fault(
                     // protected, and a write must never fault forever.
                     locked.set(state.with_dirty(true).with_referenced(true));
                     // Clearing protection also wakes a thread waiting on this write.
-                    if let Err(e) = shared.uffd.write_protect(page_addr, PAGE_SIZE, false, false) {
+                    if let Err(e) = shared.uffd_of(region).write_protect(page_addr, PAGE_SIZE, false, false) {
                         return Outcome::Failed(e);
                     }
                     drop(locked);
@@ -142,7 +148,7 @@ pub(crate) fn handle_fault(
                 } else {
                     drop(locked);
                     // Someone else resolved it: wake a thread blocked in the kernel, if any.
-                    let _ = shared.uffd.wake(page_addr, PAGE_SIZE);
+                    let _ = shared.uffd_of(region).wake(page_addr, PAGE_SIZE);
                     if waited_on_prefetch {
                         Stats::add(&shared.stats.counters.prefetch_hits, 1);
                         shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
@@ -204,7 +210,7 @@ pub(crate) fn handle_fault(
             }
             Kind::Prefetched if needs_room => {
                 let buf = state.buf();
-                if let Err(e) = map_page(shared, page_addr, shared.arena.ptr(buf), protect) {
+                if let Err(e) = map_page(shared, region, page_addr, shared.arena.ptr(buf), protect) {
                     give_back(true, staging);
                     return outcome_of_copy_error(e);
                 }
@@ -231,7 +237,7 @@ pub(crate) fn handle_fault(
             }
             Kind::Evicted if needs_room && state.writing() => {
                 // Its write-back is still in flight: the buffer holds the page.
-                if let Err(e) = map_page(shared, page_addr, shared.arena.ptr(state.buf()), protect) {
+                if let Err(e) = map_page(shared, region, page_addr, shared.arena.ptr(state.buf()), protect) {
                     give_back(true, staging);
                     return outcome_of_copy_error(e);
                 }
@@ -258,7 +264,7 @@ pub(crate) fn handle_fault(
                     Stats::add(&shared.stats.counters.io_errors, 1);
                     return Outcome::Failed(e);
                 }
-                if let Err(e) = map_page(shared, page_addr, shared.arena.ptr(buf), protect) {
+                if let Err(e) = map_page(shared, region, page_addr, shared.arena.ptr(buf), protect) {
                     give_back(true, Some(buf));
                     return outcome_of_copy_error(e);
                 }
@@ -336,7 +342,7 @@ fn zero_fill_around(
         hi += 1;
     }
     let len = (hi - lo) as usize;
-    let result = map_pages(shared, region.page_addr(lo), shared.zero_page.as_ptr(), len, protect);
+    let result = map_pages(shared, region, region.page_addr(lo), shared.zero_page.as_ptr(), len, protect);
     for (k, slot) in run.iter_mut().enumerate() {
         let Some(mut page) = slot.take() else { continue };
         let at = window_start + k as u64;
@@ -363,6 +369,7 @@ fn zero_fill_around(
 /// page reports EEXIST.
 pub(crate) fn map_pages(
     shared: &Shared,
+    region: &RegionInner,
     dst: *mut u8,
     src: *const u8,
     count: usize,
@@ -376,7 +383,7 @@ pub(crate) fn map_pages(
         // ZERO_FILL_AROUND pages); dst..dst+count pages lie in a registered region and are all
         // locked by the caller.
         let result = unsafe {
-            shared.uffd.copy(
+            shared.uffd_of(region).copy(
                 dst.wrapping_add(offset),
                 src.wrapping_add(offset),
                 (count - done) * PAGE_SIZE,
@@ -412,7 +419,14 @@ pub(crate) fn map_pages(
             Errno::NOENT if count - done > 1 => {
                 for i in done..count {
                     let offset = i * PAGE_SIZE;
-                    match map_pages(shared, dst.wrapping_add(offset), src.wrapping_add(offset), 1, write_protect) {
+                    match map_pages(
+                        shared,
+                        region,
+                        dst.wrapping_add(offset),
+                        src.wrapping_add(offset),
+                        1,
+                        write_protect,
+                    ) {
                         Ok(()) | Err(Errno::EXIST) => {}
                         Err(e) => return Err(e),
                     }
@@ -632,7 +646,7 @@ pub(crate) fn install_prefetched(shared: &Shared, region: &RegionInner, index: u
         return state.with_kind(Kind::Evicted);
     }
     let protect = shared.write_protect;
-    match map_page(shared, region.page_addr(index), shared.arena.ptr(buf), protect) {
+    match map_page(shared, region, region.page_addr(index), shared.arena.ptr(buf), protect) {
         Ok(()) | Err(Errno::EXIST) => {
             shared.arena.release(buf);
             shared.replacement.on_insert(region.id(index));
@@ -662,7 +676,7 @@ pub(crate) fn recover_failed_writeback(
     }
     // Over the budget by one page for a moment is better than losing data.
     shared.resident.fetch_add(1, Ordering::AcqRel);
-    match map_page(shared, region.page_addr(index), shared.arena.ptr(state.buf()), false) {
+    match map_page(shared, region, region.page_addr(index), shared.arena.ptr(state.buf()), false) {
         Ok(()) | Err(Errno::EXIST) => {
             shared.replacement.on_insert(region.id(index));
             state.with_kind(Kind::Resident)

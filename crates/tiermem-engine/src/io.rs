@@ -305,7 +305,7 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
             if next.kind() != Kind::Resident && shared.config.defer_prefetch_hits {
                 // A thread that faulted on it may sleep until it is mapped (see
                 // `handle_fault`): let it fault again and find it where it is now.
-                let _ = shared.uffd.wake(region.page_addr(index), tiermem_sys::PAGE_SIZE);
+                let _ = shared.uffd_of(region).wake(region.page_addr(index), tiermem_sys::PAGE_SIZE);
             }
             if sampled {
                 if let Some(oldest) = shared.prefetch_sampler.push(page) {

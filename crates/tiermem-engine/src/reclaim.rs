@@ -64,22 +64,39 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
     if victims.is_empty() {
         return 0;
     }
-    if let Some(capture) = &shared.capture {
-        let mut staging = capture.claim();
-        move_out(shared, capture, &mut staging, victims);
-        queue_writes(shared, victims, true);
-        put_back_failed(shared, victims);
-        // Dropping `staging` empties it (one MADV_DONTNEED): every page moved there is copied
-        // or clean.
-        Stats::add(&shared.stats.counters.unmap_calls, 1);
+    if shared.capture.is_some() {
+        // Pages move only into staging areas of their own userfaultfd: one pass per userfaultfd
+        // (two in sigbus mode with kernel regions), the other victims set aside meanwhile.
+        for threaded in [false, true] {
+            let mut aside: [Option<Victim<'_>>; PageList::CAPACITY] = std::array::from_fn(|_| None);
+            for (k, slot) in victims.iter_mut().enumerate() {
+                if slot.as_ref().is_some_and(|v| v.region.threaded != threaded) {
+                    aside[k] = slot.take();
+                }
+            }
+            if let Some(capture) = victims.iter().flatten().next().and_then(|v| shared.capture_of(v.region)) {
+                let mut staging = capture.claim();
+                move_out(shared, capture, &mut staging, victims);
+                queue_writes(shared, victims, true);
+                put_back_failed(shared, victims);
+                // Dropping `staging` empties it (one MADV_DONTNEED): every page moved there is
+                // copied or clean.
+                Stats::add(&shared.stats.counters.unmap_calls, 1);
+            }
+            for (k, v) in aside.into_iter().enumerate() {
+                if v.is_some() {
+                    victims[k] = v;
+                }
+            }
+        }
     } else {
         // Write-protect the dirty pages, run by run: from here a racing write waits for our lock.
         for_each_run(
             victims,
             |v| v.buf.is_some(),
-            |addr, len| {
+            |region, addr, len| {
                 Stats::add(&shared.stats.counters.unmap_calls, 1);
-                shared.uffd.write_protect(addr, len, true, false).is_ok()
+                shared.uffd_of(region).write_protect(addr, len, true, false).is_ok()
             },
             |v, ok| {
                 if !ok {
@@ -124,7 +141,12 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
                 // Not evicted: undo what was done for it.
                 if v.buf.is_some() {
                     if shared.capture.is_none() {
-                        let _ = shared.uffd.write_protect(v.region.page_addr(v.index), PAGE_SIZE, false, false);
+                        let _ = shared.uffd_of(v.region).write_protect(
+                            v.region.page_addr(v.index),
+                            PAGE_SIZE,
+                            false,
+                            false,
+                        );
                     }
                     release(shared, v.buf);
                 }
@@ -265,9 +287,9 @@ pub(crate) fn clean_batch(shared: &Shared, regions: &RegionTable, max: usize) ->
     for_each_run(
         victims,
         |v| v.next.is_none(),
-        |addr, len| {
+        |region, addr, len| {
             Stats::add(&shared.stats.counters.unmap_calls, 1);
-            shared.uffd.write_protect(addr, len, true, false).is_ok()
+            shared.uffd_of(region).write_protect(addr, len, true, false).is_ok()
         },
         |v, ok| {
             if !ok {
@@ -340,7 +362,7 @@ fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId) -> Res
 fn for_each_run<'a>(
     victims: &mut [Option<Victim<'a>>],
     pick: impl Fn(&Victim<'a>) -> bool,
-    mut act: impl FnMut(*mut u8, usize) -> bool,
+    mut act: impl FnMut(&RegionInner, *mut u8, usize) -> bool,
     mut after: impl FnMut(&mut Victim<'a>, bool),
 ) {
     let picked = |v: &Option<Victim<'a>>| v.as_ref().is_some_and(&pick);
@@ -351,8 +373,8 @@ fn for_each_run<'a>(
             continue;
         }
         let j = run_end(victims, i, picked);
-        let first = victims[i].as_ref().map(|v| v.region.page_addr(v.index));
-        let ok = first.is_some_and(|addr| act(addr, (j - i) * PAGE_SIZE));
+        let first = victims[i].as_ref().map(|v| (v.region, v.region.page_addr(v.index)));
+        let ok = first.is_some_and(|(region, addr)| act(region, addr, (j - i) * PAGE_SIZE));
         for v in victims[i..j].iter_mut().flatten() {
             after(v, ok);
         }
@@ -374,7 +396,7 @@ fn discard_runs<'a>(
     for_each_run(
         victims,
         &pick,
-        |addr, len| {
+        |_, addr, len| {
             ranges[count] = libc::iovec { iov_base: addr.cast(), iov_len: len };
             count += 1;
             true
@@ -394,7 +416,7 @@ fn discard_runs<'a>(
     for_each_run(
         victims,
         pick,
-        |addr, len| {
+        |_, addr, len| {
             Stats::add(&shared.stats.counters.unmap_calls, 1);
             // SAFETY: as above; pages already dropped by a partial batch are dropped again, harmlessly.
             unsafe { tiermem_sys::mem::discard(addr, len) }.is_ok()
@@ -452,14 +474,15 @@ fn move_out(
         let addr = first.region.page_addr(first.index);
         capture.find_written(addr as usize, &mut written[i..j]);
         Stats::add(&shared.stats.counters.unmap_calls, 1);
+        let uffd = shared.uffd_of(first.region);
         // SAFETY: the run's pages are resident and locked by this thread, in a registered
         // region; the staging pages i..j are empty and registered on the same userfaultfd.
-        let done = match unsafe { shared.uffd.move_pages(staging.page(i), addr, (j - i) * PAGE_SIZE) } {
+        let done = match unsafe { uffd.move_pages(staging.page(i), addr, (j - i) * PAGE_SIZE) } {
             Ok(bytes) | Err((bytes, _)) => bytes / PAGE_SIZE,
         };
         reported[i..i + done].fill(true);
         for (k, ok) in reported.iter_mut().enumerate().take(j).skip(i + done) {
-            *ok = move_one(shared, staging.page(k), addr.wrapping_add((k - i) * PAGE_SIZE));
+            *ok = move_one(shared, uffd, staging.page(k), addr.wrapping_add((k - i) * PAGE_SIZE));
         }
         staging.note_used(j);
         i = j;
@@ -507,14 +530,14 @@ fn move_out(
 
 /// Move one page; a page shared with a forked child (not exclusively ours, which UFFDIO_MOVE
 /// refuses) is made ours by a write that changes nothing, then moved.
-fn move_one(shared: &Shared, dst: *mut u8, src: *mut u8) -> bool {
+fn move_one(shared: &Shared, uffd: &tiermem_sys::uffd::Uffd, dst: *mut u8, src: *mut u8) -> bool {
     let mut made_ours = false;
     // EAGAIN: the page table changed under the kernel's check; retried a bounded number of times.
     for _ in 0..64 {
         Stats::add(&shared.stats.counters.unmap_calls, 1);
         // SAFETY: as in move_out: `src` is resident and locked by this thread, `dst` an empty
         // registered staging page.
-        match unsafe { shared.uffd.move_pages(dst, src, PAGE_SIZE) } {
+        match unsafe { uffd.move_pages(dst, src, PAGE_SIZE) } {
             Ok(_) => return true,
             Err((_, rustix::io::Errno::BUSY)) if !made_ours => {
                 made_ours = true;
@@ -546,7 +569,7 @@ fn put_back_failed(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
             continue;
         }
         let addr = v.region.page_addr(v.index);
-        if crate::fault::map_pages(shared, addr, staged as *const u8, 1, false).is_err() {
+        if crate::fault::map_pages(shared, v.region, addr, staged as *const u8, 1, false).is_err() {
             // Nothing left to try: say so loudly rather than return wrong data later.
             tracing::error!(page = v.index, "an evicted page could not be put back");
             std::process::abort();

@@ -20,14 +20,17 @@ pub(crate) struct RegionInner {
     pub(crate) slot_hashes: Box<[std::sync::atomic::AtomicU64]>,
     /// Set when the region is being freed: reclaim and prefetch start no new work on it.
     pub(crate) closing: std::sync::atomic::AtomicBool,
+    /// Registered on the engine's second userfaultfd, served by a handler thread (sigbus mode's
+    /// kernel regions, see [`crate::Engine::create_kernel_region`]).
+    pub(crate) threaded: bool,
 }
 
 impl RegionInner {
-    pub(crate) fn new(index: u32, mapping: Mapping, with_hashes: bool) -> Self {
+    pub(crate) fn new(index: u32, mapping: Mapping, with_hashes: bool, threaded: bool) -> Self {
         let count = mapping.len() / PAGE_SIZE;
         let pages = (0..count).map(|_| PageCell::default()).collect();
         let slot_hashes = (0..if with_hashes { count } else { 0 }).map(|_| Default::default()).collect();
-        Self { index, mapping, pages, slot_hashes, closing: std::sync::atomic::AtomicBool::new(false) }
+        Self { index, mapping, pages, slot_hashes, closing: std::sync::atomic::AtomicBool::new(false), threaded }
     }
 
     /// Write to every memory page of the per-page state (see [`crate::Engine::keep_metadata_resident`]).

@@ -97,7 +97,12 @@ fn eviction_changes_page_tables_once_per_run_of_contiguous_pages() {
 
 /// Fill `pages` pages with a pattern, then push them out by touching a second region.
 fn evicted_pattern(engine: &Engine, pages: usize) -> (tiermem_engine::Region, Vec<u8>) {
-    let region = engine.create_region(pages * 4096).unwrap();
+    fill_and_evict(engine, engine.create_region(pages * 4096).unwrap())
+}
+
+/// Fill `region` with a pattern, then push it out by touching a second region.
+fn fill_and_evict(engine: &Engine, region: tiermem_engine::Region) -> (tiermem_engine::Region, Vec<u8>) {
+    let pages = region.len() / 4096;
     let pattern: Vec<u8> = (0..pages * 4096).map(|i| (i * 7 % 251) as u8).collect();
     // SAFETY: the region is pages*4096 bytes long.
     unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), region.as_ptr(), pattern.len()) };
@@ -189,6 +194,42 @@ fn system_calls_on_evicted_memory_work_in_sigbus_mode_after_prepare() {
     // SAFETY: the region is pages*4096 bytes long.
     let now = unsafe { std::slice::from_raw_parts(region.as_ptr(), pages * 4096) };
     assert!(now == &pattern[..]);
+}
+
+#[test]
+fn system_calls_on_evicted_kernel_regions_work_in_sigbus_mode_unprepared() {
+    let _serial = serial();
+    let test = "system_calls_on_evicted_kernel_regions_work_in_sigbus_mode_unprepared";
+    let Some(modes) = write_protect_modes(test) else { return };
+    if !tiermem_sys::probe::KernelFeatures::probe().sigbus {
+        eprintln!("SKIPPED {test}: kernel lacks UFFD_FEATURE_SIGBUS");
+        return;
+    }
+    for mode in modes {
+        let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
+            c.fault_mode = FaultMode::Sigbus;
+            c.dirty_tracking = mode;
+        });
+        let pages = 16;
+        // Evicted by the ordinary region `fill_and_evict` touches: reclaim batches mix both kinds.
+        let (kernel, pattern) = fill_and_evict(&engine, engine.create_kernel_region(pages * 4096).unwrap());
+        let (ordinary, _) = evicted_pattern(&engine, pages);
+        let back = pipe_round_trip(&kernel, pages * 4096).expect("a handler thread serves the kernel's faults");
+        assert!(back == pattern, "{mode}: write(2) from an evicted kernel region returned wrong bytes");
+        // SAFETY: the region is pages*4096 bytes long.
+        let now = unsafe { std::slice::from_raw_parts(kernel.as_ptr(), pages * 4096) };
+        assert!(now == &pattern[..], "{mode}: read(2) into an evicted kernel region lost bytes");
+        // The ordinary region in the same engine still takes sigbus-mode faults.
+        let (_rx, tx) = std::io::pipe().unwrap();
+        let err = unsafe_write(&tx, ordinary.as_ptr(), 4096).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EFAULT), "{mode}: unprepared access to an ordinary region");
+        // Both kinds page again after all this, and the program's own accesses resolve.
+        let (kernel_again, again) = fill_and_evict(&engine, kernel);
+        // SAFETY: as above.
+        let now = unsafe { std::slice::from_raw_parts(kernel_again.as_ptr(), pages * 4096) };
+        assert!(now == &again[..], "{mode}: a kernel region's pages came back wrong");
+        assert!(engine.stats().evictions > 0);
+    }
 }
 
 #[test]

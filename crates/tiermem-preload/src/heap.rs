@@ -8,9 +8,10 @@
 //!   a larger alignment go to the C library, so a pointer is freed without knowing its alignment.
 //! - Only program threads use it. The engine's own threads (which serve faults and must never
 //!   take one) and anything allocated while the engine starts go to the C library, as does
-//!   everything in a forked child and in sigbus fault mode: there the kernel cannot wait for a
-//!   missing page, and glibc's own read/write calls on stdio buffers (which would live here) are
-//!   not ours to wrap.
+//!   everything in a forked child. Chunks are kernel regions
+//!   ([`tiermem_engine::Engine::create_kernel_region`]): in sigbus fault mode, where the kernel
+//!   cannot wait for a missing page of an ordinary region, a handler thread serves theirs, since
+//!   glibc's own read/write calls on stdio buffers (which live here) are not ours to wrap.
 //! - One lock: a program thread may fault while holding it; the fault is served by a handler
 //!   thread, which never takes it. A request from the thread that holds it (the shim's own code
 //!   reaching malloc while inside the heap, or around fork) goes to the C library instead of
@@ -179,7 +180,9 @@ fn grow(heap: &mut HeapGuard, size: usize) -> Option<()> {
     // Room for the block, its header and the pool's own sentinel.
     let held: usize = heap.chunks.iter().map(Region::len).sum();
     let len = held.clamp(FIRST_CHUNK, LARGEST_CHUNK).max(size.checked_add(4096)?.next_multiple_of(4096));
-    let region = engine.create_region(len).ok()?;
+    // A kernel region: glibc's own system calls read and write stdio buffers kept here, which
+    // the shim does not wrap, so in sigbus mode a handler thread serves this memory's faults.
+    let region = engine.create_kernel_region(len).ok()?;
     let (start, len) = (region.as_ptr() as usize, region.len());
     CHUNK_START[index].store(start, Ordering::Release);
     CHUNK_END[index].store(start + len, Ordering::Release);

@@ -6,7 +6,7 @@
 //! - The shim's own memory (and the engine's) comes from glibc's `__libc_*` entry points, never
 //!   through the interposed functions ([`libc_alloc`]).
 //! - Once the engine runs, allocations below the threshold come from a managed small-object
-//!   heap ([`heap`]; handler-thread fault mode, `TIERMEM_SMALL_HEAP=off` turns it off), so a
+//!   heap ([`heap`]; `TIERMEM_SMALL_HEAP=off` turns it off), so a
 //!   program's small objects page too instead of pinning memory.
 //! - The engine starts at the first large allocation (or once small ones add up to 16 MiB),
 //!   configured from `TIERMEM_*` variables

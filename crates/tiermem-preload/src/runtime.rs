@@ -253,8 +253,7 @@ pub fn reuse_freed() -> bool {
 }
 
 pub fn small_heap_wanted() -> bool {
-    SETTINGS.get().is_some_and(|s| s.small_heap && s.engine.fault_mode == FaultMode::HandlerThread)
-        && !in_forked_child()
+    SETTINGS.get().is_some_and(|s| s.small_heap) && !in_forked_child()
 }
 
 fn machine_memory() -> u64 {
