@@ -90,8 +90,14 @@ pub(crate) struct Shared {
 impl Shared {
     /// The userfaultfd `region` is registered on.
     pub(crate) fn uffd_of(&self, region: &RegionInner) -> &Uffd {
+        self.uffd_for(region.threaded)
+    }
+
+    /// The userfaultfd for a region served by the handler thread of sigbus mode (`threaded`),
+    /// or for any other.
+    fn uffd_for(&self, threaded: bool) -> &Uffd {
         match &self.threaded {
-            Some((uffd, _)) if region.threaded => uffd,
+            Some((uffd, _)) if threaded => uffd,
             _ => &self.uffd,
         }
     }
@@ -440,11 +446,7 @@ impl Engine {
         let built = (|| {
             let mapping = Mapping::anonymous(len, false)?;
             let mode = RegisterMode { missing: true, write_protect: true };
-            let uffd = match &self.shared.threaded {
-                Some((uffd, _)) if threaded => uffd,
-                _ => &self.shared.uffd,
-            };
-            uffd.register(mapping.as_ptr(), len, mode)?;
+            self.shared.uffd_for(threaded).register(mapping.as_ptr(), len, mode)?;
             // Huge pages would be faulted in by the kernel behind our back; keep base pages.
             // SAFETY: the range is the mapping just created and owned here.
             let _ = unsafe { rustix::mm::madvise(mapping.as_ptr().cast(), len, rustix::mm::Advice::LinuxNoHugepage) };

@@ -64,28 +64,26 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
     if victims.is_empty() {
         return 0;
     }
-    if shared.capture.is_some() {
-        // Pages move only into staging areas of their own userfaultfd: one pass per userfaultfd
-        // (two in sigbus mode with kernel regions), the other victims set aside meanwhile.
-        for threaded in [false, true] {
-            let mut aside: [Option<Victim<'_>>; PageList::CAPACITY] = std::array::from_fn(|_| None);
-            for (k, slot) in victims.iter_mut().enumerate() {
-                if slot.as_ref().is_some_and(|v| v.region.threaded != threaded) {
-                    aside[k] = slot.take();
+    if let Some(capture) = &shared.capture {
+        if shared.threaded.is_none() {
+            capture_out(shared, capture, victims);
+        } else {
+            // Pages move only into staging areas of their own userfaultfd: one pass per
+            // userfaultfd, the other victims set aside meanwhile.
+            for threaded in [false, true] {
+                let mut aside: [Option<Victim<'_>>; PageList::CAPACITY] = std::array::from_fn(|_| None);
+                for (k, slot) in victims.iter_mut().enumerate() {
+                    if slot.as_ref().is_some_and(|v| v.region.threaded != threaded) {
+                        aside[k] = slot.take();
+                    }
                 }
-            }
-            if let Some(capture) = victims.iter().flatten().next().and_then(|v| shared.capture_of(v.region)) {
-                let mut staging = capture.claim();
-                move_out(shared, capture, &mut staging, victims);
-                queue_writes(shared, victims, true);
-                put_back_failed(shared, victims);
-                // Dropping `staging` empties it (one MADV_DONTNEED): every page moved there is
-                // copied or clean.
-                Stats::add(&shared.stats.counters.unmap_calls, 1);
-            }
-            for (k, v) in aside.into_iter().enumerate() {
-                if v.is_some() {
-                    victims[k] = v;
+                if let Some(capture) = victims.iter().flatten().next().and_then(|v| shared.capture_of(v.region)) {
+                    capture_out(shared, capture, victims);
+                }
+                for (k, v) in aside.into_iter().enumerate() {
+                    if v.is_some() {
+                        victims[k] = v;
+                    }
                 }
             }
         }
@@ -179,6 +177,18 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
         }
     }
     evicted
+}
+
+/// Async WP: take `victims` (all on the userfaultfd of `capture`'s staging areas) out with
+/// UFFDIO_MOVE, queue the writes of the written ones, and put back those that stay.
+fn capture_out(shared: &Shared, capture: &crate::capture::Capture, victims: &mut [Option<Victim<'_>>]) {
+    let mut staging = capture.claim();
+    move_out(shared, capture, &mut staging, victims);
+    queue_writes(shared, victims, true);
+    put_back_failed(shared, victims);
+    // Dropping `staging` empties it (one MADV_DONTNEED): every page moved there is copied or
+    // clean.
+    Stats::add(&shared.stats.counters.unmap_calls, 1);
 }
 
 /// Lock the proposed victims that can be evicted now, sorted by page; busy ones go back to the
