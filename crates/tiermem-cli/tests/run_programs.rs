@@ -647,6 +647,48 @@ fn gnu_sort_of_a_300mb_file_two_threads_sigbus_mode() {
     assert!(managed.stats["processes"][0]["syscalls_wrapped"].as_u64().unwrap_or(0) > 0, "no system call was wrapped");
 }
 
+/// Every C-library way of handing a large buffer to the kernel (plain, vectored, message,
+/// fortified `_chk`, stdio, random bytes, and raw `syscall()`), on buffers never touched and on
+/// buffers evicted: in sigbus mode the shim must make each resident first, in thread mode the
+/// handler serves the kernel's faults.
+#[test]
+fn system_calls_into_evicted_and_untouched_buffers_work_in_both_fault_modes() {
+    let name = "system_calls_into_evicted_and_untouched_buffers_work_in_both_fault_modes";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let source = include_str!("programs/syscalls_into_managed_buffers.cpp");
+    let Some(bin) = build_cpp(&scratch, source, "syscalls", name) else { return };
+    let (bin, dir) = (bin.display().to_string(), scratch.path().display().to_string());
+    let program = [bin.as_str(), dir.as_str()];
+    let reference = Command::new(&bin).arg(&dir).output().expect("the program, unmanaged");
+    let text = String::from_utf8_lossy(&reference.stdout).into_owned();
+    assert!(reference.status.success() && text.ends_with("\n0 failures\n"), "unmanaged run: {text}");
+    assert!(text.lines().count() > 50, "too few calls checked: {text}");
+    for mode in ["thread", "sigbus"] {
+        // CLOCK: buffers written and then displaced by newer pages are reliably the victims.
+        let managed = run_managed(&scratch, "16MiB", &["--fault-mode", mode, "--replace", "clock"], &program);
+        let err = String::from_utf8_lossy(&managed.out.stderr);
+        let out = String::from_utf8_lossy(&managed.out.stdout);
+        assert!(managed.out.status.success(), "{name} ({mode}): {out}{err}");
+        assert_eq!(out, text, "{name} ({mode}): output differs from the unmanaged run\n{err}");
+        let not_resident: u64 = err
+            .split("pages not resident right before the calls: ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{name} ({mode}): no residency count in: {err}"));
+        // 58 calls on 4 MiB buffers: most of their pages must have been out when the call came.
+        assert!(not_resident > 58 * 1024 / 2, "{name} ({mode}): only {not_resident} buffer pages were not resident");
+        if mode == "sigbus" {
+            let wrapped = managed.stats["processes"][0]["syscalls_wrapped"].as_u64().unwrap_or(0);
+            assert!(wrapped >= 58, "{name}: only {wrapped} system calls were wrapped");
+        }
+        eprintln!("{name} ({mode}): all calls correct; {not_resident} buffer pages were out before the calls");
+    }
+}
+
 const FORK_JOB: &str = r#"
 import os, sys
 import numpy as np

@@ -16,14 +16,14 @@ use crate::registry;
 use crate::runtime;
 
 /// Largest piece held resident for one call.
-const CHUNK_BYTES: usize = 256 << 10;
+pub(crate) const CHUNK_BYTES: usize = 256 << 10;
 
 /// Whether a buffer needs wrapping.
-fn needs_wrapping(buf: *const c_void, len: usize) -> bool {
+pub(crate) fn needs_wrapping(buf: *const c_void, len: usize) -> bool {
     runtime::sigbus_mode() && len > 0 && registry::may_overlap(buf as usize, len)
 }
 
-fn is_regular_file(fd: i32) -> bool {
+pub(crate) fn is_regular_file(fd: i32) -> bool {
     // SAFETY: fstat writes into the zeroed struct it is given.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
@@ -31,7 +31,7 @@ fn is_regular_file(fd: i32) -> bool {
 }
 
 /// Bytes from `addr` that lie in one stretch of managed (`Some(region end)`) or unmanaged memory.
-fn stretch(addr: usize, want: usize) -> (usize, bool) {
+pub(crate) fn stretch(addr: usize, want: usize) -> (usize, bool) {
     let table = registry::lock();
     match registry::containing(&table, addr) {
         Some(base) => {
@@ -45,10 +45,15 @@ fn stretch(addr: usize, want: usize) -> (usize, bool) {
     }
 }
 
+/// The most bytes held resident for one call: a quarter of the budget (at least a page).
+pub(crate) fn budget_piece(engine: &tiermem_engine::Engine) -> usize {
+    (engine.limit_pages() as usize * PAGE_SIZE / 4).max(PAGE_SIZE)
+}
+
 /// Run `op(ptr, len)` over `[buf, buf+len)` in pieces, each held resident while the kernel copies
 /// to (`kernel_writes`) or from it. Stops at a short transfer, and after the first piece unless
 /// `whole`. Returns the bytes moved, or the first piece's error.
-fn in_resident_pieces(
+pub(crate) fn in_resident_pieces(
     buf: *mut c_void,
     len: usize,
     kernel_writes: bool,
@@ -57,7 +62,7 @@ fn in_resident_pieces(
 ) -> isize {
     runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
     let Some(engine) = runtime::running_engine() else { return op(buf, len) };
-    let budget_piece = (engine.limit_pages() as usize * PAGE_SIZE / 4).max(PAGE_SIZE);
+    let budget_piece = budget_piece(engine);
     let mut done = 0usize;
     while done < len {
         let at = buf as usize + done;
@@ -82,13 +87,23 @@ fn in_resident_pieces(
     done as isize
 }
 
+/// The C library's `syscall`, found past this library's own (which sends the calls wrapped here
+/// to their wrappers, see [`crate::syscall`]).
+pub(crate) type SyscallFn = unsafe extern "C" fn(libc::c_long, ...) -> libc::c_long;
+
+pub(crate) fn real_syscall() -> SyscallFn {
+    real!("syscall", SyscallFn)
+}
+
+/// A system call straight to the kernel: -1 with errno set on failure, as libc's syscall().
 macro_rules! sys {
-    ($($arg:expr),*) => {
+    ($number:expr $(, $arg:expr)*) => {
         // SAFETY: the caller's own system call, with its own arguments (buffer pieces stay inside
         // the caller's buffer).
-        unsafe { libc::syscall($($arg),*) as isize }
+        unsafe { ($crate::io::real_syscall())($number $(, $arg)*) as isize }
     };
 }
+pub(crate) use sys;
 
 /// # Safety
 /// The C contract of read.
@@ -203,22 +218,27 @@ pub unsafe extern "C" fn send(fd: i32, buf: *const c_void, len: usize, flags: i3
     unsafe { sendto(fd, buf, len, flags, std::ptr::null(), 0) }
 }
 
-/// readv/writev over managed buffers: one vector element at a time, stopping at a short one.
-fn vectored(fd: i32, iov: *const libc::iovec, count: i32, kernel_writes: bool) -> isize {
-    let syscall = if kernel_writes { libc::SYS_readv } else { libc::SYS_writev };
-    if count <= 0 || !runtime::sigbus_mode() {
-        return sys!(syscall, fd, iov, count);
+/// The elements of a vectored call's buffer list, when any of them needs wrapping.
+fn vectors_to_wrap<'a>(iov: *const libc::iovec, count: i32) -> Option<&'a [libc::iovec]> {
+    if count <= 0 || iov.is_null() || !runtime::sigbus_mode() {
+        return None;
     }
     // SAFETY: iov holds count elements (the caller's contract).
     let vecs = unsafe { std::slice::from_raw_parts(iov, count as usize) };
-    if !vecs.iter().any(|v| needs_wrapping(v.iov_base, v.iov_len)) {
-        return sys!(syscall, fd, iov, count);
-    }
-    let whole = !kernel_writes || is_regular_file(fd);
+    vecs.iter().any(|v| needs_wrapping(v.iov_base, v.iov_len)).then_some(vecs)
+}
+
+/// A vectored call over managed buffers, one element at a time in resident pieces moved by
+/// `piece(ptr, len)`, stopping at a short transfer (and after the first piece unless `whole`).
+fn each_vector(
+    vecs: &[libc::iovec],
+    kernel_writes: bool,
+    whole: bool,
+    mut piece: impl FnMut(*mut c_void, usize) -> isize,
+) -> isize {
     let mut total = 0isize;
     for v in vecs {
-        let single = if kernel_writes { libc::SYS_read } else { libc::SYS_write };
-        let n = in_resident_pieces(v.iov_base, v.iov_len, kernel_writes, whole, |p, n| sys!(single, fd, p, n));
+        let n = in_resident_pieces(v.iov_base, v.iov_len, kernel_writes, whole, &mut piece);
         if n < 0 {
             return if total > 0 { total } else { n };
         }
@@ -234,14 +254,169 @@ fn vectored(fd: i32, iov: *const libc::iovec, count: i32, kernel_writes: bool) -
 /// The C contract of readv.
 #[no_mangle]
 pub unsafe extern "C" fn readv(fd: i32, iov: *const libc::iovec, count: i32) -> isize {
-    vectored(fd, iov, count, true)
+    match vectors_to_wrap(iov, count) {
+        None => sys!(libc::SYS_readv, fd, iov, count),
+        Some(vecs) => each_vector(vecs, true, is_regular_file(fd), |p, n| sys!(libc::SYS_read, fd, p, n)),
+    }
 }
 
 /// # Safety
 /// The C contract of writev.
 #[no_mangle]
 pub unsafe extern "C" fn writev(fd: i32, iov: *const libc::iovec, count: i32) -> isize {
-    vectored(fd, iov, count, false)
+    match vectors_to_wrap(iov, count) {
+        None => sys!(libc::SYS_writev, fd, iov, count),
+        Some(vecs) => each_vector(vecs, false, true, |p, n| sys!(libc::SYS_write, fd, p, n)),
+    }
+}
+
+/// preadv2/pwritev2 (and preadv/pwritev, flags 0) over managed buffers: each piece a one-element
+/// call at the advancing offset, or at the file position where the offset is -1.
+fn positioned_vectors(
+    syscall: libc::c_long,
+    fd: i32,
+    vecs: &[libc::iovec],
+    off: i64,
+    flags: i32,
+    kernel_writes: bool,
+) -> isize {
+    let mut at = off;
+    each_vector(vecs, kernel_writes, true, |p, n| {
+        let one = libc::iovec { iov_base: p, iov_len: n };
+        // On 64-bit targets the kernel takes the whole offset in its low word.
+        let r = sys!(syscall, fd, &one as *const libc::iovec, 1, at, 0, flags);
+        if at >= 0 {
+            at += r.max(0) as i64;
+        }
+        r
+    })
+}
+
+type PositionedVectorsFn = unsafe extern "C" fn(i32, *const libc::iovec, i32, i64, i32) -> isize;
+
+/// # Safety
+/// The C contract of preadv2.
+#[no_mangle]
+pub unsafe extern "C" fn preadv2(fd: i32, iov: *const libc::iovec, count: i32, off: i64, flags: i32) -> isize {
+    match vectors_to_wrap(iov, count) {
+        None => {
+            let real = real!("preadv2", PositionedVectorsFn);
+            // SAFETY: the caller's own call.
+            unsafe { real(fd, iov, count, off, flags) }
+        }
+        Some(vecs) => positioned_vectors(libc::SYS_preadv2, fd, vecs, off, flags, true),
+    }
+}
+
+/// # Safety
+/// The C contract of pwritev2.
+#[no_mangle]
+pub unsafe extern "C" fn pwritev2(fd: i32, iov: *const libc::iovec, count: i32, off: i64, flags: i32) -> isize {
+    match vectors_to_wrap(iov, count) {
+        None => {
+            let real = real!("pwritev2", PositionedVectorsFn);
+            // SAFETY: the caller's own call.
+            unsafe { real(fd, iov, count, off, flags) }
+        }
+        Some(vecs) => positioned_vectors(libc::SYS_pwritev2, fd, vecs, off, flags, false),
+    }
+}
+
+/// # Safety
+/// The C contract of preadv64v2.
+#[no_mangle]
+pub unsafe extern "C" fn preadv64v2(fd: i32, iov: *const libc::iovec, count: i32, off: i64, flags: i32) -> isize {
+    // SAFETY: the same call.
+    unsafe { preadv2(fd, iov, count, off, flags) }
+}
+
+/// # Safety
+/// The C contract of pwritev64v2.
+#[no_mangle]
+pub unsafe extern "C" fn pwritev64v2(fd: i32, iov: *const libc::iovec, count: i32, off: i64, flags: i32) -> isize {
+    // SAFETY: the same call.
+    unsafe { pwritev2(fd, iov, count, off, flags) }
+}
+
+type VectorsAtFn = unsafe extern "C" fn(i32, *const libc::iovec, i32, i64) -> isize;
+
+/// # Safety
+/// The C contract of preadv.
+#[no_mangle]
+pub unsafe extern "C" fn preadv(fd: i32, iov: *const libc::iovec, count: i32, off: i64) -> isize {
+    match vectors_to_wrap(iov, count) {
+        // A negative offset is the kernel's error to report (preadv2 would read at the file
+        // position instead).
+        Some(vecs) if off >= 0 => positioned_vectors(libc::SYS_preadv2, fd, vecs, off, 0, true),
+        _ => {
+            let real = real!("preadv", VectorsAtFn);
+            // SAFETY: the caller's own call.
+            unsafe { real(fd, iov, count, off) }
+        }
+    }
+}
+
+/// # Safety
+/// The C contract of pwritev.
+#[no_mangle]
+pub unsafe extern "C" fn pwritev(fd: i32, iov: *const libc::iovec, count: i32, off: i64) -> isize {
+    match vectors_to_wrap(iov, count) {
+        Some(vecs) if off >= 0 => positioned_vectors(libc::SYS_pwritev2, fd, vecs, off, 0, false),
+        _ => {
+            let real = real!("pwritev", VectorsAtFn);
+            // SAFETY: the caller's own call.
+            unsafe { real(fd, iov, count, off) }
+        }
+    }
+}
+
+/// # Safety
+/// The C contract of preadv64.
+#[no_mangle]
+pub unsafe extern "C" fn preadv64(fd: i32, iov: *const libc::iovec, count: i32, off: i64) -> isize {
+    // SAFETY: the same call.
+    unsafe { preadv(fd, iov, count, off) }
+}
+
+/// # Safety
+/// The C contract of pwritev64.
+#[no_mangle]
+pub unsafe extern "C" fn pwritev64(fd: i32, iov: *const libc::iovec, count: i32, off: i64) -> isize {
+    // SAFETY: the same call.
+    unsafe { pwritev(fd, iov, count, off) }
+}
+
+/// # Safety
+/// The C contract of getrandom.
+#[no_mangle]
+pub unsafe extern "C" fn getrandom(buf: *mut c_void, len: usize, flags: u32) -> isize {
+    if !needs_wrapping(buf, len) {
+        return sys!(libc::SYS_getrandom, buf, len, flags);
+    }
+    in_resident_pieces(buf, len, true, true, |p, n| sys!(libc::SYS_getrandom, p, n, flags))
+}
+
+/// # Safety
+/// The C contract of getentropy.
+#[no_mangle]
+pub unsafe extern "C" fn getentropy(buf: *mut c_void, len: usize) -> i32 {
+    if len > 256 {
+        runtime::set_errno(libc::EIO);
+        return -1;
+    }
+    let mut done = 0;
+    while done < len {
+        // SAFETY: the rest of the caller's buffer.
+        let n = unsafe { getrandom((buf as usize + done) as *mut c_void, len - done, 0) };
+        if n < 0 {
+            if runtime::errno() == libc::EINTR {
+                continue;
+            }
+            return -1;
+        }
+        done += n as usize;
+    }
+    0
 }
 
 type StdioFn = unsafe extern "C" fn(*mut c_void, usize, usize, *mut libc::FILE) -> usize;

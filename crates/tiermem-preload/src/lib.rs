@@ -16,22 +16,27 @@
 //!   ([`recycle`]; `TIERMEM_REUSE_FREED=off` turns it off).
 //! - fork: the child gets a private, unmanaged copy of all managed memory ([`runtime`]).
 //! - In sigbus fault mode, system calls that read or write managed memory are wrapped so the
-//!   pages are resident while the kernel touches them ([`io`]), and the program cannot displace
-//!   or block the engine's SIGBUS handler ([`signals`]).
+//!   pages are resident while the kernel touches them ([`io`], [`messages`], their fortified
+//!   variants in [`fortified`], and by number through `syscall()`), and the program cannot
+//!   displace or block the engine's SIGBUS handler ([`signals`]).
 //! - While the program has one thread of its own, the streams it opens skip the stdio locks the
 //!   engine's threads would otherwise switch on ([`stdio`]).
 //! - At exit each managed process writes its statistics to `TIERMEM_STATS_DIR/<pid>.json`.
 
 mod alloc;
+mod fortified;
 mod heap;
 mod io;
 mod libc_alloc;
+mod messages;
 mod mmap;
 mod recycle;
 mod registry;
 mod runtime;
 mod signals;
 mod stdio;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+mod syscall;
 
 #[global_allocator]
 static SHIM_ALLOCATOR: libc_alloc::LibcAllocator = libc_alloc::LibcAllocator;

@@ -43,6 +43,14 @@ pub fn set_errno(value: i32) {
     unsafe { *errno = value };
 }
 
+/// This thread's errno.
+pub fn errno() -> i32 {
+    // SAFETY: __errno_location returns this thread's errno variable, always valid.
+    let errno = unsafe { libc::__errno_location() };
+    // SAFETY: as above.
+    unsafe { *errno }
+}
+
 /// Write a message to stderr without allocating (usable anywhere, even inside malloc). A
 /// message up to 1 KiB goes out in one write, so messages from several threads do not mix.
 pub fn say(parts: &[&str]) {

@@ -1,0 +1,68 @@
+//! `syscall()`, for programs and libraries that make the wrapped system calls by number: in
+//! sigbus fault mode each goes to its wrapper in [`crate::io`] or [`crate::messages`]; every
+//! other call, and every call in thread mode, goes to the C library's `syscall`.
+//!
+//! `syscall` is variadic in C, which stable Rust cannot define. On x86-64 and AArch64 Linux a
+//! variadic call passes its integer arguments exactly as a call with that many `long`
+//! parameters would (registers first, then the stack), so the function takes the number and six
+//! `long`s — the most any system call has. Those past the caller's last argument are whatever
+//! the registers or stack slot held, and are passed on unread by the kernel, as the C library's
+//! own `syscall` does.
+
+use std::ffi::c_void;
+
+use libc::c_long;
+
+use crate::io::{self, sys};
+use crate::{messages, runtime};
+
+/// # Safety
+/// The C contract of syscall.
+#[no_mangle]
+pub unsafe extern "C" fn syscall(
+    number: c_long,
+    a: c_long,
+    b: c_long,
+    c: c_long,
+    d: c_long,
+    e: c_long,
+    f: c_long,
+) -> c_long {
+    if runtime::sigbus_mode() {
+        if let Some(result) = wrapped(number, a, b, c, d, e, f) {
+            return result as c_long;
+        }
+    }
+    sys!(number, a, b, c, d, e, f) as c_long
+}
+
+/// The wrapper's result for a wrapped call number, or None.
+fn wrapped(number: c_long, a: c_long, b: c_long, c: c_long, d: c_long, e: c_long, f: c_long) -> Option<isize> {
+    macro_rules! call {
+        ($wrapper:expr) => {
+            // SAFETY: the wrapper gets the caller's arguments in its C types, which is what the
+            // kernel would have made of them.
+            Some(unsafe { $wrapper })
+        };
+    }
+    let (fd, ptr) = (a as i32, b as *mut c_void);
+    match number {
+        libc::SYS_read => call!(io::read(fd, ptr, c as usize)),
+        libc::SYS_write => call!(io::write(fd, ptr, c as usize)),
+        libc::SYS_pread64 => call!(io::pread(fd, ptr, c as usize, d)),
+        libc::SYS_pwrite64 => call!(io::pwrite(fd, ptr, c as usize, d)),
+        libc::SYS_readv => call!(io::readv(fd, ptr.cast(), c as i32)),
+        libc::SYS_writev => call!(io::writev(fd, ptr.cast(), c as i32)),
+        // The offset's high word (e) is for 32-bit targets; here d holds all of it.
+        libc::SYS_preadv => call!(io::preadv(fd, ptr.cast(), c as i32, d)),
+        libc::SYS_pwritev => call!(io::pwritev(fd, ptr.cast(), c as i32, d)),
+        libc::SYS_preadv2 => call!(io::preadv2(fd, ptr.cast(), c as i32, d, f as i32)),
+        libc::SYS_pwritev2 => call!(io::pwritev2(fd, ptr.cast(), c as i32, d, f as i32)),
+        libc::SYS_recvfrom => call!(io::recvfrom(fd, ptr, c as usize, d as i32, e as *mut _, f as *mut _)),
+        libc::SYS_sendto => call!(io::sendto(fd, ptr, c as usize, d as i32, e as *const _, f as u32)),
+        libc::SYS_recvmsg => call!(messages::recvmsg(fd, ptr.cast(), c as i32)),
+        libc::SYS_sendmsg => call!(messages::sendmsg(fd, ptr.cast(), c as i32)),
+        libc::SYS_getrandom => call!(io::getrandom(a as *mut c_void, b as usize, c as u32)),
+        _ => None,
+    }
+}
