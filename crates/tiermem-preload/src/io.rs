@@ -4,7 +4,9 @@
 //! call runs, chunk by chunk to stay inside the budget. Regular files are read and written in
 //! full, as the program asked; for pipes and sockets the first chunk's result is returned, a
 //! short transfer those callers must already handle. In thread mode, and for buffers outside
-//! managed memory, the calls go straight to the kernel.
+//! managed memory, the calls go straight to the kernel. Here: read/write, the positioned and
+//! vectored forms, recv/send with addresses, random bytes and stdio's fread/fwrite; message
+//! calls are in [`crate::messages`].
 
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;

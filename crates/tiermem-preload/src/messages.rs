@@ -107,22 +107,35 @@ fn message_to_wrap<'a>(msg: *const libc::msghdr) -> Option<(&'a libc::msghdr, &'
     any.then_some((m, vecs))
 }
 
+/// Make the call `number` (recvmsg or sendmsg) with the message's buffers held resident.
+/// Returns its result and the message as the kernel saw it (the buffer list possibly cut).
+fn call_held(
+    number: libc::c_long,
+    fd: i32,
+    m: &libc::msghdr,
+    vecs: &[libc::iovec],
+    flags: i32,
+) -> (isize, libc::msghdr) {
+    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
+    let mut held = hold_message(fd, m, vecs, number == libc::SYS_recvmsg);
+    let mut copy = *m;
+    copy.msg_iov = held.vecs.as_mut_ptr();
+    copy.msg_iovlen = held.vecs.len();
+    let r = sys!(number, fd, &mut copy as *mut libc::msghdr, flags);
+    (r, copy)
+}
+
 /// # Safety
 /// The C contract of recvmsg.
 #[no_mangle]
 pub unsafe extern "C" fn recvmsg(fd: i32, msg: *mut libc::msghdr, flags: i32) -> isize {
     let Some((m, vecs)) = message_to_wrap(msg) else { return sys!(libc::SYS_recvmsg, fd, msg, flags) };
-    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
-    let mut held = hold_message(fd, m, vecs, true);
-    let mut copy = *m;
-    copy.msg_iov = held.vecs.as_mut_ptr();
-    copy.msg_iovlen = held.vecs.len();
-    let r = sys!(libc::SYS_recvmsg, fd, &mut copy as *mut libc::msghdr, flags);
+    let (r, seen) = call_held(libc::SYS_recvmsg, fd, m, vecs, flags);
     // SAFETY: the caller's msghdr; the kernel reports these three fields back through it.
     let out = unsafe { &mut *msg };
-    out.msg_namelen = copy.msg_namelen;
-    out.msg_controllen = copy.msg_controllen;
-    out.msg_flags = copy.msg_flags;
+    out.msg_namelen = seen.msg_namelen;
+    out.msg_controllen = seen.msg_controllen;
+    out.msg_flags = seen.msg_flags;
     r
 }
 
@@ -130,11 +143,8 @@ pub unsafe extern "C" fn recvmsg(fd: i32, msg: *mut libc::msghdr, flags: i32) ->
 /// The C contract of sendmsg.
 #[no_mangle]
 pub unsafe extern "C" fn sendmsg(fd: i32, msg: *const libc::msghdr, flags: i32) -> isize {
-    let Some((m, vecs)) = message_to_wrap(msg) else { return sys!(libc::SYS_sendmsg, fd, msg, flags) };
-    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
-    let mut held = hold_message(fd, m, vecs, false);
-    let mut copy = *m;
-    copy.msg_iov = held.vecs.as_mut_ptr();
-    copy.msg_iovlen = held.vecs.len();
-    sys!(libc::SYS_sendmsg, fd, &copy as *const libc::msghdr, flags)
+    match message_to_wrap(msg) {
+        None => sys!(libc::SYS_sendmsg, fd, msg, flags),
+        Some((m, vecs)) => call_held(libc::SYS_sendmsg, fd, m, vecs, flags).0,
+    }
 }
