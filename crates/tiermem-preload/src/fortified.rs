@@ -71,12 +71,9 @@ pub unsafe extern "C" fn __recvfrom_chk(
     unsafe { io::recvfrom(fd, buf, len, flags, from, from_len) }
 }
 
-/// `size * count`, stopping the program as the C library does when it overflows or passes
-/// `buf_len`.
-fn checked_elements(size: usize, count: usize, buf_len: usize) -> usize {
-    let total = size.saturating_mul(count);
-    check(total, buf_len);
-    total
+/// Stop the program, as the C library does, when `size * count` overflows or passes `buf_len`.
+fn check_elements(size: usize, count: usize, buf_len: usize) {
+    check(size.saturating_mul(count), buf_len);
 }
 
 /// # Safety
@@ -89,7 +86,7 @@ pub unsafe extern "C" fn __fread_chk(
     count: usize,
     stream: *mut libc::FILE,
 ) -> usize {
-    checked_elements(size, count, buf_len);
+    check_elements(size, count, buf_len);
     // SAFETY: fread with the caller's arguments.
     unsafe { io::fread(buf, size, count, stream) }
 }
@@ -104,7 +101,7 @@ pub unsafe extern "C" fn __fread_unlocked_chk(
     count: usize,
     stream: *mut libc::FILE,
 ) -> usize {
-    checked_elements(size, count, buf_len);
+    check_elements(size, count, buf_len);
     // SAFETY: fread_unlocked with the caller's arguments.
     unsafe { io::fread_unlocked(buf, size, count, stream) }
 }

@@ -18,14 +18,14 @@ use crate::registry;
 use crate::runtime;
 
 /// Largest piece held resident for one call.
-pub(crate) const CHUNK_BYTES: usize = 256 << 10;
+const CHUNK_BYTES: usize = 256 << 10;
 
 /// Whether a buffer needs wrapping.
 pub(crate) fn needs_wrapping(buf: *const c_void, len: usize) -> bool {
     runtime::sigbus_mode() && len > 0 && registry::may_overlap(buf as usize, len)
 }
 
-pub(crate) fn is_regular_file(fd: i32) -> bool {
+fn is_regular_file(fd: i32) -> bool {
     // SAFETY: fstat writes into the zeroed struct it is given.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
@@ -55,7 +55,7 @@ pub(crate) fn budget_piece(engine: &tiermem_engine::Engine) -> usize {
 /// Run `op(ptr, len)` over `[buf, buf+len)` in pieces, each held resident while the kernel copies
 /// to (`kernel_writes`) or from it. Stops at a short transfer, and after the first piece unless
 /// `whole`. Returns the bytes moved, or the first piece's error.
-pub(crate) fn in_resident_pieces(
+fn in_resident_pieces(
     buf: *mut c_void,
     len: usize,
     kernel_writes: bool,

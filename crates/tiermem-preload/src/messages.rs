@@ -6,7 +6,7 @@
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 
-use tiermem_engine::PinGuard;
+use tiermem_engine::{Engine, PinGuard};
 
 use crate::io::{budget_piece, needs_wrapping, stretch, sys};
 use crate::runtime;
@@ -27,17 +27,10 @@ struct HeldMessage {
     vecs: Vec<libc::iovec>,
 }
 
-fn pin(pins: &mut Vec<PinGuard>, at: usize, len: usize, kernel_writes: bool) {
-    let engine = runtime::running_engine().expect("wrapping only happens with an engine");
-    match engine.prepare_kernel_access(at as *const u8, len, kernel_writes) {
-        Ok(guard) => pins.push(guard),
-        Err(e) => runtime::die(&["tiermem: cannot make a message's buffer resident: ", &e.to_string()]),
-    }
-}
-
 /// Make the managed stretches of `[ptr, ptr+len)` resident, all of them (`cap` None) or until
 /// `held` reaches `cap`. Returns the bytes from `ptr` that are covered.
 fn hold(
+    engine: &Engine,
     pins: &mut Vec<PinGuard>,
     ptr: *mut c_void,
     len: usize,
@@ -56,7 +49,10 @@ fn hold(
                     break;
                 }
             }
-            pin(pins, at, piece, kernel_writes);
+            match engine.prepare_kernel_access(at as *const u8, piece, kernel_writes) {
+                Ok(guard) => pins.push(guard),
+                Err(e) => runtime::die(&["tiermem: cannot make a message's buffer resident: ", &e.to_string()]),
+            }
             *held += piece;
         }
         done += piece;
@@ -65,19 +61,24 @@ fn hold(
 }
 
 /// Hold the message's buffers (and its address and control buffers) resident.
-fn hold_message(fd: i32, msg: &libc::msghdr, vecs: &[libc::iovec], kernel_writes: bool) -> HeldMessage {
-    let engine = runtime::running_engine().expect("wrapping only happens with an engine");
+fn hold_message(
+    engine: &Engine,
+    fd: i32,
+    msg: &libc::msghdr,
+    vecs: &[libc::iovec],
+    kernel_writes: bool,
+) -> HeldMessage {
     let cap = is_stream_socket(fd).then(|| budget_piece(engine));
     let mut pins = Vec::new();
     let mut held = 0;
     for (ptr, len) in [(msg.msg_name, msg.msg_namelen as usize), (msg.msg_control, msg.msg_controllen)] {
         if needs_wrapping(ptr, len) {
-            hold(&mut pins, ptr, len, kernel_writes, None, &mut held);
+            hold(engine, &mut pins, ptr, len, kernel_writes, None, &mut held);
         }
     }
     let mut cut = Vec::with_capacity(vecs.len());
     for v in vecs {
-        let covered = hold(&mut pins, v.iov_base, v.iov_len, kernel_writes, cap, &mut held);
+        let covered = hold(engine, &mut pins, v.iov_base, v.iov_len, kernel_writes, cap, &mut held);
         if covered > 0 || v.iov_len == 0 {
             cut.push(libc::iovec { iov_base: v.iov_base, iov_len: covered });
         }
@@ -88,11 +89,15 @@ fn hold_message(fd: i32, msg: &libc::msghdr, vecs: &[libc::iovec], kernel_writes
     HeldMessage { _pins: pins, vecs: cut }
 }
 
-/// The message's buffer list, when anything in the message needs wrapping.
-fn message_to_wrap<'a>(msg: *const libc::msghdr) -> Option<(&'a libc::msghdr, &'a [libc::iovec])> {
+/// A message to wrap: the engine, the caller's msghdr and its buffer list.
+type Wrapped<'a> = (&'static Engine, &'a libc::msghdr, &'a [libc::iovec]);
+
+/// The message with its buffer list, when anything in it needs wrapping.
+fn message_to_wrap<'a>(msg: *const libc::msghdr) -> Option<Wrapped<'a>> {
     if msg.is_null() || !runtime::sigbus_mode() {
         return None;
     }
+    let engine = runtime::running_engine()?;
     // SAFETY: a non-null msghdr from the caller (its contract).
     let m = unsafe { &*msg };
     let vecs = if m.msg_iov.is_null() || m.msg_iovlen == 0 {
@@ -104,20 +109,14 @@ fn message_to_wrap<'a>(msg: *const libc::msghdr) -> Option<(&'a libc::msghdr, &'
     let any = vecs.iter().any(|v| needs_wrapping(v.iov_base, v.iov_len))
         || needs_wrapping(m.msg_name, m.msg_namelen as usize)
         || needs_wrapping(m.msg_control, m.msg_controllen);
-    any.then_some((m, vecs))
+    any.then_some((engine, m, vecs))
 }
 
 /// Make the call `number` (recvmsg or sendmsg) with the message's buffers held resident.
 /// Returns its result and the message as the kernel saw it (the buffer list possibly cut).
-fn call_held(
-    number: libc::c_long,
-    fd: i32,
-    m: &libc::msghdr,
-    vecs: &[libc::iovec],
-    flags: i32,
-) -> (isize, libc::msghdr) {
+fn call_held(number: libc::c_long, fd: i32, (engine, m, vecs): Wrapped, flags: i32) -> (isize, libc::msghdr) {
     runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
-    let mut held = hold_message(fd, m, vecs, number == libc::SYS_recvmsg);
+    let mut held = hold_message(engine, fd, m, vecs, number == libc::SYS_recvmsg);
     let mut copy = *m;
     copy.msg_iov = held.vecs.as_mut_ptr();
     copy.msg_iovlen = held.vecs.len();
@@ -129,8 +128,8 @@ fn call_held(
 /// The C contract of recvmsg.
 #[no_mangle]
 pub unsafe extern "C" fn recvmsg(fd: i32, msg: *mut libc::msghdr, flags: i32) -> isize {
-    let Some((m, vecs)) = message_to_wrap(msg) else { return sys!(libc::SYS_recvmsg, fd, msg, flags) };
-    let (r, seen) = call_held(libc::SYS_recvmsg, fd, m, vecs, flags);
+    let Some(wrapped) = message_to_wrap(msg) else { return sys!(libc::SYS_recvmsg, fd, msg, flags) };
+    let (r, seen) = call_held(libc::SYS_recvmsg, fd, wrapped, flags);
     // SAFETY: the caller's msghdr; the kernel reports these three fields back through it.
     let out = unsafe { &mut *msg };
     out.msg_namelen = seen.msg_namelen;
@@ -145,6 +144,6 @@ pub unsafe extern "C" fn recvmsg(fd: i32, msg: *mut libc::msghdr, flags: i32) ->
 pub unsafe extern "C" fn sendmsg(fd: i32, msg: *const libc::msghdr, flags: i32) -> isize {
     match message_to_wrap(msg) {
         None => sys!(libc::SYS_sendmsg, fd, msg, flags),
-        Some((m, vecs)) => call_held(libc::SYS_sendmsg, fd, m, vecs, flags).0,
+        Some(wrapped) => call_held(libc::SYS_sendmsg, fd, wrapped, flags).0,
     }
 }
