@@ -99,19 +99,29 @@ fn lock() -> HeapGuard {
     HeapGuard(guard)
 }
 
-/// Start serving small allocations; `engine_threads` are the POSIX thread ids whose requests
-/// must keep going to the C library.
-pub fn enable(engine_threads: &[u64]) {
+/// Record the engine's threads (POSIX thread ids): their requests never get managed memory
+/// (see [`on_engine_thread`]). False if there are more than this heap can tell apart.
+pub fn register_engine_threads(engine_threads: &[u64]) -> bool {
     for &id in engine_threads {
         let i = ENGINE_THREAD_COUNT.fetch_add(1, Ordering::AcqRel);
-        if i < MAX_ENGINE_THREADS {
-            ENGINE_THREADS[i].store(id, Ordering::Release);
-        } else {
-            // Unknown engine threads could be handed managed memory: rather serve nobody.
-            return;
+        if i >= MAX_ENGINE_THREADS {
+            return false;
         }
+        ENGINE_THREADS[i].store(id, Ordering::Release);
     }
+    true
+}
+
+/// Start serving small allocations, once [`register_engine_threads`] has recorded them all.
+pub fn enable() {
     ENABLED.store(true, Ordering::Release);
+}
+
+/// Whether the calling thread is one of the engine's.
+pub fn on_engine_thread() -> bool {
+    let this = this_thread();
+    let n = ENGINE_THREAD_COUNT.load(Ordering::Acquire).min(MAX_ENGINE_THREADS);
+    ENGINE_THREADS[..n].iter().any(|t| t.load(Ordering::Relaxed) == this)
 }
 
 /// Stop serving new allocations (a forked child); frees of heap blocks keep working.
@@ -120,12 +130,7 @@ pub fn disable() {
 }
 
 fn on_engine_thread_or_holder() -> bool {
-    let this = this_thread();
-    if HOLDER.load(Ordering::Acquire) == this {
-        return true;
-    }
-    let n = ENGINE_THREAD_COUNT.load(Ordering::Acquire).min(MAX_ENGINE_THREADS);
-    ENGINE_THREADS[..n].iter().any(|t| t.load(Ordering::Relaxed) == this)
+    HOLDER.load(Ordering::Acquire) == this_thread() || on_engine_thread()
 }
 
 /// Whether this request should come from the heap.

@@ -32,6 +32,7 @@ mod messages;
 mod mmap;
 mod recycle;
 mod registry;
+mod reserve;
 mod runtime;
 mod signals;
 mod stdio;

@@ -18,7 +18,8 @@ extern "C" {
 /// malloc's guaranteed alignment on x86-64 glibc.
 const MALLOC_ALIGN: usize = 16;
 
-/// Rust's global allocator for the shim: glibc's malloc under its internal names.
+/// Rust's global allocator for the shim: glibc's malloc under its internal names, and for the
+/// engine's threads under the OOM guard the [`crate::reserve`].
 #[derive(Debug)]
 pub struct LibcAllocator;
 
@@ -26,24 +27,41 @@ pub struct LibcAllocator;
 // (memalign for alignments above malloc's guarantee), and frees only what it allocated.
 unsafe impl GlobalAlloc for LibcAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if layout.align() <= MALLOC_ALIGN {
+        if let Some(block) = crate::reserve::alloc(layout.size(), layout.align()) {
+            return block;
+        }
+        let block: *mut u8 = if layout.align() <= MALLOC_ALIGN {
             // SAFETY: plain malloc of a non-zero size (GlobalAlloc callers never ask for zero).
             unsafe { __libc_malloc(layout.size()).cast() }
         } else {
             // SAFETY: memalign with a power-of-two alignment, as Layout guarantees.
             unsafe { __libc_memalign(layout.align(), layout.size()).cast() }
-        }
+        };
+        crate::reserve::after_fallback(block, layout.size());
+        block
     }
 
-    unsafe fn dealloc(&self, ptr: *mut u8, _layout: Layout) {
-        // SAFETY: ptr came from alloc/alloc_zeroed/realloc above, all glibc allocations.
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        if crate::reserve::owns(ptr) {
+            // SAFETY: a block of the reserve, allocated for this layout and given up by the caller.
+            unsafe { crate::reserve::free(ptr, layout.size(), layout.align()) };
+            return;
+        }
+        // SAFETY: ptr came from alloc/alloc_zeroed/realloc above; not the reserve's, so glibc's.
         unsafe { __libc_free(ptr.cast()) }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if let Some(block) = crate::reserve::alloc(layout.size(), layout.align()) {
+            // SAFETY: a fresh reserve block of at least layout.size() writable bytes.
+            unsafe { std::ptr::write_bytes(block, 0, layout.size()) };
+            return block;
+        }
         if layout.align() <= MALLOC_ALIGN {
             // SAFETY: calloc of one object of the layout's size.
-            unsafe { __libc_calloc(1, layout.size()).cast() }
+            let block: *mut u8 = unsafe { __libc_calloc(1, layout.size()).cast() };
+            crate::reserve::after_fallback(block, layout.size());
+            block
         } else {
             // SAFETY: as in alloc; the result is zeroed over its whole size before it is returned.
             let ptr = unsafe { self.alloc(layout) };
@@ -56,22 +74,38 @@ unsafe impl GlobalAlloc for LibcAllocator {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if layout.align() <= MALLOC_ALIGN {
-            // SAFETY: ptr is a glibc allocation of this allocator; new_size is non-zero.
-            unsafe { __libc_realloc(ptr.cast(), new_size).cast() }
-        } else {
-            let Ok(new_layout) = Layout::from_size_align(new_size, layout.align()) else {
-                return std::ptr::null_mut();
-            };
-            // SAFETY: a fresh allocation with the same alignment.
-            let new = unsafe { self.alloc(new_layout) };
-            if !new.is_null() {
-                // SAFETY: both blocks hold at least the smaller size and are distinct.
-                unsafe { std::ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size)) };
-                // SAFETY: ptr was allocated by this allocator with `layout`.
-                unsafe { self.dealloc(ptr, layout) };
-            }
-            new
+        let in_reserve = crate::reserve::owns(ptr);
+        if in_reserve
+            && crate::reserve::block_size(layout.size(), layout.align())
+                == crate::reserve::block_size(new_size, layout.align())
+        {
+            return ptr;
         }
+        let Ok(new_layout) = Layout::from_size_align(new_size, layout.align()) else {
+            return std::ptr::null_mut();
+        };
+        // An engine thread's block moves into the reserve (also from the C library, so a queue
+        // allocated before the reserve existed stops growing there); a reserve block that
+        // outgrows it moves out; glibc's realloc keeps only malloc's alignment.
+        let new = match crate::reserve::alloc(new_size, layout.align()) {
+            Some(block) => block,
+            None if in_reserve || layout.align() > MALLOC_ALIGN => {
+                // SAFETY: a fresh allocation of the new layout.
+                unsafe { self.alloc(new_layout) }
+            }
+            None => {
+                // SAFETY: ptr is a glibc allocation of this allocator; new_size is non-zero.
+                let block: *mut u8 = unsafe { __libc_realloc(ptr.cast(), new_size).cast() };
+                crate::reserve::after_fallback(block, new_size);
+                return block;
+            }
+        };
+        if !new.is_null() {
+            // SAFETY: both blocks hold at least the smaller size and are distinct.
+            unsafe { std::ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size)) };
+            // SAFETY: ptr was allocated by this allocator with `layout`.
+            unsafe { self.dealloc(ptr, layout) };
+        }
+        new
     }
 }

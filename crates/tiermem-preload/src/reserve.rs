@@ -1,0 +1,181 @@
+//! Memory set aside for the engine's own threads, charged to the cgroup before it is needed.
+//!
+//! Under the OOM guard (`--cgroup guard`) a task that touches a new page while the cgroup is full
+//! waits in the kernel until memory is uncharged. The engine's threads are the ones that
+//! uncharge it (by evicting), so they must never wait that way: seen with a cold page cache, the
+//! reclaim thread growing a queue, the completion thread's malloc arena reaching a fresh page and
+//! the program's burst all waiting together until the guard gave up and the OOM killer struck.
+//!
+//! So the Rust allocations of the engine's threads come from this reserve: one mapping populated
+//! up front, cut into power-of-two blocks (16 B to 64 KiB) with a free list per size. Larger
+//! requests and requests once the reserve is used up go to the C library and are made resident
+//! at once ([`after_fallback`], counted in [`FALLBACKS`]); other threads' requests go to the C
+//! library as before. The top of the threads' stacks is made resident for the same reason
+//! (`runtime::populate_stack`).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+/// Smallest block: malloc's alignment.
+const MIN_SHIFT: u32 = 4;
+/// Largest block served from the reserve.
+const MAX_SHIFT: u32 = 16;
+const CLASSES: usize = (MAX_SHIFT - MIN_SHIFT + 1) as usize;
+
+/// The reserve's bounds (0..0 until [`arm`]).
+static START: AtomicUsize = AtomicUsize::new(0);
+static END: AtomicUsize = AtomicUsize::new(0);
+/// Where fresh blocks are cut from next.
+static BUMP: AtomicUsize = AtomicUsize::new(0);
+/// Head of each size's free list (0: empty); the link is the first word of a free block.
+static FREE: [AtomicUsize; CLASSES] = [const { AtomicUsize::new(0) }; CLASSES];
+/// Guards the free lists and the bump pointer. A spin lock, not a mutex: a forked child resets
+/// it ([`after_fork_in_child`]), and the engine's threads hold it for a few instructions.
+static LOCK: AtomicBool = AtomicBool::new(false);
+
+/// Allocations of the engine's threads that went to the C library (too large, or the reserve
+/// was used up), made resident at once.
+pub static FALLBACKS: AtomicU64 = AtomicU64::new(0);
+/// Bytes of the reserve cut into blocks so far (its high-water mark).
+pub static USED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Set the reserve up: `len` bytes, populated now (a system call that fails for want of memory
+/// rather than waiting for it). Once only; a failure leaves the engine on the C library.
+pub fn arm(len: usize) -> Result<(), String> {
+    if START.load(Ordering::Acquire) != 0 {
+        return Ok(());
+    }
+    let len = len.next_multiple_of(tiermem_sys::PAGE_SIZE);
+    let mapping = tiermem_sys::mem::Mapping::anonymous(len, false).map_err(|e| format!("reserve: {e}"))?;
+    // SAFETY: populating our own fresh mapping changes no contents.
+    let populated =
+        unsafe { rustix::mm::madvise(mapping.as_ptr().cast(), mapping.len(), rustix::mm::Advice::LinuxPopulateWrite) };
+    populated.map_err(|e| format!("cannot populate the engine's reserve of {len} bytes: {e}"))?;
+    let start = mapping.as_ptr() as usize;
+    // The reserve lives as long as the process: blocks may be freed at any time.
+    std::mem::forget(mapping);
+    BUMP.store(start, Ordering::Relaxed);
+    END.store(start + len, Ordering::Relaxed);
+    START.store(start, Ordering::Release);
+    Ok(())
+}
+
+/// The size class of a request, if the reserve serves it.
+fn class_of(size: usize, align: usize) -> Option<usize> {
+    let block = size.max(align).max(1 << MIN_SHIFT).next_power_of_two();
+    let shift = block.trailing_zeros();
+    (shift <= MAX_SHIFT).then(|| (shift - MIN_SHIFT) as usize)
+}
+
+struct Locked;
+
+impl Locked {
+    fn take() -> Self {
+        let mut spins = 0u32;
+        while LOCK.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            spins += 1;
+            if spins.is_multiple_of(64) {
+                // The holder may be descheduled on the other core's run queue: let it run.
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        Self
+    }
+}
+
+impl Drop for Locked {
+    fn drop(&mut self) {
+        LOCK.store(false, Ordering::Release);
+    }
+}
+
+/// A block for `size` bytes aligned to `align`, or None: not an engine thread's request the
+/// reserve can serve.
+pub fn alloc(size: usize, align: usize) -> Option<*mut u8> {
+    if START.load(Ordering::Acquire) == 0 || !crate::heap::on_engine_thread() {
+        return None;
+    }
+    let class = class_of(size, align)?;
+    let block = 1usize << (class as u32 + MIN_SHIFT);
+    let _locked = Locked::take();
+    let head = FREE[class].load(Ordering::Relaxed);
+    if head != 0 {
+        // SAFETY: a free block of this class holds its successor's address in its first word
+        // (written by `free`), and lies inside the reserve, which is never unmapped.
+        let next = unsafe { (head as *const usize).read() };
+        FREE[class].store(next, Ordering::Relaxed);
+        return Some(head as *mut u8);
+    }
+    // Blocks are aligned to their size up to a page, which covers every alignment they serve.
+    let at = BUMP.load(Ordering::Relaxed).next_multiple_of(block.min(tiermem_sys::PAGE_SIZE));
+    if at + block > END.load(Ordering::Relaxed) {
+        return None;
+    }
+    BUMP.store(at + block, Ordering::Relaxed);
+    USED_BYTES.store((at + block - START.load(Ordering::Relaxed)) as u64, Ordering::Relaxed);
+    Some(at as *mut u8)
+}
+
+/// After the C library served an engine thread's request the reserve did not (too large, or
+/// the reserve used up): make the block resident now, while that can fail instead of wait.
+/// (Seen: the replacement policy's table of recent victims, 544 KiB, allocated at a budget
+/// change and touched page by page on the reclaim path.)
+pub fn after_fallback(ptr: *mut u8, size: usize) {
+    if ptr.is_null() || START.load(Ordering::Acquire) == 0 || !crate::heap::on_engine_thread() {
+        return;
+    }
+    FALLBACKS.fetch_add(1, Ordering::Relaxed);
+    let page = tiermem_sys::PAGE_SIZE;
+    let start = ptr as usize / page * page;
+    let end = (ptr as usize + size).next_multiple_of(page);
+    // SAFETY: populating pages that hold (part of) a live allocation changes no contents; a
+    // failure (no memory now) leaves them to fault in later, as they would have anyway.
+    let _ = unsafe {
+        rustix::mm::madvise(start as *mut std::ffi::c_void, end - start, rustix::mm::Advice::LinuxPopulateWrite)
+    };
+}
+
+/// Whether `ptr` is a block of the reserve.
+pub fn owns(ptr: *mut u8) -> bool {
+    let p = ptr as usize;
+    p >= START.load(Ordering::Acquire) && p < END.load(Ordering::Acquire)
+}
+
+/// Give back a block [`alloc`] returned for `size` and `align`.
+///
+/// # Safety
+/// `ptr` must be such a block, not used afterwards.
+pub unsafe fn free(ptr: *mut u8, size: usize, align: usize) {
+    let Some(class) = class_of(size, align) else { return };
+    let _locked = Locked::take();
+    // SAFETY: the caller gives the block up; its first word now links the free list.
+    unsafe { (ptr as *mut usize).write(FREE[class].load(Ordering::Relaxed)) };
+    FREE[class].store(ptr as usize, Ordering::Relaxed);
+}
+
+/// The size of the block that serves a request (a realloc within it needs no copy).
+pub fn block_size(size: usize, align: usize) -> Option<usize> {
+    class_of(size, align).map(|c| 1usize << (c as u32 + MIN_SHIFT))
+}
+
+/// In a forked child: the lock may have been held by an engine thread, which is not there.
+pub fn after_fork_in_child() {
+    LOCK.store(false, Ordering::Release);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_classes_cover_size_and_alignment() {
+        assert_eq!(class_of(1, 1), Some(0));
+        assert_eq!(class_of(16, 8), Some(0));
+        assert_eq!(class_of(17, 8), Some(1));
+        assert_eq!(class_of(24, 64), Some(2));
+        assert_eq!(class_of(1 << 16, 8), Some(CLASSES - 1));
+        assert_eq!(class_of((1 << 16) + 1, 8), None);
+        assert_eq!(block_size(100, 8), Some(128));
+    }
+}
