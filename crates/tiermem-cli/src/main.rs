@@ -284,7 +284,7 @@ struct RunArgs {
     /// Fraction of the budget from which background reclaim drops pages [default: 0.98].
     #[arg(long, env = "TIERMEM_EVICT_WATERMARK")]
     evict_watermark: Option<String>,
-    /// thread (faults served by a handler thread) | sigbus (on the faulting thread) [default: thread].
+    /// sigbus (faults served on the faulting thread) | thread (by a handler thread) [default: sigbus].
     #[arg(long, env = "TIERMEM_FAULT_MODE")]
     fault_mode: Option<String>,
     /// hybrid | poll-only | interrupt-only.

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use tiermem_device::DeviceSpec;
 use tiermem_sys::{Error, Result};
 
-use crate::config::{parse_size, EngineConfig, Limit};
+use crate::config::{parse_size, EngineConfig, FaultMode, Limit};
 
 /// Everything a managed process is told.
 #[derive(Debug, Clone)]
@@ -58,7 +58,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_REPLACE", "replacement policy name"),
     ("TIERMEM_WATERMARK", "fraction of the budget that wakes background reclaim (it cleans from there), in (0, 1]"),
     ("TIERMEM_EVICT_WATERMARK", "fraction of the budget from which background reclaim drops pages, in (0, 1]"),
-    ("TIERMEM_FAULT_MODE", "thread | sigbus (default thread: faults served by a handler thread)"),
+    ("TIERMEM_FAULT_MODE", "sigbus | thread (default sigbus: faults served on the faulting thread)"),
     ("TIERMEM_IO_MODE", "hybrid | poll-only | interrupt-only"),
     ("TIERMEM_HANDLER_THREADS", "thread fault mode: threads serving faults, 1..=64 (default 1)"),
     (
@@ -103,10 +103,10 @@ pub const DEFAULT_THRESHOLD: u64 = 1 << 20;
 
 impl Default for RunSettings {
     fn default() -> Self {
-        // Handler threads, as the library: sigbus mode is faster, but under `--cgroup guard` with
-        // a cold page cache the guard gave up (OOM kill) in 2 of 6 runs of its test, against 0 of 6
-        // with handler threads (2026-11-26).
-        let engine = EngineConfig::default();
+        // Unmodified programs take faults on their own threads (faster): the shim makes the
+        // buffers of the system calls that reach managed memory resident first, which the
+        // library's own default (handler threads) does not need from its callers.
+        let engine = EngineConfig { fault_mode: FaultMode::Sigbus, ..EngineConfig::default() };
         Self {
             limit: Limit::Bytes(engine.limit_bytes),
             engine,
@@ -288,7 +288,6 @@ fn nonzero_size(text: &str) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::FaultMode;
 
     fn parse(vars: &[(&str, &str)]) -> Result<RunSettings> {
         RunSettings::from_vars(vars.iter().copied())
@@ -300,7 +299,7 @@ mod tests {
             ("TIERMEM_LIMIT", "40%"),
             ("TIERMEM_FOOTPRINT", "1GiB"),
             ("TIERMEM_DEVICE", "mem"),
-            ("TIERMEM_FAULT_MODE", "sigbus"),
+            ("TIERMEM_FAULT_MODE", "thread"),
             ("TIERMEM_THRESHOLD", "2MiB"),
             ("TIERMEM_SMALL_HEAP", "off"),
             ("TIERMEM_SINGLE_THREAD_STDIO", "off"),
@@ -317,9 +316,9 @@ mod tests {
         assert_eq!(s.device, DeviceSpec::Mem);
         let again = RunSettings::from_vars(s.to_vars()).unwrap();
         assert_eq!(again.engine.limit_bytes, s.engine.limit_bytes);
-        assert_eq!(s.engine.fault_mode, FaultMode::Sigbus);
+        assert_eq!(s.engine.fault_mode, FaultMode::HandlerThread);
         assert_eq!(again.engine.fault_mode, s.engine.fault_mode);
-        assert_eq!(RunSettings::default().engine.fault_mode, FaultMode::HandlerThread, "the default of tiermem run");
+        assert_eq!(RunSettings::default().engine.fault_mode, FaultMode::Sigbus, "the default of tiermem run");
         assert_eq!(again.threshold, s.threshold);
         assert!(!s.small_heap && !again.small_heap);
         assert!(!s.single_thread_stdio && !again.single_thread_stdio);
