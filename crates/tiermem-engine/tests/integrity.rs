@@ -24,6 +24,24 @@ struct Outcome {
     /// Device read requests, and the pages they read.
     read_requests: u64,
     pages_read: u64,
+    /// Whether the run should have cleaned pages ahead of eviction, and whether it did.
+    cleaning: Cleaning,
+}
+
+/// Background reclaim with dirty tracking cleans pages ahead of eviction (residency stays past
+/// the watermark): the races of that path must be part of what is checked.
+#[derive(Debug, PartialEq)]
+enum Cleaning {
+    /// Not expected of this configuration (no dirty tracking, a watermark near the limit, or
+    /// several handler threads: polling for their reads on a 2-core machine they can starve the
+    /// reclaim thread, and faulting threads then reclaim directly).
+    NotExpected,
+    Done,
+    /// None cleaned ahead; the evictions made by faulting threads out of all.
+    Missing {
+        direct: u64,
+        evictions: u64,
+    },
 }
 
 /// Each thread owns the pages `p % THREADS == t`, so it knows what each of them must hold.
@@ -124,28 +142,18 @@ fn hammer(
     assert!(stats.evictions > 0, "the test must actually evict: {}", stats.summary());
     // Nothing here drops pages behind the engine: a count means it lost track of one.
     assert_eq!(stats.dropped_outside, 0, "the engine lost track of mapped pages: {}", stats.summary());
-    // Background reclaim with dirty tracking cleans pages ahead of eviction here (residency
-    // stays past the watermark): the races of that path must be part of what is checked. (Not
-    // asked of several handler threads: polling for their reads on a 2-core machine, they can
-    // starve the reclaim thread, and faulting threads then reclaim directly.)
     let config = engine.config();
-    if config.reclaim_mode == ReclaimMode::Background
+    let cleaning = if !(config.reclaim_mode == ReclaimMode::Background
         && engine.tracks_dirty_pages()
         && config.watermark < 0.9
-        && config.handler_threads == 1
+        && config.handler_threads == 1)
     {
-        // Unless the reclaim thread hardly ran: a quarter or more of the evictions made by
-        // faulting threads means it was starved of a core (seen once in CI, sigbus on file:
-        // 28,752 of 90,960), and then cleaning ahead is not what this run exercised.
-        if stats.direct_reclaims * 4 < stats.evictions {
-            assert!(stats.cleaned_ahead > 0, "no page was cleaned ahead of eviction: {}", stats.summary());
-        } else if stats.cleaned_ahead == 0 {
-            eprintln!(
-                "NOT CHECKED: cleaning ahead of eviction ({} of {} evictions on faulting threads: the reclaim thread was starved)",
-                stats.direct_reclaims, stats.evictions
-            );
-        }
-    }
+        Cleaning::NotExpected
+    } else if stats.cleaned_ahead > 0 {
+        Cleaning::Done
+    } else {
+        Cleaning::Missing { direct: stats.direct_reclaims, evictions: stats.evictions }
+    };
     Outcome {
         mismatches,
         ops: ops_per_thread * THREADS as u64,
@@ -154,6 +162,7 @@ fn hammer(
         deferred_hits: stats.deferred_hits,
         read_requests: device.reads,
         pages_read: device.bytes_read_medium / 4096,
+        cleaning,
     }
 }
 
@@ -174,12 +183,32 @@ fn check_that(
     }
     // TIERMEM_TEST_DEVICES=mem (or file) narrows a run to one device, e.g. for the long run.
     let only = std::env::var("TIERMEM_TEST_DEVICES").ok();
-    for (dev_name, device) in devices(LIMIT_PAGES * 4 * 4096 * 2) {
+    let capacity = LIMIT_PAGES * 4 * 4096 * 2;
+    for (dev_name, device) in devices(capacity) {
         if only.as_deref().is_some_and(|o| !o.split(',').any(|d| d == dev_name)) {
             eprintln!("{name}: device {dev_name} left out by TIERMEM_TEST_DEVICES");
             continue;
         }
-        let out = hammer(tweak, device, ops);
+        let mut out = hammer(tweak, device, ops);
+        // A run that cleaned nothing ahead of eviction is run again (twice at most): on 2
+        // cores the reclaim thread can be starved of a core for a whole run, and faulting
+        // threads then evict directly (seen in CI: 19% and 32% of the evictions), which is a
+        // schedule, not a fault. A cleaning path that never works fails all three.
+        for _ in 0..2 {
+            let Cleaning::Missing { direct, evictions } = out.cleaning else { break };
+            eprintln!(
+                "{name} on {dev_name}: no page cleaned ahead of eviction ({direct} of {evictions} evictions on faulting threads): running again"
+            );
+            assert_eq!(out.mismatches, 0, "{name} on {dev_name}: data corrupted");
+            let (_, fresh) =
+                devices(capacity).into_iter().find(|(n, _)| *n == dev_name).expect("the same device again");
+            out = hammer(tweak, fresh, ops);
+        }
+        assert!(
+            !matches!(out.cleaning, Cleaning::Missing { .. }),
+            "{name} on {dev_name}: in three runs no page was cleaned ahead of eviction: {:?}",
+            out.cleaning
+        );
         eprintln!(
             "{name} on {dev_name}: {} page ops, {} mismatches, peak resident kernel (scan minus evictions during it) {} / engine {} (limit {LIMIT_PAGES}); {} pages read in {} requests, {} deferred prefetch hits",
             out.ops, out.mismatches, out.kernel_peak, out.engine_peak, out.pages_read, out.read_requests, out.deferred_hits
