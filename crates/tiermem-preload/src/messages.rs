@@ -1,7 +1,9 @@
-//! recvmsg and sendmsg in sigbus fault mode: the managed parts of the message's buffers are held
-//! resident for one call. Pieces would split a datagram, so the call is made once: on a stream
-//! socket with the buffer list cut where the resident bytes reach the per-call share of the budget
-//! (a short transfer, which stream callers handle), on any other socket whole.
+//! recvmsg, sendmsg, recvmmsg and sendmmsg in sigbus fault mode: the managed parts of the
+//! messages' buffers are held resident for one call. Pieces would split a datagram, so the call
+//! is made once: on a stream socket with the buffer list cut where the resident bytes reach the
+//! per-call share of the budget (a short transfer, which stream callers handle), on any other
+//! socket whole; recvmmsg and sendmmsg take the messages that fit in that share (at least one),
+//! and report fewer, as they may.
 
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -76,9 +78,23 @@ fn hold_message(
             hold(engine, &mut pins, ptr, len, kernel_writes, None, &mut held);
         }
     }
+    let vecs = hold_vectors(engine, &mut pins, vecs, kernel_writes, cap, &mut held);
+    HeldMessage { _pins: pins, vecs }
+}
+
+/// Hold the managed stretches of the buffers of `vecs` resident, in order, until `held` reaches
+/// `cap` (None: all of them). Returns the list cut to what is covered.
+pub(crate) fn hold_vectors(
+    engine: &Engine,
+    pins: &mut Vec<PinGuard>,
+    vecs: &[libc::iovec],
+    kernel_writes: bool,
+    cap: Option<usize>,
+    held: &mut usize,
+) -> Vec<libc::iovec> {
     let mut cut = Vec::with_capacity(vecs.len());
     for v in vecs {
-        let covered = hold(engine, &mut pins, v.iov_base, v.iov_len, kernel_writes, cap, &mut held);
+        let covered = hold(engine, pins, v.iov_base, v.iov_len, kernel_writes, cap, held);
         if covered > 0 || v.iov_len == 0 {
             cut.push(libc::iovec { iov_base: v.iov_base, iov_len: covered });
         }
@@ -86,7 +102,27 @@ fn hold_message(
             break;
         }
     }
-    HeldMessage { _pins: pins, vecs: cut }
+    cut
+}
+
+/// The buffer list of a message (empty for a null list).
+fn vectors_of(m: &libc::msghdr) -> &[libc::iovec] {
+    if m.msg_iov.is_null() || m.msg_iovlen == 0 {
+        &[]
+    } else {
+        // SAFETY: msg_iov holds msg_iovlen elements (the caller's contract).
+        unsafe { std::slice::from_raw_parts(m.msg_iov, m.msg_iovlen) }
+    }
+}
+
+pub(crate) fn total(vecs: &[libc::iovec]) -> usize {
+    vecs.iter().map(|v| v.iov_len).sum()
+}
+
+fn message_needs_wrapping(m: &libc::msghdr, vecs: &[libc::iovec]) -> bool {
+    vecs.iter().any(|v| needs_wrapping(v.iov_base, v.iov_len))
+        || needs_wrapping(m.msg_name, m.msg_namelen as usize)
+        || needs_wrapping(m.msg_control, m.msg_controllen)
 }
 
 /// A message to wrap: the engine, the caller's msghdr and its buffer list.
@@ -100,16 +136,8 @@ fn message_to_wrap<'a>(msg: *const libc::msghdr) -> Option<Wrapped<'a>> {
     let engine = runtime::running_engine()?;
     // SAFETY: a non-null msghdr from the caller (its contract).
     let m = unsafe { &*msg };
-    let vecs = if m.msg_iov.is_null() || m.msg_iovlen == 0 {
-        &[][..]
-    } else {
-        // SAFETY: msg_iov holds msg_iovlen elements (the caller's contract).
-        unsafe { std::slice::from_raw_parts(m.msg_iov, m.msg_iovlen) }
-    };
-    let any = vecs.iter().any(|v| needs_wrapping(v.iov_base, v.iov_len))
-        || needs_wrapping(m.msg_name, m.msg_namelen as usize)
-        || needs_wrapping(m.msg_control, m.msg_controllen);
-    any.then_some((engine, m, vecs))
+    let vecs = vectors_of(m);
+    message_needs_wrapping(m, vecs).then_some((engine, m, vecs))
 }
 
 /// Make the call `number` (recvmsg or sendmsg) with the message's buffers held resident.
@@ -146,4 +174,93 @@ pub unsafe extern "C" fn sendmsg(fd: i32, msg: *const libc::msghdr, flags: i32) 
         None => sys!(libc::SYS_sendmsg, fd, msg, flags),
         Some(wrapped) => call_held(libc::SYS_sendmsg, fd, wrapped, flags).0,
     }
+}
+
+/// Make the call `number` (recvmmsg or sendmmsg) over `vlen` messages, those that fit in the
+/// per-call share of the budget held resident (at least one), or None when nothing needs it.
+/// The kernel's per-message results are copied back into the caller's array.
+fn multiple_held(
+    number: libc::c_long,
+    fd: i32,
+    msgs: *mut libc::mmsghdr,
+    vlen: u32,
+    flags: i32,
+    timeout: *mut libc::timespec,
+) -> Option<i32> {
+    if msgs.is_null() || vlen == 0 || !runtime::sigbus_mode() {
+        return None;
+    }
+    let engine = runtime::running_engine()?;
+    // SAFETY: the caller's array of vlen messages (its contract).
+    let caller = unsafe { std::slice::from_raw_parts_mut(msgs, vlen as usize) };
+    if !caller.iter().any(|m| message_needs_wrapping(&m.msg_hdr, vectors_of(&m.msg_hdr))) {
+        return None;
+    }
+    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
+    let kernel_writes = number == libc::SYS_recvmmsg;
+    let share = budget_piece(engine);
+    // A stream socket's messages are cut at the share; datagrams go whole, as many as fit.
+    let cut_at = is_stream_socket(fd).then_some(share);
+    let (mut pins, mut held) = (Vec::new(), 0usize);
+    let mut lists = Vec::with_capacity(caller.len());
+    for (i, m) in caller.iter().enumerate() {
+        if i > 0 && held >= share {
+            break;
+        }
+        let h = &m.msg_hdr;
+        for (ptr, len) in [(h.msg_name, h.msg_namelen as usize), (h.msg_control, h.msg_controllen)] {
+            if needs_wrapping(ptr, len) {
+                hold(engine, &mut pins, ptr, len, kernel_writes, None, &mut held);
+            }
+        }
+        let vecs = vectors_of(h);
+        let cut = hold_vectors(engine, &mut pins, vecs, kernel_writes, cut_at, &mut held);
+        let whole = total(&cut) == total(vecs);
+        lists.push(cut);
+        if !whole {
+            break;
+        }
+    }
+    let mut copies: Vec<libc::mmsghdr> = caller[..lists.len()]
+        .iter()
+        .zip(lists.iter_mut())
+        .map(|(m, list)| {
+            let mut copy = *m;
+            copy.msg_hdr.msg_iov = list.as_mut_ptr();
+            copy.msg_hdr.msg_iovlen = list.len();
+            copy
+        })
+        .collect();
+    let n = sys!(number, fd, copies.as_mut_ptr(), copies.len() as u32, flags, timeout);
+    for (m, seen) in caller.iter_mut().zip(&copies).take(usize::try_from(n).unwrap_or(0)) {
+        m.msg_len = seen.msg_len;
+        if kernel_writes {
+            m.msg_hdr.msg_namelen = seen.msg_hdr.msg_namelen;
+            m.msg_hdr.msg_controllen = seen.msg_hdr.msg_controllen;
+            m.msg_hdr.msg_flags = seen.msg_hdr.msg_flags;
+        }
+    }
+    Some(n as i32)
+}
+
+/// # Safety
+/// The C contract of recvmmsg.
+#[no_mangle]
+pub unsafe extern "C" fn recvmmsg(
+    fd: i32,
+    msgs: *mut libc::mmsghdr,
+    vlen: u32,
+    flags: i32,
+    timeout: *mut libc::timespec,
+) -> i32 {
+    multiple_held(libc::SYS_recvmmsg, fd, msgs, vlen, flags, timeout)
+        .unwrap_or_else(|| sys!(libc::SYS_recvmmsg, fd, msgs, vlen, flags, timeout) as i32)
+}
+
+/// # Safety
+/// The C contract of sendmmsg.
+#[no_mangle]
+pub unsafe extern "C" fn sendmmsg(fd: i32, msgs: *mut libc::mmsghdr, vlen: u32, flags: i32) -> i32 {
+    multiple_held(libc::SYS_sendmmsg, fd, msgs, vlen, flags, std::ptr::null_mut())
+        .unwrap_or_else(|| sys!(libc::SYS_sendmmsg, fd, msgs, vlen, flags) as i32)
 }

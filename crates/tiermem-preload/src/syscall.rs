@@ -1,5 +1,6 @@
 //! `syscall()`, for programs and libraries that make the wrapped system calls by number: in
-//! sigbus fault mode each goes to its wrapper in [`crate::io`] or [`crate::messages`]; every
+//! sigbus fault mode each goes to its wrapper in [`crate::io`], [`crate::messages`] or
+//! [`crate::process_vm`]; every
 //! other call, and every call in thread mode, goes to the C library's `syscall`.
 //!
 //! `syscall` is variadic in C, which stable Rust cannot define. On x86-64 and AArch64 Linux a
@@ -14,7 +15,7 @@ use std::ffi::c_void;
 use libc::c_long;
 
 use crate::io::{self, sys};
-use crate::{messages, runtime};
+use crate::{messages, process_vm, runtime};
 
 /// # Safety
 /// The C contract of syscall.
@@ -62,6 +63,14 @@ fn wrapped(number: c_long, a: c_long, b: c_long, c: c_long, d: c_long, e: c_long
         libc::SYS_sendto => call!(io::sendto(fd, ptr, c as usize, d as i32, e as *const _, f as u32)),
         libc::SYS_recvmsg => call!(messages::recvmsg(fd, ptr.cast(), c as i32)),
         libc::SYS_sendmsg => call!(messages::sendmsg(fd, ptr.cast(), c as i32)),
+        libc::SYS_recvmmsg => call!(messages::recvmmsg(fd, ptr.cast(), c as u32, d as i32, e as *mut _) as isize),
+        libc::SYS_sendmmsg => call!(messages::sendmmsg(fd, ptr.cast(), c as u32, d as i32) as isize),
+        libc::SYS_process_vm_readv => {
+            call!(process_vm::process_vm_readv(fd, ptr.cast(), c as _, d as *const _, e as _, f as _))
+        }
+        libc::SYS_process_vm_writev => {
+            call!(process_vm::process_vm_writev(fd, ptr.cast(), c as _, d as *const _, e as _, f as _))
+        }
         libc::SYS_getrandom => call!(io::getrandom(a as *mut c_void, b as usize, c as u32)),
         _ => None,
     }

@@ -262,6 +262,41 @@ int main(int argc, char** argv) {
         socket_read_case("syscall(recvfrom)" + state, fresh, [](int s, unsigned char* p, size_t n) {
             return (ssize_t)syscall(SYS_recvfrom, s, p, n, 0, nullptr, nullptr);
         });
+        auto recvmmsg_into = [](int s, unsigned char* p, size_t n, bool raw) {
+            iovec v[2] = {{p, n / 2}, {p + n / 2, n - n / 2}};
+            mmsghdr m{};
+            m.msg_hdr.msg_iov = v;
+            m.msg_hdr.msg_iovlen = n > 1 ? 2 : 1;
+            if (n == 1) v[0].iov_len = 1;
+            int got = raw ? (int)syscall(SYS_recvmmsg, s, &m, 1, 0, nullptr) : recvmmsg(s, &m, 1, 0, nullptr);
+            return got < 0 ? (ssize_t)-1 : got == 0 ? (ssize_t)0 : (ssize_t)m.msg_len;
+        };
+        socket_read_case("recvmmsg" + state, fresh,
+                         [&](int s, unsigned char* p, size_t n) { return recvmmsg_into(s, p, n, false); });
+        socket_read_case("syscall(recvmmsg)" + state, fresh,
+                         [&](int s, unsigned char* p, size_t n) { return recvmmsg_into(s, p, n, true); });
+
+        // The kernel copying within this process: from an evicted buffer into this one.
+        auto vm_read_case = [&](const char* name, bool raw) {
+            unsigned char* src = buffer(false, true);
+            unsigned char* b = buffer(fresh, false);
+            ssize_t got = 0;
+            while ((size_t)got < BUF) {
+                iovec l = {b + got, BUF - (size_t)got}, r = {src + got, BUF - (size_t)got};
+                ssize_t n = raw ? (ssize_t)syscall(SYS_process_vm_readv, getpid(), &l, 1, &r, 1, 0)
+                                : process_vm_readv(getpid(), &l, 1, &r, 1, 0);
+                if (n <= 0) {
+                    got = n < 0 ? -1 : got;
+                    break;
+                }
+                got += n;
+            }
+            check_read(std::string(name) + state, b, got);
+            free(b);
+            free(src);
+        };
+        vm_read_case("process_vm_readv", false);
+        vm_read_case("syscall(process_vm_readv)", true);
 
         // Random bytes: the call must fill the whole buffer (its contents cannot be checked).
         auto random_case = [&](const char* name, auto call) {
@@ -357,6 +392,38 @@ int main(int argc, char** argv) {
                       [&](int s, unsigned char* p, size_t n) { return sendmsg_from(s, p, n, false); });
     socket_write_case("syscall(sendmsg) (evicted)",
                       [&](int s, unsigned char* p, size_t n) { return sendmsg_from(s, p, n, true); });
+    auto sendmmsg_from = [](int s, unsigned char* p, size_t n, bool raw) {
+        iovec v[2] = {{p, n / 2}, {p + n / 2, n - n / 2}};
+        mmsghdr m{};
+        m.msg_hdr.msg_iov = v;
+        m.msg_hdr.msg_iovlen = 2;
+        int sent = raw ? (int)syscall(SYS_sendmmsg, s, &m, 1, 0) : sendmmsg(s, &m, 1, 0);
+        return sent <= 0 ? (ssize_t)-1 : (ssize_t)m.msg_len;
+    };
+    socket_write_case("sendmmsg (evicted)",
+                      [&](int s, unsigned char* p, size_t n) { return sendmmsg_from(s, p, n, false); });
+    socket_write_case("syscall(sendmmsg) (evicted)",
+                      [&](int s, unsigned char* p, size_t n) { return sendmmsg_from(s, p, n, true); });
+    // The kernel copying within this process: from an evicted buffer into a fresh one.
+    for (int raw = 0; raw <= 1; raw++) {
+        const char* name = raw ? "syscall(process_vm_writev) (evicted)" : "process_vm_writev (evicted)";
+        unsigned char* src = buffer(false, true);
+        unsigned char* b = buffer(true, false);
+        ssize_t put = 0;
+        while ((size_t)put < BUF) {
+            iovec l = {src + put, BUF - (size_t)put}, r = {b + put, BUF - (size_t)put};
+            ssize_t n = raw ? (ssize_t)syscall(SYS_process_vm_writev, getpid(), &l, 1, &r, 1, 0)
+                            : process_vm_writev(getpid(), &l, 1, &r, 1, 0);
+            if (n <= 0) {
+                put = n < 0 ? -1 : put;
+                break;
+            }
+            put += n;
+        }
+        check_read(name, b, put);
+        free(b);
+        free(src);
+    }
 
     close(fd);
     unlink(data.c_str());
