@@ -171,6 +171,26 @@ static void socket_write_case(const std::string& name, F send_some) {
     free(b);
 }
 
+// Copies BUF bytes from `src` to `dst` within this process with process_vm_readv (`dst` the
+// local side) or process_vm_writev (`src` the local side), by wrapper or by number, going on
+// after short transfers. Returns the bytes copied, or -1.
+static ssize_t copy_within_process(unsigned char* dst, unsigned char* src, bool write, bool raw) {
+    ssize_t done = 0;
+    while ((size_t)done < BUF) {
+        size_t left = BUF - (size_t)done;
+        iovec to = {dst + done, left}, from = {src + done, left};
+        iovec* local = write ? &from : &to;
+        iovec* remote = write ? &to : &from;
+        long number = write ? SYS_process_vm_writev : SYS_process_vm_readv;
+        ssize_t n = raw ? (ssize_t)syscall(number, getpid(), local, 1, remote, 1, 0)
+                  : write ? process_vm_writev(getpid(), local, 1, remote, 1, 0)
+                          : process_vm_readv(getpid(), local, 1, remote, 1, 0);
+        if (n <= 0) return n < 0 ? -1 : done;
+        done += n;
+    }
+    return done;
+}
+
 int main(int argc, char** argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s DIR\n", argv[0]);
@@ -280,18 +300,7 @@ int main(int argc, char** argv) {
         auto vm_read_case = [&](const char* name, bool raw) {
             unsigned char* src = buffer(false, true);
             unsigned char* b = buffer(fresh, false);
-            ssize_t got = 0;
-            while ((size_t)got < BUF) {
-                iovec l = {b + got, BUF - (size_t)got}, r = {src + got, BUF - (size_t)got};
-                ssize_t n = raw ? (ssize_t)syscall(SYS_process_vm_readv, getpid(), &l, 1, &r, 1, 0)
-                                : process_vm_readv(getpid(), &l, 1, &r, 1, 0);
-                if (n <= 0) {
-                    got = n < 0 ? -1 : got;
-                    break;
-                }
-                got += n;
-            }
-            check_read(std::string(name) + state, b, got);
+            check_read(std::string(name) + state, b, copy_within_process(b, src, false, raw));
             free(b);
             free(src);
         };
@@ -409,18 +418,7 @@ int main(int argc, char** argv) {
         const char* name = raw ? "syscall(process_vm_writev) (evicted)" : "process_vm_writev (evicted)";
         unsigned char* src = buffer(false, true);
         unsigned char* b = buffer(true, false);
-        ssize_t put = 0;
-        while ((size_t)put < BUF) {
-            iovec l = {src + put, BUF - (size_t)put}, r = {b + put, BUF - (size_t)put};
-            ssize_t n = raw ? (ssize_t)syscall(SYS_process_vm_writev, getpid(), &l, 1, &r, 1, 0)
-                            : process_vm_writev(getpid(), &l, 1, &r, 1, 0);
-            if (n <= 0) {
-                put = n < 0 ? -1 : put;
-                break;
-            }
-            put += n;
-        }
-        check_read(name, b, put);
+        check_read(name, b, copy_within_process(b, src, true, raw));
         free(b);
         free(src);
     }
