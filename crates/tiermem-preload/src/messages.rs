@@ -191,6 +191,8 @@ fn multiple_held(
         return None;
     }
     let engine = runtime::running_engine()?;
+    // The kernel takes at most UIO_MAXIOV messages and ignores the rest.
+    let vlen = vlen.min(1024);
     // SAFETY: the caller's array of vlen messages (its contract).
     let caller = unsafe { std::slice::from_raw_parts_mut(msgs, vlen as usize) };
     if !caller.iter().any(|m| message_needs_wrapping(&m.msg_hdr, vectors_of(&m.msg_hdr))) {

@@ -10,12 +10,16 @@ use crate::io::{budget_piece, needs_wrapping, sys};
 use crate::messages::{hold_vectors, total};
 use crate::runtime;
 
-/// A list of `count` iovecs (empty for null or a non-positive count).
+/// Most iovecs the kernel takes in one list (UIO_MAXIOV); a longer list gets EINVAL.
+const MAX_IOVECS: libc::c_ulong = 1024;
+
+/// A list of `count` iovecs (empty for null or a zero count).
 fn list<'a>(vecs: *const libc::iovec, count: libc::c_ulong) -> &'a [libc::iovec] {
     if vecs.is_null() || count == 0 {
         &[]
     } else {
-        // SAFETY: the caller's list of `count` iovecs (its contract).
+        // SAFETY: the caller's list of `count` iovecs (its contract), at most MAX_IOVECS long
+        // (checked by the caller).
         unsafe { std::slice::from_raw_parts(vecs, count as usize) }
     }
 }
@@ -44,6 +48,10 @@ fn transfer(
     remote_count: libc::c_ulong,
     flags: libc::c_ulong,
 ) -> isize {
+    if local_count > MAX_IOVECS || remote_count > MAX_IOVECS {
+        // The kernel refuses the call (EINVAL) without reading the lists.
+        return sys!(number, pid, local, local_count, remote, remote_count, flags);
+    }
     let (locals, remotes) = (list(local, local_count), list(remote, remote_count));
     // SAFETY: getpid has no preconditions.
     let remote_is_ours = pid == unsafe { libc::getpid() };
