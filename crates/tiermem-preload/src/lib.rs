@@ -50,6 +50,7 @@ extern "C" fn on_load() {
     runtime::load_settings();
 }
 
-#[used]
-#[link_section = ".init_array"]
+// Not run in the crate's own unit-test binary, which has no TIERMEM_* settings.
+#[cfg_attr(not(test), used, link_section = ".init_array")]
+#[cfg_attr(test, allow(dead_code))]
 static ON_LOAD: extern "C" fn() = on_load;

@@ -168,6 +168,43 @@ pub fn after_fork_in_child() {
 mod tests {
     use super::*;
 
+    /// The one test that arms the reserve (it is process-wide, armed once): blocks come from
+    /// inside it, aligned to their size, only for engine threads; a freed block is handed out
+    /// again; a used-up reserve declines.
+    #[test]
+    fn engine_threads_get_aligned_reused_blocks_until_the_reserve_is_used_up() {
+        // SAFETY: pthread_self has no preconditions.
+        let me = unsafe { libc::pthread_self() } as u64;
+        assert!(alloc(64, 8).is_none(), "served before the reserve was armed");
+        arm(64 << 10).expect("arming the reserve");
+        let other = std::thread::spawn(|| alloc(64, 8).is_none()).join().unwrap();
+        assert!(other, "served a thread that is not the engine's");
+        assert!(crate::heap::register_engine_threads(&[me]));
+        let a = alloc(24, 8).expect("a small block");
+        let b = alloc(4000, 64).expect("a page-sized block");
+        assert!(owns(a) && owns(b));
+        assert_eq!(a as usize % 32, 0, "a 32-byte block aligned to its size");
+        assert_eq!(b as usize % 4096, 0, "a 4 KiB block aligned to its size");
+        assert!(alloc((1 << 16) + 1, 8).is_none(), "larger than the largest block");
+        // SAFETY: `a` is a block of this layout, not used again.
+        unsafe { free(a, 24, 8) };
+        assert_eq!(alloc(30, 16), Some(a), "the freed block of that size comes back first");
+        let mut taken = 0;
+        while alloc(4096, 8).is_some() {
+            taken += 1;
+            assert!(taken <= 16, "more 4 KiB blocks than 64 KiB hold");
+        }
+        assert!(taken >= 10, "only {taken} 4 KiB blocks from a 64 KiB reserve");
+        assert!(USED_BYTES.load(Ordering::Relaxed) <= 64 << 10);
+        // This thread's own Rust allocations now go through the reserve too (the crate's global
+        // allocator): with the reserve used up, this vector is already a counted fallback.
+        let mut spill = vec![0u8; 8192];
+        let before = FALLBACKS.load(Ordering::Relaxed);
+        assert!(before >= 1, "the vector, allocated with the reserve used up, was not counted");
+        after_fallback(spill.as_mut_ptr(), spill.len());
+        assert_eq!(FALLBACKS.load(Ordering::Relaxed), before + 1, "a fallback of an engine thread is counted");
+    }
+
     #[test]
     fn size_classes_cover_size_and_alignment() {
         assert_eq!(class_of(1, 1), Some(0));
