@@ -649,7 +649,7 @@ fn gnu_sort_of_a_300mb_file_two_threads_sigbus_mode() {
 
 /// Every C-library way of handing a large buffer to the kernel (plain, vectored, message and
 /// multiple-message, fortified `_chk`, stdio, random bytes, process_vm_readv/writev on this
-/// process, and raw `syscall()`), on buffers never touched and on
+/// process, readlink and getcwd, and raw `syscall()`), on buffers never touched and on
 /// buffers evicted: in sigbus mode the shim must make each resident first, in thread mode the
 /// handler serves the kernel's faults.
 #[test]
@@ -666,7 +666,7 @@ fn system_calls_into_evicted_and_untouched_buffers_work_in_both_fault_modes() {
     let reference = Command::new(&bin).arg(&dir).output().expect("the program, unmanaged");
     let text = String::from_utf8_lossy(&reference.stdout).into_owned();
     assert!(reference.status.success() && text.ends_with("\n0 failures\n"), "unmanaged run: {text}");
-    assert!(text.lines().count() > 70, "too few calls checked: {text}");
+    assert!(text.lines().count() > 78, "too few calls checked: {text}");
     for mode in ["thread", "sigbus"] {
         // CLOCK: buffers written and then displaced by newer pages are reliably the victims.
         let managed = run_managed(&scratch, "16MiB", &["--fault-mode", mode, "--replace", "clock"], &program);
@@ -680,11 +680,11 @@ fn system_calls_into_evicted_and_untouched_buffers_work_in_both_fault_modes() {
             .and_then(|rest| rest.split_whitespace().next())
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("{name} ({mode}): no residency count in: {err}"));
-        // 70 calls on 4 MiB buffers: most of their pages must have been out when the call came.
-        assert!(not_resident > 70 * 1024 / 2, "{name} ({mode}): only {not_resident} buffer pages were not resident");
+        // 78 calls on 4 MiB buffers: most of their pages must have been out when the call came.
+        assert!(not_resident > 78 * 1024 / 2, "{name} ({mode}): only {not_resident} buffer pages were not resident");
         if mode == "sigbus" {
             let wrapped = managed.stats["processes"][0]["syscalls_wrapped"].as_u64().unwrap_or(0);
-            assert!(wrapped >= 70, "{name}: only {wrapped} system calls were wrapped");
+            assert!(wrapped >= 78, "{name}: only {wrapped} system calls were wrapped");
         }
         eprintln!("{name} ({mode}): all calls correct; {not_resident} buffer pages were out before the calls");
     }

@@ -16,7 +16,8 @@
 //!   ([`recycle`]; `TIERMEM_REUSE_FREED=off` turns it off).
 //! - fork: the child gets a private, unmanaged copy of all managed memory ([`runtime`]).
 //! - In sigbus fault mode, system calls that read or write managed memory are wrapped so the
-//!   pages are resident while the kernel touches them ([`io`], [`messages`], [`process_vm`], their fortified
+//!   pages are resident while the kernel touches them ([`io`], [`messages`], [`process_vm`],
+//!   [`paths`], their fortified
 //!   variants in [`fortified`], and by number through `syscall()`), and the program cannot
 //!   displace or block the engine's SIGBUS handler ([`signals`]).
 //! - While the program has one thread of its own, the streams it opens skip the stdio locks the
@@ -30,6 +31,7 @@ mod io;
 mod libc_alloc;
 mod messages;
 mod mmap;
+mod paths;
 mod process_vm;
 mod recycle;
 mod registry;

@@ -31,7 +31,7 @@ struct HeldMessage {
 
 /// Make the managed stretches of `[ptr, ptr+len)` resident, all of them (`cap` None) or until
 /// `held` reaches `cap`. Returns the bytes from `ptr` that are covered.
-fn hold(
+pub(crate) fn hold(
     engine: &Engine,
     pins: &mut Vec<PinGuard>,
     ptr: *mut c_void,

@@ -1,6 +1,6 @@
 //! `syscall()`, for programs and libraries that make the wrapped system calls by number: in
-//! sigbus fault mode each goes to its wrapper in [`crate::io`], [`crate::messages`] or
-//! [`crate::process_vm`]; every
+//! sigbus fault mode each goes to its wrapper in [`crate::io`], [`crate::messages`],
+//! [`crate::process_vm`] or [`crate::paths`]; every
 //! other call, and every call in thread mode, goes to the C library's `syscall`.
 //!
 //! `syscall` is variadic in C, which stable Rust cannot define. On x86-64 and AArch64 Linux a
@@ -15,7 +15,7 @@ use std::ffi::c_void;
 use libc::c_long;
 
 use crate::io::{self, sys};
-use crate::{messages, process_vm, runtime};
+use crate::{messages, paths, process_vm, runtime};
 
 /// # Safety
 /// The C contract of syscall.
@@ -72,6 +72,10 @@ fn wrapped(number: c_long, a: c_long, b: c_long, c: c_long, d: c_long, e: c_long
             call!(process_vm::process_vm_writev(fd, ptr.cast(), c as _, d as *const _, e as _, f as _))
         }
         libc::SYS_getrandom => call!(io::getrandom(a as *mut c_void, b as usize, c as u32)),
+        libc::SYS_getcwd => call!(paths::getcwd_call(a as *mut _, b as usize)),
+        libc::SYS_readlinkat => call!(paths::readlinkat(fd, b as *const _, c as *mut _, d as usize)),
+        #[cfg(target_arch = "x86_64")]
+        libc::SYS_readlink => call!(paths::readlink(a as *const _, b as *mut _, c as usize)),
         _ => None,
     }
 }

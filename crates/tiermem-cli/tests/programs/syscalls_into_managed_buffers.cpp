@@ -217,6 +217,18 @@ int main(int argc, char** argv) {
         perror("open");
         return 2;
     }
+    // A symbolic link and the working directory: paths the kernel writes into a buffer.
+    std::string link = dir + "/link", target = "a-target-that-need-not-exist/" + std::string(200, 't');
+    unlink(link.c_str());
+    if (symlink(target.c_str(), link.c_str()) != 0) {
+        perror("symlink");
+        return 2;
+    }
+    char here[4096];
+    if (!getcwd(here, sizeof here)) {
+        perror("getcwd");
+        return 2;
+    }
 
     for (int fresh = 1; fresh >= 0; fresh--) {
         std::string state = fresh ? " (never touched)" : " (evicted)";
@@ -306,6 +318,23 @@ int main(int argc, char** argv) {
         };
         vm_read_case("process_vm_readv", false);
         vm_read_case("syscall(process_vm_readv)", true);
+
+        auto path_case = [&](const char* name, const std::string& expected, auto call) {
+            unsigned char* b = buffer(fresh, false);
+            ssize_t n = call((char*)b);
+            bool ok = n == (ssize_t)expected.size() && memcmp(b, expected.data(), expected.size()) == 0;
+            report(std::string(name) + state, ok, n < 0 ? strerror(errno) : "wrong path");
+            free(b);
+        };
+        path_case("readlink", target, [&](char* b) { return readlink(link.c_str(), b, BUF); });
+        path_case("syscall(readlinkat)", target,
+                  [&](char* b) { return (ssize_t)syscall(SYS_readlinkat, AT_FDCWD, link.c_str(), b, BUF); });
+        path_case("getcwd", here, [&](char* b) { return getcwd(b, BUF) == b ? (ssize_t)strlen(b) : (ssize_t)-1; });
+        // The system call's result counts the terminating NUL.
+        path_case("syscall(getcwd)", here, [&](char* b) {
+            ssize_t n = (ssize_t)syscall(SYS_getcwd, b, BUF);
+            return n > 0 ? n - 1 : n;
+        });
 
         // Random bytes: the call must fill the whole buffer (its contents cannot be checked).
         auto random_case = [&](const char* name, auto call) {
@@ -426,6 +455,7 @@ int main(int argc, char** argv) {
     close(fd);
     unlink(data.c_str());
     unlink(out.c_str());
+    unlink(link.c_str());
     fprintf(stderr, "pages not resident right before the calls: %zu\n", not_resident_before_calls);
     printf("%d failures\n", failures);
     return failures ? 1 : 0;
