@@ -86,30 +86,24 @@ fn transfer(
     )
 }
 
-/// # Safety
-/// The C contract of process_vm_readv.
-#[no_mangle]
-pub unsafe extern "C" fn process_vm_readv(
-    pid: libc::pid_t,
-    local: *const libc::iovec,
-    local_count: libc::c_ulong,
-    remote: *const libc::iovec,
-    remote_count: libc::c_ulong,
-    flags: libc::c_ulong,
-) -> isize {
-    transfer(libc::SYS_process_vm_readv, pid, local, local_count, remote, remote_count, flags)
+/// Defines the C entry point `$name`, made through [`transfer`] as system call `$number`.
+macro_rules! entry_point {
+    ($name:ident, $number:expr) => {
+        /// # Safety
+        /// The C contract of the function of this name.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            pid: libc::pid_t,
+            local: *const libc::iovec,
+            local_count: libc::c_ulong,
+            remote: *const libc::iovec,
+            remote_count: libc::c_ulong,
+            flags: libc::c_ulong,
+        ) -> isize {
+            transfer($number, pid, local, local_count, remote, remote_count, flags)
+        }
+    };
 }
 
-/// # Safety
-/// The C contract of process_vm_writev.
-#[no_mangle]
-pub unsafe extern "C" fn process_vm_writev(
-    pid: libc::pid_t,
-    local: *const libc::iovec,
-    local_count: libc::c_ulong,
-    remote: *const libc::iovec,
-    remote_count: libc::c_ulong,
-    flags: libc::c_ulong,
-) -> isize {
-    transfer(libc::SYS_process_vm_writev, pid, local, local_count, remote, remote_count, flags)
-}
+entry_point!(process_vm_readv, libc::SYS_process_vm_readv);
+entry_point!(process_vm_writev, libc::SYS_process_vm_writev);
