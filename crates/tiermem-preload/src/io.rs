@@ -220,14 +220,34 @@ pub unsafe extern "C" fn send(fd: i32, buf: *const c_void, len: usize, flags: i3
     unsafe { sendto(fd, buf, len, flags, std::ptr::null(), 0) }
 }
 
+/// Most elements the kernel takes in one buffer list (UIO_MAXIOV).
+const MAX_IOVECS: usize = 1024;
+
+/// A caller's buffer list of `count` elements (empty for none), or None when it is longer than
+/// the kernel takes: the call then goes to the kernel as it is, which refuses it (EINVAL or
+/// EMSGSIZE) without reading the list.
+pub(crate) fn iovecs<'a>(iov: *const libc::iovec, count: usize) -> Option<&'a [libc::iovec]> {
+    if count > MAX_IOVECS {
+        None
+    } else if iov.is_null() || count == 0 {
+        Some(&[])
+    } else {
+        // SAFETY: iov holds count elements (the caller's contract).
+        Some(unsafe { std::slice::from_raw_parts(iov, count) })
+    }
+}
+
+/// Whether any buffer of the list needs wrapping.
+pub(crate) fn any_needs_wrapping(vecs: &[libc::iovec]) -> bool {
+    vecs.iter().any(|v| needs_wrapping(v.iov_base, v.iov_len))
+}
+
 /// The elements of a vectored call's buffer list, when any of them needs wrapping.
 fn vectors_to_wrap<'a>(iov: *const libc::iovec, count: i32) -> Option<&'a [libc::iovec]> {
-    if count <= 0 || iov.is_null() || !runtime::sigbus_mode() {
+    if count <= 0 || !runtime::sigbus_mode() {
         return None;
     }
-    // SAFETY: iov holds count elements (the caller's contract).
-    let vecs = unsafe { std::slice::from_raw_parts(iov, count as usize) };
-    vecs.iter().any(|v| needs_wrapping(v.iov_base, v.iov_len)).then_some(vecs)
+    iovecs(iov, count as usize).filter(|vecs| any_needs_wrapping(vecs))
 }
 
 /// A vectored call over managed buffers, one element at a time in resident pieces moved by

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 
 use tiermem_engine::{Engine, PinGuard};
 
-use crate::io::{budget_piece, needs_wrapping, stretch, sys};
+use crate::io::{any_needs_wrapping, budget_piece, iovecs, needs_wrapping, stretch, sys};
 use crate::runtime;
 
 fn is_stream_socket(fd: i32) -> bool {
@@ -72,14 +72,27 @@ fn hold_message(
 ) -> HeldMessage {
     let cap = is_stream_socket(fd).then(|| budget_piece(engine));
     let mut pins = Vec::new();
-    let mut held = 0;
+    let vecs = hold_parts(engine, &mut pins, msg, vecs, kernel_writes, cap, &mut 0);
+    HeldMessage { _pins: pins, vecs }
+}
+
+/// Hold a message's address and control buffers resident, whole, and its buffer list until
+/// `held` reaches `cap`; returns the list cut to what is covered.
+fn hold_parts(
+    engine: &Engine,
+    pins: &mut Vec<PinGuard>,
+    msg: &libc::msghdr,
+    vecs: &[libc::iovec],
+    kernel_writes: bool,
+    cap: Option<usize>,
+    held: &mut usize,
+) -> Vec<libc::iovec> {
     for (ptr, len) in [(msg.msg_name, msg.msg_namelen as usize), (msg.msg_control, msg.msg_controllen)] {
         if needs_wrapping(ptr, len) {
-            hold(engine, &mut pins, ptr, len, kernel_writes, None, &mut held);
+            hold(engine, pins, ptr, len, kernel_writes, None, held);
         }
     }
-    let vecs = hold_vectors(engine, &mut pins, vecs, kernel_writes, cap, &mut held);
-    HeldMessage { _pins: pins, vecs }
+    hold_vectors(engine, pins, vecs, kernel_writes, cap, held)
 }
 
 /// Hold the managed stretches of the buffers of `vecs` resident, in order, until `held` reaches
@@ -105,14 +118,9 @@ pub(crate) fn hold_vectors(
     cut
 }
 
-/// The buffer list of a message (empty for a null list).
-fn vectors_of(m: &libc::msghdr) -> &[libc::iovec] {
-    if m.msg_iov.is_null() || m.msg_iovlen == 0 {
-        &[]
-    } else {
-        // SAFETY: msg_iov holds msg_iovlen elements (the caller's contract).
-        unsafe { std::slice::from_raw_parts(m.msg_iov, m.msg_iovlen) }
-    }
+/// The buffer list of a message (None: longer than the kernel takes).
+fn vectors_of(m: &libc::msghdr) -> Option<&[libc::iovec]> {
+    iovecs(m.msg_iov, m.msg_iovlen)
 }
 
 pub(crate) fn total(vecs: &[libc::iovec]) -> usize {
@@ -120,7 +128,7 @@ pub(crate) fn total(vecs: &[libc::iovec]) -> usize {
 }
 
 fn message_needs_wrapping(m: &libc::msghdr, vecs: &[libc::iovec]) -> bool {
-    vecs.iter().any(|v| needs_wrapping(v.iov_base, v.iov_len))
+    any_needs_wrapping(vecs)
         || needs_wrapping(m.msg_name, m.msg_namelen as usize)
         || needs_wrapping(m.msg_control, m.msg_controllen)
 }
@@ -136,7 +144,7 @@ fn message_to_wrap<'a>(msg: *const libc::msghdr) -> Option<Wrapped<'a>> {
     let engine = runtime::running_engine()?;
     // SAFETY: a non-null msghdr from the caller (its contract).
     let m = unsafe { &*msg };
-    let vecs = vectors_of(m);
+    let vecs = vectors_of(m)?;
     message_needs_wrapping(m, vecs).then_some((engine, m, vecs))
 }
 
@@ -195,7 +203,9 @@ fn multiple_held(
     let vlen = vlen.min(1024);
     // SAFETY: the caller's array of vlen messages (its contract).
     let caller = unsafe { std::slice::from_raw_parts_mut(msgs, vlen as usize) };
-    if !caller.iter().any(|m| message_needs_wrapping(&m.msg_hdr, vectors_of(&m.msg_hdr))) {
+    // Every list readable, and something to wrap (else the kernel takes the call as it is).
+    let lists: Vec<&[libc::iovec]> = caller.iter().map(|m| vectors_of(&m.msg_hdr)).collect::<Option<_>>()?;
+    if !caller.iter().zip(&lists).any(|(m, vecs)| message_needs_wrapping(&m.msg_hdr, vecs)) {
         return None;
     }
     runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
@@ -204,28 +214,21 @@ fn multiple_held(
     // A stream socket's messages are cut at the share; datagrams go whole, as many as fit.
     let cut_at = is_stream_socket(fd).then_some(share);
     let (mut pins, mut held) = (Vec::new(), 0usize);
-    let mut lists = Vec::with_capacity(caller.len());
-    for (i, m) in caller.iter().enumerate() {
+    let mut cuts = Vec::with_capacity(caller.len());
+    for (i, (m, vecs)) in caller.iter().zip(lists).enumerate() {
         if i > 0 && held >= share {
             break;
         }
-        let h = &m.msg_hdr;
-        for (ptr, len) in [(h.msg_name, h.msg_namelen as usize), (h.msg_control, h.msg_controllen)] {
-            if needs_wrapping(ptr, len) {
-                hold(engine, &mut pins, ptr, len, kernel_writes, None, &mut held);
-            }
-        }
-        let vecs = vectors_of(h);
-        let cut = hold_vectors(engine, &mut pins, vecs, kernel_writes, cut_at, &mut held);
+        let cut = hold_parts(engine, &mut pins, &m.msg_hdr, vecs, kernel_writes, cut_at, &mut held);
         let whole = total(&cut) == total(vecs);
-        lists.push(cut);
+        cuts.push(cut);
         if !whole {
             break;
         }
     }
-    let mut copies: Vec<libc::mmsghdr> = caller[..lists.len()]
+    let mut copies: Vec<libc::mmsghdr> = caller[..cuts.len()]
         .iter()
-        .zip(lists.iter_mut())
+        .zip(cuts.iter_mut())
         .map(|(m, list)| {
             let mut copy = *m;
             copy.msg_hdr.msg_iov = list.as_mut_ptr();

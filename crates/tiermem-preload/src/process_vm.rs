@@ -6,23 +6,9 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::io::{budget_piece, needs_wrapping, sys};
+use crate::io::{any_needs_wrapping, budget_piece, iovecs, sys};
 use crate::messages::{hold_vectors, total};
 use crate::runtime;
-
-/// Most iovecs the kernel takes in one list (UIO_MAXIOV); a longer list gets EINVAL.
-const MAX_IOVECS: libc::c_ulong = 1024;
-
-/// A list of `count` iovecs (empty for null or a zero count).
-fn list<'a>(vecs: *const libc::iovec, count: libc::c_ulong) -> &'a [libc::iovec] {
-    if vecs.is_null() || count == 0 {
-        &[]
-    } else {
-        // SAFETY: the caller's list of `count` iovecs (its contract), at most MAX_IOVECS long
-        // (checked by the caller).
-        unsafe { std::slice::from_raw_parts(vecs, count as usize) }
-    }
-}
 
 /// `vecs` cut to its first `len` bytes.
 fn cut_to(vecs: &[libc::iovec], mut len: usize) -> Vec<libc::iovec> {
@@ -48,17 +34,16 @@ fn transfer(
     remote_count: libc::c_ulong,
     flags: libc::c_ulong,
 ) -> isize {
-    if local_count > MAX_IOVECS || remote_count > MAX_IOVECS {
-        // The kernel refuses the call (EINVAL) without reading the lists.
-        return sys!(number, pid, local, local_count, remote, remote_count, flags);
-    }
-    let (locals, remotes) = (list(local, local_count), list(remote, remote_count));
+    let as_given = || sys!(number, pid, local, local_count, remote, remote_count, flags);
+    let (Some(locals), Some(remotes)) = (iovecs(local, local_count as usize), iovecs(remote, remote_count as usize))
+    else {
+        return as_given();
+    };
     // SAFETY: getpid has no preconditions.
     let remote_is_ours = pid == unsafe { libc::getpid() };
-    let ours = |v: &libc::iovec| needs_wrapping(v.iov_base, v.iov_len);
     let engine = match runtime::running_engine() {
-        Some(engine) if locals.iter().any(ours) || (remote_is_ours && remotes.iter().any(ours)) => engine,
-        _ => return sys!(number, pid, local, local_count, remote, remote_count, flags),
+        Some(engine) if any_needs_wrapping(locals) || (remote_is_ours && any_needs_wrapping(remotes)) => engine,
+        _ => return as_given(),
     };
     runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
     // readv: the kernel writes the local side and reads the remote one; writev the reverse.
