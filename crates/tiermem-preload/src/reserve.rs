@@ -11,7 +11,7 @@
 //! requests and requests once the reserve is used up go to the C library and are made resident
 //! at once ([`after_fallback`], counted in [`FALLBACKS`]); other threads' requests go to the C
 //! library as before. The top of the threads' stacks is made resident for the same reason
-//! (`runtime::populate_stack`).
+//! ([`populate_stack`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
@@ -162,6 +162,38 @@ pub fn block_size(size: usize, align: usize) -> Option<usize> {
 /// In a forked child: the lock may have been held by an engine thread, which is not there.
 pub fn after_fork_in_child() {
     LOCK.store(false, Ordering::Release);
+}
+
+/// The top of each engine thread's stack, made resident under the OOM guard: a thread that
+/// grows its stack into a new page while the cgroup is full would wait for memory it is
+/// the one to free.
+const STACK_BYTES: usize = 128 << 10;
+
+/// Make the top [`STACK_BYTES`] of a thread's stack resident (populated by a system call, which
+/// fails rather than waits when the cgroup is full).
+pub fn populate_stack(thread: u64) -> Result<(), String> {
+    let mut attr = std::mem::MaybeUninit::<libc::pthread_attr_t>::uninit();
+    // SAFETY: `thread` is a live thread of this process (an engine thread, never joined while
+    // the engine runs); glibc fills `attr`, destroyed below.
+    let rc = unsafe { libc::pthread_getattr_np(thread as libc::pthread_t, attr.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(format!("cannot find an engine thread's stack: {}", std::io::Error::from_raw_os_error(rc)));
+    }
+    let (mut base, mut size) = (std::ptr::null_mut(), 0usize);
+    // SAFETY: attr was initialised by pthread_getattr_np; base and size are out-parameters.
+    let rc = unsafe { libc::pthread_attr_getstack(attr.as_ptr(), &mut base, &mut size) };
+    // SAFETY: attr was initialised by pthread_getattr_np and is not used afterwards.
+    unsafe { libc::pthread_attr_destroy(attr.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(format!("cannot read an engine thread's stack: {}", std::io::Error::from_raw_os_error(rc)));
+    }
+    let top = base as usize + size;
+    let start = top.saturating_sub(STACK_BYTES).max(base as usize) / tiermem_sys::PAGE_SIZE * tiermem_sys::PAGE_SIZE;
+    // SAFETY: populating pages of the thread's own stack mapping changes no contents.
+    let populated = unsafe {
+        rustix::mm::madvise(start as *mut std::ffi::c_void, top - start, rustix::mm::Advice::LinuxPopulateWrite)
+    };
+    populated.map_err(|e| format!("cannot make an engine thread's stack resident: {e}"))
 }
 
 #[cfg(test)]

@@ -223,12 +223,12 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
             let configured = engine.config().limit_bytes;
             fit_budget_to_cgroup(engine, &cgroup, configured, base_margin(engine, &cgroup, configured));
             let guard = if settings.oom_guard {
-                if let Err(why) = crate::reserve::arm(ENGINE_RESERVE_BYTES) {
-                    say(&["tiermem: ", &why, "; the engine's threads allocate from the C library"]);
-                }
                 match OomGuard::arm(&cgroup, base_margin(engine, &cgroup, configured)) {
                     Ok(guard) => {
                         engine.keep_metadata_resident();
+                        if let Err(why) = crate::reserve::arm(ENGINE_RESERVE_BYTES) {
+                            say(&["tiermem: ", &why, "; the engine's threads allocate from the C library"]);
+                        }
                         Some(guard)
                     }
                     Err(why) => {
@@ -252,7 +252,7 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
             }
             if guarded {
                 for &thread in &engine_threads {
-                    if let Err(why) = populate_stack(thread, ENGINE_STACK_BYTES) {
+                    if let Err(why) = crate::reserve::populate_stack(thread) {
                         say(&["tiermem: ", &why]);
                     }
                 }
@@ -271,38 +271,6 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
 /// (`engine_reserve_bytes` in the statistics) in runs of the OOM-guard test; what does not fit
 /// goes to the C library, made resident at once.
 const ENGINE_RESERVE_BYTES: usize = 256 << 10;
-
-/// The top of each engine thread's stack, made resident under the OOM guard: a thread that
-/// grows its stack into a new page while the cgroup is full would wait for memory it is
-/// the one to free.
-const ENGINE_STACK_BYTES: usize = 128 << 10;
-
-/// Make the top `bytes` of a thread's stack resident (populated by a system call, which fails
-/// rather than waits when the cgroup is full).
-fn populate_stack(thread: u64, bytes: usize) -> Result<(), String> {
-    let mut attr = std::mem::MaybeUninit::<libc::pthread_attr_t>::uninit();
-    // SAFETY: `thread` is a live thread of this process (an engine thread, never joined while
-    // the engine runs); glibc fills `attr`, destroyed below.
-    let rc = unsafe { libc::pthread_getattr_np(thread as libc::pthread_t, attr.as_mut_ptr()) };
-    if rc != 0 {
-        return Err(format!("cannot find an engine thread's stack: {}", std::io::Error::from_raw_os_error(rc)));
-    }
-    let (mut base, mut size) = (std::ptr::null_mut(), 0usize);
-    // SAFETY: attr was initialised by pthread_getattr_np; base and size are out-parameters.
-    let rc = unsafe { libc::pthread_attr_getstack(attr.as_ptr(), &mut base, &mut size) };
-    // SAFETY: attr was initialised by pthread_getattr_np and is not used afterwards.
-    unsafe { libc::pthread_attr_destroy(attr.as_mut_ptr()) };
-    if rc != 0 {
-        return Err(format!("cannot read an engine thread's stack: {}", std::io::Error::from_raw_os_error(rc)));
-    }
-    let top = base as usize + size;
-    let start = top.saturating_sub(bytes).max(base as usize) / tiermem_sys::PAGE_SIZE * tiermem_sys::PAGE_SIZE;
-    // SAFETY: populating pages of the thread's own stack mapping changes no contents.
-    let populated = unsafe {
-        rustix::mm::madvise(start as *mut std::ffi::c_void, top - start, rustix::mm::Advice::LinuxPopulateWrite)
-    };
-    populated.map_err(|e| format!("cannot make an engine thread's stack resident: {e}"))
-}
 
 /// The settings ask for the small heap and the fault mode allows it (see [`crate::heap`]).
 /// Whether freed large allocations are kept for reuse ([`crate::recycle`]).
