@@ -198,11 +198,17 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
     } else {
         None
     };
+    // Only when a critical fault was timed (the floor means nothing without one).
+    let map_us = if rows.iter().any(|r| r.critical_fault_us.is_some()) {
+        micro_tiermem::page_map_latency_us(8192).ok()
+    } else {
+        None
+    };
     if args.json {
-        let all = serde_json::json!({"size_mb": args.size_mb, "limit_mb": args.limit_mb, "device_read_us": device_us, "rows": rows, "details": details});
+        let all = serde_json::json!({"size_mb": args.size_mb, "limit_mb": args.limit_mb, "device_read_us": device_us, "page_map_us": map_us, "rows": rows, "details": details});
         println!("{all}");
     } else {
-        print!("{}", micro_tiermem::format_table(&rows, args.size_mb, args.limit_mb, device_us));
+        print!("{}", micro_tiermem::format_table(&rows, args.size_mb, args.limit_mb, device_us, map_us));
     }
     if rows.iter().any(|r| r.mismatched_pages > 0) {
         return Err(Error::new(ErrorKind::Internal, "some pages read back wrong: see the table"));

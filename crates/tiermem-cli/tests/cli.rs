@@ -67,7 +67,15 @@ fn small_micro_run_verifies_every_page_on_mem_and_file() {
     for row in rows {
         assert_eq!(row["mismatched_pages"], 0, "{row}");
         assert!(row["read_us"].as_f64().unwrap() > 0.0);
+        // A critical fault contains its device read, at the median as on average.
+        let (fault, read) = (row["critical_fault_p50_us"].as_f64(), row["critical_read_p50_us"].as_f64());
+        if let (Some(fault), Some(read)) = (fault, read) {
+            assert!(fault >= read && read > 0.0, "{row}");
+        }
     }
+    // The kernel's own cost of mapping a page, the floor of the engine share, is measured too.
+    let map_us = json["page_map_us"].as_f64().expect("page_map_us");
+    assert!(map_us > 0.0 && map_us < 1000.0, "{json}");
     for detail in json["details"].as_array().unwrap() {
         let stats = &detail["tiermem"]["stats"];
         assert!(stats["evictions"].as_u64().unwrap() >= 2048, "8 MiB of 16 must have left: {stats}");

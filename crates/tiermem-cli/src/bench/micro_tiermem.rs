@@ -142,6 +142,10 @@ pub struct Row {
     pub critical_fault_us: Option<f64>,
     /// Mean µs of the device read inside those faults, submission to completion (tiermem only).
     pub critical_read_us: Option<f64>,
+    /// Median µs of a critical fault (tiermem only).
+    pub critical_fault_p50_us: Option<f64>,
+    /// Median µs of the device read inside those faults (tiermem only).
+    pub critical_read_p50_us: Option<f64>,
 }
 
 impl Row {
@@ -156,6 +160,8 @@ impl Row {
             mismatched_pages: array.mismatched_pages,
             critical_fault_us: stats.and_then(|s| mean_of(s, "critical_fault")),
             critical_read_us: stats.and_then(|s| mean_of(s, "critical_read")),
+            critical_fault_p50_us: stats.and_then(|s| median_of(s, "critical_fault")),
+            critical_read_p50_us: stats.and_then(|s| median_of(s, "critical_read")),
         }
     }
 }
@@ -165,8 +171,34 @@ fn mean_of(stats: &StatsSnapshot, path: &str) -> Option<f64> {
     stats.paths.iter().find(|p| p.path == path && p.count > 0).map(|p| p.mean_us)
 }
 
+/// Median µs of a timed path that ran at least once.
+fn median_of(stats: &StatsSnapshot, path: &str) -> Option<f64> {
+    stats.paths.iter().find(|p| p.path == path && p.count > 0).map(|p| p.p50_us)
+}
+
+/// Mean µs of one UFFDIO_COPY of a 4 KiB page into a fresh registered mapping: the kernel's
+/// part of every page-in (allocating, charging, copying and mapping the page), which no engine
+/// work can remove. Measured on its own so the engine share of a critical fault can be read
+/// against it.
+pub fn page_map_latency_us(pages: usize) -> Result<f64> {
+    use tiermem_sys::uffd::{Features, RegisterMode, Uffd};
+    let uffd = Uffd::open(Features::empty(), true)?;
+    let target = tiermem_sys::mem::Mapping::anonymous(pages * tiermem_sys::PAGE_SIZE, false)?;
+    uffd.register(target.as_ptr(), target.len(), RegisterMode { missing: true, write_protect: false })?;
+    let source = vec![0x5au8; tiermem_sys::PAGE_SIZE];
+    let started = Instant::now();
+    for page in 0..pages {
+        let dst = target.as_ptr().wrapping_add(page * tiermem_sys::PAGE_SIZE);
+        // SAFETY: `source` is one readable page; `dst` is a page of `target`, registered above,
+        // never touched, and unmapped only when `target` drops after this loop.
+        unsafe { uffd.copy(dst, source.as_ptr(), tiermem_sys::PAGE_SIZE, false, true) }
+            .map_err(|(_, e)| Error::os(e.into(), "UFFDIO_COPY of a fresh page"))?;
+    }
+    Ok(started.elapsed().as_secs_f64() * 1e6 / pages as f64)
+}
+
 /// The side-by-side table, with speed-ups over Linux swap when it was measured.
-pub fn format_table(rows: &[Row], size_mb: u64, limit_mb: u64, device_us: Option<f64>) -> String {
+pub fn format_table(rows: &[Row], size_mb: u64, limit_mb: u64, device_us: Option<f64>, map_us: Option<f64>) -> String {
     use std::fmt::Write;
     let mut s = String::new();
     let _ = writeln!(s, "array {size_mb} MiB, limit {limit_mb} MiB, per-page µs (mean; read p50/p99):");
@@ -216,8 +248,18 @@ pub fn format_table(rows: &[Row], size_mb: u64, limit_mb: u64, device_us: Option
     );
     for r in rows {
         if let (Some(fault), Some(io)) = (r.critical_fault_us, r.critical_read_us) {
-            let _ = writeln!(s, "  {}: engine share of a critical fault {:.2} µs", r.system, fault - io);
+            let median = match (r.critical_fault_p50_us, r.critical_read_p50_us) {
+                (Some(f), Some(i)) => format!(", {:.2} µs median", f - i),
+                _ => String::new(),
+            };
+            let _ = writeln!(s, "  {}: engine share of a critical fault {:.2} µs mean{median}", r.system, fault - io);
         }
+    }
+    if let Some(m) = map_us {
+        let _ = writeln!(
+            s,
+            "  of which the kernel maps the page: UFFDIO_COPY of a fresh page alone {m:.2} µs (measured after the runs)"
+        );
     }
     let _ = writeln!(s, "\"vs LS\" = Linux swap time / this system's time (>1 = faster than Linux swap)");
     s
