@@ -92,3 +92,27 @@ def test_table_shows_run_to_run_spread():
     assert row("linux-swap") == ["1.50", "(1.50)", "1.50", "(1.50)"]
     assert row("tiermem-file") == ["1.20", "(1.20)", "1.20", "(1.20)"]
     assert row("tiermem-mem") == ["1.00", "(1.00)", "1.00", "(1.00)"]
+
+
+def test_table_shows_paging_traffic_of_both_systems():
+    runs = make_runs()
+    mib = 1 << 20
+    for run in runs:
+        if run["system"] == "linux-swap" and run["status"] == "ok":
+            run["swap_in_bytes"], run["swap_out_bytes"] = 300 * mib * run["ratio"] // 20, 100 * mib
+        if run["system"] == "tiermem-file":
+            # Two processes: their device counters add up.
+            run["tiermem_stats"] = {"processes": [
+                {"device": {"bytes_read_medium": 200 * mib, "bytes_written_medium": 50 * mib}},
+                {"device": {"bytes_read_medium": 10 * mib, "bytes_written_medium": 0}}]}
+    # The failed Linux swap run's counters must not count.
+    oom = next(r for r in runs if r["status"] == "oom")
+    oom["swap_in_bytes"], oom["swap_out_bytes"] = 1, 1
+    text = report.format_tables(runs, ["linux-swap", "tiermem-file", "tiermem-mem"], [100, 20])
+    assert "Paging traffic" in text
+    rows = text.split("Paging traffic")[1].splitlines()
+    row = lambda name: next(line for line in rows if line.startswith(f"  sortw {name} ")).split()[2:]
+    assert row("linux-swap") == ["1500/100", "300/100"]
+    assert row("tiermem-file") == ["210/50", "210/50"]
+    assert not any(line.startswith("  sortw tiermem-mem ") for line in rows), "no counters, no row"
+    assert report.device_traffic({"tiermem_stats": None}) is None

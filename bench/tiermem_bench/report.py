@@ -59,6 +59,42 @@ def _prefetch_table(runs: list[dict], systems: list[str], ratios: list[int]) -> 
     return rows
 
 
+def device_traffic(run: dict) -> tuple[int, int] | None:
+    """Bytes (read, written) a run moved to and from its paging device: tiermem's device
+    counters summed over its processes, else the kernel's swap traffic; None when neither was
+    recorded."""
+    processes = (run.get("tiermem_stats") or {}).get("processes") or []
+    devices = [p.get("device") or {} for p in processes]
+    if any("bytes_read_medium" in d for d in devices):
+        return (sum(d.get("bytes_read_medium", 0) for d in devices),
+                sum(d.get("bytes_written_medium", 0) for d in devices))
+    if run.get("swap_in_bytes") is not None and run.get("swap_out_bytes") is not None:
+        return run["swap_in_bytes"], run["swap_out_bytes"]
+    return None
+
+
+def _traffic_table(runs: list[dict], systems: list[str], ratios: list[int]) -> list[str]:
+    """One row per workload and system: MiB read/written at each ratio (median of the
+    successful runs), '-' where none recorded it. Empty when no run did."""
+    found = {}
+    for run in runs:
+        moved = device_traffic(run) if run.get("status") == "ok" and run.get("ratio") is not None else None
+        if moved is not None:
+            found.setdefault((run["workload"], run["system"], run["ratio"]), []).append(moved)
+    rows = []
+    mib = 1 << 20
+    for workload in sorted({w for w, _, _ in found}):
+        for system in systems:
+            cells = []
+            for ratio in ratios:
+                pairs = found.get((workload, system, ratio))
+                cells.append("-" if not pairs else
+                             f"{stats.median([r for r, _ in pairs]) / mib:.0f}/{stats.median([w for _, w in pairs]) / mib:.0f}")
+            if any(c != "-" for c in cells):
+                rows.append(f"  {workload + ' ' + system:<30}" + "".join(f"{c:>12}" for c in cells))
+    return rows
+
+
 def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> str:
     """The printed result: per-workload normalised medians with failure counts, the speed-up
     over Linux swap per ratio and on average, the gap closed, and every failed point."""
@@ -122,6 +158,13 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
                      "estimated from sampled prefetches)")
         lines.append(header)
         lines.extend(prefetch)
+        lines.append("")
+    traffic = _traffic_table(runs, systems, ratios)
+    if traffic:
+        lines.append("Paging traffic: MiB read / written (median of the successful runs; tiermem's device counters, "
+                     "Linux swap's pswpin/pswpout)")
+        lines.append(header)
+        lines.extend(traffic)
         lines.append("")
     failures = stats.failure_table(summary)
     lines.append("Failed runs" if failures else "Failed runs: none")

@@ -38,6 +38,8 @@ class RunRecord:
     oom_kills: int | None = None
     peak_bytes: int | None = None
     major_faults: int | None = None
+    swap_in_bytes: int | None = None  # the kernel's swap traffic during the run (machine-wide)
+    swap_out_bytes: int | None = None
     digest: str | None = None
     expected_digest: str | None = None
     tiermem_stats: dict | None = None
@@ -68,6 +70,8 @@ def classify(record: RunRecord, report: dict | None, stdout: str, expected: str 
     record.oom_kills = report.get("oom_kills")
     record.peak_bytes = report.get("peak_bytes")
     record.major_faults = report.get("major_faults")
+    record.swap_in_bytes = report.get("swap_in_bytes")
+    record.swap_out_bytes = report.get("swap_out_bytes")
     if report.get("timed_out"):
         record.status, record.reason = TIMEOUT, "killed after the time limit"
     elif record.signal is not None and (record.oom_kills or 0) > 0:

@@ -121,6 +121,13 @@ pub struct LimitedRunReport {
     pub oom_kills: Option<u64>,
     /// Major faults of the cgroup's tasks (swap-ins and file refaults), from memory.stat.
     pub major_faults: Option<u64>,
+    /// Bytes the kernel swapped in and out while the program ran (/proc/vmstat pswpin and
+    /// pswpout, machine-wide: the harness runs one program at a time). Absent when unreadable.
+    #[serde(default)]
+    pub swap_in_bytes: Option<u64>,
+    /// Bytes swapped out meanwhile (pswpout), as `swap_in_bytes`.
+    #[serde(default)]
+    pub swap_out_bytes: Option<u64>,
     /// Cgroup interface used.
     pub cgroup_version: CgroupVersion,
     /// Size of the swap file, if one was made.
@@ -166,7 +173,12 @@ pub fn limited_run(args: &LimitedRunArgs) -> Result<LimitedRunReport> {
     let temp_dir = RunTempDir::create()?;
     let mut command = Command::new(program);
     command.args(rest).env("TMPDIR", &temp_dir.path);
+    let swap_before = swap_pages();
     let (status, wall, timed_out) = spawn_and_wait(&cgroup, &mut command, args.timeout.map(Duration::from_secs_f64))?;
+    let swapped = swap_before.zip(swap_pages()).map(|((in0, out0), (in1, out1))| {
+        let bytes = |pages: u64| pages * tiermem_sys::PAGE_SIZE as u64;
+        (bytes(in1.saturating_sub(in0)), bytes(out1.saturating_sub(out0)))
+    });
 
     let report = LimitedRunReport {
         wall_s: wall.as_secs_f64(),
@@ -177,6 +189,8 @@ pub fn limited_run(args: &LimitedRunArgs) -> Result<LimitedRunReport> {
         peak_bytes: cgroup.peak_bytes().ok(),
         oom_kills: cgroup.oom_kills(),
         major_faults: cgroup.memory_stat().ok().and_then(|stat| stat.get("pgmajfault").copied()),
+        swap_in_bytes: swapped.map(|(i, _)| i),
+        swap_out_bytes: swapped.map(|(_, o)| o),
         cgroup_version: cgroup.version(),
         swap_file_bytes: swap.as_ref().map(SwapFile::size_bytes),
         swap_file_system: swap.as_ref().map(|s| s.file_system().to_owned()),
@@ -187,6 +201,21 @@ pub fn limited_run(args: &LimitedRunArgs) -> Result<LimitedRunReport> {
         swap.close()?;
     }
     Ok(report)
+}
+
+/// Pages swapped in and out since boot, machine-wide (/proc/vmstat pswpin, pswpout).
+fn swap_pages() -> Option<(u64, u64)> {
+    parse_swap_pages(&std::fs::read_to_string("/proc/vmstat").ok()?)
+}
+
+fn parse_swap_pages(vmstat: &str) -> Option<(u64, u64)> {
+    let field = |name: &str| {
+        vmstat.lines().find_map(|line| {
+            let (key, value) = line.split_once(' ')?;
+            (key == name).then(|| value.trim().parse::<u64>().ok()).flatten()
+        })
+    };
+    Some((field("pswpin")?, field("pswpout")?))
 }
 
 /// A run's temporary directory, removed when dropped and, like the cgroup and the swap file, by
@@ -286,5 +315,18 @@ pub fn write_report(report: &LimitedRunReport, path: Option<&Path>) -> Result<()
             eprintln!("{json}");
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_swap_pages;
+
+    #[test]
+    fn swap_counters_are_read_from_vmstat_by_exact_name() {
+        let vmstat = "pswpin 120\npswpin_extra 7\npswpout 45\npgmajfault 9\n";
+        assert_eq!(parse_swap_pages(vmstat), Some((120, 45)));
+        assert_eq!(parse_swap_pages("pswpin 1\n"), None, "pswpout missing");
+        assert_eq!(parse_swap_pages("pswpin x\npswpout 2\n"), None, "not a number");
     }
 }
