@@ -54,6 +54,10 @@ SYSTEMS: dict[str, System] = {
         # The same, most recent first only while page-ins are mostly short refaults.
         System("tiermem-file-seq-adaptive", "tiermem", "tiermem run, file device, seq-adaptive replacement",
                ("--replace", "seq-adaptive")),
+        # seq-adaptive that also keeps pages which came back soon after eviction (short
+        # refaults) until the others are gone, up to half of the budget.
+        System("tiermem-file-seq-protect", "tiermem", "tiermem run, file device, seq-protect replacement",
+               ("--replace", "seq-protect")),
         # CLOCK (FIFO with a second chance), the default before seq-adaptive.
         System("tiermem-file-clock", "tiermem", "tiermem run, file device, clock replacement",
                ("--replace", "clock")),
@@ -96,7 +100,7 @@ SYSTEMS: dict[str, System] = {
 }
 # Systems measured unless --systems says otherwise: the paper's matrix.
 NOT_BY_DEFAULT = ("tiermem-file-thread", "tiermem-file-evict-at-70", "tiermem-file-stream-first", "tiermem-file-seq",
-                  "tiermem-file-seq-adaptive", "tiermem-file-clock", "tiermem-file-locked-stdio",
+                  "tiermem-file-seq-adaptive", "tiermem-file-seq-protect", "tiermem-file-clock", "tiermem-file-locked-stdio",
                   "tiermem-file-2-handlers", "tiermem-file-no-reuse", "tiermem-file-write-runs",
                   "tiermem-file-sync-wp", "tiermem-file-handler-spin",
                   "tiermem-file-256-buffers", "tiermem-file-read-runs", "tiermem-file-runs",

@@ -167,7 +167,7 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
 /// Names accepted by [`prefetcher_by_name`].
 pub const PREFETCHERS: &[&str] = &["none", "readahead", "fastswap", "leap", "stream", "ondemand"];
 /// Names accepted by [`replacement_by_name`].
-pub const REPLACEMENTS: &[&str] = &["clock", "fifo", "lru", "stream-first", "seq", "seq-adaptive"];
+pub const REPLACEMENTS: &[&str] = &["clock", "fifo", "lru", "stream-first", "seq", "seq-adaptive", "seq-protect"];
 /// Replacement policies that exist only offline (they read the future from a trace).
 pub const OFFLINE_REPLACEMENTS: &[&str] = &["belady"];
 
@@ -221,6 +221,7 @@ pub fn build_policies(
         "fifo" => Box::new(Clock::new(capacity_pages, false)),
         "seq" => Box::new(replace::Seq::new(capacity_pages)),
         "seq-adaptive" => Box::new(replace::Seq::adaptive(capacity_pages)),
+        "seq-protect" => Box::new(replace::Seq::protecting(capacity_pages)),
         "lru" => Box::new(Lru::with_dense(capacity_pages, options.dense_pages)),
         _ => Box::new(StreamFirst::with_dense(
             capacity_pages,

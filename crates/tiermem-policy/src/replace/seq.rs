@@ -53,6 +53,12 @@ struct State {
     /// Older run pages, oldest at the front; victims come from the back (most recent first)
     /// or, in the adaptive variant outside a scan, from the front.
     older: VecDeque<PageId>,
+    /// Pages that came back soon after eviction (short refaults), oldest first: with `protect`
+    /// on, evicted only after `others`, and at most `protected_max` of them (the oldest beyond
+    /// go back to `others`, newest there).
+    protected: VecDeque<PageId>,
+    protect: bool,
+    protected_max: usize,
     window: usize,
     /// (next page expected going up, next going down, length, last use) per followed run.
     runs: [(PageId, PageId, u32, u64); RUNS],
@@ -112,11 +118,14 @@ impl Refaults {
         }
     }
 
-    fn paging_in(&mut self, page: PageId) {
+    /// Count a page-in; true when it is a short refault.
+    fn paging_in(&mut self, page: PageId) -> bool {
+        let mut short = false;
         if let Some(at) = self.ghosts.remove(&page) {
             let horizon = if self.scan { self.horizon + self.window } else { self.horizon };
             if self.evicted - at < horizon {
                 self.short += 1;
+                short = true;
             }
         }
         self.page_ins += 1;
@@ -125,28 +134,42 @@ impl Refaults {
             self.page_ins = 0;
             self.short = 0;
         }
+        short
     }
 }
 
 impl Seq {
     /// A policy expecting about `capacity` resident pages (`seq`).
     pub fn new(capacity: usize) -> Self {
-        Self::build(capacity, None, "seq")
+        Self::build(capacity, None, false, "seq")
     }
 
     /// The variant that evicts run pages most recent first only during a scan up to ~1.5x
     /// memory (`seq-adaptive`; see the type's docs). Outside such a scan every page goes in CLOCK
     /// order, as with `clock`.
     pub fn adaptive(capacity: usize) -> Self {
-        Self::build(capacity, Some(Refaults::new(capacity)), "seq-adaptive")
+        Self::build(capacity, Some(Refaults::new(capacity)), false, "seq-adaptive")
     }
 
-    fn build(capacity: usize, refaults: Option<Refaults>, name: &'static str) -> Self {
+    /// `seq-adaptive` that also protects the working set the way Linux's workingset detection
+    /// activates pages (`seq-protect`): a page that comes back within half a memory's worth of
+    /// evictions (a short refault; memory 50% larger would have kept it), outside a sequential
+    /// run, is evicted only after the pages that did not, up to half of memory. Without accessed bits a page in active
+    /// use, such as a counter array updated at random while a stream passes, goes in insertion
+    /// order like any other; its quick return is the evidence the engine can see.
+    pub fn protecting(capacity: usize) -> Self {
+        Self::build(capacity, Some(Refaults::new(capacity)), true, "seq-protect")
+    }
+
+    fn build(capacity: usize, refaults: Option<Refaults>, protect: bool, name: &'static str) -> Self {
         Self {
             state: Mutex::new(State {
                 others: VecDeque::with_capacity(capacity),
                 recent: VecDeque::with_capacity(capacity / 8 + 1),
                 older: VecDeque::with_capacity(capacity),
+                protected: VecDeque::with_capacity(if protect { capacity / 2 + 1 } else { 0 }),
+                protect,
+                protected_max: (capacity / 2).max(1),
                 window: window_of(capacity),
                 runs: [(u64::MAX, u64::MAX, 0, 0); RUNS],
                 clock: 0,
@@ -208,14 +231,21 @@ impl State {
     }
 
     fn insert(&mut self, page: PageId) {
-        if let Some(r) = &mut self.refaults {
-            r.paging_in(page);
-        }
+        let short = self.refaults.as_mut().is_some_and(|r| r.paging_in(page));
         // The adaptive variant outside a scan keeps every page in CLOCK order (runs are still
         // followed, to be ready when the verdict changes).
         let scan = self.scan_order();
-        if self.in_run(page) && scan {
+        let run = self.in_run(page);
+        if run && scan {
             self.recent.push_back((page, self.clock));
+        } else if short && !run && self.protect {
+            // Only pages that came back on their own: a scan's pages return as a run, and
+            // protecting them would hide the scan from the verdict above.
+            self.protected.push_back(page);
+            if self.protected.len() > self.protected_max {
+                let demoted = self.protected.pop_front().expect("longer than the cap");
+                self.others.push_back(demoted);
+            }
         } else {
             self.others.push_back(page);
         }
@@ -244,6 +274,10 @@ impl State {
         }
         // (clock::pick fills `out` up to `max` in all.)
         clock::pick(&mut self.others, true, max, is_referenced, out);
+        while out.as_slice().len() < max {
+            let Some(page) = self.protected.pop_front() else { break };
+            out.push(page);
+        }
         // Nothing else left: the window goes too, oldest first.
         while out.as_slice().len() < max {
             let Some((page, _)) = self.recent.pop_front() else { break };
@@ -262,6 +296,7 @@ impl Replacement for Seq {
         touch_capacity(&mut state.others, 0);
         touch_capacity(&mut state.recent, (0, 0));
         touch_capacity(&mut state.older, 0);
+        touch_capacity(&mut state.protected, 0);
         if let Some(r) = &mut state.refaults {
             touch_capacity(&mut r.order, (0, 0));
             // Filling the table to its capacity writes its buckets and control bytes.
@@ -454,5 +489,74 @@ mod tests {
         let v = victims(&p, 1, &|_| false);
         assert!(v[0] < 8000, "oldest run page first, got {v:?}");
         assert_eq!(p.name(), "seq-adaptive");
+    }
+
+    /// Resident-set model: `capacity` pages, one victim per page-in once full. Returns the
+    /// page-ins of the last `measured` steps of `steps` produced by `next`.
+    fn page_ins(p: &Seq, capacity: usize, steps: usize, measured: usize, mut next: impl FnMut(usize) -> u64) -> usize {
+        let mut resident = std::collections::HashSet::new();
+        let mut count = 0;
+        for step in 0..steps {
+            let page = next(step);
+            if resident.contains(&page) {
+                continue;
+            }
+            if resident.len() == capacity {
+                for v in victims(p, 1, &|_| false) {
+                    resident.remove(&v);
+                }
+            }
+            p.on_insert(page);
+            resident.insert(page);
+            if step + measured >= steps {
+                count += 1;
+            }
+        }
+        count
+    }
+
+    /// A hot set updated at random while a stream of pages used once passes through (NPB IS
+    /// counting keys): insertion order evicts the hot pages as the stream pushes them out;
+    /// once they come back quickly, `seq-protect` keeps them.
+    #[test]
+    fn pages_that_come_back_soon_outlive_pages_used_once() {
+        let capacity = 1000;
+        let mut x = 0x9E37_79B9u64;
+        let mut pattern = move |step: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Half the steps touch one of 400 hot pages, half stream through fresh pages, in
+            // strides of 3 (not a sequential run).
+            if step.is_multiple_of(2) {
+                x % 400
+            } else {
+                1_000_000 + 3 * step as u64
+            }
+        };
+        let mut again = pattern;
+        let protecting = page_ins(&Seq::protecting(capacity), capacity, 200_000, 100_000, &mut pattern);
+        let adaptive = page_ins(&Seq::adaptive(capacity), capacity, 200_000, 100_000, &mut again);
+        // The stream alone pages in 50_000 in the measured half.
+        assert!(protecting < 50_000 + 2_000, "seq-protect paged in {protecting}");
+        assert!(adaptive > 50_000 + 10_000, "seq-adaptive paged in {adaptive}: the hot set is evicted too");
+        assert_eq!(Seq::protecting(8).name(), "seq-protect");
+    }
+
+    /// Short refaults are protected only up to half of memory: the oldest go back to the
+    /// unprotected pages, so a hot set larger than memory cannot fill it with protected pages.
+    #[test]
+    fn protected_pages_never_exceed_half_of_memory() {
+        let capacity = 100;
+        let p = Seq::protecting(capacity);
+        // A hot set of 300 pages in random order: nearly every page-in is a short refault.
+        let mut x = 12345u64;
+        page_ins(&p, capacity, 50_000, 0, |_| {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            (x >> 33) % 300
+        });
+        let state = lock(&p.state);
+        assert!(!state.protected.is_empty(), "short refaults were protected");
+        assert!(state.protected.len() <= capacity / 2, "{} protected", state.protected.len());
     }
 }
