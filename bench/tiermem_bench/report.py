@@ -36,6 +36,18 @@ def _fmt(value, spec="{:.2f}", none="-"):
     return none if value is None else spec.format(value)
 
 
+def _rows_per_point(found: dict, systems: list[str], ratios: list[int], cell) -> list[str]:
+    """One row per workload and system with a cell per ratio: `cell(values)` of the values
+    found for that point, '-' where there are none; rows with no values left out."""
+    rows = []
+    for workload in sorted({w for w, _, _ in found}):
+        for system in systems:
+            cells = [cell(found[(workload, system, r)]) if found.get((workload, system, r)) else "-" for r in ratios]
+            if any(c != "-" for c in cells):
+                rows.append(f"  {workload + ' ' + system:<30}" + "".join(f"{c:>12}" for c in cells))
+    return rows
+
+
 def _prefetch_table(runs: list[dict], systems: list[str], ratios: list[int]) -> list[str]:
     """One row per workload and tiermem system: the engine's prefetch accuracy / coverage at
     each ratio, '-' where no run reported them. Empty when no run did."""
@@ -46,17 +58,8 @@ def _prefetch_table(runs: list[dict], systems: list[str], ratios: list[int]) -> 
             continue
         key = (run["workload"], run["system"], run["ratio"])
         found.setdefault(key, []).append((merged["prefetch_accuracy"], merged.get("prefetch_coverage") or 0.0))
-    rows = []
-    for workload in sorted({w for w, _, _ in found}):
-        for system in systems:
-            cells = []
-            for ratio in ratios:
-                pairs = found.get((workload, system, ratio))
-                cells.append("-" if not pairs else
-                             f"{stats.median([a for a, _ in pairs]):.0%}/{stats.median([c for _, c in pairs]):.0%}")
-            if any(c != "-" for c in cells):
-                rows.append(f"  {workload + ' ' + system:<30}" + "".join(f"{c:>12}" for c in cells))
-    return rows
+    return _rows_per_point(found, systems, ratios, lambda pairs: (
+        f"{stats.median([a for a, _ in pairs]):.0%}/{stats.median([c for _, c in pairs]):.0%}"))
 
 
 def device_traffic(run: dict) -> tuple[int, int] | None:
@@ -81,18 +84,9 @@ def _traffic_table(runs: list[dict], systems: list[str], ratios: list[int]) -> l
         moved = device_traffic(run) if run.get("status") == "ok" and run.get("ratio") is not None else None
         if moved is not None:
             found.setdefault((run["workload"], run["system"], run["ratio"]), []).append(moved)
-    rows = []
     mib = 1 << 20
-    for workload in sorted({w for w, _, _ in found}):
-        for system in systems:
-            cells = []
-            for ratio in ratios:
-                pairs = found.get((workload, system, ratio))
-                cells.append("-" if not pairs else
-                             f"{stats.median([r for r, _ in pairs]) / mib:.0f}/{stats.median([w for _, w in pairs]) / mib:.0f}")
-            if any(c != "-" for c in cells):
-                rows.append(f"  {workload + ' ' + system:<30}" + "".join(f"{c:>12}" for c in cells))
-    return rows
+    return _rows_per_point(found, systems, ratios, lambda pairs: (
+        f"{stats.median([r for r, _ in pairs]) / mib:.0f}/{stats.median([w for _, w in pairs]) / mib:.0f}"))
 
 
 def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> str:

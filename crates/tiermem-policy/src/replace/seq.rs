@@ -444,26 +444,8 @@ mod tests {
     /// Drive a policy of `capacity` pages with a cyclic scan over `pages` pages, evicting as an
     /// engine would; returns the page-ins of the last 5 cycles.
     fn cyclic_scan(p: &Seq, capacity: usize, pages: u64, cycles: usize) -> usize {
-        let mut resident = std::collections::HashSet::new();
-        let mut page_ins = 0;
-        for cycle in 0..cycles {
-            for page in 0..pages {
-                if resident.contains(&page) {
-                    continue;
-                }
-                if resident.len() == capacity {
-                    for v in victims(p, 1, &|_| false) {
-                        resident.remove(&v);
-                    }
-                }
-                p.on_insert(page);
-                resident.insert(page);
-                if cycle + 5 >= cycles {
-                    page_ins += 1;
-                }
-            }
-        }
-        page_ins
+        let steps = pages as usize * cycles;
+        page_ins(p, capacity, steps, 5 * pages as usize, |step| step as u64 % pages)
     }
 
     #[test]
