@@ -116,3 +116,14 @@ def test_table_shows_paging_traffic_of_both_systems():
     assert row("tiermem-file") == ["210/50", "210/50"]
     assert not any(line.startswith("  sortw tiermem-mem ") for line in rows), "no counters, no row"
     assert report.device_traffic({"tiermem_stats": None}) is None
+
+
+def test_paging_traffic_cells_stay_apart_at_full_scale_volumes():
+    runs = make_runs()
+    mib = 1 << 20
+    for run in runs:
+        if run["system"] == "linux-swap" and run["status"] == "ok":
+            run["swap_in_bytes"], run["swap_out_bytes"] = 178276 * mib, 38407 * mib
+    text = report.format_tables(runs, ["linux-swap"], [100, 20])
+    row = next(line for line in text.split("Paging traffic")[1].splitlines() if line.startswith("  sortw linux-swap "))
+    assert row.split()[2:] == ["178276/38407", "178276/38407"]

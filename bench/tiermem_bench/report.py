@@ -36,15 +36,15 @@ def _fmt(value, spec="{:.2f}", none="-"):
     return none if value is None else spec.format(value)
 
 
-def _rows_per_point(found: dict, systems: list[str], ratios: list[int], cell) -> list[str]:
-    """One row per workload and system with a cell per ratio: `cell(values)` of the values
-    found for that point, '-' where there are none; rows with no values left out."""
+def _rows_per_point(found: dict, systems: list[str], ratios: list[int], cell, width: int = 12) -> list[str]:
+    """One row per workload and system with a cell per ratio, `width` characters: `cell(values)`
+    of the values found for that point, '-' where there are none; rows with no values left out."""
     rows = []
     for workload in sorted({w for w, _, _ in found}):
         for system in systems:
             cells = [cell(found[(workload, system, r)]) if found.get((workload, system, r)) else "-" for r in ratios]
             if any(c != "-" for c in cells):
-                rows.append(f"  {workload + ' ' + system:<30}" + "".join(f"{c:>12}" for c in cells))
+                rows.append(f"  {workload + ' ' + system:<30}" + "".join(f" {c:>{width - 1}}" for c in cells))
     return rows
 
 
@@ -76,6 +76,10 @@ def device_traffic(run: dict) -> tuple[int, int] | None:
     return None
 
 
+# Cells of the traffic table: room for "123456/123456" (MiB), as a full-scale run at 60% reaches.
+TRAFFIC_WIDTH = 16
+
+
 def _traffic_table(runs: list[dict], systems: list[str], ratios: list[int]) -> list[str]:
     """One row per workload and system: MiB read/written at each ratio (median of the
     successful runs), '-' where none recorded it. Empty when no run did."""
@@ -86,7 +90,8 @@ def _traffic_table(runs: list[dict], systems: list[str], ratios: list[int]) -> l
             found.setdefault((run["workload"], run["system"], run["ratio"]), []).append(moved)
     mib = 1 << 20
     return _rows_per_point(found, systems, ratios, lambda pairs: (
-        f"{stats.median([r for r, _ in pairs]) / mib:.0f}/{stats.median([w for _, w in pairs]) / mib:.0f}"))
+        f"{stats.median([r for r, _ in pairs]) / mib:.0f}/{stats.median([w for _, w in pairs]) / mib:.0f}"),
+        TRAFFIC_WIDTH)
 
 
 def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> str:
@@ -157,7 +162,7 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
     if traffic:
         lines.append("Paging traffic: MiB read / written (median of the successful runs; tiermem's device counters, "
                      "Linux swap's pswpin/pswpout)")
-        lines.append(header)
+        lines.append(f"{'':<32}" + "".join(f"{str(r) + '%':>{TRAFFIC_WIDTH}}" for r in ratios))
         lines.extend(traffic)
         lines.append("")
     failures = stats.failure_table(summary)
