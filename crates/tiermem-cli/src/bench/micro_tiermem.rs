@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use tiermem_device::{BufferArena, Device, DeviceSpec, QueueKind, Request};
+use tiermem_engine::stats::PathStats;
 use tiermem_engine::{Engine, EngineConfig, IoMode, StatsSnapshot};
 use tiermem_sys::{Error, Result};
 
@@ -158,22 +159,17 @@ impl Row {
             read_p50_us: array.read.p50_us(),
             read_p99_us: array.read.p99_us(),
             mismatched_pages: array.mismatched_pages,
-            critical_fault_us: stats.and_then(|s| mean_of(s, "critical_fault")),
-            critical_read_us: stats.and_then(|s| mean_of(s, "critical_read")),
-            critical_fault_p50_us: stats.and_then(|s| median_of(s, "critical_fault")),
-            critical_read_p50_us: stats.and_then(|s| median_of(s, "critical_read")),
+            critical_fault_us: stats.and_then(|s| path_us(s, "critical_fault", |p| p.mean_us)),
+            critical_read_us: stats.and_then(|s| path_us(s, "critical_read", |p| p.mean_us)),
+            critical_fault_p50_us: stats.and_then(|s| path_us(s, "critical_fault", |p| p.p50_us)),
+            critical_read_p50_us: stats.and_then(|s| path_us(s, "critical_read", |p| p.p50_us)),
         }
     }
 }
 
-/// Mean µs of a timed path that ran at least once.
-fn mean_of(stats: &StatsSnapshot, path: &str) -> Option<f64> {
-    stats.paths.iter().find(|p| p.path == path && p.count > 0).map(|p| p.mean_us)
-}
-
-/// Median µs of a timed path that ran at least once.
-fn median_of(stats: &StatsSnapshot, path: &str) -> Option<f64> {
-    stats.paths.iter().find(|p| p.path == path && p.count > 0).map(|p| p.p50_us)
+/// One figure (`pick`: mean, median) of a timed path that ran at least once.
+fn path_us(stats: &StatsSnapshot, path: &str, pick: impl Fn(&PathStats) -> f64) -> Option<f64> {
+    stats.paths.iter().find(|p| p.path == path && p.count > 0).map(pick)
 }
 
 /// Mean µs of one UFFDIO_COPY of a 4 KiB page into a fresh registered mapping: the kernel's

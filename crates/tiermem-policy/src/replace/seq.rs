@@ -160,7 +160,8 @@ impl Seq {
     /// `seq-adaptive` that also protects the working set the way Linux's workingset detection
     /// activates pages (`seq-protect`): a page that comes back within half a memory's worth of
     /// evictions (a short refault; memory 50% larger would have kept it), outside a sequential
-    /// run, is evicted only after the pages that did not, up to half of memory. Without accessed bits a page in active
+    /// run, is evicted only after the pages that did not, up to an adaptive share of at most
+    /// half of memory (see `State::protected_target`). Without accessed bits a page in active
     /// use, such as a counter array updated at random while a stream passes, goes in insertion
     /// order like any other; its quick return is the evidence the engine can see.
     pub fn protecting(capacity: usize) -> Self {
@@ -203,8 +204,8 @@ fn window_of(capacity: usize) -> usize {
 }
 
 impl State {
-    /// How long the followed run `page` extends is, counting it (1: it starts a new one).
-    fn run_length(&mut self, page: PageId) -> u32 {
+    /// Whether `page` extends a followed run far enough to be sequential.
+    fn in_run(&mut self, page: PageId) -> bool {
         self.clock += 1;
         let now = self.clock;
         let ahead = |r: &(PageId, PageId, u32, u64)| r.0 != u64::MAX && page.wrapping_sub(r.0) < RUN_SLACK;
@@ -228,7 +229,7 @@ impl State {
                 1
             }
         };
-        length
+        length >= RUN_MIN
     }
 
     /// Whether run pages go most recent first: always for `seq`, during a scan for the
@@ -242,18 +243,17 @@ impl State {
         // The adaptive variant outside a scan keeps every page in CLOCK order (runs are still
         // followed, to be ready when the verdict changes).
         let scan = self.scan_order();
-        let length = self.run_length(page);
-        let alone = length < RUN_MIN;
+        let run = self.in_run(page);
         if self.protect && short {
-            self.protected_target = if alone {
-                (self.protected_target + 1).min(self.protected_max)
-            } else {
+            self.protected_target = if run {
                 self.protected_target.saturating_sub(1)
+            } else {
+                (self.protected_target + 1).min(self.protected_max)
             };
         }
-        if !alone && scan {
+        if run && scan {
             self.recent.push_back((page, self.clock));
-        } else if self.protect && short && alone && self.protected_target > 0 {
+        } else if self.protect && short && !run {
             // Only pages that came back on their own: a scan's pages return as a run, and
             // protecting them would hide the scan from the verdict above.
             self.protected.push_back(page);
@@ -289,10 +289,7 @@ impl State {
         }
         // (clock::pick fills `out` up to `max` in all.)
         clock::pick(&mut self.others, true, max, is_referenced, out);
-        while out.as_slice().len() < max {
-            let Some(page) = self.protected.pop_front() else { break };
-            out.push(page);
-        }
+        clock::pick(&mut self.protected, true, max, is_referenced, out);
         // Nothing else left: the window goes too, oldest first.
         while out.as_slice().len() < max {
             let Some((page, _)) = self.recent.pop_front() else { break };
