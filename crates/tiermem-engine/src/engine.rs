@@ -85,6 +85,8 @@ pub(crate) struct Shared {
     pub(crate) trace: Option<crate::trace_sink::TraceSink>,
     /// Which prefetched pages wait for a fault, to measure accuracy (see `prefetch_sample`).
     pub(crate) prefetch_sampler: crate::prefetch_sample::PrefetchSampler,
+    /// Reports from sources off the fault path, for the monitor thread (see [`crate::monitor`]).
+    pub(crate) monitor: crate::monitor::LiveMonitor,
 }
 
 impl Shared {
@@ -355,6 +357,7 @@ impl Engine {
             reserved_pages: AtomicU64::new(0),
             pins: std::sync::Mutex::new(Vec::new()),
             prefetch_sampler: crate::prefetch_sample::PrefetchSampler::new(config.io_buffers as usize),
+            monitor: crate::monitor::LiveMonitor::new()?,
             config,
         });
         let mut threads = Vec::new();
@@ -367,6 +370,10 @@ impl Engine {
         {
             let s = shared.clone();
             threads.push(spawn("tiermem-completion", Box::new(move || crate::io::completion_thread(&s)))?);
+        }
+        if let Some(consumer) = shared.monitor.take_consumer() {
+            let s = shared.clone();
+            threads.push(spawn("tiermem-monitor", Box::new(move || crate::monitor::monitor_thread(&s, consumer)))?);
         }
         if shared.config.reclaim_mode == ReclaimMode::Background {
             let s = shared.clone();
@@ -714,6 +721,7 @@ impl Drop for Engine {
         self.shared.shutdown.store(true, Ordering::Release);
         self.shared.wake_reclaim();
         self.shared.queues.wake_completion_thread();
+        self.shared.monitor.wake();
         if self.shared.config.fault_mode == FaultMode::Sigbus {
             crate::delivery::uninstall_sigbus(&self.shared);
         }

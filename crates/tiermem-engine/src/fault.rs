@@ -513,8 +513,31 @@ fn issue_prefetches(
     }
     let mut wanted = PageList::default();
     shared.prefetcher.on_fault(info, &mut wanted);
-    if wanted.as_slice().is_empty() {
-        return 0;
+    read_ahead(shared, region, wanted.as_slice(), lane).requests
+}
+
+/// What [`read_ahead`] queued.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ReadAhead {
+    /// Read requests queued (a run of pages is one).
+    pub(crate) requests: usize,
+    /// Pages they read.
+    pub(crate) pages: usize,
+    /// Leading pages of the list dealt with (read, or skipped as not evicted or busy); the rest
+    /// found no room, buffer or queue slot.
+    pub(crate) looked_at: usize,
+}
+
+/// Start reading `wanted` (pages of `region` in the prefetcher's order; those not evicted are
+/// skipped) as prefetches: on `lane` if given, else on the completion-driven prefetch queue.
+pub(crate) fn read_ahead(
+    shared: &Shared,
+    region: &RegionInner,
+    wanted: &[u64],
+    lane: Option<&mut dyn tiermem_device::IoQueue>,
+) -> ReadAhead {
+    if wanted.is_empty() {
+        return ReadAhead::default();
     }
     // Leave room for the pages to land: eager install stops a reclaim batch below the limit,
     // and reading pages that will be dropped wastes the device.
@@ -527,23 +550,23 @@ fn issue_prefetches(
             &mut **guard
         }
     };
-    let wanted = wanted.as_slice();
     let mut rest = &wanted[..wanted.len().min(headroom)];
-    let (mut requests, mut pages) = (0, 0);
+    let mut done = ReadAhead::default();
     while !rest.is_empty() {
         let queued = queue_prefetch(shared, region, rest, queue);
         let Some((looked_at, read)) = queued else { break };
         rest = &rest[looked_at..];
+        done.looked_at += looked_at;
         if read > 0 {
-            requests += 1;
-            pages += read;
+            done.requests += 1;
+            done.pages += read;
         }
     }
-    if requests > 0 {
+    if done.requests > 0 {
         let _ = queue.submit();
-        Stats::add(&shared.stats.counters.prefetch_issued, pages as u64);
+        Stats::add(&shared.stats.counters.prefetch_issued, done.pages as u64);
     }
-    requests
+    done
 }
 
 /// Queue one read for the first of `pages` (in the prefetcher's order): with read runs on, the

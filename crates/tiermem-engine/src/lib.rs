@@ -19,6 +19,7 @@ mod engine;
 mod fault;
 mod fork;
 mod io;
+mod monitor;
 pub mod page;
 pub mod policy;
 /// The prefetchers (from `tiermem-policy`).
@@ -39,4 +40,5 @@ pub use fault::PinGuard;
 pub use fork::{ChildCopy, ForkHold};
 pub use settings::RunSettings;
 pub use stats::StatsSnapshot;
+pub use tiermem_monitor::Advice;
 pub use tiermem_sys::{Error, ErrorKind, Result};

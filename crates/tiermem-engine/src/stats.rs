@@ -104,6 +104,13 @@ pub struct Counters {
     pub dropped_outside: AtomicU64,
     /// Highest resident page count seen.
     pub peak_resident: AtomicU64,
+    /// Reports the monitor thread took from the access monitor's ring (application advice).
+    pub monitor_reports: AtomicU64,
+    /// Pages read ahead for monitor reports: advised as needed soon, or chosen by the
+    /// prefetcher from a report (counted in `prefetch_issued` too).
+    pub monitor_read_ahead: AtomicU64,
+    /// Resident pages advised cold and put first in line for eviction.
+    pub cold_listed: AtomicU64,
 }
 
 /// Counters plus one histogram (ns) per path.
@@ -209,6 +216,9 @@ impl Stats {
             io_errors: l(&c.io_errors),
             dropped_outside: l(&c.dropped_outside),
             peak_resident_pages: l(&c.peak_resident),
+            monitor_reports: l(&c.monitor_reports),
+            monitor_read_ahead: l(&c.monitor_read_ahead),
+            cold_listed: l(&c.cold_listed),
             prefetch_accuracy: accuracy,
             prefetch_coverage: coverage,
             prefetched_share: (installed + hits + critical > 0)
@@ -296,6 +306,15 @@ pub struct StatsSnapshot {
     pub dropped_outside: u64,
     /// Highest number of resident managed pages.
     pub peak_resident_pages: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub monitor_reports: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub monitor_read_ahead: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub cold_listed: u64,
     /// Prefetched pages used per prefetch issued. With eager install, estimated from the
     /// samples that waited for their first touch (none ended yet: None).
     pub prefetch_accuracy: Option<f64>,
@@ -382,6 +401,13 @@ impl StatsSnapshot {
                 self.evictions as f64 / self.unmap_calls as f64
             );
         }
+        if self.monitor_reports > 0 {
+            let _ = writeln!(
+                s,
+                "advice          {} reports: {} pages read ahead, {} resident pages put first for eviction",
+                self.monitor_reports, self.monitor_read_ahead, self.cold_listed
+            );
+        }
         if self.dropped_outside > 0 {
             let _ = writeln!(
                 s,
@@ -451,6 +477,9 @@ impl StatsSnapshot {
         self.io_errors += other.io_errors;
         self.dropped_outside += other.dropped_outside;
         self.peak_resident_pages = self.peak_resident_pages.max(other.peak_resident_pages);
+        self.monitor_reports += other.monitor_reports;
+        self.monitor_read_ahead += other.monitor_read_ahead;
+        self.cold_listed += other.cold_listed;
         for theirs in &other.paths {
             match self.paths.iter_mut().find(|p| p.path == theirs.path) {
                 Some(mine) => {

@@ -126,6 +126,11 @@ impl Monitor {
         &mut self.rpt
     }
 
+    /// Reports the ring can take now without dropping any.
+    pub fn room(&self) -> usize {
+        self.ring.room()
+    }
+
     /// What was seen and sent so far.
     pub fn counters(&self) -> MonitorCounters {
         MonitorCounters { dropped: self.ring.dropped(), ..self.counters }

@@ -57,6 +57,12 @@ impl Producer {
         true
     }
 
+    /// Values that can be pushed now without dropping any (more, once the consumer reads).
+    pub fn room(&self) -> usize {
+        let r = &self.ring;
+        (r.mask + 1 - (r.write.load(Ordering::Relaxed) - r.read.load(Ordering::Acquire))) as usize
+    }
+
     /// Reports dropped because the ring was full.
     pub fn dropped(&self) -> u64 {
         self.ring.dropped.load(Ordering::Relaxed)
@@ -119,6 +125,7 @@ mod tests {
                     None => prop_assert_eq!(rx.pop(), model.pop_front()),
                 }
                 prop_assert_eq!(rx.len(), model.len());
+                prop_assert_eq!(tx.room(), cap - model.len());
                 prop_assert_eq!(tx.dropped(), dropped);
             }
         }

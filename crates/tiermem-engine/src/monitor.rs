@@ -1,0 +1,269 @@
+//! The live access monitor: sources off the fault path feed the monitor of `tiermem-monitor`,
+//! whose reports travel through its single-producer/single-consumer ring to the engine's monitor
+//! thread, which acts on them without any program thread waiting:
+//! - will-need pages that are evicted are read ahead, eviction making room first when the
+//!   budget is full (as the kernel's swap-in readahead for MADV_WILLNEED allocates);
+//! - sequential (and hot) pages are told to the prefetcher (`Prefetcher::on_report`), and the
+//!   pages it picks are read ahead: the `stream` prefetcher locks on to a stream before its
+//!   first fault; prefetchers that learn from faults only ignore them;
+//! - cold resident pages go to the front of the reclaim list: evicted first when room is
+//!   needed, as MADV_COLD deactivates pages.
+//!
+//! The source today is application advice ([`crate::Region::advise`], which the preload shim
+//! calls for madvise on managed memory). Faults do not go through the ring: the prefetcher
+//! already hears them on the fault path.
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
+use tiermem_monitor::ring::Consumer;
+use tiermem_monitor::{Advice, Monitor, Report, ReportKind};
+use tiermem_sys::{Error, Result, PAGE_SIZE};
+
+use crate::engine::{Region, Shared};
+use crate::fault::read_ahead;
+use crate::page::Kind;
+use crate::policy::PageList;
+use crate::region::{RegionInner, RegionTable};
+use crate::stats::{Path, Stats};
+
+/// Reports the ring holds.
+const RING_REPORTS: usize = 16384;
+/// Reports sent per [`Monitor::advise`] call (its own cap for will-need and cold ranges).
+const ADVICE_CHUNK: u64 = 4096;
+/// Most reports handled per hold of the region table's read lock (region creation waits for it).
+const ROUND: u64 = 4096;
+/// How often the monitor thread retries a read-ahead that found no buffer or queue slot, 100 µs
+/// apart, before leaving the rest of its pages to faults.
+const STALL_RETRIES: u32 = 50;
+
+/// The producer side, shared by every source, and the thread's wake-up.
+#[derive(Debug)]
+pub(crate) struct LiveMonitor {
+    producer: Mutex<Monitor>,
+    consumer: Mutex<Option<Consumer>>,
+    /// Written after reports are pushed (an eventfd: a counter, so no wake-up is lost).
+    wake: OwnedFd,
+}
+
+impl LiveMonitor {
+    pub(crate) fn new() -> Result<Self> {
+        let (producer, consumer) = tiermem_monitor::ring::ring(RING_REPORTS);
+        Ok(Self {
+            // The hot-page table's default threshold; no live source feeds it cache lines yet.
+            producer: Mutex::new(Monitor::new(8, producer)?),
+            consumer: Mutex::new(Some(consumer)),
+            wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+                .map_err(|e| Error::os(e.into(), "eventfd"))?,
+        })
+    }
+
+    /// The reading end, for the monitor thread (once).
+    pub(crate) fn take_consumer(&self) -> Option<Consumer> {
+        self.consumer.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    pub(crate) fn wake(&self) {
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+
+    /// Report `advice` for `pages` pages of region `owner` from page `first`. Waits for room in
+    /// the ring instead of dropping reports (the caller is a program thread, which may wait);
+    /// returns early only if the engine shuts down.
+    pub(crate) fn advise(&self, shared: &Shared, owner: u16, first: u64, pages: u64, advice: Advice) {
+        let mut monitor = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+        let end = first + pages;
+        let mut at = first;
+        while at < end {
+            // Sequential advice sends only the first few pages, whatever the range.
+            let chunk = (end - at).min(ADVICE_CHUNK);
+            let needed = if advice == Advice::Sequential { chunk.min(8) } else { chunk } as usize;
+            while monitor.room() < needed {
+                self.wake();
+                if shared.shutdown.load(Ordering::Acquire) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            monitor.advise(owner, at, chunk, advice);
+            if advice == Advice::Sequential {
+                break;
+            }
+            at += chunk;
+        }
+        drop(monitor);
+        self.wake();
+    }
+}
+
+/// Will-need pages of one region gathered from consecutive reports, read together (contiguous
+/// pages share one request where their slots are contiguous too).
+#[derive(Default)]
+struct Pending {
+    region: u32,
+    pages: PageList,
+}
+
+/// The monitor thread: take reports off the ring and act on them, sleeping while it is empty.
+pub(crate) fn monitor_thread(shared: &Shared, mut consumer: Consumer) {
+    let mut buf = [0u8; 8];
+    let mut pending = Pending::default();
+    while !shared.shutdown.load(Ordering::Acquire) {
+        let mut taken = 0;
+        {
+            let regions = shared.regions();
+            while taken < ROUND {
+                let Some(word) = consumer.pop() else { break };
+                taken += 1;
+                Stats::add(&shared.stats.counters.monitor_reports, 1);
+                if let Some(report) = Report::decode(word) {
+                    act(shared, &regions, report, &mut pending);
+                }
+            }
+            flush(shared, &regions, &mut pending);
+        }
+        if taken > 0 {
+            continue;
+        }
+        let mut fds = [PollFd::new(&shared.monitor.wake, PollFlags::IN)];
+        // The timeout only bounds how late shutdown is noticed if its wake-up were missed.
+        let timeout = rustix::event::Timespec { tv_sec: 0, tv_nsec: 50_000_000 };
+        if poll(&mut fds, Some(&timeout)).is_ok_and(|n| n > 0) {
+            let _ = rustix::io::read(&shared.monitor.wake, &mut buf);
+        }
+    }
+}
+
+fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pending) {
+    let index = u32::from(report.owner);
+    let Some(region) = regions.get(index).filter(|r| !r.is_closing() && report.page < r.page_count()) else {
+        return;
+    };
+    let page = report.page;
+    match report.kind {
+        ReportKind::WillNeed => {
+            if pending.region != index || pending.pages.len() == PageList::CAPACITY {
+                flush(shared, regions, pending);
+                pending.region = index;
+            }
+            if region.pages[page as usize].peek().kind() == Kind::Evicted {
+                pending.pages.push(page);
+            }
+        }
+        ReportKind::Sequential | ReportKind::Hot => {
+            if report.kind == ReportKind::Hot && region.pages[page as usize].peek().kind() == Kind::Resident {
+                shared.replacement.on_access(region.id(page));
+            }
+            let mut wanted = PageList::default();
+            shared.prefetcher.on_report(index, page, region.page_count(), &mut wanted);
+            let done = read_ahead(shared, region, wanted.as_slice(), None);
+            Stats::add(&shared.stats.counters.monitor_read_ahead, done.pages as u64);
+        }
+        ReportKind::Cold => {
+            // Under the page's lock: a page just mapped by a fault can be in the program's
+            // hands before its handler has recorded it (zero-fill-around, handler threads).
+            let mut locked = region.pages[page as usize].lock();
+            let state = locked.state();
+            if state.kind() == Kind::Resident {
+                // Cold by the program's word: no second chance for a touch before it.
+                locked.set(state.with_referenced(false));
+                drop(locked);
+                // The reclaim list holds ids that may be stale or also in the policy: eviction
+                // re-checks each one, and takes this list first.
+                let mut cleaned = shared.cleaned.lock().unwrap_or_else(|e| e.into_inner());
+                cleaned.push_front(region.id(page));
+                shared.cleaned_pages.store(cleaned.len() as u64, Ordering::Relaxed);
+                Stats::add(&shared.stats.counters.cold_listed, 1);
+            }
+        }
+        // Not sent through the ring by the engine (the prefetcher hears faults directly).
+        ReportKind::Fault | ReportKind::WriteFault => {}
+    }
+}
+
+/// Read the pending will-need pages, evicting first where the budget has no room for them.
+fn flush(shared: &Shared, regions: &RegionTable, pending: &mut Pending) {
+    let pages = std::mem::take(&mut pending.pages);
+    if pages.is_empty() {
+        return;
+    }
+    let Some(region) = regions.get(pending.region).filter(|r| !r.is_closing()) else { return };
+    let mut rest = pages.as_slice();
+    let mut stalls = 0;
+    while !rest.is_empty() && !shared.shutdown.load(Ordering::Acquire) {
+        make_room(shared, regions, rest.len());
+        let done = read_ahead(shared, region, rest, None);
+        Stats::add(&shared.stats.counters.monitor_read_ahead, done.pages as u64);
+        // A page counts as resident only once it lands: wait for these before making room
+        // for the next, or the room made would be counted twice and the pages dropped.
+        await_landing(region, &rest[..done.looked_at]);
+        rest = &rest[done.looked_at..];
+        if done.looked_at == 0 {
+            // No room, buffer or queue slot: let completions land, then try again.
+            stalls += 1;
+            if stalls > STALL_RETRIES {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
+/// Wait (at most 20 ms) until none of `pages` is still being read.
+fn await_landing(region: &RegionInner, pages: &[u64]) {
+    let start = std::time::Instant::now();
+    while pages.iter().any(|&p| region.pages[p as usize].peek().kind() == Kind::Incoming)
+        && start.elapsed() < Duration::from_millis(20)
+    {
+        std::thread::sleep(Duration::from_micros(20));
+    }
+}
+
+/// Evict until `pages` background page-ins fit (what a reclaim batch can do at a time).
+fn make_room(shared: &Shared, regions: &RegionTable, pages: usize) {
+    let short = (pages as u64).saturating_sub(shared.background_room());
+    if short > 0 {
+        crate::reclaim::evict_batch(
+            shared,
+            regions,
+            short.min(shared.config.reclaim_batch as u64) as usize,
+            Path::Reclaim,
+        );
+    }
+}
+
+impl Region {
+    /// Advise the engine about `[offset, offset + len)` of this region (page-aligned, inside
+    /// it), as madvise(2) does the kernel; returns at once, the monitor thread acts on it:
+    /// - [`Advice::WillNeed`]: evicted pages are read ahead, making room by eviction if needed;
+    ///   at most half the budget per call (more would push out what was just read);
+    /// - [`Advice::Sequential`]: the prefetcher hears the first pages (the `stream` prefetcher
+    ///   then reads ahead of the stream before its first fault; others learn from faults);
+    /// - [`Advice::Cold`]: resident pages are the first evicted when room is needed.
+    pub fn advise(&self, offset: usize, len: usize, advice: Advice) -> Result<()> {
+        if !offset.is_multiple_of(PAGE_SIZE) || offset.checked_add(len).is_none_or(|end| end > self.len()) {
+            return Err(Error::invalid(format!(
+                "advice on {len} bytes at offset {offset} is not page-aligned inside a region of {} bytes",
+                self.len()
+            )));
+        }
+        let owner = u16::try_from(self.inner.index).map_err(|_| {
+            Error::invalid(format!(
+                "advice on region slot {}: the access monitor's reports name at most 65536 live regions",
+                self.inner.index
+            ))
+        })?;
+        let first = (offset / PAGE_SIZE) as u64;
+        let mut pages = ((offset + len).div_ceil(PAGE_SIZE) as u64).saturating_sub(first);
+        if advice == Advice::WillNeed {
+            pages = pages.min(self.shared.limit_pages() / 2);
+        }
+        if pages > 0 {
+            self.shared.monitor.advise(&self.shared, owner, first, pages, advice);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,147 @@
+#![allow(clippy::multiple_unsafe_ops_per_block)] // raw pointer walks over test regions, one invariant each
+//! Application advice through the live access monitor: will-need pages are read ahead before
+//! the program touches them, cold pages are evicted first, sequential advice lets the stream
+//! prefetcher read ahead without a fault. Each effect is checked against the same run without
+//! the advice.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use tiermem_engine::{Advice, Engine, Region, StatsSnapshot};
+use tiermem_sys::pagemap::Pagemap;
+
+const PAGE: usize = 4096;
+
+fn write_pages(region: &Region, pages: std::ops::Range<usize>) {
+    for p in pages {
+        // SAFETY: callers pass pages inside the region.
+        unsafe { (region.as_ptr().add(p * PAGE) as *mut u64).write_volatile(p as u64 + 1) };
+    }
+}
+
+/// Read pages back, checking what `write_pages` left there.
+fn check_pages(region: &Region, pages: std::ops::Range<usize>) {
+    for p in pages {
+        // SAFETY: callers pass pages inside the region.
+        let got = unsafe { (region.as_ptr().add(p * PAGE) as *const u64).read_volatile() };
+        assert_eq!(got, p as u64 + 1, "page {p}");
+    }
+}
+
+/// Wait (at most 10 s) until the monitor thread has done what `done` looks for.
+fn wait_for(engine: &Engine, what: &str, done: impl Fn(&StatsSnapshot) -> bool) {
+    let start = Instant::now();
+    while !done(&engine.stats()) {
+        assert!(start.elapsed() < Duration::from_secs(10), "the monitor thread never {what}: {:?}", engine.stats());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn present(pagemap: &Pagemap, region: &Region, pages: std::ops::Range<usize>) -> u64 {
+    let base = region.as_ptr() as usize;
+    pagemap.count_present(base + pages.start * PAGE, base + pages.end * PAGE).expect("PAGEMAP_SCAN")
+}
+
+#[test]
+fn will_need_pages_are_read_before_the_program_touches_them() {
+    let _serial = serial();
+    if features_or_skip("will_need_pages_are_read_before_the_program_touches_them").is_none() {
+        return;
+    }
+    for (name, device) in devices(64 << 20) {
+        // No prefetcher: without advice every evicted page costs the program a device read.
+        let engine = engine(device, 256, |c| c.prefetch = "none".into());
+        let region = engine.create_region(1024 * PAGE).unwrap();
+        write_pages(&region, 0..1024);
+        region.advise(0, 100 * PAGE, Advice::WillNeed).unwrap();
+        wait_for(&engine, "read the advised pages", |s| s.monitor_read_ahead >= 100);
+        let before = engine.stats();
+        check_pages(&region, 0..100);
+        let advised = engine.stats();
+        check_pages(&region, 300..400);
+        let after = engine.stats();
+        let critical = |a: &StatsSnapshot, b: &StatsSnapshot| b.critical_reads - a.critical_reads;
+        eprintln!(
+            "{name}: advised pages {} critical reads, unadvised {}; {} reports, {} read ahead",
+            critical(&before, &advised),
+            critical(&advised, &after),
+            after.monitor_reports,
+            after.monitor_read_ahead
+        );
+        assert_eq!(critical(&before, &advised), 0, "{name}: an advised page waited for the device");
+        assert!(critical(&advised, &after) >= 90, "{name}: the unadvised pages should have been read on faults");
+        assert_eq!(after.monitor_reports, 100, "{name}");
+    }
+}
+
+#[test]
+fn cold_pages_are_evicted_before_older_ones() {
+    let _serial = serial();
+    if features_or_skip("cold_pages_are_evicted_before_older_ones").is_none() {
+        return;
+    }
+    let pagemap = Pagemap::open_self().expect("pagemap");
+    for advise in [false, true] {
+        let engine = engine(std::sync::Arc::new(tiermem_device::MemDevice::new(64 << 20).unwrap()), 512, |_| {});
+        let region = engine.create_region(2048 * PAGE).unwrap();
+        write_pages(&region, 0..256);
+        assert_eq!(present(&pagemap, &region, 0..256), 256, "all fit the budget");
+        if advise {
+            // The newest half: without the advice the oldest pages go first.
+            region.advise(128 * PAGE, 128 * PAGE, Advice::Cold).unwrap();
+            wait_for(&engine, "listed the cold pages", |s| s.cold_listed == 128);
+        }
+        // Past the budget by less than the cold pages: some 50-110 pages must go.
+        write_pages(&region, 256..560);
+        let evictions = engine.stats().evictions;
+        let (old, cold) = (present(&pagemap, &region, 0..128), present(&pagemap, &region, 128..256));
+        eprintln!("advice {advise}: {evictions} evictions; resident of the oldest 128: {old}, of the next 128: {cold}");
+        assert!(evictions > 0);
+        if advise {
+            assert_eq!(old, 128, "an older page was evicted while advised-cold pages stayed");
+            assert!(cold < 128, "no advised-cold page was evicted");
+        } else {
+            assert!(old < 128, "without advice the oldest pages go first (else this test shows nothing)");
+        }
+        check_pages(&region, 0..560);
+    }
+}
+
+#[test]
+fn sequential_advice_lets_the_stream_prefetcher_read_before_any_fault() {
+    let _serial = serial();
+    if features_or_skip("sequential_advice_lets_the_stream_prefetcher_read_before_any_fault").is_none() {
+        return;
+    }
+    let device = std::sync::Arc::new(tiermem_device::MemDevice::new(64 << 20).unwrap());
+    let engine = engine(device, 256, |c| c.prefetch = "stream".into());
+    let region = engine.create_region(2048 * PAGE).unwrap();
+    write_pages(&region, 0..2048);
+    let before = engine.stats();
+    // Pages 0.. were evicted long ago; the advice names the start of a forward walk.
+    region.advise(0, 1024 * PAGE, Advice::Sequential).unwrap();
+    wait_for(&engine, "read ahead of the stream", |s| s.monitor_reports == 8 && s.monitor_read_ahead > 0);
+    let after = engine.stats();
+    eprintln!("{} pages read ahead from {} reports", after.monitor_read_ahead, after.monitor_reports);
+    assert_eq!(after.critical_reads, before.critical_reads, "no fault was needed");
+    assert_eq!(after.prefetch_issued - before.prefetch_issued, after.monitor_read_ahead);
+    check_pages(&region, 0..2048);
+}
+
+#[test]
+fn advice_outside_the_region_is_refused() {
+    let _serial = serial();
+    if features_or_skip("advice_outside_the_region_is_refused").is_none() {
+        return;
+    }
+    let engine = engine(std::sync::Arc::new(tiermem_device::MemDevice::new(16 << 20).unwrap()), 64, |_| {});
+    let region = engine.create_region(16 * PAGE).unwrap();
+    for (offset, len) in [(1, PAGE), (0, 17 * PAGE), (16 * PAGE, 1), (usize::MAX - PAGE + 1, PAGE)] {
+        let e = region.advise(offset, len, Advice::WillNeed).expect_err("refused");
+        assert!(e.to_string().contains("not page-aligned inside a region"), "{e}");
+    }
+    region.advise(0, 0, Advice::Cold).unwrap();
+    assert_eq!(engine.stats().monitor_reports, 0);
+}
