@@ -107,6 +107,24 @@ size_t tiermem_region_len(const tiermem_region *region);
  */
 void tiermem_region_free(tiermem_region *region);
 
+/* Advice for tiermem_region_advise. */
+#define TIERMEM_ADVICE_WILLNEED 1   /* needed soon: evicted pages are read ahead */
+#define TIERMEM_ADVICE_SEQUENTIAL 2 /* walked front to back: the prefetcher hears it */
+#define TIERMEM_ADVICE_COLD 3       /* not needed for a while: evicted first when room is needed */
+
+/*
+ * Advise the engine about [offset, offset + len) of a region, as madvise(2) advises the
+ * kernel. Returns at once; the engine's monitor thread acts on it:
+ *  - TIERMEM_ADVICE_WILLNEED: the range's evicted pages are read ahead, evicting other pages
+ *    first if the budget is full; at most half the budget per call.
+ *  - TIERMEM_ADVICE_SEQUENTIAL: the prefetcher is told of the first pages (the "stream"
+ *    prefetcher then reads ahead of the walk before it faults; the others learn from faults).
+ *  - TIERMEM_ADVICE_COLD: the range's resident pages are the first evicted when room is needed.
+ * `offset` must be page-aligned and the range inside the region; len 0 does nothing.
+ * Returns 0, or -1 for a NULL or freed region, a bad range or an unknown advice value.
+ */
+int tiermem_region_advise(tiermem_region *region, size_t offset, size_t len, int advice);
+
 /*
  * Make [addr, addr + len) resident (and writable if `write` is non-zero) and keep it resident
  * until the pin is released, so that a system call (read(2), write(2), ...) can access it. The

@@ -201,6 +201,43 @@ pub unsafe extern "C" fn tiermem_region_free(region: *mut RegionHandle) {
     })
 }
 
+/// Advice values of `tiermem_region_advise` (see `tiermem.h`).
+pub const TIERMEM_ADVICE_WILLNEED: c_int = 1;
+/// See [`TIERMEM_ADVICE_WILLNEED`].
+pub const TIERMEM_ADVICE_SEQUENTIAL: c_int = 2;
+/// See [`TIERMEM_ADVICE_WILLNEED`].
+pub const TIERMEM_ADVICE_COLD: c_int = 3;
+
+/// See `tiermem.h`.
+///
+/// # Safety
+/// `region` is NULL or a live pointer from `tiermem_region_new`.
+#[no_mangle]
+pub unsafe extern "C" fn tiermem_region_advise(
+    region: *const RegionHandle,
+    offset: usize,
+    len: usize,
+    advice: c_int,
+) -> c_int {
+    ffi("tiermem_region_advise", -1, || {
+        non_null(region, "region")?;
+        let advice = match advice {
+            TIERMEM_ADVICE_WILLNEED => tiermem_engine::Advice::WillNeed,
+            TIERMEM_ADVICE_SEQUENTIAL => tiermem_engine::Advice::Sequential,
+            TIERMEM_ADVICE_COLD => tiermem_engine::Advice::Cold,
+            other => {
+                return Err(format!("unknown advice {other}: expected TIERMEM_ADVICE_WILLNEED, _SEQUENTIAL or _COLD"))
+            }
+        };
+        // SAFETY: non-NULL and live per the caller.
+        let handle = unsafe { &*region };
+        let slot = lock(&handle.slot);
+        let region = slot.as_ref().ok_or("the region's engine was freed")?;
+        region.advise(offset, len, advice).map_err(|e| e.to_string())?;
+        Ok(0)
+    })
+}
+
 /// See `tiermem.h`.
 ///
 /// # Safety

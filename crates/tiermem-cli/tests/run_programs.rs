@@ -381,6 +381,62 @@ int main() {
 }
 "#;
 
+/// Writes 64 MiB one word per page, then (with `advise`) tells the kernel it will need the
+/// first 8 MiB again and waits a little before reading them back.
+const WILL_NEED: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <sys/mman.h>
+#include <unistd.h>
+int main(int argc, char** argv) {
+    const size_t mib = 1 << 20, len = 64 * mib, advised = 8 * mib;
+    uint64_t* p = (uint64_t*)mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) { perror("mmap"); return 1; }
+    for (size_t w = 0; w < len / 8; w += 512) p[w] = w * 2654435761u;
+    if (argc > 1 && strcmp(argv[1], "advise") == 0) {
+        if (madvise(p, advised, MADV_WILLNEED) != 0) { perror("madvise"); return 1; }
+        usleep(300 * 1000);
+    }
+    uint64_t bad = 0;
+    for (size_t w = 0; w < advised / 8; w += 512) bad += p[w] != w * 2654435761u;
+    printf("bad=%llu\n", (unsigned long long)bad);
+}
+"#;
+
+#[test]
+fn madvise_willneed_on_managed_memory_reads_the_pages_ahead() {
+    let name = "madvise_willneed_on_managed_memory_reads_the_pages_ahead";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, WILL_NEED, "will_need", name) else { return };
+    let bin = bin.display().to_string();
+    // No prefetcher, so that without the advice every page read back is a fault's device read.
+    let run = |args: &[&str]| {
+        let mut program = vec![bin.as_str()];
+        program.extend_from_slice(args);
+        let managed = run_managed(&scratch, "32MiB", &["--prefetch", "none"], &program);
+        let err = String::from_utf8_lossy(&managed.out.stderr).to_string();
+        assert!(managed.out.status.success(), "{name} {args:?}: {err}");
+        assert_eq!(String::from_utf8_lossy(&managed.out.stdout), "bad=0\n", "{name} {args:?}: {err}");
+        let count = |key: &str| managed.stats["merged"][key].as_u64().unwrap_or_else(|| panic!("{key} in {err}"));
+        (count("critical_reads"), count("monitor_read_ahead"), count("monitor_reports"))
+    };
+    let (plain_critical, plain_ahead, _) = run(&[]);
+    let (advised_critical, advised_ahead, reports) = run(&["advise"]);
+    eprintln!(
+        "{name}: critical reads {plain_critical} without the advice, {advised_critical} with it \
+         ({reports} reports, {advised_ahead} pages read ahead)"
+    );
+    assert_eq!(plain_ahead, 0, "{name}: nothing was advised");
+    assert!(plain_critical >= 1800, "{name}: the 2048 pages read back should have been evicted");
+    assert_eq!(reports, 2048, "{name}: one report per advised page");
+    assert!(advised_ahead >= 1800, "{name}: the advised pages were not read ahead");
+    assert!(advised_critical * 10 <= plain_critical, "{name}: the advice saved too few device reads");
+}
+
 #[test]
 fn pieces_of_managed_mappings_can_be_unmapped_in_any_order_and_twice() {
     let name = "pieces_of_managed_mappings_can_be_unmapped_in_any_order_and_twice";

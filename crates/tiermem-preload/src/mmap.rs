@@ -5,6 +5,7 @@
 
 use std::ffi::c_void;
 
+use tiermem_engine::Advice;
 use tiermem_sys::PAGE_SIZE;
 
 use crate::alloc::managed_alloc;
@@ -197,6 +198,43 @@ pub unsafe extern "C" fn mremap(
     syscall_result(unsafe { libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) })
 }
 
+/// Apply `managed` to the managed parts of `[start, end)` (as offset and length in their
+/// region) and the kernel's madvise with `advice` to the parts between them. False, doing
+/// nothing, when no part is managed or in a forked child (whose memory the engine does not
+/// serve): the caller then passes the whole call to the kernel.
+fn advise_managed(
+    start: usize,
+    end: usize,
+    advice: i32,
+    managed: impl Fn(&tiermem_engine::Region, usize, usize) -> tiermem_engine::Result<()>,
+) -> bool {
+    let table = registry::lock();
+    let bases = registry::overlapping(&table, start, end - start);
+    if bases.is_empty() || runtime::in_forked_child() {
+        return false;
+    }
+    let mut cursor = start;
+    for base in bases {
+        let entry = &table[&base];
+        let region_end = base + entry.len();
+        if cursor < base {
+            // SAFETY: the caller's own advice on memory that is not managed.
+            unsafe { libc::syscall(libc::SYS_madvise, cursor, base - cursor, advice) };
+        }
+        let from = base.max(start);
+        let to = region_end.min(end);
+        if let Err(e) = managed(&entry.region, from - base, to - from) {
+            runtime::say(&["tiermem: madvise() on managed memory: ", &e.to_string()]);
+        }
+        cursor = to;
+    }
+    if cursor < end {
+        // SAFETY: as above.
+        unsafe { libc::syscall(libc::SYS_madvise, cursor, end - cursor, advice) };
+    }
+    true
+}
+
 /// # Safety
 /// The C contract of madvise.
 #[no_mangle]
@@ -213,29 +251,21 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: i32) -> 
                 }
             }
             // "These pages may be dropped and read as zeros": tell the engine.
-            libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_REMOVE | libc::MADV_DONTNEED_LOCKED => {
-                let table = registry::lock();
-                let bases = registry::overlapping(&table, start, end - start);
-                if !bases.is_empty() && !runtime::in_forked_child() {
-                    let mut cursor = start;
-                    for base in bases {
-                        let entry = &table[&base];
-                        let region_end = base + entry.len();
-                        if cursor < base {
-                            // SAFETY: the caller's own advice on memory that is not managed.
-                            unsafe { libc::syscall(libc::SYS_madvise, cursor, base - cursor, advice) };
-                        }
-                        let from = base.max(start);
-                        let to = region_end.min(end);
-                        if let Err(e) = entry.region.discard(from - base, to - from) {
-                            runtime::say(&["tiermem: madvise() on managed memory: ", &e.to_string()]);
-                        }
-                        cursor = to;
-                    }
-                    if cursor < end {
-                        // SAFETY: as above.
-                        unsafe { libc::syscall(libc::SYS_madvise, cursor, end - cursor, advice) };
-                    }
+            libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_REMOVE | libc::MADV_DONTNEED_LOCKED
+                if advise_managed(start, end, advice, |region, offset, len| region.discard(offset, len)) =>
+            {
+                return 0;
+            }
+            // Hints about use: the engine's access monitor acts on them (reads will-need pages
+            // ahead, tells the prefetcher of a sequential walk, evicts cold pages first).
+            // MADV_PAGEOUT counts as cold: the engine evicts only when it needs room.
+            libc::MADV_WILLNEED | libc::MADV_SEQUENTIAL | libc::MADV_COLD | libc::MADV_PAGEOUT => {
+                let hint = match advice {
+                    libc::MADV_WILLNEED => Advice::WillNeed,
+                    libc::MADV_SEQUENTIAL => Advice::Sequential,
+                    _ => Advice::Cold,
+                };
+                if advise_managed(start, end, advice, |region, offset, len| region.advise(offset, len, hint)) {
                     return 0;
                 }
             }

@@ -53,6 +53,7 @@ int main(void) {
     CHECK(tiermem_engine_describe(NULL, NULL, 0) == -1);
     tiermem_pin *pin = (tiermem_pin *)&failures; /* must be overwritten with NULL */
     CHECK(tiermem_prepare_kernel_access(NULL, "x", 1, 0, &pin) == -1 && pin == NULL);
+    CHECK(tiermem_region_advise(NULL, 0, PAGE, TIERMEM_ADVICE_WILLNEED) == -1);
     tiermem_engine_free(NULL);
     tiermem_region_free(NULL);
     tiermem_pin_release(NULL);
@@ -109,6 +110,22 @@ int main(void) {
         for (size_t p = 0; p < pages; p++)
             for (size_t w = 0; w < words; w += 64)
                 bad += mem[p * words + w] != pattern(p, w);
+    CHECK(bad == 0);
+
+    /* Advice: the first pages were evicted long ago; will-need reads them ahead, cold marks
+     * the next ones. Bad ranges and values are refused. */
+    CHECK(tiermem_region_advise(region, 0, 64 * PAGE, TIERMEM_ADVICE_WILLNEED) == 0);
+    CHECK(tiermem_region_advise(region, 64 * PAGE, 64 * PAGE, TIERMEM_ADVICE_COLD) == 0);
+    CHECK(tiermem_region_advise(region, 0, len, TIERMEM_ADVICE_SEQUENTIAL) == 0);
+    CHECK(tiermem_region_advise(region, 1, PAGE, TIERMEM_ADVICE_COLD) == -1);
+    CHECK(strstr(tiermem_last_error(), "page-aligned") != NULL);
+    CHECK(tiermem_region_advise(region, 0, len + PAGE, TIERMEM_ADVICE_COLD) == -1);
+    CHECK(tiermem_region_advise(region, 0, PAGE, 42) == -1);
+    CHECK(strstr(tiermem_last_error(), "unknown advice") != NULL);
+    bad = 0;
+    for (size_t p = 0; p < pages; p++)
+        for (size_t w = 0; w < words; w += 64)
+            bad += mem[p * words + w] != pattern(p, w);
     CHECK(bad == 0);
 
     /* A system call on pinned memory: write(2) 4 pages from the region into a pipe. */
