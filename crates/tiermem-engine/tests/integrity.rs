@@ -26,6 +26,8 @@ struct Outcome {
     pages_read: u64,
     /// Whether the run should have cleaned pages ahead of eviction, and whether it did.
     cleaning: Cleaning,
+    /// Advice reports the engine's monitor thread took (with an advising thread).
+    advice_reports: u64,
 }
 
 /// Background reclaim with dirty tracking cleans pages ahead of eviction (residency stays past
@@ -45,16 +47,37 @@ enum Cleaning {
 }
 
 /// Each thread owns the pages `p % THREADS == t`, so it knows what each of them must hold.
+/// With `advise`, one more thread gives random advice (will-need, sequential, cold) over random
+/// ranges meanwhile, so the monitor thread's read-ahead and evictions race everything else.
 fn hammer(
     tweak: impl Fn(&mut EngineConfig) + Copy,
     device: Arc<dyn tiermem_device::Device>,
     ops_per_thread: u64,
+    advise: bool,
 ) -> Outcome {
     let engine = Arc::new(engine(device, LIMIT_PAGES, tweak));
     let pages = (LIMIT_PAGES * 4) as usize;
-    let region = engine.create_region(pages * 4096).unwrap();
+    let region = Arc::new(engine.create_region(pages * 4096).unwrap());
     let base = region.as_ptr() as usize;
     let done = Arc::new(AtomicBool::new(false));
+    let advisor = advise.then(|| {
+        let (done, region) = (done.clone(), region.clone());
+        std::thread::spawn(move || {
+            let mut rng = Rng(0x00ad_715e);
+            while !done.load(Ordering::Acquire) {
+                let r = rng.next();
+                let first = (r >> 8) as usize % pages;
+                let len = 1 + (r >> 32) as usize % 64.min(pages - first);
+                let advice = [
+                    tiermem_engine::Advice::WillNeed,
+                    tiermem_engine::Advice::Cold,
+                    tiermem_engine::Advice::Sequential,
+                ][(r % 3) as usize];
+                region.advise(first * 4096, len * 4096, advice).expect("advice inside the region");
+                std::thread::sleep(std::time::Duration::from_micros(300));
+            }
+        })
+    });
     let kernel_peak = Arc::new(AtomicU64::new(0));
     let engine_peak = Arc::new(AtomicU64::new(0));
     let sampler = {
@@ -136,6 +159,9 @@ fn hammer(
     let mismatches = workers.into_iter().map(|w| w.join().unwrap()).sum();
     done.store(true, Ordering::Release);
     sampler.join().unwrap();
+    if let Some(advisor) = advisor {
+        advisor.join().unwrap();
+    }
     watchdog.join().unwrap();
     let stats = engine.stats();
     let device = engine.device_counters();
@@ -163,6 +189,7 @@ fn hammer(
         read_requests: device.reads,
         pages_read: device.bytes_read_medium / 4096,
         cleaning,
+        advice_reports: stats.monitor_reports,
     }
 }
 
@@ -177,6 +204,17 @@ fn check_that(
     ops: u64,
     expect: impl Fn(&Outcome) -> Result<(), String>,
 ) {
+    check_runs(name, tweak, ops, false, expect);
+}
+
+/// [`check_that`], with an advising thread if `advise` (see [`hammer`]).
+fn check_runs(
+    name: &str,
+    tweak: impl Fn(&mut EngineConfig) + Copy,
+    ops: u64,
+    advise: bool,
+    expect: impl Fn(&Outcome) -> Result<(), String>,
+) {
     let _serial = serial();
     if features_or_skip(name).is_none() {
         return;
@@ -189,7 +227,7 @@ fn check_that(
             eprintln!("{name}: device {dev_name} left out by TIERMEM_TEST_DEVICES");
             continue;
         }
-        let mut out = hammer(tweak, device, ops);
+        let mut out = hammer(tweak, device, ops, advise);
         // A run that cleaned nothing ahead of eviction is run again (twice at most): on 2
         // cores the reclaim thread can be starved of a core for a whole run, and faulting
         // threads then evict directly (seen in CI: 19% and 32% of the evictions), which is a
@@ -202,7 +240,7 @@ fn check_that(
             assert_eq!(out.mismatches, 0, "{name} on {dev_name}: data corrupted");
             let (_, fresh) =
                 devices(capacity).into_iter().find(|(n, _)| *n == dev_name).expect("the same device again");
-            out = hammer(tweak, fresh, ops);
+            out = hammer(tweak, fresh, ops, advise);
         }
         assert!(
             !matches!(out.cleaning, Cleaning::Missing { .. }),
@@ -228,6 +266,29 @@ fn check_that(
             out.engine_peak
         );
     }
+}
+
+#[test]
+fn advice_racing_the_program_keeps_every_write() {
+    let advised = |o: &Outcome| {
+        if o.advice_reports > 0 {
+            Ok(())
+        } else {
+            Err("the monitor thread took no advice".into())
+        }
+    };
+    check_runs("advice, sigbus", |c| c.fault_mode = FaultMode::Sigbus, 30_000, true, advised);
+    check_runs("advice, handler thread", |c| c.fault_mode = FaultMode::HandlerThread, 30_000, true, advised);
+    check_runs(
+        "advice, stream prefetcher, sync WP",
+        |c| {
+            c.prefetch = "stream".into();
+            c.dirty_tracking = DirtyTracking::SyncWriteProtect;
+        },
+        30_000,
+        true,
+        advised,
+    );
 }
 
 #[test]
