@@ -66,6 +66,7 @@ impl LiveMonitor {
         self.consumer.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 
+    /// Wake the monitor thread: reports are waiting, or the engine shuts down.
     pub(crate) fn wake(&self) {
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
     }
@@ -128,10 +129,10 @@ pub(crate) fn monitor_thread(shared: &Shared, mut consumer: Consumer) {
         if taken > 0 {
             continue;
         }
+        // Sleep until reports or shutdown (both write the eventfd, a counter: no wake-up is lost
+        // between the empty ring above and this).
         let mut fds = [PollFd::new(&shared.monitor.wake, PollFlags::IN)];
-        // The timeout only bounds how late shutdown is noticed if its wake-up were missed.
-        let timeout = rustix::event::Timespec { tv_sec: 0, tv_nsec: 50_000_000 };
-        if poll(&mut fds, Some(&timeout)).is_ok_and(|n| n > 0) {
+        if poll(&mut fds, None).is_ok_and(|n| n > 0) {
             let _ = rustix::io::read(&shared.monitor.wake, &mut buf);
         }
     }
