@@ -491,7 +491,7 @@ impl Engine {
         self.shared.stats.touch_histograms();
     }
 
-    /// The POSIX thread ids of the engine's own threads (completion, reclaim, fault handlers).
+    /// The POSIX thread ids of the engine's own threads (completion, monitor, reclaim, fault handlers).
     /// They must never fault on managed memory: a caller that routes allocations into managed
     /// memory (the preload shim's small heap) sends theirs elsewhere.
     pub fn thread_ids(&self) -> Vec<u64> {

@@ -440,4 +440,5 @@ fn long_integrity_run() {
     let ops = 10_000_000 / THREADS as u64 + 1;
     check("long handler-thread", |c| c.fault_mode = FaultMode::HandlerThread, ops);
     check("long sigbus", |c| c.fault_mode = FaultMode::Sigbus, ops);
+    check_runs("long sigbus with advice", |c| c.fault_mode = FaultMode::Sigbus, ops, true, |_| Ok(()));
 }
