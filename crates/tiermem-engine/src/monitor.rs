@@ -24,7 +24,7 @@ use tiermem_monitor::{Advice, Monitor, Report, ReportKind};
 use tiermem_sys::{Error, Result, PAGE_SIZE};
 
 use crate::engine::{Region, Shared};
-use crate::fault::read_ahead;
+use crate::fault::{read_ahead, ReadAhead};
 use crate::page::Kind;
 use crate::policy::PageList;
 use crate::region::{RegionInner, RegionTable};
@@ -39,6 +39,11 @@ const ROUND: u64 = 4096;
 /// How often the monitor thread retries a read-ahead that found no buffer or queue slot, 100 µs
 /// apart, before leaving the rest of its pages to faults.
 const STALL_RETRIES: u32 = 50;
+/// Background room left free while advised pages land (see [`read_evicted`]).
+const LANDING_SLACK: usize = 8;
+/// How often it goes back, 100 µs apart, to will-need pages that were busy (a write-back in
+/// flight) when their turn came.
+const BUSY_RETRIES: u32 = 20;
 
 /// The producer side, shared by every source, and the thread's wake-up.
 #[derive(Debug)]
@@ -74,7 +79,7 @@ impl LiveMonitor {
     /// Report `advice` for `pages` pages of region `owner` from page `first`. Waits for room in
     /// the ring instead of dropping reports (the caller is a program thread, which may wait);
     /// returns early only if the engine shuts down.
-    pub(crate) fn advise(&self, shared: &Shared, owner: u16, first: u64, pages: u64, advice: Advice) {
+    fn advise(&self, shared: &Shared, owner: u16, first: u64, pages: u64, advice: Advice) {
         let mut monitor = self.producer.lock().unwrap_or_else(|e| e.into_inner());
         let end = first + pages;
         let mut at = first;
@@ -187,16 +192,40 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
 
 /// Read the pending will-need pages, evicting first where the budget has no room for them.
 fn flush(shared: &Shared, regions: &RegionTable, pending: &mut Pending) {
-    let pages = std::mem::take(&mut pending.pages);
-    if pages.is_empty() {
-        return;
-    }
+    let mut pages = std::mem::take(&mut pending.pages);
     let Some(region) = regions.get(pending.region).filter(|r| !r.is_closing()) else { return };
-    let mut rest = pages.as_slice();
+    for _ in 0..BUSY_RETRIES {
+        if pages.is_empty() || shared.shutdown.load(Ordering::Acquire) {
+            break;
+        }
+        read_evicted(shared, regions, region, pages.as_slice());
+        // Pages still evicted were busy (their write-back in flight, or locked): once that
+        // ends they can be read, and a program touching them later would wait for the device.
+        let mut busy = PageList::default();
+        for &page in pages.as_slice() {
+            if region.pages[page as usize].peek().kind() == Kind::Evicted {
+                busy.push(page);
+            }
+        }
+        pages = busy;
+        if !pages.is_empty() {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
+/// Start reading `pages` (evicted pages of `region`), evicting first where the budget has no
+/// room for them; busy pages are skipped.
+fn read_evicted(shared: &Shared, regions: &RegionTable, region: &RegionInner, pages: &[u64]) {
+    let mut rest = pages;
     let mut stalls = 0;
     while !rest.is_empty() && !shared.shutdown.load(Ordering::Acquire) {
-        make_room(shared, regions, rest.len());
-        let done = read_ahead(shared, region, rest, None);
+        // Room for these and a few more: a faulting thread holds a page of room for a moment
+        // while it looks at its page, and a completion that finds no room drops its page
+        // (seen: one advised page in a hundred dropped so, and then read by a fault).
+        make_room(shared, regions, rest.len() + LANDING_SLACK);
+        let fits = (shared.background_room() as usize).saturating_sub(LANDING_SLACK).min(rest.len());
+        let done = if fits > 0 { read_ahead(shared, region, &rest[..fits], None) } else { ReadAhead::default() };
         Stats::add(&shared.stats.counters.monitor_read_ahead, done.pages as u64);
         // A page counts as resident only once it lands: wait for these before making room
         // for the next, or the room made would be counted twice and the pages dropped.
@@ -262,6 +291,9 @@ impl Region {
         if advice == Advice::WillNeed {
             pages = pages.min(self.shared.limit_pages() / 2);
         }
+        // Every page is reported; the monitor thread looks at each one's state when it acts,
+        // not here: a page being evicted right now still looks resident (seen: a will-need page
+        // skipped here and then read by a fault).
         if pages > 0 {
             self.shared.monitor.advise(&self.shared, owner, first, pages, advice);
         }

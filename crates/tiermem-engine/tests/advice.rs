@@ -70,7 +70,13 @@ fn will_need_pages_are_read_before_the_program_touches_them() {
             after.monitor_reports,
             after.monitor_read_ahead
         );
-        assert_eq!(critical(&before, &advised), 0, "{name}: an advised page waited for the device");
+        assert_eq!(
+            critical(&before, &advised),
+            0,
+            "{name}: an advised page waited for the device\nbefore:\n{}\nafter:\n{}",
+            before.summary(),
+            advised.summary()
+        );
         assert!(critical(&advised, &after) >= 90, "{name}: the unadvised pages should have been read on faults");
         assert_eq!(after.monitor_reports, 100, "{name}");
     }
