@@ -41,6 +41,8 @@ const ROUND: u64 = 4096;
 const STALL_RETRIES: u32 = 50;
 /// Background room left free while advised pages land (see [`read_evicted`]).
 const LANDING_SLACK: usize = 8;
+/// Most time spent on one batch of will-need pages, retries included.
+const FLUSH_TIME: Duration = Duration::from_millis(10);
 /// How often it goes back, 100 µs apart, to will-need pages that were busy (a write-back in
 /// flight) when their turn came.
 const BUSY_RETRIES: u32 = 20;
@@ -194,8 +196,10 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
 fn flush(shared: &Shared, regions: &RegionTable, pending: &mut Pending) {
     let mut pages = std::mem::take(&mut pending.pages);
     let Some(region) = regions.get(pending.region).filter(|r| !r.is_closing()) else { return };
+    // The region table stays read-locked meanwhile (region creation waits): bounded.
+    let deadline = std::time::Instant::now() + FLUSH_TIME;
     for _ in 0..BUSY_RETRIES {
-        if pages.is_empty() || shared.shutdown.load(Ordering::Acquire) {
+        if pages.is_empty() || shared.shutdown.load(Ordering::Acquire) || std::time::Instant::now() > deadline {
             break;
         }
         read_evicted(shared, regions, region, pages.as_slice());
