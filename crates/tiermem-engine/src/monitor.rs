@@ -162,9 +162,6 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
             }
         }
         ReportKind::Sequential | ReportKind::Hot => {
-            if report.kind == ReportKind::Hot && region.pages[page as usize].peek().kind() == Kind::Resident {
-                shared.replacement.on_access(region.id(page));
-            }
             let mut wanted = PageList::default();
             shared.prefetcher.on_report(index, page, region.page_count(), &mut wanted);
             let done = read_ahead(shared, region, wanted.as_slice(), None);

@@ -94,9 +94,6 @@ struct Refaults {
     scan: bool,
     /// Verdicts in a row that found a scan.
     scan_streak: u32,
-    /// The scan order was just given up (for a probe period, or for good): the run pages
-    /// waiting in its queues go to the CLOCK queue (see [`State::insert`]).
-    left_scan: bool,
 }
 
 impl Refaults {
@@ -115,7 +112,6 @@ impl Refaults {
             short: 0,
             scan: false,
             scan_streak: 0,
-            left_scan: false,
         }
     }
 
@@ -154,9 +150,7 @@ impl Refaults {
             // if refaults are short there too.
             let scan_found = self.short * 2 > VERDICT_EVERY;
             self.scan_streak = if scan_found { self.scan_streak + 1 } else { 0 };
-            let scan = scan_found && !self.scan_streak.is_multiple_of(PROBE_EVERY);
-            self.left_scan = self.scan && !scan;
-            self.scan = scan;
+            self.scan = scan_found && !self.scan_streak.is_multiple_of(PROBE_EVERY);
             self.page_ins = 0;
             self.short = 0;
         }
@@ -259,10 +253,11 @@ impl State {
     }
 
     fn insert(&mut self, page: PageId) {
+        let was_scan = self.scan_order();
         let short = self.refaults.as_mut().is_some_and(|r| r.paging_in(page));
-        if self.refaults.as_mut().is_some_and(|r| std::mem::take(&mut r.left_scan)) {
-            // Leaving the scan order: the run pages it held join the CLOCK queue as its newest
-            // (they may be the working set the scan order kept evicting).
+        if was_scan && !self.scan_order() {
+            // Leaving the scan order (for a probe period, or for good): the run pages it held
+            // join the CLOCK queue as its newest (they may be the working set it kept evicting).
             self.others.extend(self.older.drain(..));
             self.others.extend(self.recent.drain(..).map(|(page, _)| page));
         }
@@ -534,7 +529,6 @@ mod tests {
         let mut expected = vec![true; PROBE_EVERY as usize];
         expected[PROBE_EVERY as usize - 1] = false;
         assert_eq!(verdicts, expected, "a probe after {PROBE_EVERY} scan verdicts in a row");
-        assert!(r.left_scan, "leaving the scan order hands its pages to the CLOCK queue");
         // Short refaults in insertion order too: a real scan, the scan order resumes.
         assert!(period(&mut r, true, 100 << 20), "refaults short in the probe: back to the scan order");
         // Later, a probe in which refaults are no longer short: insertion order stays.
@@ -557,8 +551,11 @@ mod tests {
         let held = state.older.len() + state.recent.len();
         assert!(held > 0 && state.refaults.as_ref().is_some_and(|r| r.scan), "in the scan order, run pages held");
         let others = state.others.len();
-        state.refaults.as_mut().expect("adaptive").left_scan = true;
+        // The next page-in ends a period without short refaults: the verdict leaves the scan.
+        let r = state.refaults.as_mut().expect("adaptive");
+        (r.page_ins, r.short) = (VERDICT_EVERY - 1, 0);
         state.insert(9_999_999);
+        assert!(!state.refaults.as_ref().expect("adaptive").scan, "the scan order ended");
         assert_eq!(state.older.len() + state.recent.len(), 0);
         assert_eq!(state.others.len(), others + held + 1);
         assert_eq!(state.others.back(), Some(&9_999_999));
