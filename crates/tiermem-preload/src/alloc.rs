@@ -9,6 +9,7 @@ use tiermem_sys::PAGE_SIZE;
 use crate::heap;
 use crate::libc_alloc::{
     __libc_calloc, __libc_free, __libc_malloc, __libc_memalign, __libc_pvalloc, __libc_realloc, __libc_valloc,
+    libc_usable_size,
 };
 use crate::registry::{self, Entry, Origin};
 use crate::runtime;
@@ -254,9 +255,8 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
     if is_large(size) {
         let new = managed_alloc_any(size, 16);
         if !new.is_null() {
-            let usable = real!("malloc_usable_size", unsafe extern "C" fn(*mut c_void) -> usize);
             // SAFETY: ptr is a live C library allocation (the caller's contract).
-            let old_size = unsafe { usable(ptr) };
+            let old_size = unsafe { libc_usable_size(ptr) };
             // SAFETY: old_size bytes are readable at ptr, and new holds at least size bytes.
             unsafe { std::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old_size.min(size)) };
             // SAFETY: the old C library allocation is no longer referenced.
@@ -408,7 +408,6 @@ pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
             return if entry.user == ptr as usize { entry.usable() } else { 0 };
         }
     }
-    let usable = real!("malloc_usable_size", unsafe extern "C" fn(*mut c_void) -> usize);
     // SAFETY: a C library allocation (the caller's contract).
-    unsafe { usable(ptr) }
+    unsafe { libc_usable_size(ptr) }
 }
