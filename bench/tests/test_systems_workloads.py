@@ -74,6 +74,11 @@ def test_argument_parsing():
     assert cli.swap_bytes_for(1 << 30) >= 1 << 30
 
 
+def test_kvstore_runs_only_when_asked_for():
+    assert "kvstore" in WORKLOADS
+    assert "kvstore" not in cli.build_parser().parse_args([]).workloads.split(",")
+
+
 def test_every_workload_has_every_scale():
     for w in WORKLOADS.values():
         assert set(w.params) == {"tiny", "quick", "full"}, w.name
@@ -90,11 +95,16 @@ def run_tiny(name, cache):
     return result
 
 
-@pytest.mark.parametrize("name", ["quicksort", "intsort", "linpack"])
+def on_path(program):
+    return any(os.access(os.path.join(d, program), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
+
+
+@pytest.mark.parametrize("name", ["quicksort", "intsort", "linpack", "kvstore"])
 def test_tiny_workloads_are_deterministic(tmp_path, name):
-    if name == "quicksort" and not any(os.access(os.path.join(d, "g++"), os.X_OK)
-                                       for d in os.environ.get("PATH", "").split(os.pathsep)):
+    if name == "quicksort" and not on_path("g++"):
         pytest.skip("no g++ to build the quicksort driver")
+    if name == "kvstore" and not on_path("redis-server"):
+        pytest.skip("no redis-server (apt-get install redis-server)")
     first, second = run_tiny(name, tmp_path), run_tiny(name, tmp_path)
     assert first["digest"] == second["digest"]
     assert first["work_s"] > 0

@@ -25,7 +25,7 @@ from tiermem_bench import plot as plotting
 from tiermem_bench import report, stats
 from tiermem_bench.runner import OK, WRONG, RunRecord, run_once
 from tiermem_bench.systems import BASELINE, DEFAULT_SYSTEMS, NOT_BY_DEFAULT, SYSTEMS, helper_command, parse_systems
-from tiermem_bench.workloads import SCALES, WORKLOADS
+from tiermem_bench.workloads import DEFAULT_WORKLOADS, NOT_BY_DEFAULT, SCALES, WORKLOADS
 from tiermem_bench.workloads._common import THREAD_VARIABLES
 
 BENCH_DIR = Path(__file__).resolve().parent.parent
@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma-separated, from: {', '.join(SYSTEMS)} (default: all but {', '.join(NOT_BY_DEFAULT)})")
     p.add_argument("--ratios", default="100,80,60,40,20", help="memory limits in %% of the footprint")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from: {', '.join(WORKLOADS)}")
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
+                   help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all but {', '.join(NOT_BY_DEFAULT)})")
     p.add_argument("--repeats", type=int, default=3, help="runs per point (median reported); default 3")
     p.add_argument("--out", type=Path, help="output directory (default target/bench-apps/<timestamp>)")
     p.add_argument("--dir", type=Path,
