@@ -146,13 +146,17 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
 }
 
 /// A small allocation from the managed heap, if it serves this request. A program that makes
-/// many small allocations and no large one starts the engine once they add up.
+/// many small allocations and no large one starts the engine once they add up to the threshold
+/// (what one large allocation would have started it with): everything allocated before stays
+/// in glibc's heap, unmanaged for good. It was 16 MiB, which left a Redis server (all small
+/// objects) 16 MiB short of its budget; short-lived tools that allocate less still run without
+/// an engine.
 fn small_alloc(size: usize, align: usize) -> Option<*mut c_void> {
     static SMALL_BYTES: AtomicUsize = AtomicUsize::new(0);
-    const START_ENGINE_AFTER: usize = 16 << 20;
     if runtime::running_engine().is_none() {
-        if runtime::threshold() == usize::MAX
-            || SMALL_BYTES.fetch_add(size, Ordering::Relaxed) < START_ENGINE_AFTER
+        let threshold = runtime::threshold();
+        if threshold == usize::MAX
+            || SMALL_BYTES.fetch_add(size, Ordering::Relaxed) < threshold
             || !runtime::small_heap_wanted()
         {
             return None;

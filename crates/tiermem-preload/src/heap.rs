@@ -4,7 +4,10 @@
 //! heap in memory.
 //!
 //! - Chunks are engine regions (4 MiB first, then as large as the heap so far, up to 256 MiB);
-//!   each is one TLSF pool. Every block is 16-byte aligned (malloc's guarantee); requests for
+//!   each belongs to one of two TLSF pools by size: tiny blocks (at most 64 bytes: hash-table
+//!   entries, object headers, short keys) and the rest. Kept apart, the tiny ones a program
+//!   walks on every lookup pack densely into pages that stay hot, instead of each sitting next
+//!   to a kilobyte payload that goes cold (jemalloc's size classes do the same). Every block is 16-byte aligned (malloc's guarantee); requests for
 //!   a larger alignment go to the C library, so a pointer is freed without knowing its alignment.
 //! - Only program threads use it. The engine's own threads (which serve faults and must never
 //!   take one) and anything allocated while the engine starts go to the C library, as does
@@ -30,6 +33,10 @@ type Pools = rlsf::Tlsf<'static, u32, u32, 24, 16>;
 /// malloc's alignment on x86-64; every heap block has it.
 const ALIGN: usize = 16;
 const FIRST_CHUNK: usize = 4 << 20;
+/// Largest request of the tiny class.
+const TINY: usize = 64;
+/// Size classes, each with its own pool and chunks.
+const CLASSES: usize = 2;
 const LARGEST_CHUNK: usize = 256 << 20;
 /// Chunks the fast pointer check knows; the heap stops growing there (and the C library serves).
 const MAX_CHUNKS: usize = 64;
@@ -37,21 +44,24 @@ const MAX_CHUNKS: usize = 64;
 const MAX_ENGINE_THREADS: usize = 16;
 
 pub struct Heap {
-    pools: Pools,
-    /// Keeps the chunks' regions alive for the life of the process.
-    chunks: Vec<Region>,
+    /// One pool per size class ([`class_of`]).
+    pools: [Pools; CLASSES],
+    /// Keeps the chunks' regions alive for the life of the process, with their class.
+    chunks: Vec<(Region, usize)>,
 }
 
 // SAFETY: the TLSF structure holds raw pointers into chunks this heap owns for the life of the
 // process; it is only reached under HEAP's lock.
 unsafe impl Send for Heap {}
 
-static HEAP: Mutex<Heap> = Mutex::new(Heap { pools: Pools::new(), chunks: Vec::new() });
+static HEAP: Mutex<Heap> = Mutex::new(Heap { pools: [Pools::new(), Pools::new()], chunks: Vec::new() });
 static ENABLED: AtomicBool = AtomicBool::new(false);
 /// Chunk bounds for `contains`, published before a chunk's first block is handed out.
 static CHUNK_START: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; MAX_CHUNKS];
 static CHUNK_END: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; MAX_CHUNKS];
 static CHUNK_COUNT: AtomicUsize = AtomicUsize::new(0);
+/// Each chunk's size class, published with its bounds.
+static CHUNK_CLASS: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; MAX_CHUNKS];
 static LOWEST: AtomicUsize = AtomicUsize::new(usize::MAX);
 static HIGHEST: AtomicUsize = AtomicUsize::new(0);
 static ENGINE_THREADS: [AtomicU64; MAX_ENGINE_THREADS] = [const { AtomicU64::new(0) }; MAX_ENGINE_THREADS];
@@ -143,15 +153,31 @@ pub fn contains(ptr: usize) -> bool {
     chunk_of(ptr).is_some()
 }
 
-/// The bounds of the chunk holding `ptr`.
-fn chunk_of(ptr: usize) -> Option<(usize, usize)> {
+/// The bounds and size class of the chunk holding `ptr`.
+fn chunk_of(ptr: usize) -> Option<(usize, usize, usize)> {
     if ptr < LOWEST.load(Ordering::Acquire) || ptr >= HIGHEST.load(Ordering::Acquire) {
         return None;
     }
     let n = CHUNK_COUNT.load(Ordering::Acquire);
     (0..n)
-        .map(|i| (CHUNK_START[i].load(Ordering::Acquire), CHUNK_END[i].load(Ordering::Acquire)))
-        .find(|&(start, end)| start <= ptr && ptr < end)
+        .map(|i| {
+            (
+                CHUNK_START[i].load(Ordering::Acquire),
+                CHUNK_END[i].load(Ordering::Acquire),
+                CHUNK_CLASS[i].load(Ordering::Acquire),
+            )
+        })
+        .find(|&(start, end, _)| start <= ptr && ptr < end)
+}
+
+/// The pool a request of `size` bytes comes from.
+fn class_of(size: usize) -> usize {
+    usize::from(size > TINY)
+}
+
+/// The pool of the live block at `ptr` (inside a chunk: [`live_header`] checked it).
+fn class_of_block(ptr: usize) -> usize {
+    chunk_of(ptr).map_or(0, |(_, _, class)| class)
 }
 
 /// A block of at least `size` bytes, or None when the heap does not serve this request (the
@@ -161,12 +187,13 @@ pub fn alloc(size: usize, align: usize) -> Option<*mut c_void> {
         return None;
     }
     let layout = Layout::from_size_align(size.max(1), ALIGN).ok()?;
+    let class = class_of(layout.size());
     let mut heap = lock();
-    let block = match heap.pools.allocate(layout) {
+    let block = match heap.pools[class].allocate(layout) {
         Some(block) => block,
         None => {
-            grow(&mut heap, layout.size())?;
-            heap.pools.allocate(layout)?
+            grow(&mut heap, class, layout.size())?;
+            heap.pools[class].allocate(layout)?
         }
     };
     drop(heap);
@@ -174,8 +201,9 @@ pub fn alloc(size: usize, align: usize) -> Option<*mut c_void> {
     Some(block.as_ptr().cast())
 }
 
-/// Add a chunk that can hold `size` more bytes. None when the engine cannot give one.
-fn grow(heap: &mut HeapGuard, size: usize) -> Option<()> {
+/// Add a chunk to `class`'s pool that can hold `size` more bytes. None when the engine cannot
+/// give one.
+fn grow(heap: &mut HeapGuard, class: usize, size: usize) -> Option<()> {
     let index = CHUNK_COUNT.load(Ordering::Acquire);
     // Disabled: a forked child, whose engine (left in the parent) must not be used.
     if index == MAX_CHUNKS || !ENABLED.load(Ordering::Acquire) {
@@ -183,7 +211,7 @@ fn grow(heap: &mut HeapGuard, size: usize) -> Option<()> {
     }
     let engine = crate::runtime::running_engine()?;
     // Room for the block, its header and the pool's own sentinel.
-    let held: usize = heap.chunks.iter().map(Region::len).sum();
+    let held: usize = heap.chunks.iter().filter(|(_, c)| *c == class).map(|(r, _)| r.len()).sum();
     let len = held.clamp(FIRST_CHUNK, LARGEST_CHUNK).max(size.checked_add(4096)?.next_multiple_of(4096));
     // A kernel region: glibc's own system calls read and write stdio buffers kept here, which
     // the shim does not wrap, so in sigbus mode a handler thread serves this memory's faults.
@@ -191,14 +219,15 @@ fn grow(heap: &mut HeapGuard, size: usize) -> Option<()> {
     let (start, len) = (region.as_ptr() as usize, region.len());
     CHUNK_START[index].store(start, Ordering::Release);
     CHUNK_END[index].store(start + len, Ordering::Release);
+    CHUNK_CLASS[index].store(class, Ordering::Release);
     LOWEST.fetch_min(start, Ordering::AcqRel);
     HIGHEST.fetch_max(start + len, Ordering::AcqRel);
     CHUNK_COUNT.store(index + 1, Ordering::Release);
     let pool = NonNull::slice_from_raw_parts(NonNull::new(start as *mut u8)?, len);
     // SAFETY: the chunk is a fresh region owned by the heap (kept in `chunks`) for the life of
     // the process, and no other pool covers it.
-    unsafe { heap.pools.insert_free_block_ptr(pool) }?;
-    heap.chunks.push(region);
+    unsafe { heap.pools[class].insert_free_block_ptr(pool) }?;
+    heap.chunks.push((region, class));
     CHUNK_BYTES.fetch_add(len as u64, Ordering::Relaxed);
     Some(())
 }
@@ -216,7 +245,7 @@ const SENTINEL: usize = 2;
 /// The header of the live block at `ptr`; stops the program, naming `what`, when `ptr` is not
 /// one (freed already, or never returned by the heap).
 fn live_header(ptr: usize, what: &str) -> *mut usize {
-    let Some((start, end)) = chunk_of(ptr) else {
+    let Some((start, end, _)) = chunk_of(ptr) else {
         crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"]);
     };
     let header = ptr.wrapping_sub(HEADER);
@@ -264,8 +293,9 @@ pub unsafe fn free(ptr: *mut c_void) {
     let Some(block) = NonNull::new(ptr.cast::<u8>()) else { return };
     let mut heap = lock();
     let word = live_header(ptr as usize, "free");
-    // SAFETY: a live block of this heap (checked above), allocated with ALIGN.
-    unsafe { heap.pools.deallocate(block, ALIGN) };
+    let class = class_of_block(ptr as usize);
+    // SAFETY: a live block of this class's pool (checked above), allocated with ALIGN.
+    unsafe { heap.pools[class].deallocate(block, ALIGN) };
     // SAFETY: its header, just freed, under the lock.
     unsafe { forget_header(word) };
 }
@@ -282,7 +312,7 @@ pub unsafe fn usable_size(ptr: *mut c_void) -> usize {
 }
 
 /// Resize a heap block, in place when it can be; None when the heap cannot hold the new size
-/// (the block is then untouched and still live). Stops the program if it is not a live block.
+/// or the size belongs to the other class (the block is then untouched and still live). Stops the program if it is not a live block.
 ///
 /// # Safety
 /// [`contains`] said `ptr` is inside the heap; `size` is non-zero.
@@ -291,12 +321,17 @@ pub unsafe fn realloc(ptr: *mut c_void, size: usize) -> Option<*mut c_void> {
     let layout = Layout::from_size_align(size, ALIGN).ok()?;
     let mut heap = lock();
     let word = live_header(ptr as usize, "realloc");
-    // SAFETY: a live block of this heap (checked above) allocated with ALIGN.
-    let mut moved = unsafe { heap.pools.reallocate(block, layout) };
+    let class = class_of_block(ptr as usize);
+    if class != class_of(layout.size()) {
+        // Into the other class: the caller moves the bytes to a new block of the right pool.
+        return None;
+    }
+    // SAFETY: a live block of this class's pool (checked above) allocated with ALIGN.
+    let mut moved = unsafe { heap.pools[class].reallocate(block, layout) };
     if moved.is_none() {
-        grow(&mut heap, size)?;
+        grow(&mut heap, class, size)?;
         // SAFETY: as above; the failed attempt left the block as it was.
-        moved = unsafe { heap.pools.reallocate(block, layout) };
+        moved = unsafe { heap.pools[class].reallocate(block, layout) };
     }
     let moved = moved?;
     if moved != block {

@@ -8,7 +8,7 @@
 //! - Once the engine runs, allocations below the threshold come from a managed small-object
 //!   heap ([`heap`]; `TIERMEM_SMALL_HEAP=off` turns it off), so a
 //!   program's small objects page too instead of pinning memory.
-//! - The engine starts at the first large allocation (or once small ones add up to 16 MiB),
+//! - The engine starts at the first large allocation (or once small ones add up to as much),
 //!   configured from `TIERMEM_*` variables
 //!   ([`tiermem_engine::RunSettings`]); a bad value stops the program before `main` with a message.
 //! - A freed large malloc allocation is kept (bounded) for the next malloc of about its size,
