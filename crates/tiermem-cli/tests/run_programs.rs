@@ -1320,7 +1320,7 @@ int main(int argc, char** argv) {
     char* big = (char*)malloc(8u << 20);
     KEEP(big);
     big[0] = 1;
-    size_t n = strncmp(how, "large", 5) == 0 ? (4u << 20) : 100;
+    size_t n = strncmp(how, "large", 5) == 0 ? (4u << 20) : strncmp(how, "tiny", 4) == 0 ? 24 : 100;
     char* a = (char*)malloc(n);
     char* b = (char*)malloc(n);
     char* c = (char*)malloc(n);
@@ -1357,11 +1357,12 @@ fn double_and_invalid_frees_stop_the_program_with_a_message() {
     let bin = bin.display().to_string();
     let run =
         |how: &str| scratch.command(&["run", "--limit", "256MiB", "--", &bin, how]).output().expect("tiermem run");
-    for size in ["small", "large"] {
+    // tiny: slab blocks (at most 64 bytes); small: TLSF blocks; large: managed allocations.
+    for size in ["tiny", "small", "large"] {
         let out = run(&format!("{size}-fine"));
         assert!(out.status.success(), "{size}-fine: {}", String::from_utf8_lossy(&out.stderr));
         assert_eq!(out.stdout, b"before\nafter\n");
-        let cases: &[(&str, &str)] = if size == "small" {
+        let cases: &[(&str, &str)] = if size != "large" {
             &[
                 ("twice-merged-before", "free(): double free of a small-heap block"),
                 ("twice-merged-after", "free(): double free of a small-heap block"),

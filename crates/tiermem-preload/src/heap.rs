@@ -3,12 +3,14 @@
 //! runtime, a hash table of strings) pages like one made of big arrays instead of pinning its
 //! heap in memory.
 //!
-//! - Chunks are engine regions (4 MiB first, then as large as the heap so far, up to 256 MiB);
-//!   each belongs to one of two TLSF pools by size: tiny blocks (at most 64 bytes: hash-table
-//!   entries, object headers, short keys) and the rest. Kept apart, the tiny ones a program
-//!   walks on every lookup pack densely into pages that stay hot, instead of each sitting next
-//!   to a kilobyte payload that goes cold (jemalloc's size classes do the same). Every block is 16-byte aligned (malloc's guarantee); requests for
-//!   a larger alignment go to the C library, so a pointer is freed without knowing its alignment.
+//! - Chunks are engine regions (4 MiB first, then as large as the class's chunks so far, up to
+//!   256 MiB), of one of two kinds: tiny blocks (at most 64 bytes: hash-table entries, object
+//!   headers, short keys) come from slabs ([`crate::slab`]: one size class a page, no header),
+//!   the rest from one TLSF pool. Kept apart, the tiny ones a program walks on every lookup
+//!   pack densely into pages that stay hot, instead of each sitting next to a kilobyte payload
+//!   that goes cold (jemalloc's size classes do the same). Every block is 16-byte aligned
+//!   (malloc's guarantee); requests for a larger alignment go to the C library, so a pointer is
+//!   freed without knowing its alignment.
 //! - Only program threads use it. The engine's own threads (which serve faults and must never
 //!   take one) and anything allocated while the engine starts go to the C library, as does
 //!   everything in a forked child. Chunks are kernel regions
@@ -28,15 +30,16 @@ use std::sync::{Mutex, MutexGuard};
 
 use tiermem_engine::Region;
 
+use crate::slab::{self, BadBlock, Slabs};
+
 type Pools = rlsf::Tlsf<'static, u32, u32, 24, 16>;
 
 /// malloc's alignment on x86-64; every heap block has it.
 const ALIGN: usize = 16;
 const FIRST_CHUNK: usize = 4 << 20;
-/// Largest request of the tiny class.
-const TINY: usize = 64;
-/// Size classes, each with its own pool and chunks.
-const CLASSES: usize = 2;
+/// Chunk kinds ([`chunk_of`]).
+const SLAB_CHUNK: usize = 0;
+const TLSF_CHUNK: usize = 1;
 const LARGEST_CHUNK: usize = 256 << 20;
 /// Chunks the fast pointer check knows; the heap stops growing there (and the C library serves).
 const MAX_CHUNKS: usize = 64;
@@ -44,9 +47,11 @@ const MAX_CHUNKS: usize = 64;
 const MAX_ENGINE_THREADS: usize = 16;
 
 pub struct Heap {
-    /// One pool per size class ([`class_of`]).
-    pools: [Pools; CLASSES],
-    /// Keeps the chunks' regions alive for the life of the process, with their class.
+    /// Blocks above [`slab::MAX_SIZE`].
+    pools: Pools,
+    /// Blocks of at most [`slab::MAX_SIZE`].
+    slabs: Slabs,
+    /// Keeps the chunks' regions alive for the life of the process, with their kind.
     chunks: Vec<(Region, usize)>,
 }
 
@@ -54,13 +59,13 @@ pub struct Heap {
 // process; it is only reached under HEAP's lock.
 unsafe impl Send for Heap {}
 
-static HEAP: Mutex<Heap> = Mutex::new(Heap { pools: [Pools::new(), Pools::new()], chunks: Vec::new() });
+static HEAP: Mutex<Heap> = Mutex::new(Heap { pools: Pools::new(), slabs: Slabs::new(), chunks: Vec::new() });
 static ENABLED: AtomicBool = AtomicBool::new(false);
 /// Chunk bounds for `contains`, published before a chunk's first block is handed out.
 static CHUNK_START: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; MAX_CHUNKS];
 static CHUNK_END: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; MAX_CHUNKS];
 static CHUNK_COUNT: AtomicUsize = AtomicUsize::new(0);
-/// Each chunk's size class, published with its bounds.
+/// Each chunk's kind (slab or TLSF), published with its bounds.
 static CHUNK_CLASS: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; MAX_CHUNKS];
 static LOWEST: AtomicUsize = AtomicUsize::new(usize::MAX);
 static HIGHEST: AtomicUsize = AtomicUsize::new(0);
@@ -153,7 +158,7 @@ pub fn contains(ptr: usize) -> bool {
     chunk_of(ptr).is_some()
 }
 
-/// The bounds and size class of the chunk holding `ptr`.
+/// The bounds and kind of the chunk holding `ptr`.
 fn chunk_of(ptr: usize) -> Option<(usize, usize, usize)> {
     if ptr < LOWEST.load(Ordering::Acquire) || ptr >= HIGHEST.load(Ordering::Acquire) {
         return None;
@@ -170,14 +175,34 @@ fn chunk_of(ptr: usize) -> Option<(usize, usize, usize)> {
         .find(|&(start, end, _)| start <= ptr && ptr < end)
 }
 
-/// The pool a request of `size` bytes comes from.
-fn class_of(size: usize) -> usize {
-    usize::from(size > TINY)
+/// The kind of chunk a request of `size` bytes comes from.
+fn kind_of(size: usize) -> usize {
+    if size <= slab::MAX_SIZE {
+        SLAB_CHUNK
+    } else {
+        TLSF_CHUNK
+    }
 }
 
-/// The pool of the live block at `ptr` (inside a chunk: [`live_header`] checked it).
-fn class_of_block(ptr: usize) -> usize {
-    chunk_of(ptr).map_or(0, |(_, _, class)| class)
+/// The kind of chunk holding `ptr`; stops the program, naming `what`, when no chunk does.
+fn kind_of_block(ptr: usize, what: &str) -> usize {
+    match chunk_of(ptr) {
+        Some((_, _, kind)) => kind,
+        None => crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"]),
+    }
+}
+
+/// Stop the program over a slab block the program has no right to pass.
+fn bad_slab_block(what: &str, bad: BadBlock) -> ! {
+    match bad {
+        BadBlock::Free if what == "free" => {
+            crate::runtime::die(&["tiermem: free(): double free of a small-heap block"])
+        }
+        BadBlock::Free => crate::runtime::die(&["tiermem: ", what, "() of a freed small-heap block"]),
+        BadBlock::Unknown => {
+            crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"])
+        }
+    }
 }
 
 /// A block of at least `size` bytes, or None when the heap does not serve this request (the
@@ -187,23 +212,32 @@ pub fn alloc(size: usize, align: usize) -> Option<*mut c_void> {
         return None;
     }
     let layout = Layout::from_size_align(size.max(1), ALIGN).ok()?;
-    let class = class_of(layout.size());
     let mut heap = lock();
-    let block = match heap.pools[class].allocate(layout) {
-        Some(block) => block,
-        None => {
-            grow(&mut heap, class, layout.size())?;
-            heap.pools[class].allocate(layout)?
+    let block = if kind_of(layout.size()) == SLAB_CHUNK {
+        match heap.slabs.alloc(layout.size()) {
+            Some(addr) => addr,
+            None => {
+                grow(&mut heap, SLAB_CHUNK, layout.size())?;
+                heap.slabs.alloc(layout.size())?
+            }
         }
+    } else {
+        let block = match heap.pools.allocate(layout) {
+            Some(block) => block,
+            None => {
+                grow(&mut heap, TLSF_CHUNK, layout.size())?;
+                heap.pools.allocate(layout)?
+            }
+        };
+        block.as_ptr() as usize
     };
     drop(heap);
     ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-    Some(block.as_ptr().cast())
+    Some(block as *mut c_void)
 }
 
-/// Add a chunk to `class`'s pool that can hold `size` more bytes. None when the engine cannot
-/// give one.
-fn grow(heap: &mut HeapGuard, class: usize, size: usize) -> Option<()> {
+/// Add a chunk of `kind` that can hold `size` more bytes. None when the engine cannot give one.
+fn grow(heap: &mut HeapGuard, kind: usize, size: usize) -> Option<()> {
     let index = CHUNK_COUNT.load(Ordering::Acquire);
     // Disabled: a forked child, whose engine (left in the parent) must not be used.
     if index == MAX_CHUNKS || !ENABLED.load(Ordering::Acquire) {
@@ -211,7 +245,7 @@ fn grow(heap: &mut HeapGuard, class: usize, size: usize) -> Option<()> {
     }
     let engine = crate::runtime::running_engine()?;
     // Room for the block, its header and the pool's own sentinel.
-    let held: usize = heap.chunks.iter().filter(|(_, c)| *c == class).map(|(r, _)| r.len()).sum();
+    let held: usize = heap.chunks.iter().filter(|(_, k)| *k == kind).map(|(r, _)| r.len()).sum();
     let len = held.clamp(FIRST_CHUNK, LARGEST_CHUNK).max(size.checked_add(4096)?.next_multiple_of(4096));
     // A kernel region: glibc's own system calls read and write stdio buffers kept here, which
     // the shim does not wrap, so in sigbus mode a handler thread serves this memory's faults.
@@ -219,15 +253,19 @@ fn grow(heap: &mut HeapGuard, class: usize, size: usize) -> Option<()> {
     let (start, len) = (region.as_ptr() as usize, region.len());
     CHUNK_START[index].store(start, Ordering::Release);
     CHUNK_END[index].store(start + len, Ordering::Release);
-    CHUNK_CLASS[index].store(class, Ordering::Release);
+    CHUNK_CLASS[index].store(kind, Ordering::Release);
     LOWEST.fetch_min(start, Ordering::AcqRel);
     HIGHEST.fetch_max(start + len, Ordering::AcqRel);
     CHUNK_COUNT.store(index + 1, Ordering::Release);
-    let pool = NonNull::slice_from_raw_parts(NonNull::new(start as *mut u8)?, len);
-    // SAFETY: the chunk is a fresh region owned by the heap (kept in `chunks`) for the life of
-    // the process, and no other pool covers it.
-    unsafe { heap.pools[class].insert_free_block_ptr(pool) }?;
-    heap.chunks.push((region, class));
+    if kind == SLAB_CHUNK {
+        heap.slabs.add_chunk(start, len);
+    } else {
+        let pool = NonNull::slice_from_raw_parts(NonNull::new(start as *mut u8)?, len);
+        // SAFETY: the chunk is a fresh region owned by the heap (kept in `chunks`) for the life
+        // of the process, and no other pool covers it.
+        unsafe { heap.pools.insert_free_block_ptr(pool) }?;
+    }
+    heap.chunks.push((region, kind));
     CHUNK_BYTES.fetch_add(len as u64, Ordering::Relaxed);
     Some(())
 }
@@ -292,10 +330,15 @@ unsafe fn forget_header(word: *mut usize) {
 pub unsafe fn free(ptr: *mut c_void) {
     let Some(block) = NonNull::new(ptr.cast::<u8>()) else { return };
     let mut heap = lock();
+    if kind_of_block(ptr as usize, "free") == SLAB_CHUNK {
+        if let Err(bad) = heap.slabs.free(ptr as usize) {
+            bad_slab_block("free", bad);
+        }
+        return;
+    }
     let word = live_header(ptr as usize, "free");
-    let class = class_of_block(ptr as usize);
-    // SAFETY: a live block of this class's pool (checked above), allocated with ALIGN.
-    unsafe { heap.pools[class].deallocate(block, ALIGN) };
+    // SAFETY: a live block of the TLSF pool (checked above), allocated with ALIGN.
+    unsafe { heap.pools.deallocate(block, ALIGN) };
     // SAFETY: its header, just freed, under the lock.
     unsafe { forget_header(word) };
 }
@@ -306,13 +349,17 @@ pub unsafe fn free(ptr: *mut c_void) {
 /// [`contains`] said `ptr` is inside the heap.
 pub unsafe fn usable_size(ptr: *mut c_void) -> usize {
     let Some(block) = NonNull::new(ptr.cast::<u8>()) else { return 0 };
+    if kind_of_block(ptr as usize, "malloc_usable_size") == SLAB_CHUNK {
+        return lock().slabs.usable_size(ptr as usize).unwrap_or_else(|bad| bad_slab_block("malloc_usable_size", bad));
+    }
     live_header(ptr as usize, "malloc_usable_size");
     // SAFETY: a live block of this heap (checked above); the size sits in its header.
     unsafe { Pools::allocation_usable_size(block) }
 }
 
 /// Resize a heap block, in place when it can be; None when the heap cannot hold the new size
-/// or the size belongs to the other class (the block is then untouched and still live). Stops the program if it is not a live block.
+/// or a block of that size comes from the other kind of chunk (the block is then untouched and
+/// still live; the caller moves it). Stops the program if it is not a live block.
 ///
 /// # Safety
 /// [`contains`] said `ptr` is inside the heap; `size` is non-zero.
@@ -320,18 +367,22 @@ pub unsafe fn realloc(ptr: *mut c_void, size: usize) -> Option<*mut c_void> {
     let block = NonNull::new(ptr.cast::<u8>())?;
     let layout = Layout::from_size_align(size, ALIGN).ok()?;
     let mut heap = lock();
+    if kind_of_block(ptr as usize, "realloc") == SLAB_CHUNK {
+        let usable = heap.slabs.usable_size(ptr as usize).unwrap_or_else(|bad| bad_slab_block("realloc", bad));
+        // A slab block keeps its place while the new size fits its class; else it moves.
+        return (size <= usable).then_some(ptr);
+    }
     let word = live_header(ptr as usize, "realloc");
-    let class = class_of_block(ptr as usize);
-    if class != class_of(layout.size()) {
-        // Into the other class: the caller moves the bytes to a new block of the right pool.
+    if kind_of(layout.size()) == SLAB_CHUNK {
+        // Shrunk to a tiny size: moved to a slab, where it packs with its kind.
         return None;
     }
-    // SAFETY: a live block of this class's pool (checked above) allocated with ALIGN.
-    let mut moved = unsafe { heap.pools[class].reallocate(block, layout) };
+    // SAFETY: a live block of the TLSF pool (checked above) allocated with ALIGN.
+    let mut moved = unsafe { heap.pools.reallocate(block, layout) };
     if moved.is_none() {
-        grow(&mut heap, class, size)?;
+        grow(&mut heap, TLSF_CHUNK, size)?;
         // SAFETY: as above; the failed attempt left the block as it was.
-        moved = unsafe { heap.pools[class].reallocate(block, layout) };
+        moved = unsafe { heap.pools.reallocate(block, layout) };
     }
     let moved = moved?;
     if moved != block {

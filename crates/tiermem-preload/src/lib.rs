@@ -38,6 +38,7 @@ mod registry;
 mod reserve;
 mod runtime;
 mod signals;
+mod slab;
 mod stdio;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod syscall;
