@@ -58,6 +58,9 @@ SYSTEMS: dict[str, System] = {
         # refaults) until the others are gone, up to half of the budget.
         System("tiermem-file-seq-protect", "tiermem", "tiermem run, file device, seq-protect replacement",
                ("--replace", "seq-protect")),
+        # No prefetching at all: what prefetches cost where misses are random (kvstore).
+        System("tiermem-file-no-prefetch", "tiermem", "tiermem run, file device, no prefetcher",
+               ("--prefetch", "none")),
         # CLOCK (FIFO with a second chance), the default before seq-adaptive.
         System("tiermem-file-clock", "tiermem", "tiermem run, file device, clock replacement",
                ("--replace", "clock")),
@@ -100,7 +103,7 @@ SYSTEMS: dict[str, System] = {
 }
 # Systems measured unless --systems says otherwise: the paper's matrix.
 NOT_BY_DEFAULT = ("tiermem-file-thread", "tiermem-file-evict-at-70", "tiermem-file-stream-first", "tiermem-file-seq",
-                  "tiermem-file-seq-adaptive", "tiermem-file-seq-protect", "tiermem-file-clock", "tiermem-file-locked-stdio",
+                  "tiermem-file-seq-adaptive", "tiermem-file-seq-protect", "tiermem-file-clock", "tiermem-file-no-prefetch", "tiermem-file-locked-stdio",
                   "tiermem-file-2-handlers", "tiermem-file-no-reuse", "tiermem-file-write-runs",
                   "tiermem-file-sync-wp", "tiermem-file-handler-spin",
                   "tiermem-file-256-buffers", "tiermem-file-read-runs", "tiermem-file-runs",

@@ -3,12 +3,13 @@
 //! runtime, a hash table of strings) pages like one made of big arrays instead of pinning its
 //! heap in memory.
 //!
-//! - Chunks are engine regions (4 MiB first, then as large as the class's chunks so far, up to
-//!   256 MiB), of one of two kinds: tiny blocks (at most 64 bytes: hash-table entries, object
-//!   headers, short keys) come from slabs ([`crate::slab`]: one size class a page, no header),
-//!   the rest from one TLSF pool. Kept apart, the tiny ones a program walks on every lookup
-//!   pack densely into pages that stay hot, instead of each sitting next to a kilobyte payload
-//!   that goes cold (jemalloc's size classes do the same). Every block is 16-byte aligned
+//! - Chunks are engine regions (4 MiB first, then as large as that kind's chunks so far, up to
+//!   256 MiB), of one of two kinds: blocks of at most 1 KiB come from slabs ([`crate::slab`]:
+//!   one size class a page, no header, never across a page boundary), larger ones from one
+//!   TLSF pool. By size class, the tiny objects a program walks on every lookup (hash-table
+//!   entries, object headers, short keys) pack densely into pages that stay hot, instead of
+//!   each sitting next to a kilobyte payload that goes cold (jemalloc's size classes do the
+//!   same). Every block is 16-byte aligned
 //!   (malloc's guarantee); requests for a larger alignment go to the C library, so a pointer is
 //!   freed without knowing its alignment.
 //! - Only program threads use it. The engine's own threads (which serve faults and must never
@@ -374,7 +375,7 @@ pub unsafe fn realloc(ptr: *mut c_void, size: usize) -> Option<*mut c_void> {
     }
     let word = live_header(ptr as usize, "realloc");
     if kind_of(layout.size()) == SLAB_CHUNK {
-        // Shrunk to a tiny size: moved to a slab, where it packs with its kind.
+        // Shrunk to a slab size: moved to a slab, where it packs with its class.
         return None;
     }
     // SAFETY: a live block of the TLSF pool (checked above) allocated with ALIGN.
