@@ -130,6 +130,17 @@ def recv_exactly(s: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def recv_line(s: socket.socket) -> bytes:
+    """One reply line, without its CRLF."""
+    line = b""
+    while not line.endswith(b"\r\n"):
+        k = s.recv(1)
+        if not k:
+            raise SystemExit("kvstore: the server closed the connection")
+        line += k
+    return line[:-2]
+
+
 def bulk(b: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(b), b)
 
@@ -212,9 +223,9 @@ def main(argv=None):
                     wrong += sum(1 for e, r in zip(expected, split_replies(reply, expected)) if e != r)
             run_s = time.perf_counter() - timer.start - load_s
         conn.sendall(b"*1\r\n$6\r\nDBSIZE\r\n")
-        dbsize = conn.recv(64).strip()
+        dbsize = recv_line(conn)
         conn.sendall(b"*2\r\n$8\r\nSHUTDOWN\r\n$6\r\nNOSAVE\r\n")
-        conn.recv(64)
+        conn.recv(64)  # the server closes the connection as it exits (or says why not)
         conn.close()
         server.wait(timeout=30)
     finally:
