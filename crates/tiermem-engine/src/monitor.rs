@@ -162,6 +162,9 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
             }
         }
         ReportKind::Sequential | ReportKind::Hot => {
+            if let Some(trace) = &shared.trace {
+                trace.report((region.page_addr(page) as usize / PAGE_SIZE) as u64);
+            }
             let mut wanted = PageList::default();
             shared.prefetcher.on_report(index, page, region.page_count(), &mut wanted);
             let done = read_ahead(shared, region, wanted.as_slice(), None);

@@ -1,4 +1,5 @@
-//! An optional record of the faults the engine takes, in the simulator's binary trace format
+//! An optional record of the faults the engine takes, and of the monitor's reports the
+//! prefetcher hears (sequential and hot pages), in the simulator's binary trace format
 //! (docs/trace-format.md), so `tiermem sim` can replay what a real program did.
 //!
 //! Faulting threads (possibly inside the SIGBUS handler) only claim a slot in a preallocated
@@ -80,9 +81,20 @@ impl TraceSink {
         Ok(Self { ring, writer: std::sync::Mutex::new(Some(writer)) })
     }
 
-    /// Record an access to `page` (a page id); safe in a signal handler.
+    /// Record an access to `page` (a virtual page number); safe in a signal handler.
     #[inline]
     pub(crate) fn record(&self, page: u64, write: bool) {
+        self.push(record(page, if write { RecordKind::Write } else { RecordKind::Read }));
+    }
+
+    /// Record a monitor report on `page` (a virtual page number): a `report` record, which the
+    /// simulator gives the prefetcher (`--monitor reports`) without touching residency.
+    pub(crate) fn report(&self, page: u64) {
+        self.push(record(page, RecordKind::Report));
+    }
+
+    #[inline]
+    fn push(&self, word: u64) {
         let r = &self.ring;
         let mut pos = r.claimed.load(Ordering::Relaxed);
         loop {
@@ -95,8 +107,7 @@ impl TraceSink {
                 Err(now) => pos = now,
             }
         }
-        let kind = if write { RecordKind::Write } else { RecordKind::Read };
-        r.slots[(pos & (CAPACITY as u64 - 1)) as usize].store(record(page, kind) | FULL, Ordering::Release);
+        r.slots[(pos & (CAPACITY as u64 - 1)) as usize].store(word | FULL, Ordering::Release);
     }
 }
 

@@ -136,6 +136,37 @@ fn sequential_advice_lets_the_stream_prefetcher_read_before_any_fault() {
     check_pages(&region, 0..2048);
 }
 
+/// `tiermem trace record` keeps what the monitor told the prefetcher: sequential advice shows
+/// up as report records (kind 2) on the advised pages, next to the faults.
+#[test]
+fn sequential_reports_are_recorded_in_the_trace() {
+    let _serial = serial();
+    if features_or_skip("sequential_reports_are_recorded_in_the_trace").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("advised.tmtrace");
+    let first_page;
+    {
+        let device = std::sync::Arc::new(tiermem_device::MemDevice::new(64 << 20).unwrap());
+        let engine = engine(device, 256, |c| {
+            c.prefetch = "stream".into();
+            c.trace_path = Some(path.clone());
+        });
+        let region = engine.create_region(1024 * PAGE).unwrap();
+        first_page = (region.as_ptr() as usize / PAGE) as u64;
+        write_pages(&region, 0..1024);
+        region.advise(100 * PAGE, 300 * PAGE, Advice::Sequential).unwrap();
+        wait_for(&engine, "the reports handled", |s| s.monitor_reports == 8);
+        check_pages(&region, 0..1024);
+    }
+    let bytes = std::fs::read(&path).unwrap();
+    let records: Vec<u64> = bytes[24..].chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+    let reports: Vec<u64> = records.iter().filter(|&&r| r & 3 == 2).map(|&r| (r >> 2) - first_page).collect();
+    assert_eq!(reports, (100..108).collect::<Vec<u64>>(), "the first pages of the advised walk, in order");
+    assert!(records.iter().any(|&r| r & 3 == 1), "and the faults of the writing pass");
+}
+
 #[test]
 fn advice_outside_the_region_is_refused() {
     let _serial = serial();
