@@ -382,7 +382,8 @@ int main() {
 "#;
 
 /// Writes 64 MiB one word per page, then (with `advise`) tells the kernel it will need the
-/// first 8 MiB again and waits a little before reading them back.
+/// first 8 MiB again, or (with `sequential`) that it will walk them front to back, and waits a
+/// little before reading them back.
 const WILL_NEED: &str = r#"
 #include <cstdint>
 #include <cstdio>
@@ -397,6 +398,10 @@ int main(int argc, char** argv) {
     if (argc > 1 && strcmp(argv[1], "advise") == 0) {
         if (madvise(p, advised, MADV_WILLNEED) != 0) { perror("madvise"); return 1; }
         usleep(300 * 1000);
+    }
+    if (argc > 1 && strcmp(argv[1], "sequential") == 0) {
+        if (madvise(p, advised, MADV_SEQUENTIAL) != 0) { perror("madvise"); return 1; }
+        usleep(100 * 1000);
     }
     uint64_t bad = 0;
     for (size_t w = 0; w < advised / 8; w += 512) bad += p[w] != w * 2654435761u;
@@ -435,6 +440,33 @@ fn madvise_willneed_on_managed_memory_reads_the_pages_ahead() {
     assert_eq!(reports, 2048, "{name}: one report per advised page");
     assert!(advised_ahead >= 1800, "{name}: the advised pages were not read ahead");
     assert!(advised_critical * 10 <= plain_critical, "{name}: the advice saved too few device reads");
+    // `tiermem trace record` keeps what the monitor told the prefetcher: the sequential advice's
+    // first pages, as report records (kind 2) next to the faults.
+    let trace = scratch.path().join("sequential.trace");
+    let trace_arg = trace.display().to_string();
+    let out = scratch
+        .command(&[
+            "trace",
+            "record",
+            "-o",
+            &trace_arg,
+            "--limit",
+            "32MiB",
+            "--prefetch",
+            "stream",
+            "--",
+            &bin,
+            "sequential",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && out.stdout == b"bad=0\n", "{name}: trace record: {err}");
+    let bytes = std::fs::read(&trace).unwrap();
+    let kinds: Vec<u64> = bytes[24..].chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap()) & 3).collect();
+    let reports = kinds.iter().filter(|&&k| k == 2).count();
+    assert_eq!(reports, 8, "{name}: the trace should hold the 8 sequential reports ({} records)", kinds.len());
+    assert!(kinds.iter().filter(|&&k| k < 2).count() > 2048, "{name}: and the faults");
 }
 
 #[test]
