@@ -31,21 +31,44 @@ pub enum BadBlock {
 struct Chunk {
     start: usize,
     pages: usize,
-    /// Per page handed out so far (pages are taken front to back): class and blocks in use.
+    /// Per page handed out so far (pages are taken front to back): class ([`EMPTY`] for a page
+    /// given back, which any class may take) and blocks in use.
     class: Vec<u8>,
     used: Vec<u16>,
     /// Bit set: block in use (at most 256 blocks of 16 bytes a page).
     bits: Vec<[u64; 4]>,
-    /// Whether the page is on its class's list of pages with a free block.
+    /// Links of the page's class list of pages with a free block ([`NONE`] at the ends, and for
+    /// a page on no list).
+    next: Vec<u32>,
+    prev: Vec<u32>,
+    /// Whether the page is on its class's list.
     listed: Vec<bool>,
 }
 
-/// The slab pages of every tiny chunk.
+/// Class of a page none of whose blocks is in use: back in the pool for any class.
+const EMPTY: u8 = u8::MAX;
+/// No page.
+const NONE: u32 = u32::MAX;
+/// A page's id: its chunk in the top bits, its index in the chunk below (chunks hold at most
+/// 2^24 pages: 64 GiB).
+const PAGE_BITS: u32 = 24;
+
+fn page_id(chunk: usize, page: usize) -> u32 {
+    (chunk as u32) << PAGE_BITS | page as u32
+}
+
+fn split(id: u32) -> (usize, usize) {
+    ((id >> PAGE_BITS) as usize, (id & ((1 << PAGE_BITS) - 1)) as usize)
+}
+
+/// The slab pages of every slab chunk.
 #[derive(Debug)]
 pub struct Slabs {
     chunks: Vec<Chunk>,
-    /// Per class: pages with at least one free block, as (chunk, page); the last is used first.
-    partial: [Vec<(u32, u32)>; CLASS_SIZES.len()],
+    /// Per class: the first page of its list of pages with a free block (the one used first).
+    partial: [u32; CLASS_SIZES.len()],
+    /// Pages whose blocks were all given back, for whichever class needs a page next.
+    empty: Vec<u32>,
 }
 
 fn class_index(size: usize) -> Option<usize> {
@@ -59,37 +82,37 @@ fn blocks_per_page(class: usize) -> usize {
 impl Slabs {
     /// No chunks yet.
     pub const fn new() -> Self {
-        Self { chunks: Vec::new(), partial: [const { Vec::new() }; CLASS_SIZES.len()] }
+        Self { chunks: Vec::new(), partial: [NONE; CLASS_SIZES.len()], empty: Vec::new() }
     }
 
     /// Take the page-aligned range `start..start + len` as a new chunk of slab pages.
     pub fn add_chunk(&mut self, start: usize, len: usize) {
         debug_assert!(start.is_multiple_of(PAGE_SIZE) && len.is_multiple_of(PAGE_SIZE));
+        debug_assert!(len / PAGE_SIZE <= 1 << PAGE_BITS);
         self.chunks.push(Chunk {
             start,
             pages: len / PAGE_SIZE,
             class: Vec::new(),
             used: Vec::new(),
             bits: Vec::new(),
+            next: Vec::new(),
+            prev: Vec::new(),
             listed: Vec::new(),
         });
     }
 
-    /// A block of at least `size` bytes (at most [`MAX_SIZE`]), or None when every chunk is
-    /// taken (the heap adds one and asks again).
+    /// A block of at least `size` bytes (at most [`MAX_SIZE`]), or None when every page is
+    /// taken (the heap adds a chunk and asks again).
     pub fn alloc(&mut self, size: usize) -> Option<usize> {
         let class = class_index(size)?;
-        let (c, p) = match self.partial[class].last() {
-            Some(&page) => page,
-            None => {
-                let page = self.fresh_page(class)?;
-                self.partial[class].push(page);
-                page
-            }
-        };
-        let chunk = &mut self.chunks[c as usize];
-        let page = p as usize;
+        if self.partial[class] == NONE {
+            let id = self.empty.pop().or_else(|| self.fresh_page())?;
+            self.assign(id, class);
+            self.link(id, class);
+        }
+        let (c, page) = split(self.partial[class]);
         let n = blocks_per_page(class);
+        let chunk = &mut self.chunks[c];
         let bits = &mut chunk.bits[page];
         let block = (0..4).find_map(|w| {
             let free = !bits[w];
@@ -98,29 +121,76 @@ impl Slabs {
         debug_assert!(block < n, "a listed page has a free block");
         bits[block / 64] |= 1 << (block % 64);
         chunk.used[page] += 1;
+        let start = chunk.start;
         if usize::from(chunk.used[page]) == n {
-            chunk.listed[page] = false;
-            self.partial[class].pop();
+            self.unlink(page_id(c, page), class);
         }
-        Some(chunk.start + page * PAGE_SIZE + block * CLASS_SIZES[class])
+        Some(start + page * PAGE_SIZE + block * CLASS_SIZES[class])
     }
 
-    /// The next untouched page of the newest chunk with one, set up for `class`.
-    fn fresh_page(&mut self, class: usize) -> Option<(u32, u32)> {
+    /// The next untouched page of the newest chunk with one (class still to assign).
+    fn fresh_page(&mut self) -> Option<u32> {
         let (c, chunk) = self.chunks.iter_mut().enumerate().rev().find(|(_, ch)| ch.class.len() < ch.pages)?;
         let page = chunk.class.len();
-        let n = blocks_per_page(class);
+        chunk.class.push(EMPTY);
+        chunk.used.push(0);
+        chunk.bits.push([0; 4]);
+        chunk.next.push(NONE);
+        chunk.prev.push(NONE);
+        chunk.listed.push(false);
+        Some(page_id(c, page))
+    }
+
+    /// Give the empty page `id` to `class`.
+    fn assign(&mut self, id: u32, class: usize) {
+        let (c, page) = split(id);
+        let chunk = &mut self.chunks[c];
+        debug_assert!(chunk.class[page] == EMPTY && chunk.used[page] == 0);
+        chunk.class[page] = class as u8;
         // Bits past the page's blocks (48-byte class: 85 blocks, 16 bytes left over) count as in
         // use, so they are never handed out.
         let mut bits = [0u64; 4];
-        for b in n..256 {
+        for b in blocks_per_page(class)..256 {
             bits[b / 64] |= 1 << (b % 64);
         }
-        chunk.class.push(class as u8);
-        chunk.used.push(0);
-        chunk.bits.push(bits);
-        chunk.listed.push(true);
-        Some((c as u32, page as u32))
+        chunk.bits[page] = bits;
+    }
+
+    /// Put page `id` first on `class`'s list.
+    fn link(&mut self, id: u32, class: usize) {
+        let head = self.partial[class];
+        let (c, page) = split(id);
+        let chunk = &mut self.chunks[c];
+        debug_assert!(!chunk.listed[page]);
+        chunk.listed[page] = true;
+        chunk.prev[page] = NONE;
+        chunk.next[page] = head;
+        if head != NONE {
+            let (hc, hp) = split(head);
+            self.chunks[hc].prev[hp] = id;
+        }
+        self.partial[class] = id;
+    }
+
+    /// Take page `id` off `class`'s list.
+    fn unlink(&mut self, id: u32, class: usize) {
+        let (c, page) = split(id);
+        let chunk = &mut self.chunks[c];
+        debug_assert!(chunk.listed[page]);
+        chunk.listed[page] = false;
+        let (prev, next) = (chunk.prev[page], chunk.next[page]);
+        chunk.prev[page] = NONE;
+        chunk.next[page] = NONE;
+        if prev == NONE {
+            self.partial[class] = next;
+        } else {
+            let (pc, pp) = split(prev);
+            self.chunks[pc].next[pp] = next;
+        }
+        if next != NONE {
+            let (nc, np) = split(next);
+            self.chunks[nc].prev[np] = prev;
+        }
     }
 
     fn locate(&self, addr: usize) -> Option<(usize, usize)> {
@@ -132,7 +202,12 @@ impl Slabs {
     fn live(&self, addr: usize) -> Result<(usize, usize, usize, usize), BadBlock> {
         let (c, page) = self.locate(addr).ok_or(BadBlock::Unknown)?;
         let chunk = &self.chunks[c];
-        let class = *chunk.class.get(page).ok_or(BadBlock::Unknown)? as usize;
+        let class = *chunk.class.get(page).ok_or(BadBlock::Unknown)?;
+        if class == EMPTY {
+            // Every block of the page was given back.
+            return Err(BadBlock::Free);
+        }
+        let class = usize::from(class);
         let offset = addr - chunk.start - page * PAGE_SIZE;
         let size = CLASS_SIZES[class];
         if !offset.is_multiple_of(size) || offset / size >= blocks_per_page(class) {
@@ -150,15 +225,23 @@ impl Slabs {
         self.live(addr).map(|(_, _, class, _)| CLASS_SIZES[class])
     }
 
-    /// Give the live block at `addr` back.
+    /// Give the live block at `addr` back. A page left with no block in use goes back to the
+    /// pool for any class.
     pub fn free(&mut self, addr: usize) -> Result<(), BadBlock> {
         let (c, page, class, block) = self.live(addr)?;
+        let id = page_id(c, page);
         let chunk = &mut self.chunks[c];
         chunk.bits[page][block / 64] &= !(1 << (block % 64));
         chunk.used[page] -= 1;
-        if !chunk.listed[page] {
-            chunk.listed[page] = true;
-            self.partial[class].push((c as u32, page as u32));
+        let (listed, used) = (chunk.listed[page], chunk.used[page]);
+        if used == 0 {
+            if listed {
+                self.unlink(id, class);
+            }
+            self.chunks[c].class[page] = EMPTY;
+            self.empty.push(id);
+        } else if !listed {
+            self.link(id, class);
         }
         Ok(())
     }
@@ -222,6 +305,24 @@ mod tests {
     }
 
     #[test]
+    fn a_page_given_back_serves_another_class() {
+        let mut s = Slabs::new();
+        s.add_chunk(BASE, 2 * PAGE_SIZE);
+        let small: Vec<usize> = (0..256).map(|_| s.alloc(16).unwrap()).collect();
+        assert!(small.iter().all(|&a| a / PAGE_SIZE == BASE / PAGE_SIZE), "one full page of 16-byte blocks");
+        let other = s.alloc(1024).unwrap();
+        assert_eq!(other / PAGE_SIZE, BASE / PAGE_SIZE + 1);
+        assert_eq!(s.alloc(512), None, "both pages taken");
+        for &a in &small {
+            s.free(a).unwrap();
+        }
+        assert_eq!(s.free(small[3]), Err(BadBlock::Free), "a block of a page given back");
+        assert_eq!(s.alloc(512), Some(BASE), "the emptied page now holds 512-byte blocks");
+        assert_eq!(s.usable_size(BASE), Ok(512));
+        assert_eq!(s.usable_size(other), Ok(1024), "the other page is untouched");
+    }
+
+    #[test]
     fn bad_and_double_frees_are_refused_and_freed_blocks_come_back() {
         let mut s = Slabs::new();
         s.add_chunk(BASE, PAGE_SIZE);
@@ -233,6 +334,33 @@ mod tests {
         assert_eq!(s.free(a), Err(BadBlock::Free), "double free");
         assert_eq!(s.usable_size(a), Err(BadBlock::Free));
         assert_eq!(s.alloc(32), Some(a), "the freed block is reused");
+    }
+
+    /// Each class's list holds exactly its pages with some blocks in use and some free, once;
+    /// the empty pages are exactly those with none in use.
+    fn check_lists(s: &Slabs) {
+        for (class, &head) in s.partial.iter().enumerate() {
+            let (mut id, mut prev, mut seen) = (head, NONE, 0);
+            while id != NONE {
+                let (c, p) = split(id);
+                let ch = &s.chunks[c];
+                assert_eq!(usize::from(ch.class[p]), class);
+                assert!(ch.listed[p] && ch.used[p] > 0 && usize::from(ch.used[p]) < blocks_per_page(class));
+                assert_eq!(ch.prev[p], prev);
+                (prev, id, seen) = (id, ch.next[p], seen + 1);
+            }
+            let expected = s
+                .chunks
+                .iter()
+                .flat_map(|ch| (0..ch.class.len()).map(move |p| (ch, p)))
+                .filter(|(ch, p)| {
+                    usize::from(ch.class[*p]) == class && usize::from(ch.used[*p]) < blocks_per_page(class)
+                })
+                .count();
+            assert_eq!(seen, expected, "class {class}");
+        }
+        let empty = s.chunks.iter().map(|ch| ch.class.iter().filter(|&&c| c == EMPTY).count()).sum::<usize>();
+        assert_eq!(s.empty.len(), empty);
     }
 
     proptest! {
@@ -248,6 +376,7 @@ mod tests {
                     let addr = *live.keys().nth(pick as usize % live.len()).unwrap();
                     prop_assert_eq!(s.free(addr), Ok(()));
                     live.remove(&addr);
+                    check_lists(&s);
                     continue;
                 }
                 match s.alloc(size) {
@@ -263,12 +392,14 @@ mod tests {
                             prop_assert!(addr + usable <= next, "overlaps the block after");
                         }
                         live.insert(addr, usable);
+                        check_lists(&s);
                     }
                     None => {
                         // Full only when every page is taken and this class's are all full.
                         let class = class_index(size).unwrap();
                         let chunk = &s.chunks[0];
                         prop_assert_eq!(chunk.class.len(), 64, "a fresh page was left");
+                        prop_assert!(s.empty.is_empty(), "an empty page was left");
                         for page in 0..64 {
                             if usize::from(chunk.class[page]) == class {
                                 prop_assert_eq!(usize::from(chunk.used[page]), blocks_per_page(class));
