@@ -584,16 +584,17 @@ static void build(uint64_t seed, size_t n, uint64_t* hash, size_t* kept) {
     }
     for (size_t i = 0; i < len; i++) h = (h ^ buf[i]) * 1099511628211ULL;
     free(buf);
-    // Grown and shrunk by realloc across the heap's tiny class (64 bytes) and back, many times.
+    // Grown by realloc through every slab class and into the TLSF pool (past 1 KiB), then shrunk
+    // back into the smallest class, many times: the bytes must move with the block.
     for (int round = 0; round < 1000; round++) {
         unsigned char* g = (unsigned char*)malloc(8);
         for (size_t k = 0; k < 8; k++) g[k] = (unsigned char)(k * 7 + round);
-        for (size_t sz = 16; sz <= 256; sz += 8) {
+        for (size_t sz = 16; sz <= 2048; sz += 8) {
             g = (unsigned char*)realloc(g, sz);
             for (size_t k = sz - 8; k < sz; k++) g[k] = (unsigned char)(k * 7 + round);
         }
-        for (size_t k = 0; k < 256; k++) h = (h ^ g[k]) * 1099511628211ULL;
-        for (size_t sz = 248; sz >= 8; sz -= 8) g = (unsigned char*)realloc(g, sz);
+        for (size_t k = 0; k < 2048; k++) h = (h ^ g[k]) * 1099511628211ULL;
+        for (size_t sz = 2040; sz >= 8; sz -= 8) g = (unsigned char*)realloc(g, sz);
         for (size_t k = 0; k < 8; k++) if (g[k] != (unsigned char)(k * 7 + round)) { printf("realloc lost a byte\n"); exit(1); }
         free(g);
     }

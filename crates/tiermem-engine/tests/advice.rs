@@ -160,8 +160,7 @@ fn sequential_reports_are_recorded_in_the_trace() {
         wait_for(&engine, "the reports handled", |s| s.monitor_reports == 8);
         check_pages(&region, 0..1024);
     }
-    let bytes = std::fs::read(&path).unwrap();
-    let records: Vec<u64> = bytes[24..].chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+    let records = trace_records(&path);
     let reports: Vec<u64> = records.iter().filter(|&&r| r & 3 == 2).map(|&r| (r >> 2) - first_page).collect();
     assert_eq!(reports, (100..108).collect::<Vec<u64>>(), "the first pages of the advised walk, in order");
     assert!(records.iter().any(|&r| r & 3 == 1), "and the faults of the writing pass");

@@ -126,9 +126,7 @@ fn the_trace_sink_records_every_fault_in_the_binary_format() {
         }
         drop(region);
     }
-    let bytes = std::fs::read(&path).unwrap();
-    assert_eq!(&bytes[..8], tiermem_monitor::trace_format::MAGIC);
-    let records: Vec<u64> = bytes[24..].chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+    let records = trace_records(&path);
     // Records hold virtual page numbers.
     let index = |r: u64| (r >> 2).wrapping_sub(first_page);
     assert!(records.iter().all(|&r| index(r) < pages as u64 && r & 3 < 2), "pages of the region, reads/writes");

@@ -14,14 +14,23 @@ use crate::libc_alloc::{
 use crate::registry::{self, Entry, Origin};
 use crate::runtime;
 
-/// Look a C library function up past this library (RTLD_NEXT) once, and call it through `$ty`.
+/// Look a C library function up once and call it through `$ty`: past this library (RTLD_NEXT),
+/// or with `glibc` first, in glibc itself ([`crate::libc_alloc::glibc_handle`]), for functions
+/// another library in the program may define too (an allocator's `malloc_usable_size`).
 macro_rules! real {
-    ($name:literal, $ty:ty) => {{
+    (glibc $name:literal, $ty:ty) => {
+        $crate::alloc::real!(@in $crate::libc_alloc::glibc_handle(), $name, $ty)
+    };
+    ($name:literal, $ty:ty) => {
+        $crate::alloc::real!(@in libc::RTLD_NEXT, $name, $ty)
+    };
+    (@in $handle:expr, $name:literal, $ty:ty) => {{
         static ADDRESS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let mut address = ADDRESS.load(std::sync::atomic::Ordering::Relaxed);
         if address == 0 {
-            // SAFETY: dlsym with a NUL-terminated name; RTLD_NEXT finds the C library's definition.
-            address = unsafe { libc::dlsym(libc::RTLD_NEXT, concat!($name, "\0").as_ptr().cast()) } as usize;
+            // SAFETY: dlsym with a NUL-terminated name in a handle that names the C library (or
+            // RTLD_NEXT, which finds its definition past this library).
+            address = unsafe { libc::dlsym($handle, concat!($name, "\0").as_ptr().cast()) } as usize;
             if address == 0 {
                 $crate::runtime::die(&["tiermem: the C library has no ", $name]);
             }

@@ -67,7 +67,7 @@ static CHUNK_START: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; 
 static CHUNK_END: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; MAX_CHUNKS];
 static CHUNK_COUNT: AtomicUsize = AtomicUsize::new(0);
 /// Each chunk's kind (slab or TLSF), published with its bounds.
-static CHUNK_CLASS: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; MAX_CHUNKS];
+static CHUNK_KIND: [AtomicUsize; MAX_CHUNKS] = [const { AtomicUsize::new(0) }; MAX_CHUNKS];
 static LOWEST: AtomicUsize = AtomicUsize::new(usize::MAX);
 static HIGHEST: AtomicUsize = AtomicUsize::new(0);
 static ENGINE_THREADS: [AtomicU64; MAX_ENGINE_THREADS] = [const { AtomicU64::new(0) }; MAX_ENGINE_THREADS];
@@ -170,7 +170,7 @@ fn chunk_of(ptr: usize) -> Option<(usize, usize, usize)> {
             (
                 CHUNK_START[i].load(Ordering::Acquire),
                 CHUNK_END[i].load(Ordering::Acquire),
-                CHUNK_CLASS[i].load(Ordering::Acquire),
+                CHUNK_KIND[i].load(Ordering::Acquire),
             )
         })
         .find(|&(start, end, _)| start <= ptr && ptr < end)
@@ -189,8 +189,13 @@ fn kind_of(size: usize) -> usize {
 fn kind_of_block(ptr: usize, what: &str) -> usize {
     match chunk_of(ptr) {
         Some((_, _, kind)) => kind,
-        None => crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"]),
+        None => never_returned(what),
     }
+}
+
+/// Stop the program over a pointer `what` was given that no heap block starts at.
+fn never_returned(what: &str) -> ! {
+    crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"])
 }
 
 /// Stop the program over a slab block the program has no right to pass.
@@ -200,9 +205,7 @@ fn bad_slab_block(what: &str, bad: BadBlock) -> ! {
             crate::runtime::die(&["tiermem: free(): double free of a small-heap block"])
         }
         BadBlock::Free => crate::runtime::die(&["tiermem: ", what, "() of a freed small-heap block"]),
-        BadBlock::Unknown => {
-            crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"])
-        }
+        BadBlock::Unknown => never_returned(what),
     }
 }
 
@@ -254,7 +257,7 @@ fn grow(heap: &mut HeapGuard, kind: usize, size: usize) -> Option<()> {
     let (start, len) = (region.as_ptr() as usize, region.len());
     CHUNK_START[index].store(start, Ordering::Release);
     CHUNK_END[index].store(start + len, Ordering::Release);
-    CHUNK_CLASS[index].store(kind, Ordering::Release);
+    CHUNK_KIND[index].store(kind, Ordering::Release);
     LOWEST.fetch_min(start, Ordering::AcqRel);
     HIGHEST.fetch_max(start + len, Ordering::AcqRel);
     CHUNK_COUNT.store(index + 1, Ordering::Release);
@@ -285,11 +288,11 @@ const SENTINEL: usize = 2;
 /// one (freed already, or never returned by the heap).
 fn live_header(ptr: usize, what: &str) -> *mut usize {
     let Some((start, end, _)) = chunk_of(ptr) else {
-        crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"]);
+        never_returned(what);
     };
     let header = ptr.wrapping_sub(HEADER);
     if ptr % BLOCK_ALIGN != HEADER || header < start {
-        crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"]);
+        never_returned(what);
     }
     let word = header as *mut usize;
     // SAFETY: header..ptr lies inside a chunk (mapped for the life of the process) and is
@@ -303,7 +306,7 @@ fn live_header(ptr: usize, what: &str) -> *mut usize {
         crate::runtime::die(&["tiermem: ", what, freed]);
     }
     if size_and_flags & SENTINEL != 0 || size < BLOCK_ALIGN || size > end - header {
-        crate::runtime::die(&["tiermem: ", what, "() of a pointer the small-object heap never returned"]);
+        never_returned(what);
     }
     word
 }

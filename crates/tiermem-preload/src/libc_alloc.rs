@@ -15,33 +15,26 @@ extern "C" {
     pub fn __libc_pvalloc(size: usize) -> *mut c_void;
 }
 
+/// glibc itself, as a dlsym handle: the C library this process already has mapped.
+pub fn glibc_handle() -> *mut c_void {
+    // SAFETY: dlopen of a NUL-terminated name with RTLD_NOLOAD only returns a library this
+    // process already has mapped (every process under the shim has glibc).
+    let handle = unsafe { libc::dlopen(c"libc.so.6".as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
+    if handle.is_null() {
+        crate::runtime::die(&["tiermem: libc.so.6 is not loaded"]);
+    }
+    handle
+}
+
 /// glibc's own `malloc_usable_size`, for blocks from the `__libc_*` functions above. Not the next
 /// definition after this library (RTLD_NEXT): a program linked with another allocator
 /// (Debian's redis-server with libjemalloc) has that allocator's version next, which crashes on
-/// a glibc block. Looked up in the C library itself, once.
+/// a glibc block.
 ///
 /// # Safety
 /// `ptr` is a live block from glibc's allocator.
 pub unsafe fn libc_usable_size(ptr: *mut c_void) -> usize {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static ADDRESS: AtomicUsize = AtomicUsize::new(0);
-    let mut address = ADDRESS.load(Ordering::Relaxed);
-    if address == 0 {
-        // SAFETY: dlopen of a NUL-terminated name with RTLD_NOLOAD only returns the C library
-        // this process already has mapped (every process under the shim has it).
-        let libc_handle = unsafe { libc::dlopen(c"libc.so.6".as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
-        if libc_handle.is_null() {
-            crate::runtime::die(&["tiermem: libc.so.6 is not loaded"]);
-        }
-        // SAFETY: a NUL-terminated name looked up in the handle just obtained.
-        address = unsafe { libc::dlsym(libc_handle, c"malloc_usable_size".as_ptr()) } as usize;
-        if address == 0 {
-            crate::runtime::die(&["tiermem: the C library has no malloc_usable_size"]);
-        }
-        ADDRESS.store(address, Ordering::Relaxed);
-    }
-    // SAFETY: the address is glibc's malloc_usable_size, whose C signature this is.
-    let usable = unsafe { std::mem::transmute::<usize, unsafe extern "C" fn(*mut c_void) -> usize>(address) };
+    let usable = crate::alloc::real!(glibc "malloc_usable_size", unsafe extern "C" fn(*mut c_void) -> usize);
     // SAFETY: ptr is a glibc block (the caller's contract).
     unsafe { usable(ptr) }
 }

@@ -85,3 +85,11 @@ pub fn pattern(page: usize, version: u64, word: usize) -> u64 {
     }
     (page as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ version.rotate_left(32) ^ word as u64
 }
+
+/// The records of a binary trace file (docs/trace-format.md), after checking its magic.
+pub fn trace_records(path: &std::path::Path) -> Vec<u64> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    assert_eq!(&bytes[..8], tiermem_monitor::trace_format::MAGIC, "{}", path.display());
+    let header = tiermem_monitor::trace_format::HEADER_LEN;
+    bytes[header..].chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect()
+}
