@@ -118,6 +118,26 @@ def connect(sock_path: str, server: subprocess.Popen, wait_s: float = 60.0) -> s
             time.sleep(0.01)
 
 
+class ServerGone(Exception):
+    """The server closed the connection before replying in full."""
+
+
+def server_end(server: subprocess.Popen, work_dir: str) -> str:
+    """How the server ended, for the error: its exit status or signal and its log's last lines."""
+    try:
+        server.wait(timeout=5)
+        code = server.returncode
+        how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+    except subprocess.TimeoutExpired:
+        how = "is still running"
+    try:
+        with open(os.path.join(work_dir, "redis.log"), errors="replace") as f:
+            tail = [line.rstrip() for line in f.readlines()[-5:] if line.strip()]
+    except OSError:
+        tail = []
+    return f"redis-server {how}" + ("; its log ends: " + " | ".join(tail) if tail else "")
+
+
 def recv_exactly(s: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -125,7 +145,7 @@ def recv_exactly(s: socket.socket, n: int) -> bytes:
     while got < n:
         k = s.recv_into(view[got:], n - got)
         if k == 0:
-            raise SystemExit("kvstore: the server closed the connection")
+            raise ServerGone()
         got += k
     return bytes(buf)
 
@@ -136,7 +156,7 @@ def recv_line(s: socket.socket) -> bytes:
     while not line.endswith(b"\r\n"):
         k = s.recv(1)
         if not k:
-            raise SystemExit("kvstore: the server closed the connection")
+            raise ServerGone()
         line += k
     return line[:-2]
 
@@ -228,6 +248,8 @@ def main(argv=None):
         conn.recv(64)  # the server closes the connection as it exits (or says why not)
         conn.close()
         server.wait(timeout=30)
+    except ServerGone:
+        raise SystemExit(f"kvstore: the server closed the connection: {server_end(server, work_dir)}") from None
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGKILL)
