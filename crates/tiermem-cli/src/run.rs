@@ -474,9 +474,45 @@ pub fn record_trace(settings: RunSettings, program: &[OsString], output: &Path) 
     for (i, (pid, path)) in recorded.iter().enumerate() {
         let target = if i == 0 { output.to_path_buf() } else { PathBuf::from(format!("{}.{pid}", output.display())) };
         std::fs::copy(path, &target).map_err(|e| Error::os(e, format!("writing the trace {}", target.display())))?;
+        let about = recording_description(&outcome, *pid, program);
+        let about_path = sidecar_path(&target);
+        std::fs::write(&about_path, serde_json::to_vec_pretty(&about).unwrap_or_default())
+            .map_err(|e| Error::os(e, format!("writing {}", about_path.display())))?;
         written.push(target);
     }
     Ok((outcome, written))
+}
+
+/// Marks a trace's sidecar as the description of a recorded fault trace.
+pub const FAULT_TRACE_KIND: &str = "tiermem fault trace";
+
+/// Where the description of a recorded trace goes: `TRACE.json` next to it.
+pub fn sidecar_path(trace: &Path) -> PathBuf {
+    let mut name = trace.as_os_str().to_owned();
+    name.push(".json");
+    PathBuf::from(name)
+}
+
+/// What `tiermem sim` needs to know about a recorded trace: it holds the faults of one live run
+/// under these policies and this budget, not every access (pages the run kept resident never
+/// appear), so it replays faithfully only with that run's policies at no more local memory
+/// than the run kept resident (docs/policies.md, *Replaying recorded fault traces*).
+fn recording_description(outcome: &RunOutcome, pid: u32, program: &[OsString]) -> serde_json::Value {
+    let engine = &outcome.settings.engine;
+    let process = outcome.processes.iter().find(|p| p["pid"].as_u64() == Some(u64::from(pid)));
+    let pages = |bytes: Option<u64>| bytes.map(|b| b / tiermem_sys::PAGE_SIZE as u64);
+    serde_json::json!({
+        "kind": FAULT_TRACE_KIND,
+        "pid": pid,
+        "program": program.iter().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>(),
+        "replace": engine.replace,
+        "prefetch": engine.prefetch,
+        "budget_pages": pages(Some(engine.limit_bytes)),
+        "lowest_budget_pages": pages(process.and_then(|p| p["lowest_budget_bytes"].as_u64())),
+        "evict_watermark": engine.evict_watermark,
+        "critical_faults": process.and_then(|p| p["engine"]["critical_reads"].as_u64()),
+        "peak_resident_pages": process.and_then(|p| p["engine"]["peak_resident_pages"].as_u64()),
+    })
 }
 
 /// Exit the way the program did: the same status, or the same signal.

@@ -188,6 +188,9 @@ pub fn run(args: &SimArgs) -> Result<()> {
     let (trace, synthetic, label) = match (&args.trace, &args.synthetic) {
         (Some(path), None) => {
             let t = tiermem_sim::load(path, args.format.parse::<Format>()?, &lines)?;
+            if let Some(note) = fault_trace_note(path) {
+                eprintln!("tiermem sim: note: {note}");
+            }
             (Some(t), None, path.display().to_string())
         }
         (None, Some(spec)) => (None, Some(parse_synthetic(spec)?), spec.clone()),
@@ -298,6 +301,35 @@ pub fn run(args: &SimArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// What to keep in mind when replaying a trace `tiermem trace record` wrote (it leaves a
+/// description next to it): the trace holds that run's faults only. A page the run kept resident
+/// is never in it, so a replay with more local memory than the run kept, or with another policy
+/// (which would have kept other pages), finds hits the run never had and counts fewer faults
+/// than the run, or a live run under that policy, would take. Replayed with the run's own
+/// policies at or a little below the pages it kept resident, it reproduces the run's faults.
+fn fault_trace_note(trace: &std::path::Path) -> Option<String> {
+    let about: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(crate::run::sidecar_path(trace)).ok()?).ok()?;
+    if about["kind"].as_str() != Some(crate::run::FAULT_TRACE_KIND) {
+        return None;
+    }
+    let budget = about["lowest_budget_pages"].as_u64().or(about["budget_pages"].as_u64())?;
+    // The engine evicts from 98% of its budget in batches, and pages it installs without a fault
+    // (zero-filled or read ahead) never appear in the trace: uniform random reads replayed
+    // exactly from 95% of the budget down, PageRank from 90% (docs/policies.md).
+    let replay = budget * 95 / 100;
+    Some(format!(
+        "{} holds the faults of one live run (--replace {} --prefetch {}, budget {budget} pages), \
+         not every access: pages that run kept resident never appear. Replayed with that run's \
+         policies and --local {replay} (95% of its budget) or less it takes about the run's \
+         faults again; with more local memory, or with other policies, the simulator counts fewer \
+         faults than a live run would take (docs/policies.md, \"Replaying recorded fault traces\")",
+        trace.display(),
+        about["replace"].as_str().unwrap_or("?"),
+        about["prefetch"].as_str().unwrap_or("?"),
+    ))
 }
 
 fn save(trace: &tiermem_sim::Trace, path: &std::path::Path) -> Result<()> {

@@ -1074,6 +1074,94 @@ fn trace_record_writes_a_trace_the_simulator_replays() {
     assert!(text.contains("faults"), "sim printed: {text}");
 }
 
+/// Reads pages of one allocation in a fixed pseudo-random order (uniform over the pages).
+const RANDOM_READS: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+int main(int argc, char** argv) {
+    size_t pages = strtoull(argv[1], 0, 10), reads = strtoull(argv[2], 0, 10);
+    volatile uint64_t* a = (volatile uint64_t*)malloc(pages * 4096);
+    for (size_t i = 0; i < pages; i++) a[i * 512] = i;
+    uint64_t x = 88172645463325252ull, sum = 0;
+    for (size_t k = 0; k < reads; k++) {
+        x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+        sum += a[(x % pages) * 512];
+    }
+    printf("sum=%llu\n", (unsigned long long)sum);
+    return 0;
+}
+"#;
+
+/// The simulator runs the engine's own policy code: the fault trace of a live FIFO run without
+/// prefetching, replayed through FIFO with a little less local memory than the run kept
+/// resident, takes the run's faults again (within 2%). `tiermem trace record` describes the run
+/// next to the trace, and `tiermem sim` says what a fault trace can and cannot show.
+#[test]
+fn a_recorded_fault_trace_replays_to_the_faults_of_its_run() {
+    let name = "a_recorded_fault_trace_replays_to_the_faults_of_its_run";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, RANDOM_READS, "random_reads", name) else { return };
+    let bin = bin.display().to_string();
+    let trace = scratch.path().join("random.trace");
+    let trace_arg = trace.display().to_string();
+    // 3,200 pages read at random under a budget of 2,048 pages (8 MiB).
+    let out = scratch
+        .command(&[
+            "trace",
+            "record",
+            "--output",
+            &trace_arg,
+            "--limit",
+            "8MiB",
+            "--device",
+            "mem",
+            "--cgroup",
+            "off",
+            "--prefetch",
+            "none",
+            "--replace",
+            "fifo",
+            "--",
+            &bin,
+            "3200",
+            "300000",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "trace record failed: {err}");
+    let about: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(format!("{trace_arg}.json")).expect("a description next to the trace"))
+            .unwrap();
+    assert_eq!(about["kind"], "tiermem fault trace");
+    assert_eq!(about["replace"], "fifo");
+    assert_eq!(about["prefetch"], "none");
+    assert_eq!(about["budget_pages"], 2048);
+    let records = std::fs::metadata(&trace).unwrap().len().saturating_sub(24) / 8;
+    // Uniform reads over 3,200 pages with about 2,000 resident miss about 37% of the time.
+    assert!(records > 90_000, "{records} faults recorded: {err}");
+    let replay = |local: &str| {
+        let sim = scratch
+            .command(&["sim", &trace_arg, "--local", local, "--prefetch", "none", "--replace", "fifo", "--json"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&sim.stderr).into_owned();
+        assert!(sim.status.success(), "tiermem sim failed: {stderr}");
+        let json: serde_json::Value = serde_json::from_slice(&sim.stdout).unwrap();
+        (json["results"][0]["faults"].as_u64().unwrap(), stderr)
+    };
+    let (faults, note) = replay("1850");
+    assert!(
+        faults * 100 >= records * 98 && faults <= records,
+        "replayed at 90% of the budget: {faults} faults against the run's {records}"
+    );
+    assert!(note.contains("holds the faults of one live run") && note.contains("--replace fifo"), "{note}");
+}
+
 /// Whether a test that runs `tiermem run` in a memory cgroup can: userfaultfd, root and a
 /// memory cgroup hierarchy (it says SKIPPED with the reason when not).
 fn cgroup_test_or_skip(name: &str) -> bool {
