@@ -51,11 +51,13 @@ SYSTEMS: dict[str, System] = {
         # recent first behind a window.
         System("tiermem-file-seq", "tiermem", "tiermem run, file device, seq replacement",
                ("--replace", "seq")),
-        # The same, most recent first only while page-ins are mostly short refaults.
+        # The same, most recent first only while page-ins are mostly short refaults (the default
+        # until 2026-11-26).
         System("tiermem-file-seq-adaptive", "tiermem", "tiermem run, file device, seq-adaptive replacement",
                ("--replace", "seq-adaptive")),
         # seq-adaptive that also keeps pages which came back soon after eviction (short
-        # refaults) until the others are gone, up to half of the budget.
+        # refaults) until the others are gone, up to half of the budget: the default since
+        # 2026-11-26, so this names it explicitly.
         System("tiermem-file-seq-protect", "tiermem", "tiermem run, file device, seq-protect replacement",
                ("--replace", "seq-protect")),
         # No prefetching at all: what prefetches cost where misses are random (kvstore).

@@ -62,7 +62,7 @@ const char *tiermem_last_error(void);
  *   io_mode=hybrid|poll-only|interrupt-only
  *   reclaim_mode=background|on-fault-path
  *   prefetch=NAME         prefetcher (default readahead)
- *   replace=NAME          replacement policy (default seq-adaptive)
+ *   replace=NAME          replacement policy (default seq-protect)
  *   watermark=FRACTION    background reclaim starts at this share of the limit, in (0, 1]
  *                         (default 0.7): it writes cold dirty pages back from there
  *   evict_watermark=FRACTION  background reclaim drops pages from this share (default 0.98)
