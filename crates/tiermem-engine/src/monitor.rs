@@ -44,8 +44,17 @@ const LANDING_SLACK: usize = 8;
 /// Most time spent on one batch of will-need pages, retries included.
 const FLUSH_TIME: Duration = Duration::from_millis(10);
 /// How often it goes back, 100 µs apart, to will-need pages that were busy (a write-back in
-/// flight) when their turn came.
+/// flight) when their turn came, before setting them aside (see [`Waiting`]).
 const BUSY_RETRIES: u32 = 20;
+/// How long will-need pages set aside as busy are retried, a millisecond apart, before they
+/// are left to faults. A write-back queued behind a full queue of others can take several
+/// milliseconds (CI: 958 pages cleaned at once, 433 µs each on average), so a few retries
+/// within one batch are not enough.
+const BUSY_PATIENCE: Duration = Duration::from_secs(1);
+/// How often set-aside pages are retried.
+const WAITING_TICK: Duration = Duration::from_millis(1);
+/// Most batches set aside at once; the oldest go to faults first.
+const MOST_WAITING: usize = 64;
 
 /// The producer side, shared by every source, and the thread's wake-up.
 #[derive(Debug)]
@@ -108,11 +117,21 @@ impl LiveMonitor {
 }
 
 /// Will-need pages of one region gathered from consecutive reports, read together (contiguous
-/// pages share one request where their slots are contiguous too).
+/// pages share one request where their slots are contiguous too), and those set aside because
+/// they were busy.
 #[derive(Default)]
 struct Pending {
     region: u32,
     pages: PageList,
+    waiting: std::collections::VecDeque<Waiting>,
+}
+
+/// Will-need pages that were still being written back after a batch's retries: read once
+/// their write-back ends, retried between rounds (the region table unlocked in between).
+struct Waiting {
+    region: u32,
+    pages: PageList,
+    since: std::time::Instant,
 }
 
 /// The monitor thread: take reports off the ring and act on them, sleeping while it is empty.
@@ -132,14 +151,17 @@ pub(crate) fn monitor_thread(shared: &Shared, mut consumer: Consumer) {
                 }
             }
             flush(shared, &regions, &mut pending);
+            retry_waiting(shared, &regions, &mut pending);
         }
         if taken > 0 {
             continue;
         }
         // Sleep until reports or shutdown (both write the eventfd, a counter: no wake-up is lost
-        // between the empty ring above and this).
+        // between the empty ring above and this), or the next retry of busy pages.
         let mut fds = [PollFd::new(&shared.monitor.wake, PollFlags::IN)];
-        if poll(&mut fds, None).is_ok_and(|n| n > 0) {
+        let tick = rustix::event::Timespec { tv_sec: 0, tv_nsec: WAITING_TICK.as_nanos() as i64 };
+        let timeout = (!pending.waiting.is_empty()).then_some(&tick);
+        if poll(&mut fds, timeout).is_ok_and(|n| n > 0) {
             let _ = rustix::io::read(&shared.monitor.wake, &mut buf);
         }
     }
@@ -205,17 +227,41 @@ fn flush(shared: &Shared, regions: &RegionTable, pending: &mut Pending) {
         read_evicted(shared, regions, region, pages.as_slice());
         // Pages still evicted were busy (their write-back in flight, or locked): once that
         // ends they can be read, and a program touching them later would wait for the device.
-        let mut busy = PageList::default();
-        for &page in pages.as_slice() {
-            if region.pages[page as usize].peek().kind() == Kind::Evicted {
-                busy.push(page);
-            }
-        }
-        pages = busy;
+        pages = still_evicted(region, &pages);
         if !pages.is_empty() {
             std::thread::sleep(Duration::from_micros(100));
         }
     }
+    if !pages.is_empty() && !shared.shutdown.load(Ordering::Acquire) {
+        if pending.waiting.len() == MOST_WAITING {
+            pending.waiting.pop_front();
+        }
+        pending.waiting.push_back(Waiting { region: pending.region, pages, since: std::time::Instant::now() });
+    }
+}
+
+fn still_evicted(region: &RegionInner, pages: &PageList) -> PageList {
+    let mut left = PageList::default();
+    for &page in pages.as_slice() {
+        if region.pages[page as usize].peek().kind() == Kind::Evicted {
+            left.push(page);
+        }
+    }
+    left
+}
+
+/// One more try at every batch of set-aside pages; a batch whose pages were all read, whose
+/// region is gone, or that waited longer than [`BUSY_PATIENCE`] is done.
+fn retry_waiting(shared: &Shared, regions: &RegionTable, pending: &mut Pending) {
+    pending.waiting.retain_mut(|w| {
+        let Some(region) = regions.get(w.region).filter(|r| !r.is_closing()) else { return false };
+        if w.since.elapsed() > BUSY_PATIENCE || shared.shutdown.load(Ordering::Acquire) {
+            return false;
+        }
+        read_evicted(shared, regions, region, w.pages.as_slice());
+        w.pages = still_evicted(region, &w.pages);
+        !w.pages.is_empty()
+    });
 }
 
 /// Start reading `pages` (evicted pages of `region`), evicting first where the budget has no
