@@ -4,7 +4,7 @@
 //! - will-need pages that are evicted are read ahead, eviction making room first when the
 //!   budget is full (as the kernel's swap-in readahead for MADV_WILLNEED allocates);
 //! - sequential (and hot) pages are told to the prefetcher (`Prefetcher::on_report`), and the
-//!   pages it picks are read ahead: the `stream` prefetcher locks on to a stream before its
+//!   pages it picks are read ahead as will-need pages are (room made first, busy ones retried): the `stream` prefetcher locks on to a stream before its
 //!   first fault; prefetchers that learn from faults only ignore them;
 //! - cold resident pages go to the front of the reclaim list: evicted first when room is
 //!   needed, as MADV_COLD deactivates pages.
@@ -174,23 +174,19 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
     };
     let page = report.page;
     match report.kind {
-        ReportKind::WillNeed => {
-            if pending.region != index || pending.pages.len() == PageList::CAPACITY {
-                flush(shared, regions, pending);
-                pending.region = index;
-            }
-            if region.pages[page as usize].peek().kind() == Kind::Evicted {
-                pending.pages.push(page);
-            }
-        }
+        ReportKind::WillNeed => want(shared, regions, pending, index, region, page),
         ReportKind::Sequential | ReportKind::Hot => {
             if let Some(trace) = &shared.trace {
                 trace.report((region.page_addr(page) as usize / PAGE_SIZE) as u64);
             }
             let mut wanted = PageList::default();
             shared.prefetcher.on_report(index, page, region.page_count(), &mut wanted);
-            let done = read_ahead(shared, region, wanted.as_slice(), None);
-            Stats::add(&shared.stats.counters.monitor_read_ahead, done.pages as u64);
+            // Read like will-need pages: room made first (right after a program filled its
+            // budget there is none, and a plain prefetch would find none and read nothing),
+            // busy pages retried.
+            for &p in wanted.as_slice() {
+                want(shared, regions, pending, index, region, p);
+            }
         }
         ReportKind::Cold => {
             // Under the page's lock: a page just mapped by a fault can be in the program's
@@ -212,6 +208,35 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
         // Not sent through the ring by the engine (the prefetcher hears faults directly).
         ReportKind::Fault | ReportKind::WriteFault => {}
     }
+}
+
+/// Make page `page` of region `index` resident soon: an evicted page, or one whose eviction is
+/// under way (its write-back in flight), is queued to be read with the pages queued with it
+/// (once the batch is full, another region's page comes, or the reports run out); a resident
+/// page gets its referenced bit, as a use would, so replacement passes it over once.
+fn want(shared: &Shared, regions: &RegionTable, pending: &mut Pending, index: u32, region: &RegionInner, page: u64) {
+    if page >= region.page_count() {
+        return;
+    }
+    if pending.region != index || pending.pages.len() == PageList::CAPACITY {
+        flush(shared, regions, pending);
+        pending.region = index;
+    }
+    let cell = &region.pages[page as usize];
+    if to_read(cell.peek()) {
+        pending.pages.push(page);
+    } else if cell.peek().kind() == Kind::Resident {
+        let mut locked = cell.lock();
+        let state = locked.state();
+        if state.kind() == Kind::Resident {
+            locked.set(state.with_referenced(true));
+        }
+    }
+}
+
+/// Whether a wanted page still has to be read: evicted, or on its way out.
+fn to_read(state: crate::page::PageState) -> bool {
+    state.kind() == Kind::Evicted || (state.kind() == Kind::Resident && state.writing())
 }
 
 /// Read the pending will-need pages, evicting first where the budget has no room for them.
@@ -243,7 +268,7 @@ fn flush(shared: &Shared, regions: &RegionTable, pending: &mut Pending) {
 fn still_evicted(region: &RegionInner, pages: &PageList) -> PageList {
     let mut left = PageList::default();
     for &page in pages.as_slice() {
-        if region.pages[page as usize].peek().kind() == Kind::Evicted {
+        if to_read(region.pages[page as usize].peek()) {
             left.push(page);
         }
     }
