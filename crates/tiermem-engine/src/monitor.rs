@@ -4,8 +4,9 @@
 //! - will-need pages that are evicted are read ahead, eviction making room first when the
 //!   budget is full (as the kernel's swap-in readahead for MADV_WILLNEED allocates);
 //! - sequential (and hot) pages are told to the prefetcher (`Prefetcher::on_report`), and the
-//!   pages it picks are read ahead as will-need pages are (room made first, busy ones retried): the `stream` prefetcher locks on to a stream before its
-//!   first fault; prefetchers that learn from faults only ignore them;
+//!   pages it picks are read ahead as will-need pages are (room made first, busy ones
+//!   retried): the `stream` prefetcher locks on to a stream before its first fault;
+//!   prefetchers that learn from faults only ignore them;
 //! - cold resident pages go to the front of the reclaim list: evicted first when room is
 //!   needed, as MADV_COLD deactivates pages.
 //!
@@ -223,9 +224,10 @@ fn want(shared: &Shared, regions: &RegionTable, pending: &mut Pending, index: u3
         pending.region = index;
     }
     let cell = &region.pages[page as usize];
-    if to_read(cell.peek()) {
+    let seen = cell.peek();
+    if to_read(seen) {
         pending.pages.push(page);
-    } else if cell.peek().kind() == Kind::Resident {
+    } else if seen.kind() == Kind::Resident {
         let mut locked = cell.lock();
         let state = locked.state();
         if state.kind() == Kind::Resident {
@@ -250,9 +252,9 @@ fn flush(shared: &Shared, regions: &RegionTable, pending: &mut Pending) {
             break;
         }
         read_evicted(shared, regions, region, pages.as_slice());
-        // Pages still evicted were busy (their write-back in flight, or locked): once that
+        // Pages still to read were busy (their write-back in flight, or locked): once that
         // ends they can be read, and a program touching them later would wait for the device.
-        pages = still_evicted(region, &pages);
+        pages = still_to_read(region, &pages);
         if !pages.is_empty() {
             std::thread::sleep(Duration::from_micros(100));
         }
@@ -265,7 +267,8 @@ fn flush(shared: &Shared, regions: &RegionTable, pending: &mut Pending) {
     }
 }
 
-fn still_evicted(region: &RegionInner, pages: &PageList) -> PageList {
+/// The pages of `pages` that still have to be read (see [`to_read`]).
+fn still_to_read(region: &RegionInner, pages: &PageList) -> PageList {
     let mut left = PageList::default();
     for &page in pages.as_slice() {
         if to_read(region.pages[page as usize].peek()) {
@@ -284,7 +287,7 @@ fn retry_waiting(shared: &Shared, regions: &RegionTable, pending: &mut Pending) 
             return false;
         }
         read_evicted(shared, regions, region, w.pages.as_slice());
-        w.pages = still_evicted(region, &w.pages);
+        w.pages = still_to_read(region, &w.pages);
         !w.pages.is_empty()
     });
 }
