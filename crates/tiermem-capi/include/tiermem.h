@@ -61,12 +61,13 @@ const char *tiermem_last_error(void);
  *   dirty_tracking=auto|sync-wp|async-wp|none
  *   io_mode=hybrid|poll-only|interrupt-only
  *   reclaim_mode=background|on-fault-path
- *   prefetch=NAME         prefetcher (default readahead)
+ *   prefetch=NAME         prefetcher (default ondemand)
  *   replace=NAME          replacement policy (default seq-protect)
  *   watermark=FRACTION    background reclaim starts at this share of the limit, in (0, 1]
  *                         (default 0.7): it writes cold dirty pages back from there
  *   evict_watermark=FRACTION  background reclaim drops pages from this share (default 0.98)
- *   io_buffers=N, queue_depth=N, reclaim_batch=N, handler_threads=N, handler_spin_us=N
+ *   io_buffers=N, queue_depth=N, reclaim_batch=N, handler_threads=N, handler_spin_us=N,
+ *   hot_threshold=N (1..=64: read faults that make a page hot in the access monitor)
  * SIZE is bytes or a number with a K/KiB/M/MiB/G/GiB/T suffix, e.g. 64MiB or 1.5GiB.
  * Example: "limit=64MiB,device=mem,device_size=1GiB,fault_mode=thread,watermark=0.7".
  *

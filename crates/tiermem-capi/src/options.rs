@@ -23,6 +23,7 @@ pub const KEYS: &[&str] = &[
     "reclaim_batch",
     "handler_threads",
     "handler_spin_us",
+    "hot_threshold",
 ];
 
 /// An engine configuration plus the device to open for it.
@@ -57,6 +58,7 @@ fn apply(config: &mut EngineConfig, key: &str, value: &str) -> Result<()> {
         "reclaim_batch" => config.reclaim_batch = number(value)?,
         "handler_threads" => config.handler_threads = number(value)?,
         "handler_spin_us" => config.handler_spin_us = number(value)?,
+        "hot_threshold" => config.hot_threshold = number(value)?,
         other => return Err(Error::new(ErrorKind::Internal, format!("option `{other}` is not an engine field"))),
     }
     Ok(())

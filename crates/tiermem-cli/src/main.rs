@@ -310,6 +310,10 @@ struct RunArgs {
     /// background | on-fault-path.
     #[arg(long, env = "TIERMEM_RECLAIM_MODE")]
     reclaim_mode: Option<String>,
+    /// Access monitor: read faults that make a page hot in its hot-page table (kept, or read
+    /// back if evicted), 1..=64 [default: 8].
+    #[arg(long, env = "TIERMEM_HOT_THRESHOLD")]
+    hot_threshold: Option<String>,
     /// on | off: write address-contiguous dirty pages of a reclaim batch as one request of up
     /// to 32 pages to consecutive slots [default: off].
     #[arg(long, env = "TIERMEM_WRITE_RUNS")]
@@ -420,6 +424,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_READ_RUNS", &args.read_runs),
         ("TIERMEM_DEFER_HITS", &args.defer_hits),
         ("TIERMEM_RECLAIM_MODE", &args.reclaim_mode),
+        ("TIERMEM_HOT_THRESHOLD", &args.hot_threshold),
         ("TIERMEM_DIRTY_TRACKING", &args.dirty_tracking),
         ("TIERMEM_THRESHOLD", &args.threshold),
         ("TIERMEM_CGROUP", &args.cgroup),

@@ -132,6 +132,10 @@ pub struct EngineConfig {
     /// faulting thread asleep in the kernel until the completion maps the page (which wakes it),
     /// instead of the handler spinning until the read lands.
     pub defer_prefetch_hits: bool,
+    /// The access monitor's hot-page threshold N (1..=64): a page is reported hot once it
+    /// takes N read faults while it stays in the 64-entry hot-page table; a hot page found
+    /// resident gets its referenced bit, one found evicted is read back.
+    pub hot_threshold: u32,
     /// Record every fault (page id, read or write) to this file in the simulator's binary trace
     /// format, for `tiermem sim`.
     pub trace_path: Option<std::path::PathBuf>,
@@ -164,6 +168,7 @@ impl Default for EngineConfig {
             write_runs: false,
             read_runs: false,
             defer_prefetch_hits: false,
+            hot_threshold: tiermem_monitor::hot_table::DEFAULT_THRESHOLD,
             trace_path: None,
         }
     }
@@ -208,6 +213,12 @@ impl EngineConfig {
         }
         if self.handler_spin_us > 10_000 {
             return Err(Error::invalid(format!("handler spin {} µs must be at most 10000", self.handler_spin_us)));
+        }
+        if !(1..=64).contains(&self.hot_threshold) {
+            return Err(Error::invalid(format!(
+                "hot-page threshold {} must be in 1..=64 (read faults before a page is reported hot)",
+                self.hot_threshold
+            )));
         }
         crate::policy::build_policies(&self.prefetch, &self.replace, 1, &crate::policy::PolicyOptions::default())?;
         Ok(())

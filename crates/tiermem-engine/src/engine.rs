@@ -357,7 +357,7 @@ impl Engine {
             reserved_pages: AtomicU64::new(0),
             pins: std::sync::Mutex::new(Vec::new()),
             prefetch_sampler: crate::prefetch_sample::PrefetchSampler::new(config.io_buffers as usize),
-            monitor: crate::monitor::LiveMonitor::new()?,
+            monitor: crate::monitor::LiveMonitor::new(config.hot_threshold)?,
             config,
         });
         let mut threads = Vec::new();

@@ -102,6 +102,7 @@ pub(crate) fn handle_fault(
         // and regions stay distinct page ranges (a page id would put the region above bit 40).
         trace.record((page_addr as usize / PAGE_SIZE) as u64, write);
     }
+    shared.monitor.fault(&shared.stats, region.index, index, write);
     let started = Instant::now();
     let mut waited_on_prefetch = false;
     loop {

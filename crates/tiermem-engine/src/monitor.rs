@@ -10,9 +10,12 @@
 //! - cold resident pages go to the front of the reclaim list: evicted first when room is
 //!   needed, as MADV_COLD deactivates pages.
 //!
-//! The source today is application advice ([`crate::Region::advise`], which the preload shim
-//! calls for madvise on managed memory). Faults do not go through the ring: the prefetcher
-//! already hears them on the fault path.
+//! Sources: application advice ([`crate::Region::advise`], which the preload shim calls for
+//! madvise on managed memory), and every fault and write fault, which the fault path feeds to the
+//! hot-page table (§2.1, faults standing for the memory reads it counts; [`LiveMonitor::fault`]):
+//! a page that faults N times while it stays in the table is reported hot, and a hot page is
+//! wanted as a will-need page is (resident: its referenced bit; evicted: read back). The
+//! prefetcher also hears every fault directly on the fault path, as before.
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;
@@ -67,11 +70,10 @@ pub(crate) struct LiveMonitor {
 }
 
 impl LiveMonitor {
-    pub(crate) fn new() -> Result<Self> {
+    pub(crate) fn new(hot_threshold: u32) -> Result<Self> {
         let (producer, consumer) = tiermem_monitor::ring::ring(RING_REPORTS);
         Ok(Self {
-            // The hot-page table's default threshold; no live source feeds it cache lines yet.
-            producer: Mutex::new(Monitor::new(8, producer)?),
+            producer: Mutex::new(Monitor::new(hot_threshold, producer)?),
             consumer: Mutex::new(Some(consumer)),
             wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
                 .map_err(|e| Error::os(e.into(), "eventfd"))?,
@@ -86,6 +88,27 @@ impl LiveMonitor {
     /// Wake the monitor thread: reports are waiting, or the engine shuts down.
     pub(crate) fn wake(&self) {
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+    }
+
+    /// Show the monitor a fault on page `page` of region `index` (`write`: a write fault).
+    /// Called on the fault path, also inside the SIGBUS handler: never waits (a fault that finds
+    /// another thread feeding the monitor is skipped and counted), never allocates, and makes a
+    /// system call only for a report (the wake-up), which the table's sent bit keeps rare.
+    pub(crate) fn fault(&self, stats: &Stats, index: u32, page: u64, write: bool) {
+        let Ok(owner) = u16::try_from(index) else { return };
+        let mut monitor = match self.producer.try_lock() {
+            Ok(m) => m,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => {
+                Stats::add(&stats.counters.monitor_skipped_faults, 1);
+                return;
+            }
+        };
+        let reported = monitor.fault(owner, page, write);
+        drop(monitor);
+        if reported {
+            self.wake();
+        }
     }
 
     /// Report `advice` for `pages` pages of region `owner` from page `first`. Waits for room in
@@ -180,6 +203,14 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
             if let Some(trace) = &shared.trace {
                 trace.report((region.page_addr(page) as usize / PAGE_SIZE) as u64);
             }
+            if report.kind == ReportKind::Hot {
+                // It kept coming back: keep it (resident) or bring it back (evicted). The
+                // report leaves at the fault, often before the page has landed: wait for that
+                // (hot reports are rare, the table's sent bit sees to it).
+                Stats::add(&shared.stats.counters.hot_reports, 1);
+                await_landing(region, &[page]);
+                want(shared, regions, pending, index, region, page);
+            }
             let mut wanted = PageList::default();
             shared.prefetcher.on_report(index, page, region.page_count(), &mut wanted);
             // Read like will-need pages: room made first (right after a program filled its
@@ -206,8 +237,6 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
                 Stats::add(&shared.stats.counters.cold_listed, 1);
             }
         }
-        // Not sent through the ring by the engine (the prefetcher hears faults directly).
-        ReportKind::Fault | ReportKind::WriteFault => {}
     }
 }
 

@@ -70,6 +70,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "thread fault mode: microseconds a handler polls for the next fault before sleeping, 0..=10000 (default 0)",
     ),
     ("TIERMEM_RECLAIM_MODE", "background | on-fault-path"),
+    (
+        "TIERMEM_HOT_THRESHOLD",
+        "access monitor: read faults that make a page hot in its hot-page table, 1..=64 (default 8)",
+    ),
     ("TIERMEM_WRITE_RUNS", "on | off: write contiguous dirty pages as one request of up to 32 pages (default off)"),
     ("TIERMEM_READ_RUNS", "on | off: read prefetched pages in consecutive slots as one request of up to 32 pages (default off)"),
     ("TIERMEM_DEFER_HITS", "on | off: thread fault mode: a fault on a page being prefetched sleeps until it lands instead of the handler spinning (default off)"),
@@ -164,6 +168,7 @@ impl RunSettings {
                 "TIERMEM_IO_BUFFERS" => s.engine.io_buffers = whole_number(value, "256").map_err(named)?,
                 "TIERMEM_HANDLER_SPIN_US" => s.engine.handler_spin_us = whole_number(value, "30").map_err(named)?,
                 "TIERMEM_RECLAIM_MODE" => s.engine.reclaim_mode = value.parse().map_err(named)?,
+                "TIERMEM_HOT_THRESHOLD" => s.engine.hot_threshold = whole_number(value, "8").map_err(named)?,
                 "TIERMEM_DIRTY_TRACKING" => s.engine.dirty_tracking = value.parse().map_err(named)?,
                 "TIERMEM_THRESHOLD" => s.threshold = nonzero_size(value).map_err(named)?,
                 "TIERMEM_STATS_DIR" => s.stats_dir = Some(PathBuf::from(value)),
@@ -223,6 +228,7 @@ impl RunSettings {
             ("TIERMEM_READ_RUNS", if e.read_runs { "on" } else { "off" }.to_string()),
             ("TIERMEM_DEFER_HITS", if e.defer_prefetch_hits { "on" } else { "off" }.to_string()),
             ("TIERMEM_RECLAIM_MODE", e.reclaim_mode.to_string()),
+            ("TIERMEM_HOT_THRESHOLD", e.hot_threshold.to_string()),
             ("TIERMEM_DIRTY_TRACKING", e.dirty_tracking.to_string()),
             ("TIERMEM_THRESHOLD", self.threshold.to_string()),
             (
@@ -351,6 +357,8 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_SPIN_US", "-1")], "TIERMEM_HANDLER_SPIN_US=-1"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_IO_BUFFERS", "8")], "io_buffers 8"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_SPIN_US", "20000")], "handler spin 20000"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HOT_THRESHOLD", "65")], "hot-page threshold 65"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HOT_THRESHOLD", "0")], "hot-page threshold 0"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_DEVICE", "floppy")], "TIERMEM_DEVICE=floppy"),
         ];
         for (vars, expected) in cases {

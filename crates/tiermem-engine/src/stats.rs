@@ -104,8 +104,14 @@ pub struct Counters {
     pub dropped_outside: AtomicU64,
     /// Highest resident page count seen.
     pub peak_resident: AtomicU64,
-    /// Reports the monitor thread took from the access monitor's ring (application advice).
+    /// Reports the monitor thread took from the access monitor's ring (application advice, hot
+    /// pages).
     pub monitor_reports: AtomicU64,
+    /// Of those, hot pages: pages the hot-page table saw fault N times (the threshold).
+    pub hot_reports: AtomicU64,
+    /// Faults the access monitor did not see: another thread was feeding it at that moment
+    /// (the fault path never waits for it).
+    pub monitor_skipped_faults: AtomicU64,
     /// Pages read ahead for monitor reports: advised as needed soon, or chosen by the
     /// prefetcher from a report (counted in `prefetch_issued` too).
     pub monitor_read_ahead: AtomicU64,
@@ -217,6 +223,8 @@ impl Stats {
             dropped_outside: l(&c.dropped_outside),
             peak_resident_pages: l(&c.peak_resident),
             monitor_reports: l(&c.monitor_reports),
+            hot_reports: l(&c.hot_reports),
+            monitor_skipped_faults: l(&c.monitor_skipped_faults),
             monitor_read_ahead: l(&c.monitor_read_ahead),
             cold_listed: l(&c.cold_listed),
             prefetch_accuracy: accuracy,
@@ -309,6 +317,12 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub monitor_reports: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub hot_reports: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub monitor_skipped_faults: u64,
     /// See [`Counters`].
     #[serde(default)]
     pub monitor_read_ahead: u64,
@@ -404,8 +418,8 @@ impl StatsSnapshot {
         if self.monitor_reports > 0 {
             let _ = writeln!(
                 s,
-                "advice          {} reports: {} pages read ahead, {} resident pages put first for eviction",
-                self.monitor_reports, self.monitor_read_ahead, self.cold_listed
+                "monitor         {} reports ({} hot pages): {} pages read ahead, {} resident pages put first for eviction",
+                self.monitor_reports, self.hot_reports, self.monitor_read_ahead, self.cold_listed
             );
         }
         if self.dropped_outside > 0 {
@@ -478,6 +492,8 @@ impl StatsSnapshot {
         self.dropped_outside += other.dropped_outside;
         self.peak_resident_pages = self.peak_resident_pages.max(other.peak_resident_pages);
         self.monitor_reports += other.monitor_reports;
+        self.hot_reports += other.hot_reports;
+        self.monitor_skipped_faults += other.monitor_skipped_faults;
         self.monitor_read_ahead += other.monitor_read_ahead;
         self.cold_listed += other.cold_listed;
         for theirs in &other.paths {

@@ -1,15 +1,15 @@
 #![allow(clippy::multiple_unsafe_ops_per_block)] // raw pointer walks over test regions, one invariant each
-//! Application advice through the live access monitor: will-need pages are read ahead before
-//! the program touches them, cold pages are evicted first, sequential advice lets the stream
-//! prefetcher read ahead without a fault. Each effect is checked against the same run without
-//! the advice.
+//! The live access monitor. Application advice: will-need pages are read ahead before the
+//! program touches them, cold pages are evicted first, sequential advice lets the stream
+//! prefetcher read ahead without a fault; each effect is checked against the same run without
+//! the advice. Faults: a page that keeps faulting is reported hot by the hot-page table.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use common::*;
-use tiermem_engine::{Advice, Engine, Region, StatsSnapshot};
+use tiermem_engine::{Advice, Engine, FaultMode, Region, StatsSnapshot};
 use tiermem_sys::pagemap::Pagemap;
 
 const PAGE: usize = 4096;
@@ -63,7 +63,7 @@ fn will_need_pages_are_read_before_the_program_touches_them() {
         // read but mapped only at its first touch (to measure accuracy), so it counts too; the
         // advice is this engine's only source of prefetches.
         wait_for(&engine, "read the advised pages", |s| {
-            s.monitor_reports == 100 && present(&pagemap, &region, 0..100) + s.prefetch_sampled >= 100
+            s.monitor_reports - s.hot_reports == 100 && present(&pagemap, &region, 0..100) + s.prefetch_sampled >= 100
         });
         let before = engine.stats();
         check_pages(&region, 0..100);
@@ -86,7 +86,7 @@ fn will_need_pages_are_read_before_the_program_touches_them() {
             advised.summary()
         );
         assert!(critical(&advised, &after) >= 90, "{name}: the unadvised pages should have been read on faults");
-        assert_eq!(after.monitor_reports, 100, "{name}");
+        assert_eq!(after.monitor_reports - after.hot_reports, 100, "{name}");
     }
 }
 
@@ -136,7 +136,9 @@ fn sequential_advice_lets_the_stream_prefetcher_read_before_any_fault() {
     let before = engine.stats();
     // Pages 0.. were evicted long ago; the advice names the start of a forward walk.
     region.advise(0, 1024 * PAGE, Advice::Sequential).unwrap();
-    wait_for(&engine, "read ahead of the stream", |s| s.monitor_reports == 8 && s.monitor_read_ahead > 0);
+    wait_for(&engine, "read ahead of the stream", |s| {
+        s.monitor_reports - s.hot_reports == 8 && s.monitor_read_ahead > 0
+    });
     let after = engine.stats();
     eprintln!("{} pages read ahead from {} reports", after.monitor_read_ahead, after.monitor_reports);
     assert_eq!(after.critical_reads, before.critical_reads, "no fault was needed");
@@ -165,13 +167,71 @@ fn sequential_reports_are_recorded_in_the_trace() {
         first_page = (region.as_ptr() as usize / PAGE) as u64;
         write_pages(&region, 0..1024);
         region.advise(100 * PAGE, 300 * PAGE, Advice::Sequential).unwrap();
-        wait_for(&engine, "the reports handled", |s| s.monitor_reports == 8);
+        wait_for(&engine, "the reports handled", |s| s.monitor_reports - s.hot_reports == 8);
         check_pages(&region, 0..1024);
     }
     let records = trace_records(&path);
     let reports: Vec<u64> = records.iter().filter(|&&r| r & 3 == 2).map(|&r| (r >> 2) - first_page).collect();
     assert_eq!(reports, (100..108).collect::<Vec<u64>>(), "the first pages of the advised walk, in order");
     assert!(records.iter().any(|&r| r & 3 == 1), "and the faults of the writing pass");
+}
+
+/// Faults feed the hot-page table (§2.1): page 0, evicted again after each of its faults (FIFO,
+/// 64 pages of budget, 100 other pages read in between), becomes hot at its N-th read fault and
+/// is reported once; the other pages, read as often but from the table's three other sets with
+/// ~33 others in each between two of their faults, never stay in it long enough.
+#[test]
+fn a_page_that_keeps_faulting_is_reported_hot_once() {
+    let _serial = serial();
+    if features_or_skip("a_page_that_keeps_faulting_is_reported_hot_once").is_none() {
+        return;
+    }
+    const CYCLES: usize = 12;
+    let others: Vec<usize> = (1..1200).filter(|p| p % 4 != 0).collect();
+    for (mode, threshold) in [(FaultMode::Sigbus, 8), (FaultMode::HandlerThread, 8), (FaultMode::Sigbus, 3)] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hot.tmtrace");
+        let first_page;
+        {
+            let device = std::sync::Arc::new(tiermem_device::MemDevice::new(64 << 20).unwrap());
+            let engine = engine(device, 64, |c| {
+                c.fault_mode = mode;
+                c.prefetch = "none".into();
+                c.replace = "fifo".into();
+                c.hot_threshold = threshold;
+                c.trace_path = Some(path.clone());
+            });
+            let region = engine.create_region(1200 * PAGE).unwrap();
+            first_page = (region.as_ptr() as usize / PAGE) as u64;
+            write_pages(&region, 0..1200);
+            for cycle in 0..CYCLES {
+                check_pages(&region, 0..1);
+                for &p in others.iter().cycle().skip(cycle * 100).take(100) {
+                    check_pages(&region, p..p + 1);
+                }
+            }
+            wait_for(&engine, "took the hot report", |s| s.hot_reports >= 1);
+            let s = engine.stats();
+            eprintln!(
+                "{mode:?}, N = {threshold}: {} hot reports, {} faults not shown",
+                s.hot_reports, s.monitor_skipped_faults
+            );
+            assert_eq!(s.hot_reports, 1, "{mode:?}, N = {threshold}: only page 0, once (its sent bit)");
+            assert_eq!(s.monitor_skipped_faults, 0, "one program thread: the monitor is never busy");
+        }
+        let records = trace_records(&path);
+        let page0 = |kind: u64| move |&&r: &&u64| r & 3 == kind && r >> 2 == first_page;
+        let at = records.iter().position(|r| page0(2)(&r)).expect("the hot report is in the trace");
+        let faults_before = records[..at].iter().filter(page0(0)).count();
+        // Read faults only (kind 0): page 0's first fault, the write of the first pass, counts
+        // nothing in the table. The report leaves at the N-th read fault.
+        assert!(
+            faults_before >= threshold as usize,
+            "{mode:?}: reported after {faults_before} faults of page 0, N = {threshold}"
+        );
+        assert_eq!(records.iter().filter(page0(0)).count(), CYCLES, "{mode:?}: page 0 faulted every cycle");
+        assert_eq!(records.iter().filter(|&&r| r & 3 == 2).count(), 1, "{mode:?}: one report in the trace");
+    }
 }
 
 #[test]

@@ -189,7 +189,7 @@ fn hammer(
         read_requests: device.reads,
         pages_read: device.bytes_read_medium / 4096,
         cleaning,
-        advice_reports: stats.monitor_reports,
+        advice_reports: stats.monitor_reports - stats.hot_reports,
     }
 }
 

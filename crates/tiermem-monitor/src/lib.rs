@@ -28,10 +28,7 @@ use rpt::ReversePageTable;
 pub enum ReportKind {
     /// The hot-page table saw N reads.
     Hot = 0,
-    /// A fault on a non-resident page.
-    Fault = 1,
-    /// A write fault (first write to a clean resident page).
-    WriteFault = 2,
+    // 1 and 2 were raw faults and write faults: faults now go through the hot-page table.
     /// The application said it will read the page sequentially.
     Sequential = 3,
     /// The application said it will need the page soon.
@@ -74,8 +71,6 @@ impl Report {
     pub fn decode(word: u64) -> Option<Self> {
         let kind = match word >> 60 {
             0 => ReportKind::Hot,
-            1 => ReportKind::Fault,
-            2 => ReportKind::WriteFault,
             3 => ReportKind::Sequential,
             4 => ReportKind::WillNeed,
             5 => ReportKind::Cold,
@@ -142,9 +137,21 @@ impl Monitor {
         }
     }
 
-    /// Source: the engine's faults (`write`: a write fault on a resident page).
-    pub fn fault(&mut self, owner: u16, page: u64, write: bool) {
-        self.send(Report { kind: if write { ReportKind::WriteFault } else { ReportKind::Fault }, owner, page });
+    /// Source: the engine's faults (`write`: a write fault on a resident page), page-granular
+    /// accesses into the hot-page table: a read fault counts as a read of page `page` of region
+    /// `owner`, a write fault counts nothing (the table counts reads only). A page that faults
+    /// N times while it stays in the table (it came back that often within about 16 other
+    /// faulting pages of its set) is reported [`ReportKind::Hot`], once. Returns whether this
+    /// fault sent a report.
+    pub fn fault(&mut self, owner: u16, page: u64, write: bool) -> bool {
+        self.counters.line_requests += 1;
+        // Region and page in one key, so that equal page indices of two regions stay apart;
+        // the low bits (the set index) are the page's own.
+        let key = u64::from(owner) << 40 | (page & PAGE_MASK);
+        let Some(hot) = self.table.access(key, write) else { return false };
+        let before = self.counters.reports;
+        self.send(Report { kind: ReportKind::Hot, owner: (hot >> 40) as u16, page: hot & PAGE_MASK });
+        self.counters.reports > before
     }
 
     /// Source: application hints over `pages` pages from `first`. Will-need and cold ranges are
@@ -208,9 +215,8 @@ mod tests {
 
     proptest! {
         #[test]
-        fn reports_round_trip_through_a_word(kind in 0u8..6, owner in any::<u16>(), page in 0u64..(1 << 40)) {
-            let kind = [ReportKind::Hot, ReportKind::Fault, ReportKind::WriteFault, ReportKind::Sequential,
-                        ReportKind::WillNeed, ReportKind::Cold][kind as usize];
+        fn reports_round_trip_through_a_word(kind in 0u8..4, owner in any::<u16>(), page in 0u64..(1 << 40)) {
+            let kind = [ReportKind::Hot, ReportKind::Sequential, ReportKind::WillNeed, ReportKind::Cold][kind as usize];
             let r = Report { kind, owner, page };
             prop_assert_eq!(Report::decode(r.encode()), Some(r));
         }
@@ -220,8 +226,12 @@ mod tests {
     fn every_source_reaches_the_ring_translated() {
         let (tx, mut rx) = ring::ring(64);
         let mut m = Monitor::new(2, tx).unwrap();
-        m.fault(3, 100, false);
-        m.fault(3, 101, true);
+        assert!(!m.fault(3, 100, false));
+        assert!(!m.fault(3, 101, true));
+        assert!(!m.fault(3, 101, true), "write faults count nothing");
+        assert!(!m.fault(5, 100, false), "the same page index of another region is another page");
+        assert!(m.fault(3, 100, false), "the second read fault of page 100 of region 3: hot");
+        assert!(!m.fault(3, 100, false), "reported once");
         m.advise(3, 500, 2, Advice::WillNeed);
         m.virtual_line(4, 77, false);
         m.virtual_line(4, 77, true);
@@ -237,8 +247,7 @@ mod tests {
         assert_eq!(
             got,
             vec![
-                r(ReportKind::Fault, 3, 100),
-                r(ReportKind::WriteFault, 3, 101),
+                r(ReportKind::Hot, 3, 100),
                 r(ReportKind::WillNeed, 3, 500),
                 r(ReportKind::WillNeed, 3, 501),
                 r(ReportKind::Hot, 4, 77),
@@ -247,6 +256,6 @@ mod tests {
             "DAMON's pages were already sent (sent bit); 9001 is untranslated"
         );
         assert_eq!(m.counters().untranslated, 1);
-        assert_eq!(m.counters().line_requests, 7 + 2);
+        assert_eq!(m.counters().line_requests, 6 + 7 + 2);
     }
 }
