@@ -393,9 +393,7 @@ struct ProfileArgs {
 fn trace_record(args: &TraceRecordArgs) -> Result<std::convert::Infallible> {
     let settings = tiermem_cli::run::resolve_settings(std::env::vars(), &run_flags(&args.run), &args.run.program)?;
     let (outcome, written) = tiermem_cli::run::record_trace(settings, &args.run.program, &args.output)?;
-    if !args.run.quiet {
-        eprint!("{}", outcome.summary());
-    }
+    report_outcome(&args.run, &outcome)?;
     if written.is_empty() {
         eprintln!("tiermem: no trace: the program made no allocation above the threshold");
     }
@@ -440,6 +438,12 @@ fn run_command(args: &RunArgs) -> Result<std::convert::Infallible> {
     let flags = run_flags(args);
     let settings = tiermem_cli::run::resolve_settings(std::env::vars(), &flags, &args.program)?;
     let outcome = tiermem_cli::run::run(settings, &args.program)?;
+    report_outcome(args, &outcome)?;
+    tiermem_cli::run::exit_like(outcome.ending)
+}
+
+/// The summary on stderr (unless `--quiet`) and the statistics as JSON (`--stats-json`).
+fn report_outcome(args: &RunArgs, outcome: &tiermem_cli::run::RunOutcome) -> Result<()> {
     if !args.quiet {
         eprint!("{}", outcome.summary());
     }
@@ -448,7 +452,7 @@ fn run_command(args: &RunArgs) -> Result<std::convert::Infallible> {
             .map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?;
         std::fs::write(path, text).map_err(|e| Error::os(e, format!("writing statistics to {}", path.display())))?;
     }
-    tiermem_cli::run::exit_like(outcome.ending)
+    Ok(())
 }
 
 fn profile_command(args: &ProfileArgs) -> Result<std::convert::Infallible> {

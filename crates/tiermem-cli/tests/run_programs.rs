@@ -1108,6 +1108,7 @@ fn a_recorded_fault_trace_replays_to_the_faults_of_its_run() {
     let bin = bin.display().to_string();
     let trace = scratch.path().join("random.trace");
     let trace_arg = trace.display().to_string();
+    let stats_path = scratch.path().join("random.stats.json");
     // 3,200 pages read at random under a budget of 2,048 pages (8 MiB).
     let out = scratch
         .command(&[
@@ -1125,6 +1126,8 @@ fn a_recorded_fault_trace_replays_to_the_faults_of_its_run() {
             "none",
             "--replace",
             "fifo",
+            "--stats-json",
+            &stats_path.display().to_string(),
             "--",
             &bin,
             "3200",
@@ -1141,6 +1144,9 @@ fn a_recorded_fault_trace_replays_to_the_faults_of_its_run() {
     assert_eq!(about["replace"], "fifo");
     assert_eq!(about["prefetch"], "none");
     assert_eq!(about["budget_pages"], 2048);
+    let stats: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&stats_path).expect("--stats-json written by trace record too")).unwrap();
+    assert_eq!(stats["merged"]["critical_reads"], about["critical_faults"], "the run's statistics");
     let records = std::fs::metadata(&trace).unwrap().len().saturating_sub(24) / 8;
     // Uniform reads over 3,200 pages with about 2,000 resident miss about 37% of the time.
     assert!(records > 90_000, "{records} faults recorded: {err}");
