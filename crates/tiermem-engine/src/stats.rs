@@ -109,6 +109,9 @@ pub struct Counters {
     pub monitor_reports: AtomicU64,
     /// Of those, hot pages: pages the hot-page table saw fault N times (the threshold).
     pub hot_reports: AtomicU64,
+    /// Writes to clean resident pages found in the page tables when replacement looked at the
+    /// pages (async write protection, where such writes do not fault): each counted as a use.
+    pub writes_seen_in_page_tables: AtomicU64,
     /// Faults the access monitor did not see: another thread was feeding it at that moment
     /// (the fault path never waits for it).
     pub monitor_skipped_faults: AtomicU64,
@@ -225,6 +228,7 @@ impl Stats {
             monitor_reports: l(&c.monitor_reports),
             hot_reports: l(&c.hot_reports),
             monitor_skipped_faults: l(&c.monitor_skipped_faults),
+            writes_seen_in_page_tables: l(&c.writes_seen_in_page_tables),
             monitor_read_ahead: l(&c.monitor_read_ahead),
             cold_listed: l(&c.cold_listed),
             prefetch_accuracy: accuracy,
@@ -323,6 +327,9 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub monitor_skipped_faults: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub writes_seen_in_page_tables: u64,
     /// See [`Counters`].
     #[serde(default)]
     pub monitor_read_ahead: u64,
@@ -494,6 +501,7 @@ impl StatsSnapshot {
         self.monitor_reports += other.monitor_reports;
         self.hot_reports += other.hot_reports;
         self.monitor_skipped_faults += other.monitor_skipped_faults;
+        self.writes_seen_in_page_tables += other.writes_seen_in_page_tables;
         self.monitor_read_ahead += other.monitor_read_ahead;
         self.cold_listed += other.cold_listed;
         for theirs in &other.paths {

@@ -603,3 +603,65 @@ fn read_runs_read_contiguous_pages_in_few_requests() {
         assert_eq!(stats.io_errors, 0, "{what}: {}", stats.summary());
     }
 }
+
+/// A write to a clean resident page counts as a use for replacement in every write-protect
+/// mode: under sync protection its write fault sets the referenced bit; under async protection
+/// no fault comes, and replacement finds the write in the page tables. With `clock`, pages
+/// written after they were read in survive the next evictions, which take older unwritten pages
+/// instead; their writes survive the later eviction too.
+#[test]
+fn a_write_to_a_clean_page_is_a_use_in_every_write_protect_mode() {
+    let _serial = serial();
+    let Some(modes) = write_protect_modes("a_write_to_a_clean_page_is_a_use_in_every_write_protect_mode") else {
+        return;
+    };
+    let pagemap = tiermem_sys::pagemap::Pagemap::open_self().expect("pagemap");
+    for mode in modes {
+        let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
+            c.dirty_tracking = mode;
+            c.replace = "clock".into();
+            c.prefetch = "none".into();
+            c.reclaim_batch = 4;
+        });
+        let region = engine.create_region(600 * 4096).unwrap();
+        let base = region.as_ptr();
+        let at = |p: usize| base.wrapping_add(p * 4096) as *mut u64;
+        touch_all(base, 600, true);
+        // Pages 0..240 read back: resident, clean, in this order in the clock.
+        for p in 0..240 {
+            // SAFETY: p < 600, inside the region.
+            assert_eq!(unsafe { at(p).read_volatile() }, p as u64 + 1);
+        }
+        // Pages 0..16, the oldest, written again (no fault under async protection).
+        for p in 0..16 {
+            // SAFETY: as above.
+            unsafe { at(p).write_volatile(1000 + p as u64) };
+        }
+        // 40 pages read in: some 40 to 50 evictions, oldest first unless used.
+        for p in 400..440 {
+            // SAFETY: as above.
+            assert_eq!(unsafe { at(p).read_volatile() }, p as u64 + 1);
+        }
+        let present = |pages: std::ops::Range<usize>| {
+            pagemap.count_present(base as usize + pages.start * 4096, base as usize + pages.end * 4096).unwrap()
+        };
+        let (written, next) = (present(0..16), present(16..64));
+        let seen = engine.stats().writes_seen_in_page_tables;
+        eprintln!(
+            "{mode}: resident after the evictions: {written} of the 16 written pages, {next} of the 48 next oldest; \
+             {seen} writes found in the page tables"
+        );
+        assert_eq!(written, 16, "{mode}: the written pages had a second chance");
+        assert!(next < 40, "{mode}: the next oldest went instead ({next} of 48 left)");
+        if mode == DirtyTracking::AsyncWriteProtect {
+            assert!(seen >= 16, "{mode}: the writes were found in the page tables");
+        }
+        // Everything out and back: the writes were kept.
+        touch_all(base.wrapping_add(300 * 4096), 300, false);
+        for p in 0..600 {
+            let want = if p < 16 { 1000 + p as u64 } else { p as u64 + 1 };
+            // SAFETY: as above.
+            assert_eq!(unsafe { at(p).read_volatile() }, want, "{mode}: page {p}");
+        }
+    }
+}
