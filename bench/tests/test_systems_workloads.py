@@ -119,3 +119,14 @@ def test_quicksort_digest_depends_on_the_input(tmp_path):
     a = parse_result(subprocess.run([str(binary), "1000", "1"], capture_output=True, text=True).stdout)
     b = parse_result(subprocess.run([str(binary), "1000", "2"], capture_output=True, text=True).stdout)
     assert a["digest"] != b["digest"] and a["digest"].endswith("-1000-1")
+
+
+def test_every_system_runs_repeat_k_with_the_same_python_hash_seed(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    env = cli.run_environment()
+    assert "PYTHONHASHSEED" not in env
+    assert [cli.repeat_environment(env, k)["PYTHONHASHSEED"] for k in (0, 1, 3)] == ["0", "1", "3"]
+    assert cli.repeat_environment(env, 2)["OMP_NUM_THREADS"] == "1", "the rest of the environment kept"
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    fixed = cli.run_environment()
+    assert cli.repeat_environment(fixed, 2)["PYTHONHASHSEED"] == "7", "a seed the caller fixed is kept"

@@ -221,8 +221,8 @@ fn lock_victims<'s, 'a>(
 /// Under async write protection a write to a clean resident page does not fault, so nothing
 /// sets its referenced bit; the write shows in the page tables instead (`written`). Such a page
 /// counts as touched once, and is marked dirty, which is what the write fault does under sync
-/// protection. Without this, MLP at a fixed budget read 400 or 555 MiB back from run to run
-/// (the second in a third of the runs), against 363 MiB in every run with sync protection.
+/// protection. Without this, MLP at a fixed budget read about 400 MiB back where sync
+/// protection read 363 (now 360).
 fn is_referenced(shared: &Shared, regions: &RegionTable, written: &WrittenPages<'_>, id: PageId) -> bool {
     let (r, i) = split_page_id(id);
     let Some(region) = regions.get(r) else { return false };
