@@ -422,6 +422,13 @@ impl StatsSnapshot {
                 self.evictions as f64 / self.unmap_calls as f64
             );
         }
+        if self.writes_seen_in_page_tables > 0 {
+            let _ = writeln!(
+                s,
+                "writes seen     {} clean pages found written in the page tables (async write protection) and counted as used",
+                self.writes_seen_in_page_tables
+            );
+        }
         if self.monitor_reports > 0 {
             let _ = writeln!(
                 s,
