@@ -214,12 +214,8 @@ impl EngineConfig {
         if self.handler_spin_us > 10_000 {
             return Err(Error::invalid(format!("handler spin {} µs must be at most 10000", self.handler_spin_us)));
         }
-        if !(1..=64).contains(&self.hot_threshold) {
-            return Err(Error::invalid(format!(
-                "hot-page threshold {} must be in 1..=64 (read faults before a page is reported hot)",
-                self.hot_threshold
-            )));
-        }
+        // The table states its own range.
+        tiermem_monitor::hot_table::HotPageTable::new(self.hot_threshold)?;
         crate::policy::build_policies(&self.prefetch, &self.replace, 1, &crate::policy::PolicyOptions::default())?;
         Ok(())
     }

@@ -246,14 +246,14 @@ fn is_referenced(shared: &Shared, regions: &RegionTable, written: &WrittenPages<
 /// Which pages the program wrote since they were last write-protected, read from the page
 /// tables (PAGEMAP_SCAN) a block of 64 pages at a time and kept for one reclaim batch: victims
 /// come mostly in address order, so one scan serves many. Nothing without async protection.
-pub(crate) struct WrittenPages<'a> {
+struct WrittenPages<'a> {
     capture: Option<&'a crate::capture::Capture>,
     /// Recently scanned blocks: (region, block, written bits), by block number mod 4.
     blocks: [std::cell::Cell<Option<(u32, u64, u64)>>; 4],
 }
 
 impl<'a> WrittenPages<'a> {
-    pub(crate) fn new(shared: &'a Shared) -> Self {
+    fn new(shared: &'a Shared) -> Self {
         Self { capture: shared.capture.as_ref(), blocks: Default::default() }
     }
 

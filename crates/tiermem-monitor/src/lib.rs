@@ -131,10 +131,13 @@ impl Monitor {
         MonitorCounters { dropped: self.ring.dropped(), ..self.counters }
     }
 
-    fn send(&mut self, report: Report) {
-        if self.ring.push(report.encode()) {
+    /// Push `report`; false if the ring was full (counted there as dropped).
+    fn send(&mut self, report: Report) -> bool {
+        let sent = self.ring.push(report.encode());
+        if sent {
             self.counters.reports += 1;
         }
+        sent
     }
 
     /// Source: the engine's faults (`write`: a write fault on a resident page), page-granular
@@ -149,9 +152,7 @@ impl Monitor {
         // the low bits (the set index) are the page's own.
         let key = u64::from(owner) << 40 | (page & PAGE_MASK);
         let Some(hot) = self.table.access(key, write) else { return false };
-        let before = self.counters.reports;
-        self.send(Report { kind: ReportKind::Hot, owner: (hot >> 40) as u16, page: hot & PAGE_MASK });
-        self.counters.reports > before
+        self.send(Report { kind: ReportKind::Hot, owner: (hot >> 40) as u16, page: hot & PAGE_MASK })
     }
 
     /// Source: application hints over `pages` pages from `first`. Will-need and cold ranges are
@@ -164,7 +165,7 @@ impl Monitor {
             Advice::Cold => (ReportKind::Cold, pages.min(4096)),
         };
         for page in first..first + n {
-            self.send(Report { kind, owner, page });
+            let _ = self.send(Report { kind, owner, page });
         }
     }
 
@@ -174,7 +175,7 @@ impl Monitor {
     pub fn virtual_line(&mut self, owner: u16, page: u64, write: bool) {
         self.counters.line_requests += 1;
         if let Some(hot) = self.table.access(page, write) {
-            self.send(Report { kind: ReportKind::Hot, owner, page: hot });
+            let _ = self.send(Report { kind: ReportKind::Hot, owner, page: hot });
         }
     }
 
@@ -184,7 +185,9 @@ impl Monitor {
         self.counters.line_requests += 1;
         if let Some(hot) = self.table.access(pfn, write) {
             match self.rpt.lookup(hot) {
-                Some((pid, vpn)) => self.send(Report { kind: ReportKind::Hot, owner: pid, page: vpn }),
+                Some((pid, vpn)) => {
+                    let _ = self.send(Report { kind: ReportKind::Hot, owner: pid, page: vpn });
+                }
                 None => self.counters.untranslated += 1,
             }
         }
