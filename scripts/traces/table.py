@@ -1,0 +1,67 @@
+"""The recorded-programs table of docs/policies.md from `tiermem sim --json` results.
+
+    python3 scripts/traces/table.py DIR NAME...
+
+reads DIR/NAME.fig.json (every prefetcher x replacement at 50%) and DIR/NAME.convert.json (the
+raw access count) and prints one Markdown row per program: accuracy / coverage of each
+prefetcher under `clock`, modeled speed-ups over `fastswap` x `clock`, and faults of
+`stream-first` against `clock` without prefetching.
+"""
+import json
+import sys
+
+LABELS = {
+    'sort': 'GNU sort, 10k lines',
+    'intsort': 'GNU sort -n, 25k integers (prefix)',
+    'sqlite': 'SQLite, 40k random index lookups (prefix)',
+    'kmeans': 'numpy k-means (prefix)',
+    'pagerank': 'numpy PageRank (prefix)',
+    'npb-is': 'NPB-IS-style integer sort, 2^20 keys, 10 rankings (C)',
+    'random': 'HPCC-style random updates, 16 MiB table (C)',
+}
+
+
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f'cannot read {path}: {e}')
+
+
+def row(directory, name):
+    fig = load(f'{directory}/{name}.fig.json')
+    raw = load(f'{directory}/{name}.convert.json')['raw_accesses']
+    runs = {(r['prefetch'], r['replace']): r for r in fig['results']}
+
+    def run(prefetch, replace):
+        if (prefetch, replace) not in runs:
+            sys.exit(f'{name}: no {prefetch} x {replace} result in {directory}/{name}.fig.json')
+        return runs[(prefetch, replace)]
+
+    def acc_cov(prefetch):
+        r = run(prefetch, 'clock')
+        return f"{r['accuracy']:.0%} / {r['coverage']:.0%}"
+
+    base = run('fastswap', 'clock')['modeled_ns']
+    accesses = run('none', 'clock')['accesses']
+    cells = [
+        f"{LABELS.get(name, name)} ({fig['footprint_pages']} pages, {raw / 1e6:.0f}M accesses → "
+        f"{accesses / 1e3:.0f}k page events)",
+        *(acc_cov(p) for p in ('readahead', 'fastswap', 'leap', 'stream')),
+        f"{base / run('stream', 'clock')['modeled_ns']:.3f}×",
+        f"{base / run('stream', 'stream-first')['modeled_ns']:.3f}×",
+        f"{run('none', 'clock')['faults']} → {run('none', 'stream-first')['faults']}",
+    ]
+    return '| ' + ' | '.join(cells) + ' |'
+
+
+def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    for name in sys.argv[2:]:
+        print(row(sys.argv[1], name))
+
+
+if __name__ == '__main__':
+    main()
