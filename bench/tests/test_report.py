@@ -127,3 +127,14 @@ def test_paging_traffic_cells_stay_apart_at_full_scale_volumes():
     text = report.format_tables(runs, ["linux-swap"], [100, 20])
     row = next(line for line in text.split("Paging traffic")[1].splitlines() if line.startswith("  sortw linux-swap "))
     assert row.split()[2:] == ["178276/38407", "178276/38407"]
+
+
+def test_device_line_says_what_a_read_took_before_and_after():
+    meta = {"device_read_latency_us": {"before": 13.4, "after": 109.6}}
+    assert report.device_line(meta) == (
+        "Device: a 4 KiB read took 13 µs before and 110 µs after the matrix (tiermem probe --latency)\n\n")
+    only_before = report.device_line({"device_read_latency_us": {"before": 52.0, "after": None}})
+    assert "52 µs before the matrix" in only_before and "after" not in only_before
+    # Older results, or a device that could not be measured: nothing is claimed.
+    assert report.device_line({}) == ""
+    assert report.device_line({"device_read_latency_us": {"before": None}}) == ""

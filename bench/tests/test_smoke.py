@@ -37,6 +37,10 @@ def test_smoke_one_workload_two_ratios_under_linux_swap(tiermem_root, tmp_path):
     assert int(rows[2]["limit_bytes"]) < int(rows[1]["limit_bytes"])
     doc = json.loads((out / "runs.json").read_text())
     assert len(doc["runs"]) == 3 and doc["meta"]["scale"] == "tiny"
+    # The device's own read latency, before and after, so the figures can be read against it.
+    latency = doc["meta"]["device_read_latency_us"]
+    assert 0 < latency["before"] < 1e6 and 0 < latency["after"] < 1e6
+    assert "Device: a 4 KiB read took" in proc.stdout
     assert (out / "apps.png").stat().st_size > 5000
     assert "intsort" in (out / "table.txt").read_text()
     assert "Execution time normalised" in proc.stdout

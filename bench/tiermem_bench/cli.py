@@ -227,11 +227,27 @@ class Matrix:
                     self.record(self.one(system, workload, ratio, repeat, footprint, expected, timeout))
 
 
+def device_read_latency_us(tiermem: str, directory: Path) -> float | None:
+    """The device's own 4 KiB read latency in `directory` (`tiermem probe --latency`): this
+    VM's disk drifts by up to 10x between days, and every paging figure scales with it. None,
+    with a note, where it cannot be measured."""
+    try:
+        probe = subprocess.run([tiermem, "probe", "--dir", str(directory), "--latency", "--json"],
+                               capture_output=True, text=True, timeout=300)
+        if probe.returncode == 0:
+            return json.loads(probe.stdout)["device_read_latency_us"]
+        why = probe.stderr.strip().splitlines()[-1:] or [f"exit status {probe.returncode}"]
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError) as e:
+        why = [str(e)]
+    print(f"NOTE: device latency in {directory} not measured: {why[0]}", file=sys.stderr)
+    return None
+
+
 def finish(out: Path, runs: list[dict], meta: dict, systems: list[str], ratios: list[int], draw: bool) -> str:
     summary = stats.summarise(runs)
     report.write_csv(runs, out / "runs.csv")
     report.write_json(runs, meta, summary, out / "runs.json")
-    text = report.format_tables(runs, systems, ratios)
+    text = report.device_line(meta) + report.format_tables(runs, systems, ratios)
     (out / "table.txt").write_text(text)
     if draw and runs:
         plotting.plot(runs, systems, ratios, out / "apps.png",
@@ -299,6 +315,7 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
+    meta["device_read_latency_us"] = {"before": device_read_latency_us(tiermem, scratch)}
     for w in workloads:
         print(f"preparing {w.name} ({args.scale})", file=sys.stderr)
         w.prepare(args.scale, cache)
@@ -317,6 +334,8 @@ def main(argv=None) -> int:
         matrix.journal.close()
         meta["elapsed_s"] = round(time.time() - started, 1)
         meta["interrupted"] = interrupted
+        if not interrupted:
+            meta["device_read_latency_us"]["after"] = device_read_latency_us(tiermem, scratch)
         text = finish(out, matrix.runs, meta, system_names, ratios, not args.no_plot)
         try:
             scratch.rmdir()

@@ -94,6 +94,15 @@ def _traffic_table(runs: list[dict], systems: list[str], ratios: list[int]) -> l
         TRAFFIC_WIDTH)
 
 
+def device_line(meta: dict) -> str:
+    """What the device read when the matrix began and ended (empty when not measured)."""
+    measured = meta.get("device_read_latency_us") or {}
+    parts = [f"{_fmt(measured[k], '{:.0f} µs')} {k}" for k in ("before", "after") if measured.get(k) is not None]
+    if not parts:
+        return ""
+    return f"Device: a 4 KiB read took {' and '.join(parts)} the matrix (tiermem probe --latency)\n\n"
+
+
 def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> str:
     """The printed result: per-workload normalised medians with failure counts, the speed-up
     over Linux swap per ratio and on average, the gap closed, and every failed point."""

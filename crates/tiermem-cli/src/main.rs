@@ -64,7 +64,15 @@ struct ProbeArgs {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    /// Also measure the device's own 4 KiB read latency there: single reads through a polled
+    /// queue of a 64 MiB temporary device file (written first, deleted after), the floor of a
+    /// critical fault.
+    #[arg(long)]
+    latency: bool,
 }
+
+/// Reads timed by `tiermem probe --latency`.
+const PROBE_LATENCY_READS: u32 = 2000;
 
 #[derive(Debug, Args)]
 struct MicroArgs {
@@ -238,11 +246,37 @@ fn probe(args: &ProbeArgs) -> Result<()> {
         let _ = std::fs::remove_file(&path);
         d.map(|d| d.describe()).map_err(|e| e.to_string()).into()
     });
+    // Measured only where a device file works: otherwise the device line says why not.
+    let latency_us = match (&device, args.latency) {
+        (Some(Ok(_)), true) => Some(micro_tiermem::device_read_latency_us(&dir, PROBE_LATENCY_READS)?),
+        _ => None,
+    };
     if args.json {
-        let out = serde_json::json!({"kernel": features, "device": device.map(|d: std::result::Result<String, String>| d.unwrap_or_else(|e| e))});
+        let out = serde_json::json!({
+            "kernel": features,
+            "device": device.map(|d: std::result::Result<String, String>| d.unwrap_or_else(|e| e)),
+            "device_read_latency_us": latency_us,
+        });
         println!("{out}");
-        return Ok(());
+    } else {
+        print_probe(&features, device, &dir, latency_us);
     }
+    if args.latency && latency_us.is_none() {
+        // Asked for and not measurable: the device line says why; the exit status must too.
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            format!("--latency: no usable device file in {}", dir.display()),
+        ));
+    }
+    Ok(())
+}
+
+fn print_probe(
+    features: &KernelFeatures,
+    device: Option<std::result::Result<String, String>>,
+    dir: &std::path::Path,
+    latency_us: Option<f64>,
+) {
     for line in features.summary_lines() {
         println!("{line}");
     }
@@ -251,7 +285,12 @@ fn probe(args: &ProbeArgs) -> Result<()> {
         Some(Err(e)) => println!("device file     unusable in {}: {e}", dir.display()),
         None => println!("device file     {} is not writable", dir.display()),
     }
-    Ok(())
+    if let Some(us) = latency_us {
+        println!(
+            "device latency  {us:.1} µs per 4 KiB read (polled, one at a time, mean of {PROBE_LATENCY_READS}) in {}",
+            dir.display()
+        );
+    }
 }
 
 fn micro_worker(args: &MicroWorkerArgs) -> Result<()> {

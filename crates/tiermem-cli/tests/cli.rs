@@ -43,6 +43,29 @@ fn probe_reports_every_feature() {
 }
 
 #[test]
+fn probe_measures_the_device_latency_where_asked_and_fails_where_it_cannot() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("temporary directory");
+    let dir_arg = dir.path().to_str().expect("utf-8 path");
+    let out = tiermem(&["probe", "--dir", dir_arg, "--latency", "--json"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() && text.contains("\"device_read_latency_us\":null") {
+        eprintln!("SKIPPED probe latency: no device file in {dir_arg}: {}", stderr(&out));
+    } else {
+        assert!(out.status.success(), "{}", stderr(&out));
+        let json: serde_json::Value = serde_json::from_str(&text).expect("probe JSON");
+        let us = json["device_read_latency_us"].as_f64().expect("a latency in the JSON");
+        assert!(us > 0.0 && us < 1e6, "{us} µs");
+        // The temporary device file is gone again.
+        assert_eq!(std::fs::read_dir(dir.path()).expect("listing").count(), 0);
+    }
+    let out = tiermem(&["probe", "--dir", "/nonexistent/tiermem", "--latency"]);
+    assert!(!out.status.success(), "asked for a latency it cannot measure, and succeeded");
+    assert!(stderr(&out).contains("--latency: no usable device file in /nonexistent/tiermem"), "{}", stderr(&out));
+    // Without --latency the probe only reports the unusable directory.
+    assert!(tiermem(&["probe", "--dir", "/nonexistent/tiermem"]).status.success());
+}
+
+#[test]
 fn small_micro_run_verifies_every_page_on_mem_and_file() {
     let probe = tiermem_sys::probe::KernelFeatures::probe();
     if !probe.userfaultfd || !probe.wp {
