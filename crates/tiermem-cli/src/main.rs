@@ -91,6 +91,12 @@ struct MicroArgs {
     /// How tiermem notices writes: auto, sync-wp, async-wp, none.
     #[arg(long, default_value = "auto", env = "TIERMEM_DIRTY_TRACKING")]
     dirty_tracking: String,
+    /// on | off: tiermem reads prefetched pages in consecutive slots as one request (default off).
+    #[arg(long, env = "TIERMEM_READ_RUNS")]
+    read_runs: Option<String>,
+    /// on | off: tiermem writes contiguous dirty pages as one request (default off).
+    #[arg(long, env = "TIERMEM_WRITE_RUNS")]
+    write_runs: Option<String>,
     /// Array size in MiB.
     #[arg(long, default_value_t = 100)]
     size_mb: u64,
@@ -167,6 +173,14 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
     if let Some(r) = &args.replace {
         base.replace = r.clone();
     }
+    let on_off = |flag: &str, value: &Option<String>, default: bool| match value.as_deref() {
+        None => Ok(default),
+        Some("on") => Ok(true),
+        Some("off") => Ok(false),
+        Some(other) => Err(Error::new(ErrorKind::InvalidInput, format!("{flag} '{other}': expected on or off"))),
+    };
+    base.read_runs = on_off("--read-runs", &args.read_runs, base.read_runs)?;
+    base.write_runs = on_off("--write-runs", &args.write_runs, base.write_runs)?;
     // Bad policy names fail here, before any system runs.
     tiermem_engine::policy::build_policies(&base.prefetch, &base.replace, 1, &Default::default())?;
     let mut rows = Vec::new();

@@ -21,6 +21,7 @@ fn bad_micro_arguments_fail_with_a_message() {
         (&["bench", "micro", "--fault-mode", "telepathy"], "unknown fault mode 'telepathy'"),
         (&["bench", "micro", "--system", "zswap"], "zswap"),
         (&["bench", "micro", "--size-mb", "lots"], "lots"),
+        (&["bench", "micro", "--read-runs", "yes"], "--read-runs 'yes': expected on or off"),
         (&["frobnicate"], "frobnicate"),
     ];
     for (args, needle) in cases {
