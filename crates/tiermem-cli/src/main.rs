@@ -356,6 +356,10 @@ struct RunArgs {
     /// pages gets a 64th of it (at least 256) [default: 1024].
     #[arg(long, env = "TIERMEM_IO_BUFFERS")]
     io_buffers: Option<String>,
+    /// Most requests in flight on each io_uring queue (critical, prefetch, write-back), 1..=4096
+    /// [default: 128].
+    #[arg(long, env = "TIERMEM_QUEUE_DEPTH")]
+    queue_depth: Option<String>,
     /// thread fault mode: microseconds a handler keeps polling for the next fault before it
     /// sleeps, 0..=10000 [default: 0].
     #[arg(long, env = "TIERMEM_HANDLER_SPIN_US")]
@@ -471,6 +475,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_HANDLER_THREADS", &args.handler_threads),
         ("TIERMEM_HANDLER_SPIN_US", &args.handler_spin_us),
         ("TIERMEM_IO_BUFFERS", &args.io_buffers),
+        ("TIERMEM_QUEUE_DEPTH", &args.queue_depth),
         ("TIERMEM_WRITE_RUNS", &args.write_runs),
         ("TIERMEM_READ_RUNS", &args.read_runs),
         ("TIERMEM_DEFER_HITS", &args.defer_hits),
