@@ -175,9 +175,8 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
     }
     let on_off = |flag: &str, value: &Option<String>, default: bool| match value.as_deref() {
         None => Ok(default),
-        Some("on") => Ok(true),
-        Some("off") => Ok(false),
-        Some(other) => Err(Error::new(ErrorKind::InvalidInput, format!("{flag} '{other}': expected on or off"))),
+        Some(text) => tiermem_engine::settings::on_off(text)
+            .map_err(|e| Error::new(ErrorKind::InvalidInput, format!("{flag} '{text}': {e}"))),
     };
     base.read_runs = on_off("--read-runs", &args.read_runs, base.read_runs)?;
     base.write_runs = on_off("--write-runs", &args.write_runs, base.write_runs)?;

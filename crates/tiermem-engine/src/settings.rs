@@ -278,7 +278,8 @@ impl RunSettings {
     }
 }
 
-fn on_off(text: &str) -> Result<bool> {
+/// Parse an `on` / `off` switch (`TIERMEM_*` variables and the CLI flags that mirror them).
+pub fn on_off(text: &str) -> Result<bool> {
     match text {
         "on" => Ok(true),
         "off" => Ok(false),
