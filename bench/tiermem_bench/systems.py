@@ -51,6 +51,12 @@ SYSTEMS: dict[str, System] = {
         # recent first behind a window.
         System("tiermem-file-seq", "tiermem", "tiermem run, file device, seq replacement",
                ("--replace", "seq")),
+        # A quarter of the budget as a victim tier: evicted pages wait in DRAM, unmapped, and a
+        # fault on one costs a copy, not a device read (VMS's segmented FIFO, in place of the
+        # accessed bits user space lacks). Same cgroup limit: the tier's memory comes out of
+        # the budget.
+        System("tiermem-file-victim", "tiermem", "tiermem run, file device, a quarter of the budget as a victim tier",
+               ("--victim-tier", "25%")),
         # The same, most recent first only while page-ins are mostly short refaults (the default
         # until 2026-11-26).
         System("tiermem-file-seq-adaptive", "tiermem", "tiermem run, file device, seq-adaptive replacement",

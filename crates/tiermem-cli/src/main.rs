@@ -355,6 +355,12 @@ struct RunArgs {
     /// pages gets a 64th of it (at least 256) [default: 1024].
     #[arg(long, env = "TIERMEM_IO_BUFFERS")]
     io_buffers: Option<String>,
+    /// Keep evicted pages in DRAM, unmapped, so a fault on one soon after costs a copy instead
+    /// of a device read and tells replacement it is in use: a share of the budget (25%) or bytes
+    /// (16MiB). Its memory comes on top of the budget; inside a memory cgroup the budget makes
+    /// room for it [default: off].
+    #[arg(long, env = "TIERMEM_VICTIM_TIER")]
+    victim_tier: Option<String>,
     /// Most requests in flight on each io_uring queue (critical, prefetch, write-back), 1..=4096
     /// [default: 128].
     #[arg(long, env = "TIERMEM_QUEUE_DEPTH")]
@@ -474,6 +480,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_HANDLER_THREADS", &args.handler_threads),
         ("TIERMEM_HANDLER_SPIN_US", &args.handler_spin_us),
         ("TIERMEM_IO_BUFFERS", &args.io_buffers),
+        ("TIERMEM_VICTIM_TIER", &args.victim_tier),
         ("TIERMEM_QUEUE_DEPTH", &args.queue_depth),
         ("TIERMEM_WRITE_RUNS", &args.write_runs),
         ("TIERMEM_READ_RUNS", &args.read_runs),

@@ -112,6 +112,11 @@ pub struct EngineConfig {
     pub replace: String,
     /// 4 KiB I/O buffers shared by all queues.
     pub io_buffers: u32,
+    /// Pages of the victim tier (0: none): evicted pages keep a copy in DRAM, unmapped, until
+    /// this many newer ones have left; a fault there maps the copy back without a device read
+    /// and tells replacement the page is in use (see [`crate::victim`]). Its buffers are
+    /// allocated with the I/O buffers, on top of the budget.
+    pub victim_pages: u32,
     /// Depth of each queue.
     pub queue_depth: u32,
     /// Pages evicted per reclaim round.
@@ -161,6 +166,7 @@ impl Default for EngineConfig {
             // than seq-adaptive; docs/policies.md).
             replace: "seq-protect".into(),
             io_buffers: 1024,
+            victim_pages: 0,
             queue_depth: 128,
             reclaim_batch: 32,
             handler_threads: 1,
@@ -198,6 +204,14 @@ impl EngineConfig {
         if self.io_buffers < 16 || self.io_buffers > crate::page::MAX_BUF {
             return Err(Error::invalid(format!(
                 "io_buffers {} must be in 16..={}",
+                self.io_buffers,
+                crate::page::MAX_BUF
+            )));
+        }
+        if u64::from(self.io_buffers) + u64::from(self.victim_pages) > u64::from(crate::page::MAX_BUF) {
+            return Err(Error::invalid(format!(
+                "victim tier of {} pages and {} I/O buffers exceed the {} buffers a page can name",
+                self.victim_pages,
                 self.io_buffers,
                 crate::page::MAX_BUF
             )));

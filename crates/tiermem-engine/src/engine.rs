@@ -85,6 +85,8 @@ pub(crate) struct Shared {
     pub(crate) trace: Option<crate::trace_sink::TraceSink>,
     /// Which prefetched pages wait for a fault, to measure accuracy (see `prefetch_sample`).
     pub(crate) prefetch_sampler: crate::prefetch_sample::PrefetchSampler,
+    /// Evicted pages kept in DRAM a while (see [`crate::victim`]).
+    pub(crate) victims: crate::victim::VictimTier,
     /// Reports from sources off the fault path, for the monitor thread (see [`crate::monitor`]).
     pub(crate) monitor: crate::monitor::LiveMonitor,
 }
@@ -316,7 +318,7 @@ impl Engine {
             None
         };
         let runs = if config.write_runs { WRITE_RUNS } else { 0 } + if config.read_runs { READ_RUNS } else { 0 };
-        let arena = Arc::new(BufferArena::with_runs(config.io_buffers, runs)?);
+        let arena = Arc::new(BufferArena::with_runs(config.io_buffers + config.victim_pages, runs)?);
         let queues = Queues::open(&config, &*device, &arena)?;
         let limit_pages = config.limit_pages();
         let (watermark_pages, evict_pages) = watermarks(&config, limit_pages);
@@ -357,6 +359,7 @@ impl Engine {
             reserved_pages: AtomicU64::new(0),
             pins: std::sync::Mutex::new(Vec::new()),
             prefetch_sampler: crate::prefetch_sample::PrefetchSampler::new(config.io_buffers as usize),
+            victims: crate::victim::VictimTier::new(config.victim_pages as usize),
             monitor: crate::monitor::LiveMonitor::new(config.hot_threshold)?,
             config,
         });
@@ -528,6 +531,12 @@ impl Engine {
         self.shared.resident()
     }
 
+    /// Evicted pages whose copy waits in the victim tier now (see
+    /// [`EngineConfig::victim_pages`]); not resident, not in the budget.
+    pub fn victim_tier_pages(&self) -> u64 {
+        self.shared.victims.held()
+    }
+
     /// The budget in pages.
     pub fn limit_pages(&self) -> u64 {
         self.shared.limit_pages()
@@ -642,17 +651,16 @@ impl Region {
     pub fn forget_evicted(&self) -> u64 {
         let mut forgotten = 0;
         for cell in self.inner.pages.iter() {
-            let peek = cell.peek();
-            if peek.kind() != Kind::Evicted || peek.writing() {
+            // Evicted, or its copy waiting in the victim tier.
+            let gone = |s: PageState| {
+                (s.kind() == Kind::Evicted && !s.writing()) || (s.kind() == Kind::Prefetched && s.victim())
+            };
+            if !gone(cell.peek()) {
                 continue;
             }
             let Some(mut page) = cell.try_lock() else { continue };
-            let state = page.state();
-            if state.kind() == Kind::Evicted && !state.writing() {
-                if let Some(slot) = state.slot() {
-                    self.shared.slots.free(slot);
-                }
-                page.set(PageState::UNTOUCHED);
+            if gone(page.state()) {
+                crate::discard::forget_page(&self.shared, &mut page);
                 forgotten += 1;
             }
         }
@@ -699,8 +707,13 @@ impl Drop for Region {
             }
             match state.kind() {
                 Kind::Resident => freed_resident += 1,
-                // A prefetch sample still waiting holds its buffer.
-                Kind::Prefetched => self.shared.arena.release(state.buf()),
+                // A prefetch sample still waiting, or a page of the victim tier, holds its buffer.
+                Kind::Prefetched => {
+                    self.shared.arena.release(state.buf());
+                    if state.victim() {
+                        self.shared.victims.left();
+                    }
+                }
                 _ => {}
             }
         }

@@ -216,6 +216,18 @@ pub(crate) fn handle_fault(
                     return outcome_of_copy_error(e);
                 }
                 give_back(false, staging);
+                if state.victim() {
+                    // Back from the victim tier: a use of a page evicted not long ago, which
+                    // replacement sees as the short refault it is.
+                    locked.set(state.with_kind(Kind::Resident).with_victim(false).with_dirty(!protect));
+                    drop(locked);
+                    shared.arena.release(buf);
+                    shared.victims.left();
+                    shared.replacement.on_insert(id);
+                    Stats::add(&shared.stats.counters.victim_hits, 1);
+                    shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
+                    return Outcome::Resolved;
+                }
                 // Its first use, not a reuse: not referenced, like the prefetched pages mapped
                 // at their completion (whose first touch the engine never sees).
                 locked.set(state.with_kind(Kind::Resident).with_dirty(!protect).with_referenced(false));

@@ -277,9 +277,24 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
                 Stats::add(&shared.stats.counters.io_errors, 1);
                 next = crate::fault::recover_failed_writeback(shared, region, index, state);
             }
+            // An evicted page's buffer now holds what its slot holds: it can wait in the
+            // victim tier instead of being given back.
+            // (Not a buffer of a run: runs are few, and one kept would hold its whole run.)
+            let keep = done.ok
+                && next.kind() == Kind::Evicted
+                && shared.victims.enabled()
+                && !shared.arena.in_run(buf)
+                && !region.is_closing();
+            if keep {
+                next = next.with_kind(Kind::Prefetched).with_victim(true).with_buf(buf);
+            }
             locked.set(next);
             drop(locked);
-            shared.arena.release(buf);
+            if keep {
+                shared.victims.entered(shared, regions, page, buf);
+            } else {
+                shared.arena.release(buf);
+            }
         }
         Some(Op::Prefetch) => {
             debug_assert_eq!(state.kind(), Kind::Incoming);
@@ -341,7 +356,8 @@ fn end_sample(shared: &Shared, regions: &RegionTable, id: u64) {
     let Some(cell) = regions.get(region_index).and_then(|r| r.pages.get(index as usize)) else { return };
     let Some(mut locked) = cell.try_lock() else { return };
     let state = locked.state();
-    if state.kind() == Kind::Prefetched {
+    // A page of the victim tier is not a sample (the sample it was has ended).
+    if state.kind() == Kind::Prefetched && !state.victim() {
         locked.set(state.with_kind(Kind::Evicted));
         drop(locked);
         shared.arena.release(state.buf());

@@ -32,6 +32,7 @@ mod region;
 pub mod settings;
 pub mod stats;
 mod trace_sink;
+mod victim;
 
 pub use config::{DirtyTracking, EngineConfig, FaultMode, IoMode, Limit, ReclaimMode};
 pub use delivery::{is_engine_sigbus_action, replace_chained_sigbus_action};

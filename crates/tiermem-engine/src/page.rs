@@ -7,6 +7,7 @@
 //! - 5      has slot: `slot` names a device slot reserved for this page
 //! - 6      writing: a write-back of this page to `slot` is in flight from buffer `buf`
 //! - 7      referenced: touched since the replacement policy last looked (second chance)
+//! - 8      victim: prefetched kind only: evicted, its copy waiting in `buf` in the victim tier
 //! - 12..32 buf: arena buffer of an in-flight read, a prefetched page, or an in-flight write
 //! - 32..64 slot
 //!
@@ -36,6 +37,7 @@ const DIRTY: u64 = 1 << 4;
 const HAS_SLOT: u64 = 1 << 5;
 const WRITING: u64 = 1 << 6;
 const REFERENCED: u64 = 1 << 7;
+const VICTIM: u64 = 1 << 8;
 const BUF_SHIFT: u32 = 12;
 const BUF_MASK: u64 = (1 << 20) - 1;
 const SLOT_SHIFT: u32 = 32;
@@ -79,6 +81,10 @@ impl PageState {
     pub fn referenced(self) -> bool {
         self.0 & REFERENCED != 0
     }
+    /// Held in the victim tier (kind prefetched): evicted, its copy kept in `buf`.
+    pub fn victim(self) -> bool {
+        self.0 & VICTIM != 0
+    }
     /// The arena buffer, meaningful for incoming, prefetched and writing pages.
     pub fn buf(self) -> u32 {
         ((self.0 >> BUF_SHIFT) & BUF_MASK) as u32
@@ -98,6 +104,11 @@ impl PageState {
     #[must_use]
     pub fn with_referenced(self, referenced: bool) -> Self {
         Self(if referenced { self.0 | REFERENCED } else { self.0 & !REFERENCED })
+    }
+    /// Same state with the victim bit set or cleared.
+    #[must_use]
+    pub fn with_victim(self, victim: bool) -> Self {
+        Self(if victim { self.0 | VICTIM } else { self.0 & !VICTIM })
     }
     /// Same state with a slot (or none).
     #[must_use]
@@ -222,12 +233,14 @@ mod tests {
             .with_slot(Some(MAX_SLOT))
             .with_buf(MAX_BUF)
             .with_writing(true)
+            .with_victim(true)
             .with_dirty(true);
         assert_eq!(s.kind(), Kind::Evicted);
         assert_eq!(s.slot(), Some(MAX_SLOT));
         assert_eq!(s.buf(), MAX_BUF);
-        assert!(s.writing() && s.dirty() && !s.referenced());
-        let s = s.with_slot(None).with_writing(false).with_kind(Kind::Resident);
+        assert!(s.writing() && s.dirty() && s.victim() && !s.referenced());
+        let s = s.with_slot(None).with_writing(false).with_victim(false).with_kind(Kind::Resident);
+        assert!(!s.victim());
         assert_eq!(s.slot(), None);
         assert_eq!(s.buf(), MAX_BUF);
         assert_eq!(s.kind(), Kind::Resident);

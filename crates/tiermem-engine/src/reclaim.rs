@@ -130,6 +130,8 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
         );
     }
     let mut evicted = 0;
+    // Pages whose copy entered the victim tier, told to it once no victim is locked any more.
+    let mut kept: [Option<(PageId, tiermem_device::BufId)>; PageList::CAPACITY] = [None; PageList::CAPACITY];
     for v in victims.iter_mut().filter_map(Option::take) {
         let next = v.next.unwrap_or_else(|| v.page.state());
         let mut page = v.page;
@@ -165,7 +167,13 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
         page.set(next.with_referenced(false));
         drop(page);
         shared.release_resident();
+        if next.kind() == Kind::Prefetched {
+            kept[evicted] = Some((v.id, next.buf()));
+        }
         evicted += 1;
+    }
+    for (id, buf) in kept.into_iter().flatten() {
+        shared.victims.entered(shared, regions, id, buf);
     }
     if evicted > 0 {
         Stats::add(&shared.stats.counters.evictions, evicted as u64);
@@ -575,7 +583,17 @@ fn move_out(
         };
         if clean {
             release(shared, v.buf.take());
-            v.next = Some(state.with_kind(Kind::Evicted));
+            // Its slot holds it already; the victim tier keeps a copy too if it can.
+            let kept = shared.victims.enabled().then(|| shared.arena.alloc()).flatten();
+            v.next = Some(match kept {
+                Some(b) => {
+                    // SAFETY: as for the hash above: the staging page is this thread's alone.
+                    let bytes = unsafe { std::slice::from_raw_parts(page.cast_const(), PAGE_SIZE) };
+                    shared.arena.bytes_mut(b).copy_from_slice(bytes);
+                    state.with_kind(Kind::Prefetched).with_victim(true).with_buf(b)
+                }
+                None => state.with_kind(Kind::Evicted),
+            });
             continue;
         }
         if v.buf.is_none() {

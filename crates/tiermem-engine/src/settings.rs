@@ -75,6 +75,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     ("TIERMEM_RECLAIM_MODE", "background | on-fault-path"),
     (
+        "TIERMEM_VICTIM_TIER",
+        "evicted pages kept in DRAM, unmapped, so a fault there costs a copy, not a device read: a share of the budget (25%) or bytes (16MiB); off or 0 for none (default off)",
+    ),
+    (
         "TIERMEM_HOT_THRESHOLD",
         "access monitor: read faults that make a page hot in its hot-page table, 1..=64 (default 8)",
     ),
@@ -139,6 +143,7 @@ impl RunSettings {
     pub fn from_vars<K: AsRef<str>, V: AsRef<str>>(vars: impl IntoIterator<Item = (K, V)>) -> Result<Self> {
         let mut s = Self::default();
         let mut limit_given = false;
+        let mut victim_tier = None;
         for (key, value) in vars {
             let (key, value) = (key.as_ref(), value.as_ref());
             if !key.starts_with("TIERMEM_")
@@ -190,6 +195,7 @@ impl RunSettings {
                 "TIERMEM_WRITE_RUNS" => s.engine.write_runs = on_off(value).map_err(named)?,
                 "TIERMEM_READ_RUNS" => s.engine.read_runs = on_off(value).map_err(named)?,
                 "TIERMEM_DEFER_HITS" => s.engine.defer_prefetch_hits = on_off(value).map_err(named)?,
+                "TIERMEM_VICTIM_TIER" => victim_tier = Some(victim_tier_size(value).map_err(named)?),
                 _ => {
                     let known: Vec<&str> = VARIABLES.iter().map(|(k, _)| *k).collect();
                     return Err(Error::invalid(format!(
@@ -205,6 +211,13 @@ impl RunSettings {
             ));
         }
         s.engine.limit_bytes = s.limit.resolve(s.footprint).map_err(|e| e.context("TIERMEM_LIMIT"))?;
+        if let Some(tier) = victim_tier {
+            let bytes = match tier {
+                VictimTierSize::Share(percent) => (s.engine.limit_bytes as f64 * percent / 100.0) as u64,
+                VictimTierSize::Bytes(bytes) => bytes,
+            };
+            s.engine.victim_pages = u32::try_from(bytes / tiermem_sys::PAGE_SIZE as u64).unwrap_or(u32::MAX);
+        }
         s.engine.validate()?;
         Ok(s)
     }
@@ -233,6 +246,7 @@ impl RunSettings {
             ("TIERMEM_WRITE_RUNS", if e.write_runs { "on" } else { "off" }.to_string()),
             ("TIERMEM_READ_RUNS", if e.read_runs { "on" } else { "off" }.to_string()),
             ("TIERMEM_DEFER_HITS", if e.defer_prefetch_hits { "on" } else { "off" }.to_string()),
+            ("TIERMEM_VICTIM_TIER", (u64::from(e.victim_pages) * tiermem_sys::PAGE_SIZE as u64).to_string()),
             ("TIERMEM_RECLAIM_MODE", e.reclaim_mode.to_string()),
             ("TIERMEM_HOT_THRESHOLD", e.hot_threshold.to_string()),
             ("TIERMEM_DIRTY_TRACKING", e.dirty_tracking.to_string()),
@@ -287,6 +301,28 @@ pub fn on_off(text: &str) -> Result<bool> {
     }
 }
 
+/// How large the victim tier is, as given.
+#[derive(Debug, Clone, Copy)]
+enum VictimTierSize {
+    /// Percent of the budget, in [0, 90].
+    Share(f64),
+    Bytes(u64),
+}
+
+fn victim_tier_size(text: &str) -> Result<VictimTierSize> {
+    let t = text.trim();
+    if t == "off" {
+        return Ok(VictimTierSize::Bytes(0));
+    }
+    if let Some(p) = t.strip_suffix('%') {
+        return match p.trim().parse::<f64>() {
+            Ok(p) if (0.0..=90.0).contains(&p) => Ok(VictimTierSize::Share(p)),
+            _ => Err(Error::invalid("a share of the budget must be a number from 0% to 90% (example: 25%)")),
+        };
+    }
+    parse_size(t).map(VictimTierSize::Bytes)
+}
+
 fn whole_number<T: std::str::FromStr>(text: &str, example: &str) -> Result<T> {
     text.trim().parse().map_err(|_| Error::invalid(format!("not a whole number (example: {example})")))
 }
@@ -320,6 +356,7 @@ mod tests {
             ("TIERMEM_WRITE_RUNS", "on"),
             ("TIERMEM_READ_RUNS", "on"),
             ("TIERMEM_CGROUP", "guard"),
+            ("TIERMEM_VICTIM_TIER", "25%"),
             ("PATH", "/bin"),
             ("TIERMEM_TEST_DEVICES", "mem"),
         ])
@@ -340,6 +377,20 @@ mod tests {
         assert!(s.engine.read_runs && again.engine.read_runs);
         assert!(s.respect_cgroup && s.oom_guard && again.respect_cgroup && again.oom_guard);
         assert_eq!(again.footprint, s.footprint);
+        assert_eq!(u64::from(s.engine.victim_pages), s.engine.limit_bytes / 4 / 4096);
+        assert_eq!(again.engine.victim_pages, s.engine.victim_pages);
+    }
+
+    #[test]
+    fn the_victim_tier_is_a_share_of_the_budget_or_bytes() {
+        let pages = |value: &str| {
+            parse(&[("TIERMEM_LIMIT", "1GiB"), ("TIERMEM_VICTIM_TIER", value)]).unwrap().engine.victim_pages
+        };
+        assert_eq!(pages("10%"), 26214);
+        assert_eq!(pages("16MiB"), 4096);
+        assert_eq!(pages("off"), 0);
+        assert_eq!(pages("0"), 0);
+        assert_eq!(parse(&[("TIERMEM_LIMIT", "1GiB")]).unwrap().engine.victim_pages, 0, "off by default");
     }
 
     #[test]
@@ -369,6 +420,10 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HOT_THRESHOLD", "65")], "hot-page threshold 65"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HOT_THRESHOLD", "0")], "hot-page threshold 0"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_DEVICE", "floppy")], "TIERMEM_DEVICE=floppy"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_VICTIM_TIER", "95%")], "TIERMEM_VICTIM_TIER=95%"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_VICTIM_TIER", "95%")], "from 0% to 90%"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_VICTIM_TIER", "some")], "TIERMEM_VICTIM_TIER=some"),
+            (&[("TIERMEM_LIMIT", "64G"), ("TIERMEM_VICTIM_TIER", "50%")], "victim tier of"),
         ];
         for (vars, expected) in cases {
             let message = parse(vars).unwrap_err().to_string();

@@ -120,6 +120,12 @@ pub struct Counters {
     pub monitor_read_ahead: AtomicU64,
     /// Resident pages advised cold and put first in line for eviction.
     pub cold_listed: AtomicU64,
+    /// Evicted pages whose copy entered the victim tier (see [`crate::EngineConfig::victim_pages`]).
+    pub victim_kept: AtomicU64,
+    /// Faults served from the victim tier (a copy back, no device read).
+    pub victim_hits: AtomicU64,
+    /// Copies that left the victim tier unused (the tier was full).
+    pub victim_dropped: AtomicU64,
 }
 
 /// Counters plus one histogram (ns) per path.
@@ -231,6 +237,9 @@ impl Stats {
             writes_seen_in_page_tables: l(&c.writes_seen_in_page_tables),
             monitor_read_ahead: l(&c.monitor_read_ahead),
             cold_listed: l(&c.cold_listed),
+            victim_kept: l(&c.victim_kept),
+            victim_hits: l(&c.victim_hits),
+            victim_dropped: l(&c.victim_dropped),
             prefetch_accuracy: accuracy,
             prefetch_coverage: coverage,
             prefetched_share: (installed + hits + critical > 0)
@@ -336,6 +345,15 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub cold_listed: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub victim_kept: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub victim_hits: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub victim_dropped: u64,
     /// Prefetched pages used per prefetch issued. With eager install, estimated from the
     /// samples that waited for their first touch (none ended yet: None).
     pub prefetch_accuracy: Option<f64>,
@@ -404,6 +422,13 @@ impl StatsSnapshot {
             self.zero_drops,
             self.direct_reclaims
         );
+        if self.victim_kept > 0 {
+            let _ = writeln!(
+                s,
+                "victim tier     {} evicted pages kept in DRAM: {} faulted back from there (no device read), {} left unused",
+                self.victim_kept, self.victim_hits, self.victim_dropped
+            );
+        }
         if self.memory_waits > 0 {
             let _ = writeln!(
                 s,
@@ -511,6 +536,9 @@ impl StatsSnapshot {
         self.writes_seen_in_page_tables += other.writes_seen_in_page_tables;
         self.monitor_read_ahead += other.monitor_read_ahead;
         self.cold_listed += other.cold_listed;
+        self.victim_kept += other.victim_kept;
+        self.victim_hits += other.victim_hits;
+        self.victim_dropped += other.victim_dropped;
         for theirs in &other.paths {
             match self.paths.iter_mut().find(|p| p.path == theirs.path) {
                 Some(mine) => {

@@ -665,3 +665,61 @@ fn a_write_to_a_clean_page_is_a_use_in_every_write_protect_mode() {
         }
     }
 }
+
+#[test]
+fn pages_evicted_a_moment_ago_come_back_from_the_victim_tier_without_a_device_read() {
+    let _serial = serial();
+    let test = "pages_evicted_a_moment_ago_come_back_from_the_victim_tier_without_a_device_read";
+    let Some(modes) = write_protect_modes(test) else { return };
+    for ((device_name, device), mode) in modes.iter().flat_map(|&m| devices(64 << 20).into_iter().map(move |d| (d, m)))
+    {
+        for tier in [0u32, 128] {
+            let name = format!("{device_name} {mode}, victim tier of {tier} pages");
+            let engine = engine(device.clone(), 256, |c| {
+                c.dirty_tracking = mode;
+                c.prefetch = "none".into();
+                c.replace = "fifo".into();
+                c.victim_pages = tier;
+            });
+            let pages = 1024;
+            let region = engine.create_region(pages * 4096).unwrap();
+            let base = region.as_ptr();
+            // Written in order: the pages below the last budget's worth are written back and,
+            // once their writes complete, wait in the tier, the most recently evicted ones.
+            touch_all(base, pages, true);
+            let settle = std::time::Instant::now();
+            while engine.device_counters().writes < engine.stats().writebacks
+                && settle.elapsed() < std::time::Duration::from_secs(5)
+            {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let held = engine.victim_tier_pages();
+            let before = engine.stats();
+            let reads_before = engine.device_counters().reads;
+            // Read back newest first: the resident pages, then the tier's, then the rest.
+            for p in (0..pages).rev() {
+                // SAFETY: p < pages, inside the region.
+                let got = unsafe { (base.add(p * 4096) as *const u64).read_volatile() };
+                assert_eq!(got, p as u64 + 1, "{name}: page {p}");
+            }
+            let after = engine.stats();
+            let hits = after.victim_hits - before.victim_hits;
+            let reads = engine.device_counters().reads - reads_before;
+            eprintln!("{name}: {held} pages in the tier after the writes; reading back: {hits} from the tier, {reads} device reads");
+            if tier == 0 {
+                assert_eq!((held, hits, after.victim_kept), (0, 0, 0), "{name}: no tier, nothing kept");
+                continue;
+            }
+            assert!(held <= u64::from(tier) + 32, "{name}: the tier holds {held} pages, over {tier} and a batch");
+            assert!(hits >= 64, "{name}: only {hits} of the recently evicted pages came from the tier");
+            // A page from the tier costs no read: every other evicted page costs one.
+            let evicted_back = (pages as u64).saturating_sub(after.peak_resident_pages.min(256));
+            assert!(
+                reads + hits <= evicted_back + 32,
+                "{name}: {reads} reads and {hits} tier hits for about {evicted_back} evicted pages"
+            );
+            assert!(reads < evicted_back, "{name}: the tier saved no device read ({reads} for {evicted_back})");
+        }
+    }
+}

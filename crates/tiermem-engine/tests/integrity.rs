@@ -28,6 +28,9 @@ struct Outcome {
     cleaning: Cleaning,
     /// Advice reports the engine's monitor thread took (with an advising thread).
     advice_reports: u64,
+    /// Faults served from the victim tier, and pages it holds at the end.
+    victim_hits: u64,
+    victim_held: u64,
 }
 
 /// Background reclaim with dirty tracking cleans pages ahead of eviction (residency stays past
@@ -190,6 +193,8 @@ fn hammer(
         pages_read: device.bytes_read_medium / 4096,
         cleaning,
         advice_reports: stats.monitor_reports - stats.hot_reports,
+        victim_hits: stats.victim_hits,
+        victim_held: engine.victim_tier_pages(),
     }
 }
 
@@ -402,6 +407,55 @@ fn read_runs_keep_every_page() {
         },
         10_000,
         merged,
+    );
+}
+
+#[test]
+fn the_victim_tier_keeps_every_write() {
+    // Evicted pages wait in DRAM (half the budget's worth) and come back from there: written
+    // ones once their write completes, clean ones (async WP) straight from the staging area.
+    let served = |out: &Outcome| {
+        if out.victim_hits == 0 {
+            return Err("no fault was served from the victim tier".to_string());
+        }
+        // Over by at most a reclaim batch while its pages are handed in.
+        if out.victim_held > LIMIT_PAGES / 2 + 32 {
+            return Err(format!(
+                "the tier holds {} pages, more than its {} and a batch",
+                out.victim_held,
+                LIMIT_PAGES / 2
+            ));
+        }
+        Ok(())
+    };
+    check_that(
+        "victim tier, sigbus",
+        |c| {
+            c.victim_pages = (LIMIT_PAGES / 2) as u32;
+            c.fault_mode = FaultMode::Sigbus;
+        },
+        20_000,
+        served,
+    );
+    check_that(
+        "victim tier, handler thread, sync-wp",
+        |c| {
+            c.victim_pages = (LIMIT_PAGES / 2) as u32;
+            c.fault_mode = FaultMode::HandlerThread;
+            c.dirty_tracking = DirtyTracking::SyncWriteProtect;
+        },
+        20_000,
+        served,
+    );
+    check_that(
+        "victim tier of 16 pages, async-wp, next-7 prefetching",
+        |c| {
+            c.victim_pages = 16;
+            c.dirty_tracking = DirtyTracking::AsyncWriteProtect;
+            c.prefetch = "fastswap".into();
+        },
+        20_000,
+        |out| (out.victim_hits > 0).then_some(()).ok_or_else(|| "no fault was served from the victim tier".to_string()),
     );
 }
 
