@@ -105,8 +105,20 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
         );
         queue_writes(shared, victims, true);
         for v in victims.iter_mut().flatten().filter(|v| v.next.is_none()) {
-            v.next = Some(match v.page.state().slot() {
-                Some(_) => v.page.state().with_kind(Kind::Evicted),
+            let state = v.page.state();
+            v.next = Some(match state.slot() {
+                // Clean and protected (a write would fault and wait for our lock): what its slot
+                // holds, which the victim tier may keep a copy of.
+                Some(_) => {
+                    match (shared.write_protect && shared.victims.enabled()).then(|| shared.arena.alloc()).flatten() {
+                        Some(b) => {
+                            // SAFETY: see [`source`]: the page is mapped, locked and write-protected.
+                            shared.arena.bytes_mut(b).copy_from_slice(unsafe { source(v) });
+                            state.with_kind(Kind::Prefetched).with_victim(true).with_buf(b)
+                        }
+                        None => state.with_kind(Kind::Evicted),
+                    }
+                }
                 None => PageState::UNTOUCHED,
             });
         }
@@ -117,7 +129,11 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
             |v| v.next.is_some_and(|n| n.kind() != Kind::Resident),
             |v, ok| {
                 if !ok {
-                    // Still mapped: stays resident (a write in flight for it is harmless).
+                    // Still mapped: stays resident (a write in flight for it is harmless), and
+                    // a copy taken for the victim tier goes back.
+                    if let Some(n) = v.next.filter(|n| n.kind() == Kind::Prefetched) {
+                        shared.arena.release(n.buf());
+                    }
                     let keep = v.page.state();
                     v.next = Some(match v.buf {
                         Some(b) if v.next.is_some_and(|n| n.writing()) => {

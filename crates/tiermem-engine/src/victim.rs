@@ -6,7 +6,8 @@
 //! room; a fault on it maps the buffer back (a copy, no device read) and is a use the
 //! replacement policy sees (a short refault). The oldest copy leaves when the tier is full; its
 //! slot holds the same data, so leaving costs nothing. Written pages enter when their
-//! write-back completes, clean ones (async write protection) straight from the staging area.
+//! write-back completes, clean ones at eviction: copied from the staging area (async write
+//! protection) or from the protected page before it is dropped (sync).
 //!
 //! The buffers are part of the arena, charged to the process whether used or not: under
 //! `tiermem run` in a cgroup they come out of the budget as unmanaged memory, so the tier
