@@ -94,7 +94,7 @@ def start_server(binary: str, work_dir: str) -> tuple[subprocess.Popen, str]:
     sock_path = os.path.join(work_dir, "redis.sock")
     args = [binary, "--port", "0", "--unixsocket", sock_path, "--unixsocketperm", "700",
             "--dir", work_dir, "--save", "", "--appendonly", "no", "--daemonize", "no",
-            "--protected-mode", "no", "--databases", "1", "--loglevel", "warning",
+            "--protected-mode", "no", "--databases", "1", "--loglevel", "verbose",
             "--logfile", os.path.join(work_dir, "redis.log"), "--maxmemory", "0",
             "--activedefrag", "no", "--lazyfree-lazy-user-del", "no", "--io-threads", "1"]
     server = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=server_env(),
@@ -248,8 +248,10 @@ def main(argv=None):
         conn.recv(64)  # the server closes the connection as it exits (or says why not)
         conn.close()
         server.wait(timeout=30)
-    except ServerGone:
-        raise SystemExit(f"kvstore: the server closed the connection: {server_end(server, work_dir)}") from None
+    except (ServerGone, ConnectionError) as e:
+        # A reset (the server died with replies unread) or a clean close: say how it ended.
+        how = "reset" if isinstance(e, ConnectionError) else "closed"
+        raise SystemExit(f"kvstore: the server {how} the connection: {server_end(server, work_dir)}") from None
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGKILL)

@@ -547,6 +547,21 @@ impl Engine {
         self.shared.resident() > self.shared.watermark_pages()
     }
 
+    /// A system call of the program failed for want of memory in its cgroup (a socket buffer or
+    /// other kernel allocation the full cgroup refused: under the OOM guard such a charge fails
+    /// at once where a page fault's would wait). Shed a step of the budget, as a refused page
+    /// copy does, and give reclaim up to `wait` to get residency under it, so the call can be
+    /// tried again. Counted in `memory_waits`; the cgroup watch sees the count and keeps more
+    /// room free for a while.
+    pub fn relieve_refused_call(&self, wait: std::time::Duration) {
+        Stats::add(&self.shared.stats.counters.memory_waits, 1);
+        self.shared.shed(self.shared.limit_pages() / 32);
+        let until = std::time::Instant::now() + wait;
+        while self.shared.resident() > self.shared.limit_pages() && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+
     /// Page copies the kernel has refused for want of memory so far (see
     /// [`crate::stats::Counters::memory_waits`]).
     pub fn memory_waits(&self) -> u64 {

@@ -20,6 +20,30 @@ use crate::runtime;
 /// Largest piece held resident for one call.
 const CHUNK_BYTES: usize = 256 << 10;
 
+/// Most times a call refused for want of memory is tried again.
+const REFUSED_RETRIES: u32 = 16;
+
+/// Make a call that needs kernel memory (sending to a socket or pipe), trying it again while it
+/// fails with ENOMEM or ENOBUFS in a cgroup tiermem keeps full (see
+/// [`runtime::memory_refused`]). Seen: a Redis server at 20% of its footprint lost its client
+/// when a reply's socket buffer was refused ("No buffer space available"). A failed call moved
+/// nothing, so trying again is what the program would see had the memory been there.
+pub(crate) fn retrying_refused(mut call: impl FnMut() -> isize) -> isize {
+    let mut tries = 0;
+    loop {
+        let r = call();
+        if r >= 0 || tries == REFUSED_RETRIES {
+            return r;
+        }
+        let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+        if !matches!(errno, libc::ENOMEM | libc::ENOBUFS) || !runtime::memory_refused() {
+            runtime::set_errno(errno);
+            return r;
+        }
+        tries += 1;
+    }
+}
+
 /// Whether a buffer needs wrapping.
 pub(crate) fn needs_wrapping(buf: *const c_void, len: usize) -> bool {
     runtime::sigbus_mode() && len > 0 && registry::may_overlap(buf as usize, len)
@@ -121,10 +145,12 @@ pub unsafe extern "C" fn read(fd: i32, buf: *mut c_void, len: usize) -> isize {
 /// The C contract of write.
 #[no_mangle]
 pub unsafe extern "C" fn write(fd: i32, buf: *const c_void, len: usize) -> isize {
-    if !needs_wrapping(buf, len) {
-        return sys!(libc::SYS_write, fd, buf, len);
-    }
-    in_resident_pieces(buf.cast_mut(), len, false, true, |p, n| sys!(libc::SYS_write, fd, p, n))
+    retrying_refused(|| {
+        if !needs_wrapping(buf, len) {
+            return sys!(libc::SYS_write, fd, buf, len);
+        }
+        in_resident_pieces(buf.cast_mut(), len, false, true, |p, n| sys!(libc::SYS_write, fd, p, n))
+    })
 }
 
 /// pread/pwrite: pieces at advancing file offsets.
@@ -206,10 +232,12 @@ pub unsafe extern "C" fn sendto(
     to: *const libc::sockaddr,
     to_len: libc::socklen_t,
 ) -> isize {
-    if !needs_wrapping(buf, len) {
-        return sys!(libc::SYS_sendto, fd, buf, len, flags, to, to_len);
-    }
-    in_resident_pieces(buf.cast_mut(), len, false, true, |p, n| sys!(libc::SYS_sendto, fd, p, n, flags, to, to_len))
+    retrying_refused(|| {
+        if !needs_wrapping(buf, len) {
+            return sys!(libc::SYS_sendto, fd, buf, len, flags, to, to_len);
+        }
+        in_resident_pieces(buf.cast_mut(), len, false, true, |p, n| sys!(libc::SYS_sendto, fd, p, n, flags, to, to_len))
+    })
 }
 
 /// # Safety
@@ -286,10 +314,10 @@ pub unsafe extern "C" fn readv(fd: i32, iov: *const libc::iovec, count: i32) -> 
 /// The C contract of writev.
 #[no_mangle]
 pub unsafe extern "C" fn writev(fd: i32, iov: *const libc::iovec, count: i32) -> isize {
-    match vectors_to_wrap(iov, count) {
+    retrying_refused(|| match vectors_to_wrap(iov, count) {
         None => sys!(libc::SYS_writev, fd, iov, count),
         Some(vecs) => each_vector(vecs, false, true, |p, n| sys!(libc::SYS_write, fd, p, n)),
-    }
+    })
 }
 
 /// preadv2/pwritev2 (and preadv/pwritev, flags 0) over managed buffers: each piece a one-element

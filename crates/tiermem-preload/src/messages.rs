@@ -178,10 +178,10 @@ pub unsafe extern "C" fn recvmsg(fd: i32, msg: *mut libc::msghdr, flags: i32) ->
 /// The C contract of sendmsg.
 #[no_mangle]
 pub unsafe extern "C" fn sendmsg(fd: i32, msg: *const libc::msghdr, flags: i32) -> isize {
-    match message_to_wrap(msg) {
+    crate::io::retrying_refused(|| match message_to_wrap(msg) {
         None => sys!(libc::SYS_sendmsg, fd, msg, flags),
         Some(wrapped) => call_held(libc::SYS_sendmsg, fd, wrapped, flags).0,
-    }
+    })
 }
 
 /// Make the call `number` (recvmmsg or sendmmsg) over `vlen` messages, those that fit in the
@@ -266,6 +266,8 @@ pub unsafe extern "C" fn recvmmsg(
 /// The C contract of sendmmsg.
 #[no_mangle]
 pub unsafe extern "C" fn sendmmsg(fd: i32, msgs: *mut libc::mmsghdr, vlen: u32, flags: i32) -> i32 {
-    multiple_held(libc::SYS_sendmmsg, fd, msgs, vlen, flags, std::ptr::null_mut())
-        .unwrap_or_else(|| sys!(libc::SYS_sendmmsg, fd, msgs, vlen, flags) as i32)
+    crate::io::retrying_refused(|| {
+        multiple_held(libc::SYS_sendmmsg, fd, msgs, vlen, flags, std::ptr::null_mut())
+            .unwrap_or_else(|| sys!(libc::SYS_sendmmsg, fd, msgs, vlen, flags) as i32) as isize
+    }) as i32
 }

@@ -30,6 +30,11 @@ pub static FALLBACK_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 /// Managed allocations served by a kept freed region ([`crate::recycle`]).
 pub static REUSED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 pub static SYSCALLS_WRAPPED: AtomicU64 = AtomicU64::new(0);
+/// Calls that failed for want of memory in the cgroup and were tried again after room was made
+/// ([`memory_refused`]).
+pub static CALLS_RETRIED: AtomicU64 = AtomicU64::new(0);
+/// The budget follows a memory cgroup's room (the watch thread runs).
+static CGROUP_WATCHED: AtomicBool = AtomicBool::new(false);
 static LOWEST_BUDGET: AtomicU64 = AtomicU64::new(u64::MAX);
 /// Times the cgroup ran out of memory under the OOM guard and the budget was cut for it.
 static OOM_RESCUES: AtomicU64 = AtomicU64::new(0);
@@ -122,6 +127,22 @@ pub fn in_forked_child() -> bool {
     FORKED_CHILD.load(Ordering::Acquire)
 }
 
+/// A call of the program failed with ENOMEM or ENOBUFS. Where the budget follows a memory
+/// cgroup, tiermem keeps that cgroup nearly full of managed pages, and a kernel allocation the
+/// call needed (a socket buffer) may have been refused for it: Linux swap would have reclaimed
+/// anonymous memory to make room, here nothing can but tiermem. So shed some budget, give
+/// reclaim a moment, and say to try again (true). False where no cgroup is followed: the
+/// failure is the program's own.
+pub fn memory_refused() -> bool {
+    if !CGROUP_WATCHED.load(Ordering::Acquire) || in_forked_child() {
+        return false;
+    }
+    let Some(engine) = running_engine() else { return false };
+    engine.relieve_refused_call(std::time::Duration::from_millis(20));
+    CALLS_RETRIED.fetch_add(1, Ordering::Relaxed);
+    true
+}
+
 /// The running engine, if it has been started.
 pub fn running_engine() -> Option<&'static Engine> {
     ENGINE.get()
@@ -195,11 +216,11 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
     };
     let mut config = settings.engine.clone();
     // The I/O buffers are pinned memory charged to the program's cgroup: a small budget gets
-    // fewer (a 64th of it, at least 256: two queues' depth), so tiermem's own overhead does not
+    // fewer (a 64th of it, at least 128: one queue's depth), so tiermem's own overhead does not
     // eat the room it pages into; `io_buffers` is the most it gets. (A 16th, at least 64, was
-    // slower: README, *I/O buffers*.)
+    // slower: README, *I/O buffers*; the floor was 256 until 2026-11-27.)
     let most = config.io_buffers;
-    config.io_buffers = u32::try_from(config.limit_pages() / 64).unwrap_or(u32::MAX).clamp(most.min(256), most);
+    config.io_buffers = u32::try_from(config.limit_pages() / 64).unwrap_or(u32::MAX).clamp(most.min(128), most);
     if let Some(dir) = &settings.trace_dir {
         config.trace_path = Some(dir.join(format!("{}.trace", std::process::id())));
     }
@@ -249,6 +270,7 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
                 .spawn(move || watch_cgroup(engine, cgroup, guard));
             if let Ok(handle) = watch {
                 engine_threads.push(handle.as_pthread_t());
+                CGROUP_WATCHED.store(true, Ordering::Release);
             }
             if guarded {
                 for &thread in &engine_threads {
@@ -269,8 +291,9 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
 /// Memory for the Rust allocations of the engine's threads under the OOM guard
 /// ([`crate::reserve`]), charged to the cgroup whether used or not. Measured: 15–80 KiB in use
 /// (`engine_reserve_bytes` in the statistics) in runs of the OOM-guard test; what does not fit
-/// goes to the C library, made resident at once.
-const ENGINE_RESERVE_BYTES: usize = 256 << 10;
+/// goes to the C library, made resident at once. (256 KiB until 2026-11-27: a small cgroup's
+/// budget paid for the unused half.)
+const ENGINE_RESERVE_BYTES: usize = 128 << 10;
 
 /// The settings ask for the small heap and the fault mode allows it (see [`crate::heap`]).
 /// Whether freed large allocations are kept for reuse ([`crate::recycle`]).
@@ -741,6 +764,7 @@ extern "C" fn at_exit() {
         "small_heap_allocations": crate::heap::ALLOCATIONS.load(Ordering::Relaxed),
         "small_heap_bytes": crate::heap::CHUNK_BYTES.load(Ordering::Relaxed),
         "syscalls_wrapped": SYSCALLS_WRAPPED.load(Ordering::Relaxed),
+        "calls_retried_for_memory": CALLS_RETRIED.load(Ordering::Relaxed),
         "stdio_streams_unlocked": crate::stdio::STREAMS_UNLOCKED.load(Ordering::Relaxed),
         "stdio_streams_relocked": crate::stdio::STREAMS_RELOCKED.load(Ordering::Relaxed),
         "engine_reserve_bytes": crate::reserve::USED_BYTES.load(Ordering::Relaxed),
