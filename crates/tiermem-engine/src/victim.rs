@@ -14,7 +14,7 @@
 //! trades mapped pages for cheap refaults, never more memory for less paging.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Mutex;
 
 use tiermem_device::BufId;
@@ -32,8 +32,9 @@ pub(crate) struct VictimTier {
     capacity: usize,
     /// Most entries `order` holds: the live ones and as many stale ones.
     queue_max: usize,
-    /// Pages in the tier now (state prefetched with the victim bit).
-    held: AtomicU64,
+    /// Pages in the tier now (state prefetched with the victim bit). Signed: a page can be
+    /// faulted back (and counted out) between its entry and the caller's [`Self::entered`].
+    held: AtomicI64,
     order: Mutex<VecDeque<(PageId, BufId)>>,
 }
 
@@ -44,7 +45,7 @@ impl VictimTier {
         // never grows (growing allocates, which the SIGBUS handler and, under the OOM guard,
         // the engine's threads must not).
         let queue_max = if capacity == 0 { 0 } else { 2 * capacity + 1 };
-        Self { capacity, queue_max, held: AtomicU64::new(0), order: Mutex::new(VecDeque::with_capacity(queue_max)) }
+        Self { capacity, queue_max, held: AtomicI64::new(0), order: Mutex::new(VecDeque::with_capacity(queue_max)) }
     }
 
     /// Whether evicted pages are kept at all.
@@ -54,7 +55,7 @@ impl VictimTier {
 
     /// Pages in the tier now.
     pub(crate) fn held(&self) -> u64 {
-        self.held.load(Ordering::Relaxed)
+        self.held.load(Ordering::Relaxed).max(0) as u64
     }
 
     /// Page `id` has just entered the tier holding `buf` (its state set and unlocked by the
@@ -75,7 +76,7 @@ impl VictimTier {
         lock().push_back((id, buf));
         // Bounded: a page locked by someone else goes to the back and is tried again later.
         for _ in 0..self.queue_max {
-            if self.held.load(Ordering::Relaxed) <= self.capacity as u64 {
+            if self.held.load(Ordering::Relaxed) <= self.capacity as i64 {
                 break;
             }
             let Some((old, b)) = lock().pop_front() else { break };
@@ -128,5 +129,17 @@ mod tests {
         assert_eq!(tier.held(), 0);
         assert!(VictimTier::new(3).enabled());
         assert_eq!(VictimTier::new(3).queue_max, 7);
+    }
+
+    #[test]
+    fn a_page_counted_out_before_it_was_counted_in_leaves_the_count_at_zero() {
+        // A fault can take a page back between its state change and the caller's `entered`.
+        let tier = VictimTier::new(3);
+        tier.left();
+        assert_eq!(tier.held(), 0);
+        tier.held.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(tier.held(), 0, "one out, one in");
+        tier.held.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(tier.held(), 1);
     }
 }

@@ -673,6 +673,8 @@ fn pages_evicted_a_moment_ago_come_back_from_the_victim_tier_without_a_device_re
     let Some(modes) = write_protect_modes(test) else { return };
     for ((device_name, device), mode) in modes.iter().flat_map(|&m| devices(64 << 20).into_iter().map(move |d| (d, m)))
     {
+        // Device reads of the read-back without a tier, to compare the tier's run with.
+        let mut reads_without = None;
         for tier in [0u32, 128] {
             let name = format!("{device_name} {mode}, victim tier of {tier} pages");
             let engine = engine(device.clone(), 256, |c| {
@@ -710,17 +712,21 @@ fn pages_evicted_a_moment_ago_come_back_from_the_victim_tier_without_a_device_re
             eprintln!("{name}: {held} pages in the tier after the writes; reading back: {hits} from the tier, {reads} device reads");
             if tier == 0 {
                 assert_eq!((held, hits, after.victim_kept), (0, 0, 0), "{name}: no tier, nothing kept");
+                reads_without = Some(reads);
                 continue;
             }
             assert!(held <= u64::from(tier) + 32, "{name}: the tier holds {held} pages, over {tier} and a batch");
-            assert!(hits >= 64, "{name}: only {hits} of the recently evicted pages came from the tier");
-            // A page from the tier costs no read: every other evicted page costs one.
-            let evicted_back = pages as u64 - resident;
+            // Most of the tier's pages come back from it (80-128 of 128 seen); the read-back's
+            // own evictions push some of them out first, more when reclaim runs late.
+            assert!(hits >= 32, "{name}: only {hits} of the recently evicted pages came from the tier");
+            // Each page is read back once: from the tier or from the device, never both.
+            assert!(reads + hits <= pages as u64, "{name}: {reads} reads and {hits} tier hits for {pages} pages");
+            let without = reads_without.expect("the run without a tier came first");
             assert!(
-                reads + hits <= evicted_back + 32,
-                "{name}: {reads} reads and {hits} tier hits for about {evicted_back} evicted pages"
+                reads < without && reads < pages as u64 - resident,
+                "{name}: the tier saved no device read ({reads} reads, {without} without a tier, {} evicted)",
+                pages as u64 - resident
             );
-            assert!(reads < evicted_back, "{name}: the tier saved no device read ({reads} for {evicted_back})");
         }
     }
 }
