@@ -1343,23 +1343,32 @@ int main(int argc, char** argv) {
 #[test]
 fn under_the_oom_guard_a_burst_of_unmanaged_memory_pauses_the_program_instead_of_killing_it() {
     let name = "under_the_oom_guard_a_burst_of_unmanaged_memory_pauses_the_program_instead_of_killing_it";
-    if !cgroup_test_or_skip(name) {
+    let Some((scratch, bin_arg, reference)) = oom_guard_program(name, UNMANAGED_BURST, "unmanaged_burst") else {
         return;
-    }
-    if !Path::new("/sys/fs/cgroup/memory").is_dir() {
-        eprintln!("SKIPPED {name}: the OOM guard needs the cgroup v1 memory controller (memory.oom_control)");
-        return;
-    }
-    let scratch = Scratch::new();
-    let Some(bin) = build_cpp(&scratch, UNMANAGED_BURST, "unmanaged_burst", name) else { return };
-    let bin_arg = bin.display().to_string();
-    let reference = Command::new(&bin).args(["96", "16"]).output().expect("the program alone");
+    };
     let limit: u64 = 48 << 20;
     let limit_arg = limit.to_string();
     let device = format!("file:{}", scratch.path().display());
     for mode in ["thread", "sigbus"] {
         burst_under_the_oom_guard(name, &scratch, mode, &bin_arg, &reference.stdout, &limit_arg, &device);
     }
+}
+
+/// What the OOM-guard tests need: root and cgroups, the cgroup v1 memory controller (whose
+/// memory.oom_control the guard switches), and the C++ program `source` built, with its output
+/// run alone with arguments 96 16. None, after saying SKIPPED, where something is missing.
+fn oom_guard_program(name: &str, source: &str, bin_name: &str) -> Option<(Scratch, String, std::process::Output)> {
+    if !cgroup_test_or_skip(name) {
+        return None;
+    }
+    if !Path::new("/sys/fs/cgroup/memory").is_dir() {
+        eprintln!("SKIPPED {name}: the OOM guard needs the cgroup v1 memory controller (memory.oom_control)");
+        return None;
+    }
+    let scratch = Scratch::new();
+    let bin = build_cpp(&scratch, source, bin_name, name)?;
+    let reference = Command::new(&bin).args(["96", "16"]).output().expect("the program alone");
+    Some((scratch, bin.display().to_string(), reference))
 }
 
 fn burst_under_the_oom_guard(
@@ -1482,17 +1491,7 @@ int main(int argc, char** argv) {
 #[test]
 fn a_socket_buffer_the_full_cgroup_refuses_is_made_room_for() {
     let name = "a_socket_buffer_the_full_cgroup_refuses_is_made_room_for";
-    if !cgroup_test_or_skip(name) {
-        return;
-    }
-    if !Path::new("/sys/fs/cgroup/memory").is_dir() {
-        eprintln!("SKIPPED {name}: the OOM guard needs the cgroup v1 memory controller (memory.oom_control)");
-        return;
-    }
-    let scratch = Scratch::new();
-    let Some(bin) = build_cpp(&scratch, SOCKET_QUEUE, "socket_queue", name) else { return };
-    let bin_arg = bin.display().to_string();
-    let reference = Command::new(&bin).args(["96", "16"]).output().expect("the program alone");
+    let Some((scratch, bin_arg, reference)) = oom_guard_program(name, SOCKET_QUEUE, "socket_queue") else { return };
     assert!(reference.status.success(), "{name}: the program alone: {}", String::from_utf8_lossy(&reference.stderr));
     let limit: u64 = 48 << 20;
     let limit_arg = limit.to_string();

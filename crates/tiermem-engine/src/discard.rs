@@ -54,12 +54,7 @@ pub(crate) fn forget_page(shared: &Shared, page: &mut LockedPage<'_>) {
     let state = page.state();
     match state.kind() {
         Kind::Resident => shared.release_resident(),
-        Kind::Prefetched => {
-            shared.arena.release(state.buf());
-            if state.victim() {
-                shared.victims.left();
-            }
-        }
+        Kind::Prefetched => shared.release_prefetched(state),
         Kind::Untouched | Kind::Evicted | Kind::Incoming => {}
     }
     if let Some(slot) = state.slot() {

@@ -212,6 +212,15 @@ impl Shared {
         self.wake_reclaim();
     }
 
+    /// Give back the buffer a prefetched page holds: a prefetch sample's, or a copy in the victim
+    /// tier (which then counts the page out).
+    pub(crate) fn release_prefetched(&self, state: crate::page::PageState) {
+        self.arena.release(state.buf());
+        if state.victim() {
+            self.victims.left();
+        }
+    }
+
     /// Wake the reclaim thread if it sleeps. SeqCst pairs with the thread's own store of
     /// `reclaim_asleep` and re-check of residency, so a wake-up is never lost.
     pub(crate) fn wake_reclaim(&self) {
@@ -723,12 +732,7 @@ impl Drop for Region {
             match state.kind() {
                 Kind::Resident => freed_resident += 1,
                 // A prefetch sample still waiting, or a page of the victim tier, holds its buffer.
-                Kind::Prefetched => {
-                    self.shared.arena.release(state.buf());
-                    if state.victim() {
-                        self.shared.victims.left();
-                    }
-                }
+                Kind::Prefetched => self.shared.release_prefetched(state),
                 _ => {}
             }
         }

@@ -221,8 +221,7 @@ pub(crate) fn handle_fault(
                     // replacement sees as the short refault it is.
                     locked.set(state.with_kind(Kind::Resident).with_victim(false).with_dirty(!protect));
                     drop(locked);
-                    shared.arena.release(buf);
-                    shared.victims.left();
+                    shared.release_prefetched(state);
                     shared.replacement.on_insert(id);
                     Stats::add(&shared.stats.counters.victim_hits, 1);
                     shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);

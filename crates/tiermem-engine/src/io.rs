@@ -286,7 +286,7 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
                 && !shared.arena.in_run(buf)
                 && !region.is_closing();
             if keep {
-                next = next.with_kind(Kind::Prefetched).with_victim(true).with_buf(buf);
+                next = next.in_victim_tier(buf);
             }
             locked.set(next);
             drop(locked);

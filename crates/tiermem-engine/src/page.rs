@@ -110,6 +110,11 @@ impl PageState {
     pub fn with_victim(self, victim: bool) -> Self {
         Self(if victim { self.0 | VICTIM } else { self.0 & !VICTIM })
     }
+    /// The state of an evicted page whose copy waits in the victim tier in `buf`.
+    #[must_use]
+    pub fn in_victim_tier(self, buf: u32) -> Self {
+        self.with_kind(Kind::Prefetched).with_victim(true).with_buf(buf)
+    }
     /// Same state with a slot (or none).
     #[must_use]
     pub fn with_slot(self, slot: Option<u64>) -> Self {

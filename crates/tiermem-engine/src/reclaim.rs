@@ -108,17 +108,10 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
             let state = v.page.state();
             v.next = Some(match state.slot() {
                 // Clean and protected (a write would fault and wait for our lock): what its slot
-                // holds, which the victim tier may keep a copy of.
-                Some(_) => {
-                    match (shared.write_protect && shared.victims.enabled()).then(|| shared.arena.alloc()).flatten() {
-                        Some(b) => {
-                            // SAFETY: see [`source`]: the page is mapped, locked and write-protected.
-                            shared.arena.bytes_mut(b).copy_from_slice(unsafe { source(v) });
-                            state.with_kind(Kind::Prefetched).with_victim(true).with_buf(b)
-                        }
-                        None => state.with_kind(Kind::Evicted),
-                    }
-                }
+                // holds.
+                // SAFETY: see [`source`]: the page is mapped, locked and write-protected.
+                Some(_) if shared.write_protect => clean_leaving(shared, state, unsafe { source(v) }),
+                Some(_) => state.with_kind(Kind::Evicted),
                 None => PageState::UNTOUCHED,
             });
         }
@@ -202,6 +195,18 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
         }
     }
     evicted
+}
+
+/// The state of a clean victim leaving for its slot: in the victim tier with a copy of `bytes`
+/// (what the slot holds) where the tier is on and a buffer is free, else plainly evicted.
+fn clean_leaving(shared: &Shared, state: PageState, bytes: &[u8]) -> PageState {
+    match shared.victims.enabled().then(|| shared.arena.alloc()).flatten() {
+        Some(b) => {
+            shared.arena.bytes_mut(b).copy_from_slice(bytes);
+            state.in_victim_tier(b)
+        }
+        None => state.with_kind(Kind::Evicted),
+    }
 }
 
 /// Async WP: take `victims` (all on the userfaultfd of `capture`'s staging areas) out with
@@ -599,17 +604,8 @@ fn move_out(
         };
         if clean {
             release(shared, v.buf.take());
-            // Its slot holds it already; the victim tier keeps a copy too if it can.
-            let kept = shared.victims.enabled().then(|| shared.arena.alloc()).flatten();
-            v.next = Some(match kept {
-                Some(b) => {
-                    // SAFETY: as for the hash above: the staging page is this thread's alone.
-                    let bytes = unsafe { std::slice::from_raw_parts(page.cast_const(), PAGE_SIZE) };
-                    shared.arena.bytes_mut(b).copy_from_slice(bytes);
-                    state.with_kind(Kind::Prefetched).with_victim(true).with_buf(b)
-                }
-                None => state.with_kind(Kind::Evicted),
-            });
+            // SAFETY: see [`source`]: the staging page is this thread's alone.
+            v.next = Some(clean_leaving(shared, state, unsafe { source(v) }));
             continue;
         }
         if v.buf.is_none() {

@@ -107,8 +107,7 @@ impl VictimTier {
         }
         locked.set(state.with_kind(Kind::Evicted).with_victim(false));
         drop(locked);
-        shared.arena.release(buf);
-        self.left();
+        shared.release_prefetched(state);
         Stats::add(&shared.stats.counters.victim_dropped, 1);
         true
     }
