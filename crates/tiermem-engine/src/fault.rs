@@ -94,24 +94,45 @@ pub(crate) fn handle_fault(
     let regions = shared.regions();
     let Some(region) = regions.find(addr) else { return Outcome::NotOurs };
     let index = region.page_index(addr);
-    let cell = &region.pages[index as usize];
-    let page_addr = region.page_addr(index);
-    let id = region.id(index);
     if let Some(trace) = &shared.trace {
         // The virtual page number: below 2^40 (the trace format's limit) for any user address,
         // and regions stay distinct page ranges (a page id would put the region above bit 40).
-        trace.record((page_addr as usize / PAGE_SIZE) as u64, write);
+        trace.record((region.page_addr(index) as usize / PAGE_SIZE) as u64, write);
     }
-    shared.monitor.fault(&shared.stats, region.index, index, write);
+    let outcome = resolve(shared, &regions, region, index, write, missing, lane_hint, asleep_in_kernel);
+    if matches!(outcome, Outcome::Resolved) {
+        // Shown to the monitor once the page is in: a hot report it sends makes the monitor
+        // thread want the page, which must find it resident (its referenced bit), not still
+        // evicted and so read a second time, racing this fault.
+        shared.monitor.fault(&shared.stats, region.index, index, write);
+    }
+    outcome
+}
+
+/// Bring page `index` of `region` in (or unprotect it) for [`handle_fault`].
+#[allow(clippy::too_many_arguments)]
+fn resolve(
+    shared: &Shared,
+    regions: &RegionTable,
+    region: &RegionInner,
+    index: u64,
+    write: bool,
+    missing: bool,
+    lane_hint: usize,
+    asleep_in_kernel: bool,
+) -> Outcome {
+    let cell = &region.pages[index as usize];
+    let page_addr = region.page_addr(index);
+    let id = region.id(index);
     let started = Instant::now();
     let mut waited_on_prefetch = false;
     loop {
         let peek = cell.peek();
         let needs_room = matches!(peek.kind(), Kind::Untouched | Kind::Evicted | Kind::Prefetched);
         if needs_room {
-            reserve_room(shared, &regions);
+            reserve_room(shared, regions);
         }
-        let staging = (peek.kind() == Kind::Evicted && !peek.writing()).then(|| alloc_buffer(shared, &regions));
+        let staging = (peek.kind() == Kind::Evicted && !peek.writing()).then(|| alloc_buffer(shared, regions));
         let give_back = |reserved: bool, staging: Option<BufId>| {
             if reserved {
                 shared.release_resident();
@@ -194,7 +215,7 @@ pub(crate) fn handle_fault(
                 drop(locked);
                 give_back(needs_room, staging);
                 waited_on_prefetch = true;
-                if reap_background(shared, &regions) == 0 {
+                if reap_background(shared, regions) == 0 {
                     std::hint::spin_loop();
                 }
                 continue;
@@ -271,7 +292,7 @@ pub(crate) fn handle_fault(
                     write,
                     hit: false,
                 };
-                if let Err(e) = read_critical(shared, &regions, region, id, slot, buf, &info, lane_hint) {
+                if let Err(e) = read_critical(shared, regions, region, id, slot, buf, &info, lane_hint) {
                     give_back(true, Some(buf));
                     Stats::add(&shared.stats.counters.io_errors, 1);
                     return Outcome::Failed(e);
@@ -289,7 +310,7 @@ pub(crate) fn handle_fault(
                 // Prefetches submitted with this page are often done by now: map them here
                 // rather than wait for the completion thread to wake. The faulting thread is
                 // already running again in handler-thread mode.
-                reap_background(shared, &regions);
+                reap_background(shared, regions);
                 return Outcome::Resolved;
             }
             _ => {

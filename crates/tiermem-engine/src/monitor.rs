@@ -205,9 +205,9 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
             }
             if report.kind == ReportKind::Hot {
                 // It kept coming back: keep it (resident) or bring it back (evicted). The
-                // report leaves at the fault, often before the page has landed: wait for that
+                // report leaves once its fault is resolved, but a handler thread that found
+                // the page's prefetch in flight leaves it to the completion: wait for that
                 // (hot reports are rare, the table's sent bit sees to it).
-                Stats::add(&shared.stats.counters.hot_reports, 1);
                 await_landing(region, &[page]);
                 want(shared, regions, pending, index, region, page);
             }
@@ -218,6 +218,10 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
             // busy pages retried.
             for &p in wanted.as_slice() {
                 want(shared, regions, pending, index, region, p);
+            }
+            if report.kind == ReportKind::Hot {
+                // Counted once acted on: a resident hot page has its referenced bit by now.
+                Stats::add(&shared.stats.counters.hot_reports, 1);
             }
         }
         ReportKind::Cold => {

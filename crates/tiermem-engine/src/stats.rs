@@ -107,7 +107,8 @@ pub struct Counters {
     /// Reports the monitor thread took from the access monitor's ring (application advice, hot
     /// pages).
     pub monitor_reports: AtomicU64,
-    /// Of those, hot pages: pages the hot-page table saw fault N times (the threshold).
+    /// Of those, hot pages: pages the hot-page table saw fault N times (the threshold),
+    /// counted once the monitor thread has acted on them.
     pub hot_reports: AtomicU64,
     /// Writes to clean resident pages found in the page tables when replacement looked at the
     /// pages (async write protection, where such writes do not fault): each counted as a use.
