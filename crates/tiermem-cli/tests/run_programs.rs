@@ -383,8 +383,9 @@ int main() {
 
 /// Writes 64 MiB one word per page, then (with `advise`) tells the kernel it will need the
 /// first 8 MiB again, or (with `sequential`) that it will walk them front to back, and waits a
-/// little before reading them back (a second after the will-need advice: 300 ms let 279 of the
-/// 2,048 pages still fault in a loaded CI run on a disk reading 4 KiB in 140 µs).
+/// little before reading them back (after the will-need advice until every advised page is
+/// mapped, at most 10 s: a fixed 300 ms let 279 of the 2,048 pages still fault in a loaded CI
+/// run on a disk reading 4 KiB in 140 µs).
 const WILL_NEED: &str = r#"
 #include <cstdint>
 #include <cstdio>
@@ -398,7 +399,15 @@ int main(int argc, char** argv) {
     for (size_t w = 0; w < len / 8; w += 512) p[w] = w * 2654435761u;
     if (argc > 1 && strcmp(argv[1], "advise") == 0) {
         if (madvise(p, advised, MADV_WILLNEED) != 0) { perror("madvise"); return 1; }
-        usleep(1000 * 1000);
+        // Wait (at most 10 s) until the read-ahead has mapped every advised page.
+        static unsigned char in_core[advised / 4096];
+        for (int tries = 0; tries < 1000; tries++) {
+            if (mincore(p, advised, in_core) != 0) { perror("mincore"); return 1; }
+            size_t present = 0;
+            for (size_t i = 0; i < advised / 4096; i++) present += in_core[i] & 1;
+            if (present == advised / 4096) break;
+            usleep(10 * 1000);
+        }
     }
     if (argc > 1 && strcmp(argv[1], "sequential") == 0) {
         if (madvise(p, advised, MADV_SEQUENTIAL) != 0) { perror("madvise"); return 1; }
