@@ -210,6 +210,8 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
                 // (hot reports are rare, the table's sent bit sees to it).
                 await_landing(region, &[page]);
                 want(shared, regions, pending, index, region, page);
+                // Counted once acted on: a resident hot page has its referenced bit by now.
+                Stats::add(&shared.stats.counters.hot_reports, 1);
             }
             let mut wanted = PageList::default();
             shared.prefetcher.on_report(index, page, region.page_count(), &mut wanted);
@@ -218,10 +220,6 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
             // busy pages retried.
             for &p in wanted.as_slice() {
                 want(shared, regions, pending, index, region, p);
-            }
-            if report.kind == ReportKind::Hot {
-                // Counted once acted on: a resident hot page has its referenced bit by now.
-                Stats::add(&shared.stats.counters.hot_reports, 1);
             }
         }
         ReportKind::Cold => {
