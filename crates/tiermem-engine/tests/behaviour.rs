@@ -586,19 +586,29 @@ fn read_runs_read_contiguous_pages_in_few_requests() {
             let pages_in = engine.stats().critical_reads + engine.stats().prefetch_issued - pages_before;
             eprintln!("{what} {pass}: {read} pages checked, {pages_in} read from the device in {requests} requests");
             assert!(pages_in >= pages as u64 / 2, "{what} {pass}: the region was not paged in");
-            // One request per page without runs; runs shrink that by 3-10x, less in SIGBUS mode
-            // backwards when faults race the prefetches (CI once saw 1824 pages in 769 requests).
-            assert!(requests * 2 <= pages_in, "{what} {pass}: prefetches were not read in runs");
+            // One request per page without runs; runs shrink that by 2-13x. How much depends on
+            // timing: a prefetch window that slides one page per fault reads one page per
+            // request, one that jumps ahead of the program reads whole runs. On the mem device
+            // in SIGBUS mode single passes took 181-1001 requests for ~2048 pages in loaded runs
+            // (CI once 914 for 1823), so one pass must show at least 1.5x, the three together 2x.
+            assert!(requests * 3 <= pages_in * 2, "{what} {pass}: prefetches were not read in runs");
+            (pages_in, requests)
         };
-        check(&values, &mut (0..pages), "forwards");
-        check(&values, &mut (0..pages).rev(), "backwards");
+        let mut total = (0, 0);
+        let mut add = |(pages_in, requests): (u64, u64)| {
+            total.0 += pages_in;
+            total.1 += requests;
+        };
+        add(check(&values, &mut (0..pages), "forwards"));
+        add(check(&values, &mut (0..pages).rev(), "backwards"));
         // Scattered rewrites move some pages to new slots and break the runs there.
         for p in (0..pages).step_by(7) {
             values[p] += 1_000_000;
             // SAFETY: p < pages.
             unsafe { word(p).write_volatile(values[p]) };
         }
-        check(&values, &mut (0..pages), "forwards after rewrites");
+        add(check(&values, &mut (0..pages), "forwards after rewrites"));
+        assert!(total.1 * 2 <= total.0, "{what}: {} pages in {} requests over three passes", total.0, total.1);
         let stats = engine.stats();
         assert_eq!(stats.io_errors, 0, "{what}: {}", stats.summary());
     }
