@@ -74,6 +74,19 @@ def test_argument_parsing():
     assert cli.swap_bytes_for(1 << 30) >= 1 << 30
 
 
+def test_system_groups_expand_in_order_without_repeats():
+    names = lambda text: [s.name for s in parse_systems(text)]
+    assert names(cli.build_parser().parse_args([]).systems) == ["linux-swap", "tiermem-file", "tiermem-mem"]
+    assert names("paper") == ["linux-swap", "tiermem-file", "tiermem-mem", "tiermem-poll-only",
+                              "tiermem-interrupt-only", "tiermem-reclaim-on-fault-path"]
+    assert names("tiermem-mem,main,tiermem-file-victim") == ["tiermem-mem", "linux-swap", "tiermem-file",
+                                                             "tiermem-file-victim"]
+    with pytest.raises(ValueError, match="groups: main"):
+        parse_systems("mian")
+    with pytest.raises(ValueError, match="no systems"):
+        parse_systems(" , ")
+
+
 def test_kvstore_runs_only_when_asked_for():
     assert "kvstore" in WORKLOADS
     assert "kvstore" not in cli.build_parser().parse_args([]).workloads.split(",")

@@ -24,7 +24,7 @@ from pathlib import Path
 from tiermem_bench import plot as plotting
 from tiermem_bench import report, stats
 from tiermem_bench.runner import OK, WRONG, RunRecord, run_once
-from tiermem_bench.systems import BASELINE, DEFAULT_SYSTEMS, NOT_BY_DEFAULT, SYSTEMS, helper_command, parse_systems
+from tiermem_bench.systems import BASELINE, DEFAULT_SYSTEMS, GROUPS, SYSTEMS, helper_command, parse_systems
 from tiermem_bench.workloads import DEFAULT_WORKLOADS, NOT_BY_DEFAULT, SCALES, WORKLOADS
 from tiermem_bench.workloads._common import THREAD_VARIABLES
 
@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", choices=SCALES, default="quick",
                    help="workload sizes: tiny (CI smoke), quick (default), full (footprints of 2-6 GB)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                   help=f"comma-separated, from: {', '.join(SYSTEMS)} (default: all but {', '.join(NOT_BY_DEFAULT)})")
+                   help=f"comma-separated systems or groups; systems: {', '.join(SYSTEMS)}; groups: "
+                        + "; ".join(f"{g} = {', '.join(members)}" for g, members in GROUPS.items())
+                        + " (default: main)")
     p.add_argument("--ratios", default="100,80,60,40,20", help="memory limits in %% of the footprint")
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                    help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all but {', '.join(NOT_BY_DEFAULT)})")

@@ -34,7 +34,7 @@ SYSTEMS: dict[str, System] = {
                ("--io-mode", "interrupt-only")),
         System("tiermem-reclaim-on-fault-path", "tiermem", "tiermem run, file device, reclaim in the faulting thread",
                ("--reclaim-mode", "on-fault-path")),
-        # Not in the default matrix. Thread: faults served by a handler thread (the default of
+        # Not in any group from here on. Thread: faults served by a handler thread (the default of
         # `tiermem run` until 2026-11-26; the default now takes them on the faulting thread).
         # Evict-at-70: pages dropped from the 70% watermark on, as in the paper's kernel, rather
         # than cleaned there and dropped from 98% (the default): the cost of leaving 30% unused.
@@ -97,6 +97,11 @@ SYSTEMS: dict[str, System] = {
         # batched MADV_DONTNEED per reclaim batch, instead of async WP + UFFDIO_MOVE per page.
         System("tiermem-file-sync-wp", "tiermem", "tiermem run, file device, sync write-protect dirty tracking",
                ("--dirty-tracking", "sync-wp")),
+        # The same, a write fault unprotecting the clean resident pages of its aligned block of
+        # 16 (marked dirty): sync-wp's batched drops without most of its write faults.
+        System("tiermem-file-sync-wp-around", "tiermem",
+               "tiermem run, file device, sync write-protect with write fault-around of 16 pages",
+               ("--dirty-tracking", "sync-wp", "--write-fault-around", "16")),
         # Prefetched pages that sit in consecutive slots read as one request (up to 32 pages);
         # with write runs too, contiguous dirty pages also land in consecutive slots.
         System("tiermem-file-read-runs", "tiermem", "tiermem run, file device, contiguous prefetches merged",
@@ -109,23 +114,37 @@ SYSTEMS: dict[str, System] = {
                ("--read-runs", "on", "--write-runs", "on")),
     ]
 }
-# Systems measured unless --systems says otherwise: the paper's matrix.
-NOT_BY_DEFAULT = ("tiermem-file-thread", "tiermem-file-evict-at-70", "tiermem-file-stream-first", "tiermem-file-seq",
-                  "tiermem-file-seq-adaptive", "tiermem-file-seq-protect", "tiermem-file-clock", "tiermem-file-no-prefetch", "tiermem-file-locked-stdio",
-                  "tiermem-file-2-handlers", "tiermem-file-no-reuse", "tiermem-file-write-runs",
-                  "tiermem-file-sync-wp", "tiermem-file-handler-spin",
-                  "tiermem-file-256-buffers", "tiermem-file-read-runs", "tiermem-file-runs",
-                  "tiermem-file-defer-hits")
 BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")
 
-DEFAULT_SYSTEMS = tuple(n for n in SYSTEMS if n not in NOT_BY_DEFAULT)
+# Named sets, usable in --systems beside single names. `main` (the default) is the comparison the
+# figures are about: Linux swap, tiermem on the file device and the ideal (Ultraswap §4.3).
+# `variants` are §4.4's ablations of tiermem-file; `paper` is both. The variants are not in the
+# default because each system adds (ratios x repeats) runs of every workload: one repeat of the
+# quick matrix took 17 minutes with `main` on 2026-11-27 (a slow-disk day), so three repeats of
+# `paper` would take about 1 h 40 (README, *Application benchmarks*).
+GROUPS: dict[str, tuple[str, ...]] = {
+    "main": ("linux-swap", "tiermem-file", "tiermem-mem"),
+    "variants": ("tiermem-poll-only", "tiermem-interrupt-only", "tiermem-reclaim-on-fault-path"),
+}
+GROUPS["paper"] = GROUPS["main"] + GROUPS["variants"]
+DEFAULT_SYSTEMS = GROUPS["main"]
 
 
 def parse_systems(text: str) -> list[System]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SYSTEMS]
+    """Comma-separated system and group names, in order, each system once."""
+    names: list[str] = []
+    unknown = []
+    for part in (n.strip() for n in text.split(",")):
+        if not part:
+            continue
+        expanded = GROUPS.get(part, (part,))
+        unknown += [n for n in expanded if n not in SYSTEMS]
+        names += [n for n in expanded if n in SYSTEMS and n not in names]
     if unknown:
-        raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+        raise ValueError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}; "
+                         f"groups: {', '.join(GROUPS)}")
+    if not names:
+        raise ValueError("no systems given")
     return [SYSTEMS[n] for n in names]
 
 

@@ -372,6 +372,10 @@ struct RunArgs {
     /// background | on-fault-path.
     #[arg(long, env = "TIERMEM_RECLAIM_MODE")]
     reclaim_mode: Option<String>,
+    /// sync-wp dirty tracking: a write fault unprotects the clean resident pages of its aligned
+    /// block of this many pages too (marked dirty), a power of two 1..=64 [default: 1].
+    #[arg(long, env = "TIERMEM_WRITE_FAULT_AROUND")]
+    write_fault_around: Option<String>,
     /// Access monitor: read faults that make a page hot in its hot-page table (kept, or read
     /// back if evicted), 1..=64 [default: 8].
     #[arg(long, env = "TIERMEM_HOT_THRESHOLD")]
@@ -486,6 +490,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_READ_RUNS", &args.read_runs),
         ("TIERMEM_DEFER_HITS", &args.defer_hits),
         ("TIERMEM_RECLAIM_MODE", &args.reclaim_mode),
+        ("TIERMEM_WRITE_FAULT_AROUND", &args.write_fault_around),
         ("TIERMEM_HOT_THRESHOLD", &args.hot_threshold),
         ("TIERMEM_DIRTY_TRACKING", &args.dirty_tracking),
         ("TIERMEM_THRESHOLD", &args.threshold),

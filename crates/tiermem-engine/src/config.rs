@@ -127,6 +127,12 @@ pub struct EngineConfig {
     /// sleeps (0: sleep at once). A program that faults again soon then finds the handler
     /// awake instead of waiting for its wake-up, which on a VM is an IPI to a halted vCPU.
     pub handler_spin_us: u32,
+    /// Under sync write protection, a write fault unprotects the resident clean pages next to
+    /// the written one too, within its aligned block of this many pages (1: the page alone),
+    /// marking them dirty: one fault and one unprotect call instead of one per page for a
+    /// program that writes a region through, at the price of writing back neighbours it did
+    /// not write. A power of two, 1..=64.
+    pub write_fault_around: u32,
     /// Write address-contiguous dirty pages of a reclaim batch as one request of up to 32 pages
     /// to consecutive slots, instead of one request per page (the paper merges nothing).
     pub write_runs: bool,
@@ -171,6 +177,7 @@ impl Default for EngineConfig {
             reclaim_batch: 32,
             handler_threads: 1,
             handler_spin_us: 0,
+            write_fault_around: 1,
             write_runs: false,
             read_runs: false,
             defer_prefetch_hits: false,
@@ -224,6 +231,12 @@ impl EngineConfig {
         }
         if self.handler_threads == 0 || self.handler_threads > 64 {
             return Err(Error::invalid(format!("handler threads {} must be in 1..=64", self.handler_threads)));
+        }
+        if !self.write_fault_around.is_power_of_two() || self.write_fault_around > 64 {
+            return Err(Error::invalid(format!(
+                "write fault-around {} must be a power of two from 1 to 64 pages",
+                self.write_fault_around
+            )));
         }
         if self.handler_spin_us > 10_000 {
             return Err(Error::invalid(format!("handler spin {} µs must be at most 10000", self.handler_spin_us)));

@@ -161,7 +161,7 @@ fn resolve(
                     // protected, and a write must never fault forever.
                     locked.set(state.with_dirty(true).with_referenced(true));
                     // Clearing protection also wakes a thread waiting on this write.
-                    if let Err(e) = shared.uffd_of(region).write_protect(page_addr, PAGE_SIZE, false, false) {
+                    if let Err(e) = unprotect_for_write(shared, region, index) {
                         return Outcome::Failed(e);
                     }
                     drop(locked);
@@ -321,6 +321,47 @@ fn resolve(
             }
         }
     }
+}
+
+/// Unprotect page `index` (locked by the caller, already marked dirty) for a write and, under
+/// sync write protection with [`crate::EngineConfig::write_fault_around`], the resident pages
+/// next to it in its aligned block, as far as each can be locked: they are marked dirty first
+/// and stay locked until the one unprotect call is done, so no eviction can see one clean while
+/// it is writable, and no page-in can be unprotected by a call meant for the page before it.
+fn unprotect_for_write(shared: &Shared, region: &RegionInner, index: u64) -> Result<(), Errno> {
+    const MOST: usize = 64;
+    let block = u64::from(shared.config.write_fault_around).clamp(1, MOST as u64);
+    let sync_wp = shared.write_protect && shared.capture_of(region).is_none();
+    let (mut lo, mut hi) = (index, index + 1);
+    let mut held: [Option<crate::page::LockedPage<'_>>; MOST] = std::array::from_fn(|_| None);
+    if sync_wp && block > 1 {
+        let start = index & !(block - 1);
+        let end = (start + block).min(region.page_count());
+        // Resident and not being written back (a write-back in flight ends by marking the page
+        // clean, which must not happen to a page made writable here).
+        let take = |i: u64| {
+            let mut page = region.pages[i as usize].try_lock()?;
+            let state = page.state();
+            (state.kind() == Kind::Resident && !state.writing()).then(|| {
+                page.set(state.with_dirty(true));
+                page
+            })
+        };
+        while lo > start {
+            let Some(page) = take(lo - 1) else { break };
+            lo -= 1;
+            held[(lo - start) as usize] = Some(page);
+        }
+        while hi < end {
+            let Some(page) = take(hi) else { break };
+            held[(hi - start) as usize] = Some(page);
+            hi += 1;
+        }
+    }
+    let result =
+        shared.uffd_of(region).write_protect(region.page_addr(lo), ((hi - lo) as usize) * PAGE_SIZE, false, false);
+    drop(held);
+    result
 }
 
 /// Whether the kernel has a page at `addr` (a failed check answers yes: the old behaviour).

@@ -75,6 +75,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     ("TIERMEM_RECLAIM_MODE", "background | on-fault-path"),
     (
+        "TIERMEM_WRITE_FAULT_AROUND",
+        "sync-wp dirty tracking: a write fault unprotects the clean resident pages of its aligned block of this many pages, a power of two 1..=64 (default 1: the page alone)",
+    ),
+    (
         "TIERMEM_VICTIM_TIER",
         "evicted pages kept in DRAM, unmapped, so a fault there costs a copy, not a device read: a share of the budget (25%) or bytes (16MiB); off or 0 for none (default off)",
     ),
@@ -178,6 +182,9 @@ impl RunSettings {
                 "TIERMEM_QUEUE_DEPTH" => s.engine.queue_depth = whole_number(value, "32").map_err(named)?,
                 "TIERMEM_HANDLER_SPIN_US" => s.engine.handler_spin_us = whole_number(value, "30").map_err(named)?,
                 "TIERMEM_RECLAIM_MODE" => s.engine.reclaim_mode = value.parse().map_err(named)?,
+                "TIERMEM_WRITE_FAULT_AROUND" => {
+                    s.engine.write_fault_around = whole_number(value, "16").map_err(named)?;
+                }
                 "TIERMEM_HOT_THRESHOLD" => s.engine.hot_threshold = whole_number(value, "8").map_err(named)?,
                 "TIERMEM_DIRTY_TRACKING" => s.engine.dirty_tracking = value.parse().map_err(named)?,
                 "TIERMEM_THRESHOLD" => s.threshold = nonzero_size(value).map_err(named)?,
@@ -248,6 +255,7 @@ impl RunSettings {
             ("TIERMEM_DEFER_HITS", if e.defer_prefetch_hits { "on" } else { "off" }.to_string()),
             ("TIERMEM_VICTIM_TIER", (u64::from(e.victim_pages) * tiermem_sys::PAGE_SIZE as u64).to_string()),
             ("TIERMEM_RECLAIM_MODE", e.reclaim_mode.to_string()),
+            ("TIERMEM_WRITE_FAULT_AROUND", e.write_fault_around.to_string()),
             ("TIERMEM_HOT_THRESHOLD", e.hot_threshold.to_string()),
             ("TIERMEM_DIRTY_TRACKING", e.dirty_tracking.to_string()),
             ("TIERMEM_THRESHOLD", self.threshold.to_string()),

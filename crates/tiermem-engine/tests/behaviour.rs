@@ -246,6 +246,8 @@ fn bad_input_is_refused_with_a_clear_message() {
         (EngineConfig { replace: "mru".into(), ..Default::default() }, "unknown replacement policy 'mru'"),
         (EngineConfig { queue_depth: 0, ..Default::default() }, "queue depth"),
         (EngineConfig { io_buffers: 1, ..Default::default() }, "io_buffers"),
+        (EngineConfig { write_fault_around: 12, ..Default::default() }, "power of two from 1 to 64"),
+        (EngineConfig { write_fault_around: 128, ..Default::default() }, "power of two from 1 to 64"),
     ];
     for (config, needle) in cases {
         let err = Engine::new(config, dev()).unwrap_err().to_string();
@@ -256,6 +258,55 @@ fn bad_input_is_refused_with_a_clear_message() {
     let err = engine.create_region(2 << 20).unwrap_err();
     assert_eq!(err.kind(), tiermem_sys::ErrorKind::NoSpace);
     assert!(err.to_string().contains("use a larger device"), "{err}");
+}
+
+/// Under sync write protection, write fault-around makes a program writing a read-in region
+/// through take one write fault per aligned block of 16 pages instead of one per page, and the
+/// neighbours it unprotects are marked dirty: their writes, which fault no more, survive
+/// eviction (a neighbour left clean would be dropped, and its write lost).
+#[test]
+fn write_fault_around_takes_one_fault_per_block_and_keeps_every_write() {
+    let _serial = serial();
+    if features_or_skip("write_fault_around_takes_one_fault_per_block_and_keeps_every_write").is_none() {
+        return;
+    }
+    let pages = 128usize;
+    for around in [1u32, 16] {
+        let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
+            c.dirty_tracking = DirtyTracking::SyncWriteProtect;
+            c.write_fault_around = around;
+            c.prefetch = "none".into();
+        });
+        let region = engine.create_region(pages * 4096).unwrap();
+        // Read in: every page resident, clean and write-protected (half the budget, below the
+        // watermark, so nothing is cleaned or evicted meanwhile).
+        assert_eq!(touch_all(region.as_ptr(), pages, false), 0);
+        let before = engine.stats().wp_faults;
+        for p in 0..pages {
+            // SAFETY: p < pages, inside the region; the second word, so zeros elsewhere stay.
+            unsafe { (region.as_ptr().add(p * 4096 + 8) as *mut u64).write_volatile(p as u64 + 7) };
+        }
+        let faults = engine.stats().wp_faults - before;
+        if around == 1 {
+            assert_eq!(faults, pages as u64, "one write fault per page without fault-around");
+        } else {
+            assert!(
+                (pages as u64 / 16..=pages as u64 / 8).contains(&faults),
+                "{faults} write faults for {pages} pages in blocks of 16"
+            );
+        }
+        // Push every page out through a second region three times the budget, then read back.
+        let other = engine.create_region(768 * 4096).unwrap();
+        touch_all(other.as_ptr(), 768, true);
+        for p in 0..pages {
+            // SAFETY: p < pages.
+            let value = unsafe { (region.as_ptr().add(p * 4096 + 8) as *const u64).read_volatile() };
+            assert_eq!(value, p as u64 + 7, "around {around}: page {p} lost its write");
+        }
+        let s = engine.stats();
+        assert!(s.writebacks >= pages as u64, "around {around}: {} write-backs", s.writebacks);
+        assert_eq!(s.io_errors, 0);
+    }
 }
 
 #[test]
