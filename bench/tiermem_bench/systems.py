@@ -102,6 +102,9 @@ SYSTEMS: dict[str, System] = {
         System("tiermem-file-sync-wp-around", "tiermem",
                "tiermem run, file device, sync write-protect with write fault-around of 16 pages",
                ("--dirty-tracking", "sync-wp", "--write-fault-around", "16")),
+        System("tiermem-mem-sync-wp-around", "tiermem",
+               "tiermem run, mem device (the ideal), sync write-protect with write fault-around of 16 pages",
+               ("--dirty-tracking", "sync-wp", "--write-fault-around", "16"), device="mem"),
         # Prefetched pages that sit in consecutive slots read as one request (up to 32 pages);
         # with write runs too, contiguous dirty pages also land in consecutive slots.
         System("tiermem-file-read-runs", "tiermem", "tiermem run, file device, contiguous prefetches merged",

@@ -324,17 +324,22 @@ fn resolve(
 }
 
 /// Unprotect page `index` (locked by the caller, already marked dirty) for a write and, under
-/// sync write protection with [`crate::EngineConfig::write_fault_around`], the resident pages
-/// next to it in its aligned block, as far as each can be locked: they are marked dirty first
-/// and stay locked until the one unprotect call is done, so no eviction can see one clean while
-/// it is writable, and no page-in can be unprotected by a call meant for the page before it.
+/// sync write protection with [`crate::EngineConfig::write_fault_around`], when the program
+/// writes through (a page next to this one is dirty already), the resident pages next to it in
+/// its aligned block, as far as each can be locked: they are marked dirty first and stay locked
+/// until the one unprotect call is done, so no eviction can see one clean while it is
+/// writable, and no page-in can be unprotected by a call meant for the page before it. Scattered
+/// writes (no dirty neighbour) unprotect their page alone, so their neighbours are not written
+/// back for nothing.
 fn unprotect_for_write(shared: &Shared, region: &RegionInner, index: u64) -> Result<(), Errno> {
     const MOST: usize = 64;
     let block = u64::from(shared.config.write_fault_around).clamp(1, MOST as u64);
     let sync_wp = shared.write_protect && shared.capture_of(region).is_none();
     let (mut lo, mut hi) = (index, index + 1);
     let mut held: [Option<crate::page::LockedPage<'_>>; MOST] = std::array::from_fn(|_| None);
-    if sync_wp && block > 1 {
+    let dirty = |i: u64| region.pages.get(i as usize).is_some_and(|c| c.peek().dirty());
+    let writing_through = index.checked_sub(1).is_some_and(dirty) || dirty(index + 1);
+    if sync_wp && block > 1 && writing_through {
         let start = index & !(block - 1);
         let end = (start + block).min(region.page_count());
         // Resident and not being written back (a write-back in flight ends by marking the page
