@@ -332,41 +332,25 @@ fn resolve(
 /// writes (no dirty neighbour) unprotect their page alone, so their neighbours are not written
 /// back for nothing.
 fn unprotect_for_write(shared: &Shared, region: &RegionInner, index: u64) -> Result<(), Errno> {
-    const MOST: usize = 64;
-    let block = u64::from(shared.config.write_fault_around).clamp(1, MOST as u64);
+    let uffd = shared.uffd_of(region);
+    let block = u64::from(shared.config.write_fault_around);
     let sync_wp = shared.write_protect && shared.capture_of(region).is_none();
-    let (mut lo, mut hi) = (index, index + 1);
-    let mut held: [Option<crate::page::LockedPage<'_>>; MOST] = std::array::from_fn(|_| None);
     let dirty = |i: u64| region.pages.get(i as usize).is_some_and(|c| c.peek().dirty());
-    let writing_through = index.checked_sub(1).is_some_and(dirty) || dirty(index + 1);
-    if sync_wp && block > 1 && writing_through {
-        let start = index & !(block - 1);
-        let end = (start + block).min(region.page_count());
-        // Resident and not being written back (a write-back in flight ends by marking the page
-        // clean, which must not happen to a page made writable here).
-        let take = |i: u64| {
-            let mut page = region.pages[i as usize].try_lock()?;
-            let state = page.state();
-            (state.kind() == Kind::Resident && !state.writing()).then(|| {
-                page.set(state.with_dirty(true));
-                page
-            })
-        };
-        while lo > start {
-            let Some(page) = take(lo - 1) else { break };
-            lo -= 1;
-            held[(lo - start) as usize] = Some(page);
-        }
-        while hi < end {
-            let Some(page) = take(hi) else { break };
-            held[(hi - start) as usize] = Some(page);
-            hi += 1;
-        }
+    if block <= 1 || !sync_wp || !(index.checked_sub(1).is_some_and(dirty) || dirty(index + 1)) {
+        return uffd.write_protect(region.page_addr(index), PAGE_SIZE, false, false);
     }
-    let result =
-        shared.uffd_of(region).write_protect(region.page_addr(lo), ((hi - lo) as usize) * PAGE_SIZE, false, false);
-    drop(held);
-    result
+    // Resident and not being written back (a write-back in flight ends by marking the page
+    // clean, which must not happen to a page made writable here).
+    let run = lock_run_around(region, index, block.min(ZERO_FILL_AROUND as u64), |i| {
+        let mut page = region.pages[i as usize].try_lock()?;
+        let state = page.state();
+        (state.kind() == Kind::Resident && !state.writing()).then(|| {
+            page.set(state.with_dirty(true));
+            page
+        })
+    });
+    // The locks are released (dropping `run`) only once the whole run is writable.
+    uffd.write_protect(region.page_addr(run.lo), ((run.hi - run.lo) as usize) * PAGE_SIZE, false, false)
 }
 
 /// Whether the kernel has a page at `addr` (a failed check answers yes: the old behaviour).
@@ -379,6 +363,39 @@ fn is_mapped(shared: &Shared, addr: *mut u8) -> bool {
 /// programs fourfold (at 100% of their footprint, with nothing to page, intsort went 1.65x ->
 /// 1.33x of its unmanaged time).
 pub(crate) const ZERO_FILL_AROUND: usize = 64;
+
+/// Locks on a run of pages around one: slot k holds page `start + k`, the run is `lo..hi`.
+struct RunAround<'a> {
+    start: u64,
+    lo: u64,
+    hi: u64,
+    locks: [Option<crate::page::LockedPage<'a>>; ZERO_FILL_AROUND],
+}
+
+/// Lock the pages next to `index` within its aligned window of `window` pages (a power of two,
+/// at most [`ZERO_FILL_AROUND`]), below it then above, each side as far as `claim` takes the
+/// next page. Page `index` itself is the caller's: its slot stays empty.
+fn lock_run_around<'a>(
+    region: &'a RegionInner,
+    index: u64,
+    window: u64,
+    mut claim: impl FnMut(u64) -> Option<crate::page::LockedPage<'a>>,
+) -> RunAround<'a> {
+    let start = index & !(window - 1);
+    let end = (start + window).min(region.page_count());
+    let mut run = RunAround { start, lo: index, hi: index + 1, locks: std::array::from_fn(|_| None) };
+    while run.lo > start {
+        let Some(page) = claim(run.lo - 1) else { break };
+        run.lo -= 1;
+        run.locks[(run.lo - start) as usize] = Some(page);
+    }
+    while run.hi < end {
+        let Some(page) = claim(run.hi) else { break };
+        run.locks[(run.hi - start) as usize] = Some(page);
+        run.hi += 1;
+    }
+    run
+}
 
 /// Map zeros at the faulting untouched page (locked, room reserved) and at the untouched pages
 /// next to it, before and after, within its aligned window of [`ZERO_FILL_AROUND`] pages, as far
@@ -394,37 +411,20 @@ fn zero_fill_around(
     first: crate::page::LockedPage<'_>,
     protect: bool,
 ) -> Result<(), Errno> {
-    const WINDOW: u64 = ZERO_FILL_AROUND as u64;
-    let window_start = index & !(WINDOW - 1);
-    let window_end = (window_start + WINDOW).min(region.page_count());
-    // Slot k holds page window_start + k; the run is lo..hi.
-    let mut run: [Option<crate::page::LockedPage<'_>>; ZERO_FILL_AROUND] = std::array::from_fn(|_| None);
-    run[(index - window_start) as usize] = Some(first);
-    let claim = |page: u64| {
+    let mut run = lock_run_around(region, index, ZERO_FILL_AROUND as u64, |page| {
         let cell = region.pages.get(page as usize)?;
         if cell.peek().kind() != Kind::Untouched {
             return None;
         }
         let locked = cell.try_lock()?;
         (locked.state().kind() == Kind::Untouched && shared.try_reserve_background()).then_some(locked)
-    };
-    let mut lo = index;
-    while lo > window_start {
-        let Some(page) = claim(lo - 1) else { break };
-        lo -= 1;
-        run[(lo - window_start) as usize] = Some(page);
-    }
-    let mut hi = index + 1;
-    while hi < window_end {
-        let Some(page) = claim(hi) else { break };
-        run[(hi - window_start) as usize] = Some(page);
-        hi += 1;
-    }
-    let len = (hi - lo) as usize;
-    let result = map_pages(shared, region, region.page_addr(lo), shared.zero_page.as_ptr(), len, protect);
-    for (k, slot) in run.iter_mut().enumerate() {
+    });
+    run.locks[(index - run.start) as usize] = Some(first);
+    let len = (run.hi - run.lo) as usize;
+    let result = map_pages(shared, region, region.page_addr(run.lo), shared.zero_page.as_ptr(), len, protect);
+    for (k, slot) in run.locks.iter_mut().enumerate() {
         let Some(mut page) = slot.take() else { continue };
-        let at = window_start + k as u64;
+        let at = run.start + k as u64;
         if result.is_ok() {
             page.set(PageState::UNTOUCHED.with_kind(Kind::Resident).with_dirty(!protect));
             drop(page);
