@@ -264,7 +264,7 @@ fn bad_input_is_refused_with_a_clear_message() {
 /// through take one write fault per aligned block of 16 pages instead of one per page (plus
 /// the first, which has no dirty neighbour yet), and the neighbours it unprotects are marked
 /// dirty: their writes, which fault no more, survive eviction (a neighbour left clean would be
-/// dropped, and its write lost). Scattered writes still fault once per page.
+/// dropped, its slot's older contents coming back). Scattered writes still fault once per page.
 #[test]
 fn write_fault_around_takes_one_fault_per_block_and_keeps_every_write() {
     let _serial = serial();
@@ -277,11 +277,30 @@ fn write_fault_around_takes_one_fault_per_block_and_keeps_every_write() {
             c.dirty_tracking = DirtyTracking::SyncWriteProtect;
             c.write_fault_around = around;
             c.prefetch = "none".into();
+            // Oldest first, so the second region below pushes this one out (a scan-resistant
+            // policy keeps it and evicts the scan instead).
+            c.replace = "fifo".into();
         });
         let region = engine.create_region(pages * 4096).unwrap();
-        // Read in: every page resident, clean and write-protected (half the budget, below the
-        // watermark, so nothing is cleaned or evicted meanwhile).
-        assert_eq!(touch_all(region.as_ptr(), pages, false), 0);
+        let word = |p: usize| {
+            // SAFETY: callers pass p < pages: the second word of a page of the region.
+            unsafe { region.as_ptr().add(p * 4096 + 8) as *mut u64 }
+        };
+        let other = engine.create_region(768 * 4096).unwrap();
+        // Pushed out through a second region three times the budget.
+        let push_out = || touch_all(other.as_ptr(), 768, true);
+        // First values, written back to slots; then read in again: every page resident, clean,
+        // write-protected and with a slot that holds its first value (half the budget, below
+        // the watermark, so nothing is cleaned or evicted meanwhile).
+        for p in 0..pages {
+            // SAFETY: see `word`.
+            unsafe { word(p).write_volatile(p as u64 + 1) };
+        }
+        push_out();
+        for p in 0..pages {
+            // SAFETY: see `word`.
+            assert_eq!(unsafe { word(p).read_volatile() }, p as u64 + 1, "around {around}: page {p}");
+        }
         let settled = |from: u64| {
             // A handler counts a write fault after waking the writer, so right after the
             // writes the last one may not be in yet (CI, debug build: 7 of 8): wait until the
@@ -300,17 +319,17 @@ fn write_fault_around_takes_one_fault_per_block_and_keeps_every_write() {
         // Scattered writes: every fourth page, none next to a dirty one.
         let before = engine.stats().wp_faults;
         for p in (0..pages).step_by(4) {
-            // SAFETY: p < pages, inside the region; the second word, so zeros elsewhere stay.
-            unsafe { (region.as_ptr().add(p * 4096 + 8) as *mut u64).write_volatile(p as u64 + 7) };
+            // SAFETY: see `word`.
+            unsafe { word(p).write_volatile(p as u64 + 7) };
         }
         assert_eq!(settled(before), pages as u64 / 4, "around {around}: scattered writes fault once per page");
         let before = engine.stats().wp_faults;
         for p in 0..pages {
-            // SAFETY: p < pages, inside the region; the second word, so zeros elsewhere stay.
-            unsafe { (region.as_ptr().add(p * 4096 + 8) as *mut u64).write_volatile(p as u64 + 7) };
+            // SAFETY: see `word`.
+            unsafe { word(p).write_volatile(p as u64 + 7) };
         }
-        // Counted here, not after the eviction below: reclaim racing zero-filled pages the
-        // program is about to write adds write faults there.
+        // Counted here, not after the eviction below: reclaim racing pages the program is
+        // about to write adds write faults there.
         let faults = settled(before);
         // The pages written above are dirty already and do not fault again.
         if around == 1 {
@@ -321,15 +340,20 @@ fn write_fault_around_takes_one_fault_per_block_and_keeps_every_write() {
                 "{faults} write faults for {pages} pages in blocks of 16"
             );
         }
-        // Push every page out through a second region three times the budget, then read back.
-        let other = engine.create_region(768 * 4096).unwrap();
-        touch_all(other.as_ptr(), 768, true);
+        // Out again and back, each page from the device.
+        push_out();
+        let reads_before = engine.stats().critical_reads;
         for p in 0..pages {
-            // SAFETY: p < pages.
-            let value = unsafe { (region.as_ptr().add(p * 4096 + 8) as *const u64).read_volatile() };
-            assert_eq!(value, p as u64 + 7, "around {around}: page {p} lost its write");
+            // SAFETY: see `word`.
+            assert_eq!(unsafe { word(p).read_volatile() }, p as u64 + 7, "around {around}: page {p} lost its write");
         }
         let s = engine.stats();
+        // (A page whose write-back is still in flight comes back from its buffer instead.)
+        let read_back = s.critical_reads - reads_before;
+        assert!(
+            read_back >= pages as u64 - 8,
+            "around {around}: {read_back} of {pages} pages read back from the device"
+        );
         assert!(s.writebacks >= pages as u64, "around {around}: {} write-backs", s.writebacks);
         assert_eq!(s.io_errors, 0);
     }
