@@ -2,6 +2,7 @@
 
 mod belady;
 mod clock;
+mod ghosts;
 mod lists;
 mod lru;
 mod seq;

@@ -1,7 +1,8 @@
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use super::clock;
+use super::ghosts::Ghosts;
 use crate::{lock, owned, PageId, PageList, Replacement};
 
 /// Sequential runs followed at once (the two ends of a partition, interleaved arrays).
@@ -81,9 +82,8 @@ struct State {
 struct Refaults {
     /// Victims proposed so far.
     evicted: u64,
-    /// Page -> `evicted` when it was proposed, for the last `horizon + window` proposals.
-    ghosts: HashMap<PageId, u64>,
-    order: VecDeque<(PageId, u64)>,
+    /// Pages proposed in the last `horizon + window` proposals, with when.
+    ghosts: Ghosts,
     /// Refaults within this many evictions are short: half the expected capacity, or one and
     /// a half for `seq-protect` (see [`Seq::protecting`]).
     horizon: u64,
@@ -103,10 +103,8 @@ impl Refaults {
         let window = window_of(capacity);
         Self {
             evicted: 0,
-            // One more than the most kept (a proposal goes in before the oldest leaves), so
-            // neither ever grows: a grown table is new memory, touched on the reclaim path.
-            ghosts: HashMap::with_capacity(horizon + window + 1),
-            order: VecDeque::with_capacity(horizon + window + 1),
+            // A fixed table: it never grows (new memory, touched on the reclaim path).
+            ghosts: Ghosts::new(horizon + window),
             horizon: horizon as u64,
             window: window as u64,
             page_ins: 0,
@@ -119,24 +117,14 @@ impl Refaults {
     fn evicting(&mut self, page: PageId) {
         self.evicted += 1;
         self.ghosts.insert(page, self.evicted);
-        self.order.push_back((page, self.evicted));
-        while let Some(&(old, at)) = self.order.front() {
-            if self.evicted - at < self.horizon + self.window {
-                break;
-            }
-            self.order.pop_front();
-            if self.ghosts.get(&old) == Some(&at) {
-                self.ghosts.remove(&old);
-            }
-        }
     }
 
     /// Count a page-in; true when it is a short refault.
     fn paging_in(&mut self, page: PageId) -> bool {
         let mut short = false;
-        if let Some(at) = self.ghosts.remove(&page) {
+        if let Some(ago) = self.ghosts.take(page, self.evicted) {
             let horizon = if self.scan { self.horizon + self.window } else { self.horizon };
-            if self.evicted - at < horizon {
+            if ago < horizon {
                 self.short += 1;
                 short = true;
             }
@@ -338,19 +326,7 @@ impl Replacement for Seq {
         touch_capacity(&mut state.recent, (0, 0));
         touch_capacity(&mut state.older, 0);
         touch_capacity(&mut state.protected, 0);
-        if let Some(r) = &mut state.refaults {
-            touch_capacity(&mut r.order, (0, 0));
-            // Filling the table to its capacity writes its buckets and control bytes.
-            let keep = std::mem::take(&mut r.ghosts);
-            let mut ghosts = keep;
-            let target = ghosts.capacity().saturating_sub(ghosts.len());
-            let dummy_base = u64::MAX - target as u64;
-            (0..target as u64).for_each(|k| {
-                ghosts.insert(dummy_base + k, 0);
-            });
-            ghosts.retain(|&page, _| page < dummy_base);
-            r.ghosts = ghosts;
-        }
+        // (The refault table is written when it is made.)
     }
 
     fn name(&self) -> &'static str {

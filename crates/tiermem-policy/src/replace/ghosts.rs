@@ -1,0 +1,181 @@
+//! Recently evicted pages and when they went, for the refault distance (how many evictions ago
+//! a page coming back was evicted), in a fixed, compact table.
+//!
+//! A hash map from page to eviction number plus a queue to expire old entries cost about 78
+//! bytes per entry kept (hashbrown rounds its buckets up to a power of two at 7/8 load, 17 bytes
+//! each, and the queue holds 16 bytes more); `seq-protect` keeps 1.6 entries per page of memory,
+//! so its bookkeeping took 1.8% of the budget, memory the budget had to give up inside a cgroup.
+//! Here an entry is one 64-bit word, a 23-bit tag of the page's hash and the low 40 bits of its
+//! eviction number, in sets of eight words (one cache line), at twice the entries kept: 16
+//! bytes per entry. An entry expires by its age alone, so nothing has to be queued to forget it.
+//!
+//! What this gives up, deliberately: when more than eight live pages hash to one set, the oldest
+//! of them is forgotten early (about 2% of sets at this load, and the oldest is the entry
+//! closest to expiring anyway), and a page whose hash matches another's set and tag (a chance of
+//! about one in a million per lookup) is taken for it. Either only changes whether one page-in
+//! counts as a short refault.
+
+/// Words per set: one 64-byte cache line.
+const WAYS: usize = 8;
+/// Bits of the eviction number kept; ages are computed modulo 2^40 (a trillion evictions).
+const STAMP_BITS: u32 = 40;
+const STAMP_MASK: u64 = (1 << STAMP_BITS) - 1;
+
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, align(64))]
+struct Set([u64; WAYS]);
+
+/// A table of the last `keep` evicted pages; see the module docs.
+#[derive(Debug)]
+pub(crate) struct Ghosts {
+    sets: Vec<Set>,
+    /// Entries are kept for this many evictions.
+    keep: u64,
+}
+
+/// The page's set (from the high half of a mixed hash) and tag (from the low bits, never 0, so
+/// an empty word is 0).
+#[inline]
+fn locate(page: u64, sets: usize) -> (usize, u64) {
+    // SplitMix64's finaliser: every input bit reaches every output bit.
+    let mut h = page;
+    h = (h ^ (h >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    h ^= h >> 31;
+    let set = ((h >> 32) * sets as u64) >> 32;
+    let tag = (h & 0x7F_FFFF) | 1;
+    (set as usize, tag << STAMP_BITS)
+}
+
+/// Evictions since the eviction stamped in `word`, as of eviction number `now`.
+#[inline]
+fn age(word: u64, now: u64) -> u64 {
+    now.wrapping_sub(word) & STAMP_MASK
+}
+
+/// Whether `word` holds an entry from the last `keep` evictions.
+#[inline]
+fn live(word: u64, now: u64, keep: u64) -> bool {
+    word != 0 && age(word, now) < keep
+}
+
+impl Ghosts {
+    /// Room for the last `keep` evictions (at least one).
+    pub(crate) fn new(keep: usize) -> Self {
+        let keep = keep.max(1);
+        // Twice the entries kept: eight ways at half load rarely overflow.
+        let sets = (2 * keep).div_ceil(WAYS).max(1);
+        // Written out here, not left to a zeroed allocation's untouched pages: the memory is in
+        // place before the cgroup can fill up (see `Replacement::reserve_now`).
+        Self { sets: vec![Set::default(); sets], keep: keep as u64 }
+    }
+
+    /// Bytes of the table.
+    #[cfg(test)]
+    pub(crate) fn bytes(&self) -> usize {
+        self.sets.len() * std::mem::size_of::<Set>()
+    }
+
+    /// Remember that `page` was evicted as eviction number `now` (counted up by one per eviction).
+    pub(crate) fn insert(&mut self, page: u64, now: u64) {
+        let (set, tag) = locate(page, self.sets.len());
+        let keep = self.keep;
+        let ways = &mut self.sets[set].0;
+        // The page's own entry, else a free or expired word, else the oldest.
+        let own = ways.iter().position(|&w| w & !STAMP_MASK == tag && live(w, now, keep));
+        let slot = own.unwrap_or_else(|| {
+            let reuse = |w: u64| if live(w, now, keep) { age(w, now) } else { u64::MAX };
+            (0..WAYS).max_by_key(|&i| reuse(ways[i])).unwrap_or(0)
+        });
+        ways[slot] = tag | (now & STAMP_MASK);
+    }
+
+    /// Forget `page` and return how many evictions ago it was evicted, as of eviction number
+    /// `now`, if that was within the last `keep`.
+    pub(crate) fn take(&mut self, page: u64, now: u64) -> Option<u64> {
+        let (set, tag) = locate(page, self.sets.len());
+        let keep = self.keep;
+        let ways = &mut self.sets[set].0;
+        let i = ways.iter().position(|&w| w & !STAMP_MASK == tag && live(w, now, keep))?;
+        let evicted_ago = age(ways[i], now);
+        ways[i] = 0;
+        Some(evicted_ago)
+    }
+
+    /// Live entries (for tests).
+    #[cfg(test)]
+    fn len(&self, now: u64) -> usize {
+        self.sets.iter().flat_map(|s| s.0).filter(|&w| live(w, now, self.keep)).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_is_found_once_with_its_age_until_it_expires() {
+        let mut g = Ghosts::new(100);
+        g.insert(7, 1);
+        g.insert(9, 2);
+        assert_eq!(g.take(7, 50), Some(49));
+        assert_eq!(g.take(7, 50), None, "taken once");
+        assert_eq!(g.take(9, 101), Some(99), "within the last 100 evictions");
+        g.insert(9, 102);
+        assert_eq!(g.take(9, 202), None, "100 evictions ago is past the last 100");
+        assert_eq!(g.take(8, 3), None, "never evicted");
+    }
+
+    #[test]
+    fn evicting_a_page_again_replaces_its_entry() {
+        let mut g = Ghosts::new(100);
+        g.insert(5, 10);
+        g.insert(5, 20);
+        assert_eq!(g.len(20), 1);
+        assert_eq!(g.take(5, 25), Some(5));
+        assert_eq!(g.len(25), 0);
+    }
+
+    /// The table keeps (nearly) every one of its last `keep` evictions, also once old entries
+    /// have expired in place many times over, and costs 16 bytes per entry instead of about 78.
+    #[test]
+    fn the_last_keep_evictions_are_nearly_all_found() {
+        let keep = 40_000u64;
+        let mut g = Ghosts::new(keep as usize);
+        assert!(g.bytes() <= 16 * keep as usize + 64, "{} bytes", g.bytes());
+        // Pages from a few regions, in a pattern nothing like uniform.
+        let page = |n: u64| ((n % 3) << 36) | (n * 17 % 1_000_003);
+        let total = 5 * keep;
+        for n in 1..=total {
+            g.insert(page(n), n);
+        }
+        let found = (total - keep + 1..=total).filter(|&n| g.take(page(n), total) == Some(total - n)).count();
+        assert!(found as f64 >= 0.99 * keep as f64, "found {found} of the last {keep}");
+        // The older ones are gone.
+        let stale = (1..=total - keep).filter(|&n| g.take(page(n), total).is_some()).count();
+        assert!(stale < 10, "{stale} expired entries still found");
+    }
+
+    /// The table is written when it is made (the OOM guard needs the policy's memory in place
+    /// before the cgroup fills up, not faulted in on the reclaim path).
+    #[test]
+    fn the_table_is_resident_from_the_start() {
+        let resident_bytes = || {
+            let statm = std::fs::read_to_string("/proc/self/statm").expect("statm");
+            let pages: u64 = statm.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("resident");
+            pages * 4096
+        };
+        let before = resident_bytes();
+        let g = Ghosts::new(2 << 20);
+        let grown = resident_bytes().saturating_sub(before);
+        assert!(grown >= g.bytes() as u64 * 3 / 4, "{grown} of {} bytes became resident", g.bytes());
+    }
+
+    #[test]
+    fn ages_wrap_with_the_stamp() {
+        let mut g = Ghosts::new(10);
+        let now = STAMP_MASK - 2;
+        g.insert(1, now);
+        assert_eq!(g.take(1, now + 5), Some(5), "across the 40-bit wrap");
+    }
+}
