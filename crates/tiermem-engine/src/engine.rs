@@ -114,6 +114,12 @@ impl Shared {
         }
     }
 
+    /// Whether regions keep a hash of what each page's slot holds: async WP judges a moved page
+    /// by it, and sync WP with write fault-around the neighbours it made writable.
+    fn keeps_slot_hashes(&self) -> bool {
+        self.capture.is_some() || (self.write_protect && self.config.write_fault_around > 1)
+    }
+
     pub(crate) fn regions(&self) -> RwLockReadGuard<'_, RegionTable> {
         self.regions.read().unwrap_or_else(|e| e.into_inner())
     }
@@ -483,7 +489,7 @@ impl Engine {
             .regions
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(|index| RegionInner::new(index, mapping, self.shared.capture.is_some(), threaded));
+            .insert(|index| RegionInner::new(index, mapping, self.shared.keeps_slot_hashes(), threaded));
         if self.shared.prefault_metadata.load(Ordering::Relaxed) {
             inner.touch_metadata();
         }

@@ -328,9 +328,10 @@ fn resolve(
 /// writes through (a page next to this one is dirty already), the resident pages next to it in
 /// its aligned block, as far as each can be locked: they are marked dirty first and stay locked
 /// until the one unprotect call is done, so no eviction can see one clean while it is
-/// writable, and no page-in can be unprotected by a call meant for the page before it. Scattered
-/// writes (no dirty neighbour) unprotect their page alone, so their neighbours are not written
-/// back for nothing.
+/// writable, and no page-in can be unprotected by a call meant for the page before it. They are
+/// dirty by presumption only (`around`): reclaim protects them again and compares their contents
+/// with their slot's hash before writing one back, so a neighbour never written costs no write.
+/// Scattered writes (no dirty neighbour) unprotect their page alone.
 fn unprotect_for_write(shared: &Shared, region: &RegionInner, index: u64) -> Result<(), Errno> {
     let uffd = shared.uffd_of(region);
     let block = u64::from(shared.config.write_fault_around);
@@ -345,7 +346,7 @@ fn unprotect_for_write(shared: &Shared, region: &RegionInner, index: u64) -> Res
         let mut page = region.pages[i as usize].try_lock()?;
         let state = page.state();
         (state.kind() == Kind::Resident && !state.writing()).then(|| {
-            page.set(state.with_dirty(true));
+            page.set(state.with_dirty_around());
             page
         })
     });

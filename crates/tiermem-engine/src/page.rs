@@ -8,6 +8,7 @@
 //! - 6      writing: a write-back of this page to `slot` is in flight from buffer `buf`
 //! - 7      referenced: touched since the replacement policy last looked (second chance)
 //! - 8      victim: prefetched kind only: evicted, its copy waiting in `buf` in the victim tier
+//! - 9      around: dirty only because write fault-around made it writable (maybe unwritten)
 //! - 12..32 buf: arena buffer of an in-flight read, a prefetched page, or an in-flight write
 //! - 32..64 slot
 //!
@@ -38,6 +39,7 @@ const HAS_SLOT: u64 = 1 << 5;
 const WRITING: u64 = 1 << 6;
 const REFERENCED: u64 = 1 << 7;
 const VICTIM: u64 = 1 << 8;
+const AROUND: u64 = 1 << 9;
 const BUF_SHIFT: u32 = 12;
 const BUF_MASK: u64 = (1 << 20) - 1;
 const SLOT_SHIFT: u32 = 32;
@@ -81,6 +83,11 @@ impl PageState {
     pub fn referenced(self) -> bool {
         self.0 & REFERENCED != 0
     }
+    /// Dirty only by presumption: made writable by write fault-around, not by a write fault of
+    /// its own, so possibly never written.
+    pub fn around(self) -> bool {
+        self.0 & AROUND != 0
+    }
     /// Held in the victim tier (kind prefetched): evicted, its copy kept in `buf`.
     pub fn victim(self) -> bool {
         self.0 & VICTIM != 0
@@ -95,10 +102,22 @@ impl PageState {
     pub fn with_kind(self, kind: Kind) -> Self {
         Self((self.0 & !KIND_MASK) | kind as u64)
     }
-    /// Same state with the dirty bit set or cleared.
+    /// Same state with the dirty bit set or cleared (either way no longer dirty by presumption:
+    /// a write fault, a write-back or a check has settled it).
     #[must_use]
     pub fn with_dirty(self, dirty: bool) -> Self {
-        Self(if dirty { self.0 | DIRTY } else { self.0 & !DIRTY })
+        let settled = self.0 & !AROUND;
+        Self(if dirty { settled | DIRTY } else { settled & !DIRTY })
+    }
+    /// Same state made writable by write fault-around: dirty, but maybe never written. A page
+    /// already dirty stays as it is.
+    #[must_use]
+    pub fn with_dirty_around(self) -> Self {
+        if self.dirty() {
+            self
+        } else {
+            Self(self.0 | DIRTY | AROUND)
+        }
     }
     /// Same state with the referenced bit set or cleared.
     #[must_use]
@@ -250,6 +269,18 @@ mod tests {
         assert_eq!(s.buf(), MAX_BUF);
         assert_eq!(s.kind(), Kind::Resident);
         assert!(!s.writing());
+    }
+
+    #[test]
+    fn dirty_by_fault_around_is_settled_by_any_later_verdict() {
+        let clean = PageState::UNTOUCHED.with_kind(Kind::Resident).with_slot(Some(7));
+        let around = clean.with_dirty_around();
+        assert!(around.dirty() && around.around());
+        assert_eq!(around.slot(), Some(7));
+        assert!(!around.with_dirty(false).dirty() && !around.with_dirty(false).around());
+        assert!(around.with_dirty(true).dirty() && !around.with_dirty(true).around(), "a write fault");
+        let written = clean.with_dirty(true);
+        assert_eq!(written.with_dirty_around(), written, "a written page stays written");
     }
 
     #[test]

@@ -103,6 +103,7 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
                 }
             },
         );
+        settle_unwritten_around(shared, victims, true);
         queue_writes(shared, victims, true);
         for v in victims.iter_mut().flatten().filter(|v| v.next.is_none()) {
             let state = v.page.state();
@@ -206,6 +207,30 @@ fn clean_leaving(shared: &Shared, state: PageState, bytes: &[u8]) -> PageState {
             state.in_victim_tier(b)
         }
         None => state.with_kind(Kind::Evicted),
+    }
+}
+
+/// Sync WP with write fault-around: the victims about to be written that are dirty only by
+/// presumption (made writable by fault-around, now protected again, so their contents are
+/// stable) and whose contents still hash as what their slot holds were never written: they
+/// need no write. Such a page leaves clean (`leave`) or stays resident clean and protected
+/// (cleaning ahead).
+fn settle_unwritten_around(shared: &Shared, victims: &mut [Option<Victim<'_>>], leave: bool) {
+    for v in victims.iter_mut().flatten().filter(|v| v.buf.is_some() && v.next.is_none()) {
+        let state = v.page.state();
+        let Some(hash) = v.region.slot_hashes.get(v.index as usize) else { continue };
+        if !state.around() || state.slot().is_none() {
+            continue;
+        }
+        // SAFETY: see [`source`]: the page is mapped, locked and write-protected.
+        let bytes = unsafe { source(v) };
+        if hash.load(Ordering::Relaxed) != crate::capture::page_hash(bytes) {
+            continue;
+        }
+        release(shared, v.buf.take());
+        Stats::add(&shared.stats.counters.unwritten_around, 1);
+        let clean = state.with_dirty(false);
+        v.next = Some(if leave { clean_leaving(shared, clean, bytes) } else { clean });
     }
 }
 
@@ -394,6 +419,7 @@ pub(crate) fn clean_batch(shared: &Shared, regions: &RegionTable, max: usize) ->
             }
         },
     );
+    settle_unwritten_around(shared, victims, false);
     queue_writes(shared, victims, false);
     let mut cleaned = shared.cleaned.lock().unwrap_or_else(|e| e.into_inner());
     let mut listed = 0;

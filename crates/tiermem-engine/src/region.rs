@@ -15,8 +15,9 @@ pub(crate) struct RegionInner {
     pub(crate) index: u32,
     pub(crate) mapping: Mapping,
     pub(crate) pages: Box<[PageCell]>,
-    /// Async WP only: per page, a hash of what its slot holds, set when it came in from there;
-    /// eviction drops an unwritten page only if its contents still hash the same.
+    /// Per page, a hash of what its slot holds, set whenever the slot is written (async WP, and
+    /// sync WP with write fault-around; empty otherwise): a page that may or may not have been
+    /// written is dropped or cleaned without a write only if its contents still hash the same.
     pub(crate) slot_hashes: Box<[std::sync::atomic::AtomicU64]>,
     /// Set when the region is being freed: reclaim and prefetch start no new work on it.
     pub(crate) closing: std::sync::atomic::AtomicBool,

@@ -113,6 +113,9 @@ pub struct Counters {
     /// Writes to clean resident pages found in the page tables when replacement looked at the
     /// pages (async write protection, where such writes do not fault): each counted as a use.
     pub writes_seen_in_page_tables: AtomicU64,
+    /// Pages write fault-around made writable that reclaim found unwritten (their contents
+    /// still hash as what their slot holds) and so did not write back.
+    pub unwritten_around: AtomicU64,
     /// Faults the access monitor did not see: another thread was feeding it at that moment
     /// (the fault path never waits for it).
     pub monitor_skipped_faults: AtomicU64,
@@ -236,6 +239,7 @@ impl Stats {
             hot_reports: l(&c.hot_reports),
             monitor_skipped_faults: l(&c.monitor_skipped_faults),
             writes_seen_in_page_tables: l(&c.writes_seen_in_page_tables),
+            unwritten_around: l(&c.unwritten_around),
             monitor_read_ahead: l(&c.monitor_read_ahead),
             cold_listed: l(&c.cold_listed),
             victim_kept: l(&c.victim_kept),
@@ -340,6 +344,9 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub writes_seen_in_page_tables: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub unwritten_around: u64,
     /// See [`Counters`].
     #[serde(default)]
     pub monitor_read_ahead: u64,
@@ -455,6 +462,13 @@ impl StatsSnapshot {
                 self.writes_seen_in_page_tables
             );
         }
+        if self.unwritten_around > 0 {
+            let _ = writeln!(
+                s,
+                "fault-around    {} pages made writable next to a write were found unwritten and not written back",
+                self.unwritten_around
+            );
+        }
         if self.monitor_reports > 0 {
             let _ = writeln!(
                 s,
@@ -535,6 +549,7 @@ impl StatsSnapshot {
         self.hot_reports += other.hot_reports;
         self.monitor_skipped_faults += other.monitor_skipped_faults;
         self.writes_seen_in_page_tables += other.writes_seen_in_page_tables;
+        self.unwritten_around += other.unwritten_around;
         self.monitor_read_ahead += other.monitor_read_ahead;
         self.cold_listed += other.cold_listed;
         self.victim_kept += other.victim_kept;

@@ -273,34 +273,8 @@ fn write_fault_around_takes_one_fault_per_block_and_keeps_every_write() {
     }
     let pages = 128usize;
     for around in [1u32, 16] {
-        let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
-            c.dirty_tracking = DirtyTracking::SyncWriteProtect;
-            c.write_fault_around = around;
-            c.prefetch = "none".into();
-            // Oldest first, so the second region below pushes this one out (a scan-resistant
-            // policy keeps it and evicts the scan instead).
-            c.replace = "fifo".into();
-        });
-        let region = engine.create_region(pages * 4096).unwrap();
-        let word = |p: usize| {
-            // SAFETY: callers pass p < pages: the second word of a page of the region.
-            unsafe { region.as_ptr().add(p * 4096 + 8) as *mut u64 }
-        };
-        let other = engine.create_region(768 * 4096).unwrap();
-        // Pushed out through a second region three times the budget.
-        let push_out = || touch_all(other.as_ptr(), 768, true);
-        // First values, written back to slots; then read in again: every page resident, clean,
-        // write-protected and with a slot that holds its first value (half the budget, below
-        // the watermark, so nothing is cleaned or evicted meanwhile).
-        for p in 0..pages {
-            // SAFETY: see `word`.
-            unsafe { word(p).write_volatile(p as u64 + 1) };
-        }
-        push_out();
-        for p in 0..pages {
-            // SAFETY: see `word`.
-            assert_eq!(unsafe { word(p).read_volatile() }, p as u64 + 1, "around {around}: page {p}");
-        }
+        let (engine, region, push_out) = clean_pages_with_slots(around, pages);
+        let word = |p: usize| second_word(&region, p);
         let settled = |from: u64| {
             // A handler counts a write fault after waking the writer, so right after the
             // writes the last one may not be in yet (CI, debug build: 7 of 8): wait until the
@@ -355,6 +329,79 @@ fn write_fault_around_takes_one_fault_per_block_and_keeps_every_write() {
             "around {around}: {read_back} of {pages} pages read back from the device"
         );
         assert!(s.writebacks >= pages as u64, "around {around}: {} write-backs", s.writebacks);
+        assert_eq!(s.io_errors, 0);
+    }
+}
+
+/// An engine with sync WP and write fault-around blocks of `around` pages (no prefetching), and
+/// a region of `pages` pages (half of its 256-page budget) whose pages are resident, clean,
+/// write-protected, and have a slot holding their first value (page p's second word is p + 1);
+/// and a way to push the region out, through a second one three times the budget.
+fn clean_pages_with_slots(around: u32, pages: usize) -> (Engine, tiermem_engine::Region, impl Fn() -> u64) {
+    let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
+        c.dirty_tracking = DirtyTracking::SyncWriteProtect;
+        c.write_fault_around = around;
+        c.prefetch = "none".into();
+        // Oldest first, so the second region pushes this one out (a scan-resistant policy
+        // keeps it and evicts the scan instead).
+        c.replace = "fifo".into();
+    });
+    let region = engine.create_region(pages * 4096).unwrap();
+    let other = engine.create_region(768 * 4096).unwrap();
+    let push_out = move || touch_all(other.as_ptr(), 768, true);
+    for p in 0..pages {
+        // SAFETY: p < pages: a word of a page of the region, which lives while `region` does.
+        unsafe { second_word(&region, p).write_volatile(p as u64 + 1) };
+    }
+    push_out();
+    // Read in again (half the budget, below the watermark, so nothing is cleaned or evicted
+    // meanwhile).
+    for p in 0..pages {
+        // SAFETY: as above.
+        assert_eq!(unsafe { second_word(&region, p).read_volatile() }, p as u64 + 1, "page {p}");
+    }
+    (engine, region, push_out)
+}
+
+/// Page `p`'s second word in `region` (valid for p below its page count).
+fn second_word(region: &tiermem_engine::Region, p: usize) -> *mut u64 {
+    region.as_ptr().wrapping_add(p * 4096 + 8).cast()
+}
+
+/// The neighbours write fault-around makes writable are dirty only by presumption: reclaim
+/// protects them again and writes back only those whose contents changed (compared with the
+/// hash of what their slot holds). In each block of 16 the program writes pages 0 and 1 (the
+/// second write unprotects the block) and page 9 (no fault: already writable); the 13 others
+/// are never written and go out without a write, and every value comes back.
+#[test]
+fn write_fault_around_writes_back_only_the_neighbours_the_program_wrote() {
+    let _serial = serial();
+    if features_or_skip("write_fault_around_writes_back_only_the_neighbours_the_program_wrote").is_none() {
+        return;
+    }
+    let pages = 128usize;
+    let written = |p: usize| matches!(p % 16, 0 | 1 | 9);
+    // Without fault-around (blocks of 1) nothing is made writable ahead; with blocks of 16,
+    // the 13 unwritten pages of each block.
+    for (around, unwritten) in [(1u32, 0), (16, pages as u64 / 16 * 13)] {
+        let (engine, region, push_out) = clean_pages_with_slots(around, pages);
+        let word = |p: usize| second_word(&region, p);
+        for p in (0..pages).filter(|&p| written(p)) {
+            // SAFETY: see `word`.
+            unsafe { word(p).write_volatile(p as u64 + 7) };
+        }
+        push_out();
+        for p in 0..pages {
+            let want = if written(p) { p as u64 + 7 } else { p as u64 + 1 };
+            // SAFETY: see `word`.
+            assert_eq!(unsafe { word(p).read_volatile() }, want, "around {around}: page {p}");
+        }
+        let s = engine.stats();
+        assert!(
+            (unwritten..=unwritten + 8).contains(&s.unwritten_around),
+            "around {around}: {} pages found unwritten, {unwritten} expected",
+            s.unwritten_around
+        );
         assert_eq!(s.io_errors, 0);
     }
 }

@@ -31,6 +31,8 @@ struct Outcome {
     /// Faults served from the victim tier, and pages it holds at the end.
     victim_hits: u64,
     victim_held: u64,
+    /// Pages write fault-around made writable that reclaim found unwritten.
+    unwritten_around: u64,
 }
 
 /// Background reclaim with dirty tracking cleans pages ahead of eviction (residency stays past
@@ -195,6 +197,7 @@ fn hammer(
         advice_reports: stats.monitor_reports - stats.hot_reports,
         victim_hits: stats.victim_hits,
         victim_held: engine.victim_tier_pages(),
+        unwritten_around: stats.unwritten_around,
     }
 }
 
@@ -361,6 +364,30 @@ fn io_variants_keep_every_write() {
         },
         10_000,
     );
+}
+
+/// Write fault-around makes a written page's neighbours writable; their owners then write some
+/// of them without a fault and leave others alone, while reclaim judges each by its contents
+/// against the hash of what its slot holds.
+#[test]
+fn write_fault_around_keeps_every_write() {
+    for (name, fault_mode) in
+        [("write fault-around", FaultMode::HandlerThread), ("write fault-around sigbus", FaultMode::Sigbus)]
+    {
+        let tweak = move |c: &mut EngineConfig| {
+            c.dirty_tracking = DirtyTracking::SyncWriteProtect;
+            c.write_fault_around = 16;
+            c.fault_mode = fault_mode;
+        };
+        check_that(name, tweak, 20_000, |o| {
+            eprintln!("{name}: {} neighbours found unwritten", o.unwritten_around);
+            if o.unwritten_around > 0 {
+                Ok(())
+            } else {
+                Err("no neighbour made writable was found unwritten: the path under test was not taken".into())
+            }
+        });
+    }
 }
 
 #[test]
