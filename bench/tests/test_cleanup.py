@@ -1,6 +1,7 @@
 """Nothing is left behind when the harness fails mid-run: the helper is stopped (SIGTERM) and, with
 the real helper, the cgroup, the swap file and the program are gone."""
 
+import json
 import os
 import signal
 import subprocess
@@ -150,3 +151,50 @@ def test_a_program_killed_at_the_timeout_leaves_no_temporary_files(tiermem_root,
     assert made.name.startswith("tiermem-stats-") and made.parent.name.startswith("tiermem-limited-run-")
     assert not made.parent.exists(), f"{made.parent} left behind"
     assert tiermem_cgroups() == []
+
+
+def apps_cgroups():
+    """Memory cgroups the harness's helpers make (every prefix starts so)."""
+    found = set()
+    for root in (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")):
+        if root.is_dir():
+            found |= {p.name for p in root.iterdir() if p.name.startswith("tiermem-apps-")}
+    return found
+
+
+@pytest.mark.parametrize("sig,ignored_at_start", [(signal.SIGTERM, False), (signal.SIGHUP, False),
+                                                  (signal.SIGINT, True)],
+                         ids=["SIGTERM", "SIGHUP", "SIGINT-ignored-at-start"])
+def test_the_matrix_stops_cleanly_on_a_signal(tiermem_root, tmp_path, sig, ignored_at_start):
+    """`kill`, a closed terminal, or `kill -INT` on a matrix started in the background (where the
+    shell starts it with SIGINT ignored) stop the run in progress, remove its cgroup and swap
+    file, and still write the results so far, marked interrupted."""
+    bench_dir = Path(__file__).resolve().parent.parent
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    env = dict(os.environ, PYTHONPATH=str(bench_dir), TIERMEM_BIN=tiermem_root)
+    cgroups_before = apps_cgroups()
+
+    def start():
+        os.setsid()
+        if ignored_at_start:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    harness = subprocess.Popen([sys.executable, "-m", "tiermem_bench", "--scale", "tiny", "--workloads", "intsort",
+                                "--systems", "linux-swap", "--ratios", "60,40", "--repeats", "1", "--out", str(out),
+                                "--dir", str(scratch), "--cache", str(tmp_path / "cache")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=start)
+    try:
+        # Past the unlimited run, into one under Linux swap: a swap file is on.
+        assert wait_for(lambda: swap_files(scratch), 240), "no run under Linux swap started"
+        harness.send_signal(sig)
+        _, err = harness.communicate(timeout=60)
+    finally:
+        if harness.poll() is None:
+            os.killpg(harness.pid, signal.SIGKILL)
+            harness.wait()
+    assert harness.returncode == 130, err.decode(errors="replace")[-2000:]
+    assert swap_files(scratch) == [] and swap_files(tmp_path) == []
+    assert wait_for(lambda: apps_cgroups() <= cgroups_before, 10), apps_cgroups() - cgroups_before
+    doc = json.loads((out / "runs.json").read_text())
+    assert doc["meta"]["interrupted"] is True
+    assert [r["system"] for r in doc["runs"]][:1] == ["unlimited"]

@@ -257,6 +257,25 @@ def finish(out: Path, runs: list[dict], meta: dict, systems: list[str], ratios: 
     return text
 
 
+def stop_cleanly_on_signals() -> None:
+    """End the matrix the same way on Ctrl-C, `kill` (SIGTERM) and a closed terminal (SIGHUP):
+    the run in progress is stopped (its helper removes its cgroup and swap file), and the results
+    so far are written. SIGINT gets its default handler back as well, since a shell starts
+    background jobs with it ignored and `kill -INT` should still stop the matrix; a SIGHUP
+    ignored on purpose (nohup) stays ignored."""
+    def interrupt(signum, _frame):
+        # A second signal during the clean-up ends the process at once.
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is interrupt:
+                signal.signal(sig, signal.SIG_DFL)
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -326,6 +345,7 @@ def main(argv=None) -> int:
     progress = tqdm(total=total, unit="run", desc="bench apps", file=sys.stderr, dynamic_ncols=True)
     matrix = Matrix(args, systems, workloads, ratios, tiermem, out, scratch, cache, progress)
     interrupted = False
+    stop_cleanly_on_signals()
     try:
         for workload in workloads:
             matrix.run_workload(workload)
