@@ -176,8 +176,12 @@ def test_the_matrix_stops_cleanly_on_a_signal(tiermem_root, tmp_path, sig, ignor
 
     def start():
         os.setsid()
+        # As from a terminal (this test may itself run under nohup, which ignores SIGHUP and
+        # which the harness respects), or as a shell starts a background job.
+        for inherited in (signal.SIGHUP, signal.SIGINT):
+            signal.signal(inherited, signal.SIG_DFL)
         if ignored_at_start:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(sig, signal.SIG_IGN)
 
     harness = subprocess.Popen([sys.executable, "-m", "tiermem_bench", "--scale", "tiny", "--workloads", "intsort",
                                 "--systems", "linux-swap", "--ratios", "60,40", "--repeats", "1", "--out", str(out),

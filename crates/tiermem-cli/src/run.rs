@@ -411,6 +411,20 @@ impl RunOutcome {
             "peak RSS        {:.1} MiB (the kernel's count for the largest process)",
             mib(self.peak_rss_bytes)
         );
+        // What tiermem itself holds beside the budget (inside a cgroup, the budget makes room).
+        let own = ["own_heap_peak_bytes", "io_buffer_bytes", "guard_ballast_bytes", "engine_reserve_size_bytes"]
+            .map(|key| self.sum(key));
+        if own.iter().any(|&b| b > 0) {
+            let _ = writeln!(
+                s,
+                "own memory      {:.1} MiB: heap {:.1} at most (page state, policy tables, statistics), I/O buffers {:.1}, OOM-guard ballast {:.1}, reserve {:.1}",
+                mib(own.iter().sum()),
+                mib(own[0]),
+                mib(own[1]),
+                mib(own[2]),
+                mib(own[3])
+            );
+        }
         match self.merged_engine_stats() {
             Some(stats) => {
                 let _ = writeln!(s, "fault path      {:.1} ms in total on faulting threads", stats.fault_path_ms());

@@ -541,6 +541,11 @@ impl Engine {
         self.shared.device.memory_held()
     }
 
+    /// Bytes of the I/O buffer arena (populated up front: resident, outside the budget).
+    pub fn io_buffer_bytes(&self) -> u64 {
+        u64::from(self.shared.arena.end()) * PAGE_SIZE as u64
+    }
+
     /// Resident managed pages now (the engine's count, never below the kernel's).
     pub fn resident_pages(&self) -> u64 {
         self.shared.resident()

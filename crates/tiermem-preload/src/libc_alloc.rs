@@ -4,6 +4,7 @@
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 extern "C" {
     pub fn __libc_malloc(size: usize) -> *mut c_void;
@@ -42,14 +43,68 @@ pub unsafe fn libc_usable_size(ptr: *mut c_void) -> usize {
 /// malloc's guaranteed alignment on x86-64 glibc.
 const MALLOC_ALIGN: usize = 16;
 
-/// Rust's global allocator for the shim: glibc's malloc under its internal names, and for the
-/// engine's threads under the OOM guard the [`crate::reserve`].
+/// Rust's global allocator for the shim: [`GlibcOrReserve`], counting the bytes it holds (the
+/// engine's and the shim's own tables, which the cgroup charges and the budget leaves room for).
 #[derive(Debug)]
 pub struct LibcAllocator;
 
+/// Bytes the shim and the engine hold from the global allocator now, and at most so far.
+pub static LIVE_BYTES: AtomicU64 = AtomicU64::new(0);
+pub static PEAK_BYTES: AtomicU64 = AtomicU64::new(0);
+
+fn count(grown: usize, shrunk: usize) {
+    if grown >= shrunk {
+        let live = LIVE_BYTES.fetch_add((grown - shrunk) as u64, Ordering::Relaxed) + (grown - shrunk) as u64;
+        PEAK_BYTES.fetch_max(live, Ordering::Relaxed);
+    } else {
+        LIVE_BYTES.fetch_sub((shrunk - grown) as u64, Ordering::Relaxed);
+    }
+}
+
+// SAFETY: every method forwards to `GlibcOrReserve` with the caller's arguments unchanged.
+unsafe impl GlobalAlloc for LibcAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract, passed on.
+        let block = unsafe { GlibcOrReserve.alloc(layout) };
+        if !block.is_null() {
+            count(layout.size(), 0);
+        }
+        block
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { GlibcOrReserve.dealloc(ptr, layout) };
+        count(0, layout.size());
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller's contract, passed on.
+        let block = unsafe { GlibcOrReserve.alloc_zeroed(layout) };
+        if !block.is_null() {
+            count(layout.size(), 0);
+        }
+        block
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: the caller's contract, passed on.
+        let block = unsafe { GlibcOrReserve.realloc(ptr, layout, new_size) };
+        if !block.is_null() {
+            count(new_size, layout.size());
+        }
+        block
+    }
+}
+
+/// glibc's malloc under its internal names, and for the engine's threads under the OOM guard
+/// the [`crate::reserve`].
+#[derive(Debug)]
+struct GlibcOrReserve;
+
 // SAFETY: every method forwards to glibc's allocator with a size and alignment it honours
 // (memalign for alignments above malloc's guarantee), and frees only what it allocated.
-unsafe impl GlobalAlloc for LibcAllocator {
+unsafe impl GlobalAlloc for GlibcOrReserve {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if let Some(block) = crate::reserve::alloc(layout.size(), layout.align()) {
             return block;

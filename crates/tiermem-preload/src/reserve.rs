@@ -38,6 +38,11 @@ pub static FALLBACKS: AtomicU64 = AtomicU64::new(0);
 /// Bytes of the reserve cut into blocks so far (its high-water mark).
 pub static USED_BYTES: AtomicU64 = AtomicU64::new(0);
 
+/// Bytes of the reserve (0 before [`arm`] or if it failed).
+pub fn size() -> usize {
+    END.load(Ordering::Acquire) - START.load(Ordering::Acquire)
+}
+
 /// Set the reserve up: `len` bytes, populated now (a system call that fails for want of memory
 /// rather than waiting for it). Once only; a failure leaves the engine on the C library.
 pub fn arm(len: usize) -> Result<(), String> {

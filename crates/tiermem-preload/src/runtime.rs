@@ -38,6 +38,8 @@ static CGROUP_WATCHED: AtomicBool = AtomicBool::new(false);
 static LOWEST_BUDGET: AtomicU64 = AtomicU64::new(u64::MAX);
 /// Times the cgroup ran out of memory under the OOM guard and the budget was cut for it.
 static OOM_RESCUES: AtomicU64 = AtomicU64::new(0);
+/// Bytes of the OOM guard's ballast (0 without the guard).
+static BALLAST_BYTES: AtomicU64 = AtomicU64::new(0);
 static CHILD_PAGES_COPIED: AtomicU64 = AtomicU64::new(0);
 
 /// Set this thread's errno.
@@ -631,6 +633,7 @@ impl OomGuard {
             .map_err(|e| format!("cannot register for OOM events in {}: {e}", register.display()))?;
         let len = usize::try_from(ballast_bytes).unwrap_or(1 << 20).next_multiple_of(tiermem_sys::PAGE_SIZE);
         let ballast = tiermem_sys::mem::Mapping::anonymous(len, false).map_err(|e| format!("ballast: {e}"))?;
+        BALLAST_BYTES.store(len as u64, Ordering::Relaxed);
         let mut guard = Self { event, control, ballast, ballast_held: false };
         guard
             .set_killer(false)
@@ -769,6 +772,13 @@ extern "C" fn at_exit() {
         "stdio_streams_unlocked": crate::stdio::STREAMS_UNLOCKED.load(Ordering::Relaxed),
         "stdio_streams_relocked": crate::stdio::STREAMS_RELOCKED.load(Ordering::Relaxed),
         "engine_reserve_bytes": crate::reserve::USED_BYTES.load(Ordering::Relaxed),
+        // tiermem's own memory beside the budget: what its Rust code allocated (page state,
+        // policy tables, statistics; at most, over the run), the I/O buffers, the OOM guard's
+        // ballast and the engine's reserve.
+        "own_heap_peak_bytes": crate::libc_alloc::PEAK_BYTES.load(Ordering::Relaxed),
+        "io_buffer_bytes": engine.io_buffer_bytes(),
+        "guard_ballast_bytes": BALLAST_BYTES.load(Ordering::Relaxed),
+        "engine_reserve_size_bytes": crate::reserve::size(),
         "engine_reserve_fallbacks": crate::reserve::FALLBACKS.load(Ordering::Relaxed),
     });
     let path = dir.join(format!("{}.json", std::process::id()));
