@@ -417,7 +417,7 @@ impl RunOutcome {
         if own.iter().any(|&b| b > 0) {
             let _ = writeln!(
                 s,
-                "own memory      {:.1} MiB: heap {:.1} at most (page state, policy tables, statistics), I/O buffers {:.1}, OOM-guard ballast {:.1}, reserve {:.1}",
+                "own memory      {:.1} MiB: heap {:.1} allocated at most (page state, policy tables, slot bitmap, statistics; not all of it touched), I/O buffers {:.1}, OOM-guard ballast {:.1}, reserve {:.1}",
                 mib(own.iter().sum()),
                 mib(own[0]),
                 mib(own[1]),
