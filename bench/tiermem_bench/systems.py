@@ -98,7 +98,8 @@ SYSTEMS: dict[str, System] = {
         System("tiermem-file-sync-wp", "tiermem", "tiermem run, file device, sync write-protect dirty tracking",
                ("--dirty-tracking", "sync-wp")),
         # The same, a write fault unprotecting the clean resident pages of its aligned block of
-        # 16 (marked dirty): sync-wp's batched drops without most of its write faults.
+        # 16 (written back only if they changed): sync-wp's batched drops without most of its
+        # write faults.
         System("tiermem-file-sync-wp-around", "tiermem",
                "tiermem run, file device, sync write-protect with write fault-around of 16 pages",
                ("--dirty-tracking", "sync-wp", "--write-fault-around", "16")),

@@ -373,7 +373,8 @@ struct RunArgs {
     #[arg(long, env = "TIERMEM_RECLAIM_MODE")]
     reclaim_mode: Option<String>,
     /// sync-wp dirty tracking: a write fault unprotects the clean resident pages of its aligned
-    /// block of this many pages too (marked dirty), a power of two 1..=64 [default: 1].
+    /// block of this many pages too (written back later only if they changed), a power of two
+    /// 1..=64 [default: 1].
     #[arg(long, env = "TIERMEM_WRITE_FAULT_AROUND")]
     write_fault_around: Option<String>,
     /// Access monitor: read faults that make a page hot in its hot-page table (kept, or read

@@ -129,9 +129,9 @@ pub struct EngineConfig {
     pub handler_spin_us: u32,
     /// Under sync write protection, a write fault unprotects the resident clean pages next to
     /// the written one too, within its aligned block of this many pages (1: the page alone),
-    /// marking them dirty: one fault and one unprotect call instead of one per page for a
-    /// program that writes a region through, at the price of writing back neighbours it did
-    /// not write. A power of two, 1..=64.
+    /// marking them dirty by presumption: one fault and one unprotect call instead of one per
+    /// page for a program that writes a region through. Reclaim writes such a page back only if
+    /// its contents no longer hash as what its slot holds. A power of two, 1..=64.
     pub write_fault_around: u32,
     /// Write address-contiguous dirty pages of a reclaim batch as one request of up to 32 pages
     /// to consecutive slots, instead of one request per page (the paper merges nothing).
