@@ -143,3 +143,18 @@ def test_every_system_runs_repeat_k_with_the_same_python_hash_seed(monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", "7")
     fixed = cli.run_environment()
     assert cli.repeat_environment(fixed, 2)["PYTHONHASHSEED"] == "7", "a seed the caller fixed is kept"
+
+
+def test_a_missing_python_package_is_named_with_the_command_that_installs_it(tmp_path, monkeypatch, capsys):
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("# pins\nnumpy==0.0.1  # another version than installed\n"
+                            "tiermem-no-such-package==1.0\npytest==9.2.0\n")
+    found = cli.harness_packages(requirements)
+    assert found["tiermem-no-such-package"] is None
+    assert found["numpy"] not in (None, "0.0.1"), "the installed version, whatever the pin says"
+    assert "pytest" not in found, "the tests' own package is not the harness's"
+
+    monkeypatch.setattr(cli, "harness_packages", lambda: {"numpy": "2.4.6", "tqdm": None})
+    assert cli.main(["--scale", "tiny", "--workloads", "quicksort"]) == 2
+    err = capsys.readouterr().err
+    assert "lacks the harness's Python packages tqdm" in err and "pip install -r" in err, err

@@ -276,6 +276,25 @@ def stop_cleanly_on_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def harness_packages(requirements: Path = BENCH_DIR / "requirements.txt") -> dict[str, str | None]:
+    """The pinned packages of bench/requirements.txt the harness needs (pytest is for the tests
+    only), each with the version this Python has (None: not installed). A version other than
+    the pin is not an error: the harness still runs, and the results record what was used."""
+    from importlib import metadata
+
+    found = {}
+    for line in requirements.read_text().splitlines():
+        pin = line.split("#", 1)[0].strip()
+        if not pin or pin.startswith("pytest"):
+            continue
+        name = pin.split("==", 1)[0].strip()
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -287,6 +306,14 @@ def main(argv=None) -> int:
         return 2
     if args.repeats < 1:
         print("tiermem bench apps: --repeats must be at least 1", file=sys.stderr)
+        return 2
+
+    packages = harness_packages()
+    missing = [name for name, version in packages.items() if version is None]
+    if missing and not (args.report_only and args.no_plot):
+        print(f"tiermem bench apps: {sys.executable} lacks the harness's Python packages "
+              f"{', '.join(missing)}; install the pinned versions with `{sys.executable} -m pip "
+              f"install -r {BENCH_DIR / 'requirements.txt'}` (./scripts/test does this)", file=sys.stderr)
         return 2
 
     if args.report_only:
@@ -328,7 +355,7 @@ def main(argv=None) -> int:
         "scale": args.scale, "systems": system_names, "ratios": ratios, "workloads": workload_names,
         "repeats": args.repeats, "started": stamp, "kernel": platform.release(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "tiermem": tiermem, "scratch_dir": str(scratch),
-        "skipped_systems": skipped_systems,
+        "skipped_systems": skipped_systems, "python_packages": packages,
         "workload_params": {w.name: w.params[args.scale] for w in workloads},
         "time": "wall_s: spawn to exit of the program (for tiermem systems, of `tiermem run`)",
         "python_hash_seed": os.environ.get("PYTHONHASHSEED", "the repeat number (0 for the cache-warming run)"),
