@@ -138,3 +138,18 @@ def test_device_line_says_what_a_read_took_before_and_after():
     # Older results, or a device that could not be measured: nothing is claimed.
     assert report.device_line({}) == ""
     assert report.device_line({"device_read_latency_us": {"before": None}}) == ""
+
+
+def test_machine_line_gives_what_paging_costs_where_the_matrix_ran():
+    meta = {"machine": {"facts": {"cpus": 2, "virtual_machine": True, "guest_halt_poll_ns": 0},
+                        "costs": {"tlb_shootdown_us": 9.34, "thread_wakeup_us": 21.2, "page_map_us": 1.08,
+                                  "unmap_alone_us": 1.3}}}
+    assert report.machine_line(meta) == (
+        "Machine: 2 CPUs, a virtual machine without guest halt polling; TLB shootdown 9.3 µs, "
+        "thread wake-up 21.2 µs, page map 1.1 µs (tiermem probe --machine)\n")
+    one_cpu = {"machine": {"facts": {"cpus": 1, "virtual_machine": False},
+                           "costs": {"tlb_shootdown_us": None, "thread_wakeup_us": None, "page_map_us": 0.8}}}
+    assert report.machine_line(one_cpu) == "Machine: 1 CPU; page map 0.8 µs (tiermem probe --machine)\n"
+    # Older results, or a binary without --machine: nothing is claimed.
+    assert report.machine_line({}) == ""
+    assert report.machine_line({"machine": {"facts": None}}) == ""

@@ -41,6 +41,10 @@ def test_smoke_one_workload_two_ratios_under_linux_swap(tiermem_root, tmp_path):
     latency = doc["meta"]["device_read_latency_us"]
     assert 0 < latency["before"] < 1e6 and 0 < latency["after"] < 1e6
     assert "Device: a 4 KiB read took" in proc.stdout
+    # And what paging costs on this machine, measured before the matrix.
+    costs = doc["meta"]["machine"]["costs"]
+    assert costs["page_map_us"] > 0 and doc["meta"]["machine"]["facts"]["cpus"] >= 1
+    assert "Machine: " in proc.stdout and "(tiermem probe --machine)" in proc.stdout
     assert (out / "apps.png").stat().st_size > 5000
     assert "intsort" in (out / "table.txt").read_text()
     assert "Execution time normalised" in proc.stdout

@@ -229,27 +229,31 @@ class Matrix:
                     self.record(self.one(system, workload, ratio, repeat, footprint, expected, timeout))
 
 
-def device_read_latency_us(tiermem: str, directory: Path) -> float | None:
-    """The device's own 4 KiB read latency in `directory` (`tiermem probe --latency`): this
-    VM's disk drifts by up to 10x between days, and every paging figure scales with it. None,
-    with a note, where it cannot be measured."""
-    try:
-        probe = subprocess.run([tiermem, "probe", "--dir", str(directory), "--latency", "--json"],
-                               capture_output=True, text=True, timeout=300)
-        if probe.returncode == 0:
-            return json.loads(probe.stdout)["device_read_latency_us"]
-        why = probe.stderr.strip().splitlines()[-1:] or [f"exit status {probe.returncode}"]
-    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError) as e:
-        why = [str(e)]
+def probe_device(tiermem: str, directory: Path, machine: bool = False) -> dict:
+    """`tiermem probe --latency --json` in `directory`: the device's own 4 KiB read latency
+    (this VM's disk drifts by up to 10x between days, and every paging figure scales with it),
+    and with `machine` what paging costs on this machine (`--machine`: TLB shootdown, thread
+    wake-up; a binary without that option is asked again without it). Empty, with a note, where
+    it cannot be measured."""
+    why = ["not run"]
+    for extra in (["--machine"], []) if machine else ([],):
+        try:
+            probe = subprocess.run([tiermem, "probe", "--dir", str(directory), "--latency", "--json", *extra],
+                                   capture_output=True, text=True, timeout=300)
+            if probe.returncode == 0:
+                return json.loads(probe.stdout)
+            why = probe.stderr.strip().splitlines()[-1:] or [f"exit status {probe.returncode}"]
+        except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+            why = [str(e)]
     print(f"NOTE: device latency in {directory} not measured: {why[0]}", file=sys.stderr)
-    return None
+    return {}
 
 
 def finish(out: Path, runs: list[dict], meta: dict, systems: list[str], ratios: list[int], draw: bool) -> str:
     summary = stats.summarise(runs)
     report.write_csv(runs, out / "runs.csv")
     report.write_json(runs, meta, summary, out / "runs.json")
-    text = report.device_line(meta) + report.format_tables(runs, systems, ratios)
+    text = report.machine_line(meta) + report.device_line(meta) + report.format_tables(runs, systems, ratios)
     (out / "table.txt").write_text(text)
     if draw and runs:
         plotting.plot(runs, systems, ratios, out / "apps.png",
@@ -363,7 +367,10 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    meta["device_read_latency_us"] = {"before": device_read_latency_us(tiermem, scratch)}
+    first_probe = probe_device(tiermem, scratch, machine=True)
+    meta["device_read_latency_us"] = {"before": first_probe.get("device_read_latency_us")}
+    if "machine" in first_probe:
+        meta["machine"] = {"facts": first_probe["machine"], "costs": first_probe.get("costs")}
     for w in workloads:
         print(f"preparing {w.name} ({args.scale})", file=sys.stderr)
         w.prepare(args.scale, cache)
@@ -384,7 +391,7 @@ def main(argv=None) -> int:
         meta["elapsed_s"] = round(time.time() - started, 1)
         meta["interrupted"] = interrupted
         if not interrupted:
-            meta["device_read_latency_us"]["after"] = device_read_latency_us(tiermem, scratch)
+            meta["device_read_latency_us"]["after"] = probe_device(tiermem, scratch).get("device_read_latency_us")
         text = finish(out, matrix.runs, meta, system_names, ratios, not args.no_plot)
         try:
             scratch.rmdir()

@@ -103,6 +103,26 @@ def device_line(meta: dict) -> str:
     return f"Device: a 4 KiB read took {' and '.join(parts)} the matrix (tiermem probe --latency)\n\n"
 
 
+def machine_line(meta: dict) -> str:
+    """What paging costs on the machine the matrix ran on (empty when not measured): on a VM a
+    TLB shootdown and a thread wake-up cost ten times what they do on bare metal, and every
+    eviction of a scattered page, every fault a handler thread serves, pays them."""
+    machine = meta.get("machine") or {}
+    facts, costs = machine.get("facts") or {}, machine.get("costs") or {}
+    if not facts:
+        return ""
+    cpus = facts.get("cpus", "?")
+    what = f"{cpus} CPU{'' if cpus == 1 else 's'}"
+    if facts.get("virtual_machine"):
+        what += ", a virtual machine"
+        if facts.get("guest_halt_poll_ns") == 0:
+            what += " without guest halt polling"
+    measured = [f"{label} {_fmt(costs.get(key), '{:.1f} µs')}"
+                for label, key in (("TLB shootdown", "tlb_shootdown_us"), ("thread wake-up", "thread_wakeup_us"),
+                                   ("page map", "page_map_us")) if costs.get(key) is not None]
+    return f"Machine: {what}; {', '.join(measured) or 'costs not measured'} (tiermem probe --machine)\n"
+
+
 def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> str:
     """The printed result: per-workload normalised medians with failure counts, the speed-up
     over Linux swap per ratio and on average, the gap closed, and every failed point."""

@@ -69,6 +69,11 @@ struct ProbeArgs {
     /// critical fault.
     #[arg(long)]
     latency: bool,
+    /// Also describe the machine (CPUs, hypervisor, idle polling, free page reporting to the
+    /// host, THP, swap, DAMON) and measure what paging pays on it: a TLB shootdown, a thread
+    /// wake-up across CPUs, the kernel's mapping of a page (under a second).
+    #[arg(long)]
+    machine: bool,
 }
 
 /// Reads timed by `tiermem probe --latency`.
@@ -264,15 +269,26 @@ fn probe(args: &ProbeArgs) -> Result<()> {
         (Some(Ok(_)), true) => Some(micro_tiermem::device_read_latency_us(&dir, PROBE_LATENCY_READS)?),
         _ => None,
     };
+    let machine =
+        if args.machine { Some((tiermem_cli::machine::facts(), tiermem_cli::machine::costs()?)) } else { None };
     if args.json {
-        let out = serde_json::json!({
+        let mut out = serde_json::json!({
             "kernel": features,
             "device": device.map(|d: std::result::Result<String, String>| d.unwrap_or_else(|e| e)),
             "device_read_latency_us": latency_us,
         });
+        if let Some((facts, costs)) = &machine {
+            out["machine"] = serde_json::json!(facts);
+            out["costs"] = serde_json::json!(costs);
+        }
         println!("{out}");
     } else {
         print_probe(&features, device, &dir, latency_us);
+        if let Some((facts, costs)) = &machine {
+            for line in tiermem_cli::machine::summary_lines(facts, costs) {
+                println!("{line}");
+            }
+        }
     }
     if args.latency && latency_us.is_none() {
         // Asked for and not measurable: the device line says why; the exit status must too.

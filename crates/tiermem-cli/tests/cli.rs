@@ -44,6 +44,25 @@ fn probe_reports_every_feature() {
 }
 
 #[test]
+fn probe_describes_the_machine_and_what_paging_costs_on_it() {
+    let out = tiermem(&["probe", "--machine", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("probe JSON");
+    let cpus = json["machine"]["cpus"].as_u64().expect("a CPU count");
+    assert!(cpus >= 1, "{json}");
+    assert!(json["costs"]["page_map_us"].as_f64().is_some_and(|us| us > 0.0), "{json}");
+    if cpus < 2 {
+        eprintln!("SKIPPED the TLB shootdown figure: this process may use one CPU only");
+    } else {
+        assert!(json["costs"]["tlb_shootdown_us"].as_f64().is_some_and(|us| us >= 0.0), "{json}");
+        assert!(json["costs"]["thread_wakeup_us"].as_f64().is_some_and(|us| us > 0.0), "{json}");
+    }
+    let out = tiermem(&["probe", "--machine"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("machine ") && text.contains("TLB shootdown") && text.contains("UFFDIO_COPY"), "{text}");
+}
+
+#[test]
 fn probe_measures_the_device_latency_where_asked_and_fails_where_it_cannot() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("temporary directory");
     let dir_arg = dir.path().to_str().expect("utf-8 path");
