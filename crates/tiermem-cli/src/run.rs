@@ -363,13 +363,23 @@ impl RunOutcome {
         let _ = writeln!(s, "tiermem: the program {ending} after {:.2} s", self.elapsed.as_secs_f64());
         let budget = self.settings.engine.limit_bytes;
         let lowest = self.processes.iter().filter_map(|p| p["lowest_budget_bytes"].as_u64()).min();
+        let file_room = self.processes.iter().filter_map(|p| p["peak_file_room_bytes"].as_u64()).max().unwrap_or(0);
+        let file_refaults: u64 = self.processes.iter().filter_map(|p| p["file_refaults"].as_u64()).sum();
         let _ = writeln!(
             s,
             "budget          {:.1} MiB{}  device {}  fault mode {}  dirty tracking {}  prefetch {}  replace {}",
             mib(budget),
             lowest
                 .filter(|&l| l < budget)
-                .map(|l| format!(" (cgroup room: down to {:.1} MiB)", mib(l)))
+                .map(|l| {
+                    let files = (file_room > 0).then(|| {
+                        format!(
+                            "; up to {:.1} MiB left to the program's file pages after {file_refaults} refaults",
+                            mib(file_room)
+                        )
+                    });
+                    format!(" (cgroup room: down to {:.1} MiB{})", mib(l), files.unwrap_or_default())
+                })
                 .unwrap_or_default(),
             self.settings.device,
             self.settings.engine.fault_mode,

@@ -1550,6 +1550,97 @@ fn a_socket_buffer_the_full_cgroup_refuses_is_made_room_for() {
     eprintln!("SKIPPED {name}: in three runs the kernel never refused a socket buffer in the full cgroup (not charged to it here?)");
 }
 
+/// Reads an 8 MiB file through a mapping on every pass over a 64 MiB buffer: the file's pages
+/// are the program's file working set (as its code and libraries are), read in inside its
+/// cgroup (their cache is dropped first), while the buffer pages through the budget.
+const FILE_AND_BUFFER: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+int main(int argc, char** argv) {
+    const size_t file_bytes = 8u << 20, n = 64u << 20;
+    int fd = open(argv[1], O_RDONLY);
+    if (fd < 0) { perror("open"); return 1; }
+    posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    const unsigned char* file = (const unsigned char*)mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (file == MAP_FAILED) { perror("mmap"); return 1; }
+    unsigned char* p = (unsigned char*)malloc(n);
+    unsigned long long sum = 0;
+    for (int pass = 0; pass < atoi(argv[2]); pass++) {
+        for (size_t i = 0; i < n; i += 4096) p[i] = (unsigned char)(p[i] + pass + 1);
+        for (size_t i = 0; i < file_bytes; i += 4096) sum += file[i];
+    }
+    for (size_t i = 0; i < n; i += 4096) sum += p[i];
+    printf("sum=%llu\n", sum);
+}
+"#;
+
+/// The budget counts the cgroup's page cache as droppable and would take that room too; the
+/// kernel then evicts the program's file pages (its code, its libraries, files it maps), which
+/// come back from disk on every use. tiermem keeps room for them as the cgroup reports their
+/// refaults. Before (2026-11-27): a Redis server at 20% whose code was read in inside its cgroup
+/// took 340,000 major faults and timed out at 400 s (23 s with the code cached elsewhere).
+#[test]
+fn the_program_s_file_pages_keep_their_room_in_a_full_cgroup() {
+    let name = "the_program_s_file_pages_keep_their_room_in_a_full_cgroup";
+    if !cgroup_test_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, FILE_AND_BUFFER, "file_and_buffer", name) else { return };
+    let data = scratch.path().join("data.bin");
+    let bytes: Vec<u8> = (0..8u32 << 20).map(|i| (i / 4096 % 251) as u8).collect();
+    std::fs::write(&data, bytes).expect("the mapped file");
+    let passes = 24;
+    let (bin_arg, data_arg, passes_arg) = (bin.display().to_string(), data.display().to_string(), passes.to_string());
+    let reference = Command::new(&bin).args([&data_arg, &passes_arg]).output().expect("the program alone");
+    assert!(reference.status.success(), "{name}: {}", String::from_utf8_lossy(&reference.stderr));
+    let limit: u64 = 48 << 20;
+    let cgroup = tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", limit, Some(0))
+        .expect("memory cgroup");
+    let stats = scratch.path().join("file-room.json");
+    let (limit_arg, stats_arg) = (limit.to_string(), stats.display().to_string());
+    let device = format!("file:{}", scratch.path().display());
+    let args = [
+        "run",
+        "--limit",
+        &limit_arg,
+        "--device",
+        &device,
+        "--stats-json",
+        &stats_arg,
+        "--",
+        &bin_arg,
+        &data_arg,
+        &passes_arg,
+    ];
+    let out = tiermem_cli::bench::linux_swap::run_in_cgroup(&cgroup, &mut scratch.command(&args));
+    let counters = cgroup.memory_stat().expect("the cgroup's memory.stat");
+    cgroup.close().expect("removing the cgroup");
+    let out = out.expect("tiermem run");
+    assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.stdout, reference.stdout, "{name}: same output as the program alone");
+    let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let process = &stats["processes"][0];
+    let (refaults, room) = (process["file_refaults"].as_u64(), process["peak_file_room_bytes"].as_u64());
+    let (Some(&cgroup_refaults), major_faults) = (counters.get("workingset_refault_file"), counters.get("pgmajfault"))
+    else {
+        eprintln!("SKIPPED {name}: this kernel's memory.stat counts no file refaults");
+        return;
+    };
+    eprintln!(
+        "{name}: the cgroup counted {cgroup_refaults} file refaults and {major_faults:?} major faults; tiermem saw \
+         {refaults:?} refaults and kept up to {room:?} bytes for file pages"
+    );
+    // The file is 2,048 pages. With the budget alone its pages (and the program's code) were
+    // evicted and read back pass after pass: 439,259 refaults over 24 passes. Now the first
+    // passes read them back until the room has grown to fit them: 3,780-7,332 in eight runs.
+    assert!(cgroup_refaults < 8 * 2048, "{name}: {cgroup_refaults} file pages read back after the kernel evicted them");
+    assert!(room.is_some_and(|r| r > 0), "{name}: no room was kept for file pages: {process}");
+}
+
 /// Drop the clean page cache (root only; the callers need root anyway), so a program's code is
 /// read in while it runs, as on a fresh machine.
 fn drop_page_cache() {
