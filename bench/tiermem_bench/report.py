@@ -105,7 +105,7 @@ def device_line(meta: dict) -> str:
 
 def machine_line(meta: dict) -> str:
     """What paging costs on the machine the matrix ran on (empty when not measured): on a VM a
-    TLB shootdown and a thread wake-up cost ten times what they do on bare metal, and every
+    TLB shootdown and a thread wake-up cost many times what they do on bare metal, and every
     eviction of a scattered page, every fault a handler thread serves, pays them."""
     machine = meta.get("machine") or {}
     facts, costs = machine.get("facts") or {}, machine.get("costs") or {}

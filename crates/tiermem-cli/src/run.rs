@@ -364,7 +364,8 @@ impl RunOutcome {
         let budget = self.settings.engine.limit_bytes;
         let lowest = self.processes.iter().filter_map(|p| p["lowest_budget_bytes"].as_u64()).min();
         let file_room = self.processes.iter().filter_map(|p| p["peak_file_room_bytes"].as_u64()).max().unwrap_or(0);
-        let file_refaults: u64 = self.processes.iter().filter_map(|p| p["file_refaults"].as_u64()).sum();
+        // Every process of the run watches the same cgroup, so each saw the same refaults.
+        let file_refaults = self.processes.iter().filter_map(|p| p["file_refaults"].as_u64()).max().unwrap_or(0);
         let _ = writeln!(
             s,
             "budget          {:.1} MiB{}  device {}  fault mode {}  dirty tracking {}  prefetch {}  replace {}",
