@@ -89,6 +89,9 @@ SYSTEMS: dict[str, System] = {
         # Each handler thread polls for the next fault for 30 µs after one instead of sleeping.
         System("tiermem-file-handler-spin", "tiermem", "tiermem run, file device, handlers poll 30 µs after a fault",
                ("--handler-spin-us", "30")),
+        # The same for 200 µs: longer than the gap between a Redis server's small-object faults.
+        System("tiermem-file-handler-spin-200", "tiermem", "tiermem run, file device, handlers poll 200 µs after a fault",
+               ("--handler-spin-us", "200")),
         # 256 I/O buffers (1 MiB) at any budget: the default gives a 64th of the budget, at least
         # 256 and at most 1024 (4 MiB), so this differs from it above a 64 MiB budget.
         System("tiermem-file-256-buffers", "tiermem", "tiermem run, file device, 256 I/O buffers",

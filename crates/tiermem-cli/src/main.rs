@@ -381,8 +381,9 @@ struct RunArgs {
     /// [default: 128].
     #[arg(long, env = "TIERMEM_QUEUE_DEPTH")]
     queue_depth: Option<String>,
-    /// thread fault mode: microseconds a handler keeps polling for the next fault before it
-    /// sleeps, 0..=10000 [default: 0].
+    /// Microseconds a handler thread keeps polling for the next fault before it sleeps,
+    /// 0..=10000 [default: 200 in sigbus mode, where it serves only the small-object heap's
+    /// faults; 0 in thread mode].
     #[arg(long, env = "TIERMEM_HANDLER_SPIN_US")]
     handler_spin_us: Option<String>,
     /// background | on-fault-path.
