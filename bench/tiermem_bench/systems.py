@@ -126,9 +126,9 @@ BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and refere
 # Named sets, usable in --systems beside single names. `main` (the default) is the comparison the
 # figures are about: Linux swap, tiermem on the file device and the ideal (Ultraswap §4.3).
 # `variants` are §4.4's ablations of tiermem-file; `paper` is both. The variants are not in the
-# default because each system adds (ratios x repeats) runs of every workload: one repeat of the
-# quick matrix took 17 minutes with `main` on 2026-11-27 (a slow-disk day), so three repeats of
-# `paper` would take about 1 h 40 (README, *Application benchmarks*).
+# default because each system adds (ratios x repeats) runs of every workload: three repeats of
+# the quick matrix took 26 minutes with `main` on 2026-11-27, so `paper`, twice the systems,
+# would take about 50 (docs/application-benchmarks.md).
 GROUPS: dict[str, tuple[str, ...]] = {
     "main": ("linux-swap", "tiermem-file", "tiermem-mem"),
     "variants": ("tiermem-poll-only", "tiermem-interrupt-only", "tiermem-reclaim-on-fault-path"),
@@ -191,7 +191,7 @@ def helper_command(system: System, *, tiermem_bin: str, limit: int | None, workl
             # the swap file) and removes it when the program ends.
             device = f"file:{device_file}"
         # `--cgroup guard`: a burst of memory tiermem does not manage pauses the program while the
-        # budget shrinks, instead of the cgroup's OOM killer ending it (README, *OOM guard*).
+        # budget shrinks, instead of the cgroup's OOM killer ending it (docs/running-programs.md, *OOM guard*).
         program = [tiermem_bin, "run", "--limit", str(limit), "--footprint", str(footprint),
                    "--device", device, "--cgroup", "guard", *system.tiermem_args,
                    "--stats-json", str(stats_file), "--", *program]

@@ -224,7 +224,7 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
     // The I/O buffers are pinned memory charged to the program's cgroup: a small budget gets
     // fewer (a 64th of it, at least 256: two queues' depth), so tiermem's own overhead does not
     // eat the room it pages into; `io_buffers` is the most it gets. (A 16th, at least 64, was
-    // slower: README, *I/O buffers*. A floor of 128 left will-need advice over 8 MiB reading
+    // slower: docs/running-programs.md, *I/O buffers*. A floor of 128 left will-need advice over 8 MiB reading
     // only half of it ahead, `madvise_willneed_on_managed_memory_reads_the_pages_ahead`.)
     let most = config.io_buffers;
     config.io_buffers = u32::try_from(config.limit_pages() / 64).unwrap_or(u32::MAX).clamp(most.min(256), most);
