@@ -153,3 +153,39 @@ def test_machine_line_gives_what_paging_costs_where_the_matrix_ran():
     # Older results, or a binary without --machine: nothing is claimed.
     assert report.machine_line({}) == ""
     assert report.machine_line({"machine": {"facts": None}}) == ""
+
+
+def make_variant_runs():
+    """tiermem-file and the three §4.4 variants at 50%, with engine fault counts and kernel time."""
+    runs = [RunRecord(workload="lin", system="unlimited", ratio=None, repeat=1, limit_bytes=None,
+                      footprint_bytes=100000, status="ok", wall_s=1.0, digest="d").to_dict()]
+    for system, wall, faults, sys_s in [("tiermem-file", 2.0, 40000, 3.0), ("tiermem-poll-only", 2.5, 46000, 3.5),
+                                        ("tiermem-interrupt-only", 2.2, 41000, 3.1),
+                                        ("tiermem-reclaim-on-fault-path", 3.0, 40500, 4.5)]:
+        rec = RunRecord(workload="lin", system=system, ratio=50, repeat=1, limit_bytes=50000, footprint_bytes=100000,
+                        status="ok", wall_s=wall, digest="d", sys_s=sys_s)
+        rec.tiermem_stats = {"merged": {"paths": [
+            {"path": "critical_fault", "count": faults // 2}, {"path": "hit_fault", "count": faults // 4},
+            {"path": "zero_fault", "count": faults // 4}, {"path": "prefetch_io", "count": 999999}]}}
+        runs.append(rec.to_dict())
+    return runs
+
+
+def test_the_variants_are_shown_as_in_ultraswap_section_4_4():
+    systems = ["tiermem-file", "tiermem-poll-only", "tiermem-interrupt-only", "tiermem-reclaim-on-fault-path"]
+    text = report.format_tables(make_variant_runs(), systems, [50])
+    # Fig. 9: time relative to tiermem-file, per workload and as a geometric mean.
+    assert "Fig. 9" in text
+    assert "  tiermem-poll-only\n    lin" in text and "1.25" in text  # 2.5 / 2.0
+    assert "1.10" in text and "1.50" in text  # interrupt-only 2.2 / 2.0, on the fault path 3.0 / 2.0
+    # Table 6: engine faults (the I/O paths are not faults), tiermem-file / poll-only.
+    assert "Table 6" in text and "40/46" in text
+    # Table 7: kernel seconds, background reclaim / reclaim on the fault path.
+    assert "Table 7" in text and "3.0/4.5" in text
+    # No Linux swap in this run: no speed-up table of dashes.
+    assert "Speed-up over Linux swap" not in text
+
+
+def test_without_variants_there_is_no_section_4_4():
+    text = report.format_tables(make_runs(), ["linux-swap", "tiermem-file", "tiermem-mem"], [100, 20])
+    assert "Fig. 9" not in text and "Table 6" not in text and "Table 7" not in text

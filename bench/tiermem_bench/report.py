@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tiermem_bench import stats
 from tiermem_bench.runner import CSV_FIELDS
-from tiermem_bench.systems import UNLIMITED
+from tiermem_bench.systems import GROUPS, UNLIMITED
 
 SCHEMA_VERSION = 1
 
@@ -36,19 +36,21 @@ def _fmt(value, spec="{:.2f}", none="-"):
     return none if value is None else spec.format(value)
 
 
-def _rows_per_point(found: dict, systems: list[str], ratios: list[int], cell, width: int = 12) -> list[str]:
+def _rows_per_point(found: dict, systems: list[str], ratios: list[int], cell, width: int = 12,
+                    label: int = 30) -> list[str]:
     """One row per workload and system with a cell per ratio, `width` characters: `cell(values)`
-    of the values found for that point, '-' where there are none; rows with no values left out."""
+    of the values found for that point, '-' where there are none; rows with no values left out.
+    The workload and system take `label` characters."""
     rows = []
     for workload in sorted({w for w, _, _ in found}):
         for system in systems:
             cells = [cell(found[(workload, system, r)]) if found.get((workload, system, r)) else "-" for r in ratios]
             if any(c != "-" for c in cells):
-                rows.append(f"  {workload + ' ' + system:<30}" + "".join(f" {c:>{width - 1}}" for c in cells))
+                rows.append(f"  {workload + ' ' + system:<{label}}" + "".join(f" {c:>{width - 1}}" for c in cells))
     return rows
 
 
-def _prefetch_table(runs: list[dict], systems: list[str], ratios: list[int]) -> list[str]:
+def _prefetch_table(runs: list[dict], systems: list[str], ratios: list[int], label: int = 30) -> list[str]:
     """One row per workload and tiermem system: the engine's prefetch accuracy / coverage at
     each ratio, '-' where no run reported them. Empty when no run did."""
     found = {}
@@ -59,7 +61,7 @@ def _prefetch_table(runs: list[dict], systems: list[str], ratios: list[int]) -> 
         key = (run["workload"], run["system"], run["ratio"])
         found.setdefault(key, []).append((merged["prefetch_accuracy"], merged.get("prefetch_coverage") or 0.0))
     return _rows_per_point(found, systems, ratios, lambda pairs: (
-        f"{stats.median([a for a, _ in pairs]):.0%}/{stats.median([c for _, c in pairs]):.0%}"))
+        f"{stats.median([a for a, _ in pairs]):.0%}/{stats.median([c for _, c in pairs]):.0%}"), label=label)
 
 
 def device_traffic(run: dict) -> tuple[int, int] | None:
@@ -80,7 +82,7 @@ def device_traffic(run: dict) -> tuple[int, int] | None:
 TRAFFIC_WIDTH = 16
 
 
-def _traffic_table(runs: list[dict], systems: list[str], ratios: list[int]) -> list[str]:
+def _traffic_table(runs: list[dict], systems: list[str], ratios: list[int], label: int = 30) -> list[str]:
     """One row per workload and system: MiB read/written at each ratio (median of the
     successful runs), '-' where none recorded it. Empty when no run did."""
     found = {}
@@ -91,7 +93,94 @@ def _traffic_table(runs: list[dict], systems: list[str], ratios: list[int]) -> l
     mib = 1 << 20
     return _rows_per_point(found, systems, ratios, lambda pairs: (
         f"{stats.median([r for r, _ in pairs]) / mib:.0f}/{stats.median([w for _, w in pairs]) / mib:.0f}"),
-        TRAFFIC_WIDTH)
+        TRAFFIC_WIDTH, label)
+
+
+# The engine's paths that are page faults (Ultraswap Table 6 counts page faults).
+FAULT_PATHS = ("critical_fault", "zero_fault", "hit_fault", "wp_fault")
+
+
+def engine_faults(run: dict) -> int | None:
+    """Page faults the engine served in a run (on demand, zero-fill, waiting for a prefetch,
+    write protection), None when the run has no engine statistics."""
+    paths = ((run.get("tiermem_stats") or {}).get("merged") or {}).get("paths")
+    if not paths:
+        return None
+    return sum(p.get("count", 0) for p in paths if p.get("path") in FAULT_PATHS)
+
+
+def _medians(runs: list[dict], value) -> dict:
+    """(workload, system, ratio) -> median of `value(run)` over the successful limited runs
+    where it is not None."""
+    found = {}
+    for run in runs:
+        if run.get("status") != "ok" or run.get("ratio") is None:
+            continue
+        v = value(run)
+        if v is not None:
+            found.setdefault((run["workload"], run["system"], run["ratio"]), []).append(v)
+    return {k: stats.median(v) for k, v in found.items()}
+
+
+def _variants_section(runs: list[dict], summary: dict, systems: list[str], ratios: list[int]) -> list[str]:
+    """Ultraswap §4.4 for the variants run beside tiermem-file: their time relative to it
+    (Fig. 9), the page faults of poll-only against it (Table 6), and the kernel CPU time with
+    reclaim on the fault path against background reclaim (Table 7). Empty without them."""
+    variants = [s for s in systems if s in GROUPS["variants"]]
+    if stats.FILE not in systems or not variants:
+        return []
+    workloads = sorted({w for w, s, r in summary if s == stats.FILE and r is not None})
+    header = f"{'':<32}" + "".join(f"{str(r) + '%':>12}" for r in ratios)
+    lines = ["Ultraswap §4.4, Fig. 9: each variant's time / tiermem-file's (median of the successful runs; "
+             "> 1 = the variant is slower; geometric mean over the workloads both completed)", header]
+
+    def median_s(workload, system, ratio):
+        point = summary.get((workload, system, ratio))
+        return point and point["median_s"]
+
+    for variant in variants:
+        lines.append(f"  {variant}")
+        for workload in workloads:
+            cells = []
+            for ratio in ratios:
+                mine, base = median_s(workload, variant, ratio), median_s(workload, stats.FILE, ratio)
+                cells.append(f"{mine / base:.2f}" if mine and base else "-")
+            lines.append(f"    {workload:<28}" + "".join(f"{c:>12}" for c in cells))
+        means = []
+        for ratio in ratios:
+            pairs = [(median_s(w, variant, ratio), median_s(w, stats.FILE, ratio)) for w in workloads]
+            quotients = [m / b for m, b in pairs if m and b]
+            means.append(f"{stats.geomean(quotients):.2f}" if quotients else "-")
+        lines.append(f"    {'geometric mean':<28}" + "".join(f"{c:>12}" for c in means))
+    lines.append("")
+    faults = _medians(runs, engine_faults)
+    poll = "tiermem-poll-only"
+    if poll in variants and any(k[1] == poll for k in faults):
+        lines.append("Table 6: page faults the engine served, thousands, tiermem-file / poll-only (median)")
+        lines.append(header)
+        lines.extend(_rows_pair(faults, workloads, ratios, stats.FILE, poll, lambda v: f"{v / 1000:.0f}"))
+        lines.append("")
+    kernel = _medians(runs, lambda run: run.get("sys_s"))
+    on_fault = "tiermem-reclaim-on-fault-path"
+    if on_fault in variants and any(k[1] == on_fault for k in kernel):
+        lines.append("Table 7: kernel CPU seconds of the program, background reclaim (tiermem-file) / reclaim on "
+                     "the fault path (median)")
+        lines.append(header)
+        lines.extend(_rows_pair(kernel, workloads, ratios, stats.FILE, on_fault, lambda v: f"{v:.1f}"))
+        lines.append("")
+    return lines
+
+
+def _rows_pair(values: dict, workloads: list[str], ratios: list[int], first: str, second: str, fmt) -> list[str]:
+    """One row per workload: `first`'s value / `second`'s at each ratio, '-' where one is missing."""
+    rows = []
+    for workload in workloads:
+        cells = []
+        for ratio in ratios:
+            a, b = values.get((workload, first, ratio)), values.get((workload, second, ratio))
+            cells.append(f"{fmt(a)}/{fmt(b)}" if a is not None and b is not None else "-")
+        rows.append(f"  {workload:<30}" + "".join(f"{c:>12}" for c in cells))
+    return rows
 
 
 def device_line(meta: dict) -> str:
@@ -153,7 +242,8 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
             lines.append(f"  {system:<30}" + "".join(f"{c:>12}" for c in cells))
         lines.append("")
 
-    table = stats.speedup_table(summary, systems, ratios)
+    # (Without Linux swap in the run there is nothing to divide by.)
+    table = stats.speedup_table(summary, systems, ratios) if stats.SWAP in systems else {}
     if table:
         lines.append("Speed-up over Linux swap (Linux swap time / system time; geometric mean over the workloads "
                      "where both completed)")
@@ -180,18 +270,22 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
         lines.append(f"  {'tiermem-file':<30}" + "".join(f"{_fmt(gap[r], '{:.0%}'):>9}" for r in ratios)
                      + f"{_fmt(gap['avg'], '{:.0%}'):>9}")
         lines.append("")
-    prefetch = _prefetch_table(runs, [s for s in systems if s.startswith("tiermem")], ratios)
+    lines.extend(_variants_section(runs, summary, systems, ratios))
+    # Rows named by workload and system: as wide as the longest pair (the §4.4 variants' names
+    # are long).
+    label = max([30] + [len(w) + 1 + len(s) for w in workloads for s in systems])
+    prefetch = _prefetch_table(runs, [s for s in systems if s.startswith("tiermem")], ratios, label)
     if prefetch:
         lines.append("tiermem's prefetching: accuracy / coverage (median of the successful runs; "
                      "estimated from sampled prefetches)")
-        lines.append(header)
+        lines.append(f"{'':<{label + 2}}" + "".join(f"{str(r) + '%':>12}" for r in ratios))
         lines.extend(prefetch)
         lines.append("")
-    traffic = _traffic_table(runs, systems, ratios)
+    traffic = _traffic_table(runs, systems, ratios, label)
     if traffic:
         lines.append("Paging traffic: MiB read / written (median of the successful runs; tiermem's device counters, "
                      "Linux swap's pswpin/pswpout)")
-        lines.append(f"{'':<32}" + "".join(f"{str(r) + '%':>{TRAFFIC_WIDTH}}" for r in ratios))
+        lines.append(f"{'':<{label + 2}}" + "".join(f"{str(r) + '%':>{TRAFFIC_WIDTH}}" for r in ratios))
         lines.extend(traffic)
         lines.append("")
     failures = stats.failure_table(summary)

@@ -33,6 +33,8 @@ class RunRecord:
     reason: str = ""
     wall_s: float | None = None  # the program's wall time, spawn to exit
     work_s: float | None = None  # the workload's own timed part
+    user_s: float | None = None  # CPU time of the program (and the children it reaped), user mode
+    sys_s: float | None = None  # ... and in the kernel (Ultraswap §4.4.2 compares this one)
     exit_code: int | None = None
     signal: int | None = None
     oom_kills: int | None = None
@@ -72,6 +74,8 @@ def classify(record: RunRecord, report: dict | None, stdout: str, expected: str 
     record.major_faults = report.get("major_faults")
     record.swap_in_bytes = report.get("swap_in_bytes")
     record.swap_out_bytes = report.get("swap_out_bytes")
+    record.user_s = report.get("user_s")
+    record.sys_s = report.get("sys_s")
     if report.get("timed_out"):
         record.status, record.reason = TIMEOUT, "killed after the time limit"
     elif record.signal is not None and (record.oom_kills or 0) > 0:

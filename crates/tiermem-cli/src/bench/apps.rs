@@ -130,6 +130,14 @@ pub struct LimitedRunReport {
     pub swap_out_bytes: Option<u64>,
     /// Cgroup interface used.
     pub cgroup_version: CgroupVersion,
+    /// CPU seconds the program and the descendants it waited for spent in user mode and in the
+    /// kernel (wait4's resource usage; absent when the program was not reaped). The kernel part
+    /// is what Ultraswap §4.4.2 compares for reclaim on and off the fault path.
+    #[serde(default)]
+    pub user_s: Option<f64>,
+    /// Kernel-mode CPU seconds, as `user_s`.
+    #[serde(default)]
+    pub sys_s: Option<f64>,
     /// Size of the swap file, if one was made.
     pub swap_file_bytes: Option<u64>,
     /// File system of the swap file, if one was made.
@@ -174,7 +182,8 @@ pub fn limited_run(args: &LimitedRunArgs) -> Result<LimitedRunReport> {
     let mut command = Command::new(program);
     command.args(rest).env("TMPDIR", &temp_dir.path);
     let swap_before = swap_pages();
-    let (status, wall, timed_out) = spawn_and_wait(&cgroup, &mut command, args.timeout.map(Duration::from_secs_f64))?;
+    let Waited { status, wall, timed_out, cpu } =
+        spawn_and_wait(&cgroup, &mut command, args.timeout.map(Duration::from_secs_f64))?;
     let swapped = swap_before.zip(swap_pages()).map(|((in0, out0), (in1, out1))| {
         let bytes = |pages: u64| pages * tiermem_sys::PAGE_SIZE as u64;
         (bytes(in1.saturating_sub(in0)), bytes(out1.saturating_sub(out0)))
@@ -192,6 +201,8 @@ pub fn limited_run(args: &LimitedRunArgs) -> Result<LimitedRunReport> {
         swap_in_bytes: swapped.map(|(i, _)| i),
         swap_out_bytes: swapped.map(|(_, o)| o),
         cgroup_version: cgroup.version(),
+        user_s: cpu.map(|c| c.user_s),
+        sys_s: cpu.map(|c| c.sys_s),
         swap_file_bytes: swap.as_ref().map(SwapFile::size_bytes),
         swap_file_system: swap.as_ref().map(|s| s.file_system().to_owned()),
     };
@@ -258,14 +269,49 @@ impl Drop for RunTempDir {
     }
 }
 
+/// CPU time of a reaped program (with the descendants it reaped), in seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct CpuTimes {
+    user_s: f64,
+    sys_s: f64,
+}
+
+/// How a program run by [`spawn_and_wait`] ended.
+struct Waited {
+    /// None when the timeout killed it.
+    status: Option<ExitStatus>,
+    wall: Duration,
+    timed_out: bool,
+    /// None when it could not be reaped with its resource usage.
+    cpu: Option<CpuTimes>,
+}
+
+/// Wait for child `pid` to end and reap it, with its resource usage (wait4): std's `Child::wait`
+/// does not give it.
+fn wait_with_usage(pid: libc::pid_t) -> std::io::Result<(ExitStatus, CpuTimes)> {
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    loop {
+        let mut status: libc::c_int = 0;
+        // SAFETY: an all-zero rusage is a valid value of that plain C struct.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `status` and `usage` are valid for writing for the call; `pid` is our own
+        // unreaped child, which nothing else waits for.
+        let reaped = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+        if reaped == pid {
+            let cpu = CpuTimes { user_s: seconds(usage.ru_utime), sys_s: seconds(usage.ru_stime) };
+            return Ok((ExitStatus::from_raw(status), cpu));
+        }
+        let error = std::io::Error::last_os_error();
+        if error.kind() != std::io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
+}
+
 /// Start `command` inside `cgroup` (stdin closed, stdout/stderr inherited) and wait for it, at most
 /// `timeout`. On timeout the program is killed (the cgroup teardown kills its children too) and the
 /// status is `None`.
-fn spawn_and_wait(
-    cgroup: &MemCgroup,
-    command: &mut Command,
-    timeout: Option<Duration>,
-) -> Result<(Option<ExitStatus>, Duration, bool)> {
+fn spawn_and_wait(cgroup: &MemCgroup, command: &mut Command, timeout: Option<Duration>) -> Result<Waited> {
     let procs_file = std::ffi::CString::new(cgroup.procs_file().into_os_string().into_encoded_bytes())
         .map_err(|_| Error::invalid("cgroup path contains a NUL byte"))?;
     command.stdin(std::process::Stdio::null());
@@ -276,30 +322,32 @@ fn spawn_and_wait(
     }
     let program = command.get_program().to_string_lossy().into_owned();
     let start = Instant::now();
-    let mut child = command.spawn().map_err(|e| Error::os(e, format!("starting {program} in its cgroup")))?;
+    // The child is reaped by `wait_with_usage`, not through this handle (dropping a `Child`
+    // neither waits nor kills).
+    let child = command.spawn().map_err(|e| Error::os(e, format!("starting {program} in its cgroup")))?;
     let pid = child.id();
     let (sender, receiver) = mpsc::channel();
     let waiter = std::thread::spawn(move || {
-        let status = child.wait();
-        let _ = sender.send((status, Instant::now()));
+        let ended = wait_with_usage(pid as libc::pid_t);
+        let _ = sender.send((ended, Instant::now()));
     });
     let received = match timeout {
         Some(t) => receiver.recv_timeout(t).ok(),
         None => receiver.recv().ok(),
     };
     match received {
-        Some((status, end)) => {
+        Some((ended, end)) => {
             let _ = waiter.join();
-            let status = status.map_err(|e| Error::os(e, format!("waiting for {program}")))?;
-            Ok((Some(status), end - start, false))
+            let (status, cpu) = ended.map_err(|e| Error::os(e, format!("waiting for {program}")))?;
+            Ok(Waited { status: Some(status), wall: end - start, timed_out: false, cpu: Some(cpu) })
         }
         None => {
             let wall = start.elapsed();
             if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
                 let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
             }
-            let _ = waiter.join();
-            Ok((None, wall, true))
+            let ended = waiter.join().ok().and(receiver.recv().ok()).and_then(|(ended, _)| ended.ok());
+            Ok(Waited { status: None, wall, timed_out: true, cpu: ended.map(|(_, cpu)| cpu) })
         }
     }
 }
