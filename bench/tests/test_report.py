@@ -189,3 +189,35 @@ def test_the_variants_are_shown_as_in_ultraswap_section_4_4():
 def test_without_variants_there_is_no_section_4_4():
     text = report.format_tables(make_runs(), ["linux-swap", "tiermem-file", "tiermem-mem"], [100, 20])
     assert "Fig. 9" not in text and "Table 6" not in text and "Table 7" not in text
+
+
+def _document(workloads, walls, started):
+    """A runs.json document: an unlimited and a tiermem-file 50% run of each workload."""
+    runs = []
+    for workload in workloads:
+        for system, ratio in (("unlimited", None), ("tiermem-file", 50)):
+            runs.append(RunRecord(workload=workload, system=system, ratio=ratio, repeat=1,
+                                  limit_bytes=None if ratio is None else 50000, footprint_bytes=100000,
+                                  status="ok", wall_s=1.0 if ratio is None else walls[workload],
+                                  digest="d").to_dict())
+    return {"schema": 1, "meta": {"systems": ["tiermem-file"], "ratios": [50], "started": started,
+                                  "scale": "quick"}, "runs": runs, "points": []}
+
+
+def test_several_runs_files_merge_with_a_workload_measured_again_replacing_its_runs(tmp_path):
+    from tiermem_bench import cli
+
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    first.write_text(json.dumps(_document(["sortw", "kmw"], {"sortw": 2.0, "kmw": 3.0}, "t1")))
+    second.write_text(json.dumps(_document(["kmw"], {"kmw": 5.0}, "t2")))
+    out = tmp_path / "merged"
+    assert cli.main(["--report-only", str(first), str(second), "--out", str(out), "--no-plot"]) == 0
+    merged = json.loads((out / "runs.json").read_text())
+    walls = {(r["workload"], r["system"]): r["wall_s"] for r in merged["runs"]}
+    assert len(merged["runs"]) == 4, "kmw's first runs replaced, not added to"
+    assert walls[("kmw", "tiermem-file")] == 5.0 and walls[("sortw", "tiermem-file")] == 2.0
+    assert [m["workloads"] for m in merged["meta"]["merged_from"]] == [["kmw", "sortw"], ["kmw"]]
+    table = (out / "table.txt").read_text()
+    assert "kmw  (unlimited: 1.00 s)" in table and "5.00" in table
+    # Merging needs somewhere to write.
+    assert cli.main(["--report-only", str(first), str(second), "--no-plot"]) == 2

@@ -92,8 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kill a run after this many times the unlimited run's time (default 25)")
     p.add_argument("--min-timeout", type=float, default=60.0, help="but never sooner than this many seconds")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--report-only", type=Path, metavar="RUNS_JSON",
-                   help="do not run anything: print the tables and draw the plot of an earlier runs.json")
+    p.add_argument("--report-only", type=Path, nargs="+", metavar="RUNS_JSON",
+                   help="do not run anything: print the tables and draw the plot of an earlier runs.json; "
+                        "of several merged into --out, each file's workloads replacing the earlier files' runs "
+                        "of them (a workload measured again)")
     return p
 
 
@@ -249,6 +251,28 @@ def probe_device(tiermem: str, directory: Path, machine: bool = False) -> dict:
     return {}
 
 
+def merge_runs(documents: list[tuple[Path, dict]]) -> tuple[list[dict], dict]:
+    """The runs and meta of several runs.json documents, in order: a later document's workloads
+    replace every run of them from the earlier ones (a workload measured again); the meta is the
+    first one's, with the systems and ratios of all, and `merged_from` saying what came from where."""
+    runs, meta = [], {}
+    for path, document in documents:
+        theirs = document["runs"]
+        again = {r["workload"] for r in theirs}
+        runs = [r for r in runs if r["workload"] not in again] + list(theirs)
+        their_meta = document.get("meta", {})
+        if not meta:
+            meta = dict(their_meta)
+        else:
+            meta["systems"] = list(meta.get("systems") or []) + [
+                v for v in their_meta.get("systems") or [] if v not in (meta.get("systems") or [])]
+            meta["ratios"] = sorted(set(meta.get("ratios") or []) | set(their_meta.get("ratios") or []), reverse=True)
+        if len(documents) > 1:
+            meta.setdefault("merged_from", []).append(
+                {"file": str(path), "started": their_meta.get("started"), "workloads": sorted(again)})
+    return runs, meta
+
+
 def finish(out: Path, runs: list[dict], meta: dict, systems: list[str], ratios: list[int], draw: bool) -> str:
     summary = stats.summarise(runs)
     report.write_csv(runs, out / "runs.csv")
@@ -321,11 +345,18 @@ def main(argv=None) -> int:
         return 2
 
     if args.report_only:
-        document = json.loads(args.report_only.read_text())
-        meta = document.get("meta", {})
+        try:
+            runs, meta = merge_runs([(path, json.loads(path.read_text())) for path in args.report_only])
+        except (OSError, ValueError, KeyError) as e:
+            print(f"tiermem bench apps: cannot read {' '.join(map(str, args.report_only))}: {e}", file=sys.stderr)
+            return 2
+        if len(args.report_only) > 1 and args.out is None:
+            print("tiermem bench apps: merging several runs.json files needs --out", file=sys.stderr)
+            return 2
+        out = args.out or args.report_only[0].parent
+        out.mkdir(parents=True, exist_ok=True)
         names = meta.get("systems") or [s.name for s in systems]
-        out = args.report_only.parent
-        print(finish(out, document["runs"], meta, names, meta.get("ratios") or ratios, not args.no_plot), end="")
+        print(finish(out, runs, meta, names, meta.get("ratios") or ratios, not args.no_plot), end="")
         return 0
 
     if os.geteuid() != 0:
