@@ -48,6 +48,9 @@ struct OpenFile {
     slots: u64,
     counters: DeviceCounters,
     polled_wait: PolledWait,
+    /// Set once a queue could not register the arena (RLIMIT_MEMLOCK) and reads and writes
+    /// through plain buffers instead, said by `describe`.
+    plain_buffers: std::sync::atomic::AtomicBool,
 }
 
 /// How polled queues of this file wait, decided by the probe at open.
@@ -183,7 +186,14 @@ impl FileDevice {
             Ok(()) => PolledWait::KernelPoll,
             Err(why_not_iopoll) => PolledWait::Spin { why_not_iopoll },
         };
-        let shared = OpenFile { file, path: path.to_owned(), slots, counters: DeviceCounters::default(), polled_wait };
+        let shared = OpenFile {
+            file,
+            path: path.to_owned(),
+            slots,
+            counters: DeviceCounters::default(),
+            polled_wait,
+            plain_buffers: std::sync::atomic::AtomicBool::new(false),
+        };
         Ok(Self { shared: Arc::new(shared) })
     }
 
@@ -325,8 +335,11 @@ fn write_zeros(file: &File, path: &Path, from: u64, to: u64) -> Result<()> {
     Ok(())
 }
 
-/// An io_uring of `entries` entries with `file` as fixed file 0 and `arena` as fixed buffers.
-fn build_ring(file: &File, path: &Path, arena: &BufferArena, entries: u32, iopoll: bool) -> Result<IoUring> {
+/// An io_uring of `entries` entries with `file` as fixed file 0 and `arena` as fixed buffers,
+/// and whether they are: where RLIMIT_MEMLOCK is too small to pin the arena (each ring pins it
+/// again; an unprivileged process usually has 8 MiB), requests use plain buffers, which the
+/// kernel pins per request instead.
+fn build_ring(file: &File, path: &Path, arena: &BufferArena, entries: u32, iopoll: bool) -> Result<(IoUring, bool)> {
     let shown = path.display();
     let mut builder = IoUring::builder();
     if iopoll {
@@ -353,33 +366,34 @@ fn build_ring(file: &File, path: &Path, arena: &BufferArena, entries: u32, iopol
         .collect();
     // SAFETY: the iovecs cover the arena's mapping, which outlives the ring: a queue holds an Arc
     // of its arena and drops its ring first, and the probe drops its ring before its arena.
-    unsafe { ring.submitter().register_buffers(&iovecs) }.map_err(|e| {
-        let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
-        let limit = limit.map_or("unlimited".to_string(), |bytes| format!("{bytes} bytes"));
-        Error::os(
-            e,
-            format!(
-                "registering the {len}-byte buffer arena with io_uring for {shown}; each queue pins it, which \
-                 counts against RLIMIT_MEMLOCK ({limit}): raise it (ulimit -l) or use a smaller arena"
-            ),
-        )
-    })?;
-    Ok(ring)
+    match unsafe { ring.submitter().register_buffers(&iovecs) } {
+        Ok(()) => Ok((ring, true)),
+        // Over RLIMIT_MEMLOCK (the device's description says so).
+        Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => Ok((ring, false)),
+        Err(e) => Err(Error::os(e, format!("registering the {len}-byte buffer arena with io_uring for {shown}"))),
+    }
 }
 
-/// The io_uring entry for `request` on a ring made by [`build_ring`].
-fn entry_for(request: Request, arena: &BufferArena) -> squeue::Entry {
+/// The io_uring entry for `request` on a ring made by [`build_ring`], through its fixed buffers
+/// if it has them (`fixed`).
+fn entry_for(request: Request, arena: &BufferArena, fixed: bool) -> squeue::Entry {
     let addr = arena.ptr(request.buf());
     // Which GiB-sized fixed buffer holds it; 0 unless the arena is larger than 1 GiB.
     let buf_index = (arena.offset(request.buf()) / FIXED_BUFFER_MAX_BYTES) as u16;
     let offset = request.slot() * SLOT_BYTES;
     let len = request.pages() * PAGE_SIZE as u32;
-    match request {
-        Request::Read { .. } | Request::ReadRun { .. } => {
+    match (request, fixed) {
+        (Request::Read { .. } | Request::ReadRun { .. }, true) => {
             opcode::ReadFixed::new(types::Fixed(0), addr, len, buf_index).offset(offset).build()
         }
-        Request::Write { .. } | Request::WriteRun { .. } => {
+        (Request::Write { .. } | Request::WriteRun { .. }, true) => {
             opcode::WriteFixed::new(types::Fixed(0), addr, len, buf_index).offset(offset).build()
+        }
+        (Request::Read { .. } | Request::ReadRun { .. }, false) => {
+            opcode::Read::new(types::Fixed(0), addr, len).offset(offset).build()
+        }
+        (Request::Write { .. } | Request::WriteRun { .. }, false) => {
+            opcode::Write::new(types::Fixed(0), addr, len).offset(offset).build()
         }
     }
 }
@@ -406,8 +420,8 @@ fn block_device_without_poll_queues(dev: u64) -> Option<String> {
 /// Read slot 0 through an IOPOLL ring. `Err` says why polled queues cannot use IOPOLL.
 fn probe_kernel_poll(file: &File, path: &Path) -> std::result::Result<(), String> {
     let arena = BufferArena::new(1).map_err(|e| e.to_string())?;
-    let mut ring = build_ring(file, path, &arena, 1, true).map_err(|e| e.to_string())?;
-    let read = entry_for(Request::Read { slot: 0, buf: 0 }, &arena);
+    let (mut ring, fixed) = build_ring(file, path, &arena, 1, true).map_err(|e| e.to_string())?;
+    let read = entry_for(Request::Read { slot: 0, buf: 0 }, &arena, fixed);
     // SAFETY: the entry reads into the arena's one buffer, registered with this ring; `ring` is
     // declared after `arena`, so it is dropped (waiting out the request) before the arena.
     unsafe { ring.submission().push(&read) }.map_err(|_| "the probe ring's submission queue is full".to_string())?;
@@ -435,8 +449,13 @@ impl Device for FileDevice {
                 format!("polled queues spin on the completion ring because {why_not_iopoll}")
             }
         };
+        let buffers = if self.shared.plain_buffers.load(std::sync::atomic::Ordering::Relaxed) {
+            "plain buffers (RLIMIT_MEMLOCK too small to register them)"
+        } else {
+            "fixed buffers"
+        };
         format!(
-            "file:{} (O_DIRECT, io_uring fixed buffers, {} slots; {polled})",
+            "file:{} (O_DIRECT, io_uring {buffers}, {} slots; {polled})",
             self.shared.path.display(),
             self.shared.slots
         )
@@ -454,7 +473,10 @@ impl Device for FileDevice {
             (QueueKind::Completion, _) => WaitMode::Interrupt,
         };
         let shared = &self.shared;
-        let ring = build_ring(&shared.file, &shared.path, arena, depth, wait_mode == WaitMode::KernelPoll)?;
+        let (ring, fixed) = build_ring(&shared.file, &shared.path, arena, depth, wait_mode == WaitMode::KernelPoll)?;
+        if !fixed {
+            shared.plain_buffers.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let ready_signal = match kind {
             QueueKind::Polled => None,
             QueueKind::Completion => {
@@ -468,6 +490,7 @@ impl Device for FileDevice {
         };
         Ok(Box::new(FileQueue {
             ring,
+            fixed,
             kind,
             wait_mode,
             ledger: Ledger {
@@ -512,6 +535,8 @@ impl Device for FileDevice {
 /// their owners take back.
 pub struct FileQueue {
     ring: IoUring,
+    /// Requests go through the arena registered as fixed buffers (else plain buffers).
+    fixed: bool,
     kind: QueueKind,
     wait_mode: WaitMode,
     ledger: Ledger,
@@ -620,7 +645,7 @@ impl IoQueue for FileQueue {
                 ),
             ));
         };
-        let entry = entry_for(request, &self.arena).user_data(u64::from(id));
+        let entry = entry_for(request, &self.arena, self.fixed).user_data(u64::from(id));
         // SAFETY: the entry moves one page between the file and an arena buffer registered with
         // this ring. The arena outlives the ring (held here, dropped after it), and the caller
         // owns the buffer until the request's completion is handed out.

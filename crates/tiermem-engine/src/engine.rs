@@ -324,8 +324,21 @@ impl Engine {
             wanted = wanted.with(Features::WP_ASYNC).with(Features::MOVE);
         }
         let uffd = Uffd::open(wanted, true)?;
+        // An unprivileged process under vm.unprivileged_userfaultfd = 0 gets faults taken in user
+        // mode only: a system call touching an evicted page then fails with EFAULT. Sigbus mode
+        // already makes such memory resident first (`prepare_kernel_access`); handler-thread
+        // mode promises that system calls just work, so it is refused rather than broken.
+        let kernel_faults = uffd.handles_kernel_faults();
+        if !kernel_faults && config.fault_mode == FaultMode::HandlerThread {
+            return Err(Error::new(
+                ErrorKind::Permission,
+                "fault mode thread serves faults taken inside system calls, which this process may not \
+                 handle (no CAP_SYS_PTRACE and vm.unprivileged_userfaultfd = 0): use fault mode sigbus, \
+                 run as root, or set the sysctl vm.unprivileged_userfaultfd=1",
+            ));
+        }
         let capture = if async_wp { Some(crate::capture::Capture::new(&uffd)?) } else { None };
-        let threaded = if config.fault_mode == FaultMode::Sigbus {
+        let threaded = if config.fault_mode == FaultMode::Sigbus && kernel_faults {
             let uffd = Uffd::open(Features(wanted.0 & !Features::SIGBUS.0), true)?;
             let capture = if async_wp { Some(crate::capture::Capture::new(&uffd)?) } else { None };
             Some((uffd, capture))
@@ -442,6 +455,13 @@ impl Engine {
     /// preload shim's small-object heap, where stdio and the C library keep their buffers. In
     /// handler-thread mode it is an ordinary region.
     pub fn create_kernel_region(&self, len: usize) -> Result<Region> {
+        if !self.shared.uffd.handles_kernel_faults() {
+            return Err(Error::new(
+                ErrorKind::Permission,
+                "a region the kernel may fault on needs a userfaultfd that handles kernel faults: \
+                 root, CAP_SYS_PTRACE or the sysctl vm.unprivileged_userfaultfd=1",
+            ));
+        }
         self.create_region_served(len, self.shared.threaded.is_some())
     }
 

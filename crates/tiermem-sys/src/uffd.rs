@@ -115,6 +115,30 @@ pub enum Event {
 pub struct Uffd {
     fd: OwnedFd,
     features: Features,
+    /// Opened with UFFD_USER_MODE_ONLY: faults taken inside the kernel are not delivered.
+    user_mode_only: bool,
+}
+
+/// userfaultfd(2)'s UFFD_USER_MODE_ONLY (Linux >= 5.11; not in rustix): the descriptor gets
+/// only faults taken in user mode, and a system call touching a missing page fails with EFAULT,
+/// as under UFFD_FEATURE_SIGBUS. All an unprivileged process may open while
+/// vm.unprivileged_userfaultfd is 0, that sysctl's default since 5.11.
+const USER_MODE_ONLY: u32 = 1;
+
+/// userfaultfd(2) with `flags`; when the full kind is refused (EPERM: no CAP_SYS_PTRACE and
+/// vm.unprivileged_userfaultfd = 0), the user-mode-only kind. Returns the descriptor and whether
+/// it is user-mode only.
+fn create(flags: UserfaultfdFlags) -> Result<(OwnedFd, bool), Errno> {
+    // SAFETY: userfaultfd(2) creates a new descriptor; it touches no memory of ours.
+    match unsafe { rustix::mm::userfaultfd(flags) } {
+        Ok(fd) => Ok((fd, false)),
+        Err(Errno::PERM) => {
+            let user_only = flags | UserfaultfdFlags::from_bits_retain(USER_MODE_ONLY);
+            // SAFETY: as above. An older kernel refuses the flag (EINVAL): report the EPERM.
+            unsafe { rustix::mm::userfaultfd(user_only) }.map(|fd| (fd, true)).map_err(|_| Errno::PERM)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 const fn iowr(nr: u32, size: usize) -> u32 {
@@ -151,13 +175,14 @@ unsafe fn ioctl_with<T>(fd: BorrowedFd<'_>, request: u32, arg: &mut T) -> Result
 impl Uffd {
     /// Open a userfaultfd and ask for `features`. `nonblocking` makes `read_event` return `None`
     /// instead of sleeping. Fails with [`ErrorKind::Unsupported`] naming the missing feature bits.
+    /// Where this process may not handle faults taken inside the kernel, the descriptor is
+    /// user-mode only ([`Uffd::handles_kernel_faults`] says which).
     pub fn open(features: Features, nonblocking: bool) -> Result<Self> {
         let mut flags = UserfaultfdFlags::CLOEXEC;
         if nonblocking {
             flags |= UserfaultfdFlags::NONBLOCK;
         }
-        // SAFETY: userfaultfd(2) creates a new descriptor; it touches no memory of ours.
-        let fd = unsafe { rustix::mm::userfaultfd(flags) }.map_err(|e| {
+        let (fd, user_mode_only) = create(flags).map_err(|e| {
             let hint = if e == Errno::PERM {
                 " (needs root, CAP_SYS_PTRACE, or sysctl vm.unprivileged_userfaultfd=1)"
             } else if e == Errno::NOSYS {
@@ -180,14 +205,19 @@ impl Uffd {
                 ),
             )
         })?;
-        Ok(Self { fd, features: Features(api.features) })
+        Ok(Self { fd, features: Features(api.features), user_mode_only })
+    }
+
+    /// Whether faults taken inside the kernel (a system call reading or writing a missing page)
+    /// reach this descriptor; false when only a user-mode-only one could be opened (see
+    /// [`Uffd::open`]), where such a system call fails with EFAULT instead.
+    pub fn handles_kernel_faults(&self) -> bool {
+        !self.user_mode_only
     }
 
     /// Every feature this kernel offers: a handshake asking for none reports them all.
     pub fn supported_features() -> Result<Features> {
-        // SAFETY: as in `open`.
-        let fd =
-            unsafe { rustix::mm::userfaultfd(UserfaultfdFlags::CLOEXEC) }.context(|| "userfaultfd(2) failed".into())?;
+        let (fd, _) = create(UserfaultfdFlags::CLOEXEC).context(|| "userfaultfd(2) failed".into())?;
         let mut api = uapi::uffdio_api { api: uapi::UFFD_API as u64, features: 0, ioctls: 0 };
         // SAFETY: UFFDIO_API takes a uffdio_api.
         unsafe { ioctl_with(fd.as_fd(), UFFDIO_API, &mut api) }.context(|| "UFFDIO_API handshake".into())?;

@@ -1,0 +1,81 @@
+//! tiermem as an ordinary user: the microbenchmark run as uid 65534 (nobody) through setpriv,
+//! with a locked-memory limit too small to register the I/O buffers. Without CAP_SYS_PTRACE and
+//! with vm.unprivileged_userfaultfd = 0 (the kernel's default) such a process may only open a
+//! userfaultfd for faults taken in user mode, which sigbus mode needs, and its file device
+//! reads and writes through plain buffers. Needs root (to switch users) and setpriv/prlimit;
+//! without them it prints "SKIPPED: <reason>".
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+/// Why the test cannot run here, if it cannot.
+fn skip_reason(binary: &Path) -> Option<String> {
+    if !rustix::process::geteuid().is_root() {
+        return Some("needs root to run tiermem as another user".into());
+    }
+    for tool in ["setpriv", "prlimit"] {
+        if Command::new(tool).arg("--version").output().map(|o| !o.status.success()).unwrap_or(true) {
+            return Some(format!("no {tool} (util-linux)"));
+        }
+    }
+    // Every directory above the binary must let `nobody` through.
+    let mut dir = binary.parent();
+    while let Some(d) = dir {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(d).map(|m| m.permissions().mode()).unwrap_or(0);
+        if mode & 0o001 == 0 {
+            return Some(format!("{} is not searchable by other users", d.display()));
+        }
+        dir = d.parent();
+    }
+    None
+}
+
+/// `tiermem bench micro ARGS --json` as nobody, locked memory limited to 2 MiB (the I/O buffer
+/// arena alone is 1 MiB or more and each queue would pin it again).
+fn micro_as_nobody(binary: &Path, args: &[&str]) -> Output {
+    Command::new("prlimit")
+        .args(["--memlock=2097152:2097152", "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(binary)
+        .args(["bench", "micro", "--size-mb", "16", "--limit-mb", "8", "--dir", "/tmp", "--json"])
+        .args(args)
+        .current_dir("/tmp")
+        .output()
+        .expect("running tiermem through prlimit and setpriv")
+}
+
+#[test]
+fn an_ordinary_user_pages_through_a_user_mode_only_userfaultfd_and_plain_buffers() {
+    let binary = Path::new(env!("CARGO_BIN_EXE_tiermem"));
+    if let Some(reason) = skip_reason(binary) {
+        eprintln!("SKIPPED: {reason}");
+        return;
+    }
+    let out = micro_as_nobody(binary, &["--system", "tiermem-file,tiermem-mem"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "tiermem bench micro as nobody failed: {stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let rows = report["rows"].as_array().expect("rows");
+    let systems: Vec<&str> = rows.iter().filter_map(|r| r["system"].as_str()).collect();
+    assert_eq!(systems, ["tiermem-file", "tiermem-mem"], "{stderr}");
+    for row in rows {
+        assert_eq!(row["mismatched_pages"], 0, "{row}");
+    }
+    let engine = report["details"][0]["tiermem"]["engine"].as_str().expect("the file engine's description");
+    assert!(engine.contains("plain buffers"), "2 MiB of locked memory cannot hold the fixed buffers: {engine}");
+
+    // Handler-thread mode promises that system calls into evicted memory work; a user-mode-only
+    // userfaultfd cannot keep that promise, so it is refused with the ways out.
+    let unprivileged = std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd").unwrap_or_default();
+    if unprivileged.trim() != "0" {
+        eprintln!("SKIPPED (thread-mode refusal): vm.unprivileged_userfaultfd is {}", unprivileged.trim());
+        return;
+    }
+    let out = micro_as_nobody(binary, &["--system", "tiermem-mem", "--fault-mode", "thread"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "nothing could be measured: {stderr}");
+    assert!(
+        stderr.contains("fault mode thread") && stderr.contains("vm.unprivileged_userfaultfd=1"),
+        "a refusal naming the fix: {stderr}"
+    );
+}
