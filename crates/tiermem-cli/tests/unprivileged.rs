@@ -71,6 +71,16 @@ fn an_ordinary_user_pages_through_a_user_mode_only_userfaultfd_and_plain_buffers
         eprintln!("SKIPPED (thread-mode refusal): vm.unprivileged_userfaultfd is {}", unprivileged.trim());
         return;
     }
+    // The probe says what such a user gets.
+    let probe = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(binary)
+        .arg("probe")
+        .current_dir("/tmp")
+        .output()
+        .expect("running tiermem probe through setpriv");
+    let said = String::from_utf8_lossy(&probe.stdout);
+    assert!(said.contains("user-mode faults only"), "tiermem probe as nobody: {said}");
     let out = micro_as_nobody(binary, &["--system", "tiermem-mem", "--fault-mode", "thread"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "nothing could be measured: {stderr}");

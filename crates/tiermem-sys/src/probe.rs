@@ -16,6 +16,10 @@ pub struct KernelFeatures {
     pub error: Option<String>,
     /// Raw feature bits offered by the handshake.
     pub feature_bits: u64,
+    /// Faults taken inside the kernel (a system call touching a missing page) can be served:
+    /// false when this process may open only a user-mode-only userfaultfd (no CAP_SYS_PTRACE,
+    /// vm.unprivileged_userfaultfd = 0), which leaves sigbus fault mode.
+    pub kernel_faults: bool,
     /// Missing-page faults on anonymous memory.
     pub missing: bool,
     /// Write-protect faults on anonymous memory.
@@ -38,8 +42,11 @@ impl KernelFeatures {
     /// Probe the running kernel. Never fails: what does not work is reported as absent.
     pub fn probe() -> Self {
         let mut f = Self { kernel: kernel_release(), ..Self::default() };
-        let offered = match Uffd::supported_features() {
-            Ok(bits) => bits,
+        let offered = match Uffd::open(Features::default(), false) {
+            Ok(uffd) => {
+                f.kernel_faults = uffd.handles_kernel_faults();
+                uffd.features()
+            }
             Err(e) => {
                 f.error = Some(e.to_string());
                 return f;
@@ -66,7 +73,14 @@ impl KernelFeatures {
         let mut lines = vec![format!("kernel          {}", self.kernel)];
         match &self.error {
             Some(e) => lines.push(format!("userfaultfd     unavailable: {e}")),
-            None => lines.push(format!("userfaultfd     yes (feature bits {:#x})", self.feature_bits)),
+            None if self.kernel_faults => {
+                lines.push(format!("userfaultfd     yes (feature bits {:#x})", self.feature_bits))
+            }
+            None => lines.push(format!(
+                "userfaultfd     user-mode faults only (feature bits {:#x}): fault mode sigbus; thread mode needs \
+                 root, CAP_SYS_PTRACE or vm.unprivileged_userfaultfd=1",
+                self.feature_bits
+            )),
         }
         for (name, v) in [
             ("MISSING", self.missing),
