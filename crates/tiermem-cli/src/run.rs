@@ -406,6 +406,11 @@ impl RunOutcome {
             mib(self.sum("small_heap_bytes")),
             match (self.settings.small_heap, self.settings.engine.fault_mode) {
                 (false, _) => " (off)",
+                // The heap's chunks are regions the kernel may fault on, which a process limited
+                // to user-mode faults cannot have: glibc keeps the small allocations then.
+                (true, _) if self.sum("small_heap_bytes") == 0 && !kernel_faults_served() => {
+                    " (left to glibc: this user's userfaultfd takes user-mode faults only)"
+                }
                 (true, tiermem_engine::FaultMode::Sigbus) => " (faults there served by a handler thread)",
                 _ => "",
             }
@@ -552,4 +557,11 @@ pub fn exit_like(ending: Ending) -> ! {
             std::process::exit(128 + sig)
         }
     }
+}
+
+/// Whether this process may open a userfaultfd that serves faults taken inside the kernel (see
+/// `tiermem_sys::uffd::Uffd::handles_kernel_faults`); true when it cannot open one at all.
+fn kernel_faults_served() -> bool {
+    tiermem_sys::uffd::Uffd::open(tiermem_sys::uffd::Features::default(), false)
+        .map_or(true, |u| u.handles_kernel_faults())
 }

@@ -89,3 +89,38 @@ fn an_ordinary_user_pages_through_a_user_mode_only_userfaultfd_and_plain_buffers
         "a refusal naming the fix: {stderr}"
     );
 }
+
+#[test]
+fn an_ordinary_user_runs_a_program_under_tiermem_run() {
+    let binary = Path::new(env!("CARGO_BIN_EXE_tiermem"));
+    if let Some(reason) = skip_reason(binary) {
+        eprintln!("SKIPPED: {reason}");
+        return;
+    }
+    // 48 MiB touched page by page under a 16 MiB budget: most of it goes to the device and
+    // comes back for the sum. Python's bytearray is one malloc, so the shim manages it.
+    let job = "b = bytearray(48 << 20)\n\
+               for i in range(0, len(b), 4096): b[i] = i // 4096 % 251\n\
+               print('sum', sum(b[i] for i in range(0, len(b), 4096)))";
+    let expected: u64 = (0..(48u64 << 20) / 4096).map(|page| page % 251).sum();
+    let out = Command::new("prlimit")
+        .args(["--memlock=8388608:8388608", "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"])
+        .args(["env", "HOME=/tmp"])
+        .arg(binary)
+        .args(["run", "--limit", "16MiB", "--footprint", "64MiB", "--device", "file:/tmp", "--", "python3", "-c", job])
+        .current_dir("/tmp")
+        .output()
+        .expect("running tiermem run through prlimit and setpriv");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if stderr.contains("No such file or directory") && stderr.contains("python3") {
+        eprintln!("SKIPPED: no python3 for uid 65534");
+        return;
+    }
+    assert!(out.status.success(), "tiermem run as nobody failed: {stderr}");
+    assert_eq!(stdout.trim(), format!("sum {expected}"), "{stderr}");
+    assert!(stderr.contains("out ") && !stderr.contains("out 0.0 MiB"), "pages went to the device: {stderr}");
+    let unprivileged = std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd").unwrap_or_default();
+    if unprivileged.trim() == "0" {
+        assert!(stderr.contains("left to glibc"), "the summary says where small allocations went: {stderr}");
+    }
+}
