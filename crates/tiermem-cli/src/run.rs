@@ -265,6 +265,19 @@ fn check_device(settings: &RunSettings) -> Result<()> {
 
 /// This process's v1 memory cgroup's `memory.oom_control` and whether its OOM killer is off.
 fn own_v1_oom_control() -> Option<(PathBuf, bool)> {
+    let path = own_v1_oom_control_path()?;
+    let off = oom_killer_off(&path)?;
+    Some((path, off))
+}
+
+/// Whether the cgroup's OOM killer is switched off (`oom_kill_disable 1` in `path`).
+fn oom_killer_off(path: &Path) -> Option<bool> {
+    let text = std::fs::read_to_string(path).ok()?;
+    Some(text.lines().find_map(|l| l.strip_prefix("oom_kill_disable "))?.trim() == "1")
+}
+
+/// memory.oom_control of this process's v1 memory cgroup.
+fn own_v1_oom_control_path() -> Option<PathBuf> {
     let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     let path = cgroups.lines().find_map(|line| {
         let mut fields = line.splitn(3, ':');
@@ -274,9 +287,7 @@ fn own_v1_oom_control() -> Option<(PathBuf, bool)> {
             .any(|c| c == "memory")
             .then(|| Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/')).join("memory.oom_control"))
     })?;
-    let text = std::fs::read_to_string(&path).ok()?;
-    let off = text.lines().find_map(|l| l.strip_prefix("oom_kill_disable "))?.trim() == "1";
-    Some((path, off))
+    Some(path)
 }
 
 /// `tiermem run`: run `program` under the shim with `settings` and collect what it measured.
@@ -313,7 +324,9 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         }
         command.env("LD_PRELOAD", &preload);
     });
-    if let Some((path, killer_was_off)) = oom_control {
+    // Only if the shim changed it: a user who may not write the file (whose guard could not
+    // arm) need not hear about it.
+    if let Some((path, killer_was_off)) = oom_control.filter(|(path, was)| oom_killer_off(path) != Some(*was)) {
         if let Err(e) = std::fs::write(&path, if killer_was_off { "1" } else { "0" }) {
             eprintln!("tiermem: cannot restore the OOM killer setting in {}: {e}", path.display());
         }
