@@ -39,6 +39,9 @@ pub struct RunOutcome {
     pub processes: Vec<serde_json::Value>,
     /// The settings the program ran with.
     pub settings: RunSettings,
+    /// Whether this user's userfaultfd serves faults taken inside the kernel (see
+    /// `tiermem_sys::uffd::Uffd::handles_kernel_faults`): without, the small heap stays with glibc.
+    pub kernel_faults: bool,
 }
 
 /// Find the preload shim: TIERMEM_PRELOAD_LIB, else next to this executable (and one directory
@@ -343,7 +346,7 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         }
     }
     processes.sort_by_key(|p| p["pid"].as_u64());
-    Ok(RunOutcome { ending, elapsed, peak_rss_bytes, processes, settings })
+    Ok(RunOutcome { ending, elapsed, peak_rss_bytes, processes, settings, kernel_faults: features.kernel_faults })
 }
 
 impl RunOutcome {
@@ -421,7 +424,7 @@ impl RunOutcome {
                 (false, _) => " (off)",
                 // The heap's chunks are regions the kernel may fault on, which a process limited
                 // to user-mode faults cannot have: glibc keeps the small allocations then.
-                (true, _) if self.sum("small_heap_bytes") == 0 && !kernel_faults_served() => {
+                (true, _) if self.sum("small_heap_bytes") == 0 && !self.kernel_faults => {
                     " (left to glibc: this user's userfaultfd takes user-mode faults only)"
                 }
                 (true, tiermem_engine::FaultMode::Sigbus) => " (faults there served by a handler thread)",
@@ -570,11 +573,4 @@ pub fn exit_like(ending: Ending) -> ! {
             std::process::exit(128 + sig)
         }
     }
-}
-
-/// Whether this process may open a userfaultfd that serves faults taken inside the kernel (see
-/// `tiermem_sys::uffd::Uffd::handles_kernel_faults`); true when it cannot open one at all.
-fn kernel_faults_served() -> bool {
-    tiermem_sys::uffd::Uffd::open(tiermem_sys::uffd::Features::default(), false)
-        .map_or(true, |u| u.handles_kernel_faults())
 }

@@ -31,6 +31,18 @@ fn skip_reason(binary: &Path) -> Option<String> {
     None
 }
 
+/// The tiermem binary, or None after printing why the test cannot run here.
+fn tiermem_or_skip() -> Option<&'static Path> {
+    let binary = Path::new(env!("CARGO_BIN_EXE_tiermem"));
+    match skip_reason(binary) {
+        Some(reason) => {
+            eprintln!("SKIPPED: {reason}");
+            None
+        }
+        None => Some(binary),
+    }
+}
+
 /// `tiermem bench micro ARGS --json` as nobody, locked memory limited to 2 MiB (the I/O buffer
 /// arena alone is 1 MiB or more and each queue would pin it again).
 fn micro_as_nobody(binary: &Path, args: &[&str]) -> Output {
@@ -46,11 +58,7 @@ fn micro_as_nobody(binary: &Path, args: &[&str]) -> Output {
 
 #[test]
 fn an_ordinary_user_pages_through_a_user_mode_only_userfaultfd_and_plain_buffers() {
-    let binary = Path::new(env!("CARGO_BIN_EXE_tiermem"));
-    if let Some(reason) = skip_reason(binary) {
-        eprintln!("SKIPPED: {reason}");
-        return;
-    }
+    let Some(binary) = tiermem_or_skip() else { return };
     let out = micro_as_nobody(binary, &["--system", "tiermem-file,tiermem-mem"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "tiermem bench micro as nobody failed: {stderr}");
@@ -92,11 +100,7 @@ fn an_ordinary_user_pages_through_a_user_mode_only_userfaultfd_and_plain_buffers
 
 #[test]
 fn an_ordinary_user_runs_a_program_under_tiermem_run() {
-    let binary = Path::new(env!("CARGO_BIN_EXE_tiermem"));
-    if let Some(reason) = skip_reason(binary) {
-        eprintln!("SKIPPED: {reason}");
-        return;
-    }
+    let Some(binary) = tiermem_or_skip() else { return };
     // 48 MiB touched page by page under a 16 MiB budget: most of it goes to the device and
     // comes back for the sum. Python's bytearray is one malloc, so the shim manages it.
     let job = "b = bytearray(48 << 20)\n\
