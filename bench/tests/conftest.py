@@ -1,5 +1,8 @@
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,9 +40,77 @@ def memory_cgroup_available():
     return False
 
 
+def stop_process(proc, group=False, grace=30.0):
+    """Stop a process the way a user would, so it can undo its setup (swap file, cgroup): SIGTERM
+    (to its process group with `group`), then SIGKILL if it is still there after `grace` seconds."""
+    if proc.poll() is not None:
+        return
+    send = (lambda sig: os.killpg(proc.pid, sig)) if group else proc.send_signal
+    try:
+        send(signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            send(signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def run_stopping_group(argv, timeout, **kwargs):
+    """subprocess.run in a session of its own; at the timeout the whole process group is stopped
+    (SIGTERM, then SIGKILL), not only the direct child, so no helper, server or swap file it
+    started outlives the test."""
+    with subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop_process(proc, group=True)
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+APPS_CGROUP_PREFIX = "tiermem-apps-"
+CGROUP_ROOTS = (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup"))
+
+
+def apps_cgroup_paths():
+    return {p for root in CGROUP_ROOTS if root.is_dir() for p in root.iterdir()
+            if p.name.startswith(APPS_CGROUP_PREFIX)}
+
+
+def remove_leftovers(swap_dir, cgroups_before):
+    """What a failed test may have left: swap files under `swap_dir` still on, and memory cgroups
+    of the harness made during the test (their tasks killed first)."""
+    for line in Path("/proc/swaps").read_text().splitlines()[1:]:
+        path = line.split()[0]
+        if path.startswith(str(swap_dir)):
+            subprocess.run(["swapoff", path], capture_output=True)
+    for cgroup in apps_cgroup_paths() - cgroups_before:
+        try:
+            for pid in (cgroup / "cgroup.procs").read_text().split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        except OSError:
+            pass
+        for _ in range(50):
+            try:
+                cgroup.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
 @pytest.fixture
-def tiermem_root():
-    """The tiermem binary, for tests that need root and a memory cgroup (skipped visibly otherwise)."""
+def tiermem_root(tmp_path):
+    """The tiermem binary, for tests that need root and a memory cgroup (skipped visibly otherwise).
+    Afterwards, pass or fail, no swap file under the test's tmp_path stays on and no cgroup of the
+    harness made meanwhile stays behind."""
     if os.geteuid() != 0:
         pytest.skip("needs root (memory cgroups, swapon)")
     if not memory_cgroup_available():
@@ -47,4 +118,6 @@ def tiermem_root():
     binary = find_tiermem()
     if binary is None:
         pytest.skip("no tiermem binary built (cargo build, or set TIERMEM_BIN)")
-    return binary
+    cgroups_before = apps_cgroup_paths()
+    yield binary
+    remove_leftovers(tmp_path, cgroups_before)

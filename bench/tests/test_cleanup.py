@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import stop_process
 from tiermem_bench import runner
 
 FAKE_HELPER = r"""
@@ -106,13 +107,14 @@ def real_helper_argv(tiermem, tmp_path):
 
 
 @pytest.mark.parametrize("error", [Injected, KeyboardInterrupt])
-def test_real_helper_leaves_no_cgroup_swap_file_or_process(tiermem_root, tmp_path, monkeypatch, error):
+def test_real_helper_leaves_no_cgroup_swap_file_or_process(tiermem_root, tmp_path, monkeypatch, error, request):
     pid_file = tmp_path / "program.pid"
     temp_dirs = run_temp_dirs()
     fail_during_run(monkeypatch, lambda: pid_file.exists() and pid_file.read_text() != "", error)
     with pytest.raises(error):
         runner.run_helper(real_helper_argv(tiermem_root, tmp_path), tmp_path / "r.json")
     program = int(pid_file.read_text())
+    request.addfinalizer(lambda: pid_alive(program) and os.kill(program, signal.SIGKILL))
     assert wait_for(lambda: not pid_alive(program), 10), "the program survived"
     assert tiermem_cgroups() == []
     assert swap_files(tmp_path) == []
@@ -131,8 +133,7 @@ def test_real_helper_cleans_up_on_ctrl_c(tiermem_root, tmp_path):
         helper.send_signal(signal.SIGINT)
         assert helper.wait(timeout=30) == 130
     finally:
-        if helper.poll() is None:
-            helper.kill()
+        stop_process(helper)
     assert not pid_alive(int(pid_file.read_text()))
     assert tiermem_cgroups() == [] and swap_files(tmp_path) == []
     assert run_temp_dirs() <= temp_dirs, f"left behind: {run_temp_dirs() - temp_dirs}"
@@ -193,9 +194,7 @@ def test_the_matrix_stops_cleanly_on_a_signal(tiermem_root, tmp_path, sig, ignor
         harness.send_signal(sig)
         _, err = harness.communicate(timeout=60)
     finally:
-        if harness.poll() is None:
-            os.killpg(harness.pid, signal.SIGKILL)
-            harness.wait()
+        stop_process(harness, group=True)
     assert harness.returncode == 130, err.decode(errors="replace")[-2000:]
     assert swap_files(scratch) == [] and swap_files(tmp_path) == []
     assert wait_for(lambda: apps_cgroups() <= cgroups_before, 10), apps_cgroups() - cgroups_before

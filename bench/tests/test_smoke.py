@@ -8,16 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import run_stopping_group
+
 BENCH_DIR = Path(__file__).resolve().parent.parent
 
 
 def test_smoke_one_workload_two_ratios_under_linux_swap(tiermem_root, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(BENCH_DIR), TIERMEM_BIN=tiermem_root)
-    proc = subprocess.run([sys.executable, "-m", "tiermem_bench", "--scale", "tiny", "--workloads", "intsort",
-                           "--systems", "linux-swap", "--ratios", "100,60", "--repeats", "1", "--out", str(out),
-                           "--cache", str(tmp_path / "cache")],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = run_stopping_group([sys.executable, "-m", "tiermem_bench", "--scale", "tiny", "--workloads", "intsort",
+                               "--systems", "linux-swap", "--ratios", "100,60", "--repeats", "1", "--out", str(out),
+                               "--cache", str(tmp_path / "cache")],
+                              text=True, env=env, timeout=300)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "runs.csv") as f:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_stopping_group
 from tiermem_bench import cli
 from tiermem_bench.digest import parse_result
 from tiermem_bench.systems import BASELINE, SYSTEMS, helper_command, parse_systems
@@ -101,7 +102,7 @@ def run_tiny(name, cache):
     w = WORKLOADS[name]
     w.prepare("tiny", cache)
     env = dict(os.environ, PYTHONPATH=str(BENCH_DIR), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    out = subprocess.run(w.command("tiny", cache), capture_output=True, text=True, env=env, timeout=120)
+    out = run_stopping_group(w.command("tiny", cache), text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     result = parse_result(out.stdout)
     assert result is not None, out.stdout

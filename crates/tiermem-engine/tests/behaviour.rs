@@ -505,11 +505,8 @@ fn pages_shared_with_a_forked_child_are_evicted_intact() {
 #[test]
 fn a_page_dropped_behind_the_engines_back_reads_as_zeros() {
     let _serial = serial();
-    let Some(features) = features_or_skip("a_page_dropped_behind_the_engines_back") else { return };
-    let mut tracking = vec![DirtyTracking::None, DirtyTracking::SyncWriteProtect];
-    if features.wp_async && features.move_pages && features.pagemap_scan {
-        tracking.push(DirtyTracking::AsyncWriteProtect);
-    }
+    let Some(mut tracking) = write_protect_modes("a_page_dropped_behind_the_engines_back") else { return };
+    tracking.insert(0, DirtyTracking::None);
     for fault_mode in [FaultMode::HandlerThread, FaultMode::Sigbus] {
         for &dirty_tracking in &tracking {
             let engine = engine(Arc::new(MemDevice::new(16 << 20).unwrap()), 64, |c| {
@@ -652,11 +649,7 @@ fn forgotten_evicted_pages_read_zeros_without_device_reads() {
 #[test]
 fn write_runs_write_contiguous_dirty_pages_in_few_requests() {
     let _serial = serial();
-    let Some(f) = features_or_skip("write_runs_write_contiguous_dirty_pages_in_few_requests") else { return };
-    let mut modes = vec![DirtyTracking::SyncWriteProtect];
-    if f.wp_async && f.move_pages && f.pagemap_scan {
-        modes.push(DirtyTracking::AsyncWriteProtect);
-    }
+    let Some(modes) = write_protect_modes("write_runs_write_contiguous_dirty_pages_in_few_requests") else { return };
     for ((device_name, device), mode) in modes.iter().flat_map(|&m| devices(64 << 20).into_iter().map(move |d| (d, m)))
     {
         let engine = engine(device, 256, |c| {
