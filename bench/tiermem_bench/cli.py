@@ -12,6 +12,7 @@ import argparse
 import ctypes
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
@@ -37,10 +38,13 @@ MIB = 1 << 20
 def parse_ratios(text: str) -> list[int]:
     ratios = []
     for part in text.split(","):
-        part = part.strip().rstrip("%")
+        part = part.strip().removesuffix("%")
         if not part:
             continue
-        value = int(part)
+        try:
+            value = int(part)
+        except ValueError:
+            raise ValueError(f"ratio '{part}' is not a whole percentage (like 60 or 60%)") from None
         if not 1 <= value <= 100:
             raise ValueError(f"ratio {value} is not a percentage in 1..100")
         ratios.append(value)
@@ -335,6 +339,14 @@ def main(argv=None) -> int:
     if args.repeats < 1:
         print("tiermem bench apps: --repeats must be at least 1", file=sys.stderr)
         return 2
+    for option, value in (("--timeout-factor", args.timeout_factor), ("--min-timeout", args.min_timeout)):
+        if not (math.isfinite(value) and value > 0):
+            print(f"tiermem bench apps: {option} {value}: must be a positive number", file=sys.stderr)
+            return 2
+    for option, path in (("--out", args.out), ("--dir", args.dir), ("--cache", args.cache)):
+        if path is not None and path.exists() and not path.is_dir():
+            print(f"tiermem bench apps: {option} {path}: exists and is not a directory", file=sys.stderr)
+            return 2
 
     packages = harness_packages()
     missing = [name for name, version in packages.items() if version is None]
@@ -347,7 +359,11 @@ def main(argv=None) -> int:
     if args.report_only:
         try:
             runs, meta = merge_runs([(path, json.loads(path.read_text())) for path in args.report_only])
-        except (OSError, ValueError, KeyError) as e:
+        except KeyError as e:
+            print(f"tiermem bench apps: {' '.join(map(str, args.report_only))}: not a runs.json written by "
+                  f"tiermem bench apps (no {e} in it)", file=sys.stderr)
+            return 2
+        except (OSError, ValueError) as e:
             print(f"tiermem bench apps: cannot read {' '.join(map(str, args.report_only))}: {e}", file=sys.stderr)
             return 2
         if len(args.report_only) > 1 and args.out is None:
@@ -361,6 +377,9 @@ def main(argv=None) -> int:
 
     if os.geteuid() != 0:
         print("tiermem bench apps: needs root (memory cgroups, swapon); run it as root", file=sys.stderr)
+        return 2
+    if args.tiermem is not None and not os.access(args.tiermem, os.X_OK):
+        print(f"tiermem bench apps: --tiermem {args.tiermem}: no such executable", file=sys.stderr)
         return 2
     tiermem = find_tiermem(args.tiermem)
     if tiermem is None:

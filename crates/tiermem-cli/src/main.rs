@@ -257,6 +257,14 @@ fn progress_bar(name: &str, size_mb: u64) -> indicatif::ProgressBar {
 
 fn probe(args: &ProbeArgs) -> Result<()> {
     let features = KernelFeatures::probe();
+    if let Some(dir) = &args.dir {
+        // A --dir given by the user must be one: the device line's "not writable" would hide a typo.
+        match std::fs::metadata(dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => return Err(Error::invalid(format!("--dir {}: not a directory", dir.display()))),
+            Err(e) => return Err(Error::os_kind(ErrorKind::NotFound, e, format!("--dir {}", dir.display()))),
+        }
+    }
     let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     let device = tempfile::tempfile_in(&dir).ok().and_then(|_| {
         let path = dir.join(format!(".tiermem-probe-{}", std::process::id()));
@@ -474,7 +482,34 @@ struct ProfileArgs {
     program: Vec<std::ffi::OsString>,
 }
 
+/// Fail before the program runs if `path` (given with `option`) cannot be written afterwards:
+/// the program's own status would otherwise be lost behind a late error.
+fn check_output_path(option: &str, path: &std::path::Path) -> Result<()> {
+    let shown = path.display();
+    if path.is_dir() {
+        return Err(Error::invalid(format!("{option} {shown}: is a directory; name a file")));
+    }
+    if path.exists() {
+        return std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map(drop)
+            .map_err(|e| Error::os(e, format!("{option} {shown}: cannot write it")));
+    }
+    let created = std::fs::OpenOptions::new().write(true).create_new(true).open(path);
+    match created {
+        Ok(_) => {
+            std::fs::remove_file(path).map_err(|e| Error::os(e, format!("{option} {shown}: removing the test file")))
+        }
+        Err(e) => Err(Error::os(e, format!("{option} {shown}: cannot create it"))),
+    }
+}
+
 fn trace_record(args: &TraceRecordArgs) -> Result<std::convert::Infallible> {
+    check_output_path("-o", &args.output)?;
+    if let Some(path) = &args.run.stats_json {
+        check_output_path("--stats-json", path)?;
+    }
     let settings = tiermem_cli::run::resolve_settings(std::env::vars(), &run_flags(&args.run), &args.run.program)?;
     let (outcome, written) = tiermem_cli::run::record_trace(settings, &args.run.program, &args.output)?;
     report_outcome(&args.run, &outcome)?;
@@ -522,6 +557,9 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
 }
 
 fn run_command(args: &RunArgs) -> Result<std::convert::Infallible> {
+    if let Some(path) = &args.stats_json {
+        check_output_path("--stats-json", path)?;
+    }
     let flags = run_flags(args);
     let settings = tiermem_cli::run::resolve_settings(std::env::vars(), &flags, &args.program)?;
     let outcome = tiermem_cli::run::run(settings, &args.program)?;
@@ -558,6 +596,13 @@ fn profile_command(args: &ProfileArgs) -> Result<std::convert::Infallible> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Probe(_) | Command::Sim(_)) {
+        // Commands that only print end quietly when their reader goes away (`tiermem probe |
+        // head`), as other tools do, instead of panicking on EPIPE. Not the others: they have
+        // swap files, cgroups or a program to clean up after.
+        // SAFETY: setting a signal's disposition before any thread is started.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let outcome = match &cli.command {
         Command::Run(args) => run_command(args).map(|never| match never {}),
         Command::Profile(args) => profile_command(args).map(|never| match never {}),

@@ -150,8 +150,9 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
         Error::os_kind(kind, e, format!("cannot start {}", name.to_string_lossy()))
     })?;
     // Ctrl-C reaches the program (same process group); we stay to report and pass its status on.
-    let _ignore = IgnoreInterrupts::new();
+    // A SIGTERM or SIGHUP sent to us alone goes on to the program, which ends as it would.
     let pid = child.id() as libc::pid_t;
+    let _signals = ForwardSignals::new(pid);
     let mut status = 0;
     // SAFETY: zeroed rusage is valid for wait4 to fill.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
@@ -176,28 +177,51 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     Ok((ending, elapsed, usage.ru_maxrss as u64 * 1024))
 }
 
-/// SIGINT and SIGQUIT ignored while alive (as a shell does while it waits for a foreground job).
-struct IgnoreInterrupts {
-    previous: [libc::sighandler_t; 2],
+/// The program `tiermem run` waits for: where [`forward_to_program`] sends a signal (0: none).
+static PROGRAM_PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn forward_to_program(sig: libc::c_int) {
+    let pid = PROGRAM_PID.load(std::sync::atomic::Ordering::Relaxed);
+    if pid > 0 {
+        // SAFETY: kill is async-signal-safe; the pid is our unreaped child, so it is not reused.
+        unsafe { libc::kill(pid, sig) };
+    }
 }
 
-impl IgnoreInterrupts {
-    fn new() -> Self {
-        // SAFETY: setting the disposition of a signal in this process; restored on drop.
-        let interrupt = unsafe { libc::signal(libc::SIGINT, libc::SIG_IGN) };
-        // SAFETY: as above.
-        let quit = unsafe { libc::signal(libc::SIGQUIT, libc::SIG_IGN) };
-        let previous = [interrupt, quit];
+/// While the program runs: SIGINT and SIGQUIT ignored (as a shell does while it waits for a
+/// foreground job: the terminal sends them to the program too), SIGTERM and SIGHUP passed on to
+/// the program (sent to `tiermem run` alone they would otherwise kill it and leave the program
+/// running without it, and its statistics directory behind). Restored on drop.
+struct ForwardSignals {
+    previous: [(libc::c_int, libc::sighandler_t); 4],
+}
+
+impl ForwardSignals {
+    fn new(program: libc::pid_t) -> Self {
+        PROGRAM_PID.store(program, std::sync::atomic::Ordering::Relaxed);
+        let forward = forward_to_program as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        let set = |sig, handler| {
+            // SAFETY: setting the disposition of a signal in this process; restored on drop.
+            // The handler only calls kill(2).
+            (sig, unsafe { libc::signal(sig, handler) })
+        };
+        let previous = [
+            set(libc::SIGINT, libc::SIG_IGN),
+            set(libc::SIGQUIT, libc::SIG_IGN),
+            set(libc::SIGTERM, forward),
+            set(libc::SIGHUP, forward),
+        ];
         Self { previous }
     }
 }
 
-impl Drop for IgnoreInterrupts {
+impl Drop for ForwardSignals {
     fn drop(&mut self) {
-        for (sig, previous) in [libc::SIGINT, libc::SIGQUIT].into_iter().zip(self.previous) {
+        for (sig, previous) in self.previous {
             // SAFETY: restoring a disposition saved in new().
             unsafe { libc::signal(sig, previous) };
         }
+        PROGRAM_PID.store(0, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -220,8 +244,14 @@ pub fn resolve_settings(
     program: &[OsString],
 ) -> Result<RunSettings> {
     let mut vars: BTreeMap<String, String> = env.into_iter().filter(|(k, _)| k.starts_with("TIERMEM_")).collect();
+    // Where each value came from, so an error names what the user wrote.
+    let mut sources: BTreeMap<String, String> = BTreeMap::new();
     for (k, v) in flags {
-        vars.insert((*k).to_string(), v.clone());
+        // A flag's value may also have come from its variable (clap reads both): then the
+        // variable is what to name.
+        if vars.insert((*k).to_string(), v.clone()).as_ref() != Some(v) {
+            sources.insert((*k).to_string(), format!("{}=", flag_of(k)));
+        }
     }
     let limit_is_percent = vars.get("TIERMEM_LIMIT").is_some_and(|v| v.trim().ends_with('%'));
     if limit_is_percent && !vars.contains_key("TIERMEM_FOOTPRINT") {
@@ -229,6 +259,8 @@ pub fn resolve_settings(
         match remembered_footprint(&store, program) {
             Some(f) => {
                 vars.insert("TIERMEM_FOOTPRINT".into(), f.to_string());
+                sources
+                    .insert("TIERMEM_FOOTPRINT".into(), format!("the footprint remembered in {} is ", store.display()));
             }
             None => {
                 return Err(Error::invalid(format!(
@@ -243,9 +275,26 @@ pub fn resolve_settings(
     if !vars.contains_key("TIERMEM_DEVICE") {
         vars.insert("TIERMEM_DEVICE".into(), format!("file:{}", default_device_dir()?.display()));
     }
-    let settings = RunSettings::from_vars(vars)?;
+    let settings = RunSettings::from_vars(vars).map_err(|e| {
+        // The settings name the variable; a value given by a flag or taken from the profile
+        // store is reported as that.
+        let text = e.to_string();
+        let renamed = sources.iter().find_map(|(var, source)| {
+            let rest = text.strip_prefix(var.as_str())?.strip_prefix('=')?;
+            Some(format!("{source}{rest}"))
+        });
+        match renamed {
+            Some(message) => Error::new(e.kind(), message),
+            None => e,
+        }
+    })?;
     check_device(&settings)?;
     Ok(settings)
+}
+
+/// The command-line flag that sets variable `var` (`TIERMEM_EVICT_WATERMARK` → `--evict-watermark`).
+fn flag_of(var: &str) -> String {
+    format!("--{}", var.trim_start_matches("TIERMEM_").to_ascii_lowercase().replace('_', "-"))
 }
 
 /// Make sure the device can be opened, so the program does not start only to fail.
@@ -256,6 +305,7 @@ fn check_device(settings: &RunSettings) -> Result<()> {
             tiermem_device::FileDevice::create_temporary(path, 1 << 20).map(drop).map_err(|e| e.context("--device"))
         }
         tiermem_device::DeviceSpec::File(path) => {
+            tiermem_device::file::refuse_foreign_data(path).map_err(|e| e.context("--device"))?;
             let existed = path.exists();
             let opened = tiermem_device::FileDevice::open(path, if existed { None } else { Some(1 << 20) });
             if !existed {
@@ -321,12 +371,21 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     let vars = settings.to_vars();
     // The shim's OOM guard turns the cgroup's OOM killer off; put back what was there.
     let oom_control = settings.oom_guard.then(own_v1_oom_control).flatten();
+    // A device file the run creates holds nothing of use once it ends: it goes with the run
+    // (a file named by mistake would otherwise stay behind, as large as the machine's memory).
+    let created_device = match &settings.device {
+        tiermem_device::DeviceSpec::File(path) if !path.exists() => Some(path.clone()),
+        _ => None,
+    };
     let ending = spawn_and_wait(program, |command| {
         for (k, v) in &vars {
             command.env(k, v);
         }
         command.env("LD_PRELOAD", &preload);
     });
+    if let Some(path) = created_device {
+        let _ = std::fs::remove_file(path);
+    }
     // Only if the shim changed it: a user who may not write the file (whose guard could not
     // arm) need not hear about it.
     if let Some((path, killer_was_off)) = oom_control.filter(|(path, was)| oom_killer_off(path) != Some(*was)) {
@@ -516,6 +575,14 @@ pub fn record_trace(settings: RunSettings, program: &[OsString], output: &Path) 
         })
         .collect();
     recorded.sort();
+    // A process killed before it flushed its trace left an empty file: nothing to replay.
+    recorded.retain(|(pid, path)| {
+        let empty = std::fs::metadata(path).map_or(true, |m| m.len() == 0);
+        if empty {
+            eprintln!("tiermem: process {pid} ended before its trace was written (killed?); no trace for it");
+        }
+        !empty
+    });
     let mut written = Vec::new();
     for (i, (pid, path)) in recorded.iter().enumerate() {
         let target = if i == 0 { output.to_path_buf() } else { PathBuf::from(format!("{}.{pid}", output.display())) };

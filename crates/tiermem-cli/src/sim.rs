@@ -22,16 +22,18 @@ pub struct SimArgs {
     #[arg(long, default_value = "auto")]
     pub format: String,
     /// Instead of a file, a synthetic trace KIND:ACCESSES:FOOTPRINT_PAGES (kind: seq, random,
-    /// mixed), generated on the fly.
+    /// mixed, hot), generated on the fly.
     #[arg(long, conflicts_with = "trace")]
     pub synthetic: Option<String>,
     /// Local memory: pages (`4096`) or a share of the trace's footprint (`50%`).
     #[arg(long, default_value = "50%")]
     pub local: String,
-    /// Prefetchers to compare (comma-separated): none, readahead, fastswap, leap, stream.
+    /// Prefetchers to compare (comma-separated): none, readahead, fastswap, leap, stream,
+    /// ondemand.
     #[arg(long, value_delimiter = ',', default_value = "readahead")]
     pub prefetch: Vec<String>,
-    /// Replacement policies to compare (comma-separated): fifo, clock, lru, stream-first, belady.
+    /// Replacement policies to compare (comma-separated): fifo, clock, lru, stream-first, seq,
+    /// seq-adaptive, seq-protect, belady (offline optimal).
     #[arg(long, value_delimiter = ',', default_value = "clock")]
     pub replace: Vec<String>,
     /// LLC in front of memory for byte-address traces, SIZE:WAYS, or `none`.
@@ -95,8 +97,19 @@ fn parse_llc(text: &str) -> Result<Option<(u64, usize)>> {
     }
     let bad = || Error::invalid(format!("--llc '{text}': expected SIZE:WAYS (like 1MiB:16) or none"));
     let (size, ways) = text.split_once(':').ok_or_else(bad)?;
-    Ok(Some((parse_size(size)?, ways.parse().map_err(|_| bad())?)))
+    let size = parse_size(size)?;
+    // Real last-level caches are tens of MiB; the filter keeps a tag per line, so a bound keeps
+    // a typo from asking for tens of GB.
+    if size > MAX_LLC_BYTES {
+        return Err(Error::invalid(format!("--llc '{text}': at most {} MiB", MAX_LLC_BYTES >> 20)));
+    }
+    Ok(Some((size, ways.parse().map_err(|_| bad())?)))
 }
+
+/// Largest `--llc` size.
+const MAX_LLC_BYTES: u64 = 1 << 30;
+/// Largest synthetic footprint in pages (1 TiB of memory): the simulator keeps state per page.
+const MAX_SYNTHETIC_PAGES: u64 = 1 << 28;
 
 fn parse_local(text: &str, footprint: usize) -> Result<usize> {
     let pages = if let Some(p) = text.strip_suffix('%') {
@@ -124,6 +137,11 @@ fn parse_synthetic(text: &str) -> Result<(Synthetic, u64, u64)> {
     let footprint: u64 = parts.next().ok_or_else(bad)?.replace('_', "").parse().map_err(|_| bad())?;
     if accesses == 0 || footprint == 0 || parts.next().is_some() {
         return Err(bad());
+    }
+    if footprint > MAX_SYNTHETIC_PAGES {
+        return Err(Error::invalid(format!(
+            "--synthetic '{text}': a footprint of at most {MAX_SYNTHETIC_PAGES} pages (1 TiB)"
+        )));
     }
     Ok((kind, accesses, footprint))
 }

@@ -898,6 +898,30 @@ fn read_exactly(conn: &mut std::os::unix::net::UnixStream, n: usize) -> Vec<u8> 
     buf
 }
 
+/// Stops the test's redis-server however the test ends: a failed check must not leave the
+/// server running, or the scope holding `tiermem run -- redis-server` would wait for it forever.
+/// Asks politely first (SHUTDOWN NOSAVE over a fresh connection), then kills whatever still
+/// runs with this socket on its command line (the path is unique to the test's scratch dir).
+struct RedisShutdown<'a>(&'a Path);
+
+impl Drop for RedisShutdown<'_> {
+    fn drop(&mut self) {
+        use std::io::Write;
+        if let Ok(mut c) = std::os::unix::net::UnixStream::connect(self.0) {
+            let _ = c.write_all(b"*2\r\n$8\r\nSHUTDOWN\r\n$6\r\nNOSAVE\r\n");
+        }
+        let pattern = self.0.display().to_string();
+        for _ in 0..100 {
+            let alive = Command::new("pgrep").args(["-f", &pattern]).output().is_ok_and(|o| o.status.success());
+            if !alive {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = Command::new("pkill").args(["-KILL", "-f", &pattern]).status();
+    }
+}
+
 /// Debian's redis-server is linked with jemalloc, which exports its own malloc_usable_size: the
 /// shim used to find that one past itself and hand it glibc blocks (a crash at start-up). Here
 /// the real server runs under `tiermem run` with 40 MB of values in a 12 MiB budget, in both
@@ -936,6 +960,7 @@ fn a_redis_server_linked_with_jemalloc_serves_every_value_under_a_small_budget()
                 ];
                 run_managed(&scratch, "12MiB", &["--fault-mode", mode, "--device", "mem"], &program)
             });
+            let shutdown = RedisShutdown(&socket);
             let mut conn = None;
             for _ in 0..3000 {
                 if let Ok(c) = std::os::unix::net::UnixStream::connect(&socket) {
@@ -948,6 +973,7 @@ fn a_redis_server_linked_with_jemalloc_serves_every_value_under_a_small_budget()
                 std::thread::sleep(Duration::from_millis(10));
             }
             let Some(mut conn) = conn else {
+                drop(shutdown);
                 let managed = run.join().unwrap();
                 panic!(
                     "{mode}: redis-server never opened its socket: {}",
@@ -1032,7 +1058,17 @@ fn bad_options_fail_before_the_program_starts() {
     let touch = format!("touch {}", marker.display());
     // (flags, environment, what the message must name)
     type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+    // Someone's file, named as the device by mistake: paging would overwrite it.
+    let notes = scratch.path().join("notes.txt");
+    std::fs::write(&notes, "not tiermem's\n".repeat(1000)).unwrap();
+    let notes_arg = format!("file:{}", notes.display());
+    let no_dir_stats = scratch.path().join("missing-dir/stats.json").display().to_string();
     let cases: &[Case<'_>] = &[
+        // Errors name what the user wrote: the flag, or the variable.
+        (&["--limit=0"], &[], "--limit=0"),
+        (&[], &[("TIERMEM_LIMIT", "0")], "TIERMEM_LIMIT=0"),
+        (&["--limit", "1G", "--device", &notes_arg], &[], "did not write"),
+        (&["--limit", "1G", "--stats-json", &no_dir_stats], &[], "--stats-json"),
         (&["--limit", "lots"], &[], "lots"),
         (&["--limit", "40%"], &[], "tiermem profile"),
         (&["--limit", "1G", "--fault-mode", "telepathy"], &[], "telepathy"),
@@ -1056,9 +1092,68 @@ fn bad_options_fail_before_the_program_starts() {
         assert!(err.contains(needle), "{flags:?} {env:?}: expected '{needle}' in: {err}");
         assert!(!marker.exists(), "{flags:?} {env:?}: the program ran despite the error");
     }
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), "not tiermem's\n".repeat(1000), "the named file was changed");
     let out = scratch.command(&["run", "--limit", "1G", "--", "/nonexistent/program"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/program"));
+}
+
+/// A SIGTERM sent to `tiermem run` alone (not its process group) reaches the program, which ends
+/// of it, and tiermem ends the same way: no program left running without it, no statistics
+/// directory behind. A device file the run created is gone afterwards.
+#[test]
+fn sigterm_to_tiermem_run_reaches_the_program_and_a_device_file_it_made_goes() {
+    let name = "sigterm_to_tiermem_run_reaches_the_program_and_a_device_file_it_made_goes";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    use std::os::unix::process::ExitStatusExt;
+    let scratch = Scratch::new();
+    let device = scratch.path().join("made-by-the-run");
+    let device_arg = format!("file:{}", device.display());
+    let started = scratch.path().join("started");
+    let stats = scratch.path().join("stats");
+    std::fs::create_dir(&stats).unwrap();
+    let script = format!("echo $$ > {}.tmp; mv {0}.tmp {0}; exec sleep 60", started.display());
+    let mut command = scratch.command(&[
+        "run",
+        "--limit",
+        "16MiB",
+        "--device",
+        &device_arg,
+        "--device-size",
+        "16MiB",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    // Where tempfile puts tiermem's statistics directory, so the test can see it go.
+    command.env("TMPDIR", &stats).stderr(Stdio::piped());
+    let child = command.spawn().unwrap();
+    let pid = child.id() as i32;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !started.exists() {
+        assert!(std::time::Instant::now() < deadline, "{name}: the program never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.signal(), Some(libc::SIGTERM), "{name}: {:?}: {err}", out.status);
+    assert!(err.contains("killed by signal 15"), "{name}: the summary says how the program ended: {err}");
+    let program: i32 = std::fs::read_to_string(&started).unwrap().trim().parse().unwrap();
+    // SAFETY: signal 0 only asks whether the process exists.
+    let alive = unsafe { libc::kill(program, 0) } == 0;
+    if alive {
+        // SAFETY: the orphan is the test's own program; do not leave it running.
+        unsafe { libc::kill(program, libc::SIGKILL) };
+    }
+    assert!(!alive, "{name}: the program (pid {program}) outlived tiermem run");
+    let left: Vec<_> = std::fs::read_dir(&stats).unwrap().flatten().map(|e| e.path()).collect();
+    assert!(left.is_empty(), "{name}: left behind: {left:?}");
+    assert!(!device.exists(), "{name}: the device file the run created is still there");
 }
 
 /// `tiermem trace record` gives a trace of what the engine saw, which `tiermem sim` replays.
@@ -1625,6 +1720,8 @@ fn the_program_s_file_pages_keep_their_room_in_a_full_cgroup() {
     let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
     let process = &stats["processes"][0];
     let (refaults, room) = (process["file_refaults"].as_u64(), process["peak_file_room_bytes"].as_u64());
+    // tiermem's own count of the room it kept needs no kernel counter: checked either way.
+    assert!(room.is_some_and(|r| r > 0), "{name}: no room was kept for file pages: {process}");
     let (Some(&cgroup_refaults), major_faults) = (counters.get("workingset_refault_file"), counters.get("pgmajfault"))
     else {
         eprintln!("SKIPPED {name}: this kernel's memory.stat counts no file refaults");
@@ -1638,7 +1735,6 @@ fn the_program_s_file_pages_keep_their_room_in_a_full_cgroup() {
     // evicted and read back pass after pass: 439,259 refaults over 24 passes. Now the first
     // passes read them back until the room has grown to fit them: 3,780-7,332 in eight runs.
     assert!(cgroup_refaults < 8 * 2048, "{name}: {cgroup_refaults} file pages read back after the kernel evicted them");
-    assert!(room.is_some_and(|r| r > 0), "{name}: no room was kept for file pages: {process}");
 }
 
 /// Drop the clean page cache (root only; the callers need root anyway), so a program's code is

@@ -79,6 +79,12 @@ impl FileDevice {
             }
         }
         let (file, created) = open_direct(path, size.is_some())?;
+        if created {
+            // Marks the file as tiermem's: `tiermem run` refuses to page into a file holding
+            // data without this mark (someone's file, named by mistake). Best effort: a file
+            // system without user attributes only loses the reuse of the file.
+            let _ = rustix::fs::fsetxattr(&file, OWNER_XATTR, b"tiermem", rustix::fs::XattrFlags::empty());
+        }
         // One engine per device file: two would hand out the same slots. A device just closed
         // may hold the lock a moment longer (the kernel tears io_uring rings down, and their
         // registered file, asynchronously), so a busy lock is retried for up to two seconds.
@@ -212,12 +218,18 @@ impl FileDevice {
     }
 }
 
+/// The extended attribute on device files tiermem created (see [`FileDevice::open`]).
+pub const OWNER_XATTR: &str = "user.tiermem.device";
+
 /// Open read-write with O_DIRECT; with `may_create`, create the file if it is missing. Returns
-/// the file and whether this call created it.
+/// the file and whether this call created it. A block device is opened exclusively (O_EXCL):
+/// the kernel then refuses one that is mounted or in use by another exclusive opener.
 fn open_direct(path: &Path, may_create: bool) -> Result<(File, bool)> {
+    let block_device = std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device());
     let open = |create: bool| {
         let mut options = OpenOptions::new();
-        options.read(true).write(true).custom_flags(libc::O_DIRECT);
+        let exclusive = if block_device { libc::O_EXCL } else { 0 };
+        options.read(true).write(true).custom_flags(libc::O_DIRECT | exclusive);
         if create {
             options.create_new(true).mode(0o600);
         }
@@ -241,6 +253,79 @@ fn open_direct(path: &Path, may_create: bool) -> Result<(File, bool)> {
         },
         Err(e) => Err(open_error(e, path)),
     }
+}
+
+/// Refuse a device path that holds someone's data, for callers whose device contents are
+/// scratch (`tiermem run`, the benchmarks): a regular file with data that tiermem did not create
+/// (no [`OWNER_XATTR`]; sparse and fallocated files hold none), or a block device carrying a
+/// partition table, file system or swap signature. A typo such as `file:/dev/vda` or
+/// `file:notes.txt` must not be paged over.
+pub fn refuse_foreign_data(path: &Path) -> Result<()> {
+    let shown = path.display();
+    let Ok(metadata) = std::fs::metadata(path) else { return Ok(()) };
+    if metadata.file_type().is_block_device() {
+        let mut head = vec![0u8; 72 << 10];
+        let read = File::open(path).and_then(|f| read_up_to(&f, &mut head));
+        if let Some(what) = read.ok().and_then(|n| signature(&head[..n])) {
+            return Err(Error::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "block device {shown} holds {what}; tiermem would overwrite it. If it is really free, \
+                     wipe it first (wipefs -a {shown})"
+                ),
+            ));
+        }
+        return Ok(());
+    }
+    if !metadata.is_file() || metadata.len() == 0 {
+        return Ok(());
+    }
+    let Ok(file) = File::open(path) else { return Ok(()) };
+    let mut mark = [0u8; 16];
+    if rustix::fs::fgetxattr(&file, OWNER_XATTR, &mut mark).is_ok() {
+        return Ok(());
+    }
+    match rustix::fs::seek(&file, rustix::fs::SeekFrom::Data(0)) {
+        Err(rustix::io::Errno::NXIO) => Ok(()),
+        _ => Err(Error::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "{shown} already holds {} bytes of data that tiermem did not write, and paging would overwrite \
+                 it; name a new file, an empty one, or a directory (for a temporary device file)",
+                metadata.len()
+            ),
+        )),
+    }
+}
+
+fn read_up_to(file: &File, buf: &mut [u8]) -> io::Result<usize> {
+    use std::io::Read;
+    let mut done = 0;
+    let mut reader = file;
+    while done < buf.len() {
+        match reader.read(&mut buf[done..])? {
+            0 => break,
+            n => done += n,
+        }
+    }
+    Ok(done)
+}
+
+/// What the first bytes of a block device say it holds, if anything known.
+fn signature(head: &[u8]) -> Option<&'static str> {
+    let at = |offset: usize, magic: &[u8]| head.get(offset..offset + magic.len()) == Some(magic);
+    let known: [(usize, &[u8], &'static str); 9] = [
+        (1080, &[0x53, 0xEF], "an ext2/3/4 file system"),
+        (0, b"XFSB", "an XFS file system"),
+        (65600, b"_BHRfS_M", "a btrfs file system"),
+        (0, b"LUKS\xba\xbe", "a LUKS container"),
+        (512, b"EFI PART", "a GPT partition table"),
+        (0, b"hsqs", "a squashfs image"),
+        (4086, b"SWAPSPACE2", "a swap area"),
+        (4086, b"SWAP-SPACE", "a swap area"),
+        (510, &[0x55, 0xAA], "a boot sector (MBR partition table or a FAT/NTFS file system)"),
+    ];
+    known.iter().find(|(offset, magic, _)| at(*offset, magic)).map(|&(_, _, what)| what)
 }
 
 /// An error from opening `path` that says what to do about it.
@@ -277,6 +362,13 @@ fn open_error(e: io::Error, path: &Path) -> Error {
             ErrorKind::Permission,
             e,
             format!("no permission to open device file {shown} for reading and writing"),
+        ),
+        Some(libc::EBUSY) => Error::os_kind(
+            ErrorKind::Busy,
+            e,
+            format!(
+                "block device {shown} is in use (mounted, or held by another program); tiermem will not write to it"
+            ),
         ),
         Some(libc::EROFS) => {
             Error::os_kind(ErrorKind::Permission, e, format!("device file {shown} is on a read-only file system"))

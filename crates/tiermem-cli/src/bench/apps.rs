@@ -153,8 +153,11 @@ impl LimitedRunArgs {
             return Err(Error::invalid("--no-swap needs --limit"));
         }
         if let Some(t) = self.timeout {
-            if !(t > 0.0 && t.is_finite()) {
-                return Err(Error::invalid("--timeout must be a positive number of seconds"));
+            // A year is far past any run, and far below what a Duration holds.
+            if !(t > 0.0 && t <= 365.0 * 86400.0) {
+                return Err(Error::invalid(format!(
+                    "--timeout {t:e}: must be a positive number of seconds, at most a year"
+                )));
             }
         }
         Ok(())
