@@ -622,8 +622,15 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tiermem: error: {e}");
-            // 2 for bad arguments, like clap's own usage errors.
-            ExitCode::from(if e.kind() == ErrorKind::InvalidInput { 2 } else { 1 })
+            // 2 for bad arguments, like clap's own usage errors; a program that cannot be
+            // started ends as a shell reports it: 127 when not found, 126 otherwise.
+            let starting = e.to_string().starts_with("cannot start ");
+            ExitCode::from(match e.kind() {
+                ErrorKind::NotFound if starting => 127,
+                _ if starting => 126,
+                ErrorKind::InvalidInput => 2,
+                _ => 1,
+            })
         }
     }
 }

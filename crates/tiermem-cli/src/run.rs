@@ -119,17 +119,29 @@ pub fn profile_key(program: &[OsString]) -> String {
     program.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ")
 }
 
+/// The footprints remembered in `store`: none if it does not exist yet, an error if it cannot be
+/// read or is not what `tiermem profile` writes (it is never silently replaced).
+fn read_profile_store(store: &Path) -> Result<BTreeMap<String, u64>> {
+    match std::fs::read_to_string(store) {
+        Ok(text) => serde_json::from_str(&text).map_err(|e| {
+            Error::invalid(format!(
+                "{} is not a footprint store written by tiermem profile ({e}); fix or remove it",
+                store.display()
+            ))
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),
+        Err(e) => Err(Error::os(e, format!("reading {}", store.display()))),
+    }
+}
+
 /// The remembered footprint of `program`, if `tiermem profile` measured it.
-pub fn remembered_footprint(store: &Path, program: &[OsString]) -> Option<u64> {
-    let text = std::fs::read_to_string(store).ok()?;
-    let map: BTreeMap<String, u64> = serde_json::from_str(&text).ok()?;
-    map.get(&profile_key(program)).copied()
+pub fn remembered_footprint(store: &Path, program: &[OsString]) -> Result<Option<u64>> {
+    Ok(read_profile_store(store)?.get(&profile_key(program)).copied())
 }
 
 /// Remember `footprint` for `program`.
 pub fn remember_footprint(store: &Path, program: &[OsString], footprint: u64) -> Result<()> {
-    let mut map: BTreeMap<String, u64> =
-        std::fs::read_to_string(store).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+    let mut map = read_profile_store(store)?;
     map.insert(profile_key(program), footprint);
     if let Some(dir) = store.parent() {
         std::fs::create_dir_all(dir).map_err(|e| Error::os(e, format!("creating {}", dir.display())))?;
@@ -228,6 +240,8 @@ impl Drop for ForwardSignals {
 /// `tiermem profile`: run the program unmanaged and return its peak footprint (the kernel's
 /// peak resident set), remembered for later `--limit N%`.
 pub fn profile(program: &[OsString]) -> Result<(Ending, u64)> {
+    // A store that cannot be updated is an error before the program runs, not after.
+    read_profile_store(&profile_store())?;
     let (ending, _, peak) = spawn_and_wait(program, |_| {})?;
     if ending == Ending::Exited(0) {
         remember_footprint(&profile_store(), program, peak)?;
@@ -256,7 +270,7 @@ pub fn resolve_settings(
     let limit_is_percent = vars.get("TIERMEM_LIMIT").is_some_and(|v| v.trim().ends_with('%'));
     if limit_is_percent && !vars.contains_key("TIERMEM_FOOTPRINT") {
         let store = profile_store();
-        match remembered_footprint(&store, program) {
+        match remembered_footprint(&store, program)? {
             Some(f) => {
                 vars.insert("TIERMEM_FOOTPRINT".into(), f.to_string());
                 sources

@@ -177,27 +177,37 @@ pub fn run(args: &SimArgs) -> Result<()> {
         transfer_ns: args.transfer_ns,
         hit_ns: args.hit_ns,
     };
-    if [
-        latency.access_ns,
-        latency.cached_access_ns,
-        latency.fault_ns,
-        latency.read_ns,
-        latency.transfer_ns,
-        latency.hit_ns,
-    ]
-    .iter()
-    .any(|v| !v.is_finite() || *v < 0.0)
-    {
-        return Err(Error::invalid("latencies must be finite and not negative"));
+    let named = [
+        ("--access-ns", latency.access_ns),
+        ("--cached-access-ns", latency.cached_access_ns),
+        ("--fault-ns", latency.fault_ns),
+        ("--read-ns", latency.read_ns),
+        ("--transfer-ns", latency.transfer_ns),
+        ("--hit-ns", latency.hit_ns),
+    ];
+    // An hour per event is far beyond any device; the bound keeps modeled times readable.
+    if let Some((option, v)) = named.iter().find(|(_, v)| !(v.is_finite() && (0.0..=3.6e12).contains(v))) {
+        return Err(Error::invalid(format!("{option} {v}: a latency must be between 0 and 3.6e12 ns (an hour)")));
     }
     let mut options = tiermem_policy::PolicyOptions::default();
     options.stream.distance = args.stream_distance;
     options.stream.depth = args.stream_depth;
     options.stream.validate()?;
-    for p in &args.prefetch {
+    // A policy named twice is compared once.
+    let distinct = |names: &[String]| {
+        let mut seen = Vec::new();
+        for n in names {
+            if !seen.contains(n) {
+                seen.push(n.clone());
+            }
+        }
+        seen
+    };
+    let (prefetchers, replacements) = (distinct(&args.prefetch), distinct(&args.replace));
+    for p in &prefetchers {
         tiermem_policy::build_policies(p, "fifo", 1, &options)?;
     }
-    for r in &args.replace {
+    for r in &replacements {
         if r != "belady" {
             tiermem_policy::build_policies("none", r, 1, &options)?;
         }
@@ -232,8 +242,8 @@ pub fn run(args: &SimArgs) -> Result<()> {
         other => return Err(Error::invalid(format!("--monitor '{other}': expected auto, none, reports, accesses"))),
     };
     let mut rows = Vec::new();
-    for prefetch in &args.prefetch {
-        for replace in &args.replace {
+    for prefetch in &prefetchers {
+        for replace in &replacements {
             if replace == "belady" && prefetch != "none" {
                 eprintln!("note: belady runs only without prefetching; skipping {prefetch} × belady");
                 continue;

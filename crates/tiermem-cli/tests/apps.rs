@@ -47,7 +47,8 @@ fn bad_limited_run_arguments_fail_with_a_message() {
     let cases: &[(&[&str], &str)] = &[
         (&["bench", "limited-run", "--no-swap", "--", "true"], "--no-swap needs --limit"),
         (&["bench", "limited-run", "--limit", "0", "--", "true"], "--limit must be positive"),
-        (&["bench", "limited-run", "--timeout", "0", "--", "true"], "--timeout must be a positive"),
+        (&["bench", "limited-run", "--timeout", "0", "--", "true"], "must be a positive number of seconds"),
+        (&["bench", "limited-run", "--timeout", "1e99", "--", "true"], "at most a year"),
         (&["bench", "limited-run", "--swap-dir", "/tmp", "--", "true"], "--swap-bytes"),
     ];
     for (args, needle) in cases {

@@ -78,11 +78,18 @@ fn probe_measures_the_device_latency_where_asked_and_fails_where_it_cannot() {
         // The temporary device file is gone again.
         assert_eq!(std::fs::read_dir(dir.path()).expect("listing").count(), 0);
     }
-    let out = tiermem(&["probe", "--dir", "/nonexistent/tiermem", "--latency"]);
+    // /proc is a directory where no device file can be made.
+    let out = tiermem(&["probe", "--dir", "/proc", "--latency"]);
     assert!(!out.status.success(), "asked for a latency it cannot measure, and succeeded");
-    assert!(stderr(&out).contains("--latency: no usable device file in /nonexistent/tiermem"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--latency: no usable device file in /proc"), "{}", stderr(&out));
     // Without --latency the probe only reports the unusable directory.
-    assert!(tiermem(&["probe", "--dir", "/nonexistent/tiermem"]).status.success());
+    assert!(tiermem(&["probe", "--dir", "/proc"]).status.success());
+    // A --dir that is not a directory at all is a mistake, with or without --latency.
+    for args in [&["probe", "--dir", "/nonexistent/tiermem"][..], &["probe", "--dir", "/etc/hostname", "--latency"][..]]
+    {
+        let out = tiermem(args);
+        assert!(!out.status.success() && stderr(&out).contains("--dir"), "{args:?}: {}", stderr(&out));
+    }
 }
 
 #[test]

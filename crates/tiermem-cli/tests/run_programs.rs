@@ -1069,6 +1069,8 @@ fn bad_options_fail_before_the_program_starts() {
         (&[], &[("TIERMEM_LIMIT", "0")], "TIERMEM_LIMIT=0"),
         (&["--limit", "1G", "--device", &notes_arg], &[], "did not write"),
         (&["--limit", "1G", "--stats-json", &no_dir_stats], &[], "--stats-json"),
+        (&["--limit", "18446744073709551616"], &[], "too large"),
+        (&["--limit", "1G", "--device-size", "1"], &[], "at least 1 MiB"),
         (&["--limit", "lots"], &[], "lots"),
         (&["--limit", "40%"], &[], "tiermem profile"),
         (&["--limit", "1G", "--fault-mode", "telepathy"], &[], "telepathy"),
@@ -1093,9 +1095,20 @@ fn bad_options_fail_before_the_program_starts() {
         assert!(!marker.exists(), "{flags:?} {env:?}: the program ran despite the error");
     }
     assert_eq!(std::fs::read_to_string(&notes).unwrap(), "not tiermem's\n".repeat(1000), "the named file was changed");
+    // A program that cannot be started ends as a shell reports it.
     let out = scratch.command(&["run", "--limit", "1G", "--", "/nonexistent/program"]).output().unwrap();
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(127));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/program"));
+    // A damaged footprint store is reported, not silently replaced by the next profile.
+    let store = scratch.path().join("cache/tiermem/footprints.json");
+    std::fs::create_dir_all(store.parent().unwrap()).unwrap();
+    std::fs::write(&store, "not json").unwrap();
+    for args in [&["profile", "--", "true"][..], &["run", "--limit", "50%", "--", "true"][..]] {
+        let out = scratch.command(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("not a footprint store"), "{args:?}: {err}");
+    }
+    assert_eq!(std::fs::read_to_string(&store).unwrap(), "not json");
 }
 
 /// A SIGTERM sent to `tiermem run` alone (not its process group) reaches the program, which ends

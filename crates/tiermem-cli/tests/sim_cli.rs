@@ -59,6 +59,9 @@ fn bad_input_fails_with_a_message_naming_the_problem() {
         (vec!["sim"], "--synthetic".into()),
         (vec!["sim", "--synthetic", "zigzag:10:10"], "unknown synthetic trace 'zigzag'".into()),
         (vec!["sim", "-"], "needs --format".into()),
+        (vec!["sim", good_path, "--read-ns=-1"], "--read-ns -1".into()),
+        (vec!["sim", good_path, "--llc", "64GiB:16"], "at most 1024 MiB".into()),
+        (vec!["sim", "--synthetic", "random:10:1000000000000"], "at most 268435456 pages".into()),
     ];
     for (args, needle) in cases {
         let out = tiermem(&args);

@@ -248,7 +248,10 @@ impl EngineConfig {
     }
 }
 
-/// Parse a size: plain bytes or with a binary suffix (`K`, `KiB`, `M`, `MiB`, `G`, `GiB`, `T`).
+/// Largest size [`parse_size`] accepts: 1 EiB.
+pub const MAX_SIZE: u64 = 1 << 60;
+
+/// Parse a size: plain bytes or with a binary suffix (`K`, `KiB`, `M`, `MiB`, `G`, `GiB`, `T`, `P`).
 pub fn parse_size(text: &str) -> Result<u64> {
     let t = text.trim();
     let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
@@ -261,11 +264,17 @@ pub fn parse_size(text: &str) -> Result<u64> {
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         "t" | "tb" | "tib" => 1 << 40,
+        "p" | "pb" | "pib" => 1 << 50,
         _ => return Err(bad()),
     };
     let bytes = value * mult as f64;
-    if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+    if !bytes.is_finite() || bytes < 0.0 {
         return Err(bad());
+    }
+    // Far beyond any memory or device, and far enough below 2^64 that rounding up to pages and
+    // doubling for capacities cannot wrap.
+    if bytes > MAX_SIZE as f64 {
+        return Err(Error::invalid(format!("'{text}' is too large (at most 1 EiB)")));
     }
     Ok(bytes as u64)
 }
@@ -321,9 +330,11 @@ mod tests {
         assert_eq!(parse_size("512MiB").unwrap(), 512 << 20);
         assert_eq!(parse_size("2G").unwrap(), 2 << 30);
         assert_eq!(parse_size("1.5GiB").unwrap(), 3 << 29);
-        for bad in ["", "MiB", "12XB", "-5", "1e3", "abc"] {
+        assert_eq!(parse_size("1PiB").unwrap(), 1 << 50);
+        for bad in ["", "MiB", "12XB", "-5", "1e3", "abc", "18446744073709551616", "2000PiB"] {
             assert!(parse_size(bad).is_err(), "{bad} accepted");
         }
+        assert!(parse_size("18446744073709551616").unwrap_err().to_string().contains("too large"));
     }
 
     #[test]

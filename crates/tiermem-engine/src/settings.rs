@@ -179,7 +179,18 @@ impl RunSettings {
                 }
                 "TIERMEM_FOOTPRINT" => s.footprint = Some(nonzero_size(value).map_err(named)?),
                 "TIERMEM_DEVICE" => s.device = value.parse().map_err(named)?,
-                "TIERMEM_DEVICE_SIZE" => s.device_bytes = Some(nonzero_size(value).map_err(named)?),
+                "TIERMEM_DEVICE_SIZE" => {
+                    let bytes = nonzero_size(value).map_err(named)?;
+                    // A device of a few pages cannot hold what a program pages out: everything
+                    // would quietly stay unmanaged.
+                    if bytes < MIN_DEVICE_BYTES {
+                        return Err(named(Error::invalid(format!(
+                            "a device must hold at least {} MiB",
+                            MIN_DEVICE_BYTES >> 20
+                        ))));
+                    }
+                    s.device_bytes = Some(bytes);
+                }
                 "TIERMEM_PREFETCH" => s.engine.prefetch = value.to_string(),
                 "TIERMEM_REPLACE" => s.engine.replace = value.to_string(),
                 "TIERMEM_WATERMARK" => {
@@ -354,8 +365,19 @@ fn victim_tier_size(text: &str) -> Result<VictimTierSize> {
 }
 
 fn whole_number<T: std::str::FromStr>(text: &str, example: &str) -> Result<T> {
-    text.trim().parse().map_err(|_| Error::invalid(format!("not a whole number (example: {example})")))
+    let t = text.trim();
+    t.parse().map_err(|_| {
+        let digits = !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+        Error::invalid(if digits {
+            format!("{t} is too large (example: {example})")
+        } else {
+            format!("not a whole number (example: {example})")
+        })
+    })
 }
+
+/// Smallest `TIERMEM_DEVICE_SIZE`.
+const MIN_DEVICE_BYTES: u64 = 1 << 20;
 
 fn nonzero_size(text: &str) -> Result<u64> {
     match parse_size(text)? {

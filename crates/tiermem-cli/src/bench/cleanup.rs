@@ -1,5 +1,5 @@
 //! A process-wide registry of system resources that must not outlive the process (active swap
-//! files, memory cgroups), torn down on drop, on panic and on SIGINT/SIGTERM/SIGHUP.
+//! files, memory cgroups), torn down on drop, on panic and on SIGINT/SIGTERM/SIGHUP/SIGQUIT.
 //!
 //! How it works:
 //! - Each resource is created *while holding the registry lock* and registered with a teardown
@@ -49,7 +49,7 @@ static SIGNAL_PIPE_WRITE_FD: AtomicI32 = AtomicI32::new(-1);
 /// The pid of the process that installed the handler (forked children must not use the pipe).
 static HANDLER_OWNER_PID: AtomicI32 = AtomicI32::new(0);
 
-const CLEANUP_SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+const CLEANUP_SIGNALS: [libc::c_int; 4] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT];
 
 /// How long the panic hook waits for the registry lock before giving up.
 const PANIC_LOCK_WAIT: Duration = Duration::from_secs(2);
@@ -65,7 +65,7 @@ fn lock_registry() -> MutexGuard<'static, Registry> {
 
 /// Install the signal handlers, the cleanup thread and (for abort builds) the panic hook. Idempotent;
 /// called automatically before the first resource is registered. Replaces any earlier handlers of
-/// SIGINT, SIGTERM and SIGHUP.
+/// SIGINT, SIGTERM, SIGHUP and SIGQUIT.
 pub fn install() {
     static INSTALLED: Once = Once::new();
     INSTALLED.call_once(|| {
