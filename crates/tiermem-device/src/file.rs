@@ -65,9 +65,9 @@ enum PolledWait {
 impl FileDevice {
     /// Open `path` with O_DIRECT as a device.
     ///
-    /// With `size`, a missing regular file is created and a smaller one extended (fallocate) to
-    /// `size` bytes, which must be a non-zero multiple of 4096; a block device must be at least
-    /// that large. Without `size`, the file must exist. Either way the device has one slot per
+    /// With `size`, a missing regular file is created (allocated, not written) and a smaller one
+    /// extended (fallocate, then zeros written) to `size` bytes, which must be a non-zero multiple
+    /// of 4096; a block device must be at least that large. Without `size`, the file must exist. Either way the device has one slot per
     /// whole 4 KiB of the file or block device as it then is.
     pub fn open(path: &Path, size: Option<u64>) -> Result<Self> {
         if let Some(size) = size {
@@ -108,7 +108,12 @@ impl FileDevice {
                 Error::os(e.into(), format!("locking device file {}", path.display()))
             });
         }
-        let device = Self::set_up(file, path, size, true);
+        // A file that existed is extended with zeros written (see `write_zeros`: every slot then
+        // a plain block, as a swap file's are, which the microbenchmark's fairness needs). One
+        // this call created is only allocated, as a temporary device file is: `tiermem run`
+        // sizes it for the program's worst case (the machine's memory by default), and writing
+        // that much would hold the program up for seconds.
+        let device = Self::set_up(file, path, size, !created);
         if created && device.is_err() {
             // Leave nothing behind from a failed attempt.
             let _ = std::fs::remove_file(path);
@@ -225,7 +230,16 @@ pub const OWNER_XATTR: &str = "user.tiermem.device";
 /// the file and whether this call created it. A block device is opened exclusively (O_EXCL):
 /// the kernel then refuses one that is mounted or in use by another exclusive opener.
 fn open_direct(path: &Path, may_create: bool) -> Result<(File, bool)> {
-    let block_device = std::fs::metadata(path).is_ok_and(|m| m.file_type().is_block_device());
+    let kind = std::fs::metadata(path).map(|m| m.file_type());
+    if let Ok(t) = &kind {
+        if !(t.is_file() || t.is_block_device() || t.is_dir()) {
+            return Err(Error::invalid(format!(
+                "{} is neither a regular file nor a block device (a character device, pipe or socket cannot hold pages)",
+                path.display()
+            )));
+        }
+    }
+    let block_device = kind.is_ok_and(|t| t.is_block_device());
     let open = |create: bool| {
         let mut options = OpenOptions::new();
         let exclusive = if block_device { libc::O_EXCL } else { 0 };

@@ -519,3 +519,22 @@ fn block_device_signatures_are_recognised() {
     // A short read (a tiny device) is not an error.
     assert_eq!(signature(&[0u8; 100]), None);
 }
+
+/// A file the device creates is only allocated (no seconds of zeros for a large default size);
+/// an existing one it extends gets its new blocks written, as a swap file's are.
+#[test]
+fn a_created_file_is_allocated_and_an_extended_one_written() {
+    let dir = scratch();
+    let has_data = |path: &Path| {
+        let file = std::fs::File::open(path).unwrap();
+        rustix::fs::seek(&file, rustix::fs::SeekFrom::Data(0)).is_ok()
+    };
+    let created = dir.path().join("created");
+    drop(FileDevice::open(&created, Some(256 * SLOT_BYTES)).unwrap());
+    assert_eq!(std::fs::metadata(&created).unwrap().len(), 256 * SLOT_BYTES);
+    assert!(!has_data(&created), "the created file was written");
+    let existing = dir.path().join("existing");
+    std::fs::File::create(&existing).unwrap();
+    drop(FileDevice::open(&existing, Some(256 * SLOT_BYTES)).unwrap());
+    assert!(has_data(&existing), "the extended file was not written");
+}
