@@ -46,6 +46,8 @@ fn bad_input_fails_with_a_message_naming_the_problem() {
     let good_path = good.path().to_str().unwrap();
     let bad_path = bad_line.path().to_str().unwrap();
     let empty_path = empty.path().to_str().unwrap();
+    let huge_access = text_file(" L 0000000010,99999\n");
+    let huge_path = huge_access.path().to_str().unwrap();
     let cases: Vec<(Vec<&str>, String)> = vec![
         (vec!["sim", good_path, "--prefetch", "oracle"], "unknown prefetcher 'oracle'".into()),
         (vec!["sim", good_path, "--replace", "magic"], "unknown replacement policy 'magic'".into()),
@@ -60,6 +62,7 @@ fn bad_input_fails_with_a_message_naming_the_problem() {
         (vec!["sim", "--synthetic", "zigzag:10:10"], "unknown synthetic trace 'zigzag'".into()),
         (vec!["sim", "-"], "needs --format".into()),
         (vec!["sim", good_path, "--read-ns=-1"], "--read-ns -1".into()),
+        (vec!["sim", huge_path, "--format", "lackey"], format!("{huge_path}:1: size above 4096 bytes")),
         (vec!["sim", good_path, "--llc", "64GiB:16"], "at most 1024 MiB".into()),
         (vec!["sim", "--synthetic", "random:10:1000000000000"], "at most 268435456 pages".into()),
     ];

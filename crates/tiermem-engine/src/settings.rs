@@ -161,6 +161,7 @@ impl RunSettings {
     pub fn from_vars<K: AsRef<str>, V: AsRef<str>>(vars: impl IntoIterator<Item = (K, V)>) -> Result<Self> {
         let mut s = Self::default();
         let mut limit_given = false;
+        let mut evict_given = false;
         let mut victim_tier = None;
         let mut spin_given = false;
         for (key, value) in vars {
@@ -200,6 +201,7 @@ impl RunSettings {
                 "TIERMEM_EVICT_WATERMARK" => {
                     s.engine.evict_watermark =
                         value.trim().parse().map_err(|_| named(Error::invalid("not a number (example: 0.98)")))?;
+                    evict_given = true;
                 }
                 "TIERMEM_FAULT_MODE" => s.engine.fault_mode = value.parse().map_err(named)?,
                 "TIERMEM_IO_MODE" => s.engine.io_mode = value.parse().map_err(named)?,
@@ -244,6 +246,15 @@ impl RunSettings {
         if !spin_given {
             s.engine.handler_spin_us =
                 if s.engine.fault_mode == FaultMode::Sigbus { SIGBUS_HANDLER_SPIN_US } else { 0 };
+        }
+        // The engine drops pages from max(evict watermark, watermark); an evict watermark given
+        // below the watermark would be raised without a word, so it is refused instead.
+        if evict_given && s.engine.evict_watermark < s.engine.watermark {
+            return Err(Error::invalid(format!(
+                "TIERMEM_EVICT_WATERMARK={} is below the watermark {} where cleaning starts; pages are dropped \
+                 from the higher of the two, so lower the watermark too (--watermark, TIERMEM_WATERMARK)",
+                s.engine.evict_watermark, s.engine.watermark
+            )));
         }
         if !limit_given {
             return Err(Error::invalid(
@@ -469,6 +480,7 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_LIMT", "1G")], "unknown variable TIERMEM_LIMT"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "1.5")], "watermark"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_EVICT_WATERMARK", "high")], "TIERMEM_EVICT_WATERMARK=high"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_EVICT_WATERMARK", "0.5")], "below the watermark 0.7"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_CGROUP", "maybe")], "TIERMEM_CGROUP=maybe"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_CGROUP", "maybe")], "expected on, off or guard"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_SMALL_HEAP", "yes")], "TIERMEM_SMALL_HEAP=yes"),

@@ -270,6 +270,10 @@ fn read_lackey(path: &Path, file: Box<dyn Read>, options: &LineOptions) -> Resul
         };
         let addr = u64::from_str_radix(addr.trim(), 16).map_err(|_| bad_line(path, i + 1, &line, "bad hex address"))?;
         let size: u64 = size.trim().parse().map_err(|_| bad_line(path, i + 1, &line, "bad size"))?;
+        // Lackey reports accesses of at most a vector register; anything beyond a page is garbage.
+        if size > 4096 {
+            return Err(bad_line(path, i + 1, &line, "size above 4096 bytes"));
+        }
         if (addr >> PAGE_SHIFT) > MAX_PAGE {
             return Err(bad_line(path, i + 1, &line, "address above 2^52"));
         }
@@ -326,6 +330,13 @@ fn read_binary(path: &Path, file: Box<dyn Read>, options: &LineOptions) -> Resul
         let (value, kind) = (v >> 2, v & 3);
         match &mut pipe {
             Some(p) => {
+                // Byte addresses: their pages must fit as page-unit records' do.
+                if kind < 2 && (value >> PAGE_SHIFT) > MAX_PAGE {
+                    return Err(Error::invalid(format!(
+                        "{}: record {n}: address {value:#x} above 2^52",
+                        path.display()
+                    )));
+                }
                 if kind < 2 {
                     p.access(value, kind == 1);
                 }
