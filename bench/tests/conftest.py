@@ -65,7 +65,7 @@ def run_stopping_group(argv, timeout, **kwargs):
                           **kwargs) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException:  # the timeout, or Ctrl-C (which the new session does not get)
             stop_process(proc, group=True)
             raise
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
@@ -75,18 +75,22 @@ APPS_CGROUP_PREFIX = "tiermem-apps-"
 CGROUP_ROOTS = (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup"))
 
 
-def apps_cgroup_paths():
-    return {p for root in CGROUP_ROOTS if root.is_dir() for p in root.iterdir()
-            if p.name.startswith(APPS_CGROUP_PREFIX)}
+def apps_cgroup_paths(prefix=APPS_CGROUP_PREFIX):
+    """Memory cgroups the harness's helpers made (every prefix they use starts so)."""
+    return {p for root in CGROUP_ROOTS if root.is_dir() for p in root.iterdir() if p.name.startswith(prefix)}
+
+
+def swap_files(directory):
+    """Active swap files under `directory`."""
+    table = Path("/proc/swaps").read_text().splitlines()[1:]
+    return [line.split()[0] for line in table if line.split()[0].startswith(str(directory))]
 
 
 def remove_leftovers(swap_dir, cgroups_before):
     """What a failed test may have left: swap files under `swap_dir` still on, and memory cgroups
     of the harness made during the test (their tasks killed first)."""
-    for line in Path("/proc/swaps").read_text().splitlines()[1:]:
-        path = line.split()[0]
-        if path.startswith(str(swap_dir)):
-            subprocess.run(["swapoff", path], capture_output=True)
+    for path in swap_files(swap_dir):
+        subprocess.run(["swapoff", path], capture_output=True)
     for cgroup in apps_cgroup_paths() - cgroups_before:
         try:
             for pid in (cgroup / "cgroup.procs").read_text().split():

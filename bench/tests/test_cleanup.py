@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import stop_process
+from conftest import apps_cgroup_paths, stop_process, swap_files
 from tiermem_bench import runner
 
 FAKE_HELPER = r"""
@@ -80,17 +80,7 @@ def test_helper_is_stopped_and_cleans_up_on_an_exception(tmp_path, monkeypatch, 
 
 
 def tiermem_cgroups():
-    roots = [Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")]
-    found = []
-    for root in roots:
-        if root.is_dir():
-            found += [p.name for p in root.iterdir() if p.name.startswith("tiermem-apps-pytest")]
-    return found
-
-
-def swap_files(directory):
-    table = Path("/proc/swaps").read_text().splitlines()[1:]
-    return [line.split()[0] for line in table if line.split()[0].startswith(str(directory))]
+    return sorted(p.name for p in apps_cgroup_paths("tiermem-apps-pytest"))
 
 
 def run_temp_dirs():
@@ -107,15 +97,16 @@ def real_helper_argv(tiermem, tmp_path):
 
 
 @pytest.mark.parametrize("error", [Injected, KeyboardInterrupt])
-def test_real_helper_leaves_no_cgroup_swap_file_or_process(tiermem_root, tmp_path, monkeypatch, error, request):
+def test_real_helper_leaves_no_cgroup_swap_file_or_process(tiermem_root, tmp_path, monkeypatch, error):
     pid_file = tmp_path / "program.pid"
     temp_dirs = run_temp_dirs()
     fail_during_run(monkeypatch, lambda: pid_file.exists() and pid_file.read_text() != "", error)
     with pytest.raises(error):
         runner.run_helper(real_helper_argv(tiermem_root, tmp_path), tmp_path / "r.json")
     program = int(pid_file.read_text())
-    request.addfinalizer(lambda: pid_alive(program) and os.kill(program, signal.SIGKILL))
-    assert wait_for(lambda: not pid_alive(program), 10), "the program survived"
+    if not wait_for(lambda: not pid_alive(program), 10):
+        os.kill(program, signal.SIGKILL)  # still ours: it has not ended, so its pid is not reused
+        pytest.fail("the program survived")
     assert tiermem_cgroups() == []
     assert swap_files(tmp_path) == []
     assert wait_for(lambda: run_temp_dirs() <= temp_dirs, 10), f"left behind: {run_temp_dirs() - temp_dirs}"
@@ -155,12 +146,7 @@ def test_a_program_killed_at_the_timeout_leaves_no_temporary_files(tiermem_root,
 
 
 def apps_cgroups():
-    """Memory cgroups the harness's helpers make (every prefix starts so)."""
-    found = set()
-    for root in (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")):
-        if root.is_dir():
-            found |= {p.name for p in root.iterdir() if p.name.startswith("tiermem-apps-")}
-    return found
+    return {p.name for p in apps_cgroup_paths()}
 
 
 @pytest.mark.parametrize("sig,ignored_at_start", [(signal.SIGTERM, False), (signal.SIGHUP, False),

@@ -378,7 +378,7 @@ def main(argv=None) -> int:
     if os.geteuid() != 0:
         print("tiermem bench apps: needs root (memory cgroups, swapon); run it as root", file=sys.stderr)
         return 2
-    if args.tiermem is not None and not os.access(args.tiermem, os.X_OK):
+    if args.tiermem is not None and not (os.path.isfile(args.tiermem) and os.access(args.tiermem, os.X_OK)):
         print(f"tiermem bench apps: --tiermem {args.tiermem}: no such executable", file=sys.stderr)
         return 2
     tiermem = find_tiermem(args.tiermem)

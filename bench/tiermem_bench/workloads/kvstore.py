@@ -12,6 +12,8 @@ byte fails the run.
 """
 
 import argparse
+import ctypes
+import functools
 import os
 import shutil
 import signal
@@ -68,12 +70,16 @@ def step_aside() -> None:
     os.execve(sys.executable, [sys.executable, "-m", "tiermem_bench.workloads.kvstore", *sys.argv[1:]], env)
 
 
-def server_setup():
+# Loaded before any fork: server_setup runs between fork and exec, where importing is unsafe.
+_LIBC = ctypes.CDLL(None, use_errno=True)
+PR_SET_PDEATHSIG = 1
+
+
+def server_setup(client_pid: int):
     """Put the server into the client's former cgroup, with the preload it had, and have it
     killed if the client dies first (a client killed at a time limit cannot stop it itself)."""
-    import ctypes
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != client_pid:
+        os._exit(111)  # cannot be tied to the client, or it is gone already: do not start
     procs = os.environ.get(SERVER_CGROUP)
     if procs:
         with open(procs, "w") as f:
@@ -102,7 +108,7 @@ def start_server(binary: str, work_dir: str) -> tuple[subprocess.Popen, str]:
             "--logfile", os.path.join(work_dir, "redis.log"), "--maxmemory", "0",
             "--activedefrag", "no", "--lazyfree-lazy-user-del", "no", "--io-threads", "1"]
     server = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=server_env(),
-                              preexec_fn=server_setup)
+                              preexec_fn=functools.partial(server_setup, os.getpid()))
     return server, sock_path
 
 

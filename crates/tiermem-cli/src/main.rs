@@ -262,7 +262,7 @@ fn probe(args: &ProbeArgs) -> Result<()> {
         match std::fs::metadata(dir) {
             Ok(m) if m.is_dir() => {}
             Ok(_) => return Err(Error::invalid(format!("--dir {}: not a directory", dir.display()))),
-            Err(e) => return Err(Error::os_kind(ErrorKind::NotFound, e, format!("--dir {}", dir.display()))),
+            Err(e) => return Err(Error::os(e, format!("--dir {}", dir.display()))),
         }
     }
     let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
@@ -485,13 +485,16 @@ struct ProfileArgs {
 /// Fail before the program runs if `path` (given with `option`) cannot be written afterwards:
 /// the program's own status would otherwise be lost behind a late error.
 fn check_output_path(option: &str, path: &std::path::Path) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let shown = path.display();
     if path.is_dir() {
         return Err(Error::invalid(format!("{option} {shown}: is a directory; name a file")));
     }
     if path.exists() {
+        // Non-blocking: a FIFO nobody reads yet would otherwise hold us here.
         return std::fs::OpenOptions::new()
             .write(true)
+            .custom_flags(libc::O_NONBLOCK)
             .open(path)
             .map(drop)
             .map_err(|e| Error::os(e, format!("{option} {shown}: cannot write it")));
@@ -624,7 +627,7 @@ fn main() -> ExitCode {
             eprintln!("tiermem: error: {e}");
             // 2 for bad arguments, like clap's own usage errors; a program that cannot be
             // started ends as a shell reports it: 127 when not found, 126 otherwise.
-            let starting = e.to_string().starts_with("cannot start ");
+            let starting = e.to_string().starts_with(tiermem_cli::run::CANNOT_START);
             ExitCode::from(match e.kind() {
                 ErrorKind::NotFound if starting => 127,
                 _ if starting => 126,

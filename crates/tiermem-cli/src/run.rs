@@ -159,26 +159,37 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     let started = Instant::now();
     let child = command.spawn().map_err(|e| {
         let kind = if e.kind() == std::io::ErrorKind::NotFound { ErrorKind::NotFound } else { ErrorKind::Io };
-        Error::os_kind(kind, e, format!("cannot start {}", name.to_string_lossy()))
+        Error::os_kind(kind, e, format!("{CANNOT_START}{}", name.to_string_lossy()))
     })?;
     // Ctrl-C reaches the program (same process group); we stay to report and pass its status on.
     // A SIGTERM or SIGHUP sent to us alone goes on to the program, which ends as it would.
     let pid = child.id() as libc::pid_t;
-    let _signals = ForwardSignals::new(pid);
+    let signals = ForwardSignals::new(pid);
+    // Wait without reaping first: until the program is reaped its pid cannot be reused, so the
+    // forwarder never signals a stranger. Then disarm it, then reap (with the rusage).
+    let retry = |what: &str, rc: libc::c_int| -> Result<bool> {
+        if rc >= 0 {
+            return Ok(true);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EINTR) {
+            Ok(false)
+        } else {
+            Err(Error::os(e, what.to_string()))
+        }
+    };
+    // SAFETY: a zeroed siginfo_t is valid for waitid to fill.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waiting, without reaping, for our own child with a valid out-pointer.
+    while !retry("waiting for the program", unsafe {
+        libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOWAIT)
+    })? {}
+    drop(signals);
     let mut status = 0;
     // SAFETY: zeroed rusage is valid for wait4 to fill.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    loop {
-        // SAFETY: waiting for our own child with valid out-pointers.
-        let rc = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-        if rc == pid {
-            break;
-        }
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::EINTR) {
-            return Err(Error::os(e, "waiting for the program"));
-        }
-    }
+    // SAFETY: reaping our own child, which has ended, with valid out-pointers.
+    while !retry("reaping the program", unsafe { libc::wait4(pid, &mut status, 0, &mut usage) })? {}
     let elapsed = started.elapsed();
     let exit = std::process::ExitStatus::from_raw(status);
     let ending = match (exit.code(), exit.signal()) {
@@ -189,39 +200,65 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     Ok((ending, elapsed, usage.ru_maxrss as u64 * 1024))
 }
 
+/// How a program that cannot be started is reported (the CLI exits 127 or 126 for it, as a
+/// shell does).
+pub const CANNOT_START: &str = "cannot start ";
+
 /// The program `tiermem run` waits for: where [`forward_to_program`] sends a signal (0: none).
 static PROGRAM_PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
-extern "C" fn forward_to_program(sig: libc::c_int) {
+extern "C" fn forward_to_program(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // A hangup from the terminal (sent by the kernel) reaches the program's process group by
+    // itself: passing it on would deliver it twice.
+    // SAFETY: the kernel hands an SA_SIGINFO handler a valid siginfo_t.
+    if !info.is_null() && unsafe { (*info).si_code } == libc::SI_KERNEL {
+        return;
+    }
     let pid = PROGRAM_PID.load(std::sync::atomic::Ordering::Relaxed);
     if pid > 0 {
-        // SAFETY: kill is async-signal-safe; the pid is our unreaped child, so it is not reused.
+        // The interrupted code must find errno as it left it; kill may change it.
+        // SAFETY: __errno_location gives this thread's errno, valid for the thread's life.
+        let errno = unsafe { libc::__errno_location() };
+        // SAFETY: reading this thread's errno (see above).
+        let saved = unsafe { *errno };
+        // SAFETY: kill is async-signal-safe. The pid is our child, not yet reaped (the forwarder
+        // is disarmed before it is), so it cannot belong to another process.
         unsafe { libc::kill(pid, sig) };
+        // SAFETY: writing this thread's errno back (see above).
+        unsafe { *errno = saved };
     }
 }
 
 /// While the program runs: SIGINT and SIGQUIT ignored (as a shell does while it waits for a
 /// foreground job: the terminal sends them to the program too), SIGTERM and SIGHUP passed on to
 /// the program (sent to `tiermem run` alone they would otherwise kill it and leave the program
-/// running without it, and its statistics directory behind). Restored on drop.
+/// running without it, and its statistics directory behind). A signal sent to the whole process
+/// group reaches the program twice, once from us (a terminal's hangup excepted). Restored on drop.
 struct ForwardSignals {
-    previous: [(libc::c_int, libc::sighandler_t); 4],
+    previous: [(libc::c_int, libc::sigaction); 4],
 }
 
 impl ForwardSignals {
     fn new(program: libc::pid_t) -> Self {
         PROGRAM_PID.store(program, std::sync::atomic::Ordering::Relaxed);
-        let forward = forward_to_program as extern "C" fn(libc::c_int) as libc::sighandler_t;
-        let set = |sig, handler| {
-            // SAFETY: setting the disposition of a signal in this process; restored on drop.
-            // The handler only calls kill(2).
-            (sig, unsafe { libc::signal(sig, handler) })
+        let forward = forward_to_program as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void);
+        let set = |sig, handler: libc::sighandler_t, flags| {
+            // SAFETY: all-zero is a valid sigaction (empty mask) that is filled in before use.
+            let (mut action, mut previous): (libc::sigaction, libc::sigaction) = unsafe { std::mem::zeroed() };
+            action.sa_sigaction = handler;
+            action.sa_flags = flags;
+            // SAFETY: emptying a sigset_t we own.
+            unsafe { libc::sigemptyset(&mut action.sa_mask) };
+            // SAFETY: setting the disposition of a valid signal in this process, saving the old
+            // one, restored on drop. The handler only calls kill(2).
+            unsafe { libc::sigaction(sig, &action, &mut previous) };
+            (sig, previous)
         };
         let previous = [
-            set(libc::SIGINT, libc::SIG_IGN),
-            set(libc::SIGQUIT, libc::SIG_IGN),
-            set(libc::SIGTERM, forward),
-            set(libc::SIGHUP, forward),
+            set(libc::SIGINT, libc::SIG_IGN, 0),
+            set(libc::SIGQUIT, libc::SIG_IGN, 0),
+            set(libc::SIGTERM, forward as libc::sighandler_t, libc::SA_SIGINFO | libc::SA_RESTART),
+            set(libc::SIGHUP, forward as libc::sighandler_t, libc::SA_SIGINFO | libc::SA_RESTART),
         ];
         Self { previous }
     }
@@ -229,9 +266,9 @@ impl ForwardSignals {
 
 impl Drop for ForwardSignals {
     fn drop(&mut self) {
-        for (sig, previous) in self.previous {
+        for (sig, previous) in &self.previous {
             // SAFETY: restoring a disposition saved in new().
-            unsafe { libc::signal(sig, previous) };
+            unsafe { libc::sigaction(*sig, previous, std::ptr::null_mut()) };
         }
         PROGRAM_PID.store(0, std::sync::atomic::Ordering::Relaxed);
     }

@@ -900,25 +900,31 @@ fn read_exactly(conn: &mut std::os::unix::net::UnixStream, n: usize) -> Vec<u8> 
 
 /// Stops the test's redis-server however the test ends: a failed check must not leave the
 /// server running, or the scope holding `tiermem run -- redis-server` would wait for it forever.
-/// Asks politely first (SHUTDOWN NOSAVE over a fresh connection), then kills whatever still
-/// runs with this socket on its command line (the path is unique to the test's scratch dir).
-struct RedisShutdown<'a>(&'a Path);
+/// Asks politely first (SHUTDOWN NOSAVE over a fresh connection), then kills the server by the
+/// pid in its pid file; `tiermem run` then ends by itself and cleans up.
+struct RedisShutdown<'a> {
+    socket: &'a Path,
+    pid_file: &'a Path,
+}
 
 impl Drop for RedisShutdown<'_> {
     fn drop(&mut self) {
         use std::io::Write;
-        if let Ok(mut c) = std::os::unix::net::UnixStream::connect(self.0) {
+        if let Ok(mut c) = std::os::unix::net::UnixStream::connect(self.socket) {
             let _ = c.write_all(b"*2\r\n$8\r\nSHUTDOWN\r\n$6\r\nNOSAVE\r\n");
         }
-        let pattern = self.0.display().to_string();
+        let Some(pid) = std::fs::read_to_string(self.pid_file).ok().and_then(|t| t.trim().parse::<i32>().ok()) else {
+            return;
+        };
         for _ in 0..100 {
-            let alive = Command::new("pgrep").args(["-f", &pattern]).output().is_ok_and(|o| o.status.success());
-            if !alive {
+            // SAFETY: signal 0 only asks whether the process exists.
+            if unsafe { libc::kill(pid, 0) } != 0 {
                 return;
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        let _ = Command::new("pkill").args(["-KILL", "-f", &pattern]).status();
+        // SAFETY: the server this test started, still running after five seconds.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
     }
 }
 
@@ -939,6 +945,8 @@ fn a_redis_server_linked_with_jemalloc_serves_every_value_under_a_small_budget()
         let socket = scratch.path().join("redis.sock");
         let socket_arg = socket.display().to_string();
         let dir_arg = scratch.path().display().to_string();
+        let pid_file = scratch.path().join("redis.pid");
+        let pid_arg = pid_file.display().to_string();
         let server = std::thread::scope(|scope| {
             let run = scope.spawn(|| {
                 let program = [
@@ -957,10 +965,12 @@ fn a_redis_server_linked_with_jemalloc_serves_every_value_under_a_small_budget()
                     "no",
                     "--loglevel",
                     "warning",
+                    "--pidfile",
+                    &pid_arg,
                 ];
                 run_managed(&scratch, "12MiB", &["--fault-mode", mode, "--device", "mem"], &program)
             });
-            let shutdown = RedisShutdown(&socket);
+            let shutdown = RedisShutdown { socket: &socket, pid_file: &pid_file };
             let mut conn = None;
             for _ in 0..3000 {
                 if let Ok(c) = std::os::unix::net::UnixStream::connect(&socket) {
@@ -1067,7 +1077,7 @@ fn bad_options_fail_before_the_program_starts() {
         // Errors name what the user wrote: the flag, or the variable.
         (&["--limit=0"], &[], "--limit=0"),
         (&[], &[("TIERMEM_LIMIT", "0")], "TIERMEM_LIMIT=0"),
-        (&["--limit", "1G", "--device", &notes_arg], &[], "did not write"),
+        (&["--limit", "1G", "--device", &notes_arg], &[], "not marked as a device file"),
         (&["--limit", "1G", "--stats-json", &no_dir_stats], &[], "--stats-json"),
         (&["--limit", "18446744073709551616"], &[], "too large"),
         (&["--limit", "1G", "--device-size", "1"], &[], "at least 1 MiB"),
@@ -1143,8 +1153,22 @@ fn sigterm_to_tiermem_run_reaches_the_program_and_a_device_file_it_made_goes() {
     ]);
     // Where tempfile puts tiermem's statistics directory, so the test can see it go.
     command.env("TMPDIR", &stats).stderr(Stdio::piped());
-    let child = command.spawn().unwrap();
-    let pid = child.id() as i32;
+    /// If a check fails before the signal: tiermem run and the program stop anyway.
+    struct Stop<'a>(Option<std::process::Child>, &'a Path);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            if let Some(mut child) = self.0.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            if let Some(pid) = std::fs::read_to_string(self.1).ok().and_then(|t| t.trim().parse::<i32>().ok()) {
+                // SAFETY: signalling the test's own program (sleep), if still there.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
+    let mut stop = Stop(Some(command.spawn().unwrap()), &started);
+    let pid = stop.0.as_ref().expect("just spawned").id() as i32;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !started.exists() {
         assert!(std::time::Instant::now() < deadline, "{name}: the program never started");
@@ -1152,7 +1176,7 @@ fn sigterm_to_tiermem_run_reaches_the_program_and_a_device_file_it_made_goes() {
     }
     // SAFETY: signalling our own child.
     unsafe { libc::kill(pid, libc::SIGTERM) };
-    let out = child.wait_with_output().unwrap();
+    let out = stop.0.take().expect("still ours").wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.signal(), Some(libc::SIGTERM), "{name}: {:?}: {err}", out.status);
     assert!(err.contains("killed by signal 15"), "{name}: the summary says how the program ended: {err}");

@@ -65,10 +65,11 @@ enum PolledWait {
 impl FileDevice {
     /// Open `path` with O_DIRECT as a device.
     ///
-    /// With `size`, a missing regular file is created (allocated, not written) and a smaller one
-    /// extended (fallocate, then zeros written) to `size` bytes, which must be a non-zero multiple
-    /// of 4096; a block device must be at least that large. Without `size`, the file must exist. Either way the device has one slot per
-    /// whole 4 KiB of the file or block device as it then is.
+    /// With `size`, a missing regular file is created (allocated, not written) and a smaller
+    /// one extended (fallocate, then zeros written) to `size` bytes, which must be a non-zero
+    /// multiple of 4096; a block device must be at least that large. Without `size`, the file
+    /// must exist. Either way the device has one slot per whole 4 KiB of the file or block
+    /// device as it then is.
     pub fn open(path: &Path, size: Option<u64>) -> Result<Self> {
         if let Some(size) = size {
             if size == 0 || size % SLOT_BYTES != 0 {
@@ -79,10 +80,12 @@ impl FileDevice {
             }
         }
         let (file, created) = open_direct(path, size.is_some())?;
-        if created {
-            // Marks the file as tiermem's: `tiermem run` refuses to page into a file holding
-            // data without this mark (someone's file, named by mistake). Best effort: a file
-            // system without user attributes only loses the reuse of the file.
+        if file.metadata().is_ok_and(|m| m.is_file()) {
+            // Marks the file as a device file: `tiermem run` refuses to page into a file holding
+            // data without this mark (someone's file, named by mistake). Set on every open, so
+            // a file the user made for tiermem (`fallocate`) is reusable after its first run.
+            // Best effort: where the file system keeps no user attributes, such a file is
+            // refused once it holds data, with a message that says so.
             let _ = rustix::fs::fsetxattr(&file, OWNER_XATTR, b"tiermem", rustix::fs::XattrFlags::empty());
         }
         // One engine per device file: two would hand out the same slots. A device just closed
@@ -178,7 +181,7 @@ impl FileDevice {
                 _ => metadata.len(),
             }
         } else {
-            return Err(Error::invalid(format!("{shown} is neither a regular file nor a block device")));
+            return Err(not_a_device(path));
         };
         let slots = bytes / SLOT_BYTES;
         if slots == 0 {
@@ -223,7 +226,14 @@ impl FileDevice {
     }
 }
 
-/// The extended attribute on device files tiermem created (see [`FileDevice::open`]).
+fn not_a_device(path: &Path) -> Error {
+    Error::invalid(format!(
+        "{} is neither a regular file nor a block device (a character device, pipe or socket cannot hold pages)",
+        path.display()
+    ))
+}
+
+/// The extended attribute on regular files opened as devices (see [`FileDevice::open`]).
 pub const OWNER_XATTR: &str = "user.tiermem.device";
 
 /// Open read-write with O_DIRECT; with `may_create`, create the file if it is missing. Returns
@@ -233,17 +243,31 @@ fn open_direct(path: &Path, may_create: bool) -> Result<(File, bool)> {
     let kind = std::fs::metadata(path).map(|m| m.file_type());
     if let Ok(t) = &kind {
         if !(t.is_file() || t.is_block_device() || t.is_dir()) {
-            return Err(Error::invalid(format!(
-                "{} is neither a regular file nor a block device (a character device, pipe or socket cannot hold pages)",
-                path.display()
-            )));
+            return Err(not_a_device(path));
         }
     }
     let block_device = kind.is_ok_and(|t| t.is_block_device());
+    if block_device {
+        // A device this process just closed may stay held a moment (the kernel tears io_uring
+        // rings and their files down asynchronously), which O_EXCL sees as EBUSY: retried for
+        // up to two seconds, as the engine lock is.
+        let mut tries = 0;
+        loop {
+            let opened =
+                OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT | libc::O_EXCL).open(path);
+            match opened {
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 200 => {
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Ok(file) => return Ok((file, false)),
+                Err(e) => return Err(open_error(e, path)),
+            }
+        }
+    }
     let open = |create: bool| {
         let mut options = OpenOptions::new();
-        let exclusive = if block_device { libc::O_EXCL } else { 0 };
-        options.read(true).write(true).custom_flags(libc::O_DIRECT | exclusive);
+        options.read(true).write(true).custom_flags(libc::O_DIRECT);
         if create {
             options.create_new(true).mode(0o600);
         }
@@ -270,7 +294,7 @@ fn open_direct(path: &Path, may_create: bool) -> Result<(File, bool)> {
 }
 
 /// Refuse a device path that holds someone's data, for callers whose device contents are
-/// scratch (`tiermem run`, the benchmarks): a regular file with data that tiermem did not create
+/// scratch (`tiermem run`): a regular file with data that tiermem did not create
 /// (no [`OWNER_XATTR`]; sparse and fallocated files hold none), or a block device carrying a
 /// partition table, file system or swap signature. A typo such as `file:/dev/vda` or
 /// `file:notes.txt` must not be paged over.
@@ -304,8 +328,10 @@ pub fn refuse_foreign_data(path: &Path) -> Result<()> {
         _ => Err(Error::new(
             ErrorKind::InvalidInput,
             format!(
-                "{shown} already holds {} bytes of data that tiermem did not write, and paging would overwrite \
-                 it; name a new file, an empty one, or a directory (for a temporary device file)",
+                "{shown} already holds {} bytes of data and is not marked as a device file (no {OWNER_XATTR} \
+                 attribute), so paging might overwrite someone's data; name a new file, an empty one, or a \
+                 directory (for a temporary device file), or if it is a device file of tiermem on a file system \
+                 without user attributes, remove it (rm {shown})",
                 metadata.len()
             ),
         )),
@@ -328,8 +354,10 @@ fn read_up_to(file: &File, buf: &mut [u8]) -> io::Result<usize> {
 /// What the first bytes of a block device say it holds, if anything known.
 fn signature(head: &[u8]) -> Option<&'static str> {
     let at = |offset: usize, magic: &[u8]| head.get(offset..offset + magic.len()) == Some(magic);
-    let known: [(usize, &[u8], &'static str); 9] = [
+    let known: [(usize, &[u8], &'static str); 11] = [
         (1080, &[0x53, 0xEF], "an ext2/3/4 file system"),
+        (512, b"LABELONE", "an LVM physical volume"),
+        (4096, &[0xFC, 0x4E, 0x2B, 0xA9], "a Linux RAID (md) member"),
         (0, b"XFSB", "an XFS file system"),
         (65600, b"_BHRfS_M", "a btrfs file system"),
         (0, b"LUKS\xba\xbe", "a LUKS container"),
@@ -378,7 +406,7 @@ fn open_error(e: io::Error, path: &Path) -> Error {
             format!("no permission to open device file {shown} for reading and writing"),
         ),
         Some(libc::EBUSY) => Error::os_kind(
-            ErrorKind::Busy,
+            ErrorKind::InUse,
             e,
             format!(
                 "block device {shown} is in use (mounted, or held by another program); tiermem will not write to it"

@@ -205,9 +205,12 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
     }
     let device = match settings.device.open(capacity) {
         Ok(d) => d,
-        Err(e) if e.kind() == ErrorKind::Busy => {
+        Err(e)
+            if e.kind() == ErrorKind::Busy
+                && matches!(&settings.device, tiermem_device::DeviceSpec::File(p) if p.is_file()) =>
+        {
             // Another process (our parent, before it exec'ed us) holds the named file: use a
-            // private file beside it instead.
+            // private file beside it instead. Not for a block device: beside it is /dev, memory.
             let dir = match &settings.device {
                 tiermem_device::DeviceSpec::File(path) => path.parent().map(std::path::Path::to_path_buf),
                 tiermem_device::DeviceSpec::Mem => None,

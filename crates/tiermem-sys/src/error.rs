@@ -23,6 +23,8 @@ pub enum ErrorKind {
     Io,
     /// The resource is held by someone else (a device file another engine uses).
     Busy,
+    /// A block device is in use outside tiermem (mounted, or held open exclusively).
+    InUse,
     /// An invariant of tiermem itself broke; a bug.
     Internal,
 }

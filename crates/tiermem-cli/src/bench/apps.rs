@@ -155,9 +155,9 @@ impl LimitedRunArgs {
         if let Some(t) = self.timeout {
             // A year is far past any run, and far below what a Duration holds.
             if !(t > 0.0 && t <= 365.0 * 86400.0) {
-                return Err(Error::invalid(format!(
-                    "--timeout {t:e}: must be a positive number of seconds, at most a year"
-                )));
+                return Err(Error::invalid(
+                    "--timeout must be a positive number of seconds, at most a year (365 days)",
+                ));
             }
         }
         Ok(())

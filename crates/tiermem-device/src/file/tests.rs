@@ -487,7 +487,7 @@ fn a_file_holding_someone_elses_data_is_refused_and_tiermems_own_is_not() {
     let err = refuse_foreign_data(&notes).unwrap_err();
     let (kind, text) = (err.kind(), err.to_string());
     assert_eq!(kind, ErrorKind::InvalidInput);
-    assert!(text.contains("notes.txt") && text.contains("did not write"), "{text}");
+    assert!(text.contains("notes.txt") && text.contains("not marked as a device file"), "{text}");
     // A device file tiermem created and wrote is its own: reusable. (Where the file system
     // keeps no user attributes the mark is missing and the file is refused: skip that part.)
     let own = dir.path().join("device");
@@ -502,6 +502,25 @@ fn a_file_holding_someone_elses_data_is_refused_and_tiermems_own_is_not() {
         return;
     }
     assert!(refuse_foreign_data(&own).is_ok());
+    // A file the user made for tiermem (empty, as `fallocate` leaves it) is marked on its first
+    // use, so it stays usable once it holds pages.
+    let made = dir.path().join("made-by-the-user");
+    std::fs::File::create(&made).unwrap().set_len(64 * SLOT_BYTES).unwrap();
+    assert!(refuse_foreign_data(&made).is_ok());
+    {
+        let device = FileDevice::open(&made, None).unwrap();
+        RoundTrip::new(QueueKind::Completion, 8, 64, 4, 0..64).run(&device, &mut PageModel::new());
+    }
+    assert!(refuse_foreign_data(&made).is_ok());
+}
+
+#[test]
+fn character_devices_pipes_and_sockets_are_not_devices() {
+    for path in ["/dev/null", "/dev/zero"] {
+        let (kind, text) = message_of(FileDevice::open(Path::new(path), Some(16 * SLOT_BYTES)));
+        assert_eq!(kind, ErrorKind::InvalidInput, "{path}: {text}");
+        assert!(text.contains("neither a regular file nor a block device"), "{path}: {text}");
+    }
 }
 
 #[test]
