@@ -296,3 +296,43 @@ fn assert_no_leftovers(swap_dir: &Path) {
         .collect();
     assert!(cgroups.is_empty(), "cgroups left behind: {cgroups:?}");
 }
+
+/// What a killed run left (its swap file still on, its cgroup still there) is removed by the
+/// next run: names carry the owner's pid, and only a dead owner's leftovers go.
+#[test]
+fn leftovers_of_a_dead_run_are_removed_and_a_live_one_s_are_kept() {
+    skip_unless_privileged!();
+    let dir = swap_scratch_dir();
+    // A pid that is gone: a child that ran and was reaped.
+    let mut child = Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let (_, hierarchy) = memory_hierarchy().unwrap();
+    let stale_cgroup = hierarchy.join(format!("tiermem-stale-{dead}-0"));
+    std::fs::create_dir(&stale_cgroup).unwrap();
+    let stale_swap = dir.path().join(format!("tiermem-swap-{dead}-0.swap"));
+    let made = Command::new("sh")
+        .arg("-c")
+        .arg(format!("fallocate -l 16M {0} && chmod 600 {0} && mkswap -q {0} && swapon {0}", stale_swap.display()))
+        .status()
+        .unwrap();
+    if !made.success() {
+        let _ = std::fs::remove_dir(&stale_cgroup);
+        eprintln!("SKIPPED leftovers test: cannot make a swap file by hand here (fallocate/mkswap/swapon)");
+        return;
+    }
+    // This test's own resources (a live pid) must survive the sweep.
+    let live = MemCgroup::create("tiermem-test", 64 * MIB).expect("memory cgroup");
+    tiermem_cli::bench::linux_swap::remove_stale_leftovers();
+    let swap_left = swap_is_active(&stale_swap);
+    if swap_left {
+        let _ = Command::new("swapoff").arg(&stale_swap).status();
+    }
+    let cgroup_left = stale_cgroup.exists();
+    if cgroup_left {
+        let _ = std::fs::remove_dir(&stale_cgroup);
+    }
+    assert!(!swap_left && !stale_swap.exists(), "the dead run's swap file was kept");
+    assert!(!cgroup_left, "the dead run's cgroup was kept");
+    assert!(live.path().is_dir(), "a live run's cgroup was removed");
+}

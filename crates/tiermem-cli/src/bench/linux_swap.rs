@@ -358,6 +358,46 @@ fn teardown_swap_file(path: &Path) -> Result<()> {
     }
 }
 
+/// Whether process `pid` is gone (signal 0 says no such process).
+fn process_gone(pid: u32) -> bool {
+    let Some(pid) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) else { return false };
+    rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH)
+}
+
+/// The pid in a name `PREFIX-PID-SEQ` that tiermem gives its swap files and cgroups, if it is one.
+fn owner_pid(name: &str, prefix: &str) -> Option<u32> {
+    let rest = name.strip_prefix(prefix)?;
+    let mut parts = rest.trim_end_matches(".swap").rsplitn(3, '-');
+    let (_seq, pid) = (parts.next()?.parse::<u64>().ok()?, parts.next()?.parse::<u32>().ok()?);
+    Some(pid)
+}
+
+/// Remove what a killed run (SIGKILL, a crash of the machine's OOM killer) could not: active swap
+/// files and memory cgroups tiermem made (`tiermem-swap-PID-SEQ.swap`, `tiermem-*-PID-SEQ`)
+/// whose process is gone. Each removal is reported on stderr; failures are reported and skipped.
+pub fn remove_stale_leftovers() {
+    for path in active_swap_paths().unwrap_or_default() {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if owner_pid(&name, "tiermem-swap-").is_some_and(process_gone) {
+            match teardown_swap_file(&path) {
+                Ok(()) => eprintln!("tiermem: removed swap file {} left by a killed run", path.display()),
+                Err(e) => eprintln!("tiermem: warning: {e}"),
+            }
+        }
+    }
+    let Ok((_, root)) = memory_hierarchy() else { return };
+    let Ok(entries) = std::fs::read_dir(&root) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("tiermem-") && owner_pid(&name, "").is_some_and(process_gone) {
+            match teardown_cgroup(&entry.path(), &root.join("cgroup.procs")) {
+                Ok(()) => eprintln!("tiermem: removed memory cgroup {} left by a killed run", entry.path().display()),
+                Err(e) => eprintln!("tiermem: warning: {e}"),
+            }
+        }
+    }
+}
+
 /// The swap areas the kernel currently has active, as listed in /proc/swaps.
 pub fn active_swap_paths() -> Result<Vec<PathBuf>> {
     let table = std::fs::read_to_string("/proc/swaps").map_err(|e| Error::os(e, "reading /proc/swaps"))?;
