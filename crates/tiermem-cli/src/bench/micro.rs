@@ -44,7 +44,8 @@ pub fn validate_micro_args(size_mb: u64, limit_mb: u64, dir: &Path) -> Result<()
         return Err(Error::invalid(format!("--dir {} is not a directory", dir.display())));
     }
     // Actually creating a file is the only reliable test (root ignores mode bits, not read-only mounts).
-    tempfile::tempfile_in(dir).map_err(|e| Error::os(e, format!("--dir {} is not writable", dir.display())))?;
+    tempfile::tempfile_in(dir)
+        .map_err(|e| Error::os(e, format!("--dir {}: cannot create a file there", dir.display())))?;
     Ok(())
 }
 
