@@ -1860,3 +1860,65 @@ fn double_and_invalid_frees_stop_the_program_with_a_message() {
         }
     }
 }
+
+/// A new named device file is sized by the free space of its file system, as a temporary one
+/// is: on a small file system, a device sized for the machine's memory could not be made at all.
+#[test]
+fn a_new_named_device_file_fits_its_file_system() {
+    let name = "a_new_named_device_file_fits_its_file_system";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("SKIPPED {name}: needs root to mount a small file system");
+        return;
+    }
+    let scratch = Scratch::new();
+    let mount_point = scratch.path().join("small");
+    std::fs::create_dir(&mount_point).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=256m", "tiermem-test", mount_point.to_str().unwrap()])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("SKIPPED {name}: cannot mount a tmpfs here");
+        return;
+    }
+    /// Unmounts however the test ends.
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            for _ in 0..50 {
+                if Command::new("umount").arg(self.0).status().is_ok_and(|s| s.success()) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            // Still busy after five seconds: detach it so it goes once nothing uses it.
+            let _ = Command::new("umount").arg("-l").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(&mount_point);
+    let device = mount_point.join("dev");
+    let device_arg = format!("file:{}", device.display());
+    let script = format!(
+        "import os; x = bytearray(48 << 20); x[::4096] = b'\\x01' * (len(x) // 4096); print(sum(x[::4096]), os.stat({:?}).st_size)",
+        device.display().to_string()
+    );
+    let out = scratch
+        .command(&["run", "--limit", "16MiB", "--device", &device_arg, "--", "python3", "-c", &script])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() && err.contains("O_DIRECT") {
+        eprintln!("SKIPPED {name}: tmpfs here takes no O_DIRECT");
+        return;
+    }
+    assert!(out.status.success(), "{name}: {err}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut fields = text.split_whitespace();
+    assert_eq!(fields.next(), Some("12288"), "{name}: every page back: {text}");
+    let size: u64 = fields.next().and_then(|s| s.parse().ok()).expect("the device file's size");
+    assert!(size <= 128 << 20, "{name}: a {size}-byte device on a 256 MiB file system");
+    assert!(!device.exists(), "{name}: the device file the run made is still there");
+}

@@ -194,11 +194,20 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
         die(&["tiermem: the engine was needed before the settings were read"]);
     };
     let mut capacity = settings.device_capacity(machine_memory());
-    if let (None, tiermem_device::DeviceSpec::File(dir)) = (settings.device_bytes, &settings.device) {
-        // A temporary file takes at most half the free space left in its file system.
-        if let Ok(fs) = rustix::fs::statvfs(dir.as_path()) {
+    if let (None, tiermem_device::DeviceSpec::File(path)) = (settings.device_bytes, &settings.device) {
+        // A file tiermem makes (a temporary one in a directory, or a new named one) takes at
+        // most half the free space left in its file system. An existing file or block device
+        // keeps its size.
+        let dir = if path.is_dir() {
+            Some(path.as_path())
+        } else if !path.exists() {
+            path.parent().map(|p| if p.as_os_str().is_empty() { std::path::Path::new(".") } else { p })
+        } else {
+            None
+        };
+        if let Some(fs) = dir.and_then(|d| rustix::fs::statvfs(d).ok()) {
             let free = fs.f_bavail.saturating_mul(fs.f_frsize);
-            if dir.is_dir() && free > 0 {
+            if free > 0 {
                 capacity = capacity.min((free / 2).max(64 << 20) / 4096 * 4096);
             }
         }
