@@ -1922,3 +1922,73 @@ fn a_new_named_device_file_fits_its_file_system() {
     assert!(size <= 128 << 20, "{name}: a {size}-byte device on a 256 MiB file system");
     assert!(!device.exists(), "{name}: the device file the run made is still there");
 }
+
+/// A SIGBUS that is not the engine's kills the program as it would without tiermem, in sigbus
+/// mode too: a file mapping read past its end (the kernel's SIGBUS at an address tiermem does
+/// not manage), and a SIGBUS the program raises itself. Both used to be swallowed: the first
+/// spun forever, the second let the program go on and exit 0.
+const FOREIGN_SIGBUS: &str = r#"
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+int main(int argc, char** argv) {
+    const size_t n = 32u << 20;
+    unsigned char* p = (unsigned char*)malloc(n);  // managed: the engine is running
+    memset(p, 1, n);
+    if (argv[1][0] == 'r') {
+        raise(SIGBUS);
+    } else {
+        int fd = open(argv[2], O_RDWR | O_CREAT | O_TRUNC, 0600);
+        if (fd < 0 || ftruncate(fd, 4096) != 0) { perror("file"); return 2; }
+        volatile char* m = (volatile char*)mmap(nullptr, 8192, PROT_READ, MAP_SHARED, fd, 0);
+        if (m == MAP_FAILED) { perror("mmap"); return 2; }
+        char c = m[5000];  // past the end of the file
+        printf("read %d\n", c);
+    }
+    printf("survived\n");
+    return 0;
+}
+"#;
+
+#[test]
+fn a_sigbus_that_is_not_the_engines_kills_the_program() {
+    let name = "a_sigbus_that_is_not_the_engines_kills_the_program";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    use std::os::unix::process::ExitStatusExt;
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, FOREIGN_SIGBUS, "foreign_sigbus", name) else { return };
+    let bin = bin.display().to_string();
+    let file = scratch.path().join("short.dat").display().to_string();
+    for mode in ["sigbus", "thread"] {
+        for how in ["raise", "past-eof"] {
+            let mut command =
+                scratch.command(&["run", "--quiet", "--limit", "8MiB", "--fault-mode", mode, "--", &bin, how, &file]);
+            let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            let status = loop {
+                if let Some(status) = child.try_wait().unwrap() {
+                    break status;
+                }
+                if std::time::Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("{name}: {mode} {how}: still running after 60 s (the SIGBUS was swallowed)");
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            let out = child.wait_with_output().unwrap();
+            assert_eq!(
+                status.signal(),
+                Some(libc::SIGBUS),
+                "{name}: {mode} {how}: {status:?}, stdout {}",
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+    }
+}

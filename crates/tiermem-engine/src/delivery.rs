@@ -172,16 +172,42 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *
     chain_to_previous(sig, info, context);
 }
 
+/// The kernel's `struct sigaction` for rt_sigaction(2) on x86-64 (not glibc's layout).
+#[repr(C)]
+struct KernelSigaction {
+    handler: libc::sighandler_t,
+    flags: libc::c_ulong,
+    restorer: usize,
+    mask: u64,
+}
+
 #[allow(clippy::multiple_unsafe_ops_per_block)] // calling the saved handler is one FFI act
 fn chain_to_previous(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
     let prev = PREVIOUS_ACTION.load(Ordering::Acquire);
     // SAFETY: prev is null or points to a leaked sigaction saved at install time.
     let handler = if prev.is_null() { libc::SIG_DFL } else { unsafe { (*prev).sa_sigaction } };
     if handler == libc::SIG_DFL || handler == libc::SIG_IGN {
-        // Restore the default action; returning re-executes the access, which now kills the
-        // process with SIGBUS as it would have without tiermem.
-        // SAFETY: resetting a signal to its default disposition.
-        unsafe { libc::signal(sig, libc::SIG_DFL) };
+        // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
+        let sent = unsafe { (*info).si_code } <= 0; // kill, tkill, sigqueue: not a fault
+        if sent && handler == libc::SIG_IGN {
+            return; // ignored, as it would have been without tiermem
+        }
+        // The default action, as without tiermem: set by the raw system call, since `signal`
+        // and `sigaction` here may be the preload's own wrappers, which would only record it
+        // as the program's wish and leave this handler in place (a faulting access would then
+        // come back here forever). A fault's access re-executes on return and dies of it; a
+        // sent signal does not re-execute, so it is raised again: blocked while this handler
+        // runs, it is delivered, with the default action, as the handler returns.
+        let default = KernelSigaction { handler: libc::SIG_DFL, flags: 0, restorer: 0, mask: 0 };
+        // SAFETY: rt_sigaction with a valid kernel sigaction for this signal and the kernel's
+        // sigset size; no old action is asked for.
+        unsafe { libc::syscall(libc::SYS_rt_sigaction, sig, &default, std::ptr::null_mut::<KernelSigaction>(), 8) };
+        if sent {
+            // SAFETY: raising a signal on this thread (tgkill is async-signal-safe).
+            unsafe {
+                libc::syscall(libc::SYS_tgkill, libc::getpid(), rustix::thread::gettid().as_raw_nonzero().get(), sig)
+            };
+        }
         return;
     }
     // SAFETY: the previous handler was installed by this process for this signal; it is called
