@@ -1992,3 +1992,43 @@ fn a_sigbus_that_is_not_the_engines_kills_the_program() {
         }
     }
 }
+
+/// A program that puts a file of its own at fd 2 (as daemons do) must not find tiermem's
+/// messages in it: they go to the stderr the program started with.
+const OWN_FD2: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <unistd.h>
+int main(int argc, char** argv) {
+    close(2);
+    int fd = open(argv[1], O_RDWR | O_CREAT | O_TRUNC, 0600);  // becomes fd 2
+    if (fd != 2) return 3;
+    if (write(fd, "DATA\n", 5) != 5) return 4;
+    void* huge = malloc(1ul << 46);  // more than any device: tiermem says it is left to the C library
+    char buf[256] = {0};
+    if (pread(fd, buf, sizeof buf - 1, 0) < 0) return 5;
+    printf("%s|%s", huge ? "ok" : "null", buf);
+    return 0;
+}
+"#;
+
+#[test]
+fn tiermem_s_messages_never_land_in_the_program_s_own_fd_2() {
+    let name = "tiermem_s_messages_never_land_in_the_program_s_own_fd_2";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, OWN_FD2, "own_fd2", name) else { return };
+    let data = scratch.path().join("data.txt");
+    let out = scratch
+        .command(&["run", "--quiet", "--limit", "16MiB", "--", bin.to_str().unwrap(), data.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name}: {err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "null|DATA\n", "{name}: the program's file holds only its data");
+    assert!(err.contains("served by the C library"), "{name}: the message went to the real stderr: {err}");
+}

@@ -105,7 +105,7 @@ fn report_failure(addr: usize, e: Errno) {
         format_args!("tiermem: cannot bring in page at {addr:#x}: {e}; raising SIGBUS\n"),
     );
     let len = w.len;
-    let _ = rustix::io::write(rustix::stdio::stderr(), &msg[..len]);
+    tiermem_sys::messages::write(&msg[..len]);
 }
 
 struct Writer<'a> {

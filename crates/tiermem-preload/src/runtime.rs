@@ -84,15 +84,8 @@ pub fn say(parts: &[&str]) {
     }
 }
 
-fn write_all_stderr(mut rest: &[u8]) {
-    while !rest.is_empty() {
-        match rustix::io::write(rustix::stdio::stderr(), rest) {
-            Ok(n) if n > 0 => rest = &rest[n..],
-            Ok(_) => break,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(_) => break,
-        }
-    }
+fn write_all_stderr(rest: &[u8]) {
+    tiermem_sys::messages::write(rest);
 }
 
 /// Report a condition the program cannot survive and stop it (no unwinding, no atexit).
@@ -107,6 +100,9 @@ pub fn load_settings() {
     if SETTINGS.get().is_some() {
         return;
     }
+    // Before anything can go wrong: messages go to the stderr the program started with, even
+    // if it later puts a file of its own at fd 2.
+    tiermem_sys::messages::keep_stderr();
     match RunSettings::from_env() {
         Ok(settings) => {
             SIGBUS_MODE.store(settings.engine.fault_mode == FaultMode::Sigbus, Ordering::Release);

@@ -5,6 +5,7 @@
 
 pub mod error;
 pub mod mem;
+pub mod messages;
 pub mod pagemap;
 pub mod probe;
 pub mod uffd;
