@@ -156,6 +156,17 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     let mut command = Command::new(name);
     command.args(args);
     prepare(&mut command);
+    // If tiermem is killed outright (SIGKILL: nothing to forward), the program goes with it
+    // rather than run on, unmanaged by anyone and unreported.
+    let tie_to_us = || {
+        // SAFETY: prctl is async-signal-safe and changes only this child, between fork and exec.
+        if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    };
+    // SAFETY: the hook only calls prctl, which is safe between fork and exec.
+    unsafe { std::os::unix::process::CommandExt::pre_exec(&mut command, tie_to_us) };
     let started = Instant::now();
     let child = command.spawn().map_err(|e| {
         let kind = if e.kind() == std::io::ErrorKind::NotFound { ErrorKind::NotFound } else { ErrorKind::Io };
@@ -230,12 +241,12 @@ extern "C" fn forward_to_program(sig: libc::c_int, info: *mut libc::siginfo_t, _
 }
 
 /// While the program runs: SIGINT and SIGQUIT ignored (as a shell does while it waits for a
-/// foreground job: the terminal sends them to the program too), SIGTERM and SIGHUP passed on to
-/// the program (sent to `tiermem run` alone they would otherwise kill it and leave the program
+/// foreground job: the terminal sends them to the program too), SIGTERM, SIGHUP, SIGUSR1 and
+/// SIGUSR2 passed on to the program (sent to `tiermem run` alone they would otherwise kill it and leave the program
 /// running without it, and its statistics directory behind). A signal sent to the whole process
 /// group reaches the program twice, once from us (a terminal's hangup excepted). Restored on drop.
 struct ForwardSignals {
-    previous: [(libc::c_int, libc::sigaction); 4],
+    previous: [(libc::c_int, libc::sigaction); 6],
 }
 
 impl ForwardSignals {
@@ -259,6 +270,8 @@ impl ForwardSignals {
             set(libc::SIGQUIT, libc::SIG_IGN, 0),
             set(libc::SIGTERM, forward as libc::sighandler_t, libc::SA_SIGINFO | libc::SA_RESTART),
             set(libc::SIGHUP, forward as libc::sighandler_t, libc::SA_SIGINFO | libc::SA_RESTART),
+            set(libc::SIGUSR1, forward as libc::sighandler_t, libc::SA_SIGINFO | libc::SA_RESTART),
+            set(libc::SIGUSR2, forward as libc::sighandler_t, libc::SA_SIGINFO | libc::SA_RESTART),
         ];
         Self { previous }
     }

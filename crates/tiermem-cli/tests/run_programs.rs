@@ -2032,3 +2032,50 @@ fn tiermem_s_messages_never_land_in_the_program_s_own_fd_2() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "null|DATA\n", "{name}: the program's file holds only its data");
     assert!(err.contains("served by the C library"), "{name}: the message went to the real stderr: {err}");
 }
+
+/// `tiermem run` killed outright (SIGKILL, which it cannot pass on) takes the program with it,
+/// and a SIGUSR1 sent to it alone reaches the program.
+#[test]
+fn the_program_goes_with_a_killed_tiermem_run_and_gets_its_user_signals() {
+    let name = "the_program_goes_with_a_killed_tiermem_run_and_gets_its_user_signals";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    use std::os::unix::process::ExitStatusExt;
+    let scratch = Scratch::new();
+    let gone = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map_or(true, |stat| stat.rsplit(") ").next().is_some_and(|rest| rest.starts_with('Z')))
+    };
+    for (sig, expect_signal) in [(libc::SIGKILL, libc::SIGKILL), (libc::SIGUSR1, libc::SIGUSR1)] {
+        let started = scratch.path().join(format!("started-{sig}"));
+        let script = format!("echo $$ > {}.tmp; mv {0}.tmp {0}; exec sleep 60", started.display());
+        let mut child =
+            // A tiermem killed outright cannot remove its statistics directory: keep it in the scratch.
+            scratch
+                .command(&["run", "--quiet", "--limit", "16MiB", "--", "sh", "-c", &script])
+                .env("TMPDIR", scratch.path())
+                .spawn()
+                .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !started.exists() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let program: Option<i32> = std::fs::read_to_string(&started).ok().and_then(|t| t.trim().parse().ok());
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let status = child.wait().unwrap();
+        let program = program.unwrap_or_else(|| panic!("{name}: the program never started"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !gone(program) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let alive = !gone(program);
+        if alive {
+            // SAFETY: the test's own program, still running; do not leave it behind.
+            unsafe { libc::kill(program, libc::SIGKILL) };
+        }
+        assert!(!alive, "{name}: signal {sig}: the program outlived tiermem run");
+        assert_eq!(status.signal(), Some(expect_signal), "{name}: signal {sig}: {status:?}");
+    }
+}
