@@ -47,6 +47,16 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
             return p;
         }
     }
+    if flags & libc::MAP_FIXED != 0 && registry::may_overlap(addr as usize, len) {
+        // The new mapping replaces managed pages: the engine must forget them first, as for a
+        // munmap, or it would go on paging the new mapping's pages as its own (reading old data
+        // back over them, dropping them). The kernel would replace them atomically; here another
+        // thread could map into the gap in between, as after an explicit munmap.
+        // SAFETY: the caller asked for this range to be replaced, which unmaps it.
+        if unsafe { munmap(addr, len) } != 0 {
+            return libc::MAP_FAILED;
+        }
+    }
     // SAFETY: the caller's own mmap, passed to the kernel unchanged.
     syscall_result(unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) })
 }
