@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -42,6 +43,43 @@ pub struct RunOutcome {
     /// Whether this user's userfaultfd serves faults taken inside the kernel (see
     /// `tiermem_sys::uffd::Uffd::handles_kernel_faults`): without, the small heap stays with glibc.
     pub kernel_faults: bool,
+    /// The program is a statically linked executable, which no preload reaches.
+    pub static_program: bool,
+}
+
+/// Where `program` would be run from: a path with a slash as given, else the first executable
+/// of that name on PATH.
+fn resolve_program(program: &std::ffi::OsStr) -> Option<PathBuf> {
+    let given = Path::new(program);
+    if program.as_encoded_bytes().contains(&b'/') {
+        return Some(given.to_path_buf());
+    }
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|dir| dir.join(given))
+        .find(|path| std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+}
+
+/// Whether `path` is a 64-bit little-endian ELF executable without a program interpreter
+/// (PT_INTERP): statically linked, so the dynamic loader never runs and LD_PRELOAD is ignored.
+fn statically_linked(path: &Path) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(path) else { return false };
+    let mut header = [0u8; 64];
+    if file.read_exact(&mut header).is_err() || &header[..4] != b"\x7fELF" || header[4] != 2 || header[5] != 1 {
+        return false; // not ELF64 LE: a script, or something this check does not know
+    }
+    let u16_at = |b: &[u8], at: usize| u16::from_le_bytes([b[at], b[at + 1]]) as u64;
+    let phoff = u64::from_le_bytes(header[32..40].try_into().expect("8 bytes"));
+    let (entry_size, count) = (u16_at(&header, 54), u16_at(&header, 56));
+    if entry_size < 4 || count == 0 || count > 4096 || file.seek(SeekFrom::Start(phoff)).is_err() {
+        return false;
+    }
+    let mut table = vec![0u8; (entry_size * count) as usize];
+    if file.read_exact(&mut table).is_err() {
+        return false;
+    }
+    const PT_INTERP: u32 = 3;
+    !table.chunks_exact(entry_size as usize).any(|e| u32::from_le_bytes([e[0], e[1], e[2], e[3]]) == PT_INTERP)
 }
 
 /// Find the preload shim: TIERMEM_PRELOAD_LIB, else next to this executable (and one directory
@@ -435,6 +473,13 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     let vars = settings.to_vars();
     // The shim's OOM guard turns the cgroup's OOM killer off; put back what was there.
     let oom_control = settings.oom_guard.then(own_v1_oom_control).flatten();
+    let static_program = program.first().and_then(|p| resolve_program(p)).is_some_and(|p| statically_linked(&p));
+    if static_program {
+        eprintln!(
+            "tiermem: warning: {} is statically linked: LD_PRELOAD cannot reach it, so none of its memory will be managed",
+            program[0].to_string_lossy()
+        );
+    }
     // A device file the run creates holds nothing of use once it ends: it goes with the run
     // (a file named by mistake would otherwise stay behind, as large as the machine's memory).
     let created_device = match &settings.device {
@@ -469,7 +514,15 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         }
     }
     processes.sort_by_key(|p| p["pid"].as_u64());
-    Ok(RunOutcome { ending, elapsed, peak_rss_bytes, processes, settings, kernel_faults: features.kernel_faults })
+    Ok(RunOutcome {
+        ending,
+        elapsed,
+        peak_rss_bytes,
+        processes,
+        settings,
+        kernel_faults: features.kernel_faults,
+        static_program,
+    })
 }
 
 impl RunOutcome {
@@ -589,6 +642,9 @@ impl RunOutcome {
             // the OOM killer) writes none, which says nothing about what it allocated.
             None if matches!(self.ending, Ending::Signaled(_)) => s.push_str(
                 "no statistics: the program was killed before its processes could write them (so the counts above are unknown, not zero)\n",
+            ),
+            None if self.static_program => s.push_str(
+                "no managed memory: the program is statically linked, so the preload that manages memory never loaded\n",
             ),
             None => s.push_str("no managed memory: the program made no allocation above the threshold\n"),
         }

@@ -2127,3 +2127,32 @@ fn map_fixed_over_managed_memory_keeps_the_new_mapping_s_data() {
         );
     }
 }
+
+/// A statically linked program runs, unmanaged, and tiermem says why instead of reporting that
+/// it made no large allocation.
+#[test]
+fn a_statically_linked_program_is_reported_as_unmanaged() {
+    let name = "a_statically_linked_program_is_reported_as_unmanaged";
+    if !uffd_or_skip(name) || !have("gcc", &["--version"], name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let src = scratch.path().join("static.c");
+    std::fs::write(
+        &src,
+        "#include <stdio.h>\n#include <stdlib.h>\nint main(void) { char *p = malloc(32 << 20); \
+         for (int i = 0; i < (32 << 20); i += 4096) p[i] = 1; puts(\"ran\"); return 0; }\n",
+    )
+    .unwrap();
+    let bin = scratch.path().join("static");
+    let built = Command::new("gcc").args(["-static", "-O1", "-o"]).arg(&bin).arg(&src).output().unwrap();
+    if !built.status.success() {
+        eprintln!("SKIPPED {name}: no static C library to link with: {}", String::from_utf8_lossy(&built.stderr));
+        return;
+    }
+    let out = scratch.command(&["run", "--limit", "8MiB", "--", bin.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name}: {err}");
+    assert_eq!(out.stdout, b"ran\n");
+    assert!(err.contains("is statically linked"), "{name}: no word about why nothing was managed: {err}");
+}
