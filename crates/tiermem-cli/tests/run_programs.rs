@@ -2156,3 +2156,60 @@ fn a_statically_linked_program_is_reported_as_unmanaged() {
     assert_eq!(out.stdout, b"ran\n");
     assert!(err.contains("is statically linked"), "{name}: no word about why nothing was managed: {err}");
 }
+
+/// Fork advice holds for managed memory: a MADV_WIPEONFORK mapping reads as zeros in a forked
+/// child (evicted pages included), and after MADV_DONTFORK the child simply lacks the mapping
+/// (it used to die copying evicted pages into it); the parent keeps its data either way.
+const FORK_ADVICE: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int main() {
+    const size_t n = 16u << 20;
+    int results[2];
+    for (int k = 0; k < 2; k++) {
+        unsigned char* w = (unsigned char*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        for (size_t i = 0; i < n; i += 8) *(uint64_t*)(w + i) = i | 1;
+        if (madvise(w, n, k == 0 ? MADV_WIPEONFORK : MADV_DONTFORK) != 0) return 2;
+        unsigned char* other = (unsigned char*)malloc(48u << 20);  // pushes most of w out
+        for (size_t i = 0; i < (48u << 20); i += 4096) other[i] = 1;
+        pid_t child = fork();
+        if (child == 0) {
+            long nonzero = 0;
+            if (k == 0)
+                for (size_t i = 0; i < n; i += 8) nonzero += *(uint64_t*)(w + i) != 0;
+            _exit(nonzero == 0 ? 7 : 1);
+        }
+        int status = 0;
+        waitpid(child, &status, 0);
+        long bad = 0;
+        for (size_t i = 0; i < n; i += 8) bad += *(uint64_t*)(w + i) != (i | 1);
+        results[k] = WIFEXITED(status) && WEXITSTATUS(status) == 7 && bad == 0;
+        free(other);
+    }
+    printf("%d %d\n", results[0], results[1]);
+    return 0;
+}
+"#;
+
+#[test]
+fn fork_advice_on_managed_memory_is_followed_in_the_child() {
+    let name = "fork_advice_on_managed_memory_is_followed_in_the_child";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, FORK_ADVICE, "fork_advice", name) else { return };
+    for mode in ["sigbus", "thread"] {
+        let out = scratch
+            .command(&["run", "--quiet", "--limit", "16MiB", "--fault-mode", mode, "--", bin.to_str().unwrap()])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{name}: {mode}: {err}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "1 1\n", "{name}: {mode} (wipe-on-fork, dont-fork): {err}");
+    }
+}

@@ -45,13 +45,20 @@ impl Engine {
     /// into the child's own memory, so the child sees exactly the parent's data, and detach the
     /// SIGBUS handler. The engine must not be used in the child afterwards (its threads and
     /// queues belong to the parent); forget its regions instead of dropping them.
-    pub fn copy_into_forked_child(&'static self, hold: &ForkHold) -> Result<ChildCopy> {
+    ///
+    /// Pages for which `skip(address)` is true are left alone: the program asked that the child
+    /// get them wiped (MADV_WIPEONFORK: the kernel's zeros stay) or not at all (MADV_DONTFORK:
+    /// nothing is mapped there in the child).
+    pub fn copy_into_forked_child(&'static self, hold: &ForkHold, skip: &dyn Fn(usize) -> bool) -> Result<ChildCopy> {
         crate::delivery::detach_sigbus_in_child(&self.shared);
         let mut copied = ChildCopy::default();
         for region in hold.table.slots.iter().flatten() {
             for (index, cell) in region.pages.iter().enumerate() {
                 let state = cell.peek();
                 let addr = region.page_addr(index as u64);
+                if matches!(state.kind(), Kind::Untouched | Kind::Resident) || skip(addr as usize) {
+                    continue;
+                }
                 // SAFETY: the page lies inside the region's mapping, which in the child is plain
                 // private memory that only this thread touches until fork() returns.
                 let page = unsafe { std::slice::from_raw_parts_mut(addr, PAGE_SIZE) };

@@ -70,7 +70,10 @@ fn allocate(size: usize, align: usize, origin: Origin, reuse: bool) -> *mut c_vo
             let base = region.as_ptr() as usize;
             let user = if extra > 0 { base.next_multiple_of(align) } else { base };
             let len = region.len();
-            registry::insert(&mut table, Entry { region, user, size, origin, unmapped: Vec::new() });
+            registry::insert(
+                &mut table,
+                Entry { region, user, size, origin, unmapped: Vec::new(), fork_advice: Vec::new() },
+            );
             drop(table);
             runtime::count_allocation(len);
             if reused {

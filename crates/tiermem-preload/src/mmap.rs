@@ -266,6 +266,18 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: i32) -> 
             {
                 return 0;
             }
+            // Fork advice: the kernel applies it to the mapping (below); the region remembers
+            // it too, so a forked child's copy of evicted pages leaves those pages out.
+            libc::MADV_WIPEONFORK | libc::MADV_KEEPONFORK | libc::MADV_DONTFORK | libc::MADV_DOFORK
+                if !runtime::in_forked_child() =>
+            {
+                let mut table = registry::lock();
+                for base in registry::overlapping(&table, start, end - start) {
+                    let entry = table.get_mut(&base).expect("listed above");
+                    let (from, to) = (base.max(start) - base, (base + entry.len()).min(end) - base);
+                    entry.fork_advice.push((from, to, advice));
+                }
+            }
             // Hints about use: the engine's access monitor acts on them (reads will-need pages
             // ahead, tells the prefetcher of a sequential walk, evicts cold pages first).
             // MADV_PAGEOUT counts as cold: the engine evicts only when it needs room.

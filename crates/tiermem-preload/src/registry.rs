@@ -33,9 +33,26 @@ pub struct Entry {
     /// Pieces of an mmap'd region the program has unmapped (offsets, sorted and merged); the
     /// region goes when they cover all of it.
     pub unmapped: Vec<(usize, usize)>,
+    /// The program's fork advice on parts of the region, in order (offset, end, advice):
+    /// MADV_WIPEONFORK/KEEPONFORK and MADV_DONTFORK/DOFORK. The kernel applies them to the
+    /// mapping; a forked child's copy of evicted pages must follow them too.
+    pub fork_advice: Vec<(usize, usize, i32)>,
 }
 
 impl Entry {
+    /// Whether a forked child gets no copy of the page at `offset`: its mapping is wiped in the
+    /// child (MADV_WIPEONFORK) or absent there (MADV_DONTFORK), by the latest advice of each kind.
+    pub fn excluded_from_fork(&self, offset: usize) -> bool {
+        let latest = |set: i32, unset: i32| {
+            self.fork_advice
+                .iter()
+                .rev()
+                .find(|&&(from, to, advice)| (from..to).contains(&offset) && (advice == set || advice == unset))
+                .is_some_and(|&(_, _, advice)| advice == set)
+        };
+        latest(libc::MADV_WIPEONFORK, libc::MADV_KEEPONFORK) || latest(libc::MADV_DONTFORK, libc::MADV_DOFORK)
+    }
+
     pub fn base(&self) -> usize {
         self.region.as_ptr() as usize
     }

@@ -391,7 +391,11 @@ extern "C" fn after_fork_in_child() {
     THRESHOLD.store(usize::MAX, Ordering::Release);
     SIGBUS_MODE.store(false, Ordering::Release);
     let Some(engine) = ENGINE.get() else { return };
-    match engine.copy_into_forked_child(&hold) {
+    // Pages the program's fork advice keeps from the child (see registry::Entry::fork_advice).
+    let skip = |addr: usize| {
+        registry::containing(&_table, addr).is_some_and(|base| _table[&base].excluded_from_fork(addr - base))
+    };
+    match engine.copy_into_forked_child(&hold, &skip) {
         Ok(copy) => CHILD_PAGES_COPIED.store(copy.from_device + copy.from_buffers, Ordering::Relaxed),
         Err(e) => die(&["tiermem: the forked child could not copy managed memory: ", &e.to_string()]),
     }
