@@ -196,10 +196,16 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     prepare(&mut command);
     // If tiermem is killed outright (SIGKILL: nothing to forward), the program goes with it
     // rather than run on, unmanaged by anyone and unreported.
-    let tie_to_us = || {
+    let us = std::process::id() as libc::pid_t;
+    let tie_to_us = move || {
         // SAFETY: prctl is async-signal-safe and changes only this child, between fork and exec.
         if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
             return Err(std::io::Error::last_os_error());
+        }
+        // Killed between fork and the prctl: the signal will never come, so do not start.
+        // SAFETY: getppid is async-signal-safe.
+        if unsafe { libc::getppid() } != us {
+            return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
         }
         Ok(())
     };

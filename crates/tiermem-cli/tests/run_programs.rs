@@ -2095,6 +2095,8 @@ int main() {
     const size_t mb = 1 << 20, n = 32 * mb;
     unsigned char* a = (unsigned char*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     fill(a, n, 5);
+    // MAP_FIXED_NOREPLACE over managed memory fails, as over any mapping, and changes nothing.
+    if (mmap(a + 8 * mb, mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0) != MAP_FAILED) return 3;
     unsigned char* f = (unsigned char*)mmap(a + 16 * mb, 8 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
     if (f != a + 16 * mb) return 2;
     fill(f, 8 * mb, 9);

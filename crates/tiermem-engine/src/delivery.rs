@@ -188,7 +188,9 @@ fn chain_to_previous(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut
     let handler = if prev.is_null() { libc::SIG_DFL } else { unsafe { (*prev).sa_sigaction } };
     if handler == libc::SIG_DFL || handler == libc::SIG_IGN {
         // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
-        let sent = unsafe { (*info).si_code } <= 0; // kill, tkill, sigqueue: not a fault
+        let code = unsafe { (*info).si_code };
+        // kill, tkill, sigqueue, or an asynchronous machine-check report: nothing re-executes.
+        let sent = code <= 0 || code == libc::BUS_MCEERR_AO;
         if sent && handler == libc::SIG_IGN {
             return; // ignored, as it would have been without tiermem
         }

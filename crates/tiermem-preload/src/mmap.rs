@@ -47,7 +47,9 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
             return p;
         }
     }
-    if flags & libc::MAP_FIXED != 0 && registry::may_overlap(addr as usize, len) {
+    // MAP_FIXED_NOREPLACE (alone or with MAP_FIXED) fails over existing mappings: nothing to forget.
+    let replaces = flags & libc::MAP_FIXED != 0 && flags & libc::MAP_FIXED_NOREPLACE == 0;
+    if replaces && registry::may_overlap(addr as usize, len) {
         // The new mapping replaces managed pages: the engine must forget them first, as for a
         // munmap, or it would go on paging the new mapping's pages as its own (reading old data
         // back over them, dropping them). The kernel would replace them atomically; here another
@@ -271,12 +273,24 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: i32) -> 
             libc::MADV_WIPEONFORK | libc::MADV_KEEPONFORK | libc::MADV_DONTFORK | libc::MADV_DOFORK
                 if !runtime::in_forked_child() =>
             {
-                let mut table = registry::lock();
-                for base in registry::overlapping(&table, start, end - start) {
-                    let entry = table.get_mut(&base).expect("listed above");
-                    let (from, to) = (base.max(start) - base, (base + entry.len()).min(end) - base);
-                    entry.fork_advice.push((from, to, advice));
+                // SAFETY: the caller's own advice, passed to the kernel unchanged.
+                let rc = unsafe { libc::syscall(libc::SYS_madvise, addr, len, advice) as i32 };
+                if rc == 0 {
+                    // Only advice the kernel took: the child's mapping follows it.
+                    let mut table = registry::lock();
+                    for base in registry::overlapping(&table, start, end - start) {
+                        let entry = table.get_mut(&base).expect("listed above");
+                        let (from, to) = (base.max(start) - base, (base + entry.len()).min(end) - base);
+                        // Earlier advice of the same pair that this covers says nothing any more.
+                        let pair = |a: i32| match a {
+                            libc::MADV_WIPEONFORK | libc::MADV_KEEPONFORK => 0,
+                            _ => 1,
+                        };
+                        entry.fork_advice.retain(|&(f, t, a)| !(pair(a) == pair(advice) && from <= f && t <= to));
+                        entry.fork_advice.push((from, to, advice));
+                    }
                 }
+                return rc;
             }
             // Hints about use: the engine's access monitor acts on them (reads will-need pages
             // ahead, tells the prefetcher of a sequential walk, evicts cold pages first).

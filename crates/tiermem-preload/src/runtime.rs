@@ -199,7 +199,17 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
         } else if !path.exists() {
             path.parent().map(|p| if p.as_os_str().is_empty() { std::path::Path::new(".") } else { p })
         } else {
-            None
+            match std::fs::metadata(path) {
+                // An existing file of some size (made by an earlier process of this run, or by
+                // the user) keeps it: extending it to the default could fail for want of space.
+                Ok(m) if m.is_file() && m.len() >= 64 << 20 => {
+                    capacity = capacity.min(m.len() / 4096 * 4096);
+                    None
+                }
+                // A small one grows as a new one would, within the free space.
+                Ok(m) if m.is_file() => path.parent(),
+                _ => None,
+            }
         };
         if let Some(fs) = dir.and_then(|d| rustix::fs::statvfs(d).ok()) {
             let free = fs.f_bavail.saturating_mul(fs.f_frsize);
@@ -416,8 +426,12 @@ pub fn release(entry: registry::Entry) {
         unsafe { libc::syscall(libc::SYS_munmap, base, len) };
     } else {
         LIVE_MANAGED_BYTES.fetch_sub(entry.len() as u64, Ordering::Relaxed);
-        let reusable =
-            entry.origin == registry::Origin::Malloc && entry.user == entry.base() && entry.unmapped.is_empty();
+        // A region with fork advice keeps the kernel's flags on its mapping: not for another
+        // allocation, which would not know of them.
+        let reusable = entry.origin == registry::Origin::Malloc
+            && entry.user == entry.base()
+            && entry.unmapped.is_empty()
+            && entry.fork_advice.is_empty();
         match ENGINE.get() {
             Some(engine) if reusable && reuse_freed() => crate::recycle::keep(engine, entry.region),
             _ => drop(entry),

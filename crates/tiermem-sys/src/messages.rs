@@ -2,10 +2,21 @@
 //! descriptor of its own. A program that closes its fd 2 and opens a data file there (daemons
 //! do) would otherwise find tiermem's warnings inside that file.
 
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 
 /// The descriptor messages are written to: 2 until [`keep_stderr`] has run.
 static MESSAGE_FD: AtomicI32 = AtomicI32::new(2);
+/// Device and inode of the kept copy: a program that closed it (closefrom) may have reused the
+/// number for a file of its own, which must not receive tiermem's messages.
+static KEPT_DEV: AtomicU64 = AtomicU64::new(0);
+static KEPT_INO: AtomicU64 = AtomicU64::new(0);
+
+fn identity(fd: i32) -> Option<(u64, u64)> {
+    // SAFETY: an all-zero stat is valid for fstat to fill; fstat is async-signal-safe.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat of a descriptor number into a valid struct.
+    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
+}
 
 /// Lowest descriptor the copy may take: far above what programs use, so their own `dup2`s to
 /// small numbers do not replace it.
@@ -20,6 +31,10 @@ pub fn keep_stderr() {
     }
     // SAFETY: fcntl(F_DUPFD_CLOEXEC) only creates a new descriptor.
     let copy = unsafe { libc::fcntl(2, libc::F_DUPFD_CLOEXEC, COPY_FROM) };
+    if let Some((dev, ino)) = (copy >= 0).then(|| identity(copy)).flatten() {
+        KEPT_DEV.store(dev, Ordering::Release);
+        KEPT_INO.store(ino, Ordering::Release);
+    }
     if copy >= 0 && MESSAGE_FD.compare_exchange(2, copy, Ordering::AcqRel, Ordering::Acquire).is_err() {
         // SAFETY: closing the copy this call made and did not publish.
         unsafe { libc::close(copy) };
@@ -29,6 +44,9 @@ pub fn keep_stderr() {
 /// Write all of `bytes` to the message descriptor (async-signal-safe: write(2) only).
 pub fn write(mut bytes: &[u8]) {
     let fd = MESSAGE_FD.load(Ordering::Acquire);
+    if fd != 2 && identity(fd) != Some((KEPT_DEV.load(Ordering::Acquire), KEPT_INO.load(Ordering::Acquire))) {
+        return; // the copy is gone, and the number may be the program's now: say nothing
+    }
     while !bytes.is_empty() {
         // SAFETY: writing from a valid slice to a descriptor; an invalid one gives EBADF.
         let n = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
@@ -54,5 +72,13 @@ mod tests {
         assert!(flags >= 0 && flags & libc::FD_CLOEXEC != 0, "the copy must not leak into exec'd programs");
         super::keep_stderr(); // idempotent
         assert_eq!(super::MESSAGE_FD.load(std::sync::atomic::Ordering::Acquire), fd);
+        assert_eq!(
+            super::identity(fd),
+            Some((
+                super::KEPT_DEV.load(std::sync::atomic::Ordering::Acquire),
+                super::KEPT_INO.load(std::sync::atomic::Ordering::Acquire)
+            )),
+            "the copy's identity is kept, so a reused number is told apart"
+        );
     }
 }

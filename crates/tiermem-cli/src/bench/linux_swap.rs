@@ -375,23 +375,40 @@ fn owner_pid(name: &str, prefix: &str) -> Option<u32> {
 /// Remove what a killed run (SIGKILL, a crash of the machine's OOM killer) could not: active swap
 /// files and memory cgroups tiermem made (`tiermem-swap-PID-SEQ.swap`, `tiermem-*-PID-SEQ`)
 /// whose process is gone. Each removal is reported on stderr; failures are reported and skipped.
+///
+/// A pid that is gone here may be alive in another PID namespace (a run in a container sharing
+/// the cgroup hierarchy and the swap list), so a cgroup that still has tasks is left alone, and
+/// so is a swap file whose pid still names such a cgroup.
 pub fn remove_stale_leftovers() {
+    let root = memory_hierarchy().ok().map(|(_, root)| root);
+    let tiermem_cgroups: Vec<(String, bool)> = root
+        .as_ref()
+        .and_then(|r| std::fs::read_dir(r).ok())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let busy = std::fs::read_to_string(entry.path().join("cgroup.procs")).is_ok_and(|t| !t.trim().is_empty());
+            name.starts_with("tiermem-").then_some((name, busy))
+        })
+        .collect();
+    let busy_pid = |pid: u32| tiermem_cgroups.iter().any(|(name, busy)| *busy && owner_pid(name, "") == Some(pid));
     for path in active_swap_paths().unwrap_or_default() {
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        if owner_pid(&name, "tiermem-swap-").is_some_and(process_gone) {
+        if owner_pid(&name, "tiermem-swap-").is_some_and(|pid| process_gone(pid) && !busy_pid(pid)) {
             match teardown_swap_file(&path) {
                 Ok(()) => eprintln!("tiermem: removed swap file {} left by a killed run", path.display()),
                 Err(e) => eprintln!("tiermem: warning: {e}"),
             }
         }
     }
-    let Ok((_, root)) = memory_hierarchy() else { return };
-    let Ok(entries) = std::fs::read_dir(&root) else { return };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with("tiermem-") && owner_pid(&name, "").is_some_and(process_gone) {
-            match teardown_cgroup(&entry.path(), &root.join("cgroup.procs")) {
-                Ok(()) => eprintln!("tiermem: removed memory cgroup {} left by a killed run", entry.path().display()),
+    let Some(root) = root else { return };
+    for (name, busy) in &tiermem_cgroups {
+        if !busy && owner_pid(name, "").is_some_and(process_gone) {
+            let path = root.join(name);
+            match teardown_cgroup(&path, &root.join("cgroup.procs")) {
+                Ok(()) => eprintln!("tiermem: removed memory cgroup {} left by a killed run", path.display()),
                 Err(e) => eprintln!("tiermem: warning: {e}"),
             }
         }
