@@ -2110,24 +2110,7 @@ int main() {
 #[test]
 fn map_fixed_over_managed_memory_keeps_the_new_mapping_s_data() {
     let name = "map_fixed_over_managed_memory_keeps_the_new_mapping_s_data";
-    if !uffd_or_skip(name) {
-        return;
-    }
-    let scratch = Scratch::new();
-    let Some(bin) = build_cpp(&scratch, MAP_FIXED_OVER, "map_fixed_over", name) else { return };
-    for mode in ["sigbus", "thread"] {
-        let out = scratch
-            .command(&["run", "--quiet", "--limit", "16MiB", "--fault-mode", mode, "--", bin.to_str().unwrap()])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{name}: {mode}: {err}");
-        assert_eq!(
-            String::from_utf8_lossy(&out.stdout),
-            "0 0 0\n",
-            "{name}: {mode}: words wrong (new, before, after): {err}"
-        );
-    }
+    same_output_in_both_fault_modes(name, MAP_FIXED_OVER, "0 0 0\n", "words wrong (new, before, after)");
 }
 
 /// A statically linked program runs, unmanaged, and tiermem says why instead of reporting that
@@ -2200,11 +2183,17 @@ int main() {
 #[test]
 fn fork_advice_on_managed_memory_is_followed_in_the_child() {
     let name = "fork_advice_on_managed_memory_is_followed_in_the_child";
+    same_output_in_both_fault_modes(name, FORK_ADVICE, "1 1\n", "passed (wipe-on-fork, dont-fork)");
+}
+
+/// Build C++ `source` and run it under `tiermem run` with a 16 MiB budget in both fault modes:
+/// it must succeed and print `expected` (`what` says what the printed values are).
+fn same_output_in_both_fault_modes(name: &str, source: &str, expected: &str, what: &str) {
     if !uffd_or_skip(name) {
         return;
     }
     let scratch = Scratch::new();
-    let Some(bin) = build_cpp(&scratch, FORK_ADVICE, "fork_advice", name) else { return };
+    let Some(bin) = build_cpp(&scratch, source, "program", name) else { return };
     for mode in ["sigbus", "thread"] {
         let out = scratch
             .command(&["run", "--quiet", "--limit", "16MiB", "--fault-mode", mode, "--", bin.to_str().unwrap()])
@@ -2212,6 +2201,6 @@ fn fork_advice_on_managed_memory_is_followed_in_the_child() {
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{name}: {mode}: {err}");
-        assert_eq!(String::from_utf8_lossy(&out.stdout), "1 1\n", "{name}: {mode} (wipe-on-fork, dont-fork): {err}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout), expected, "{name}: {mode}: {what}: {err}");
     }
 }
