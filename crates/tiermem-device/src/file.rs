@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use io_uring::{opcode, squeue, types, IoUring};
 use rustix::event::{eventfd, EventfdFlags};
+use tiermem_sys::guarded_fd::{self, Guard, Guarded};
 
 use crate::{
     check_blocking_read, check_queue_depth, check_request, BufferArena, Completion, Device, DeviceCounters, Error,
@@ -43,7 +44,8 @@ pub struct FileDevice {
 /// What the device and its queues share.
 #[derive(Debug)]
 struct OpenFile {
-    file: File,
+    /// Guarded from the program's closes under the preload (see [`tiermem_sys::guarded_fd`]).
+    file: Guarded<File>,
     path: PathBuf,
     slots: u64,
     counters: DeviceCounters,
@@ -201,7 +203,7 @@ impl FileDevice {
             Err(why_not_iopoll) => PolledWait::Spin { why_not_iopoll },
         };
         let shared = OpenFile {
-            file,
+            file: Guarded::new(file),
             path: path.to_owned(),
             slots,
             counters: DeviceCounters::default(),
@@ -487,6 +489,7 @@ fn build_ring(file: &File, path: &Path, arena: &BufferArena, entries: u32, iopol
         };
         Error::os(e, format!("creating an io_uring of {entries} entries for {shown}{hint}"))
     })?;
+    let ring = lifted(ring);
     ring.submitter()
         .register_files(&[file.as_raw_fd()])
         .map_err(|e| Error::os(e, format!("registering {shown} as an io_uring fixed file")))?;
@@ -505,6 +508,25 @@ fn build_ring(file: &File, path: &Path, arena: &BufferArena, entries: u32, iopol
         // Over RLIMIT_MEMLOCK (the device's description says so).
         Err(e) if e.raw_os_error() == Some(libc::ENOMEM) => Ok((ring, false)),
         Err(e) => Err(Error::os(e, format!("registering the {len}-byte buffer arena with io_uring for {shown}"))),
+    }
+}
+
+/// `ring` on a descriptor above [`guarded_fd::FLOOR`] (see [`tiermem_sys::guarded_fd`]), or as
+/// it was where no such descriptor can be had.
+fn lifted(ring: IoUring) -> IoUring {
+    if ring.as_raw_fd() >= guarded_fd::FLOOR {
+        return ring;
+    }
+    // SAFETY: the ring's descriptor stays open while `ring` lives, past this borrow.
+    let fd = unsafe { BorrowedFd::borrow_raw(ring.as_raw_fd()) };
+    let Ok(high) = rustix::io::fcntl_dupfd_cloexec(fd, guarded_fd::FLOOR) else { return ring };
+    let params = ring.params().clone();
+    // SAFETY: `high` is an owned duplicate of the ring's descriptor, and `params` are what the
+    // kernel filled in when it set the ring up. Dropping `ring` then unmaps its own view of the
+    // queues and closes the original number; the ring lives on behind `high`.
+    match unsafe { IoUring::from_fd(std::os::fd::IntoRawFd::into_raw_fd(high), params) } {
+        Ok(moved) => moved,
+        Err(_) => ring,
     }
 }
 
@@ -608,6 +630,7 @@ impl Device for FileDevice {
         };
         let shared = &self.shared;
         let (ring, fixed) = build_ring(&shared.file, &shared.path, arena, depth, wait_mode == WaitMode::KernelPoll)?;
+        let ring_guard = Guard::new(ring.as_raw_fd());
         if !fixed {
             shared.plain_buffers.store(true, std::sync::atomic::Ordering::Relaxed);
         }
@@ -615,6 +638,7 @@ impl Device for FileDevice {
             QueueKind::Polled => None,
             QueueKind::Completion => {
                 let fd = eventfd(0, EventfdFlags::CLOEXEC)
+                    .map(Guarded::new)
                     .map_err(|e| Error::os(e.into(), "creating the completion eventfd of an io_uring queue"))?;
                 ring.submitter()
                     .register_eventfd(fd.as_raw_fd())
@@ -623,6 +647,7 @@ impl Device for FileDevice {
             }
         };
         Ok(Box::new(FileQueue {
+            _ring_guard: ring_guard,
             ring,
             fixed,
             kind,
@@ -668,13 +693,15 @@ impl Device for FileDevice {
 /// submitted), because the kernel would otherwise still be moving data into arena buffers that
 /// their owners take back.
 pub struct FileQueue {
+    /// Declared before `ring`: unregistered before the ring's descriptor closes.
+    _ring_guard: Guard,
     ring: IoUring,
     /// Requests go through the arena registered as fixed buffers (else plain buffers).
     fixed: bool,
     kind: QueueKind,
     wait_mode: WaitMode,
     ledger: Ledger,
-    ready_signal: Option<OwnedFd>,
+    ready_signal: Option<Guarded<OwnedFd>>,
     /// Kept so the registered memory outlives the ring, which is dropped before it.
     arena: Arc<BufferArena>,
 }

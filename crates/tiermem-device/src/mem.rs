@@ -78,6 +78,7 @@ impl Device for MemDevice {
             QueueKind::Polled => None,
             QueueKind::Completion => Some(
                 eventfd(0, EventfdFlags::CLOEXEC)
+                    .map(tiermem_sys::guarded_fd::Guarded::new)
                     .map_err(|e| Error::os(e.into(), "creating the completion eventfd of a mem device queue"))?,
             ),
         };
@@ -129,7 +130,7 @@ pub struct MemQueue {
     queued: VecDeque<(Request, u64)>,
     /// Done, not yet handed out.
     finished: VecDeque<Completion>,
-    ready_signal: Option<OwnedFd>,
+    ready_signal: Option<tiermem_sys::guarded_fd::Guarded<OwnedFd>>,
 }
 
 impl MemQueue {

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 
 use rustix::event::{poll, PollFd, PollFlags};
 use rustix::io::Errno;
+use tiermem_sys::guarded_fd::Guarded;
 use tiermem_sys::uffd::{Event, Uffd};
 use tiermem_sys::{Error, ErrorKind, Result, PAGE_SIZE};
 
@@ -16,13 +17,13 @@ struct FaultWait {
     /// This thread's epoll set, holding the userfaultfd as an exclusive waiter (a fault wakes one
     /// idle handler thread; with plain poll() every idle one woke for every fault), and the stop
     /// event as a shared one (all wake). None if epoll is unavailable: poll() then.
-    epoll: Option<rustix::fd::OwnedFd>,
+    epoll: Option<Guarded<rustix::fd::OwnedFd>>,
 }
 
 impl FaultWait {
     fn new(shared: &Shared, uffd: &Uffd) -> Self {
         use rustix::event::epoll;
-        let epoll = epoll::create(epoll::CreateFlags::CLOEXEC).ok().filter(|set| {
+        let epoll = epoll::create(epoll::CreateFlags::CLOEXEC).ok().map(Guarded::new).filter(|set| {
             epoll::add(set, uffd, epoll::EventData::new_u64(0), epoll::EventFlags::IN | epoll::EventFlags::EXCLUSIVE)
                 .is_ok()
                 && epoll::add(set, &shared.stop_event, epoll::EventData::new_u64(1), epoll::EventFlags::IN).is_ok()

@@ -8,6 +8,7 @@ use std::thread::JoinHandle;
 use rustix::event::{eventfd, EventfdFlags};
 use std::os::fd::OwnedFd;
 use tiermem_device::{BufferArena, Device, SlotAllocator};
+use tiermem_sys::guarded_fd::Guarded;
 use tiermem_sys::mem::Mapping;
 use tiermem_sys::probe::KernelFeatures;
 use tiermem_sys::uffd::{Features, RegisterMode, Uffd};
@@ -19,6 +20,15 @@ use crate::page::{Kind, PageState};
 use crate::policy::{build_policies, PolicyOptions, Prefetcher, Replacement};
 use crate::region::{RegionInner, RegionTable};
 use crate::stats::{Stats, StatsSnapshot};
+
+/// An event descriptor a thread sleeps on (a counter, so no wake-up is lost), guarded from the
+/// program's closes (see [`tiermem_sys::guarded_fd`]).
+pub(crate) type WakeFd = Guarded<OwnedFd>;
+
+pub(crate) fn wake_eventfd() -> Result<WakeFd> {
+    let fd = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK).map_err(|e| Error::os(e.into(), "eventfd"))?;
+    Ok(Guarded::new(fd))
+}
 
 /// State shared by the engine's threads and the fault handlers.
 #[derive(Debug)]
@@ -73,9 +83,9 @@ pub(crate) struct Shared {
     /// Zeros to copy into untouched pages (enough for one zero-fill-around).
     pub(crate) zero_page: Mapping,
     /// Written to wake the reclaim thread (an eventfd: safe to write from a signal handler).
-    pub(crate) reclaim_wake: OwnedFd,
+    pub(crate) reclaim_wake: WakeFd,
     /// Written at shutdown to wake handler threads sleeping in poll.
-    pub(crate) stop_event: OwnedFd,
+    pub(crate) stop_event: WakeFd,
     pub(crate) shutdown: AtomicBool,
     /// Slots reserved by live regions' pages, to refuse regions the device cannot hold.
     pub(crate) reserved_pages: AtomicU64,
@@ -379,10 +389,8 @@ impl Engine {
             prefault_metadata: AtomicBool::new(false),
             pagemap: tiermem_sys::pagemap::Pagemap::open_self().ok(),
             zero_page: Mapping::zeros(PAGE_SIZE * crate::fault::ZERO_FILL_AROUND)?,
-            reclaim_wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
-                .map_err(|e| Error::os(e.into(), "eventfd"))?,
-            stop_event: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
-                .map_err(|e| Error::os(e.into(), "eventfd"))?,
+            reclaim_wake: wake_eventfd()?,
+            stop_event: wake_eventfd()?,
             shutdown: AtomicBool::new(false),
             reserved_pages: AtomicU64::new(0),
             pins: std::sync::Mutex::new(Vec::new()),

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use rustix::event::{poll, PollFd, PollFlags};
 use tiermem_device::{BufId, BufferArena, Completion, Device, IoQueue, QueueKind};
-use tiermem_sys::{Error, Result};
+use tiermem_sys::Result;
 
 use crate::config::{EngineConfig, FaultMode, IoMode};
 use crate::engine::Shared;
@@ -79,7 +79,7 @@ pub(crate) struct Queues {
     /// [`RUN_DESCENDING`] set when buffer k carries the page k before that one, not after.
     runs: Box<[(AtomicU64, AtomicU32)]>,
     epoch: Instant,
-    wake: std::os::fd::OwnedFd,
+    wake: crate::engine::WakeFd,
     description: String,
 }
 
@@ -116,9 +116,7 @@ impl Queues {
             prefetch.wait_mode(),
             writeback.wait_mode()
         );
-        let wake =
-            rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
-                .map_err(|e| Error::os(e.into(), "eventfd"))?;
+        let wake = crate::engine::wake_eventfd()?;
         Ok(Self {
             lanes,
             prefetch: Mutex::new(prefetch),
@@ -369,8 +367,13 @@ fn end_sample(shared: &Shared, regions: &RegionTable, id: u64) {
 pub(crate) fn completion_thread(shared: &Shared) {
     let prefetch_fd = shared.queues.prefetch().notify_fd().map(|fd| fd.try_clone_to_owned());
     let writeback_fd = shared.queues.writeback().notify_fd().map(|fd| fd.try_clone_to_owned());
-    let fds: Vec<std::os::fd::OwnedFd> =
-        [prefetch_fd, writeback_fd].into_iter().flatten().filter_map(|r| r.ok()).collect();
+    // Guarded like the originals: the program must not close these copies either.
+    let fds: Vec<crate::engine::WakeFd> = [prefetch_fd, writeback_fd]
+        .into_iter()
+        .flatten()
+        .filter_map(|r| r.ok())
+        .map(tiermem_sys::guarded_fd::Guarded::new)
+        .collect();
     let mut buf = [0u8; 8];
     while !shared.shutdown.load(Ordering::Acquire) {
         {

@@ -17,12 +17,11 @@
 //! wanted as a will-need page is (resident: its referenced bit; evicted: read back). The
 //! prefetcher also hears every fault directly on the fault path, as before.
 
-use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
+use rustix::event::{poll, PollFd, PollFlags};
 use tiermem_monitor::ring::Consumer;
 use tiermem_monitor::{Advice, Monitor, Report, ReportKind};
 use tiermem_sys::{Error, Result, PAGE_SIZE};
@@ -66,7 +65,7 @@ pub(crate) struct LiveMonitor {
     producer: Mutex<Monitor>,
     consumer: Mutex<Option<Consumer>>,
     /// Written after reports are pushed (an eventfd: a counter, so no wake-up is lost).
-    wake: OwnedFd,
+    wake: crate::engine::WakeFd,
 }
 
 impl LiveMonitor {
@@ -75,8 +74,7 @@ impl LiveMonitor {
         Ok(Self {
             producer: Mutex::new(Monitor::new(hot_threshold, producer)?),
             consumer: Mutex::new(Some(consumer)),
-            wake: eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
-                .map_err(|e| Error::os(e.into(), "eventfd"))?,
+            wake: crate::engine::wake_eventfd()?,
         })
     }
 

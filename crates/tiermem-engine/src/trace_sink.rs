@@ -45,6 +45,7 @@ impl TraceSink {
     /// Create (truncate) `path` and start the writer thread.
     pub(crate) fn create(path: &Path) -> Result<Self> {
         let file = File::create(path).map_err(|e| Error::os(e, format!("creating trace file {}", path.display())))?;
+        let file = tiermem_sys::guarded_fd::Guarded::new(file);
         let mut out = BinaryWriter::new(BufWriter::with_capacity(1 << 20, file), false)
             .map_err(|e| Error::os(e, format!("writing trace file {}", path.display())))?;
         let ring = Arc::new(Ring {

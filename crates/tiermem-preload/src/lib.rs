@@ -25,6 +25,7 @@
 //! - At exit each managed process writes its statistics to `TIERMEM_STATS_DIR/<pid>.json`.
 
 mod alloc;
+mod fds;
 mod fortified;
 mod heap;
 mod io;

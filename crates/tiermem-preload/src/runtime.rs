@@ -6,6 +6,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use tiermem_engine::{Engine, FaultMode, ForkHold, RunSettings};
+use tiermem_sys::guarded_fd::Guarded;
 use tiermem_sys::ErrorKind;
 
 use crate::registry;
@@ -700,7 +701,7 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
 /// uncharged (here, by the engine evicting) instead of one being killed.
 #[derive(Debug)]
 struct OomGuard {
-    event: rustix::fd::OwnedFd,
+    event: Guarded<rustix::fd::OwnedFd>,
     /// Memory held for the moment the cgroup runs out: released at once then (see
     /// [`watch_cgroup`]), taken back when there is room again.
     ballast: tiermem_sys::mem::Mapping,
@@ -708,7 +709,7 @@ struct OomGuard {
     /// `memory.oom_control`, open for reading and writing for as long as the registration
     /// lasts: read and written through this descriptor, whose read buffer the kernel allocated
     /// at the first read, so neither needs memory the cgroup no longer has.
-    control: std::fs::File,
+    control: Guarded<std::fs::File>,
 }
 
 impl OomGuard {
@@ -720,9 +721,11 @@ impl OomGuard {
             .read(true)
             .write(true)
             .open(&control_path)
+            .map(Guarded::new)
             .map_err(|e| format!("cannot open {}: {e}", control_path.display()))?;
         let event =
             rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK)
+                .map(Guarded::new)
                 .map_err(|e| format!("eventfd: {e}"))?;
         let register = dir.join("cgroup.event_control");
         std::fs::write(&register, format!("{} {}", event.as_raw_fd(), control.as_raw_fd()))
@@ -771,7 +774,7 @@ impl OomGuard {
 
     fn set_killer(&self, on: bool) -> std::io::Result<()> {
         use std::io::Write;
-        (&self.control).write_all(if on { b"0" } else { b"1" })
+        (&*self.control).write_all(if on { b"0" } else { b"1" })
     }
 
     /// Whether a task of the cgroup waits for memory now (None: cannot tell).

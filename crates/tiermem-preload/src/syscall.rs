@@ -1,7 +1,7 @@
-//! `syscall()`, for programs and libraries that make the wrapped system calls by number: in
-//! sigbus fault mode each goes to its wrapper in [`crate::io`], [`crate::messages`],
-//! [`crate::process_vm`] or [`crate::paths`]; every
-//! other call, and every call in thread mode, goes to the C library's `syscall`.
+//! `syscall()`, for programs and libraries that make the wrapped system calls by number: the
+//! close and dup family always go to [`crate::fds`]; in sigbus fault mode the calls that move
+//! data go to their wrappers in [`crate::io`], [`crate::messages`], [`crate::process_vm`] or
+//! [`crate::paths`]; every other call goes to the C library's `syscall`.
 //!
 //! `syscall` is variadic in C, which stable Rust cannot define. On x86-64 and AArch64 Linux a
 //! variadic call passes its integer arguments exactly as a call with that many `long`
@@ -15,7 +15,7 @@ use std::ffi::c_void;
 use libc::c_long;
 
 use crate::io::{self, sys};
-use crate::{messages, paths, process_vm, runtime};
+use crate::{fds, messages, paths, process_vm, runtime};
 
 /// # Safety
 /// The C contract of syscall.
@@ -29,12 +29,31 @@ pub unsafe extern "C" fn syscall(
     e: c_long,
     f: c_long,
 ) -> c_long {
+    if let Some(result) = descriptors(number, a, b, c) {
+        return result;
+    }
     if runtime::sigbus_mode() {
         if let Some(result) = wrapped(number, a, b, c, d, e, f) {
             return result as c_long;
         }
     }
     sys!(number, a, b, c, d, e, f) as c_long
+}
+
+/// The close and dup family's wrapper result for their call numbers, or None.
+fn descriptors(number: c_long, a: c_long, b: c_long, c: c_long) -> Option<c_long> {
+    let result = match number {
+        // SAFETY: the caller's own close, its argument in its C type.
+        libc::SYS_close => unsafe { fds::close(a as i32) },
+        libc::SYS_close_range => return Some(fds::close_range_call(a as u32, b as u32, c as i32) as c_long),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's own dup2, its arguments in their C types.
+        libc::SYS_dup2 => unsafe { fds::dup2(a as i32, b as i32) },
+        // SAFETY: the caller's own dup3, its arguments in their C types.
+        libc::SYS_dup3 => unsafe { fds::dup3(a as i32, b as i32, c as i32) },
+        _ => return None,
+    };
+    Some(c_long::from(result))
 }
 
 /// The wrapper's result for a wrapped call number, or None.

@@ -4,6 +4,7 @@
 //! written in safe code wherever possible.
 
 pub mod error;
+pub mod guarded_fd;
 pub mod mem;
 pub mod messages;
 pub mod pagemap;

@@ -60,14 +60,14 @@ pub struct ScanQuery {
 /// An open /proc/self/pagemap.
 #[derive(Debug)]
 pub struct Pagemap {
-    file: File,
+    file: crate::guarded_fd::Guarded<File>,
 }
 
 impl Pagemap {
     /// Open this process's pagemap.
     pub fn open_self() -> Result<Self> {
         let file = File::open("/proc/self/pagemap").context(|| "opening /proc/self/pagemap".into())?;
-        Ok(Self { file })
+        Ok(Self { file: crate::guarded_fd::Guarded::new(file) })
     }
 
     /// Scan `[start, end)` for pages matching `query`, writing runs into `out`. Returns the number

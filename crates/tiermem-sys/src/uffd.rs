@@ -113,7 +113,7 @@ pub enum Event {
 /// An open userfaultfd after the API handshake.
 #[derive(Debug)]
 pub struct Uffd {
-    fd: OwnedFd,
+    fd: crate::guarded_fd::Guarded<OwnedFd>,
     features: Features,
     /// Opened with UFFD_USER_MODE_ONLY: faults taken inside the kernel are not delivered.
     user_mode_only: bool,
@@ -205,7 +205,7 @@ impl Uffd {
                 ),
             )
         })?;
-        Ok(Self { fd, features: Features(api.features), user_mode_only })
+        Ok(Self { fd: crate::guarded_fd::Guarded::new(fd), features: Features(api.features), user_mode_only })
     }
 
     /// Whether faults taken inside the kernel (a system call reading or writing a missing page)
