@@ -1969,20 +1969,9 @@ fn a_sigbus_that_is_not_the_engines_kills_the_program() {
         for how in ["raise", "past-eof"] {
             let mut command =
                 scratch.command(&["run", "--quiet", "--limit", "8MiB", "--fault-mode", mode, "--", &bin, how, &file]);
-            let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-            let deadline = std::time::Instant::now() + Duration::from_secs(60);
-            let status = loop {
-                if let Some(status) = child.try_wait().unwrap() {
-                    break status;
-                }
-                if std::time::Instant::now() > deadline {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    panic!("{name}: {mode} {how}: still running after 60 s (the SIGBUS was swallowed)");
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            };
-            let out = child.wait_with_output().unwrap();
+            let child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+            let out = output_within(child, 60, &format!("{name}: {mode} {how} (the SIGBUS was swallowed)"));
+            let status = out.status;
             assert_eq!(
                 status.signal(),
                 Some(libc::SIGBUS),
@@ -2250,6 +2239,42 @@ fn closing_every_descriptor_keeps_managed_data() {
     same_output_in_both_fault_modes(name, CLOSE_EVERYTHING, expected, "words wrong after each way of closing");
 }
 
+/// A program whose main thread ends with pthread_exit ends when its last thread does, exit
+/// handlers run, status 0, as without tiermem. It used to hang: tiermem's own threads kept the
+/// process alive.
+const MAIN_PTHREAD_EXIT: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <pthread.h>
+#include <unistd.h>
+static void* work(void*) {
+    const size_t n = 48u << 20;
+    unsigned char* p = (unsigned char*)malloc(n);
+    memset(p, 3, n);
+    usleep(300 * 1000);  // outlives the main thread by a while
+    long bad = 0;
+    for (size_t i = 0; i < n; i++) bad += p[i] != 3;
+    printf("worker %ld\n", bad);
+    return nullptr;
+}
+static void at_exit() { printf("exit handler\n"); }
+int main() {
+    atexit(at_exit);
+    unsigned char* big = (unsigned char*)malloc(8u << 20);
+    memset(big, 1, 8u << 20);
+    pthread_t t;
+    pthread_create(&t, nullptr, work, nullptr);
+    pthread_exit(nullptr);
+}
+"#;
+
+#[test]
+fn a_main_thread_ending_with_pthread_exit_ends_with_the_last_thread() {
+    let name = "a_main_thread_ending_with_pthread_exit_ends_with_the_last_thread";
+    same_output_in_both_fault_modes(name, MAIN_PTHREAD_EXIT, "worker 0\nexit handler\n", "output");
+}
+
 /// Build C++ `source` and run it under `tiermem run` with a 16 MiB budget in both fault modes:
 /// it must succeed and print `expected` (`what` says what the printed values are).
 fn same_output_in_both_fault_modes(name: &str, source: &str, expected: &str, what: &str) {
@@ -2259,12 +2284,27 @@ fn same_output_in_both_fault_modes(name: &str, source: &str, expected: &str, wha
     let scratch = Scratch::new();
     let Some(bin) = build_cpp(&scratch, source, "program", name) else { return };
     for mode in ["sigbus", "thread"] {
-        let out = scratch
-            .command(&["run", "--quiet", "--limit", "16MiB", "--fault-mode", mode, "--", bin.to_str().unwrap()])
-            .output()
-            .unwrap();
+        let mut command =
+            scratch.command(&["run", "--quiet", "--limit", "16MiB", "--fault-mode", mode, "--", bin.to_str().unwrap()]);
+        let child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let out = output_within(child, 120, &format!("{name}: {mode}"));
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{name}: {mode}: {err}");
         assert_eq!(String::from_utf8_lossy(&out.stdout), expected, "{name}: {mode}: {what}: {err}");
     }
+}
+
+/// The output of `child` (its output piped, and small: it is read only at the end), waiting at
+/// most `secs` seconds; past that the child is killed and the test fails naming `what`.
+fn output_within(mut child: std::process::Child, secs: u64, what: &str) -> Output {
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what}: still running after {secs} s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
 }

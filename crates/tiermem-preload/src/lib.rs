@@ -29,6 +29,7 @@ mod fds;
 mod fortified;
 mod heap;
 mod io;
+mod last_thread;
 mod libc_alloc;
 mod messages;
 mod mmap;
