@@ -573,7 +573,9 @@ fn run_command(args: &RunArgs) -> Result<std::convert::Infallible> {
 /// The summary on stderr (unless `--quiet`) and the statistics as JSON (`--stats-json`).
 fn report_outcome(args: &RunArgs, outcome: &tiermem_cli::run::RunOutcome) -> Result<()> {
     if !args.quiet {
-        eprint!("{}", outcome.summary());
+        // A reader gone from stderr (`tiermem run ... 2>&1 | head`) must not turn the program's
+        // exit status into tiermem's abort.
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), outcome.summary().as_bytes());
     }
     if let Some(path) = &args.stats_json {
         let text = serde_json::to_string_pretty(&outcome.to_json())

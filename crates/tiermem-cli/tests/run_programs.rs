@@ -2275,6 +2275,47 @@ fn a_main_thread_ending_with_pthread_exit_ends_with_the_last_thread() {
     same_output_in_both_fault_modes(name, MAIN_PTHREAD_EXIT, "worker 0\nexit handler\n", "output");
 }
 
+/// mlock over managed memory pins it in the engine: a locked stretch stays resident while the
+/// rest pages, up to half the budget; a bigger lock and mlockall fail with ENOMEM instead of
+/// the hang they caused (the kernel faulted every page in through the engine, which then
+/// could not evict locked pages).
+const MLOCK: &str = r#"
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main() {
+    const size_t mb = 1 << 20, n = 48 * mb;
+    unsigned char* p = (unsigned char*)malloc(n);
+    unsigned char* locked = (unsigned char*)(((size_t)p + 8 * mb) & ~(size_t)4095);
+    for (size_t i = 0; i < n; i++) p[i] = (unsigned char)(i * 7);
+    int lock = mlock(locked, 4 * mb);
+    int lock_again = (int)syscall(SYS_mlock, locked + mb, mb);  // inside the first: nothing new
+    for (size_t i = 0; i < n; i += 4096) p[i] = (unsigned char)(i * 7);  // pages everything else out
+    unsigned char in_core[1024];
+    int resident = mincore(locked, 4 * mb, in_core) == 0;
+    for (size_t i = 0; i < 1024; i++) resident &= in_core[i] & 1;
+    int big = mlock(p + 16 * mb, 32 * mb) < 0 && errno == ENOMEM;
+    int all = mlockall(MCL_CURRENT | MCL_FUTURE) < 0 && errno == ENOMEM;
+    int unlock = munlock(locked, 4 * mb);
+    for (size_t i = 0; i < n; i += 4096) p[i + 1] = (unsigned char)(i * 7 + 1);
+    long bad = 0;
+    for (size_t i = 0; i < n; i++) bad += p[i] != (unsigned char)(i % 4096 == 1 ? (i - 1) * 7 + 1 : i * 7);
+    printf("lock:%d again:%d resident:%d big:%d all:%d unlock:%d bad:%ld\n", lock, lock_again, resident, big, all, unlock, bad);
+    return 0;
+}
+"#;
+
+#[test]
+fn mlock_pins_managed_memory_within_half_the_budget() {
+    let name = "mlock_pins_managed_memory_within_half_the_budget";
+    let expected = "lock:0 again:0 resident:1 big:1 all:1 unlock:0 bad:0\n";
+    same_output_in_both_fault_modes(name, MLOCK, expected, "lock results, residency and data");
+}
+
 /// Build C++ `source` and run it under `tiermem run` with a 16 MiB budget in both fault modes:
 /// it must succeed and print `expected` (`what` says what the printed values are).
 fn same_output_in_both_fault_modes(name: &str, source: &str, expected: &str, what: &str) {

@@ -839,7 +839,7 @@ pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize
 }
 
 impl Shared {
-    /// Whether `addr` lies in a range pinned for a system call.
+    /// Whether `addr` lies in a pinned range (a system call's buffer, or memory the program locked).
     pub(crate) fn is_pinned(&self, addr: usize) -> bool {
         let pins = self.pins.lock().unwrap_or_else(|e| e.into_inner());
         pins.iter().any(|&(s, e)| addr >= s && addr < e)

@@ -31,6 +31,7 @@ mod heap;
 mod io;
 mod last_thread;
 mod libc_alloc;
+mod lock;
 mod messages;
 mod mmap;
 mod paths;

@@ -1,5 +1,5 @@
 //! Anonymous private mmap, munmap and mremap. Only plain read-write anonymous private mappings
-//! of at least the threshold are managed; shared, fixed, huge-page, stack, executable and
+//! of at least the threshold are managed; shared, fixed, locked, huge-page, stack, executable and
 //! PROT_NONE reservations (runtimes' address-space tricks) go to the kernel unchanged, as do all
 //! file mappings. The real calls are made as system calls, so nothing recurses into the shim.
 
@@ -12,8 +12,10 @@ use crate::alloc::managed_alloc;
 use crate::registry::{self, Origin};
 use crate::runtime;
 
+// MAP_LOCKED memory is the program's to keep resident: the kernel's.
 const UNMANAGED_FLAGS: i32 = libc::MAP_FIXED
     | libc::MAP_FIXED_NOREPLACE
+    | libc::MAP_LOCKED
     | libc::MAP_HUGETLB
     | libc::MAP_GROWSDOWN
     | libc::MAP_STACK
@@ -124,6 +126,7 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
             released.push(registry::remove(&mut table, base).expect("listed above"));
             continue;
         }
+        crate::lock::forget(from, to);
         if let Err(e) = entry.region.discard(from - base, to - from) {
             runtime::say(&["tiermem: munmap() of part of a managed mapping: ", &e.to_string()]);
         }

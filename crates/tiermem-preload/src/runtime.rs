@@ -426,6 +426,7 @@ pub fn release(entry: registry::Entry) {
         // SAFETY: the range is the child's private copy of a region nobody else refers to now.
         unsafe { libc::syscall(libc::SYS_munmap, base, len) };
     } else {
+        crate::lock::forget(entry.base(), entry.base() + entry.len());
         LIVE_MANAGED_BYTES.fetch_sub(entry.len() as u64, Ordering::Relaxed);
         // A region with fork advice keeps the kernel's flags on its mapping: not for another
         // allocation, which would not know of them.

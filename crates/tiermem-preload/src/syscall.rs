@@ -1,5 +1,5 @@
 //! `syscall()`, for programs and libraries that make the wrapped system calls by number: the
-//! close and dup family always go to [`crate::fds`]; in sigbus fault mode the calls that move
+//! close and dup family always go to [`crate::fds`], the mlock family to [`crate::lock`]; in sigbus fault mode the calls that move
 //! data go to their wrappers in [`crate::io`], [`crate::messages`], [`crate::process_vm`] or
 //! [`crate::paths`]; every other call goes to the C library's `syscall`.
 //!
@@ -31,6 +31,9 @@ pub unsafe extern "C" fn syscall(
 ) -> c_long {
     if let Some(result) = descriptors(number, a, b, c) {
         return result;
+    }
+    if let Some(result) = crate::lock::by_number(number, a, b, c) {
+        return result as c_long;
     }
     if runtime::sigbus_mode() {
         if let Some(result) = wrapped(number, a, b, c, d, e, f) {
