@@ -179,7 +179,10 @@ fn start_engine(guard: std::sync::MutexGuard<'_, ()>) -> &'static Engine {
     if let Some(engine) = ENGINE.get() {
         return engine;
     }
-    let engine = crate::stdio::starting_engine(|| start_engine_threads(guard));
+    // Room for the engine's descriptors (about 25, moved above guarded_fd::FLOOR) even in a
+    // program at its descriptor limit.
+    let room = tiermem_sys::guarded_fd::FLOOR as u64 + 64;
+    let engine = crate::stdio::starting_engine(|| with_descriptor_room(room, || start_engine_threads(guard)));
     crate::stdio::activate(SETTINGS.get().is_some_and(|s| s.single_thread_stdio));
     engine
 }
@@ -372,11 +375,45 @@ extern "C" fn before_fork() {
     let heap = crate::heap::lock_for_fork();
     let table = registry::lock();
     let hold = engine.hold_for_fork();
-    let (done_read, done_write) = match rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC) {
+    let pipe = || rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC);
+    let (done_read, done_write) = match pipe() {
         Ok(p) => p,
-        Err(_) => die(&["tiermem: cannot create a pipe for fork"]),
+        // A program out of descriptors may still fork (a server at its limit): the handshake's
+        // two come from just above the limit.
+        Err(rustix::io::Errno::MFILE) => match with_descriptor_room(descriptor_limit().unwrap_or(0) + 2, pipe) {
+            Ok(p) => p,
+            Err(_) => die(&[
+                "tiermem: cannot fork: the program has used every descriptor RLIMIT_NOFILE allows, and tiermem needs two for the fork",
+            ]),
+        },
+        Err(e) => die(&["tiermem: cannot create a pipe for fork: ", &e.to_string()]),
     };
     *fork_state() = Some(ForkState { _heap: heap, _table: table, hold, done_read, done_write });
+}
+
+/// The soft RLIMIT_NOFILE (None: unlimited).
+fn descriptor_limit() -> Option<u64> {
+    rustix::process::getrlimit(rustix::process::Resource::Nofile).current
+}
+
+/// `make()` run with the soft RLIMIT_NOFILE raised to at least `wanted` (within the hard
+/// limit), restored after. Descriptors made above a restored limit stay valid: a program that
+/// has used every descriptor it may have (a server at its limit) still gets tiermem's, and
+/// they leave its own count alone.
+fn with_descriptor_room<T>(wanted: u64, make: impl FnOnce() -> T) -> T {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let before = getrlimit(Resource::Nofile);
+    let raised = match (before.current, before.maximum) {
+        (Some(current), max) if current < wanted => max.map_or(wanted, |max| wanted.min(max)).max(current),
+        _ => return make(),
+    };
+    let changed = Some(raised) != before.current
+        && setrlimit(Resource::Nofile, Rlimit { current: Some(raised), maximum: before.maximum }).is_ok();
+    let made = make();
+    if changed {
+        let _ = setrlimit(Resource::Nofile, before);
+    }
+    made
 }
 
 extern "C" fn after_fork_in_parent() {
@@ -884,7 +921,15 @@ extern "C" fn at_exit() {
         "engine_reserve_fallbacks": crate::reserve::FALLBACKS.load(Ordering::Relaxed),
     });
     let path = dir.join(format!("{}.json", std::process::id()));
-    if let Err(e) = std::fs::write(&path, report.to_string()) {
+    let text = report.to_string();
+    let written = match std::fs::write(&path, &text) {
+        // A program that ends with every descriptor in use still gets its statistics.
+        Err(e) if e.raw_os_error() == Some(libc::EMFILE) => {
+            with_descriptor_room(descriptor_limit().unwrap_or(0) + 1, || std::fs::write(&path, &text))
+        }
+        other => other,
+    };
+    if let Err(e) = written {
         say(&["tiermem: cannot write statistics to ", &path.display().to_string(), ": ", &e.to_string()]);
     }
 }
