@@ -2360,6 +2360,40 @@ fn a_program_out_of_descriptors_still_runs_managed_and_forks() {
     same_output_in_both_fault_modes(name, OUT_OF_DESCRIPTORS, "full:1 bad:0 child:7\n", "output");
 }
 
+/// A program started as root that drops to another user before its first large allocation (a
+/// daemon) runs managed in both fault modes and leaves its statistics: tiermem starts the
+/// engine and creates the statistics file before the privileges go. Before, thread mode could
+/// not start (an unprivileged userfaultfd does not serve faults inside system calls) and the
+/// statistics could not be written.
+const DROPS_ROOT: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <unistd.h>
+int main() {
+    if (setgid(65534) != 0 || setuid(65534) != 0) return 3;
+    const size_t n = 32u << 20;
+    unsigned char* p = (unsigned char*)malloc(n);
+    memset(p, 9, n);
+    FILE* f = fopen("/proc/self/status", "r");  // a system call writing into managed memory
+    size_t got = f ? fread(p + 4096, 1, 64, f) : 0;
+    long bad = 0;
+    for (size_t i = 0; i < n; i++) bad += (i < 4096 || i >= 4096 + got) && p[i] != 9;
+    printf("uid:%d read:%d bad:%ld\n", (int)getuid(), got > 0 && memcmp(p + 4096, "Name:", 5) == 0, bad);
+    return 0;
+}
+"#;
+
+#[test]
+fn a_program_that_drops_root_runs_managed_and_leaves_statistics() {
+    let name = "a_program_that_drops_root_runs_managed_and_leaves_statistics";
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("SKIPPED {name}: needs root (the program drops root to uid 65534)");
+        return;
+    }
+    same_output_in_both_fault_modes(name, DROPS_ROOT, "uid:65534 read:1 bad:0\n", "output");
+}
+
 /// Build C++ `source` and run it under `tiermem run` with a 16 MiB budget in both fault modes:
 /// it must succeed, print `expected` (`what` says what the printed values are), and draw no
 /// "tiermem: cannot ..." message (statistics unwritten, say).

@@ -35,6 +35,7 @@ mod lock;
 mod messages;
 mod mmap;
 mod paths;
+mod privileges;
 mod process_vm;
 mod recycle;
 mod registry;

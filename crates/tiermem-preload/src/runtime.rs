@@ -920,9 +920,10 @@ extern "C" fn at_exit() {
         "engine_reserve_size_bytes": crate::reserve::size(),
         "engine_reserve_fallbacks": crate::reserve::FALLBACKS.load(Ordering::Relaxed),
     });
-    let path = dir.join(format!("{}.json", std::process::id()));
+    let path = statistics_path(dir);
     let text = report.to_string();
-    let written = match std::fs::write(&path, &text) {
+    let opened_early = STATISTICS_FILE.get().map(|file| std::io::Write::write_all(&mut &**file, text.as_bytes()));
+    let written = match opened_early.unwrap_or_else(|| std::fs::write(&path, &text)) {
         // A program that ends with every descriptor in use still gets its statistics.
         Err(e) if e.raw_os_error() == Some(libc::EMFILE) => {
             with_descriptor_room(descriptor_limit().unwrap_or(0) + 1, || std::fs::write(&path, &text))
@@ -931,6 +932,36 @@ extern "C" fn at_exit() {
     };
     if let Err(e) = written {
         say(&["tiermem: cannot write statistics to ", &path.display().to_string(), ": ", &e.to_string()]);
+    }
+}
+
+/// This process's statistics file, opened before the program gave up the privileges that let
+/// it create one in the statistics directory (see [`crate::privileges`]).
+static STATISTICS_FILE: OnceLock<Guarded<std::fs::File>> = OnceLock::new();
+
+fn statistics_path(dir: &std::path::Path) -> std::path::PathBuf {
+    dir.join(format!("{}.json", std::process::id()))
+}
+
+/// The program is about to give up root (setuid and kin): do now what needs it later. The
+/// engine starts (its userfaultfd then serves faults taken inside system calls, which an
+/// unprivileged process may not ask for, and its device and trace files are made with the
+/// rights the run began with), and the statistics file is created, to be written at exit.
+pub fn before_dropping_privileges() {
+    if in_forked_child() {
+        return;
+    }
+    let Some(settings) = SETTINGS.get() else { return };
+    engine();
+    if let Some(dir) = &settings.stats_dir {
+        if STATISTICS_FILE.get().is_none() {
+            match std::fs::File::options().write(true).create(true).truncate(true).open(statistics_path(dir)) {
+                Ok(file) => {
+                    let _ = STATISTICS_FILE.set(Guarded::new(file));
+                }
+                Err(e) => say(&["tiermem: cannot create the statistics file: ", &e.to_string()]),
+            }
+        }
     }
 }
 

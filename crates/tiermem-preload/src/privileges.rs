@@ -1,0 +1,54 @@
+//! The setuid family: a program started as root that gives up its privileges (daemons do,
+//! before or after their first large allocation) would leave tiermem unable to open a
+//! userfaultfd that serves faults inside system calls (thread fault mode could not start) and
+//! to write its statistics into the run's directory. Before the first call that could drop
+//! root, [`runtime::before_dropping_privileges`] does what needs it.
+
+use crate::alloc::real;
+use crate::runtime;
+
+fn before_a_change() {
+    if rustix::process::geteuid().is_root() {
+        runtime::before_dropping_privileges();
+    }
+}
+
+/// # Safety
+/// The C contract of setuid.
+#[no_mangle]
+pub unsafe extern "C" fn setuid(uid: libc::uid_t) -> i32 {
+    before_a_change();
+    let real = real!("setuid", unsafe extern "C" fn(libc::uid_t) -> i32);
+    // SAFETY: the caller's own setuid.
+    unsafe { real(uid) }
+}
+
+/// # Safety
+/// The C contract of seteuid.
+#[no_mangle]
+pub unsafe extern "C" fn seteuid(uid: libc::uid_t) -> i32 {
+    before_a_change();
+    let real = real!("seteuid", unsafe extern "C" fn(libc::uid_t) -> i32);
+    // SAFETY: the caller's own seteuid.
+    unsafe { real(uid) }
+}
+
+/// # Safety
+/// The C contract of setreuid.
+#[no_mangle]
+pub unsafe extern "C" fn setreuid(ruid: libc::uid_t, euid: libc::uid_t) -> i32 {
+    before_a_change();
+    let real = real!("setreuid", unsafe extern "C" fn(libc::uid_t, libc::uid_t) -> i32);
+    // SAFETY: the caller's own setreuid.
+    unsafe { real(ruid, euid) }
+}
+
+/// # Safety
+/// The C contract of setresuid.
+#[no_mangle]
+pub unsafe extern "C" fn setresuid(ruid: libc::uid_t, euid: libc::uid_t, suid: libc::uid_t) -> i32 {
+    before_a_change();
+    let real = real!("setresuid", unsafe extern "C" fn(libc::uid_t, libc::uid_t, libc::uid_t) -> i32);
+    // SAFETY: the caller's own setresuid.
+    unsafe { real(ruid, euid, suid) }
+}
