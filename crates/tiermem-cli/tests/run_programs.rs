@@ -2394,6 +2394,56 @@ fn a_program_that_drops_root_runs_managed_and_leaves_statistics() {
     same_output_in_both_fault_modes(name, DROPS_ROOT, "uid:65534 read:1 bad:0\n", "output");
 }
 
+/// The program's own mapping placed with MAP_FIXED inside a managed one is the kernel's: madvise
+/// (DONTNEED zeros it), mremap and munmap reach it, and it outlives the managed mapping around
+/// it. Before, DONTNEED left its data (allocators rely on the zeros), mremap failed, munmap
+/// left it mapped, and unmapping the rest of the managed mapping unmapped it too (SIGSEGV).
+const MAP_FIXED_PIECE: &str = r#"
+#include <csetjmp>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <sys/mman.h>
+static sigjmp_buf jump;
+static void on_segv(int) { siglongjmp(jump, 1); }
+static long count_not(const unsigned char* p, size_t n, unsigned char v) { long c = 0; for (size_t i = 0; i < n; i++) c += p[i] != v; return c; }
+int main() {
+    const size_t mb = 1 << 20, n = 32 * mb;
+    unsigned char* a = (unsigned char*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    memset(a, 1, n);
+    const int fixed = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED;
+    unsigned char* f = (unsigned char*)mmap(a + 8 * mb, 8 * mb, PROT_READ | PROT_WRITE, fixed, -1, 0);
+    memset(f, 2, 8 * mb);
+    int dontneed = madvise(f, 8 * mb, MADV_DONTNEED);
+    long not_zero = count_not(f, 8 * mb, 0);
+    memset(f, 3, 8 * mb);
+    unsigned char* g = (unsigned char*)mremap(f, 8 * mb, 16 * mb, MREMAP_MAYMOVE);
+    long moved_bad = g == MAP_FAILED ? -1 : count_not(g, 8 * mb, 3);
+    int unmapped = munmap(g == MAP_FAILED ? f : g, g == MAP_FAILED ? 8 * mb : 16 * mb);
+    signal(SIGSEGV, on_segv);
+    int gone = 0;
+    if (sigsetjmp(jump, 1) == 0) { volatile unsigned char x = (g == MAP_FAILED ? f : g)[100]; (void)x; } else gone = 1;
+    signal(SIGSEGV, SIG_DFL);
+    long rest_bad = count_not(a, 8 * mb, 1) + count_not(a + 16 * mb, 16 * mb, 1);
+    // A MAP_FIXED piece outlives the managed mapping around it.
+    unsigned char* h = (unsigned char*)mmap(a + 20 * mb, 4 * mb, PROT_READ | PROT_WRITE, fixed, -1, 0);
+    memset(h, 4, 4 * mb);
+    munmap(a, 20 * mb);
+    munmap(a + 24 * mb, 8 * mb);
+    long kept_bad = count_not(h, 4 * mb, 4);
+    printf("%d %ld %d %ld %d %d %ld %ld\n", dontneed, not_zero, g != MAP_FAILED, moved_bad, unmapped, gone, rest_bad, kept_bad);
+    return 0;
+}
+"#;
+
+#[test]
+fn a_map_fixed_piece_inside_managed_memory_is_the_kernels() {
+    let name = "a_map_fixed_piece_inside_managed_memory_is_the_kernels";
+    let expected = "0 0 1 0 0 1 0 0\n";
+    let what = "dontneed rc, words not zeroed, mremap ok, moved words wrong, munmap rc, gone after munmap, rest wrong, kept wrong";
+    same_output_in_both_fault_modes(name, MAP_FIXED_PIECE, expected, what);
+}
+
 /// Build C++ `source` and run it under `tiermem run` with a 16 MiB budget in both fault modes:
 /// it must succeed, print `expected` (`what` says what the printed values are), and draw no
 /// "tiermem: cannot ..." message (statistics unwritten, say).

@@ -707,6 +707,13 @@ impl Region {
         false
     }
 
+    /// `[offset, offset + len)` belongs to another mapping now: the program mapped over it with
+    /// MAP_FIXED. Discard the pages there first. Dropping the region leaves that part alone
+    /// (its pages are the program's, and it may unmap or map there itself).
+    pub fn hand_over(&self, offset: usize, len: usize) {
+        self.inner.mapping.hand_over(offset, len);
+    }
+
     /// Give up the contents of this region's evicted pages: each becomes untouched (its next
     /// touch maps zeros, no device read) and its slot is freed. For memory whose contents no
     /// longer matter (a freed allocation kept for reuse); resident pages are left as they are.
@@ -754,14 +761,21 @@ impl Drop for Region {
             table.remove(self.inner.index);
             break;
         }
-        let _ = self.shared.uffd_of(&self.inner).unregister(self.inner.mapping.as_ptr(), self.inner.mapping.len());
+        let base = self.inner.mapping.as_ptr();
+        let own_parts = self.inner.mapping.own_parts();
+        for &(offset, len) in &own_parts {
+            let _ = self.shared.uffd_of(&self.inner).unregister(base.wrapping_add(offset), len);
+        }
         // Give the pages back to the kernel before they leave the resident count: the cgroup
         // watch reads the count against the cgroup's usage, and pages still charged to the
         // cgroup but no longer counted here (munmap of a large region takes milliseconds)
         // looked like the program's unmanaged memory, cutting the budget by up to the region's
         // size (intsort quick at 100%: to 110 of 248 MiB) and evicting live pages for nothing.
-        // SAFETY: the region is out of the table and unregistered; nobody uses its contents.
-        let _ = unsafe { tiermem_sys::mem::discard(self.inner.mapping.as_ptr(), self.inner.mapping.len()) };
+        for &(offset, len) in &own_parts {
+            // SAFETY: the region is out of the table and unregistered; nobody uses its contents
+            // (the parts handed over to the program's own mappings are not among these).
+            let _ = unsafe { tiermem_sys::mem::discard(base.wrapping_add(offset), len) };
+        }
         let mut freed_resident = 0;
         for cell in self.inner.pages.iter() {
             let state = cell.peek();

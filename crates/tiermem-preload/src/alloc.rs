@@ -72,7 +72,15 @@ fn allocate(size: usize, align: usize, origin: Origin, reuse: bool) -> *mut c_vo
             let len = region.len();
             registry::insert(
                 &mut table,
-                Entry { region, user, size, origin, unmapped: Vec::new(), fork_advice: Vec::new() },
+                Entry {
+                    region,
+                    user,
+                    size,
+                    origin,
+                    unmapped: Vec::new(),
+                    handed_over: Vec::new(),
+                    fork_advice: Vec::new(),
+                },
             );
             drop(table);
             runtime::count_allocation(len);

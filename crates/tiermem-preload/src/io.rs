@@ -59,15 +59,9 @@ fn is_regular_file(fd: i32) -> bool {
 /// Bytes from `addr` that lie in one stretch of managed (`Some(region end)`) or unmanaged memory.
 pub(crate) fn stretch(addr: usize, want: usize) -> (usize, bool) {
     let table = registry::lock();
-    match registry::containing(&table, addr) {
-        Some(base) => {
-            let end = base + table[&base].len();
-            (want.min(end - addr), true)
-        }
-        None => {
-            let next = table.range(addr..).next().map_or(usize::MAX, |(&b, _)| b);
-            (want.min(next - addr), false)
-        }
+    match registry::segments(&table, addr, addr.saturating_add(want)).first() {
+        Some(&(from, to, managed)) => (to - from, managed.is_some()),
+        None => (want, false),
     }
 }
 

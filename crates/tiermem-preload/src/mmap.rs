@@ -51,7 +51,8 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
     }
     // MAP_FIXED_NOREPLACE (alone or with MAP_FIXED) fails over existing mappings: nothing to forget.
     let replaces = flags & libc::MAP_FIXED != 0 && flags & libc::MAP_FIXED_NOREPLACE == 0;
-    if replaces && registry::may_overlap(addr as usize, len) {
+    let over_managed = replaces && registry::may_overlap(addr as usize, len);
+    if over_managed {
         // The new mapping replaces managed pages: the engine must forget them first, as for a
         // munmap, or it would go on paging the new mapping's pages as its own (reading old data
         // back over them, dropping them). The kernel would replace them atomically; here another
@@ -62,7 +63,20 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
         }
     }
     // SAFETY: the caller's own mmap, passed to the kernel unchanged.
-    syscall_result(unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) })
+    let mapped = unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) };
+    if over_managed && mapped as usize == addr as usize {
+        // What remains of the managed regions there is the program's new mapping now.
+        let (start, end) = (addr as usize, (addr as usize).saturating_add(len.next_multiple_of(PAGE_SIZE)));
+        let mut table = registry::lock();
+        for base in registry::overlapping(&table, start, end - start) {
+            let entry = table.get_mut(&base).expect("listed above");
+            if entry.origin == Origin::Mmap {
+                let (from, to) = (base.max(start) - base, (base + entry.len()).min(end) - base);
+                entry.hand_over(from, to);
+            }
+        }
+    }
+    syscall_result(mapped)
 }
 
 /// # Safety
@@ -103,25 +117,24 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
     }
     let end = start.saturating_add(len.next_multiple_of(PAGE_SIZE));
     let mut table = registry::lock();
-    let bases = registry::overlapping(&table, start, end - start);
     // Managed mmap regions are released when the program has unmapped all of them (a piece
     // unmapped twice counts once). A piece unmapped before then loses its pages at once, but
     // its addresses stay reserved until the whole region goes: the engine works on the region's
     // range as a whole. munmap of malloc'd managed memory is refused, as the kernel would refuse
-    // nothing and the heap would be corrupt.
+    // nothing and the heap would be corrupt. What lies between regions, or in pieces handed
+    // over to the program's own MAP_FIXED mappings, is the kernel's to unmap.
     let mut released = Vec::new();
-    let mut cursor = start;
     let mut rc = 0;
-    for base in bases {
+    for (from, to, managed) in registry::segments(&table, start, end) {
+        let Some(base) = managed else {
+            rc |= kernel_munmap(from, to);
+            continue;
+        };
         let entry = table.get_mut(&base).expect("listed above");
-        let entry_end = base + entry.len();
-        rc |= kernel_munmap(cursor, base);
-        cursor = entry_end.min(end);
         if entry.origin == Origin::Malloc {
             runtime::say(&["tiermem: munmap() of memory that came from malloc is ignored"]);
             continue;
         }
-        let (from, to) = (base.max(start), entry_end.min(end));
         if entry.note_unmapped(from - base, to - base) {
             released.push(registry::remove(&mut table, base).expect("listed above"));
             continue;
@@ -131,7 +144,6 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
             runtime::say(&["tiermem: munmap() of part of a managed mapping: ", &e.to_string()]);
         }
     }
-    rc |= kernel_munmap(cursor, end);
     drop(table);
     for entry in released {
         runtime::release(entry);
@@ -224,28 +236,22 @@ fn advise_managed(
     managed: impl Fn(&tiermem_engine::Region, usize, usize) -> tiermem_engine::Result<()>,
 ) -> bool {
     let table = registry::lock();
-    let bases = registry::overlapping(&table, start, end - start);
-    if bases.is_empty() || runtime::in_forked_child() {
+    let segments = registry::segments(&table, start, end);
+    if segments.iter().all(|&(_, _, base)| base.is_none()) || runtime::in_forked_child() {
         return false;
     }
-    let mut cursor = start;
-    for base in bases {
-        let entry = &table[&base];
-        let region_end = base + entry.len();
-        if cursor < base {
+    for (from, to, managed_by) in segments {
+        match managed_by {
+            Some(base) => {
+                if let Err(e) = managed(&table[&base].region, from - base, to - from) {
+                    runtime::say(&["tiermem: madvise() on managed memory: ", &e.to_string()]);
+                }
+            }
             // SAFETY: the caller's own advice on memory that is not managed.
-            unsafe { libc::syscall(libc::SYS_madvise, cursor, base - cursor, advice) };
+            None => unsafe {
+                libc::syscall(libc::SYS_madvise, from, to - from, advice);
+            },
         }
-        let from = base.max(start);
-        let to = region_end.min(end);
-        if let Err(e) = managed(&entry.region, from - base, to - from) {
-            runtime::say(&["tiermem: madvise() on managed memory: ", &e.to_string()]);
-        }
-        cursor = to;
-    }
-    if cursor < end {
-        // SAFETY: as above.
-        unsafe { libc::syscall(libc::SYS_madvise, cursor, end - cursor, advice) };
     }
     true
 }
@@ -261,7 +267,7 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: i32) -> 
             // Huge pages would bring in and pin 512 pages behind the engine's back.
             libc::MADV_HUGEPAGE | libc::MADV_NOHUGEPAGE | libc::MADV_COLLAPSE => {
                 let table = registry::lock();
-                if !registry::overlapping(&table, start, end - start).is_empty() {
+                if registry::segments(&table, start, end).iter().any(|&(_, _, base)| base.is_some()) {
                     return 0;
                 }
             }

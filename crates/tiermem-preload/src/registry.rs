@@ -33,6 +33,9 @@ pub struct Entry {
     /// Pieces of an mmap'd region the program has unmapped (offsets, sorted and merged); the
     /// region goes when they cover all of it.
     pub unmapped: Vec<(usize, usize)>,
+    /// Pieces the program mapped over with MAP_FIXED (offsets, sorted and merged): the
+    /// kernel's now, so calls there go to it, and releasing the region leaves them mapped.
+    pub handed_over: Vec<(usize, usize)>,
     /// The program's fork advice on parts of the region, in order (offset, end, advice):
     /// MADV_WIPEONFORK/KEEPONFORK and MADV_DONTFORK/DOFORK. The kernel applies them to the
     /// mapping; a forked child's copy of evicted pages must follow them too.
@@ -69,17 +72,19 @@ impl Entry {
     /// Note that the program unmapped `[from, to)` (offsets in the region; again is harmless,
     /// as for the kernel). Returns whether the whole region is unmapped now.
     pub fn note_unmapped(&mut self, from: usize, to: usize) -> bool {
-        self.unmapped.push((from, to));
-        self.unmapped.sort_unstable();
-        let mut merged: Vec<(usize, usize)> = Vec::with_capacity(self.unmapped.len());
-        for &(a, b) in &self.unmapped {
-            match merged.last_mut() {
-                Some(last) if a <= last.1 => last.1 = last.1.max(b),
-                _ => merged.push((a, b)),
-            }
-        }
-        self.unmapped = merged;
+        tiermem_sys::mem::merge_range(&mut self.unmapped, from, to);
         self.unmapped == [(0, self.len())]
+    }
+
+    /// The program mapped over `[from, to)` (offsets) with MAP_FIXED; see `handed_over`.
+    pub fn hand_over(&mut self, from: usize, to: usize) {
+        tiermem_sys::mem::merge_range(&mut self.handed_over, from, to);
+        self.region.hand_over(from, to - from);
+    }
+
+    /// Whether the page at `offset` is in a piece handed over to the kernel.
+    fn is_handed_over(&self, offset: usize) -> bool {
+        self.handed_over.iter().any(|&(from, to)| (from..to).contains(&offset))
     }
 }
 
@@ -119,10 +124,48 @@ pub fn remove(table: &mut BTreeMap<usize, Entry>, base: usize) -> Option<Entry> 
     Some(entry)
 }
 
-/// The start of the entry whose region contains `addr`.
+/// The start of the entry whose region contains `addr` (not in a piece handed over).
 pub fn containing(table: &BTreeMap<usize, Entry>, addr: usize) -> Option<usize> {
     let (&base, entry) = table.range(..=addr).next_back()?;
-    (addr < base + entry.len()).then_some(base)
+    (addr < base + entry.len() && !entry.is_handed_over(addr - base)).then_some(base)
+}
+
+/// `[start, end)` cut into pieces, in order: `(from, to, Some(base))` where entry `base`
+/// manages the memory, `(from, to, None)` where the kernel does (between entries, or in a
+/// piece handed over).
+pub fn segments(table: &BTreeMap<usize, Entry>, start: usize, end: usize) -> Vec<(usize, usize, Option<usize>)> {
+    let mut out = Vec::new();
+    let mut at = start;
+    let first = table.range(..=start).next_back().map_or(start, |(&base, _)| base);
+    for (&base, entry) in table.range(first..end) {
+        let (from, to) = (base.max(start), (base + entry.len()).min(end));
+        if from >= to {
+            continue;
+        }
+        if at < from {
+            out.push((at, from, None));
+        }
+        let mut cursor = from;
+        for &(a, b) in &entry.handed_over {
+            let (a, b) = ((base + a).max(cursor), (base + b).min(to));
+            if a >= b {
+                continue;
+            }
+            if cursor < a {
+                out.push((cursor, a, Some(base)));
+            }
+            out.push((a, b, None));
+            cursor = b;
+        }
+        if cursor < to {
+            out.push((cursor, to, Some(base)));
+        }
+        at = to;
+    }
+    if at < end {
+        out.push((at, end, None));
+    }
+    out
 }
 
 /// Starts of the entries whose regions overlap `[addr, addr+len)`.

@@ -7,11 +7,28 @@ use rustix::mm::{self, Advice, MapFlags, ProtFlags};
 
 use crate::{Error, Result, ResultExt, PAGE_SIZE};
 
-/// An anonymous private mapping, unmapped on drop.
+/// An anonymous private mapping, unmapped on drop (but for the parts handed over).
 #[derive(Debug)]
 pub struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
+    /// Parts (offset, end; sorted, merged) that belong to someone else now: the program mapped
+    /// over them with MAP_FIXED (see [`Mapping::hand_over`]).
+    handed_over: std::sync::Mutex<Vec<(usize, usize)>>,
+}
+
+/// Add `[from, to)` to a sorted list of disjoint ranges, merging where they touch.
+pub fn merge_range(ranges: &mut Vec<(usize, usize)>, from: usize, to: usize) {
+    ranges.push((from, to));
+    ranges.sort_unstable();
+    let mut merged: Vec<(usize, usize)> = Vec::with_capacity(ranges.len());
+    for &(a, b) in ranges.iter() {
+        match merged.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => merged.push((a, b)),
+        }
+    }
+    *ranges = merged;
 }
 
 // SAFETY: a Mapping is plain memory addresses; synchronising access to its bytes is the owner's job.
@@ -35,7 +52,7 @@ impl Mapping {
             .context(|| format!("mmap of {len} bytes of anonymous memory"))?;
         let ptr = NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| Error::new(crate::ErrorKind::Internal, "mmap returned null"))?;
-        Ok(Self { ptr, len })
+        Ok(Self { ptr, len, handed_over: Default::default() })
     }
 
     /// Map `len` bytes of read-only anonymous memory that reads as zeros, backed by the
@@ -55,7 +72,7 @@ impl Mapping {
             // SAFETY: inside the readable mapping just made; a read maps the zero page.
             unsafe { std::ptr::read_volatile(page) };
         }
-        Ok(Self { ptr, len })
+        Ok(Self { ptr, len, handed_over: Default::default() })
     }
 
     /// Start address.
@@ -77,12 +94,42 @@ impl Mapping {
     pub fn is_empty(&self) -> bool {
         false
     }
+
+    /// The pages of `[offset, offset + len)` belong to another mapping now (the program's,
+    /// mapped over them with MAP_FIXED): dropping this one leaves them alone.
+    pub fn hand_over(&self, offset: usize, len: usize) {
+        let from = (offset / PAGE_SIZE * PAGE_SIZE).min(self.len);
+        let to = offset.saturating_add(len).next_multiple_of(PAGE_SIZE).min(self.len);
+        if from < to {
+            merge_range(&mut self.handed_over.lock().unwrap_or_else(|e| e.into_inner()), from, to);
+        }
+    }
+
+    /// The parts still this mapping's own, as (offset, length), in order.
+    pub fn own_parts(&self) -> Vec<(usize, usize)> {
+        let handed = self.handed_over.lock().unwrap_or_else(|e| e.into_inner());
+        let mut parts = Vec::with_capacity(handed.len() + 1);
+        let mut at = 0;
+        for &(from, to) in handed.iter() {
+            if from > at {
+                parts.push((at, from - at));
+            }
+            at = at.max(to);
+        }
+        if at < self.len {
+            parts.push((at, self.len - at));
+        }
+        parts
+    }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: ptr/len describe exactly the mapping created in `anonymous`, owned by self.
-        let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+        for (offset, len) in self.own_parts() {
+            // SAFETY: a part of the mapping created in `anonymous`, owned by self (the parts
+            // handed over are left to their new owner).
+            let _ = unsafe { mm::munmap(self.ptr.as_ptr().wrapping_add(offset).cast(), len) };
+        }
     }
 }
 
