@@ -13,7 +13,7 @@ use crate::engine::Shared;
 use crate::fault::{handle_fault, Outcome};
 
 /// How an idle handler thread waits for the next fault.
-struct FaultWait {
+pub(crate) struct FaultWait {
     /// This thread's epoll set, holding the userfaultfd as an exclusive waiter (a fault wakes one
     /// idle handler thread; with plain poll() every idle one woke for every fault), and the stop
     /// event as a shared one (all wake). None if epoll is unavailable: poll() then.
@@ -21,7 +21,9 @@ struct FaultWait {
 }
 
 impl FaultWait {
-    fn new(shared: &Shared, uffd: &Uffd) -> Self {
+    /// Made by the thread that starts the handler (its descriptor is then made while the
+    /// engine starts, see the preload's descriptor room).
+    pub(crate) fn new(shared: &Shared, uffd: &Uffd) -> Self {
         use rustix::event::epoll;
         let epoll = epoll::create(epoll::CreateFlags::CLOEXEC).ok().map(Guarded::new).filter(|set| {
             epoll::add(set, uffd, epoll::EventData::new_u64(0), epoll::EventFlags::IN | epoll::EventFlags::EXCLUSIVE)
@@ -46,8 +48,7 @@ impl FaultWait {
 }
 
 /// Reads fault messages from `uffd` and resolves them until shutdown.
-pub(crate) fn handler_thread(shared: &Shared, uffd: &Uffd, lane: usize) {
-    let idle = FaultWait::new(shared, uffd);
+pub(crate) fn handler_thread(shared: &Shared, uffd: &Uffd, lane: usize, idle: FaultWait) {
     let spin = std::time::Duration::from_micros(u64::from(shared.config.handler_spin_us));
     let mut last_fault = std::time::Instant::now();
     loop {

@@ -408,7 +408,8 @@ impl Engine {
         };
         {
             let s = shared.clone();
-            threads.push(spawn("tiermem-completion", Box::new(move || crate::io::completion_thread(&s)))?);
+            let fds = crate::io::completion_wait_fds(&shared);
+            threads.push(spawn("tiermem-completion", Box::new(move || crate::io::completion_thread(&s, fds)))?);
         }
         if let Some(consumer) = shared.monitor.take_consumer() {
             let s = shared.clone();
@@ -422,9 +423,10 @@ impl Engine {
             FaultMode::HandlerThread => {
                 for i in 0..shared.config.handler_threads {
                     let s = shared.clone();
+                    let idle = crate::delivery::FaultWait::new(&shared, &shared.uffd);
                     threads.push(spawn(
                         &format!("tiermem-fault{i}"),
-                        Box::new(move || crate::delivery::handler_thread(&s, &s.uffd, i)),
+                        Box::new(move || crate::delivery::handler_thread(&s, &s.uffd, i, idle)),
                     )?);
                 }
             }
@@ -432,11 +434,12 @@ impl Engine {
                 crate::delivery::install_sigbus(&shared)?;
                 // Faults in kernel regions: a system call may take them, which SIGBUS cannot serve.
                 let s = shared.clone();
+                let idle = shared.threaded.as_ref().map(|(uffd, _)| crate::delivery::FaultWait::new(&shared, uffd));
                 threads.push(spawn(
                     "tiermem-fault0",
                     Box::new(move || {
-                        if let Some((uffd, _)) = &s.threaded {
-                            crate::delivery::handler_thread(&s, uffd, 0);
+                        if let (Some((uffd, _)), Some(idle)) = (&s.threaded, idle) {
+                            crate::delivery::handler_thread(&s, uffd, 0, idle);
                         }
                     }),
                 )?);

@@ -363,17 +363,21 @@ fn end_sample(shared: &Shared, regions: &RegionTable, id: u64) {
     }
 }
 
-/// Sleeps until the background queues signal completions, then processes them.
-pub(crate) fn completion_thread(shared: &Shared) {
+/// Copies of the background queues' completion descriptors for [`completion_thread`], made
+/// while the engine starts. Guarded like the originals: the program must not close these either.
+pub(crate) fn completion_wait_fds(shared: &Shared) -> Vec<crate::engine::WakeFd> {
     let prefetch_fd = shared.queues.prefetch().notify_fd().map(|fd| fd.try_clone_to_owned());
     let writeback_fd = shared.queues.writeback().notify_fd().map(|fd| fd.try_clone_to_owned());
-    // Guarded like the originals: the program must not close these copies either.
-    let fds: Vec<crate::engine::WakeFd> = [prefetch_fd, writeback_fd]
+    [prefetch_fd, writeback_fd]
         .into_iter()
         .flatten()
         .filter_map(|r| r.ok())
         .map(tiermem_sys::guarded_fd::Guarded::new)
-        .collect();
+        .collect()
+}
+
+/// Sleeps until the background queues signal completions (on `fds`), then processes them.
+pub(crate) fn completion_thread(shared: &Shared, fds: Vec<crate::engine::WakeFd>) {
     let mut buf = [0u8; 8];
     while !shared.shutdown.load(Ordering::Acquire) {
         {

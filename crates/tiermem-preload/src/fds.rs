@@ -19,6 +19,28 @@ use crate::alloc::real;
 use crate::io::sys;
 use crate::runtime;
 
+type CloseFn = unsafe extern "C" fn(i32) -> i32;
+type Dup2Fn = unsafe extern "C" fn(i32, i32) -> i32;
+type Dup3Fn = unsafe extern "C" fn(i32, i32, i32) -> i32;
+
+fn real_close() -> CloseFn {
+    real!("close", CloseFn)
+}
+
+fn real_dup2() -> Dup2Fn {
+    real!("dup2", Dup2Fn)
+}
+
+fn real_dup3() -> Dup3Fn {
+    real!("dup3", Dup3Fn)
+}
+
+/// Look the C library's functions up now, at load: the first lookup (dlsym) may allocate,
+/// which a close inside a fork handler (holding the heap's lock) or a signal handler must not.
+pub(crate) fn resolve_real_functions() {
+    let _ = (real_close(), real_dup2(), real_dup3());
+}
+
 fn guarded(fd: i32) -> bool {
     !runtime::in_forked_child() && guarded_fd::is_guarded(fd)
 }
@@ -31,9 +53,8 @@ pub unsafe extern "C" fn close(fd: i32) -> i32 {
         runtime::set_errno(libc::EBADF);
         return -1;
     }
-    let real = real!("close", unsafe extern "C" fn(i32) -> i32);
     // SAFETY: the caller's own close.
-    unsafe { real(fd) }
+    unsafe { real_close()(fd) }
 }
 
 /// # Safety
@@ -47,10 +68,11 @@ pub unsafe extern "C" fn close_range(first: u32, last: u32, flags: i32) -> i32 {
 /// The C contract of closefrom.
 #[no_mangle]
 pub unsafe extern "C" fn closefrom(low: i32) {
-    // The C library's closefrom aborts where it cannot close; a negative start is its EINVAL.
+    // Without close_range (Linux < 5.9), close what /proc lists, as the C library does.
     if low >= 0 && close_range_call(low as u32, u32::MAX, 0) < 0 {
-        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(1 << 20);
-        for fd in low..i32::try_from(limit).unwrap_or(i32::MAX) {
+        let Ok(listed) = std::fs::read_dir("/proc/self/fd") else { return };
+        let open: Vec<i32> = listed.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect();
+        for fd in open.into_iter().filter(|&fd| fd >= low) {
             // SAFETY: closing a number the program asked to close (guarded ones are skipped).
             unsafe { close(fd) };
         }
@@ -91,9 +113,11 @@ static REFUSAL_SAID: AtomicBool = AtomicBool::new(false);
 
 fn refuse_replacing(new: i32) -> i32 {
     if !REFUSAL_SAID.swap(true, Ordering::Relaxed) {
+        // Without allocating: dup2 may be called from a signal handler.
+        let mut digits = [0u8; 20];
         runtime::say(&[
             "tiermem: the program asked to replace descriptor ",
-            &new.to_string(),
+            runtime::decimal(i64::from(new), &mut digits),
             ", which tiermem uses to page its memory; refused with EBUSY (replacing it would lose the program's data)",
         ]);
     }
@@ -108,9 +132,8 @@ pub unsafe extern "C" fn dup2(old: i32, new: i32) -> i32 {
     if old != new && guarded(new) {
         return refuse_replacing(new);
     }
-    let real = real!("dup2", unsafe extern "C" fn(i32, i32) -> i32);
     // SAFETY: the caller's own dup2.
-    unsafe { real(old, new) }
+    unsafe { real_dup2()(old, new) }
 }
 
 /// # Safety
@@ -120,7 +143,6 @@ pub unsafe extern "C" fn dup3(old: i32, new: i32, flags: i32) -> i32 {
     if old != new && guarded(new) {
         return refuse_replacing(new);
     }
-    let real = real!("dup3", unsafe extern "C" fn(i32, i32, i32) -> i32);
     // SAFETY: the caller's own dup3.
-    unsafe { real(old, new, flags) }
+    unsafe { real_dup3()(old, new, flags) }
 }

@@ -159,6 +159,11 @@ pub fn contains(ptr: usize) -> bool {
     chunk_of(ptr).is_some()
 }
 
+/// Start and end of the chunk (a managed region) holding `ptr`.
+pub fn chunk_bounds(ptr: usize) -> Option<(usize, usize)> {
+    chunk_of(ptr).map(|(start, end, _)| (start, end))
+}
+
 /// The bounds and kind of the chunk holding `ptr`.
 fn chunk_of(ptr: usize) -> Option<(usize, usize, usize)> {
     if ptr < LOWEST.load(Ordering::Acquire) || ptr >= HIGHEST.load(Ordering::Acquire) {

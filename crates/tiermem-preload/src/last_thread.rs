@@ -1,8 +1,8 @@
 //! A program whose main thread ends with `pthread_exit` ends when its last thread does: glibc
 //! calls `exit(0)` once no thread is left. tiermem's own threads (the engine's, named
 //! `tiermem-*`) are threads to glibc too, so such a program used to hang after its last thread
-//! finished. When the main thread calls `pthread_exit`, a watcher thread starts and calls
-//! `exit(0)` once only tiermem's threads remain, as glibc would have.
+//! finished. When the main thread calls `pthread_exit` (or C11's `thrd_exit`), a watcher thread
+//! starts and calls `exit(0)` once only tiermem's threads remain, as glibc would have.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,6 +24,19 @@ pub unsafe extern "C" fn pthread_exit(value: *mut c_void) -> ! {
     let real = real!("pthread_exit", unsafe extern "C" fn(*mut c_void) -> !);
     // SAFETY: the caller's own pthread_exit.
     unsafe { real(value) }
+}
+
+/// # Safety
+/// The C contract of thrd_exit (C11 threads; the C library ends the thread without going
+/// through `pthread_exit`'s symbol).
+#[no_mangle]
+pub unsafe extern "C" fn thrd_exit(result: i32) -> ! {
+    if rustix::thread::gettid() == rustix::process::getpid() {
+        watch_for_the_last_program_thread();
+    }
+    let real = real!("thrd_exit", unsafe extern "C" fn(i32) -> !);
+    // SAFETY: the caller's own thrd_exit.
+    unsafe { real(result) }
 }
 
 fn watch_for_the_last_program_thread() {

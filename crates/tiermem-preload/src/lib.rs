@@ -53,6 +53,7 @@ static SHIM_ALLOCATOR: libc_alloc::LibcAllocator = libc_alloc::LibcAllocator;
 /// Runs when the library is loaded, before the program's `main`: reads the settings so a bad
 /// value is reported before the program does anything.
 extern "C" fn on_load() {
+    fds::resolve_real_functions();
     stdio::note_load();
     runtime::load_settings();
 }

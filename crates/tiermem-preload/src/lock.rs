@@ -2,20 +2,23 @@
 //! the kernel fault every page in through the engine, which then could not evict any of them
 //! (MADV_DONTNEED refuses locked pages): past the budget the program hung. Here:
 //!
-//! - `mlock`/`mlock2` pin the managed part in the engine: its pages are brought in and never
-//!   evicted until `munlock`, `munlockall`, or the memory is unmapped or freed. Locked managed
-//!   memory may take up to half the budget; a lock past that fails with ENOMEM, as a lock past
-//!   RLIMIT_MEMLOCK does. The unmanaged part goes to the kernel.
+//! - `mlock`/`mlock2` pin the managed part (mmap'd or malloc'd, small-heap blocks included) in
+//!   the engine: its pages are brought in and never evicted until `munlock`, `munlockall`, or
+//!   the memory is unmapped, freed or shrunk away. Locked managed memory may take up to a
+//!   quarter of the budget (system calls' buffers are pinned beside it); past that, or past
+//!   RLIMIT_MEMLOCK for an unprivileged process, the call fails with ENOMEM before locking
+//!   anything. The unmanaged part goes to the kernel.
 //! - `mlockall` fails with ENOMEM (and a message) once memory is managed, or when it asks for
 //!   MCL_FUTURE (future managed allocations could not be paged): locking all of a program's
 //!   memory is the opposite of paging it. Before then, MCL_CURRENT alone goes to the kernel.
+//! - MADV_DONTNEED and MADV_FREE on locked managed pages fail with EINVAL, as on locked pages.
 //!
 //! In a forked child, whose memory is a plain copy, every call goes to the kernel.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use tiermem_engine::PinGuard;
+use tiermem_engine::{Engine, PinGuard};
 use tiermem_sys::PAGE_SIZE;
 
 use crate::io::{stretch, sys};
@@ -28,10 +31,15 @@ struct Lock {
     _pin: PinGuard,
 }
 
-/// Locked stretches, disjoint.
-static LOCKS: Mutex<Vec<Lock>> = Mutex::new(Vec::new());
+struct Locks {
+    held: Vec<Lock>,
+    /// Bytes being pinned outside the lock (counted so two calls cannot both pass the limit).
+    pending: usize,
+}
 
-fn locks() -> std::sync::MutexGuard<'static, Vec<Lock>> {
+static LOCKS: Mutex<Locks> = Mutex::new(Locks { held: Vec::new(), pending: 0 });
+
+fn locks() -> std::sync::MutexGuard<'static, Locks> {
     LOCKS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -40,25 +48,23 @@ fn page_span(addr: usize, len: usize) -> (usize, usize) {
     (start, addr.saturating_add(len).next_multiple_of(PAGE_SIZE))
 }
 
-/// Call `managed(from, to)` or `unmanaged(from, to)` for each stretch of `[start, end)`; stops
-/// at the first failure (-1, errno set).
-fn by_stretch(
-    start: usize,
-    end: usize,
-    mut managed: impl FnMut(usize, usize) -> isize,
-    mut unmanaged: impl FnMut(usize, usize) -> isize,
-) -> isize {
+/// `[start, end)` cut into managed and unmanaged pieces, in order.
+fn pieces(start: usize, end: usize) -> Vec<(usize, usize, bool)> {
+    let mut out = Vec::new();
     let mut at = start;
     while at < end {
-        let (len, is_managed) = stretch(at, end - at);
-        let len = len.max(PAGE_SIZE).min(end - at);
-        let r = if is_managed { managed(at, at + len) } else { unmanaged(at, at + len) };
-        if r < 0 {
-            return r;
-        }
-        at += len;
+        let (to, managed) = match crate::heap::chunk_bounds(at) {
+            // A small-heap chunk: a managed region outside the registry.
+            Some((_, chunk_end)) => (chunk_end.min(end), true),
+            None => {
+                let (len, managed) = stretch(at, end - at);
+                (at + len.max(PAGE_SIZE).min(end - at), managed)
+            }
+        };
+        out.push((at, to, managed));
+        at = to;
     }
-    0
+    out
 }
 
 fn say_once(said: &AtomicBool, parts: &[&str]) {
@@ -72,42 +78,10 @@ fn refuse(errno: i32) -> isize {
     -1
 }
 
-/// Pin the pages of `[from, to)` (inside one managed region) not locked yet.
-fn lock_managed(from: usize, to: usize) -> isize {
-    static SAID: AtomicBool = AtomicBool::new(false);
-    let Some(engine) = runtime::running_engine() else { return refuse(libc::ENOMEM) };
-    let mut locks = locks();
-    let gaps = uncovered(&locks, from, to);
-    let locked: usize = locks.iter().map(|l| l.end - l.start).sum();
-    let adding: usize = gaps.iter().map(|&(a, b)| b - a).sum();
-    let allowed = engine.limit_pages() as usize * PAGE_SIZE / 2;
-    if locked + adding > allowed {
-        say_once(
-            &SAID,
-            &[
-                "tiermem: mlock refused (ENOMEM): locked managed memory may take at most half the budget (",
-                &(allowed >> 20).to_string(),
-                " MiB)",
-            ],
-        );
-        return refuse(libc::ENOMEM);
-    }
-    for (a, b) in gaps {
-        match engine.prepare_kernel_access(a as *const u8, b - a, false) {
-            Ok(pin) => locks.push(Lock { start: a, end: b, _pin: pin }),
-            Err(e) => {
-                runtime::say(&["tiermem: mlock of managed memory failed: ", &e.to_string()]);
-                return refuse(libc::ENOMEM);
-            }
-        }
-    }
-    0
-}
-
 /// The parts of `[from, to)` no lock covers.
-fn uncovered(locks: &[Lock], from: usize, to: usize) -> Vec<(usize, usize)> {
+fn uncovered(held: &[Lock], from: usize, to: usize) -> Vec<(usize, usize)> {
     let mut covering: Vec<(usize, usize)> =
-        locks.iter().filter(|l| l.start < to && l.end > from).map(|l| (l.start, l.end)).collect();
+        held.iter().filter(|l| l.start < to && l.end > from).map(|l| (l.start, l.end)).collect();
     covering.sort_unstable();
     let mut gaps = Vec::new();
     let mut at = from;
@@ -123,73 +97,154 @@ fn uncovered(locks: &[Lock], from: usize, to: usize) -> Vec<(usize, usize)> {
     gaps
 }
 
-/// Unlock `[from, to)`: locks overlapping it are dropped and their parts outside it pinned again.
+/// Most bytes of managed memory the program may lock: a quarter of the budget, and for an
+/// unprivileged process no more than RLIMIT_MEMLOCK.
+fn lockable_bytes(engine: &Engine) -> usize {
+    let quarter = engine.limit_pages() as usize * PAGE_SIZE / 4;
+    if rustix::process::geteuid().is_root() {
+        return quarter;
+    }
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
+    limit.map_or(quarter, |l| quarter.min(usize::try_from(l).unwrap_or(usize::MAX)))
+}
+
+/// Lock `[start, end)`: the unmanaged pieces by `kernel(from, to)`, the managed ones by
+/// pinning, after checking that all of it may be locked.
+fn lock_range(start: usize, end: usize, kernel: impl Fn(usize, usize) -> isize) -> isize {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    let pieces = pieces(start, end);
+    let Some(engine) = runtime::running_engine() else {
+        return pieces.iter().map(|&(a, b, _)| kernel(a, b)).find(|&r| r < 0).unwrap_or(0);
+    };
+    // Reserve the new pages' bytes under the lock; pin outside it (reading pages in takes a
+    // while, and frees and unmaps wait for this lock).
+    let gaps: Vec<(usize, usize)> = {
+        let mut locks = locks();
+        let gaps: Vec<(usize, usize)> =
+            pieces.iter().filter(|p| p.2).flat_map(|&(a, b, _)| uncovered(&locks.held, a, b)).collect();
+        let adding: usize = gaps.iter().map(|&(a, b)| b - a).sum();
+        let locked: usize = locks.held.iter().map(|l| l.end - l.start).sum::<usize>() + locks.pending;
+        let allowed = lockable_bytes(engine);
+        if locked + adding > allowed {
+            drop(locks);
+            let mut mib = [0u8; 20];
+            say_once(
+                &SAID,
+                &[
+                    "tiermem: mlock refused (ENOMEM): locked managed memory may take at most a quarter of the budget or RLIMIT_MEMLOCK (",
+                    runtime::decimal((allowed >> 20) as i64, &mut mib),
+                    " MiB here)",
+                ],
+            );
+            return refuse(libc::ENOMEM);
+        }
+        locks.pending += adding;
+        gaps
+    };
+    let adding: usize = gaps.iter().map(|&(a, b)| b - a).sum();
+    let mut result = pieces.iter().filter(|p| !p.2).map(|&(a, b, _)| kernel(a, b)).find(|&r| r < 0).unwrap_or(0);
+    let mut pinned = Vec::new();
+    if result == 0 {
+        for &(a, b) in &gaps {
+            match engine.prepare_kernel_access(a as *const u8, b - a, false) {
+                Ok(pin) => pinned.push(Lock { start: a, end: b, _pin: pin }),
+                Err(e) => {
+                    runtime::say(&["tiermem: mlock of managed memory failed: ", &e.to_string()]);
+                    result = refuse(libc::ENOMEM);
+                    break;
+                }
+            }
+        }
+    }
+    let mut locks = locks();
+    locks.pending -= adding;
+    if result == 0 {
+        locks.held.extend(pinned);
+    }
+    result
+}
+
+/// Unlock `[from, to)` of managed memory: locks overlapping it are dropped and their parts
+/// outside it pinned again.
 fn unlock_managed(from: usize, to: usize) {
     let Some(engine) = runtime::running_engine() else { return };
     let mut locks = locks();
-    let (hit, kept): (Vec<Lock>, Vec<Lock>) = locks.drain(..).partition(|l| l.start < to && l.end > from);
-    *locks = kept;
+    let (hit, kept): (Vec<Lock>, Vec<Lock>) = locks.held.drain(..).partition(|l| l.start < to && l.end > from);
+    locks.held = kept;
     for lock in hit {
         for (a, b) in [(lock.start, from.max(lock.start)), (to.min(lock.end), lock.end)] {
             if a < b {
                 // Resident already (pinned until now): pinning again reads nothing.
-                if let Ok(pin) = engine.prepare_kernel_access(a as *const u8, b - a, false) {
-                    locks.push(Lock { start: a, end: b, _pin: pin });
+                match engine.prepare_kernel_access(a as *const u8, b - a, false) {
+                    Ok(pin) => locks.held.push(Lock { start: a, end: b, _pin: pin }),
+                    Err(e) => runtime::say(&["tiermem: keeping part of a locked range locked: ", &e.to_string()]),
                 }
             }
         }
     }
 }
 
-/// Memory leaving the program (unmapped, freed): its locks go with it, as the kernel's do.
+/// Whether any page of `[from, to)` is locked managed memory.
+pub(crate) fn any_locked(from: usize, to: usize) -> bool {
+    !runtime::in_forked_child() && locks().held.iter().any(|l| l.start < to && l.end > from)
+}
+
+/// Memory leaving the program (unmapped, freed, shrunk away): its locks go with it, as the
+/// kernel's do.
 pub(crate) fn forget(from: usize, to: usize) {
-    if runtime::in_forked_child() {
-        return;
-    }
-    let locks = locks();
-    if locks.iter().any(|l| l.start < to && l.end > from) {
-        drop(locks);
+    if any_locked(from, to) {
         unlock_managed(from, to);
     }
 }
 
 fn lock_call(addr: usize, len: usize, kernel: impl Fn(usize, usize) -> isize) -> isize {
     let (start, end) = page_span(addr, len);
-    if runtime::in_forked_child() || !crate::registry::may_overlap(start, end - start) {
-        return kernel(addr, len);
+    let managed_somewhere = crate::registry::may_overlap(start, end - start) || crate::heap::contains(start);
+    if runtime::in_forked_child() || !managed_somewhere {
+        return kernel(addr, addr.saturating_add(len));
     }
-    by_stretch(start, end, lock_managed, |a, b| kernel(a, b - a))
+    lock_range(start, end, kernel)
 }
 
 fn unlock_call(addr: usize, len: usize) -> isize {
     let (start, end) = page_span(addr, len);
-    if runtime::in_forked_child() || !crate::registry::may_overlap(start, end - start) {
+    let managed_somewhere = crate::registry::may_overlap(start, end - start) || crate::heap::contains(start);
+    if runtime::in_forked_child() || !managed_somewhere {
         return sys!(libc::SYS_munlock, addr, len);
     }
-    by_stretch(
-        start,
-        end,
-        |a, b| {
+    for (a, b, managed) in pieces(start, end) {
+        if managed {
             unlock_managed(a, b);
-            0
-        },
-        |a, b| sys!(libc::SYS_munlock, a, b - a),
-    )
+        } else {
+            let r = sys!(libc::SYS_munlock, a, b - a);
+            if r < 0 {
+                return r;
+            }
+        }
+    }
+    0
+}
+
+fn mlock2_call(addr: usize, len: usize, flags: u32) -> isize {
+    if flags & !libc::MLOCK_ONFAULT != 0 {
+        return refuse(libc::EINVAL);
+    }
+    // MLOCK_ONFAULT over managed memory locks at once: a stronger promise than asked.
+    lock_call(addr, len, |a, b| sys!(libc::SYS_mlock2, a, b - a, flags))
 }
 
 /// # Safety
 /// The C contract of mlock.
 #[no_mangle]
 pub unsafe extern "C" fn mlock(addr: *const libc::c_void, len: usize) -> i32 {
-    lock_call(addr as usize, len, |a, n| sys!(libc::SYS_mlock, a, n)) as i32
+    lock_call(addr as usize, len, |a, b| sys!(libc::SYS_mlock, a, b - a)) as i32
 }
 
 /// # Safety
-/// The C contract of mlock2. MLOCK_ONFAULT over managed memory locks at once (a stronger
-/// promise than asked).
+/// The C contract of mlock2.
 #[no_mangle]
 pub unsafe extern "C" fn mlock2(addr: *const libc::c_void, len: usize, flags: u32) -> i32 {
-    lock_call(addr as usize, len, |a, n| sys!(libc::SYS_mlock2, a, n, flags)) as i32
+    mlock2_call(addr as usize, len, flags) as i32
 }
 
 /// # Safety
@@ -206,7 +261,7 @@ pub unsafe extern "C" fn mlockall(flags: i32) -> i32 {
     mlockall_call(flags) as i32
 }
 
-pub(crate) fn mlockall_call(flags: i32) -> isize {
+fn mlockall_call(flags: i32) -> isize {
     static SAID: AtomicBool = AtomicBool::new(false);
     let managing = runtime::running_engine().is_some();
     if runtime::in_forked_child() || (!managing && flags & libc::MCL_FUTURE == 0) {
@@ -214,7 +269,7 @@ pub(crate) fn mlockall_call(flags: i32) -> isize {
     }
     say_once(
         &SAID,
-        &["tiermem: mlockall refused (ENOMEM): tiermem pages this program's memory; lock ranges with mlock (up to half the budget), or run the program without tiermem"],
+        &["tiermem: mlockall refused (ENOMEM): tiermem pages this program's memory; lock ranges with mlock (up to a quarter of the budget), or run the program without tiermem"],
     );
     refuse(libc::ENOMEM)
 }
@@ -226,9 +281,9 @@ pub unsafe extern "C" fn munlockall() -> i32 {
     munlockall_call() as i32
 }
 
-pub(crate) fn munlockall_call() -> isize {
+fn munlockall_call() -> isize {
     if !runtime::in_forked_child() {
-        locks().clear();
+        locks().held.clear();
     }
     sys!(libc::SYS_munlockall)
 }
@@ -237,8 +292,8 @@ pub(crate) fn munlockall_call() -> isize {
 pub(crate) fn by_number(number: libc::c_long, a: libc::c_long, b: libc::c_long, c: libc::c_long) -> Option<isize> {
     let (addr, len) = (a as usize, b as usize);
     Some(match number {
-        libc::SYS_mlock => lock_call(addr, len, |x, n| sys!(libc::SYS_mlock, x, n)),
-        libc::SYS_mlock2 => lock_call(addr, len, |x, n| sys!(libc::SYS_mlock2, x, n, c)),
+        libc::SYS_mlock => lock_call(addr, len, |x, y| sys!(libc::SYS_mlock, x, y - x)),
+        libc::SYS_mlock2 => mlock2_call(addr, len, c as u32),
         libc::SYS_munlock => unlock_call(addr, len),
         libc::SYS_mlockall => mlockall_call(a as i32),
         libc::SYS_munlockall => munlockall_call(),

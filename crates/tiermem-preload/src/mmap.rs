@@ -193,6 +193,7 @@ pub unsafe extern "C" fn mremap(
                 });
                 if keep < entry.len() {
                     let len = entry.len();
+                    crate::lock::forget(base + keep, base + len);
                     entry.note_unmapped(keep, len);
                     if let Err(e) = entry.region.discard(keep, len - keep) {
                         runtime::say(&["tiermem: mremap() shrinking a managed mapping: ", &e.to_string()]);
@@ -270,6 +271,11 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: i32) -> 
                 if registry::segments(&table, start, end).iter().any(|&(_, _, base)| base.is_some()) {
                     return 0;
                 }
+            }
+            // Locked pages refuse these (MADV_DONTNEED_LOCKED is the one meant for them).
+            libc::MADV_DONTNEED | libc::MADV_FREE if crate::lock::any_locked(start, end) => {
+                runtime::set_errno(libc::EINVAL);
+                return -1;
             }
             // "These pages may be dropped and read as zeros": tell the engine.
             libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_REMOVE | libc::MADV_DONTNEED_LOCKED

@@ -55,6 +55,26 @@ pub fn set_errno(value: i32) {
     unsafe { *errno = value };
 }
 
+/// `n` in decimal, written into the end of `buf`: for messages where allocating is not safe
+/// (a signal handler, a fork handler).
+pub fn decimal(n: i64, buf: &mut [u8; 20]) -> &str {
+    let mut at = buf.len();
+    let mut v = n.unsigned_abs();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    if n < 0 {
+        at -= 1;
+        buf[at] = b'-';
+    }
+    std::str::from_utf8(&buf[at..]).unwrap_or("?")
+}
+
 /// This thread's errno.
 pub fn errno() -> i32 {
     // SAFETY: __errno_location returns this thread's errno variable, always valid.
@@ -344,8 +364,8 @@ struct ForkState {
     _heap: crate::heap::HeapGuard,
     _table: std::sync::MutexGuard<'static, std::collections::BTreeMap<usize, registry::Entry>>,
     hold: ForkHold,
-    done_read: std::os::fd::OwnedFd,
-    done_write: std::os::fd::OwnedFd,
+    done_read: Guarded<std::os::fd::OwnedFd>,
+    done_write: Guarded<std::os::fd::OwnedFd>,
 }
 
 /// What the forking thread holds from the prepare handler to the parent or child handler. Not a
@@ -371,10 +391,6 @@ extern "C" fn before_fork() {
     }
     // Kept freed regions would be copied into the child for nothing.
     crate::recycle::clear();
-    // Lock order: the small heap, the registry, then the engine's regions (as allocation does).
-    let heap = crate::heap::lock_for_fork();
-    let table = registry::lock();
-    let hold = engine.hold_for_fork();
     let pipe = || rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC);
     let (done_read, done_write) = match pipe() {
         Ok(p) => p,
@@ -388,6 +404,13 @@ extern "C" fn before_fork() {
         },
         Err(e) => die(&["tiermem: cannot create a pipe for fork: ", &e.to_string()]),
     };
+    // Guarded: another thread's close_range must not end the parent's wait early. Made before
+    // the locks below are taken (guarding may allocate).
+    let (done_read, done_write) = (Guarded::new(done_read), Guarded::new(done_write));
+    // Lock order: the small heap, the registry, then the engine's regions (as allocation does).
+    let heap = crate::heap::lock_for_fork();
+    let table = registry::lock();
+    let hold = engine.hold_for_fork();
     *fork_state() = Some(ForkState { _heap: heap, _table: table, hold, done_read, done_write });
 }
 
@@ -975,6 +998,13 @@ pub fn count_allocation(len: usize) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn numbers_print_in_decimal_without_allocating() {
+        for n in [0i64, 7, 512, -1, i64::MAX, i64::MIN] {
+            assert_eq!(super::decimal(n, &mut [0; 20]), n.to_string());
+        }
+    }
+
     use super::FileRoom;
 
     const PAGE: u64 = tiermem_sys::PAGE_SIZE as u64;

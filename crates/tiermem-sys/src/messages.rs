@@ -38,9 +38,6 @@ pub fn keep_stderr() {
     if copy >= 0 && MESSAGE_FD.compare_exchange(2, copy, Ordering::AcqRel, Ordering::Acquire).is_err() {
         // SAFETY: closing the copy this call made and did not publish.
         unsafe { libc::close(copy) };
-    } else if copy >= 0 {
-        // Kept for the life of the process: the program's closes leave it open.
-        std::mem::forget(crate::guarded_fd::Guard::new(copy));
     }
 }
 
