@@ -2229,7 +2229,10 @@ int main() {
     int busy = 0;
     for (int fd = 3; fd < 1024; fd++) busy += dup2(1, fd) < 0 && errno == EBUSY;
     for (int fd = 3; fd < 1024; fd++) syscall(SYS_close, fd);
-    for (int fd : open_fds()) busy += dup3(1, fd, 0) < 0 && errno == EBUSY ? 0 : 1000;  // every one left is tiermem's
+    // Every one left from 512 up is tiermem's (below, a thread of tiermem's may hold a file open
+    // for a moment).
+    for (int fd : open_fds())
+        if (fd >= 512) busy += dup3(1, fd, 0) < 0 && errno == EBUSY ? 0 : 1000;
     bad[3] = check_and_refill();
     pid_t child = fork();
     if (child == 0) {
@@ -2330,9 +2333,11 @@ int main() {
     int fits = mlock(p + 20 * mb, mb);  // 3 MiB in all
     int dontneed = madvise((void*)(((size_t)p + 20 * mb) & ~(size_t)4095), 4096, MADV_DONTNEED) < 0 && errno == EINVAL;
     int all = mlockall(MCL_CURRENT | MCL_FUTURE) < 0 && errno == ENOMEM;
+    madvise(locked, 2 * mb, MADV_PAGEOUT);  // cold, but locked: stays
     for (size_t i = 0; i < n; i += 4096) p[i] = (unsigned char)(i * 7);  // pages everything else out
     int resident = all_resident(locked, 2 * mb);
     int unlock = munlock(locked, 2 * mb);
+    madvise(locked, 2 * mb, MADV_PAGEOUT);  // cold: evicted first, now that it may be
     for (size_t i = 0; i < n; i += 4096) p[i] = (unsigned char)(i * 7);
     int evicted_after_unlock = all_resident(locked, 2 * mb) == 0;
     for (size_t i = 0; i < n; i += 4096) p[i + 1] = (unsigned char)(i * 7 + 1);
@@ -2347,6 +2352,11 @@ int main() {
 #[test]
 fn mlock_pins_managed_memory_within_a_quarter_of_the_budget() {
     let name = "mlock_pins_managed_memory_within_a_quarter_of_the_budget";
+    if !rustix::process::geteuid().is_root() {
+        // Unprivileged, RLIMIT_MEMLOCK (often 64 KiB-8 MiB) caps locks below what this checks.
+        eprintln!("SKIPPED {name}: needs root (RLIMIT_MEMLOCK would refuse the locks it makes)");
+        return;
+    }
     let expected = "small:0 lock:0 again:0 over:1 fits:0 dontneed:1 all:1 resident:1 unlock:0 evictable:1 bad:0\n";
     same_output_in_both_fault_modes(name, MLOCK, expected, "lock results, residency and data");
 }
@@ -2365,8 +2375,7 @@ const OUT_OF_DESCRIPTORS: &str = r#"
 int main() {
     rlimit limit;
     getrlimit(RLIMIT_NOFILE, &limit);
-    if (limit.rlim_max != RLIM_INFINITY && limit.rlim_max < 128) return 3;  // no room above 64 to test with
-    limit.rlim_cur = 64;
+    limit.rlim_cur = 1024;  // the usual soft limit
     if (setrlimit(RLIMIT_NOFILE, &limit) != 0) return 4;
     int opened = 0;
     while (open("/dev/null", O_RDONLY) >= 0) opened++;
@@ -2392,6 +2401,11 @@ int main() {
 #[test]
 fn a_program_out_of_descriptors_still_runs_managed_and_forks() {
     let name = "a_program_out_of_descriptors_still_runs_managed_and_forks";
+    let hard = rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum;
+    if hard.is_some_and(|h| h < 2048) {
+        eprintln!("SKIPPED {name}: the hard RLIMIT_NOFILE ({hard:?}) leaves no room above the program's 1024");
+        return;
+    }
     same_output_in_both_fault_modes(name, OUT_OF_DESCRIPTORS, "full:1 bad:0 child:7\n", "output");
 }
 
@@ -2429,14 +2443,17 @@ fn a_program_that_drops_root_runs_managed_and_leaves_statistics() {
     same_output_in_both_fault_modes(name, DROPS_ROOT, "uid:65534 read:1 bad:0\n", "output");
 }
 
+/// (What Linux itself prints: the test's expectations are the kernel's behaviour.)
 /// The program's own mapping placed with MAP_FIXED inside a managed one is the kernel's: madvise
 /// (DONTNEED zeros it), mremap and munmap reach it, and it outlives the managed mapping around
 /// it. Before, DONTNEED left its data (allocators rely on the zeros), mremap failed, munmap
 /// left it mapped, and unmapping the rest of the managed mapping unmapped it too (SIGSEGV).
 const MAP_FIXED_PIECE: &str = r#"
+#include <cerrno>
 #include <csetjmp>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sys/mman.h>
 static sigjmp_buf jump;
@@ -2466,7 +2483,26 @@ int main() {
     munmap(a, 20 * mb);
     munmap(a + 24 * mb, 8 * mb);
     long kept_bad = count_not(h, 4 * mb, 4);
-    printf("%d %ld %d %ld %d %d %ld %ld\n", dontneed, not_zero, g != MAP_FAILED, moved_bad, unmapped, gone, rest_bad, kept_bad);
+    // A second MAP_FIXED over a piece and beyond it; an unmapped piece faults and stays reserved.
+    unsigned char* b = (unsigned char*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    memset(b, 5, n);
+    memset(mmap(b + 8 * mb, 8 * mb, PROT_READ | PROT_WRITE, fixed, -1, 0), 6, 8 * mb);
+    memset(mmap(b + 12 * mb, 8 * mb, PROT_READ | PROT_WRITE, fixed, -1, 0), 7, 8 * mb);
+    madvise(b + 16 * mb, 4 * mb, MADV_DONTNEED);
+    long second_not_zero = count_not(b + 16 * mb, 4 * mb, 0);
+    munmap(b + 8 * mb, 4 * mb);
+    signal(SIGSEGV, on_segv);
+    int gone_again = 0;
+    if (sigsetjmp(jump, 1) == 0) { volatile unsigned char x = b[8 * mb + 100]; (void)x; } else gone_again = 1;
+    signal(SIGSEGV, SIG_DFL);
+    int inside = 0;
+    for (int i = 0; i < 4; i++) {
+        unsigned char* m = (unsigned char*)mmap(nullptr, mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        inside += m >= b && m < b + n;
+    }
+    long b_bad = count_not(b, 8 * mb, 5) + count_not(b + 12 * mb, 4 * mb, 7) + count_not(b + 20 * mb, 12 * mb, 5);
+    printf("%d %ld %d %ld %d %d %ld %ld | %ld %d %d %ld\n", dontneed, not_zero, g != MAP_FAILED, moved_bad, unmapped,
+           gone, rest_bad, kept_bad, second_not_zero, gone_again, inside, b_bad);
     return 0;
 }
 "#;
@@ -2474,8 +2510,9 @@ int main() {
 #[test]
 fn a_map_fixed_piece_inside_managed_memory_is_the_kernels() {
     let name = "a_map_fixed_piece_inside_managed_memory_is_the_kernels";
-    let expected = "0 0 1 0 0 1 0 0\n";
-    let what = "dontneed rc, words not zeroed, mremap ok, moved words wrong, munmap rc, gone after munmap, rest wrong, kept wrong";
+    let expected = "0 0 1 0 0 1 0 0 | 0 1 0 0\n";
+    let what = "dontneed rc, words not zeroed, mremap ok, moved words wrong, munmap rc, gone after munmap, rest wrong, \
+                kept wrong | second piece not zeroed, unmapped piece faults, new mappings inside the region, words wrong";
     same_output_in_both_fault_modes(name, MAP_FIXED_PIECE, expected, what);
 }
 

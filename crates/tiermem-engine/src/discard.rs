@@ -13,6 +13,28 @@ impl Region {
     /// Discard the pages of `[offset, offset + len)` (page-aligned, inside the region). Waits
     /// for I/O in flight on them; safe against concurrent faults and reclaim.
     pub fn discard(&self, offset: usize, len: usize) -> Result<()> {
+        self.forget_pages(offset, len, true)
+    }
+
+    /// `[offset, offset + len)` (page-aligned, inside the region) belongs to another mapping
+    /// now: the program mapped over it with MAP_FIXED, which replaced our pages there. Forget
+    /// them (no madvise: the memory there is the program's) and leave that part alone when the
+    /// region goes.
+    pub fn hand_over(&self, offset: usize, len: usize) -> Result<()> {
+        self.forget_pages(offset, len, false)?;
+        self.inner.mapping.hand_over(offset, len);
+        Ok(())
+    }
+
+    /// `[offset, offset + len)`, handed over before, is this region's again: the caller
+    /// reserved it anew (PROT_NONE) after the program unmapped its own mapping there.
+    pub fn take_back(&self, offset: usize, len: usize) {
+        self.inner.mapping.take_back(offset, len);
+    }
+
+    /// Forget the pages of `[offset, offset + len)`, first dropping resident ones from the
+    /// mapping if `drop_resident`.
+    fn forget_pages(&self, offset: usize, len: usize, drop_resident: bool) -> Result<()> {
         if !offset.is_multiple_of(PAGE_SIZE) || offset.checked_add(len).is_none_or(|end| end > self.len()) {
             return Err(Error::invalid(format!(
                 "discard of {len} bytes at offset {offset} is not page-aligned inside a region of {} bytes",
@@ -36,7 +58,7 @@ impl Region {
                     std::thread::yield_now();
                     continue;
                 }
-                if state.kind() == Kind::Resident {
+                if drop_resident && state.kind() == Kind::Resident {
                     // SAFETY: the page is ours and locked; a racing access faults and waits.
                     unsafe { tiermem_sys::mem::discard(self.inner.page_addr(index as u64), PAGE_SIZE)? };
                 }

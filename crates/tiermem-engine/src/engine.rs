@@ -710,13 +710,6 @@ impl Region {
         false
     }
 
-    /// `[offset, offset + len)` belongs to another mapping now: the program mapped over it with
-    /// MAP_FIXED. Discard the pages there first. Dropping the region leaves that part alone
-    /// (its pages are the program's, and it may unmap or map there itself).
-    pub fn hand_over(&self, offset: usize, len: usize) {
-        self.inner.mapping.hand_over(offset, len);
-    }
-
     /// Give up the contents of this region's evicted pages: each becomes untouched (its next
     /// touch maps zeros, no device read) and its slot is freed. For memory whose contents no
     /// longer matter (a freed allocation kept for reuse); resident pages are left as they are.

@@ -164,6 +164,17 @@ pub fn chunk_bounds(ptr: usize) -> Option<(usize, usize)> {
     chunk_of(ptr).map(|(start, end, _)| (start, end))
 }
 
+/// The lowest start of a chunk beginning inside `[from, to)`.
+pub fn first_chunk_start_in(from: usize, to: usize) -> Option<usize> {
+    if to <= LOWEST.load(Ordering::Acquire) || from >= HIGHEST.load(Ordering::Acquire) {
+        return None;
+    }
+    (0..CHUNK_COUNT.load(Ordering::Acquire))
+        .map(|i| CHUNK_START[i].load(Ordering::Acquire))
+        .filter(|&start| from <= start && start < to)
+        .min()
+}
+
 /// The bounds and kind of the chunk holding `ptr`.
 fn chunk_of(ptr: usize) -> Option<(usize, usize, usize)> {
     if ptr < LOWEST.load(Ordering::Acquire) || ptr >= HIGHEST.load(Ordering::Acquire) {

@@ -57,24 +57,41 @@ fn watch_for_the_last_program_thread() {
 }
 
 /// Whether a thread of the program (not tiermem's) is still running. The main thread counts
-/// until it is a zombie (it is still running its exit handlers before that).
+/// until it is a zombie (it is still running its exit handlers before that). In doubt, yes.
 fn program_threads_left() -> bool {
+    match scan_threads() {
+        Ok(left) => left,
+        // The program may have used every descriptor it may have: look with a few more.
+        Err(e) if e.raw_os_error() == Some(libc::EMFILE) => {
+            crate::runtime::with_spare_descriptors(scan_threads).unwrap_or(true)
+        }
+        Err(_) => true,
+    }
+}
+
+fn scan_threads() -> std::io::Result<bool> {
     let pid = rustix::process::getpid().as_raw_nonzero().get();
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return true };
-    for task in tasks.flatten() {
+    // A thread that ended while being looked at is gone; any other failure is an error.
+    let read = |path: std::path::PathBuf| match std::fs::read(path) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH)) => Ok(None),
+        Err(e) => Err(e),
+    };
+    for task in std::fs::read_dir("/proc/self/task")? {
+        let task = task?;
         let Some(tid) = task.file_name().to_str().and_then(|name| name.parse::<i32>().ok()) else { continue };
         let alive = if tid == pid {
             // "pid (comm) S ...": the state follows the last ')'.
-            let stat = std::fs::read(task.path().join("stat")).unwrap_or_default();
+            let Some(stat) = read(task.path().join("stat"))? else { continue };
             let state = stat.iter().rposition(|&b| b == b')').and_then(|i| stat.get(i + 2)).copied();
-            !matches!(state, Some(b'Z' | b'X') | None)
+            !matches!(state, Some(b'Z' | b'X'))
         } else {
-            let comm = std::fs::read(task.path().join("comm")).unwrap_or_default();
-            !comm.is_empty() && !OWN_THREAD_PREFIXES.iter().any(|prefix| comm.starts_with(prefix))
+            let Some(comm) = read(task.path().join("comm"))? else { continue };
+            !OWN_THREAD_PREFIXES.iter().any(|prefix| comm.starts_with(prefix))
         };
         if alive {
-            return true;
+            return Ok(true);
         }
     }
-    false
+    Ok(false)
 }

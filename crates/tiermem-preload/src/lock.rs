@@ -58,7 +58,10 @@ fn pieces(start: usize, end: usize) -> Vec<(usize, usize, bool)> {
             Some((_, chunk_end)) => (chunk_end.min(end), true),
             None => {
                 let (len, managed) = stretch(at, end - at);
-                (at + len.max(PAGE_SIZE).min(end - at), managed)
+                let to = at + len.max(PAGE_SIZE).min(end - at);
+                // An unmanaged stretch ends where a small-heap chunk begins.
+                let to = if managed { to } else { crate::heap::first_chunk_start_in(at + 1, to).unwrap_or(to) };
+                (to, managed)
             }
         };
         out.push((at, to, managed));
@@ -156,6 +159,14 @@ fn lock_range(start: usize, end: usize, kernel: impl Fn(usize, usize) -> isize) 
             }
         }
     }
+    // Commit under the registry's lock (the order munmap and free take them in): a range the
+    // program gave back while it was being pinned is not kept locked.
+    let table = crate::registry::lock();
+    let live = |&(a, b): &(usize, usize)| {
+        crate::heap::chunk_bounds(a).is_some_and(|(_, chunk_end)| b <= chunk_end)
+            || crate::registry::segments(&table, a, b).iter().all(|s| s.2.is_some())
+    };
+    pinned.retain(|l| live(&(l.start, l.end)));
     let mut locks = locks();
     locks.pending -= adding;
     if result == 0 {
@@ -197,9 +208,16 @@ pub(crate) fn forget(from: usize, to: usize) {
     }
 }
 
+/// Whether `[start, end)` may hold managed memory (false is certain).
+fn may_be_managed(start: usize, end: usize) -> bool {
+    crate::registry::may_overlap(start, end - start)
+        || crate::heap::contains(start)
+        || crate::heap::first_chunk_start_in(start, end).is_some()
+}
+
 fn lock_call(addr: usize, len: usize, kernel: impl Fn(usize, usize) -> isize) -> isize {
     let (start, end) = page_span(addr, len);
-    let managed_somewhere = crate::registry::may_overlap(start, end - start) || crate::heap::contains(start);
+    let managed_somewhere = may_be_managed(start, end);
     if runtime::in_forked_child() || !managed_somewhere {
         return kernel(addr, addr.saturating_add(len));
     }
@@ -208,7 +226,7 @@ fn lock_call(addr: usize, len: usize, kernel: impl Fn(usize, usize) -> isize) ->
 
 fn unlock_call(addr: usize, len: usize) -> isize {
     let (start, end) = page_span(addr, len);
-    let managed_somewhere = crate::registry::may_overlap(start, end - start) || crate::heap::contains(start);
+    let managed_somewhere = may_be_managed(start, end);
     if runtime::in_forked_child() || !managed_somewhere {
         return sys!(libc::SYS_munlock, addr, len);
     }

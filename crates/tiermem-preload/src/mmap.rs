@@ -51,32 +51,74 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
     }
     // MAP_FIXED_NOREPLACE (alone or with MAP_FIXED) fails over existing mappings: nothing to forget.
     let replaces = flags & libc::MAP_FIXED != 0 && flags & libc::MAP_FIXED_NOREPLACE == 0;
-    let over_managed = replaces && registry::may_overlap(addr as usize, len);
-    if over_managed {
-        // The new mapping replaces managed pages: the engine must forget them first, as for a
-        // munmap, or it would go on paging the new mapping's pages as its own (reading old data
-        // back over them, dropping them). The kernel would replace them atomically; here another
-        // thread could map into the gap in between, as after an explicit munmap.
-        // SAFETY: the caller asked for this range to be replaced, which unmaps it.
-        if unsafe { munmap(addr, len) } != 0 {
-            return libc::MAP_FAILED;
-        }
+    if replaces && registry::may_overlap(addr as usize, len) {
+        return map_fixed_over_managed(addr, len, prot, flags, fd, off);
     }
     // SAFETY: the caller's own mmap, passed to the kernel unchanged.
+    syscall_result(unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) })
+}
+
+/// mmap(MAP_FIXED) over managed memory. The kernel replaces the pages there with the program's
+/// new mapping; the regions hand those pieces over: the engine forgets its pages there (else
+/// it would go on paging the new mapping's pages as its own, reading old data over them,
+/// dropping them), and calls on them go to the kernel from then on. All under the registry's
+/// lock, so no munmap of the rest releases a region in between.
+fn map_fixed_over_managed(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut c_void {
+    let (start, end) = (addr as usize, (addr as usize).saturating_add(len.next_multiple_of(PAGE_SIZE)));
+    let mut table = registry::lock();
+    // SAFETY: the caller's own mmap, passed to the kernel unchanged.
     let mapped = unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) };
-    if over_managed && mapped as usize == addr as usize {
-        // What remains of the managed regions there is the program's new mapping now.
-        let (start, end) = (addr as usize, (addr as usize).saturating_add(len.next_multiple_of(PAGE_SIZE)));
-        let mut table = registry::lock();
-        for base in registry::overlapping(&table, start, end - start) {
-            let entry = table.get_mut(&base).expect("listed above");
-            if entry.origin == Origin::Mmap {
-                let (from, to) = (base.max(start) - base, (base + entry.len()).min(end) - base);
-                entry.hand_over(from, to);
-            }
+    if mapped as usize != start {
+        return syscall_result(mapped);
+    }
+    let mut released = Vec::new();
+    for base in registry::overlapping(&table, start, end - start) {
+        let entry = table.get_mut(&base).expect("listed above");
+        let (from, to) = (base.max(start) - base, (base + entry.len()).min(end) - base);
+        entry.hand_over(from, to);
+        crate::lock::forget(base + from, base + to);
+        // An mmap'd region goes once the program has unmapped or replaced all of it (its
+        // release leaves the pieces handed over mapped); a malloc'd one when it is freed.
+        if entry.origin == Origin::Mmap && entry.note_unmapped(from, to) {
+            released.push(registry::remove(&mut table, base).expect("listed above"));
         }
     }
+    drop(table);
+    for entry in released {
+        runtime::release(entry);
+    }
     syscall_result(mapped)
+}
+
+/// Reserve `[start, end)` again (PROT_NONE, as unmapped memory faults) where the program
+/// unmapped or moved its own mapping inside a managed region: a new mapping must not appear
+/// inside the region's range while the region lives.
+fn reserve_again(start: usize, end: usize) -> i32 {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE;
+    // SAFETY: replaces only the caller's own mapping, which it asked to unmap or move.
+    let r = unsafe { libc::syscall(libc::SYS_mmap, start, end - start, libc::PROT_NONE, flags, -1, 0) };
+    if r as usize == start {
+        0
+    } else {
+        -1
+    }
+}
+
+/// The program unmapped or moved away its own mapping at `[from, to)`, a piece `base`'s region
+/// handed over: reserve it again and take it back.
+fn take_back(
+    table: &mut std::collections::BTreeMap<usize, registry::Entry>,
+    base: usize,
+    from: usize,
+    to: usize,
+) -> i32 {
+    let rc = reserve_again(from, to);
+    if rc == 0 {
+        if let Some(entry) = table.get_mut(&base) {
+            entry.take_back(from - base, to - base);
+        }
+    }
+    rc
 }
 
 /// # Safety
@@ -127,7 +169,10 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
     let mut rc = 0;
     for (from, to, managed) in registry::segments(&table, start, end) {
         let Some(base) = managed else {
-            rc |= kernel_munmap(from, to);
+            rc |= match registry::handed_over_at(&table, from) {
+                Some((base, _, _)) => take_back(&mut table, base, from, to),
+                None => kernel_munmap(from, to),
+            };
             continue;
         };
         let entry = table.get_mut(&base).expect("listed above");
@@ -183,7 +228,15 @@ pub unsafe extern "C" fn mremap(
             if new_len == 0 {
                 return fail(libc::EINVAL);
             }
-            if new_len <= entry.len() {
+            // Pieces the program mapped over are other mappings to the kernel: a range that
+            // spans them fails (EFAULT), and one cannot grow over them in place.
+            let meets = |from: usize, to: usize| entry.handed_over.iter().any(|&(a, b)| a < to && b > from);
+            let old_end = old_len.next_multiple_of(PAGE_SIZE);
+            if meets(0, old_end) {
+                return fail(libc::EFAULT);
+            }
+            let grows_over = meets(old_end, new_len.next_multiple_of(PAGE_SIZE));
+            if new_len <= entry.len() && !grows_over {
                 // In place: everything up to the new length is mapped (again, if an earlier
                 // shrink had unmapped it), and the tail beyond it is unmapped, its pages gone.
                 let keep = new_len.next_multiple_of(PAGE_SIZE);
@@ -220,6 +273,27 @@ pub unsafe extern "C" fn mremap(
                 runtime::release(entry);
             }
             return new;
+        }
+    }
+    if registry::may_overlap(start, 1) {
+        let mut table = registry::lock();
+        if let Some((base, piece_start, piece_end)) = registry::handed_over_at(&table, start) {
+            // The program's own mapping inside a managed region: what it leaves is reserved
+            // again (see `take_back`).
+            // SAFETY: the caller's own mremap of its own mapping.
+            let moved = unsafe { libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) };
+            if moved != -1 {
+                let left = if moved as usize == start {
+                    (start.saturating_add(new_len.next_multiple_of(PAGE_SIZE)), start.saturating_add(old_len))
+                } else {
+                    (start, start.saturating_add(old_len))
+                };
+                let (from, to) = (left.0.max(piece_start), left.1.next_multiple_of(PAGE_SIZE).min(piece_end));
+                if from < to {
+                    take_back(&mut table, base, from, to);
+                }
+            }
+            return syscall_result(moved);
         }
     }
     // SAFETY: the caller's own mremap of memory that is not managed.

@@ -76,10 +76,32 @@ impl Entry {
         self.unmapped == [(0, self.len())]
     }
 
-    /// The program mapped over `[from, to)` (offsets) with MAP_FIXED; see `handed_over`.
+    /// The program mapped over `[from, to)` (offsets) with MAP_FIXED; see `handed_over`. The
+    /// engine forgets its pages there (not in a forked child, which has no engine).
     pub fn hand_over(&mut self, from: usize, to: usize) {
         tiermem_sys::mem::merge_range(&mut self.handed_over, from, to);
-        self.region.hand_over(from, to - from);
+        if !crate::runtime::in_forked_child() {
+            if let Err(e) = self.region.hand_over(from, to - from) {
+                crate::runtime::say(&["tiermem: mmap(MAP_FIXED) over managed memory: ", &e.to_string()]);
+            }
+        }
+    }
+
+    /// `[from, to)` (offsets), handed over before, is reserved for the region again.
+    pub fn take_back(&mut self, from: usize, to: usize) {
+        tiermem_sys::mem::remove_range(&mut self.handed_over, from, to);
+        if !crate::runtime::in_forked_child() {
+            self.region.take_back(from, to - from);
+        }
+    }
+
+    /// The parts of the region not handed over, as absolute (start, end).
+    pub fn own_parts(&self) -> Vec<(usize, usize)> {
+        let base = self.base();
+        tiermem_sys::mem::gaps_between(&self.handed_over, self.len())
+            .into_iter()
+            .map(|(a, b)| (base + a, base + b))
+            .collect()
     }
 
     /// Whether the page at `offset` is in a piece handed over to the kernel.
@@ -136,7 +158,7 @@ pub fn containing(table: &BTreeMap<usize, Entry>, addr: usize) -> Option<usize> 
 pub fn segments(table: &BTreeMap<usize, Entry>, start: usize, end: usize) -> Vec<(usize, usize, Option<usize>)> {
     let mut out = Vec::new();
     let mut at = start;
-    let first = table.range(..=start).next_back().map_or(start, |(&base, _)| base);
+    let first = spanning(table, start).unwrap_or(start);
     for (&base, entry) in table.range(first..end) {
         let (from, to) = (base.max(start), (base + entry.len()).min(end));
         if from >= to {
@@ -168,11 +190,28 @@ pub fn segments(table: &BTreeMap<usize, Entry>, start: usize, end: usize) -> Vec
     out
 }
 
-/// Starts of the entries whose regions overlap `[addr, addr+len)`.
+/// The start of the entry whose region spans `addr`, handed-over pieces included.
+fn spanning(table: &BTreeMap<usize, Entry>, addr: usize) -> Option<usize> {
+    let (&base, entry) = table.range(..=addr).next_back()?;
+    (addr < base + entry.len()).then_some(base)
+}
+
+/// Starts of the entries whose regions overlap `[addr, addr+len)` (by their whole range).
 pub fn overlapping(table: &BTreeMap<usize, Entry>, addr: usize, len: usize) -> Vec<usize> {
     let end = addr.saturating_add(len);
-    let first = containing(table, addr).unwrap_or(addr);
+    let first = spanning(table, addr).unwrap_or(addr);
     table.range(first..end).map(|(&base, _)| base).collect()
+}
+
+/// The entry whose handed-over piece holds `addr`, and that piece (absolute addresses).
+pub fn handed_over_at(table: &BTreeMap<usize, Entry>, addr: usize) -> Option<(usize, usize, usize)> {
+    let base = spanning(table, addr)?;
+    let entry = &table[&base];
+    entry
+        .handed_over
+        .iter()
+        .find(|&&(from, to)| (base + from..base + to).contains(&addr))
+        .map(|&(from, to)| (base, base + from, base + to))
 }
 
 /// Recently freed managed pointers, to recognise a double free cheaply.

@@ -116,11 +116,27 @@ pub fn die(parts: &[&str]) -> ! {
     unsafe { libc::_exit(1) }
 }
 
+/// This process's pid, as of its load or its fork: a vfork child (no fork handlers run there)
+/// has another, and shares this one's memory, so it must not start an engine of its own.
+static OWN_PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn note_own_pid() {
+    OWN_PID.store(rustix::process::getpid().as_raw_nonzero().get(), Ordering::Release);
+}
+
+fn in_vfork_child() -> bool {
+    rustix::process::getpid().as_raw_nonzero().get() != OWN_PID.load(Ordering::Acquire)
+}
+
 /// Read `TIERMEM_*` once, at load. A bad value stops the program with the reason.
 pub fn load_settings() {
+    note_own_pid();
     if SETTINGS.get().is_some() {
         return;
     }
+    // Every fork child notes its pid, also one forked before the engine starts.
+    // SAFETY: registering a plain extern "C" function with pthread_atfork.
+    unsafe { libc::pthread_atfork(None, None, Some(note_own_pid)) };
     // Before anything can go wrong: messages go to the stderr the program started with, even
     // if it later puts a file of its own at fd 2.
     tiermem_sys::messages::keep_stderr();
@@ -201,7 +217,8 @@ fn start_engine(guard: std::sync::MutexGuard<'_, ()>) -> &'static Engine {
     }
     // Room for the engine's descriptors (about 25, moved above guarded_fd::FLOOR) even in a
     // program at its descriptor limit.
-    let room = tiermem_sys::guarded_fd::FLOOR as u64 + 64;
+    let floor = tiermem_sys::guarded_fd::FLOOR as u64;
+    let room = descriptor_limit().map_or(floor, |limit| limit.max(floor)) + ENGINE_DESCRIPTOR_ROOM;
     let engine = crate::stdio::starting_engine(|| with_descriptor_room(room, || start_engine_threads(guard)));
     crate::stdio::activate(SETTINGS.get().is_some_and(|s| s.single_thread_stdio));
     engine
@@ -396,7 +413,7 @@ extern "C" fn before_fork() {
         Ok(p) => p,
         // A program out of descriptors may still fork (a server at its limit): the handshake's
         // two come from just above the limit.
-        Err(rustix::io::Errno::MFILE) => match with_descriptor_room(descriptor_limit().unwrap_or(0) + 2, pipe) {
+        Err(rustix::io::Errno::MFILE) => match with_spare_descriptors(pipe) {
             Ok(p) => p,
             Err(_) => die(&[
                 "tiermem: cannot fork: the program has used every descriptor RLIMIT_NOFILE allows, and tiermem needs two for the fork",
@@ -423,6 +440,15 @@ fn descriptor_limit() -> Option<u64> {
 /// limit), restored after. Descriptors made above a restored limit stay valid: a program that
 /// has used every descriptor it may have (a server at its limit) still gets tiermem's, and
 /// they leave its own count alone.
+/// Descriptors the engine may take above the limit when it starts in a program at its limit.
+const ENGINE_DESCRIPTOR_ROOM: u64 = 64;
+
+/// `make()` run with a few descriptors free however many the program uses: above the limit and
+/// past what the engine took there when it started.
+pub(crate) fn with_spare_descriptors<T>(make: impl FnOnce() -> T) -> T {
+    with_descriptor_room(descriptor_limit().unwrap_or(0) + ENGINE_DESCRIPTOR_ROOM + 8, make)
+}
+
 fn with_descriptor_room<T>(wanted: u64, make: impl FnOnce() -> T) -> T {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let before = getrlimit(Resource::Nofile);
@@ -481,10 +507,13 @@ extern "C" fn after_fork_in_child() {
 /// the engine (left in the parent) must not be asked about.
 pub fn release(entry: registry::Entry) {
     if in_forked_child() {
-        let (base, len) = (entry.base(), entry.len());
+        let own_parts = entry.own_parts();
         std::mem::forget(entry);
-        // SAFETY: the range is the child's private copy of a region nobody else refers to now.
-        unsafe { libc::syscall(libc::SYS_munmap, base, len) };
+        for (start, end) in own_parts {
+            // SAFETY: the child's private copy of a region nobody else refers to now (the
+            // pieces handed over are the program's own mappings, left alone).
+            unsafe { libc::syscall(libc::SYS_munmap, start, end - start) };
+        }
     } else {
         crate::lock::forget(entry.base(), entry.base() + entry.len());
         LIVE_MANAGED_BYTES.fetch_sub(entry.len() as u64, Ordering::Relaxed);
@@ -493,6 +522,7 @@ pub fn release(entry: registry::Entry) {
         let reusable = entry.origin == registry::Origin::Malloc
             && entry.user == entry.base()
             && entry.unmapped.is_empty()
+            && entry.handed_over.is_empty()
             && entry.fork_advice.is_empty();
         match ENGINE.get() {
             Some(engine) if reusable && reuse_freed() => crate::recycle::keep(engine, entry.region),
@@ -948,9 +978,7 @@ extern "C" fn at_exit() {
     let opened_early = STATISTICS_FILE.get().map(|file| std::io::Write::write_all(&mut &**file, text.as_bytes()));
     let written = match opened_early.unwrap_or_else(|| std::fs::write(&path, &text)) {
         // A program that ends with every descriptor in use still gets its statistics.
-        Err(e) if e.raw_os_error() == Some(libc::EMFILE) => {
-            with_descriptor_room(descriptor_limit().unwrap_or(0) + 1, || std::fs::write(&path, &text))
-        }
+        Err(e) if e.raw_os_error() == Some(libc::EMFILE) => with_spare_descriptors(|| std::fs::write(&path, &text)),
         other => other,
     };
     if let Err(e) = written {
@@ -971,7 +999,7 @@ fn statistics_path(dir: &std::path::Path) -> std::path::PathBuf {
 /// unprivileged process may not ask for, and its device and trace files are made with the
 /// rights the run began with), and the statistics file is created, to be written at exit.
 pub fn before_dropping_privileges() {
-    if in_forked_child() {
+    if in_forked_child() || in_vfork_child() {
         return;
     }
     let Some(settings) = SETTINGS.get() else { return };

@@ -31,6 +31,40 @@ pub fn merge_range(ranges: &mut Vec<(usize, usize)>, from: usize, to: usize) {
     *ranges = merged;
 }
 
+/// Take `[from, to)` out of a sorted list of disjoint ranges.
+pub fn remove_range(ranges: &mut Vec<(usize, usize)>, from: usize, to: usize) {
+    let mut kept = Vec::with_capacity(ranges.len() + 1);
+    for &(a, b) in ranges.iter() {
+        if b <= from || a >= to {
+            kept.push((a, b));
+            continue;
+        }
+        if a < from {
+            kept.push((a, from));
+        }
+        if b > to {
+            kept.push((to, b));
+        }
+    }
+    *ranges = kept;
+}
+
+/// The parts of `[0, len)` outside a sorted list of disjoint ranges, as (start, end).
+pub fn gaps_between(ranges: &[(usize, usize)], len: usize) -> Vec<(usize, usize)> {
+    let mut gaps = Vec::with_capacity(ranges.len() + 1);
+    let mut at = 0;
+    for &(from, to) in ranges {
+        if from > at {
+            gaps.push((at, from.min(len)));
+        }
+        at = at.max(to);
+    }
+    if at < len {
+        gaps.push((at, len));
+    }
+    gaps
+}
+
 // SAFETY: a Mapping is plain memory addresses; synchronising access to its bytes is the owner's job.
 unsafe impl Send for Mapping {}
 // SAFETY: as above; the struct itself is immutable after creation.
@@ -105,21 +139,20 @@ impl Mapping {
         }
     }
 
+    /// `[offset, offset + len)` is this mapping's again (reserved anew after its new owner
+    /// went): dropping the mapping unmaps it.
+    pub fn take_back(&self, offset: usize, len: usize) {
+        remove_range(
+            &mut self.handed_over.lock().unwrap_or_else(|e| e.into_inner()),
+            offset,
+            offset.saturating_add(len),
+        );
+    }
+
     /// The parts still this mapping's own, as (offset, length), in order.
     pub fn own_parts(&self) -> Vec<(usize, usize)> {
         let handed = self.handed_over.lock().unwrap_or_else(|e| e.into_inner());
-        let mut parts = Vec::with_capacity(handed.len() + 1);
-        let mut at = 0;
-        for &(from, to) in handed.iter() {
-            if from > at {
-                parts.push((at, from - at));
-            }
-            at = at.max(to);
-        }
-        if at < self.len {
-            parts.push((at, self.len - at));
-        }
-        parts
+        gaps_between(&handed, self.len).into_iter().map(|(from, to)| (from, to - from)).collect()
     }
 }
 
