@@ -620,12 +620,15 @@ impl Engine {
     }
 
     /// Change the budget while running, never above the configured limit (the policies are sized
-    /// for it) nor below 16 pages. Lowering it below residency wakes reclaim; faulting threads
-    /// reclaim directly until they fit. Used to stay inside a cgroup whose room shrinks as the
-    /// program's unmanaged memory grows. Returns the budget now in force, in bytes.
+    /// for it) nor below 16 pages more than are pinned (locked by the program, or held for a
+    /// system call: with fewer, nothing could be evicted and faults would wait forever).
+    /// Lowering it below residency wakes reclaim; faulting threads reclaim directly until they
+    /// fit. Used to stay inside a cgroup whose room shrinks as the program's unmanaged memory
+    /// grows. Returns the budget now in force, in bytes.
     pub fn set_limit_bytes(&self, bytes: u64) -> u64 {
-        let pages = (bytes / PAGE_SIZE as u64)
-            .clamp(16.min(self.shared.config.limit_pages()), self.shared.config.limit_pages());
+        let configured = self.shared.config.limit_pages();
+        let floor = (self.shared.pinned_pages() + 16).min(configured);
+        let pages = (bytes / PAGE_SIZE as u64).clamp(floor, configured);
         self.shared.set_limit_pages(pages);
         if self.shared.reclaim_wanted(self.shared.resident()) {
             self.shared.wake_reclaim();

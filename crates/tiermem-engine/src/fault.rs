@@ -839,6 +839,12 @@ pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize
 }
 
 impl Shared {
+    /// Pages in pinned ranges (overlapping pins counted once each).
+    pub(crate) fn pinned_pages(&self) -> u64 {
+        let pins = self.pins.lock().unwrap_or_else(|e| e.into_inner());
+        pins.iter().map(|&(s, e)| ((e - s) / PAGE_SIZE) as u64).sum()
+    }
+
     /// Whether `addr` lies in a pinned range (a system call's buffer, or memory the program locked).
     pub(crate) fn is_pinned(&self, addr: usize) -> bool {
         let pins = self.pins.lock().unwrap_or_else(|e| e.into_inner());

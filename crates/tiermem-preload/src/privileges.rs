@@ -2,12 +2,13 @@
 //! before or after their first large allocation) would leave tiermem unable to open a
 //! userfaultfd that serves faults inside system calls (thread fault mode could not start) and
 //! to write its statistics into the run's directory. Before the first call that could drop
-//! root, [`runtime::before_dropping_privileges`] does what needs it.
+//! root (setuid, seteuid, setreuid, setresuid, capset, or their numbers through `syscall()`),
+//! [`runtime::before_dropping_privileges`] does what needs it.
 
 use crate::alloc::real;
 use crate::runtime;
 
-fn before_a_change() {
+pub(crate) fn before_a_change() {
     if rustix::process::geteuid().is_root() {
         runtime::before_dropping_privileges();
     }
@@ -41,6 +42,16 @@ pub unsafe extern "C" fn setreuid(ruid: libc::uid_t, euid: libc::uid_t) -> i32 {
     let real = real!("setreuid", unsafe extern "C" fn(libc::uid_t, libc::uid_t) -> i32);
     // SAFETY: the caller's own setreuid.
     unsafe { real(ruid, euid) }
+}
+
+/// # Safety
+/// The C contract of capset (dropping CAP_SYS_PTRACE has the same effect on userfaultfd).
+#[no_mangle]
+pub unsafe extern "C" fn capset(header: *mut libc::c_void, data: *const libc::c_void) -> i32 {
+    before_a_change();
+    let real = real!("capset", unsafe extern "C" fn(*mut libc::c_void, *const libc::c_void) -> i32);
+    // SAFETY: the caller's own capset.
+    unsafe { real(header, data) }
 }
 
 /// # Safety

@@ -35,6 +35,9 @@ pub unsafe extern "C" fn syscall(
     if let Some(result) = crate::lock::by_number(number, a, b, c) {
         return result as c_long;
     }
+    if matches!(number, libc::SYS_setuid | libc::SYS_setreuid | libc::SYS_setresuid | libc::SYS_capset) {
+        crate::privileges::before_a_change();
+    }
     if runtime::sigbus_mode() {
         if let Some(result) = wrapped(number, a, b, c, d, e, f) {
             return result as c_long;
