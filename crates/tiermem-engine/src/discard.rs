@@ -10,20 +10,25 @@ use crate::io::reap_background;
 use crate::page::{Kind, LockedPage, PageState};
 
 impl Region {
-    /// Discard the pages of `[offset, offset + len)` (page-aligned, inside the region). Waits
-    /// for I/O in flight on them; safe against concurrent faults and reclaim.
-    pub fn discard(&self, offset: usize, len: usize) -> Result<()> {
-        self.forget_pages(offset, len, true)
+    /// `[offset, offset + len)` (page-aligned, inside the region) is about to be replaced by a
+    /// mapping of the program's (MAP_FIXED): from now on the engine fills no page there on its
+    /// own, and the pages are given up, as by MADV_DONTNEED. Then the caller replaces them and
+    /// calls [`Region::hand_over`], or [`Region::cancel_hand_over`] if that failed.
+    pub fn prepare_hand_over(&self, offset: usize, len: usize) -> Result<()> {
+        self.inner.mapping.mark_foreign(offset, len);
+        self.discard(offset, len)
     }
 
-    /// `[offset, offset + len)` (page-aligned, inside the region) belongs to another mapping
-    /// now: the program mapped over it with MAP_FIXED, which replaced our pages there. Forget
-    /// them (no madvise: the memory there is the program's) and leave that part alone when the
-    /// region goes.
-    pub fn hand_over(&self, offset: usize, len: usize) -> Result<()> {
-        self.forget_pages(offset, len, false)?;
+    /// The replacement [`Region::prepare_hand_over`] made ready for failed: the pages are the
+    /// region's again (they read as zeros).
+    pub fn cancel_hand_over(&self, offset: usize, len: usize) {
+        self.inner.mapping.unmark_foreign(offset, len);
+    }
+
+    /// `[offset, offset + len)` belongs to another mapping now: the program mapped over it
+    /// (after [`Region::prepare_hand_over`]). Dropping the region leaves that part alone.
+    pub fn hand_over(&self, offset: usize, len: usize) {
         self.inner.mapping.hand_over(offset, len);
-        Ok(())
     }
 
     /// `[offset, offset + len)`, handed over before, is this region's again: the caller
@@ -32,9 +37,9 @@ impl Region {
         self.inner.mapping.take_back(offset, len);
     }
 
-    /// Forget the pages of `[offset, offset + len)`, first dropping resident ones from the
-    /// mapping if `drop_resident`.
-    fn forget_pages(&self, offset: usize, len: usize, drop_resident: bool) -> Result<()> {
+    /// Discard the pages of `[offset, offset + len)` (page-aligned, inside the region). Waits
+    /// for I/O in flight on them; safe against concurrent faults and reclaim.
+    pub fn discard(&self, offset: usize, len: usize) -> Result<()> {
         if !offset.is_multiple_of(PAGE_SIZE) || offset.checked_add(len).is_none_or(|end| end > self.len()) {
             return Err(Error::invalid(format!(
                 "discard of {len} bytes at offset {offset} is not page-aligned inside a region of {} bytes",
@@ -58,7 +63,7 @@ impl Region {
                     std::thread::yield_now();
                     continue;
                 }
-                if drop_resident && state.kind() == Kind::Resident {
+                if state.kind() == Kind::Resident {
                     // SAFETY: the page is ours and locked; a racing access faults and waits.
                     unsafe { tiermem_sys::mem::discard(self.inner.page_addr(index as u64), PAGE_SIZE)? };
                 }

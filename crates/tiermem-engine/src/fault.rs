@@ -414,7 +414,8 @@ fn zero_fill_around(
 ) -> Result<(), Errno> {
     let mut run = lock_run_around(region, index, ZERO_FILL_AROUND as u64, |page| {
         let cell = region.pages.get(page as usize)?;
-        if cell.peek().kind() != Kind::Untouched {
+        // A page the program mapped over is another mapping's: a copy there would fail.
+        if cell.peek().kind() != Kind::Untouched || region.mapping.is_foreign(page as usize * PAGE_SIZE) {
             return None;
         }
         let locked = cell.try_lock()?;

@@ -79,6 +79,7 @@ fn allocate(size: usize, align: usize, origin: Origin, reuse: bool) -> *mut c_vo
                     origin,
                     unmapped: Vec::new(),
                     handed_over: Vec::new(),
+                    reserved: Vec::new(),
                     fork_advice: Vec::new(),
                 },
             );

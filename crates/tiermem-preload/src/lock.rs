@@ -164,7 +164,12 @@ fn lock_range(start: usize, end: usize, kernel: impl Fn(usize, usize) -> isize) 
     let table = crate::registry::lock();
     let live = |&(a, b): &(usize, usize)| {
         crate::heap::chunk_bounds(a).is_some_and(|(_, chunk_end)| b <= chunk_end)
-            || crate::registry::segments(&table, a, b).iter().all(|s| s.2.is_some())
+            || crate::registry::segments(&table, a, b).iter().all(|&(from, to, base)| {
+                base.is_some_and(|base| {
+                    let (from, to) = (from - base, to - base);
+                    !table[&base].unmapped.iter().any(|&(x, y)| x < to && y > from)
+                })
+            })
     };
     pinned.retain(|l| live(&(l.start, l.end)));
     let mut locks = locks();

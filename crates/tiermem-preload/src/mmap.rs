@@ -64,17 +64,38 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
 /// dropping them), and calls on them go to the kernel from then on. All under the registry's
 /// lock, so no munmap of the rest releases a region in between.
 fn map_fixed_over_managed(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut c_void {
-    let (start, end) = (addr as usize, (addr as usize).saturating_add(len.next_multiple_of(PAGE_SIZE)));
-    let mut table = registry::lock();
+    let start = addr as usize;
     // SAFETY: the caller's own mmap, passed to the kernel unchanged.
-    let mapped = unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) };
+    let map = || unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) };
+    syscall_result(replace_managed(start, start.saturating_add(len.next_multiple_of(PAGE_SIZE)), map))
+}
+
+/// Put the program's new mapping over `[start, end)`, which holds managed memory, by
+/// `kernel_call` (an mmap or mremap with a fixed address; its result is the address, or -1).
+/// The engine first stops filling pages there and gives them up; once the kernel has replaced
+/// them the regions hand those pieces over. All under the registry's lock, so no munmap of
+/// the rest releases a region in between.
+fn replace_managed(start: usize, end: usize, kernel_call: impl FnOnce() -> libc::c_long) -> libc::c_long {
+    let mut table = registry::lock();
+    let pieces: Vec<(usize, usize, usize)> = registry::overlapping(&table, start, end - start)
+        .into_iter()
+        .map(|base| {
+            let entry = &table[&base];
+            let (from, to) = (base.max(start) - base, (base + entry.len()).min(end) - base);
+            entry.prepare_hand_over(from, to);
+            (base, from, to)
+        })
+        .collect();
+    let mapped = kernel_call();
     if mapped as usize != start {
-        return syscall_result(mapped);
+        for &(base, from, to) in &pieces {
+            table[&base].cancel_hand_over(from, to);
+        }
+        return mapped;
     }
     let mut released = Vec::new();
-    for base in registry::overlapping(&table, start, end - start) {
+    for (base, from, to) in pieces {
         let entry = table.get_mut(&base).expect("listed above");
-        let (from, to) = (base.max(start) - base, (base + entry.len()).min(end) - base);
         entry.hand_over(from, to);
         crate::lock::forget(base + from, base + to);
         // An mmap'd region goes once the program has unmapped or replaced all of it (its
@@ -87,7 +108,7 @@ fn map_fixed_over_managed(addr: *mut c_void, len: usize, prot: i32, flags: i32, 
     for entry in released {
         runtime::release(entry);
     }
-    syscall_result(mapped)
+    mapped
 }
 
 /// Reserve `[start, end)` again (PROT_NONE, as unmapped memory faults) where the program
@@ -228,14 +249,14 @@ pub unsafe extern "C" fn mremap(
             if new_len == 0 {
                 return fail(libc::EINVAL);
             }
-            // Pieces the program mapped over are other mappings to the kernel: a range that
-            // spans them fails (EFAULT), and one cannot grow over them in place.
-            let meets = |from: usize, to: usize| entry.handed_over.iter().any(|&(a, b)| a < to && b > from);
+            // Pieces the program mapped over (or unmapped after that) are other mappings, or
+            // holes, to the kernel: a range that spans them fails (EFAULT), and one cannot grow
+            // over them in place.
             let old_end = old_len.next_multiple_of(PAGE_SIZE);
-            if meets(0, old_end) {
+            if entry.meets_foreign(0, old_end) {
                 return fail(libc::EFAULT);
             }
-            let grows_over = meets(old_end, new_len.next_multiple_of(PAGE_SIZE));
+            let grows_over = entry.meets_foreign(old_end, new_len.next_multiple_of(PAGE_SIZE));
             if new_len <= entry.len() && !grows_over {
                 // In place: everything up to the new length is mapped (again, if an earlier
                 // shrink had unmapped it), and the tail beyond it is unmapped, its pages gone.
@@ -275,29 +296,45 @@ pub unsafe extern "C" fn mremap(
             return new;
         }
     }
-    if registry::may_overlap(start, 1) {
-        let mut table = registry::lock();
-        if let Some((base, piece_start, piece_end)) = registry::handed_over_at(&table, start) {
-            // The program's own mapping inside a managed region: what it leaves is reserved
-            // again (see `take_back`).
-            // SAFETY: the caller's own mremap of its own mapping.
-            let moved = unsafe { libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) };
-            if moved != -1 {
-                let left = if moved as usize == start {
-                    (start.saturating_add(new_len.next_multiple_of(PAGE_SIZE)), start.saturating_add(old_len))
-                } else {
-                    (start, start.saturating_add(old_len))
-                };
-                let (from, to) = (left.0.max(piece_start), left.1.next_multiple_of(PAGE_SIZE).min(piece_end));
-                if from < to {
-                    take_back(&mut table, base, from, to);
-                }
-            }
-            return syscall_result(moved);
+    // The program's own mapping, possibly one inside a managed region (what it leaves there is
+    // reserved again, see `take_back`), possibly moved onto managed memory (which it replaces,
+    // as MAP_FIXED does).
+    let from_piece = registry::may_overlap(start, 1) && registry::handed_over_at(&registry::lock(), start).is_some();
+    let target = new_addr as usize;
+    let onto_managed = flags & libc::MREMAP_FIXED != 0 && registry::may_overlap(target, new_len.max(1));
+    // SAFETY: the caller's own mremap of memory that is not managed.
+    let call = || unsafe { libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) };
+    let moved = if onto_managed {
+        replace_managed(target, target.saturating_add(new_len.next_multiple_of(PAGE_SIZE)), call)
+    } else {
+        call()
+    };
+    if moved != -1 && from_piece && flags & libc::MREMAP_DONTUNMAP == 0 {
+        let old_end = start.saturating_add(old_len.next_multiple_of(PAGE_SIZE));
+        let left_from =
+            if moved as usize == start { start.saturating_add(new_len.next_multiple_of(PAGE_SIZE)) } else { start };
+        take_back_all(left_from, old_end);
+    }
+    syscall_result(moved)
+}
+
+/// Take back every handed-over piece inside `[start, end)`, whichever regions they are of.
+fn take_back_all(start: usize, end: usize) {
+    if start >= end {
+        return;
+    }
+    let mut table = registry::lock();
+    for base in registry::overlapping(&table, start, end - start) {
+        let pieces: Vec<(usize, usize)> = table[&base]
+            .handed_over
+            .iter()
+            .map(|&(a, b)| ((base + a).max(start), (base + b).min(end)))
+            .filter(|&(a, b)| a < b)
+            .collect();
+        for (a, b) in pieces {
+            take_back(&mut table, base, a, b);
         }
     }
-    // SAFETY: the caller's own mremap of memory that is not managed.
-    syscall_result(unsafe { libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) })
 }
 
 /// Apply `managed` to the managed parts of `[start, end)` (as offset and length in their

@@ -36,6 +36,9 @@ pub struct Entry {
     /// Pieces the program mapped over with MAP_FIXED (offsets, sorted and merged): the
     /// kernel's now, so calls there go to it, and releasing the region leaves them mapped.
     pub handed_over: Vec<(usize, usize)>,
+    /// Pieces handed over that the program then unmapped or moved away, reserved again
+    /// (PROT_NONE): holes in the region for good.
+    pub reserved: Vec<(usize, usize)>,
     /// The program's fork advice on parts of the region, in order (offset, end, advice):
     /// MADV_WIPEONFORK/KEEPONFORK and MADV_DONTFORK/DOFORK. The kernel applies them to the
     /// mapping; a forked child's copy of evicted pages must follow them too.
@@ -76,20 +79,41 @@ impl Entry {
         self.unmapped == [(0, self.len())]
     }
 
-    /// The program mapped over `[from, to)` (offsets) with MAP_FIXED; see `handed_over`. The
-    /// engine forgets its pages there (not in a forked child, which has no engine).
-    pub fn hand_over(&mut self, from: usize, to: usize) {
-        tiermem_sys::mem::merge_range(&mut self.handed_over, from, to);
+    /// The program is about to map over `[from, to)` (offsets): the engine stops filling
+    /// pages there and gives them up (not in a forked child, which has no engine).
+    pub fn prepare_hand_over(&self, from: usize, to: usize) {
         if !crate::runtime::in_forked_child() {
-            if let Err(e) = self.region.hand_over(from, to - from) {
-                crate::runtime::say(&["tiermem: mmap(MAP_FIXED) over managed memory: ", &e.to_string()]);
+            if let Err(e) = self.region.prepare_hand_over(from, to - from) {
+                crate::runtime::say(&["tiermem: mapping over managed memory: ", &e.to_string()]);
             }
         }
+    }
+
+    /// The mapping [`Entry::prepare_hand_over`] was for failed.
+    pub fn cancel_hand_over(&self, from: usize, to: usize) {
+        if !crate::runtime::in_forked_child() {
+            self.region.cancel_hand_over(from, to - from);
+        }
+    }
+
+    /// The program mapped over `[from, to)` (offsets); see `handed_over`.
+    pub fn hand_over(&mut self, from: usize, to: usize) {
+        tiermem_sys::mem::merge_range(&mut self.handed_over, from, to);
+        tiermem_sys::mem::remove_range(&mut self.reserved, from, to);
+        if !crate::runtime::in_forked_child() {
+            self.region.hand_over(from, to - from);
+        }
+    }
+
+    /// Whether `[from, to)` (offsets) meets a piece that is not the region's own memory.
+    pub fn meets_foreign(&self, from: usize, to: usize) -> bool {
+        self.handed_over.iter().chain(&self.reserved).any(|&(a, b)| a < to && b > from)
     }
 
     /// `[from, to)` (offsets), handed over before, is reserved for the region again.
     pub fn take_back(&mut self, from: usize, to: usize) {
         tiermem_sys::mem::remove_range(&mut self.handed_over, from, to);
+        tiermem_sys::mem::merge_range(&mut self.reserved, from, to);
         if !crate::runtime::in_forked_child() {
             self.region.take_back(from, to - from);
         }

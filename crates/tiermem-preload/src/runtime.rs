@@ -215,11 +215,22 @@ fn start_engine(guard: std::sync::MutexGuard<'_, ()>) -> &'static Engine {
     if let Some(engine) = ENGINE.get() {
         return engine;
     }
-    // Room for the engine's descriptors (about 25, moved above guarded_fd::FLOOR) even in a
-    // program at its descriptor limit.
-    let floor = tiermem_sys::guarded_fd::FLOOR as u64;
-    let room = descriptor_limit().map_or(floor, |limit| limit.max(floor)) + ENGINE_DESCRIPTOR_ROOM;
-    let engine = crate::stdio::starting_engine(|| with_descriptor_room(room, || start_engine_threads(guard)));
+    // Room for the engine's descriptors (about 25) even in a program at its descriptor limit;
+    // the limit is raised for the moment only there, since a program's other threads could get
+    // numbers past it meanwhile.
+    let near_the_limit = descriptor_limit().is_some_and(|limit| {
+        let open = std::fs::read_dir("/proc/self/fd").map(|fds| fds.count() as u64);
+        open.map_or(true, |open| open + ENGINE_DESCRIPTOR_ROOM > limit)
+    });
+    let engine = crate::stdio::starting_engine(|| {
+        if near_the_limit {
+            let floor = tiermem_sys::guarded_fd::FLOOR as u64;
+            let room = descriptor_limit().map_or(floor, |limit| limit.max(floor)) + ENGINE_DESCRIPTOR_ROOM;
+            with_descriptor_room(room, || start_engine_threads(guard))
+        } else {
+            start_engine_threads(guard)
+        }
+    });
     crate::stdio::activate(SETTINGS.get().is_some_and(|s| s.single_thread_stdio));
     engine
 }
@@ -459,7 +470,8 @@ fn with_descriptor_room<T>(wanted: u64, make: impl FnOnce() -> T) -> T {
     let changed = Some(raised) != before.current
         && setrlimit(Resource::Nofile, Rlimit { current: Some(raised), maximum: before.maximum }).is_ok();
     let made = make();
-    if changed {
+    // Restored unless the program set a limit of its own meanwhile.
+    if changed && getrlimit(Resource::Nofile).current == Some(raised) {
         let _ = setrlimit(Resource::Nofile, before);
     }
     made
@@ -523,6 +535,7 @@ pub fn release(entry: registry::Entry) {
             && entry.user == entry.base()
             && entry.unmapped.is_empty()
             && entry.handed_over.is_empty()
+            && entry.reserved.is_empty()
             && entry.fork_advice.is_empty();
         match ENGINE.get() {
             Some(engine) if reusable && reuse_freed() => crate::recycle::keep(engine, entry.region),

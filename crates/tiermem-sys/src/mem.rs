@@ -15,10 +15,18 @@ pub struct Mapping {
     /// Parts (offset, end; sorted, merged) that belong to someone else now: the program mapped
     /// over them with MAP_FIXED (see [`Mapping::hand_over`]).
     handed_over: std::sync::Mutex<Vec<(usize, usize)>>,
+    /// Parts not this mapping's to fill: those handed over and those taken back since (reserved
+    /// PROT_NONE where the program's mapping was); sorted, merged.
+    foreign: std::sync::Mutex<Vec<(usize, usize)>>,
+    /// Set once any part was handed over: until then [`Mapping::is_foreign`] locks nothing.
+    any_foreign: AtomicBool,
 }
 
 /// Add `[from, to)` to a sorted list of disjoint ranges, merging where they touch.
 pub fn merge_range(ranges: &mut Vec<(usize, usize)>, from: usize, to: usize) {
+    if from >= to {
+        return;
+    }
     ranges.push((from, to));
     ranges.sort_unstable();
     let mut merged: Vec<(usize, usize)> = Vec::with_capacity(ranges.len());
@@ -33,6 +41,9 @@ pub fn merge_range(ranges: &mut Vec<(usize, usize)>, from: usize, to: usize) {
 
 /// Take `[from, to)` out of a sorted list of disjoint ranges.
 pub fn remove_range(ranges: &mut Vec<(usize, usize)>, from: usize, to: usize) {
+    if from >= to {
+        return;
+    }
     let mut kept = Vec::with_capacity(ranges.len() + 1);
     for &(a, b) in ranges.iter() {
         if b <= from || a >= to {
@@ -86,7 +97,13 @@ impl Mapping {
             .context(|| format!("mmap of {len} bytes of anonymous memory"))?;
         let ptr = NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| Error::new(crate::ErrorKind::Internal, "mmap returned null"))?;
-        Ok(Self { ptr, len, handed_over: Default::default() })
+        Ok(Self {
+            ptr,
+            len,
+            handed_over: Default::default(),
+            foreign: Default::default(),
+            any_foreign: AtomicBool::new(false),
+        })
     }
 
     /// Map `len` bytes of read-only anonymous memory that reads as zeros, backed by the
@@ -106,7 +123,13 @@ impl Mapping {
             // SAFETY: inside the readable mapping just made; a read maps the zero page.
             unsafe { std::ptr::read_volatile(page) };
         }
-        Ok(Self { ptr, len, handed_over: Default::default() })
+        Ok(Self {
+            ptr,
+            len,
+            handed_over: Default::default(),
+            foreign: Default::default(),
+            any_foreign: AtomicBool::new(false),
+        })
     }
 
     /// Start address.
@@ -129,18 +152,46 @@ impl Mapping {
         false
     }
 
+    fn page_range(&self, offset: usize, len: usize) -> (usize, usize) {
+        let from = (offset / PAGE_SIZE * PAGE_SIZE).min(self.len);
+        (from, offset.saturating_add(len).next_multiple_of(PAGE_SIZE).min(self.len).max(from))
+    }
+
+    /// The pages of `[offset, offset + len)` are about to be replaced by another mapping: not
+    /// this mapping's to fill from now on (see [`Mapping::is_foreign`]).
+    pub fn mark_foreign(&self, offset: usize, len: usize) {
+        let (from, to) = self.page_range(offset, len);
+        if from < to {
+            merge_range(&mut self.foreign.lock().unwrap_or_else(|e| e.into_inner()), from, to);
+            self.any_foreign.store(true, Ordering::Release);
+        }
+    }
+
+    /// Undo [`Mapping::mark_foreign`] (the replacement failed).
+    pub fn unmark_foreign(&self, offset: usize, len: usize) {
+        let (from, to) = self.page_range(offset, len);
+        remove_range(&mut self.foreign.lock().unwrap_or_else(|e| e.into_inner()), from, to);
+    }
+
     /// The pages of `[offset, offset + len)` belong to another mapping now (the program's,
     /// mapped over them with MAP_FIXED): dropping this one leaves them alone.
     pub fn hand_over(&self, offset: usize, len: usize) {
-        let from = (offset / PAGE_SIZE * PAGE_SIZE).min(self.len);
-        let to = offset.saturating_add(len).next_multiple_of(PAGE_SIZE).min(self.len);
+        let (from, to) = self.page_range(offset, len);
         if from < to {
+            self.mark_foreign(from, to - from);
             merge_range(&mut self.handed_over.lock().unwrap_or_else(|e| e.into_inner()), from, to);
         }
     }
 
+    /// Whether the page at `offset` is not this mapping's to fill: handed over, or taken back
+    /// and reserved PROT_NONE (neither is registered with userfaultfd any more).
+    pub fn is_foreign(&self, offset: usize) -> bool {
+        self.any_foreign.load(Ordering::Acquire)
+            && self.foreign.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|&(a, b)| (a..b).contains(&offset))
+    }
+
     /// `[offset, offset + len)` is this mapping's again (reserved anew after its new owner
-    /// went): dropping the mapping unmaps it.
+    /// went): dropping the mapping unmaps it. It stays foreign (see [`Mapping::is_foreign`]).
     pub fn take_back(&self, offset: usize, len: usize) {
         remove_range(
             &mut self.handed_over.lock().unwrap_or_else(|e| e.into_inner()),
@@ -228,6 +279,34 @@ pub unsafe fn discard(addr: *mut u8, len: usize) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Range lists built by merging and removing hold exactly the numbers a set would, and
+        /// their gaps exactly the others.
+        #[test]
+        fn range_lists_match_a_set(ops in proptest::collection::vec((any::<bool>(), 0usize..64, 0usize..16), 0..24)) {
+            let mut ranges = Vec::new();
+            let mut model = [false; 80];
+            for (add, from, len) in ops {
+                let to = from + len;
+                if add {
+                    super::merge_range(&mut ranges, from, to);
+                } else {
+                    super::remove_range(&mut ranges, from, to);
+                }
+                model[from..to].iter_mut().for_each(|x| *x = add);
+            }
+            let held: Vec<usize> = ranges.iter().flat_map(|&(a, b)| a..b).collect();
+            let expected: Vec<usize> = (0..80).filter(|&i| model[i]).collect();
+            prop_assert_eq!(held, expected);
+            prop_assert!(ranges.windows(2).all(|w| w[0].1 < w[1].0), "sorted, disjoint, merged: {:?}", ranges);
+            let gaps: Vec<usize> = super::gaps_between(&ranges, 80).iter().flat_map(|&(a, b)| a..b).collect();
+            let expected_gaps: Vec<usize> = (0..80).filter(|&i| !model[i]).collect();
+            prop_assert_eq!(gaps, expected_gaps);
+        }
+    }
+
     use super::*;
 
     /// The Rss of the mapping that holds `addr`, in KiB, from /proc/self/smaps.
