@@ -82,6 +82,16 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
+    fn at(ptr: NonNull<u8>, len: usize) -> Self {
+        Self {
+            ptr,
+            len,
+            handed_over: Default::default(),
+            foreign: Default::default(),
+            any_foreign: AtomicBool::new(false),
+        }
+    }
+
     /// Map `len` bytes (a non-zero multiple of the page size) of anonymous memory.
     /// `populate` pre-faults it so later use never page-faults.
     pub fn anonymous(len: usize, populate: bool) -> Result<Self> {
@@ -97,13 +107,7 @@ impl Mapping {
             .context(|| format!("mmap of {len} bytes of anonymous memory"))?;
         let ptr = NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| Error::new(crate::ErrorKind::Internal, "mmap returned null"))?;
-        Ok(Self {
-            ptr,
-            len,
-            handed_over: Default::default(),
-            foreign: Default::default(),
-            any_foreign: AtomicBool::new(false),
-        })
+        Ok(Self::at(ptr, len))
     }
 
     /// Map `len` bytes of read-only anonymous memory that reads as zeros, backed by the
@@ -123,13 +127,7 @@ impl Mapping {
             // SAFETY: inside the readable mapping just made; a read maps the zero page.
             unsafe { std::ptr::read_volatile(page) };
         }
-        Ok(Self {
-            ptr,
-            len,
-            handed_over: Default::default(),
-            foreign: Default::default(),
-            any_foreign: AtomicBool::new(false),
-        })
+        Ok(Self::at(ptr, len))
     }
 
     /// Start address.
