@@ -11,24 +11,35 @@ use crate::page::{Kind, LockedPage, PageState};
 
 impl Region {
     /// `[offset, offset + len)` (page-aligned, inside the region) is about to be replaced by a
-    /// mapping of the program's (MAP_FIXED): from now on the engine fills no page there on its
-    /// own, and the pages are given up, as by MADV_DONTNEED. Then the caller replaces them and
-    /// calls [`Region::hand_over`], or [`Region::cancel_hand_over`] if that failed.
-    pub fn prepare_hand_over(&self, offset: usize, len: usize) -> Result<()> {
-        self.inner.mapping.mark_foreign(offset, len);
-        self.discard(offset, len)
+    /// mapping of the program's (MAP_FIXED): from now on the engine starts no fill, prefetch or
+    /// eviction there, and I/O in flight on those pages is waited for. Their contents stay
+    /// until the replacement succeeds ([`Region::hand_over`]); if it fails,
+    /// [`Region::cancel_hand_over`] with the parts returned here (those not foreign before).
+    pub fn prepare_hand_over(&self, offset: usize, len: usize) -> Result<Vec<(usize, usize)>> {
+        let marked = self.inner.mapping.mark_foreign(offset, len);
+        self.settle_each_page(offset, len, |_, _, _| Ok(()))?;
+        Ok(marked)
     }
 
-    /// The replacement [`Region::prepare_hand_over`] made ready for failed: the pages are the
-    /// region's again (they read as zeros).
-    pub fn cancel_hand_over(&self, offset: usize, len: usize) {
-        self.inner.mapping.unmark_foreign(offset, len);
+    /// The replacement [`Region::prepare_hand_over`] made ready for failed: the parts it
+    /// marked are the region's again, contents and all.
+    pub fn cancel_hand_over(&self, marked: &[(usize, usize)]) {
+        for &(from, to) in marked {
+            self.inner.mapping.unmark_foreign(from, to - from);
+        }
     }
 
     /// `[offset, offset + len)` belongs to another mapping now: the program mapped over it
-    /// (after [`Region::prepare_hand_over`]). Dropping the region leaves that part alone.
-    pub fn hand_over(&self, offset: usize, len: usize) {
+    /// (after [`Region::prepare_hand_over`]), and the kernel dropped our pages there. Forget
+    /// them (no madvise: the memory there is the program's); dropping the region leaves that
+    /// part alone.
+    pub fn hand_over(&self, offset: usize, len: usize) -> Result<()> {
+        self.settle_each_page(offset, len, |shared, _, page| {
+            forget_page(shared, page);
+            Ok(())
+        })?;
         self.inner.mapping.hand_over(offset, len);
+        Ok(())
     }
 
     /// `[offset, offset + len)`, handed over before, is this region's again: the caller
@@ -40,9 +51,28 @@ impl Region {
     /// Discard the pages of `[offset, offset + len)` (page-aligned, inside the region). Waits
     /// for I/O in flight on them; safe against concurrent faults and reclaim.
     pub fn discard(&self, offset: usize, len: usize) -> Result<()> {
+        let page_addr = |index: u64| self.inner.page_addr(index);
+        self.settle_each_page(offset, len, |shared, index, page| {
+            if page.state().kind() == Kind::Resident {
+                // SAFETY: the page is ours and locked; a racing access faults and waits.
+                unsafe { tiermem_sys::mem::discard(page_addr(index), PAGE_SIZE)? };
+            }
+            forget_page(shared, page);
+            Ok(())
+        })
+    }
+
+    /// Lock each page of `[offset, offset + len)` (page-aligned, inside the region) once no
+    /// I/O is in flight on it, and call `f` with its index, locked.
+    fn settle_each_page(
+        &self,
+        offset: usize,
+        len: usize,
+        mut f: impl FnMut(&Shared, u64, &mut LockedPage<'_>) -> Result<()>,
+    ) -> Result<()> {
         if !offset.is_multiple_of(PAGE_SIZE) || offset.checked_add(len).is_none_or(|end| end > self.len()) {
             return Err(Error::invalid(format!(
-                "discard of {len} bytes at offset {offset} is not page-aligned inside a region of {} bytes",
+                "{len} bytes at offset {offset} are not page-aligned inside a region of {} bytes",
                 self.len()
             )));
         }
@@ -63,11 +93,7 @@ impl Region {
                     std::thread::yield_now();
                     continue;
                 }
-                if state.kind() == Kind::Resident {
-                    // SAFETY: the page is ours and locked; a racing access faults and waits.
-                    unsafe { tiermem_sys::mem::discard(self.inner.page_addr(index as u64), PAGE_SIZE)? };
-                }
-                forget_page(shared, &mut page);
+                f(shared, index as u64, &mut page)?;
                 break;
             }
         }

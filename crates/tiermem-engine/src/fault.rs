@@ -662,7 +662,8 @@ fn queue_prefetch(
 ) -> Option<(usize, usize)> {
     let readable_slot = |page: u64| {
         let state = region.pages.get(page as usize)?.peek();
-        (state.kind() == Kind::Evicted && !state.writing()).then(|| state.slot()).flatten()
+        let foreign = region.mapping.is_foreign(page as usize * PAGE_SIZE);
+        (state.kind() == Kind::Evicted && !state.writing() && !foreign).then(|| state.slot()).flatten()
     };
     let first = pages[0];
     let Some(first_slot) = readable_slot(first) else { return Some((1, 0)) };

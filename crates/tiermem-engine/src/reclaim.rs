@@ -450,7 +450,8 @@ fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId) -> Res
     }
     let cell = region.pages.get(index as usize).ok_or(false)?;
     let peek = cell.peek();
-    if peek.kind() != Kind::Resident {
+    // A page the program is mapping over is about to leave the engine.
+    if peek.kind() != Kind::Resident || region.mapping.is_foreign(index as usize * PAGE_SIZE) {
         return Err(false);
     }
     if peek.writing() || shared.is_pinned(region.page_addr(index) as usize) {

@@ -167,7 +167,8 @@ fn lock_range(start: usize, end: usize, kernel: impl Fn(usize, usize) -> isize) 
             || crate::registry::segments(&table, a, b).iter().all(|&(from, to, base)| {
                 base.is_some_and(|base| {
                     let (from, to) = (from - base, to - base);
-                    !table[&base].unmapped.iter().any(|&(x, y)| x < to && y > from)
+                    let entry = &table[&base];
+                    !entry.meets_foreign(from, to) && !entry.unmapped.iter().any(|&(x, y)| x < to && y > from)
                 })
             })
     };

@@ -70,6 +70,8 @@ fn map_fixed_over_managed(addr: *mut c_void, len: usize, prot: i32, flags: i32, 
     syscall_result(replace_managed(start, start.saturating_add(len.next_multiple_of(PAGE_SIZE)), map))
 }
 
+type Ranges = Vec<(usize, usize)>;
+
 /// Put the program's new mapping over `[start, end)`, which holds managed memory, by
 /// `kernel_call` (an mmap or mremap with a fixed address; its result is the address, or -1).
 /// The engine first stops filling pages there and gives them up; once the kernel has replaced
@@ -77,24 +79,25 @@ fn map_fixed_over_managed(addr: *mut c_void, len: usize, prot: i32, flags: i32, 
 /// the rest releases a region in between.
 fn replace_managed(start: usize, end: usize, kernel_call: impl FnOnce() -> libc::c_long) -> libc::c_long {
     let mut table = registry::lock();
-    let pieces: Vec<(usize, usize, usize)> = registry::overlapping(&table, start, end - start)
+    // (region base, piece from, piece to, what its preparation marked)
+    let pieces: Vec<(usize, usize, usize, Ranges)> = registry::overlapping(&table, start, end - start)
         .into_iter()
         .map(|base| {
             let entry = &table[&base];
             let (from, to) = (base.max(start) - base, (base + entry.len()).min(end) - base);
-            entry.prepare_hand_over(from, to);
-            (base, from, to)
+            (base, from, to, entry.prepare_hand_over(from, to))
         })
         .collect();
     let mapped = kernel_call();
     if mapped as usize != start {
-        for &(base, from, to) in &pieces {
-            table[&base].cancel_hand_over(from, to);
+        // As the kernel does, a failed call leaves the memory as it was.
+        for (base, _, _, marked) in &pieces {
+            table[base].cancel_hand_over(marked);
         }
         return mapped;
     }
     let mut released = Vec::new();
-    for (base, from, to) in pieces {
+    for (base, from, to, _) in pieces {
         let entry = table.get_mut(&base).expect("listed above");
         entry.hand_over(from, to);
         crate::lock::forget(base + from, base + to);

@@ -79,29 +79,35 @@ impl Entry {
         self.unmapped == [(0, self.len())]
     }
 
-    /// The program is about to map over `[from, to)` (offsets): the engine stops filling
-    /// pages there and gives them up (not in a forked child, which has no engine).
-    pub fn prepare_hand_over(&self, from: usize, to: usize) {
-        if !crate::runtime::in_forked_child() {
-            if let Err(e) = self.region.prepare_hand_over(from, to - from) {
-                crate::runtime::say(&["tiermem: mapping over managed memory: ", &e.to_string()]);
-            }
+    /// The program is about to map over `[from, to)` (offsets): the engine starts no work
+    /// there (not in a forked child, which has no engine). Returns what to give
+    /// [`Entry::cancel_hand_over`] if the mapping fails.
+    pub fn prepare_hand_over(&self, from: usize, to: usize) -> Vec<(usize, usize)> {
+        if crate::runtime::in_forked_child() {
+            return Vec::new();
         }
+        self.region.prepare_hand_over(from, to - from).unwrap_or_else(|e| {
+            crate::runtime::say(&["tiermem: mapping over managed memory: ", &e.to_string()]);
+            Vec::new()
+        })
     }
 
     /// The mapping [`Entry::prepare_hand_over`] was for failed.
-    pub fn cancel_hand_over(&self, from: usize, to: usize) {
+    pub fn cancel_hand_over(&self, marked: &[(usize, usize)]) {
         if !crate::runtime::in_forked_child() {
-            self.region.cancel_hand_over(from, to - from);
+            self.region.cancel_hand_over(marked);
         }
     }
 
-    /// The program mapped over `[from, to)` (offsets); see `handed_over`.
+    /// The program mapped over `[from, to)` (offsets); see `handed_over`. The engine forgets
+    /// its pages there.
     pub fn hand_over(&mut self, from: usize, to: usize) {
         tiermem_sys::mem::merge_range(&mut self.handed_over, from, to);
         tiermem_sys::mem::remove_range(&mut self.reserved, from, to);
         if !crate::runtime::in_forked_child() {
-            self.region.hand_over(from, to - from);
+            if let Err(e) = self.region.hand_over(from, to - from) {
+                crate::runtime::say(&["tiermem: mapping over managed memory: ", &e.to_string()]);
+            }
         }
     }
 

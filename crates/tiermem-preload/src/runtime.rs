@@ -218,13 +218,14 @@ fn start_engine(guard: std::sync::MutexGuard<'_, ()>) -> &'static Engine {
     // Room for the engine's descriptors (about 25) even in a program at its descriptor limit;
     // the limit is raised for the moment only there, since a program's other threads could get
     // numbers past it meanwhile.
+    // (Also below guarded_fd::FLOOR plus the room: the descriptors could not move up there.)
+    let floor = tiermem_sys::guarded_fd::FLOOR as u64;
     let near_the_limit = descriptor_limit().is_some_and(|limit| {
         let open = std::fs::read_dir("/proc/self/fd").map(|fds| fds.count() as u64);
-        open.map_or(true, |open| open + ENGINE_DESCRIPTOR_ROOM > limit)
+        limit < floor + ENGINE_DESCRIPTOR_ROOM || open.map_or(true, |open| open + ENGINE_DESCRIPTOR_ROOM > limit)
     });
     let engine = crate::stdio::starting_engine(|| {
         if near_the_limit {
-            let floor = tiermem_sys::guarded_fd::FLOOR as u64;
             let room = descriptor_limit().map_or(floor, |limit| limit.max(floor)) + ENGINE_DESCRIPTOR_ROOM;
             with_descriptor_room(room, || start_engine_threads(guard))
         } else {
@@ -462,6 +463,10 @@ pub(crate) fn with_spare_descriptors<T>(make: impl FnOnce() -> T) -> T {
 
 fn with_descriptor_room<T>(wanted: u64, make: impl FnOnce() -> T) -> T {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    // One raise at a time (two overlapping ones could leave the limit raised); a caller that
+    // finds another raising goes without.
+    static RAISING: Mutex<()> = Mutex::new(());
+    let Ok(_one_at_a_time) = RAISING.try_lock() else { return make() };
     let before = getrlimit(Resource::Nofile);
     let raised = match (before.current, before.maximum) {
         (Some(current), max) if current < wanted => max.map_or(wanted, |max| wanted.min(max)).max(current),

@@ -156,13 +156,23 @@ impl Mapping {
     }
 
     /// The pages of `[offset, offset + len)` are about to be replaced by another mapping: not
-    /// this mapping's to fill from now on (see [`Mapping::is_foreign`]).
-    pub fn mark_foreign(&self, offset: usize, len: usize) {
+    /// this mapping's to fill from now on (see [`Mapping::is_foreign`]). Returns the parts that
+    /// were not foreign before (as offsets from, to).
+    pub fn mark_foreign(&self, offset: usize, len: usize) -> Vec<(usize, usize)> {
         let (from, to) = self.page_range(offset, len);
-        if from < to {
-            merge_range(&mut self.foreign.lock().unwrap_or_else(|e| e.into_inner()), from, to);
-            self.any_foreign.store(true, Ordering::Release);
+        if from >= to {
+            return Vec::new();
         }
+        let mut foreign = self.foreign.lock().unwrap_or_else(|e| e.into_inner());
+        let inside: Vec<(usize, usize)> = foreign
+            .iter()
+            .map(|&(a, b)| (a.max(from) - from, b.min(to).max(from) - from))
+            .filter(|&(a, b)| a < b)
+            .collect();
+        let new = gaps_between(&inside, to - from).into_iter().map(|(a, b)| (from + a, from + b)).collect();
+        merge_range(&mut foreign, from, to);
+        self.any_foreign.store(true, Ordering::Release);
+        new
     }
 
     /// Undo [`Mapping::mark_foreign`] (the replacement failed).
@@ -176,7 +186,7 @@ impl Mapping {
     pub fn hand_over(&self, offset: usize, len: usize) {
         let (from, to) = self.page_range(offset, len);
         if from < to {
-            self.mark_foreign(from, to - from);
+            let _ = self.mark_foreign(from, to - from);
             merge_range(&mut self.handed_over.lock().unwrap_or_else(|e| e.into_inner()), from, to);
         }
     }
