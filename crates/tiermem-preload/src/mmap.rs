@@ -117,8 +117,16 @@ fn replace_managed(start: usize, end: usize, kernel_call: impl FnOnce() -> libc:
 /// Reserve `[start, end)` again (PROT_NONE, as unmapped memory faults) where the program
 /// unmapped or moved its own mapping inside a managed region: a new mapping must not appear
 /// inside the region's range while the region lives.
-fn reserve_again(start: usize, end: usize) -> i32 {
-    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE;
+///
+/// `over` says how: `Replace` puts the reservation over the program's mapping at once (an
+/// munmap of it); `IfFree` only where nothing is mapped (after an mremap moved it away, the
+/// kernel may have placed another mapping there meanwhile, which must be left alone).
+fn reserve_again(start: usize, end: usize, over: Reserve) -> i32 {
+    let fixed = match over {
+        Reserve::Replace => libc::MAP_FIXED,
+        Reserve::IfFree => libc::MAP_FIXED_NOREPLACE,
+    };
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | fixed | libc::MAP_NORESERVE;
     // SAFETY: replaces only the caller's own mapping, which it asked to unmap or move.
     let r = unsafe { libc::syscall(libc::SYS_mmap, start, end - start, libc::PROT_NONE, flags, -1, 0) };
     if r as usize == start {
@@ -128,15 +136,23 @@ fn reserve_again(start: usize, end: usize) -> i32 {
     }
 }
 
+#[derive(Clone, Copy)]
+enum Reserve {
+    Replace,
+    IfFree,
+}
+
 /// The program unmapped or moved away its own mapping at `[from, to)`, a piece `base`'s region
-/// handed over: reserve it again and take it back.
+/// handed over: reserve it again and take it back. Where it cannot be reserved, it stays
+/// handed over (the region's release leaves it alone).
 fn take_back(
     table: &mut std::collections::BTreeMap<usize, registry::Entry>,
     base: usize,
     from: usize,
     to: usize,
+    over: Reserve,
 ) -> i32 {
-    let rc = reserve_again(from, to);
+    let rc = reserve_again(from, to, over);
     if rc == 0 {
         if let Some(entry) = table.get_mut(&base) {
             entry.take_back(from - base, to - base);
@@ -194,7 +210,7 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
     for (from, to, managed) in registry::segments(&table, start, end) {
         let Some(base) = managed else {
             rc |= match registry::handed_over_at(&table, from) {
-                Some((base, _, _)) => take_back(&mut table, base, from, to),
+                Some((base, _, _)) => take_back(&mut table, base, from, to, Reserve::Replace),
                 None => kernel_munmap(from, to),
             };
             continue;
@@ -335,7 +351,7 @@ fn take_back_all(start: usize, end: usize) {
             .filter(|&(a, b)| a < b)
             .collect();
         for (a, b) in pieces {
-            take_back(&mut table, base, a, b);
+            take_back(&mut table, base, a, b, Reserve::IfFree);
         }
     }
 }
