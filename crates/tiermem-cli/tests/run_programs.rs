@@ -2340,11 +2340,20 @@ int main() {
     madvise(locked, 2 * mb, MADV_PAGEOUT);  // cold: evicted first, now that it may be
     for (size_t i = 0; i < n; i += 4096) p[i] = (unsigned char)(i * 7);
     int evicted_after_unlock = all_resident(locked, 2 * mb) == 0;
+    // A locked mapping that mremap moves stays locked, grown part included.
+    unsigned char* m = (unsigned char*)mmap(nullptr, mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    memset(m, 14, mb);
+    mlock(m, mb);
+    unsigned char* moved = (unsigned char*)mremap(m, mb, 2 * mb, MREMAP_MAYMOVE);
+    memset(moved + mb, 15, mb);
+    madvise(moved, 2 * mb, MADV_PAGEOUT);
+    for (size_t i = 0; i < n; i += 4096) p[i] = (unsigned char)(i * 7);
+    int moved_locked = moved != MAP_FAILED && all_resident(moved, 2 * mb) == 1 && moved[100] == 14 && moved[mb + 100] == 15;
     for (size_t i = 0; i < n; i += 4096) p[i + 1] = (unsigned char)(i * 7 + 1);
     long bad = strcmp(key, "secret") != 0;
     for (size_t i = 0; i < n; i++) bad += p[i] != (unsigned char)(i % 4096 == 1 ? (i - 1) * 7 + 1 : i * 7);
-    printf("small:%d lock:%d again:%d over:%d fits:%d dontneed:%d all:%d resident:%d unlock:%d evictable:%d bad:%ld\n",
-           small, lock, again, over, fits, dontneed, all, resident, unlock, evicted_after_unlock, bad);
+    printf("small:%d lock:%d again:%d over:%d fits:%d dontneed:%d all:%d resident:%d unlock:%d evictable:%d moved:%d bad:%ld\n",
+           small, lock, again, over, fits, dontneed, all, resident, unlock, evicted_after_unlock, moved_locked, bad);
     return 0;
 }
 "#;
@@ -2357,7 +2366,8 @@ fn mlock_pins_managed_memory_within_a_quarter_of_the_budget() {
         eprintln!("SKIPPED {name}: needs root (RLIMIT_MEMLOCK would refuse the locks it makes)");
         return;
     }
-    let expected = "small:0 lock:0 again:0 over:1 fits:0 dontneed:1 all:1 resident:1 unlock:0 evictable:1 bad:0\n";
+    let expected =
+        "small:0 lock:0 again:0 over:1 fits:0 dontneed:1 all:1 resident:1 unlock:0 evictable:1 moved:1 bad:0\n";
     same_output_in_both_fault_modes(name, MLOCK, expected, "lock results, residency and data");
 }
 

@@ -206,6 +206,23 @@ pub(crate) fn any_locked(from: usize, to: usize) -> bool {
     !runtime::in_forked_child() && locks().held.iter().any(|l| l.start < to && l.end > from)
 }
 
+/// The locked parts of `[from, to)`, as (start, end), in order.
+pub(crate) fn locked_parts(from: usize, to: usize) -> Vec<(usize, usize)> {
+    if runtime::in_forked_child() {
+        return Vec::new();
+    }
+    let mut parts: Vec<(usize, usize)> =
+        locks().held.iter().map(|l| (l.start.max(from), l.end.min(to))).filter(|&(a, b)| a < b).collect();
+    parts.sort_unstable();
+    parts
+}
+
+/// Lock `[start, end)` of managed memory again: a mapping mremap moved keeps its locks, as the
+/// kernel's does. Best effort (the quota may refuse it, with the usual message).
+pub(crate) fn relock(start: usize, end: usize) {
+    let _ = lock_range(start, end, |_, _| 0);
+}
+
 /// Memory leaving the program (unmapped, freed, shrunk away): its locks go with it, as the
 /// kernel's do.
 pub(crate) fn forget(from: usize, to: usize) {

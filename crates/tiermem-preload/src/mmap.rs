@@ -306,11 +306,20 @@ pub unsafe extern "C" fn mremap(
             }
             // SAFETY: both are managed mappings at least copy_len long and distinct.
             unsafe { std::ptr::copy_nonoverlapping(old.cast::<u8>(), new.cast::<u8>(), copy_len) };
+            let locked = crate::lock::locked_parts(start, start + old_end);
             let mut table = registry::lock();
             let released = registry::remove(&mut table, base);
             drop(table);
             if let Some(entry) = released {
                 runtime::release(entry);
+            }
+            // Locks move with the mapping; a wholly locked one grows locked, as VM_LOCKED does.
+            let new_start = new as usize;
+            let wholly = locked.len() == 1 && locked[0] == (start, start + old_end);
+            let grown_end = new_start + new_len.next_multiple_of(PAGE_SIZE);
+            for (a, b) in locked {
+                let end = if wholly { grown_end } else { new_start + (b - start) };
+                crate::lock::relock(new_start + (a - start), end);
             }
             return new;
         }
