@@ -16,8 +16,12 @@ impl Region {
     /// until the replacement succeeds ([`Region::hand_over`]); if it fails,
     /// [`Region::cancel_hand_over`] with the parts returned here (those not foreign before).
     pub fn prepare_hand_over(&self, offset: usize, len: usize) -> Result<Vec<(usize, usize)>> {
+        self.check_range(offset, len)?;
         let marked = self.inner.mapping.mark_foreign(offset, len);
-        self.settle_each_page(offset, len, |_, _, _| Ok(()))?;
+        if let Err(e) = self.settle_each_page(offset, len, |_, _, _| Ok(())) {
+            self.cancel_hand_over(&marked);
+            return Err(e);
+        }
         Ok(marked)
     }
 
@@ -62,6 +66,16 @@ impl Region {
         })
     }
 
+    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        if !offset.is_multiple_of(PAGE_SIZE) || offset.checked_add(len).is_none_or(|end| end > self.len()) {
+            return Err(Error::invalid(format!(
+                "{len} bytes at offset {offset} are not page-aligned inside a region of {} bytes",
+                self.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// Lock each page of `[offset, offset + len)` (page-aligned, inside the region) once no
     /// I/O is in flight on it, and call `f` with its index, locked.
     fn settle_each_page(
@@ -70,12 +84,7 @@ impl Region {
         len: usize,
         mut f: impl FnMut(&Shared, u64, &mut LockedPage<'_>) -> Result<()>,
     ) -> Result<()> {
-        if !offset.is_multiple_of(PAGE_SIZE) || offset.checked_add(len).is_none_or(|end| end > self.len()) {
-            return Err(Error::invalid(format!(
-                "{len} bytes at offset {offset} are not page-aligned inside a region of {} bytes",
-                self.len()
-            )));
-        }
+        self.check_range(offset, len)?;
         let shared = &*self.shared;
         let first = offset / PAGE_SIZE;
         let last = (offset + len).div_ceil(PAGE_SIZE);

@@ -130,7 +130,7 @@ fn take_malloc_entry(ptr: usize, what: &str) -> Found {
         return Found::NotOurs;
     }
     let mut table = registry::lock();
-    let Some(base) = registry::containing(&table, ptr) else {
+    let Some(base) = registry::spanning(&table, ptr) else {
         drop(table);
         if freed_managed(ptr) {
             runtime::die(&["tiermem: ", what, "(): double free of a managed allocation"]);
@@ -243,7 +243,7 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
     }
     if registry::may_be_managed_pointer(addr) {
         let mut table = registry::lock();
-        if let Some(base) = registry::containing(&table, addr) {
+        if let Some(base) = registry::spanning(&table, addr) {
             let entry = table.get_mut(&base).expect("found above");
             if entry.user != addr || entry.origin != Origin::Malloc {
                 runtime::die(&["tiermem: realloc() of a pointer that is not the start of a managed allocation"]);
@@ -428,7 +428,7 @@ pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
     }
     if registry::may_be_managed_pointer(ptr as usize) {
         let table = registry::lock();
-        if let Some(base) = registry::containing(&table, ptr as usize) {
+        if let Some(base) = registry::spanning(&table, ptr as usize) {
             let entry = &table[&base];
             return if entry.user == ptr as usize { entry.usable() } else { 0 };
         }

@@ -8,8 +8,10 @@
 use crate::alloc::real;
 use crate::runtime;
 
-pub(crate) fn before_a_change() {
-    if rustix::process::geteuid().is_root() {
+/// Before a call that sets these user ids (-1: unchanged) or, with `None`, capabilities.
+pub(crate) fn before_a_change(ids: Option<&[libc::uid_t]>) {
+    let leaves_root = ids.is_none_or(|ids| ids.iter().any(|&id| id != 0 && id != libc::uid_t::MAX));
+    if leaves_root && rustix::process::geteuid().is_root() {
         runtime::before_dropping_privileges();
     }
 }
@@ -18,7 +20,7 @@ pub(crate) fn before_a_change() {
 /// The C contract of setuid.
 #[no_mangle]
 pub unsafe extern "C" fn setuid(uid: libc::uid_t) -> i32 {
-    before_a_change();
+    before_a_change(Some(&[uid]));
     let real = real!("setuid", unsafe extern "C" fn(libc::uid_t) -> i32);
     // SAFETY: the caller's own setuid.
     unsafe { real(uid) }
@@ -28,7 +30,7 @@ pub unsafe extern "C" fn setuid(uid: libc::uid_t) -> i32 {
 /// The C contract of seteuid.
 #[no_mangle]
 pub unsafe extern "C" fn seteuid(uid: libc::uid_t) -> i32 {
-    before_a_change();
+    before_a_change(Some(&[uid]));
     let real = real!("seteuid", unsafe extern "C" fn(libc::uid_t) -> i32);
     // SAFETY: the caller's own seteuid.
     unsafe { real(uid) }
@@ -38,7 +40,7 @@ pub unsafe extern "C" fn seteuid(uid: libc::uid_t) -> i32 {
 /// The C contract of setreuid.
 #[no_mangle]
 pub unsafe extern "C" fn setreuid(ruid: libc::uid_t, euid: libc::uid_t) -> i32 {
-    before_a_change();
+    before_a_change(Some(&[ruid, euid]));
     let real = real!("setreuid", unsafe extern "C" fn(libc::uid_t, libc::uid_t) -> i32);
     // SAFETY: the caller's own setreuid.
     unsafe { real(ruid, euid) }
@@ -48,7 +50,7 @@ pub unsafe extern "C" fn setreuid(ruid: libc::uid_t, euid: libc::uid_t) -> i32 {
 /// The C contract of capset (dropping CAP_SYS_PTRACE has the same effect on userfaultfd).
 #[no_mangle]
 pub unsafe extern "C" fn capset(header: *mut libc::c_void, data: *const libc::c_void) -> i32 {
-    before_a_change();
+    before_a_change(None);
     let real = real!("capset", unsafe extern "C" fn(*mut libc::c_void, *const libc::c_void) -> i32);
     // SAFETY: the caller's own capset.
     unsafe { real(header, data) }
@@ -58,7 +60,7 @@ pub unsafe extern "C" fn capset(header: *mut libc::c_void, data: *const libc::c_
 /// The C contract of setresuid.
 #[no_mangle]
 pub unsafe extern "C" fn setresuid(ruid: libc::uid_t, euid: libc::uid_t, suid: libc::uid_t) -> i32 {
-    before_a_change();
+    before_a_change(Some(&[ruid, euid, suid]));
     let real = real!("setresuid", unsafe extern "C" fn(libc::uid_t, libc::uid_t, libc::uid_t) -> i32);
     // SAFETY: the caller's own setresuid.
     unsafe { real(ruid, euid, suid) }

@@ -220,8 +220,9 @@ pub fn segments(table: &BTreeMap<usize, Entry>, start: usize, end: usize) -> Vec
     out
 }
 
-/// The start of the entry whose region spans `addr`, handed-over pieces included.
-fn spanning(table: &BTreeMap<usize, Entry>, addr: usize) -> Option<usize> {
+/// The start of the entry whose region spans `addr`, handed-over pieces included (what
+/// free() and realloc() look a pointer up by: the program may have mapped over its block).
+pub fn spanning(table: &BTreeMap<usize, Entry>, addr: usize) -> Option<usize> {
     let (&base, entry) = table.range(..=addr).next_back()?;
     (addr < base + entry.len()).then_some(base)
 }

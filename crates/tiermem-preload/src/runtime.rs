@@ -463,10 +463,9 @@ pub(crate) fn with_spare_descriptors<T>(make: impl FnOnce() -> T) -> T {
 
 fn with_descriptor_room<T>(wanted: u64, make: impl FnOnce() -> T) -> T {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
-    // One raise at a time (two overlapping ones could leave the limit raised); a caller that
-    // finds another raising goes without.
+    // One raise at a time: two overlapping ones could leave the limit raised.
     static RAISING: Mutex<()> = Mutex::new(());
-    let Ok(_one_at_a_time) = RAISING.try_lock() else { return make() };
+    let _one_at_a_time = RAISING.lock().unwrap_or_else(|e| e.into_inner());
     let before = getrlimit(Resource::Nofile);
     let raised = match (before.current, before.maximum) {
         (Some(current), max) if current < wanted => max.map_or(wanted, |max| wanted.min(max)).max(current),

@@ -35,8 +35,13 @@ pub unsafe extern "C" fn syscall(
     if let Some(result) = crate::lock::by_number(number, a, b, c) {
         return result as c_long;
     }
-    if matches!(number, libc::SYS_setuid | libc::SYS_setreuid | libc::SYS_setresuid | libc::SYS_capset) {
-        crate::privileges::before_a_change();
+    let id = |v: c_long| v as libc::uid_t;
+    match number {
+        libc::SYS_setuid => crate::privileges::before_a_change(Some(&[id(a)])),
+        libc::SYS_setreuid => crate::privileges::before_a_change(Some(&[id(a), id(b)])),
+        libc::SYS_setresuid => crate::privileges::before_a_change(Some(&[id(a), id(b), id(c)])),
+        libc::SYS_capset => crate::privileges::before_a_change(None),
+        _ => {}
     }
     if runtime::sigbus_mode() {
         if let Some(result) = wrapped(number, a, b, c, d, e, f) {
