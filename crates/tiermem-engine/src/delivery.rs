@@ -62,8 +62,9 @@ pub(crate) fn handler_thread(shared: &Shared, uffd: &Uffd, lane: usize, idle: Fa
                 }
                 match handle_fault(shared, addr, write || wp, !wp, lane, true) {
                     Outcome::Resolved => {}
-                    Outcome::NotOurs => {
-                        // A region going away under a faulting thread: let it retry and find out.
+                    Outcome::NotOurs | Outcome::Retry => {
+                        // A region going away under a faulting thread, or a page being mapped
+                        // over: let it retry and find out.
                         let _ = uffd.wake((addr & !(PAGE_SIZE - 1)) as *mut u8, PAGE_SIZE);
                     }
                     Outcome::Failed(e) => fail_faulting_thread(addr, tid, e),
@@ -162,7 +163,8 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *
         // before the engine is dropped).
         let shared = unsafe { &*engine };
         match handle_fault(shared, addr, write, true, lane_hint(), false) {
-            Outcome::Resolved => {
+            // Retry: the access runs again and meets the program's new mapping.
+            Outcome::Resolved | Outcome::Retry => {
                 // SAFETY: as above.
                 unsafe { *libc::__errno_location() = saved_errno };
                 return;

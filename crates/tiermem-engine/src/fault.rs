@@ -33,6 +33,10 @@ pub(crate) enum Outcome {
     Resolved,
     /// The address is in no managed region.
     NotOurs,
+    /// The page is being, or has been, mapped over by the program (MAP_FIXED): the faulting
+    /// access is to be made again, and finds the program's mapping (or, if that failed, faults
+    /// here once more).
+    Retry,
     /// The device could not deliver the page.
     Failed(Errno),
 }
@@ -94,6 +98,9 @@ pub(crate) fn handle_fault(
     let regions = shared.regions();
     let Some(region) = regions.find(addr) else { return Outcome::NotOurs };
     let index = region.page_index(addr);
+    if region.mapping.is_foreign(index as usize * PAGE_SIZE) {
+        return Outcome::Retry;
+    }
     if let Some(trace) = &shared.trace {
         // The virtual page number: below 2^40 (the trace format's limit) for any user address,
         // and regions stay distinct page ranges (a page id would put the region above bit 40).
@@ -823,7 +830,9 @@ pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize
         loop {
             match handle_fault(shared, page, write, false, 0, false) {
                 Outcome::Resolved => {}
-                Outcome::NotOurs => return Err(Error::invalid(format!("address {page:#x} left its region"))),
+                Outcome::NotOurs | Outcome::Retry => {
+                    return Err(Error::invalid(format!("address {page:#x} left its region")))
+                }
                 Outcome::Failed(e) => {
                     return Err(Error::os_kind(ErrorKind::Io, e.into(), format!("bringing in page {page:#x}")))
                 }
