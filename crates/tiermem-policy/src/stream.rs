@@ -351,7 +351,13 @@ impl StreamTable {
         e.first = e.pages[0];
         let first = e.first;
         if len == history {
-            e.stride = if was_full && e.stride == 0 {
+            e.stride = if was_full && e.stride != 0 && delta == e.stride {
+                // Walking on along the stream: the stride's count did not fall (the distance
+                // that left may be it, the new one is), no other count rose, and a tie goes to
+                // the newest distance, which is the stride. No vote needed (it also re-read the
+                // window just moved, which stalled on store forwarding).
+                delta
+            } else if was_full && e.stride == 0 {
                 // The previous window repeated no non-zero distance, so only the new one can
                 // repeat now, and if it does it is the most frequent (and the most recent).
                 let older = e.pages[..len - 1].windows(2);
