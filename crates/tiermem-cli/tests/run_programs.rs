@@ -2102,6 +2102,60 @@ fn map_fixed_over_managed_memory_keeps_the_new_mapping_s_data() {
     same_output_in_both_fault_modes(name, MAP_FIXED_OVER, "0 0 0\n", "words wrong (new, before, after)");
 }
 
+/// mremap of part of a managed mapping touches that part only, as the kernel's does: shrinking
+/// a prefix or a middle piece in place unmaps just its end, growing one moves it (its pages after
+/// it are the mapping's own), MREMAP_DONTUNMAP moves the pages and leaves the range empty, and
+/// the rest keeps its data through eviction. (It used to resize the whole mapping to the new
+/// length, discarding everything after the piece.) The expected line is the program's output
+/// without tiermem.
+const MREMAP_PIECES: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <sys/mman.h>
+// Each word holds its offset from the first mapping's start, mixed with a seed.
+static void fill(unsigned char* p, size_t n, size_t base) { for (size_t i = 0; i < n; i += 8) *(uint64_t*)(p + i) = (base + i) * 2654435761u ^ 5; }
+static long bad(unsigned char* p, size_t n, size_t base) { long b = 0; for (size_t i = 0; i < n; i += 8) b += *(uint64_t*)(p + i) != ((base + i) * 2654435761u ^ 5); return b; }
+static long nonzero(unsigned char* p, size_t n) { long b = 0; for (size_t i = 0; i < n; i += 8) b += *(uint64_t*)(p + i) != 0; return b; }
+int main() {
+    const size_t mb = 1 << 20, n = 32 * mb;
+    unsigned char* a = (unsigned char*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    fill(a, n, 0);
+    // Shrink the first 8 MiB to 4 in place: 4..8 MiB goes, the rest stays.
+    if (mremap(a, 8 * mb, 4 * mb, 0) != a) return 2;
+    // Growing that prefix in place runs into the hole and then the rest of the mapping.
+    if (mremap(a, 4 * mb, 12 * mb, 0) != MAP_FAILED) return 3;
+    // Move the prefix, grown: its data goes along, the new part reads as zeros.
+    unsigned char* b = (unsigned char*)mremap(a, 4 * mb, 12 * mb, MREMAP_MAYMOVE);
+    if (b == MAP_FAILED || b == a) return 4;
+    // Move a piece from the middle, grown.
+    unsigned char* c = (unsigned char*)mremap(a + 16 * mb, 4 * mb, 6 * mb, MREMAP_MAYMOVE);
+    if (c == MAP_FAILED || c == a + 16 * mb) return 5;
+    // Shrink a piece in the middle in place.
+    if (mremap(a + 24 * mb, 4 * mb, 2 * mb, 0) != a + 24 * mb) return 6;
+    // Move a piece's pages and keep its range, empty.
+    unsigned char* d = (unsigned char*)mremap(a + 8 * mb, 4 * mb, 4 * mb, MREMAP_MAYMOVE | MREMAP_DONTUNMAP);
+    if (d == MAP_FAILED || d == a + 8 * mb) return 7;
+    unsigned char* other = (unsigned char*)malloc(48 * mb);  // pushes everything else out
+    for (size_t i = 0; i < 48 * mb; i += 4096) other[i] = (unsigned char)i;
+    printf("%ld %ld %ld %ld %ld %ld %ld %ld %ld\n", bad(b, 4 * mb, 0), nonzero(b + 4 * mb, 8 * mb), bad(d, 4 * mb, 8 * mb),
+           nonzero(a + 8 * mb, 4 * mb), bad(a + 12 * mb, 4 * mb, 12 * mb),
+           bad(c, 4 * mb, 16 * mb), nonzero(c + 4 * mb, 2 * mb), bad(a + 20 * mb, 6 * mb, 20 * mb), bad(a + 28 * mb, 4 * mb, 28 * mb));
+    return 0;
+}
+"#;
+
+#[test]
+fn mremap_of_part_of_managed_memory_leaves_the_rest_in_place() {
+    let name = "mremap_of_part_of_managed_memory_leaves_the_rest_in_place";
+    same_output_in_both_fault_modes(
+        name,
+        MREMAP_PIECES,
+        "0 0 0 0 0 0 0 0 0\n",
+        "words wrong (moved prefix, its growth, moved pages, their old range, rest, moved piece, its growth, rest x2)",
+    );
+}
+
 /// A statically linked program runs, unmanaged, and tiermem says why instead of reporting that
 /// it made no large allocation.
 #[test]

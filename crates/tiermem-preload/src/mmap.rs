@@ -262,18 +262,31 @@ pub unsafe extern "C" fn mremap(
         let mut table = registry::lock();
         if let Some(base) = registry::containing(&table, start) {
             let entry = table.get_mut(&base).expect("found above");
-            if entry.origin != Origin::Mmap || base != start || flags & libc::MREMAP_FIXED != 0 {
-                return fail(libc::EINVAL);
-            }
-            if new_len == 0 {
+            let dont_unmap = flags & libc::MREMAP_DONTUNMAP != 0;
+            let bad_dont_unmap = dont_unmap && (flags & libc::MREMAP_MAYMOVE == 0 || old_len != new_len);
+            if entry.origin != Origin::Mmap
+                || !start.is_multiple_of(PAGE_SIZE)
+                || flags & libc::MREMAP_FIXED != 0
+                || new_len == 0
+                || old_len == 0
+                || bad_dont_unmap
+            {
                 return fail(libc::EINVAL);
             }
             // Pieces the program mapped over (or unmapped after that) are other mappings, or
             // holes, to the kernel: a range that spans them fails (EFAULT), and one cannot grow
             // over them in place.
+            let offset = start - base;
             let old_end = old_len.next_multiple_of(PAGE_SIZE);
-            if entry.meets_foreign(0, old_end) {
+            if entry.meets_foreign(offset, offset.saturating_add(old_end)) {
                 return fail(libc::EFAULT);
+            }
+            // Part of the mapping (what lies outside the range stays where it is), or the
+            // mapping's pages moved and its range kept: handled as a copy and an unmap (or a
+            // drop) of the range alone.
+            if offset != 0 || dont_unmap || entry.maps_beyond(old_end) {
+                let piece = Piece { start, offset, len: old_end };
+                return remap_piece(table, piece, new_len, flags).unwrap_or_else(fail);
             }
             let grows_over = entry.meets_foreign(old_end, new_len.next_multiple_of(PAGE_SIZE));
             if new_len <= entry.len() && !grows_over {
@@ -313,14 +326,8 @@ pub unsafe extern "C" fn mremap(
             if let Some(entry) = released {
                 runtime::release(entry);
             }
-            // Locks move with the mapping; a wholly locked one grows locked, as VM_LOCKED does.
-            let new_start = new as usize;
-            let wholly = locked.len() == 1 && locked[0] == (start, start + old_end);
-            let grown_end = new_start + new_len.next_multiple_of(PAGE_SIZE);
-            for (a, b) in locked {
-                let end = if wholly { grown_end } else { new_start + (b - start) };
-                crate::lock::relock(new_start + (a - start), end);
-            }
+            // Locks move with the mapping.
+            relock_moved(&locked, start, old_end, new as usize, new_len.next_multiple_of(PAGE_SIZE));
             return new;
         }
     }
@@ -344,6 +351,80 @@ pub unsafe extern "C" fn mremap(
         take_back_all(left_from, old_end);
     }
     syscall_result(moved)
+}
+
+/// A page-aligned range of a managed mmap region: `len` bytes from `start`, `offset` bytes into
+/// the region.
+#[derive(Clone, Copy)]
+struct Piece {
+    start: usize,
+    offset: usize,
+    len: usize,
+}
+
+/// mremap of part of a managed mapping, or with MREMAP_DONTUNMAP: shrinking unmaps the end of
+/// the range; growing moves it (the pages after it are the mapping's own, so it cannot grow in
+/// place) into a new managed mapping, which gets its contents and its locks; the old range is
+/// then unmapped, or with MREMAP_DONTUNMAP left mapped, empty and unlocked, as the kernel does.
+/// The rest of the mapping is untouched. Err: the errno.
+fn remap_piece(
+    table: std::sync::MutexGuard<'static, std::collections::BTreeMap<usize, registry::Entry>>,
+    piece: Piece,
+    new_len: usize,
+    flags: i32,
+) -> Result<*mut c_void, i32> {
+    let Piece { start, offset, len } = piece;
+    let entry = &table[&(start - offset)];
+    // All of the range must still be mapped (the kernel fails a range with a hole in it).
+    let mapped_end = entry.size.next_multiple_of(PAGE_SIZE).min(entry.len());
+    if offset + len > mapped_end || entry.unmapped.iter().any(|&(a, b)| a < offset + len && b > offset) {
+        return Err(libc::EFAULT);
+    }
+    drop(table);
+    let dont_unmap = flags & libc::MREMAP_DONTUNMAP != 0;
+    let new_end = new_len.next_multiple_of(PAGE_SIZE);
+    if new_end <= len && !dont_unmap {
+        if new_end < len {
+            // SAFETY: unmapping the end of the caller's own range is what it asked for.
+            if unsafe { munmap((start + new_end) as *mut c_void, len - new_end) } != 0 {
+                return Err(runtime::errno());
+            }
+        }
+        return Ok(start as *mut c_void);
+    }
+    if flags & libc::MREMAP_MAYMOVE == 0 {
+        return Err(libc::ENOMEM);
+    }
+    let new = managed_alloc(new_len, PAGE_SIZE, Origin::Mmap);
+    if new.is_null() {
+        return Err(libc::ENOMEM);
+    }
+    // SAFETY: both are managed mappings at least `len` long (checked above) and distinct.
+    unsafe { std::ptr::copy_nonoverlapping(start as *const u8, new.cast::<u8>(), len) };
+    let locked = crate::lock::locked_parts(start, start + len);
+    crate::lock::forget(start, start + len);
+    let left = if dont_unmap {
+        // SAFETY: the range was copied; dropping its pages is what MREMAP_DONTUNMAP does.
+        unsafe { madvise(start as *mut c_void, len, libc::MADV_DONTNEED) }
+    } else {
+        // SAFETY: the range was copied; unmapping it is what mremap does.
+        unsafe { munmap(start as *mut c_void, len) }
+    };
+    if left != 0 {
+        runtime::say(&["tiermem: mremap() could not take the old range away"]);
+    }
+    relock_moved(&locked, start, len, new as usize, new_end);
+    Ok(new)
+}
+
+/// Lock again, at their new place, the parts of `[old, old + len)` that were locked: a range
+/// locked as a whole grows locked to `new_len`, as VM_LOCKED does.
+fn relock_moved(locked: &[(usize, usize)], old: usize, len: usize, new: usize, new_len: usize) {
+    let wholly = locked == [(old, old + len)];
+    for &(a, b) in locked {
+        let end = if wholly { new + new_len } else { new + (b - old) };
+        crate::lock::relock(new + (a - old), end);
+    }
 }
 
 /// Take back every handed-over piece inside `[start, end)`, whichever regions they are of.

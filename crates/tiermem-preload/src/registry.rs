@@ -116,6 +116,20 @@ impl Entry {
         self.handed_over.iter().chain(&self.reserved).any(|&(a, b)| a < to && b > from)
     }
 
+    /// Whether the program still has some of this mapping at or after `offset`: not unmapped,
+    /// not handed over, below the size it asked for.
+    pub fn maps_beyond(&self, offset: usize) -> bool {
+        let end = self.size.next_multiple_of(PAGE_SIZE).min(self.len());
+        if offset >= end {
+            return false;
+        }
+        let mut gone = self.unmapped.clone();
+        for &(a, b) in self.handed_over.iter().chain(&self.reserved) {
+            tiermem_sys::mem::merge_range(&mut gone, a, b);
+        }
+        tiermem_sys::mem::gaps_between(&gone, end).iter().any(|&(_, b)| b > offset)
+    }
+
     /// `[from, to)` (offsets), handed over before, is reserved for the region again.
     pub fn take_back(&mut self, from: usize, to: usize) {
         tiermem_sys::mem::remove_range(&mut self.handed_over, from, to);
