@@ -69,6 +69,10 @@ SYSTEMS: dict[str, System] = {
         # No prefetching at all: what prefetches cost where misses are random (kvstore).
         System("tiermem-file-no-prefetch", "tiermem", "tiermem run, file device, no prefetcher",
                ("--prefetch", "none")),
+        # ondemand plus strided streams (misses a fixed number of pages apart: dense linear
+        # algebra walking rows of a column-major matrix).
+        System("tiermem-file-stride", "tiermem", "tiermem run, file device, ondemand readahead plus strided streams",
+               ("--prefetch", "stride")),
         # CLOCK (FIFO with a second chance), the default before seq-adaptive.
         System("tiermem-file-clock", "tiermem", "tiermem run, file device, clock replacement",
                ("--replace", "clock")),

@@ -165,7 +165,7 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
 }
 
 /// Names accepted by [`prefetcher_by_name`].
-pub const PREFETCHERS: &[&str] = &["none", "readahead", "fastswap", "leap", "stream", "ondemand"];
+pub const PREFETCHERS: &[&str] = &["none", "readahead", "fastswap", "leap", "stream", "ondemand", "stride"];
 /// Names accepted by [`replacement_by_name`].
 pub const REPLACEMENTS: &[&str] = &["clock", "fifo", "lru", "stream-first", "seq", "seq-adaptive", "seq-protect"];
 /// Replacement policies that exist only offline (they read the future from a trace).
@@ -212,6 +212,7 @@ pub fn build_policies(
         "fastswap" => Box::new(Fastswap::new(7)),
         "leap" => Box::new(Leap::new()),
         "ondemand" => Box::new(Ondemand::new(PageList::CAPACITY as u64)),
+        "stride" => Box::new(Ondemand::with_strides(PageList::CAPACITY as u64)),
         _ => {
             Box::new(StreamPrefetcher::new(table.clone().unwrap_or_else(|| Arc::new(StreamTable::new(options.stream)))))
         }
