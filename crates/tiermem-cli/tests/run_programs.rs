@@ -2104,11 +2104,13 @@ fn map_fixed_over_managed_memory_keeps_the_new_mapping_s_data() {
 
 /// mremap of part of a managed mapping touches that part only, as the kernel's does: shrinking
 /// a prefix or a middle piece in place unmaps just its end, growing one moves it (its pages after
-/// it are the mapping's own), MREMAP_DONTUNMAP moves the pages and leaves the range empty, and
-/// the rest keeps its data through eviction. (It used to resize the whole mapping to the new
+/// it are the mapping's own), MREMAP_DONTUNMAP moves the pages and leaves the range empty, a
+/// shrink over a hole only unmaps, a start already moved away fails with EFAULT and an
+/// impossible length with EINVAL, and the rest keeps its data through eviction. (It used to resize the whole mapping to the new
 /// length, discarding everything after the piece.) The expected line is the program's output
 /// without tiermem.
 const MREMAP_PIECES: &str = r#"
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -2136,11 +2138,17 @@ int main() {
     // Move a piece's pages and keep its range, empty.
     unsigned char* d = (unsigned char*)mremap(a + 8 * mb, 4 * mb, 4 * mb, MREMAP_MAYMOVE | MREMAP_DONTUNMAP);
     if (d == MAP_FAILED || d == a + 8 * mb) return 7;
+    // Shrink a piece whose old length runs over a hole (26..28 MiB): the kernel only unmaps.
+    if (mremap(a + 24 * mb, 6 * mb, 1 * mb, 0) != a + 24 * mb) return 8;
+    // The prefix moved away: its start is unmapped now.
+    if (mremap(a, mb, 2 * mb, MREMAP_MAYMOVE) != MAP_FAILED || errno != EFAULT) return 9;
+    // A length no address space holds changes nothing.
+    if (mremap(c, 4096, SIZE_MAX, MREMAP_MAYMOVE) != MAP_FAILED || errno != EINVAL) return 10;
     unsigned char* other = (unsigned char*)malloc(48 * mb);  // pushes everything else out
     for (size_t i = 0; i < 48 * mb; i += 4096) other[i] = (unsigned char)i;
     printf("%ld %ld %ld %ld %ld %ld %ld %ld %ld\n", bad(b, 4 * mb, 0), nonzero(b + 4 * mb, 8 * mb), bad(d, 4 * mb, 8 * mb),
            nonzero(a + 8 * mb, 4 * mb), bad(a + 12 * mb, 4 * mb, 12 * mb),
-           bad(c, 4 * mb, 16 * mb), nonzero(c + 4 * mb, 2 * mb), bad(a + 20 * mb, 6 * mb, 20 * mb), bad(a + 28 * mb, 4 * mb, 28 * mb));
+           bad(c, 4 * mb, 16 * mb), nonzero(c + 4 * mb, 2 * mb), bad(a + 20 * mb, 5 * mb, 20 * mb), bad(a + 30 * mb, 2 * mb, 30 * mb));
     return 0;
 }
 "#;

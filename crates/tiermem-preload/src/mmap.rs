@@ -264,21 +264,24 @@ pub unsafe extern "C" fn mremap(
             let entry = table.get_mut(&base).expect("found above");
             let dont_unmap = flags & libc::MREMAP_DONTUNMAP != 0;
             let bad_dont_unmap = dont_unmap && (flags & libc::MREMAP_MAYMOVE == 0 || old_len != new_len);
+            // Lengths the kernel refuses: zero, or so large that rounding up to a page wraps
+            // (or that no address space holds).
+            let rounded =
+                |len: usize| len.checked_next_multiple_of(PAGE_SIZE).filter(|&l| l != 0 && l <= isize::MAX as usize);
+            let (Some(old_end), Some(new_end)) = (rounded(old_len), rounded(new_len)) else {
+                return fail(libc::EINVAL);
+            };
             if entry.origin != Origin::Mmap
                 || !start.is_multiple_of(PAGE_SIZE)
                 || flags & libc::MREMAP_FIXED != 0
-                || new_len == 0
-                || old_len == 0
                 || bad_dont_unmap
             {
                 return fail(libc::EINVAL);
             }
-            // Pieces the program mapped over (or unmapped after that) are other mappings, or
-            // holes, to the kernel: a range that spans them fails (EFAULT), and one cannot grow
-            // over them in place.
+            // The start itself must be mapped (the program may have unmapped it, or moved it
+            // away with an earlier mremap of a piece).
             let offset = start - base;
-            let old_end = old_len.next_multiple_of(PAGE_SIZE);
-            if entry.meets_foreign(offset, offset.saturating_add(old_end)) {
+            if entry.unmapped.iter().any(|&(a, b)| a <= offset && offset < b) {
                 return fail(libc::EFAULT);
             }
             // Part of the mapping (what lies outside the range stays where it is), or the
@@ -286,13 +289,19 @@ pub unsafe extern "C" fn mremap(
             // drop) of the range alone.
             if offset != 0 || dont_unmap || entry.maps_beyond(old_end) {
                 let piece = Piece { start, offset, len: old_end };
-                return remap_piece(table, piece, new_len, flags).unwrap_or_else(fail);
+                return remap_piece(table, piece, new_end, flags).unwrap_or_else(fail);
             }
-            let grows_over = entry.meets_foreign(old_end, new_len.next_multiple_of(PAGE_SIZE));
+            // Pieces the program mapped over (or unmapped after that) are other mappings, or
+            // holes, to the kernel: a range that spans them fails (EFAULT), and one cannot grow
+            // over them in place.
+            if entry.meets_foreign(0, old_end) {
+                return fail(libc::EFAULT);
+            }
+            let grows_over = entry.meets_foreign(old_end, new_end);
             if new_len <= entry.len() && !grows_over {
                 // In place: everything up to the new length is mapped (again, if an earlier
                 // shrink had unmapped it), and the tail beyond it is unmapped, its pages gone.
-                let keep = new_len.next_multiple_of(PAGE_SIZE);
+                let keep = new_end;
                 entry.unmapped.retain_mut(|(from, to)| {
                     *from = (*from).max(keep);
                     from < to
@@ -327,7 +336,7 @@ pub unsafe extern "C" fn mremap(
                 runtime::release(entry);
             }
             // Locks move with the mapping.
-            relock_moved(&locked, start, old_end, new as usize, new_len.next_multiple_of(PAGE_SIZE));
+            relock_moved(&locked, start, old_end, new as usize, new_end);
             return new;
         }
     }
@@ -362,28 +371,24 @@ struct Piece {
     len: usize,
 }
 
-/// mremap of part of a managed mapping, or with MREMAP_DONTUNMAP: shrinking unmaps the end of
-/// the range; growing moves it (the pages after it are the mapping's own, so it cannot grow in
-/// place) into a new managed mapping, which gets its contents and its locks; the old range is
-/// then unmapped, or with MREMAP_DONTUNMAP left mapped, empty and unlocked, as the kernel does.
-/// The rest of the mapping is untouched. Err: the errno.
+/// mremap of part of a managed mapping, or with MREMAP_DONTUNMAP (`new_end`: the new length,
+/// page-rounded): shrinking unmaps the end of the range (whatever lies there, as the kernel's
+/// shrink does); growing moves it into a new managed mapping, which gets its contents and its
+/// locks, and the old range is then unmapped, or with MREMAP_DONTUNMAP left mapped, empty and
+/// unlocked, as the kernel does. Growing in place is not tried: the pages after the range are
+/// mostly the mapping's own, and where they are not the call fails with ENOMEM without
+/// MREMAP_MAYMOVE (the kernel may grow into a hole there). The rest of the mapping is
+/// untouched. Err: the errno.
 fn remap_piece(
     table: std::sync::MutexGuard<'static, std::collections::BTreeMap<usize, registry::Entry>>,
     piece: Piece,
-    new_len: usize,
+    new_end: usize,
     flags: i32,
 ) -> Result<*mut c_void, i32> {
     let Piece { start, offset, len } = piece;
-    let entry = &table[&(start - offset)];
-    // All of the range must still be mapped (the kernel fails a range with a hole in it).
-    let mapped_end = entry.size.next_multiple_of(PAGE_SIZE).min(entry.len());
-    if offset + len > mapped_end || entry.unmapped.iter().any(|&(a, b)| a < offset + len && b > offset) {
-        return Err(libc::EFAULT);
-    }
-    drop(table);
     let dont_unmap = flags & libc::MREMAP_DONTUNMAP != 0;
-    let new_end = new_len.next_multiple_of(PAGE_SIZE);
     if new_end <= len && !dont_unmap {
+        drop(table);
         if new_end < len {
             // SAFETY: unmapping the end of the caller's own range is what it asked for.
             if unsafe { munmap((start + new_end) as *mut c_void, len - new_end) } != 0 {
@@ -392,10 +397,19 @@ fn remap_piece(
         }
         return Ok(start as *mut c_void);
     }
+    // A range to move must be mapped all through (the kernel fails one with a hole in it or
+    // one running past the mapping).
+    let entry = &table[&(start - offset)];
+    let mapped_end = entry.size.next_multiple_of(PAGE_SIZE).min(entry.len());
+    let end = offset.checked_add(len).filter(|&end| end <= mapped_end).ok_or(libc::EFAULT)?;
+    if entry.unmapped.iter().any(|&(a, b)| a < end && b > offset) || entry.meets_foreign(offset, end) {
+        return Err(libc::EFAULT);
+    }
+    drop(table);
     if flags & libc::MREMAP_MAYMOVE == 0 {
         return Err(libc::ENOMEM);
     }
-    let new = managed_alloc(new_len, PAGE_SIZE, Origin::Mmap);
+    let new = managed_alloc(new_end, PAGE_SIZE, Origin::Mmap);
     if new.is_null() {
         return Err(libc::ENOMEM);
     }
