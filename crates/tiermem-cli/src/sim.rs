@@ -29,7 +29,7 @@ pub struct SimArgs {
     #[arg(long, default_value = "50%")]
     pub local: String,
     /// Prefetchers to compare (comma-separated): none, readahead, fastswap, leap, stream,
-    /// ondemand.
+    /// ondemand, stride.
     #[arg(long, value_delimiter = ',', default_value = "readahead")]
     pub prefetch: Vec<String>,
     /// Replacement policies to compare (comma-separated): fifo, clock, lru, stream-first, seq,

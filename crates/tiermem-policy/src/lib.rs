@@ -7,7 +7,9 @@
 //! Prefetchers: `none`, `readahead` (Linux VMA swap readahead), `fastswap` (next 7 pages),
 //! `leap` (majority trend over a delta history), `stream` (the co-designed remote memory paper's
 //! §3.2 stream training table), `ondemand` (sequential windows ramping up to 64 pages, after
-//! Linux's file readahead, following several forward or backward streams per region). Replacement: `fifo`, `clock`, `lru`, `stream-first` (§3.1), and
+//! Linux's file readahead, following several forward or backward streams per region), `stride`
+//! (`ondemand` that also follows streams a fixed number of pages apart). Replacement: `fifo`,
+//! `clock`, `lru`, `stream-first` (§3.1), `seq`, `seq-adaptive`, `seq-protect`, and
 //! the offline reference `belady`, which needs the future and so is built from a trace
 //! ([`replace::Belady::from_trace`]), never by name.
 

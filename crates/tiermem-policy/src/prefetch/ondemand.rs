@@ -70,12 +70,23 @@ pub const MAX_STRIDE: i64 = 512;
 /// Most pages of a strided window. Strided runs are short (a block of rows across the columns
 /// of a panel), so long windows read mostly pages nobody uses: replaying Linpack's misses at 16%
 /// local memory (`tiermem sim`, no prefetching when recorded), windows of at most 4 pages took
-/// 26.5 k faults for 173 k prefetches at 85% accuracy; 64 pages, 23.5 k for 261 k at 64%
-/// (`ondemand`: 58 k for 149 k at 75%).
+/// 25.9 k faults for 174 k prefetches at 85% accuracy; 64 pages, 23.5 k for 261 k at 64% (before
+/// short strides had to match exactly); `ondemand`: 58 k for 149 k at 75%.
 const MAX_STRIDED_PAGES: u64 = 4;
 /// How far (pages) a strided stream's miss may lie from the page the stride predicts and still
-/// continue it: a matrix column of 5.47 pages puts columns 5 or 6 pages apart.
+/// continue it: a matrix column of 5.47 pages puts columns 5 or 6 pages apart. Strides too short
+/// for it to leave pages out (below 4) must match exactly, or they would take a sequential
+/// scan's misses for theirs.
 const STRIDE_SLACK: i64 = 1;
+
+/// The slack allowed around a stride of `stride` pages.
+fn slack(stride: i64) -> i64 {
+    if stride.abs() > 2 * STRIDE_SLACK + 1 {
+        STRIDE_SLACK
+    } else {
+        0
+    }
+}
 
 impl Ondemand {
     /// Windows of at most `max_pages` pages (at most [`PageList::CAPACITY`]).
@@ -148,20 +159,22 @@ impl Stream {
         // The window page nearest to `page`, counted from the marker.
         let (along, stride) = (ahead * self.stride.signum(), self.stride.abs());
         let steps = (along + stride / 2).div_euclid(stride);
-        (0..=self.size as i64).contains(&steps) && (along - steps * stride).abs() <= STRIDE_SLACK
+        (0..=self.size as i64).contains(&steps) && (along - steps * stride).abs() <= slack(stride)
     }
 }
 
 impl Region {
     /// The stride a miss at `page` continues: a recent miss `d` pages before it that followed
-    /// an older one at about the same distance (2 <= |d| <= MAX_STRIDE).
+    /// an older one at about the same distance (2 <= |d| <= MAX_STRIDE), newest misses first.
     fn stride_to(&self, page: u64) -> Option<i64> {
-        let misses = self.misses;
-        misses.iter().flatten().find_map(|&newer| {
+        // The ring from the newest miss back.
+        let age = |a: usize| self.misses[(self.next_miss + MISSES - 1 - a) % MISSES];
+        (0..MISSES).find_map(|a| {
+            let newer = age(a)?;
             let d = (page as i64).wrapping_sub(newer as i64);
-            let far_enough = (2..=MAX_STRIDE).contains(&d.abs());
-            let before = |&older: &u64| ((newer as i64).wrapping_sub(older as i64) - d).abs() <= STRIDE_SLACK;
-            (far_enough && misses.iter().flatten().any(before)).then_some(d)
+            let follows = |older: u64| ((newer as i64).wrapping_sub(older as i64) - d).abs() <= slack(d);
+            let seen = (a + 1..MISSES).filter_map(age).any(follows);
+            ((2..=MAX_STRIDE).contains(&d.abs()) && seen).then_some(d)
         })
     }
 }
@@ -177,20 +190,27 @@ impl Ondemand {
             let s = r.streams[k];
             (k, step(s.marker, s.size as i64 * s.stride), grow(max_pages, s.size))
         } else {
-            let continued = r.streams.iter().position(|s| s.continues(page));
+            // Sequential streams first, then a new sequential one, then strided ones: a scan's
+            // misses are never taken for a stride's.
+            let continued = |sequential: bool| {
+                r.streams.iter().position(|s| (s.stride.abs() == 1) == sequential && s.continues(page))
+            };
             let adjacent = |d: i64| r.misses.iter().flatten().any(|&m| m.checked_add_signed(d) == Some(page));
             let lru = || (0..STREAMS).min_by_key(|&k| (r.streams[k].size > 0, r.streams[k].last_used));
-            let found = match continued {
-                Some(k) => {
-                    let s = r.streams[k];
-                    Some((k, s.stride, grow(max_pages, s.size)))
-                }
+            let go_on = |k: usize| Some((k, r.streams[k].stride, grow(max_pages, r.streams[k].size)));
+            let found = match continued(true) {
+                Some(k) => go_on(k),
                 None if adjacent(1) || adjacent(-1) => {
                     let stride = if adjacent(1) { 1 } else { -1 };
                     lru().map(|k| (k, stride, INITIAL_PAGES.min(max_pages)))
                 }
-                None if strides => r.stride_to(page).and_then(|d| lru().map(|k| (k, d, INITIAL_PAGES.min(max_pages)))),
-                None => None,
+                None => match continued(false) {
+                    Some(k) => go_on(k),
+                    None if strides => {
+                        r.stride_to(page).and_then(|d| lru().map(|k| (k, d, INITIAL_PAGES.min(max_pages))))
+                    }
+                    None => None,
+                },
             };
             r.misses[r.next_miss] = Some(page);
             r.next_miss = (r.next_miss + 1) % MISSES;
@@ -337,6 +357,24 @@ mod tests {
         for page in [100, 100 + far, 100 + 2 * far, 7, 60_000, 31_337] {
             assert!(stride_call(&p, page, false).is_empty(), "page {page}");
         }
+    }
+
+    #[test]
+    fn a_scan_s_misses_are_not_taken_for_a_short_stride() {
+        let p = Ondemand::with_strides(64);
+        // Misses 2 apart: a stride of 2.
+        stride_call(&p, 1000, false);
+        stride_call(&p, 1002, false);
+        assert_eq!(stride_call(&p, 1004, false), vec![1006, 1008, 1010, 1012]);
+        // A scan through the same pages: its misses start and continue a sequential stream,
+        // not the stride-2 one.
+        assert_eq!(stride_call(&p, 1007, false), Vec::<u64>::new(), "1007 is no stride-2 page, nor next to a miss");
+        assert_eq!(stride_call(&p, 1008, false), vec![1009, 1010, 1011, 1012]);
+        // Short strides must match exactly: 3 pages, then 2, is no stride of 2.
+        let p = Ondemand::with_strides(64);
+        stride_call(&p, 5000, false);
+        stride_call(&p, 5003, false);
+        assert_eq!(stride_call(&p, 5005, false), Vec::<u64>::new());
     }
 
     #[test]
