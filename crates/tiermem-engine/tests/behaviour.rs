@@ -576,6 +576,38 @@ fn prefetch_accuracy_is_measured_on_samples_under_eager_install() {
     }
 }
 
+/// A walk that touches one page in 11 of evicted memory (a row across the columns of a
+/// column-major matrix) misses on nearly every page under `ondemand`, which follows only
+/// sequential streams, and is mostly read ahead under `stride`.
+#[test]
+fn a_strided_walk_is_read_ahead_by_stride_and_not_by_ondemand() {
+    let _serial = serial();
+    if features_or_skip("a_strided_walk_is_read_ahead_by_stride_and_not_by_ondemand").is_none() {
+        return;
+    }
+    let (stride, pages) = (11, 11 * 2048);
+    let mut critical = Vec::new();
+    for prefetch in ["ondemand", "stride"] {
+        let device = Arc::new(MemDevice::new(256 << 20).unwrap());
+        let engine = engine(device, 512, |c| c.prefetch = prefetch.into());
+        let region = engine.create_region(pages * 4096).unwrap();
+        touch_all(region.as_ptr(), pages, true);
+        let before = engine.stats().critical_reads;
+        let mut sum = 0;
+        for p in (0..pages).step_by(stride) {
+            // SAFETY: p < pages, inside the region.
+            sum += unsafe { (region.as_ptr().add(p * 4096) as *const u64).read_volatile() };
+        }
+        assert_eq!(sum, (0..pages as u64).step_by(stride).map(|p| p + 1).sum::<u64>(), "{prefetch}: data");
+        let reads = engine.stats().critical_reads - before;
+        eprintln!("{prefetch}: {reads} critical reads for {} pages walked one in {stride}", pages / stride);
+        critical.push(reads);
+    }
+    let walked = (pages / stride) as u64;
+    assert!(critical[0] > walked * 9 / 10, "ondemand read ahead a strided walk: {critical:?} of {walked}");
+    assert!(critical[1] < walked / 2, "stride missed most of a strided walk: {critical:?} of {walked}");
+}
+
 fn zero_faults(engine: &Engine) -> u64 {
     engine.stats().paths.iter().find(|p| p.path == "zero_fault").map_or(0, |p| p.count)
 }
