@@ -589,7 +589,8 @@ fn a_strided_walk_is_read_ahead_by_stride_and_not_by_ondemand() {
     let mut critical = Vec::new();
     for prefetch in ["ondemand", "stride"] {
         let device = Arc::new(MemDevice::new(256 << 20).unwrap());
-        let engine = engine(device, 512, |c| c.prefetch = prefetch.into());
+        // Room for a window above the evicted pages (prefetches wait for room, never evict).
+        let engine = engine(device, 4096, |c| c.prefetch = prefetch.into());
         let region = engine.create_region(pages * 4096).unwrap();
         touch_all(region.as_ptr(), pages, true);
         let before = engine.stats().critical_reads;
@@ -600,12 +601,18 @@ fn a_strided_walk_is_read_ahead_by_stride_and_not_by_ondemand() {
         }
         assert_eq!(sum, (0..pages as u64).step_by(stride).map(|p| p + 1).sum::<u64>(), "{prefetch}: data");
         let reads = engine.stats().critical_reads - before;
-        eprintln!("{prefetch}: {reads} critical reads for {} pages walked one in {stride}", pages / stride);
+        let s = engine.stats();
+        let walked = pages / stride;
+        eprintln!(
+            "{prefetch}: {reads} critical reads for {walked} pages walked one in {stride}, {} prefetched",
+            s.prefetch_issued
+        );
         critical.push(reads);
     }
+    // About a tenth of the walk is still resident from the writes.
     let walked = (pages / stride) as u64;
-    assert!(critical[0] > walked * 9 / 10, "ondemand read ahead a strided walk: {critical:?} of {walked}");
-    assert!(critical[1] < walked / 2, "stride missed most of a strided walk: {critical:?} of {walked}");
+    assert!(critical[0] > walked * 8 / 10, "ondemand read ahead a strided walk: {critical:?} of {walked}");
+    assert!(critical[1] * 3 < critical[0], "stride missed most of a strided walk: {critical:?} of {walked}");
 }
 
 fn zero_faults(engine: &Engine) -> u64 {

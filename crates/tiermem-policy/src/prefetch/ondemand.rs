@@ -70,7 +70,7 @@ pub const MAX_STRIDE: i64 = 512;
 /// Most pages of a strided window. Strided runs are short (a block of rows across the columns
 /// of a panel), so long windows read mostly pages nobody uses: replaying Linpack's misses at 16%
 /// local memory (`tiermem sim`, no prefetching when recorded), windows of at most 4 pages took
-/// 25.9 k faults for 174 k prefetches at 85% accuracy; 64 pages, 23.5 k for 261 k at 64% (before
+/// 25.8 k faults for 173 k prefetches at 85% accuracy; 64 pages, 23.5 k for 261 k at 64% (before
 /// short strides had to match exactly); `ondemand`: 58 k for 149 k at 75%.
 const MAX_STRIDED_PAGES: u64 = 4;
 /// How far (pages) a strided stream's miss may lie from the page the stride predicts and still
@@ -190,10 +190,13 @@ impl Ondemand {
             let s = r.streams[k];
             (k, step(s.marker, s.size as i64 * s.stride), grow(max_pages, s.size))
         } else {
-            // Sequential streams first, then a new sequential one, then strided ones: a scan's
-            // misses are never taken for a stride's.
+            // Sequential streams first, then a new sequential one, then strided ones, shortest
+            // stride first: a scan's misses are never taken for a stride's, nor a stride's for
+            // one of its multiples (which reads every other page of it).
             let continued = |sequential: bool| {
-                r.streams.iter().position(|s| (s.stride.abs() == 1) == sequential && s.continues(page))
+                let going_on =
+                    |k: &usize| (r.streams[*k].stride.abs() == 1) == sequential && r.streams[*k].continues(page);
+                (0..STREAMS).filter(going_on).min_by_key(|&k| r.streams[k].stride.abs())
             };
             let adjacent = |d: i64| r.misses.iter().flatten().any(|&m| m.checked_add_signed(d) == Some(page));
             let lru = || (0..STREAMS).min_by_key(|&k| (r.streams[k].size > 0, r.streams[k].last_used));
