@@ -2105,8 +2105,11 @@ fn map_fixed_over_managed_memory_keeps_the_new_mapping_s_data() {
 /// mremap of part of a managed mapping touches that part only, as the kernel's does: shrinking
 /// a prefix or a middle piece in place unmaps just its end, growing one moves it (its pages after
 /// it are the mapping's own), MREMAP_DONTUNMAP moves the pages and leaves the range empty, a
-/// shrink over a hole only unmaps, a start already moved away fails with EFAULT and an
-/// impossible length with EINVAL, and the rest keeps its data through eviction. (It used to resize the whole mapping to the new
+/// shrink over a hole only unmaps, MREMAP_FIXED moves pages onto a given place (here inside
+/// another managed mapping, whose rest stays), a start already moved away fails with EFAULT and
+/// an impossible length or an overlapping fixed target with EINVAL, a whole mapping with a
+/// hole and a foreign page in it fails to grow (EFAULT) and shrinks over both, and the rest
+/// keeps its data through eviction. (It used to resize the whole mapping to the new
 /// length, discarding everything after the piece.) The expected line is the program's output
 /// without tiermem.
 const MREMAP_PIECES: &str = r#"
@@ -2138,17 +2141,31 @@ int main() {
     // Move a piece's pages and keep its range, empty.
     unsigned char* d = (unsigned char*)mremap(a + 8 * mb, 4 * mb, 4 * mb, MREMAP_MAYMOVE | MREMAP_DONTUNMAP);
     if (d == MAP_FAILED || d == a + 8 * mb) return 7;
+    // Move those pages again, to a fixed place inside another (managed) mapping.
+    unsigned char* t = (unsigned char*)mmap(nullptr, 8 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    unsigned char* e = (unsigned char*)mremap(d, 4 * mb, 4 * mb, MREMAP_MAYMOVE | MREMAP_FIXED, t + 2 * mb);
+    if (e != t + 2 * mb) return 11;
+    // A fixed target overlapping the range it leaves is refused.
+    if (mremap(c, 4 * mb, 4 * mb, MREMAP_MAYMOVE | MREMAP_FIXED, c + mb) != MAP_FAILED || errno != EINVAL) return 12;
     // Shrink a piece whose old length runs over a hole (26..28 MiB): the kernel only unmaps.
     if (mremap(a + 24 * mb, 6 * mb, 1 * mb, 0) != a + 24 * mb) return 8;
     // The prefix moved away: its start is unmapped now.
     if (mremap(a, mb, 2 * mb, MREMAP_MAYMOVE) != MAP_FAILED || errno != EFAULT) return 9;
     // A length no address space holds changes nothing.
     if (mremap(c, 4096, SIZE_MAX, MREMAP_MAYMOVE) != MAP_FAILED || errno != EINVAL) return 10;
+    // A whole mapping with a hole and a foreign page in it: growing fails (EFAULT), shrinking
+    // over both only unmaps, and the rest keeps its data.
+    unsigned char* g = (unsigned char*)mmap(nullptr, 8 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    fill(g, 8 * mb, 64 * mb);
+    if (munmap(g + 2 * mb, 2 * mb) != 0) return 13;
+    if (mmap(g + 5 * mb, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != g + 5 * mb) return 14;
+    if (mremap(g, 8 * mb, 16 * mb, MREMAP_MAYMOVE) != MAP_FAILED || errno != EFAULT) return 15;
+    if (mremap(g, 8 * mb, 5 * mb, 0) != g) return 16;
     unsigned char* other = (unsigned char*)malloc(48 * mb);  // pushes everything else out
     for (size_t i = 0; i < 48 * mb; i += 4096) other[i] = (unsigned char)i;
-    printf("%ld %ld %ld %ld %ld %ld %ld %ld %ld\n", bad(b, 4 * mb, 0), nonzero(b + 4 * mb, 8 * mb), bad(d, 4 * mb, 8 * mb),
+    printf("%ld %ld %ld %ld %ld %ld %ld %ld %ld\n", bad(b, 4 * mb, 0), nonzero(b + 4 * mb, 8 * mb), bad(e, 4 * mb, 8 * mb) + nonzero(t, 2 * mb) + nonzero(t + 6 * mb, 2 * mb),
            nonzero(a + 8 * mb, 4 * mb), bad(a + 12 * mb, 4 * mb, 12 * mb),
-           bad(c, 4 * mb, 16 * mb), nonzero(c + 4 * mb, 2 * mb), bad(a + 20 * mb, 5 * mb, 20 * mb), bad(a + 30 * mb, 2 * mb, 30 * mb));
+           bad(c, 4 * mb, 16 * mb), nonzero(c + 4 * mb, 2 * mb), bad(a + 20 * mb, 5 * mb, 20 * mb), bad(a + 30 * mb, 2 * mb, 30 * mb) + bad(g, 2 * mb, 64 * mb) + bad(g + 4 * mb, mb, 68 * mb));
     return 0;
 }
 "#;
@@ -2160,7 +2177,7 @@ fn mremap_of_part_of_managed_memory_leaves_the_rest_in_place() {
         name,
         MREMAP_PIECES,
         "0 0 0 0 0 0 0 0 0\n",
-        "words wrong (moved prefix, its growth, moved pages, their old range, rest, moved piece, its growth, rest x2)",
+        "words wrong (moved prefix, its growth, pages moved twice and their target's rest, their first range, rest, moved piece, its growth, rest x2 and the holed mapping's)",
     );
 }
 

@@ -271,32 +271,44 @@ pub unsafe extern "C" fn mremap(
             let (Some(old_end), Some(new_end)) = (rounded(old_len), rounded(new_len)) else {
                 return fail(libc::EINVAL);
             };
+            let fixed = flags & libc::MREMAP_FIXED != 0;
+            let target = new_addr as usize;
+            // A fixed target needs MREMAP_MAYMOVE, a page-aligned address and no overlap with
+            // the range it leaves.
+            let bad_fixed = fixed
+                && (flags & libc::MREMAP_MAYMOVE == 0
+                    || !target.is_multiple_of(PAGE_SIZE)
+                    || (target < start.saturating_add(old_end) && start < target.saturating_add(new_end)));
+            let known = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP;
+            let bad_flags = flags & !known != 0;
             if entry.origin != Origin::Mmap
                 || !start.is_multiple_of(PAGE_SIZE)
-                || flags & libc::MREMAP_FIXED != 0
                 || bad_dont_unmap
+                || bad_fixed
+                || bad_flags
             {
                 return fail(libc::EINVAL);
             }
-            // The start itself must be mapped (the program may have unmapped it, or moved it
-            // away with an earlier mremap of a piece).
+            // The start itself must be mapped (the program may have unmapped it, moved it away
+            // with an earlier mremap of a piece, or mapped over it and then unmapped that).
             let offset = start - base;
-            if entry.unmapped.iter().any(|&(a, b)| a <= offset && offset < b) {
+            if entry.unmapped.iter().any(|&(a, b)| a <= offset && offset < b)
+                || entry.meets_foreign(offset, offset + PAGE_SIZE)
+            {
                 return fail(libc::EFAULT);
             }
-            // Part of the mapping (what lies outside the range stays where it is), or the
-            // mapping's pages moved and its range kept: handled as a copy and an unmap (or a
-            // drop) of the range alone.
-            if offset != 0 || dont_unmap || entry.maps_beyond(old_end) {
+            // Part of the mapping (what lies outside the range stays where it is), a range with
+            // holes or other mappings in it, or the mapping's pages moved and its range kept:
+            // handled as an unmap of the end (shrinking), or a copy and an unmap (or a drop) of
+            // the range alone (moving). Only a whole, unbroken mapping resizes in place below.
+            let broken = entry.unmapped.iter().any(|&(a, _)| a < old_end) || entry.meets_foreign(0, old_end);
+            if offset != 0 || dont_unmap || fixed || broken || entry.maps_beyond(old_end) {
                 let piece = Piece { start, offset, len: old_end };
-                return remap_piece(table, piece, new_end, flags).unwrap_or_else(fail);
+                let to = fixed.then_some(target);
+                return remap_piece(table, piece, new_end, flags, to).unwrap_or_else(fail);
             }
-            // Pieces the program mapped over (or unmapped after that) are other mappings, or
-            // holes, to the kernel: a range that spans them fails (EFAULT), and one cannot grow
-            // over them in place.
-            if entry.meets_foreign(0, old_end) {
-                return fail(libc::EFAULT);
-            }
+            // Pieces the program mapped over (or unmapped after that) beyond the range are
+            // other mappings, or holes, to the kernel: one cannot grow over them in place.
             let grows_over = entry.meets_foreign(old_end, new_end);
             if new_len <= entry.len() && !grows_over {
                 // In place: everything up to the new length is mapped (again, if an earlier
@@ -377,17 +389,21 @@ struct Piece {
 /// locks, and the old range is then unmapped, or with MREMAP_DONTUNMAP left mapped, empty and
 /// unlocked, as the kernel does. Growing in place is not tried: the pages after the range are
 /// mostly the mapping's own, and where they are not the call fails with ENOMEM without
-/// MREMAP_MAYMOVE (the kernel may grow into a hole there). The rest of the mapping is
-/// untouched. Err: the errno.
+/// MREMAP_MAYMOVE (the kernel may grow into a hole there). With MREMAP_FIXED (`fixed`: the
+/// target address) the range always moves there, into an ordinary mapping of the program's
+/// that tiermem does not manage (the engine places its regions itself), replacing whatever
+/// was mapped there as the kernel does; its locks are the kernel's then. The rest of the
+/// mapping is untouched. Err: the errno.
 fn remap_piece(
     table: std::sync::MutexGuard<'static, std::collections::BTreeMap<usize, registry::Entry>>,
     piece: Piece,
     new_end: usize,
     flags: i32,
+    fixed: Option<usize>,
 ) -> Result<*mut c_void, i32> {
     let Piece { start, offset, len } = piece;
     let dont_unmap = flags & libc::MREMAP_DONTUNMAP != 0;
-    if new_end <= len && !dont_unmap {
+    if new_end <= len && !dont_unmap && fixed.is_none() {
         drop(table);
         if new_end < len {
             // SAFETY: unmapping the end of the caller's own range is what it asked for.
@@ -409,12 +425,25 @@ fn remap_piece(
     if flags & libc::MREMAP_MAYMOVE == 0 {
         return Err(libc::ENOMEM);
     }
-    let new = managed_alloc(new_end, PAGE_SIZE, Origin::Mmap);
+    let new = match fixed {
+        Some(target) => {
+            let (prot, map) = (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS);
+            // SAFETY: a fixed anonymous mapping where the caller asked its range to go, which
+            // replaces what is there, as its mremap would (managed pieces are handed over).
+            let p = unsafe { mmap(target as *mut c_void, new_end, prot, map | libc::MAP_FIXED, -1, 0) };
+            if p == libc::MAP_FAILED {
+                return Err(runtime::errno());
+            }
+            p
+        }
+        None => managed_alloc(new_end, PAGE_SIZE, Origin::Mmap),
+    };
     if new.is_null() {
         return Err(libc::ENOMEM);
     }
-    // SAFETY: both are managed mappings at least `len` long (checked above) and distinct.
-    unsafe { std::ptr::copy_nonoverlapping(start as *const u8, new.cast::<u8>(), len) };
+    // SAFETY: `start..start + len` is managed and mapped (checked above), `new` was just
+    // mapped at least `new_end` long, and the two do not overlap (a fixed target was checked).
+    unsafe { std::ptr::copy_nonoverlapping(start as *const u8, new.cast::<u8>(), len.min(new_end)) };
     let locked = crate::lock::locked_parts(start, start + len);
     crate::lock::forget(start, start + len);
     let left = if dont_unmap {
@@ -427,7 +456,18 @@ fn remap_piece(
     if left != 0 {
         runtime::say(&["tiermem: mremap() could not take the old range away"]);
     }
-    relock_moved(&locked, start, len, new as usize, new_end);
+    if fixed.is_some() {
+        // The kernel's own mapping now: its locks are the kernel's (best effort, as a move).
+        for &(a, b) in &locked {
+            let (from, to) = (new as usize + (a - start), (new as usize + (b - start)).min(new as usize + new_end));
+            if from < to {
+                // SAFETY: locking part of the mapping just made; no memory is changed.
+                unsafe { libc::syscall(libc::SYS_mlock, from, to - from) };
+            }
+        }
+    } else {
+        relock_moved(&locked, start, len, new as usize, new_end);
+    }
     Ok(new)
 }
 
