@@ -321,6 +321,13 @@ mod tests {
         call_in(p, page, hit, 100_000)
     }
 
+    /// Three misses in a row; what the third reads.
+    fn third_miss(p: &Ondemand, misses: [u64; 3]) -> Vec<u64> {
+        stride_call(p, misses[0], false);
+        stride_call(p, misses[1], false);
+        stride_call(p, misses[2], false)
+    }
+
     #[test]
     fn strided_misses_start_a_strided_stream_only_with_strides_on() {
         let plain = Ondemand::new(64);
@@ -346,14 +353,10 @@ mod tests {
     fn a_stride_about_right_twice_counts_and_random_or_far_misses_do_not() {
         let p = Ondemand::with_strides(64);
         // 5 then 6 pages apart (columns of 5.47 pages): stride 6 from the newest.
-        stride_call(&p, 500, false);
-        stride_call(&p, 505, false);
-        assert_eq!(stride_call(&p, 511, false), vec![517, 523, 529, 535]);
+        assert_eq!(third_miss(&p, [500, 505, 511]), vec![517, 523, 529, 535]);
         // Backward strides too.
         let p = Ondemand::with_strides(64);
-        stride_call(&p, 9000, false);
-        stride_call(&p, 8989, false);
-        assert_eq!(stride_call(&p, 8978, false), vec![8967, 8956, 8945, 8934]);
+        assert_eq!(third_miss(&p, [9000, 8989, 8978]), vec![8967, 8956, 8945, 8934]);
         // Distances past MAX_STRIDE are not strides; neither are unrelated misses.
         let p = Ondemand::with_strides(64);
         let far = MAX_STRIDE as u64 + 1;
@@ -366,18 +369,14 @@ mod tests {
     fn a_scan_s_misses_are_not_taken_for_a_short_stride() {
         let p = Ondemand::with_strides(64);
         // Misses 2 apart: a stride of 2.
-        stride_call(&p, 1000, false);
-        stride_call(&p, 1002, false);
-        assert_eq!(stride_call(&p, 1004, false), vec![1006, 1008, 1010, 1012]);
+        assert_eq!(third_miss(&p, [1000, 1002, 1004]), vec![1006, 1008, 1010, 1012]);
         // A scan through the same pages: its misses start and continue a sequential stream,
         // not the stride-2 one.
         assert_eq!(stride_call(&p, 1007, false), Vec::<u64>::new(), "1007 is no stride-2 page, nor next to a miss");
         assert_eq!(stride_call(&p, 1008, false), vec![1009, 1010, 1011, 1012]);
         // Short strides must match exactly: 3 pages, then 2, is no stride of 2.
         let p = Ondemand::with_strides(64);
-        stride_call(&p, 5000, false);
-        stride_call(&p, 5003, false);
-        assert_eq!(stride_call(&p, 5005, false), Vec::<u64>::new());
+        assert_eq!(third_miss(&p, [5000, 5003, 5005]), Vec::<u64>::new());
     }
 
     #[test]
