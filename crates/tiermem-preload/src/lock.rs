@@ -223,6 +223,18 @@ pub(crate) fn relock(start: usize, end: usize) {
     let _ = lock_range(start, end, |_, _| 0);
 }
 
+/// Whether a move that gives up `old` locked bytes and locks `new` bytes at the new place fits
+/// the quota (mremap of a locked mapping checks before moving, and fails with EAGAIN).
+pub(crate) fn move_fits(old: usize, new: usize) -> bool {
+    let Some(engine) = runtime::running_engine() else { return true };
+    if new <= old || runtime::in_forked_child() {
+        return true;
+    }
+    let locks = locks();
+    let locked = locks.held.iter().map(|l| l.end - l.start).sum::<usize>() + locks.pending;
+    locked - old.min(locked) + new <= lockable_bytes(engine)
+}
+
 /// Memory leaving the program (unmapped, freed, shrunk away): its locks go with it, as the
 /// kernel's do.
 pub(crate) fn forget(from: usize, to: usize) {

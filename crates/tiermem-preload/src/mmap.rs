@@ -334,13 +334,16 @@ pub unsafe extern "C" fn mremap(
             }
             let copy_len = entry.size.min(old_len).min(entry.len());
             drop(table);
+            let locked = crate::lock::locked_parts(start, start + old_end);
+            if !crate::lock::move_fits(locked_bytes(&locked), moved_lock_bytes(&locked, start, old_end, new_end)) {
+                return fail(libc::EAGAIN);
+            }
             let new = managed_alloc(new_len, PAGE_SIZE, Origin::Mmap);
             if new.is_null() {
                 return fail(libc::ENOMEM);
             }
             // SAFETY: both are managed mappings at least copy_len long and distinct.
             unsafe { std::ptr::copy_nonoverlapping(old.cast::<u8>(), new.cast::<u8>(), copy_len) };
-            let locked = crate::lock::locked_parts(start, start + old_end);
             let mut table = registry::lock();
             let released = registry::remove(&mut table, base);
             drop(table);
@@ -425,6 +428,11 @@ fn remap_piece(
     if flags & libc::MREMAP_MAYMOVE == 0 {
         return Err(libc::ENOMEM);
     }
+    let locked = crate::lock::locked_parts(start, start + len);
+    if fixed.is_none() && !crate::lock::move_fits(locked_bytes(&locked), moved_lock_bytes(&locked, start, len, new_end))
+    {
+        return Err(libc::EAGAIN);
+    }
     let new = match fixed {
         Some(target) => {
             let (prot, map) = (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS);
@@ -444,7 +452,6 @@ fn remap_piece(
     // SAFETY: `start..start + len` is managed and mapped (checked above), `new` was just
     // mapped at least `new_end` long, and the two do not overlap (a fixed target was checked).
     unsafe { std::ptr::copy_nonoverlapping(start as *const u8, new.cast::<u8>(), len.min(new_end)) };
-    let locked = crate::lock::locked_parts(start, start + len);
     crate::lock::forget(start, start + len);
     let left = if dont_unmap {
         // SAFETY: the range was copied; dropping its pages is what MREMAP_DONTUNMAP does.
@@ -471,13 +478,27 @@ fn remap_piece(
     Ok(new)
 }
 
-/// Lock again, at their new place, the parts of `[old, old + len)` that were locked: a range
-/// locked as a whole grows locked to `new_len`, as VM_LOCKED does.
-fn relock_moved(locked: &[(usize, usize)], old: usize, len: usize, new: usize, new_len: usize) {
+/// The parts of `[old, old + len)` that were locked, at their new place `new`: a range locked
+/// as a whole grows locked to `new_len`, as VM_LOCKED does.
+fn moved_locks(locked: &[(usize, usize)], old: usize, len: usize, new: usize, new_len: usize) -> Vec<(usize, usize)> {
     let wholly = locked == [(old, old + len)];
-    for &(a, b) in locked {
-        let end = if wholly { new + new_len } else { new + (b - old) };
-        crate::lock::relock(new + (a - old), end);
+    let moved = |&(a, b): &(usize, usize)| (new + (a - old), if wholly { new + new_len } else { new + (b - old) });
+    locked.iter().map(moved).collect()
+}
+
+fn locked_bytes(parts: &[(usize, usize)]) -> usize {
+    parts.iter().map(|&(a, b)| b - a).sum()
+}
+
+/// Bytes the locks of `[old, old + len)` cover once moved and resized to `new_len`.
+fn moved_lock_bytes(locked: &[(usize, usize)], old: usize, len: usize, new_len: usize) -> usize {
+    locked_bytes(&moved_locks(locked, old, len, 0, new_len))
+}
+
+/// Lock again, at their new place, the parts of `[old, old + len)` that were locked.
+fn relock_moved(locked: &[(usize, usize)], old: usize, len: usize, new: usize, new_len: usize) {
+    for (a, b) in moved_locks(locked, old, len, new, new_len) {
+        crate::lock::relock(a, b);
     }
 }
 
