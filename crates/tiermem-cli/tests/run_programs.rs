@@ -2181,6 +2181,50 @@ fn mremap_of_part_of_managed_memory_leaves_the_rest_in_place() {
     );
 }
 
+/// A forked child that unmaps, shrinks or moves part of a managed mapping it inherited goes on
+/// (it hung: the engine's lock on its regions, held across fork(), is never released in the
+/// child), keeps the rest of its copy, and leaves the parent's alone.
+const CHILD_UNMAPS_PART: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int main() {
+    const size_t mb = 1 << 20;
+    unsigned char* a = (unsigned char*)mmap(nullptr, 32 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    memset(a, 7, 32 * mb);
+    pid_t child = fork();
+    if (child == 0) {
+        // The child gives back part of its copy, shrinks another part...
+        if (munmap(a + 4 * mb, 4 * mb) != 0) _exit(2);
+        if (mremap(a + 16 * mb, 8 * mb, 4 * mb, 0) != a + 16 * mb) _exit(3);
+        // ... and moves a piece, grown.
+        unsigned char* moved = (unsigned char*)mremap(a + 24 * mb, 2 * mb, 4 * mb, MREMAP_MAYMOVE);
+        if (moved == MAP_FAILED) _exit(5);
+        memset(moved + 2 * mb, 9, 2 * mb);
+        long bad = 0;
+        for (size_t i = 0; i < 2 * mb; i += 4096) bad += moved[i] != 7 || moved[2 * mb + i] != 9;
+        for (size_t i = 0; i < 4 * mb; i += 4096) bad += a[i] != 7;
+        for (size_t i = 8 * mb; i < 20 * mb; i += 4096) bad += a[i] != 7;
+        _exit(bad == 0 ? 0 : 4);
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    long bad = 0;
+    for (size_t i = 0; i < 32 * mb; i += 4096) bad += a[i] != 7;
+    printf("%d %ld\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1, bad);
+    return 0;
+}
+"#;
+
+#[test]
+fn a_forked_child_unmapping_part_of_managed_memory_goes_on() {
+    let name = "a_forked_child_unmapping_part_of_managed_memory_goes_on";
+    same_output_in_both_fault_modes(name, CHILD_UNMAPS_PART, "0 0\n", "child's exit status, parent's wrong pages");
+}
+
 /// A statically linked program runs, unmanaged, and tiermem says why instead of reporting that
 /// it made no large allocation.
 #[test]

@@ -176,6 +176,19 @@ pub unsafe extern "C" fn mmap64(
     unsafe { mmap(addr, len, prot, flags, fd, off) }
 }
 
+/// Drop the pages of `[offset, offset + len)` of a managed region: the engine's discard, or in
+/// a forked child (which has no engine, and whose copy of the regions' lock is held for good)
+/// the kernel's MADV_DONTNEED on what is plain memory there. Either way the range stays
+/// mapped, reading as zeros, as unmapped pieces of a region do.
+fn drop_pages(region: &tiermem_engine::Region, offset: usize, len: usize) -> tiermem_engine::Result<()> {
+    if runtime::in_forked_child() {
+        let addr = region.as_ptr() as usize + offset;
+        let _ = crate::io::sys!(libc::SYS_madvise, addr, len, libc::MADV_DONTNEED);
+        return Ok(());
+    }
+    region.discard(offset, len)
+}
+
 /// Unmap `[start, end)` in the kernel (no managed memory inside).
 fn kernel_munmap(start: usize, end: usize) -> i32 {
     if end <= start {
@@ -225,7 +238,7 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
             continue;
         }
         crate::lock::forget(from, to);
-        if let Err(e) = entry.region.discard(from - base, to - from) {
+        if let Err(e) = drop_pages(&entry.region, from - base, to - from) {
             runtime::say(&["tiermem: munmap() of part of a managed mapping: ", &e.to_string()]);
         }
     }
@@ -302,7 +315,9 @@ pub unsafe extern "C" fn mremap(
             // handled as an unmap of the end (shrinking), or a copy and an unmap (or a drop) of
             // the range alone (moving). Only a whole, unbroken mapping resizes in place below.
             let broken = entry.unmapped.iter().any(|&(a, _)| a < old_end) || entry.meets_foreign(0, old_end);
-            if offset != 0 || dont_unmap || fixed || broken || entry.maps_beyond(old_end) {
+            // In a forked child a move makes plain memory (see `remap_piece`).
+            let child = runtime::in_forked_child();
+            if offset != 0 || dont_unmap || fixed || broken || child || entry.maps_beyond(old_end) {
                 let piece = Piece { start, offset, len: old_end };
                 let to = fixed.then_some(target);
                 return remap_piece(table, piece, new_end, flags, to).unwrap_or_else(fail);
@@ -322,7 +337,7 @@ pub unsafe extern "C" fn mremap(
                     let len = entry.len();
                     crate::lock::forget(base + keep, base + len);
                     entry.note_unmapped(keep, len);
-                    if let Err(e) = entry.region.discard(keep, len - keep) {
+                    if let Err(e) = drop_pages(&entry.region, keep, len - keep) {
                         runtime::say(&["tiermem: mremap() shrinking a managed mapping: ", &e.to_string()]);
                     }
                 }
@@ -444,6 +459,15 @@ fn remap_piece(
             }
             p
         }
+        // A forked child has no engine to manage memory: its new mapping is plain.
+        None if runtime::in_forked_child() => {
+            let (prot, map) = (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS);
+            let p = crate::io::sys!(libc::SYS_mmap, 0usize, new_end, prot, map, -1i32, 0i64) as *mut c_void;
+            if p == libc::MAP_FAILED {
+                return Err(runtime::errno());
+            }
+            p
+        }
         None => managed_alloc(new_end, PAGE_SIZE, Origin::Mmap),
     };
     if new.is_null() {
@@ -468,8 +492,8 @@ fn remap_piece(
         for &(a, b) in &locked {
             let (from, to) = (new as usize + (a - start), (new as usize + (b - start)).min(new as usize + new_end));
             if from < to {
-                // SAFETY: locking part of the mapping just made; no memory is changed.
-                unsafe { libc::syscall(libc::SYS_mlock, from, to - from) };
+                // Locking part of the mapping just made; no memory is changed.
+                let _ = crate::io::sys!(libc::SYS_mlock, from, to - from);
             }
         }
     } else {
