@@ -344,14 +344,15 @@ pub unsafe extern "C" fn mremap(
                 entry.size = new_len;
                 return old;
             }
-            if flags & libc::MREMAP_MAYMOVE == 0 {
-                return fail(libc::ENOMEM);
-            }
             let copy_len = entry.size.min(old_len).min(entry.len());
             drop(table);
+            // The lock quota first, as the kernel checks RLIMIT_MEMLOCK before anything else.
             let locked = crate::lock::locked_parts(start, start + old_end);
             if !crate::lock::move_fits(locked_bytes(&locked), moved_lock_bytes(&locked, start, old_end, new_end)) {
                 return fail(libc::EAGAIN);
+            }
+            if flags & libc::MREMAP_MAYMOVE == 0 {
+                return fail(libc::ENOMEM);
             }
             let new = managed_alloc(new_len, PAGE_SIZE, Origin::Mmap);
             if new.is_null() {
@@ -440,13 +441,14 @@ fn remap_piece(
         return Err(libc::EFAULT);
     }
     drop(table);
-    if flags & libc::MREMAP_MAYMOVE == 0 {
-        return Err(libc::ENOMEM);
-    }
+    // The lock quota first, as the kernel checks RLIMIT_MEMLOCK before anything else.
     let locked = crate::lock::locked_parts(start, start + len);
     if fixed.is_none() && !crate::lock::move_fits(locked_bytes(&locked), moved_lock_bytes(&locked, start, len, new_end))
     {
         return Err(libc::EAGAIN);
+    }
+    if flags & libc::MREMAP_MAYMOVE == 0 {
+        return Err(libc::ENOMEM);
     }
     let new = match fixed {
         Some(target) => {
