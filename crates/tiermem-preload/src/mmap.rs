@@ -311,64 +311,37 @@ pub unsafe extern "C" fn mremap(
                 return fail(libc::EFAULT);
             }
             // Part of the mapping (what lies outside the range stays where it is), a range with
-            // holes or other mappings in it, or the mapping's pages moved and its range kept:
-            // handled as an unmap of the end (shrinking), or a copy and an unmap (or a drop) of
-            // the range alone (moving). Only a whole, unbroken mapping resizes in place below.
+            // holes or other mappings in it, the mapping's pages moved and its range kept, or a
+            // mapping that cannot resize in place: handled as an unmap of the end (shrinking),
+            // or a copy and an unmap (or a drop) of the range alone (moving). Only a whole,
+            // unbroken mapping resizes in place below, within its region and not over pieces
+            // the program mapped over (or unmapped after that) beyond it.
             let broken = entry.unmapped.iter().any(|&(a, _)| a < old_end) || entry.meets_foreign(0, old_end);
+            let in_place = new_len <= entry.len() && !entry.meets_foreign(old_end, new_end);
             // In a forked child a move makes plain memory (see `remap_piece`).
             let child = runtime::in_forked_child();
-            if offset != 0 || dont_unmap || fixed || broken || child || entry.maps_beyond(old_end) {
+            if offset != 0 || dont_unmap || fixed || broken || child || !in_place || entry.maps_beyond(old_end) {
                 let piece = Piece { start, offset, len: old_end };
                 let to = fixed.then_some(target);
                 return remap_piece(table, piece, new_end, flags, to).unwrap_or_else(fail);
             }
-            // Pieces the program mapped over (or unmapped after that) beyond the range are
-            // other mappings, or holes, to the kernel: one cannot grow over them in place.
-            let grows_over = entry.meets_foreign(old_end, new_end);
-            if new_len <= entry.len() && !grows_over {
-                // In place: everything up to the new length is mapped (again, if an earlier
-                // shrink had unmapped it), and the tail beyond it is unmapped, its pages gone.
-                let keep = new_end;
-                entry.unmapped.retain_mut(|(from, to)| {
-                    *from = (*from).max(keep);
-                    from < to
-                });
-                if keep < entry.len() {
-                    let len = entry.len();
-                    crate::lock::forget(base + keep, base + len);
-                    entry.note_unmapped(keep, len);
-                    if let Err(e) = drop_pages(&entry.region, keep, len - keep) {
-                        runtime::say(&["tiermem: mremap() shrinking a managed mapping: ", &e.to_string()]);
-                    }
+            // In place: everything up to the new length is mapped (again, if an earlier shrink
+            // had unmapped it), and the tail beyond it is unmapped, its pages gone.
+            let keep = new_end;
+            entry.unmapped.retain_mut(|(from, to)| {
+                *from = (*from).max(keep);
+                from < to
+            });
+            if keep < entry.len() {
+                let len = entry.len();
+                crate::lock::forget(base + keep, base + len);
+                entry.note_unmapped(keep, len);
+                if let Err(e) = drop_pages(&entry.region, keep, len - keep) {
+                    runtime::say(&["tiermem: mremap() shrinking a managed mapping: ", &e.to_string()]);
                 }
-                entry.size = new_len;
-                return old;
             }
-            let copy_len = entry.size.min(old_len).min(entry.len());
-            drop(table);
-            // The lock quota first, as the kernel checks RLIMIT_MEMLOCK before anything else.
-            let locked = crate::lock::locked_parts(start, start + old_end);
-            if !crate::lock::move_fits(locked_bytes(&locked), moved_lock_bytes(&locked, start, old_end, new_end)) {
-                return fail(libc::EAGAIN);
-            }
-            if flags & libc::MREMAP_MAYMOVE == 0 {
-                return fail(libc::ENOMEM);
-            }
-            let new = managed_alloc(new_len, PAGE_SIZE, Origin::Mmap);
-            if new.is_null() {
-                return fail(libc::ENOMEM);
-            }
-            // SAFETY: both are managed mappings at least copy_len long and distinct.
-            unsafe { std::ptr::copy_nonoverlapping(old.cast::<u8>(), new.cast::<u8>(), copy_len) };
-            let mut table = registry::lock();
-            let released = registry::remove(&mut table, base);
-            drop(table);
-            if let Some(entry) = released {
-                runtime::release(entry);
-            }
-            // Locks move with the mapping.
-            relock_moved(&locked, start, old_end, new as usize, new_end);
-            return new;
+            entry.size = new_len;
+            return old;
         }
     }
     // The program's own mapping, possibly one inside a managed region (what it leaves there is
