@@ -2497,6 +2497,77 @@ fn mlock_pins_managed_memory_within_a_quarter_of_the_budget() {
     same_output_in_both_fault_modes(name, MLOCK, expected, "lock results, residency and data");
 }
 
+/// RLIMIT_MEMLOCK binds a process without CAP_IPC_LOCK, root or not, and not one with it: the
+/// kernel's rule, which mlock over managed memory follows. Before, tiermem exempted root by its
+/// user id, so root without the capability could lock past the limit (over:0), and a limit of 0
+/// gave ENOMEM where the kernel says EPERM.
+const MLOCK_RLIMIT: &str = r#"
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <linux/capability.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static int ipc_lock(bool on) {
+    __user_cap_header_struct header = {_LINUX_CAPABILITY_VERSION_3, 0};
+    __user_cap_data_struct data[2];
+    if (syscall(SYS_capget, &header, data) != 0) return -1;
+    if (on) data[0].effective |= 1u << CAP_IPC_LOCK;
+    else data[0].effective &= ~(1u << CAP_IPC_LOCK);
+    return (int)syscall(SYS_capset, &header, data);
+}
+static int memlock_limit(rlim_t bytes) {
+    rlimit limit;
+    getrlimit(RLIMIT_MEMLOCK, &limit);
+    limit.rlim_cur = bytes;
+    return setrlimit(RLIMIT_MEMLOCK, &limit);
+}
+int main() {
+    const size_t mb = 1 << 20, n = 48 * mb;
+    unsigned char* p = (unsigned char*)malloc(n);
+    unsigned char* base = (unsigned char*)(((size_t)p + mb) & ~(size_t)4095);
+    memset(p, 3, n);
+    if (ipc_lock(false) != 0 || memlock_limit(mb) != 0) return 4;
+    int over = mlock(base, 2 * mb) < 0 && errno == ENOMEM;  // past the limit
+    int fits = mlock(base, mb / 2);
+    if (memlock_limit(0) != 0) return 5;
+    int none = mlock(base + 4 * mb, 4096) < 0 && errno == EPERM;  // nothing may be locked
+    if (ipc_lock(true) != 0) return 6;
+    int capable = mlock(base + 8 * mb, 2 * mb);  // past the limit, with the capability
+    int unlock = munlock(base, 10 * mb);
+    long bad = 0;
+    for (size_t i = 0; i < n; i++) bad += p[i] != 3;
+    printf("over:%d fits:%d none:%d capable:%d unlock:%d bad:%ld\n", over, fits, none, capable, unlock, bad);
+    return 0;
+}
+"#;
+
+#[test]
+fn mlock_follows_rlimit_memlock_without_cap_ipc_lock_as_the_kernel_does() {
+    let name = "mlock_follows_rlimit_memlock_without_cap_ipc_lock_as_the_kernel_does";
+    let has_ipc_lock = std::fs::read_to_string("/proc/self/status").ok().is_some_and(|status| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("CapPrm:"))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+            .is_some_and(|caps| caps & (1 << 14) != 0)
+    });
+    if !has_ipc_lock {
+        eprintln!("SKIPPED {name}: needs CAP_IPC_LOCK in the permitted set (the program drops and raises it)");
+        return;
+    }
+    let expected = "over:1 fits:0 none:1 capable:0 unlock:0 bad:0\n";
+    // The expectation is the kernel's own answer, checked first without tiermem.
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, MLOCK_RLIMIT, "kernel", name) else { return };
+    let plain = Command::new(&bin).output().expect("running the program unmanaged");
+    assert_eq!(String::from_utf8_lossy(&plain.stdout), expected, "{name}: the kernel's answers: {plain:?}");
+    same_output_in_both_fault_modes(name, MLOCK_RLIMIT, expected, "lock results and data");
+}
+
 /// A program that has used every descriptor RLIMIT_NOFILE allows (a server at its limit) still
 /// gets managed memory, forks, and leaves statistics: tiermem makes its own descriptors just
 /// above the limit. The engine could not start there before, and fork() killed the program.

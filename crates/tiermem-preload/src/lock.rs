@@ -6,8 +6,8 @@
 //!   the engine: its pages are brought in and never evicted until `munlock`, `munlockall`, or
 //!   the memory is unmapped, freed or shrunk away. Locked managed memory may take up to a
 //!   quarter of the budget (system calls' buffers are pinned beside it); past that, or past
-//!   RLIMIT_MEMLOCK for an unprivileged process, the call fails with ENOMEM before locking
-//!   anything. The unmanaged part goes to the kernel.
+//!   RLIMIT_MEMLOCK without CAP_IPC_LOCK, the call fails with ENOMEM before locking anything
+//!   (EPERM when that limit is 0, as the kernel's). The unmanaged part goes to the kernel.
 //! - `mlockall` fails with ENOMEM (and a message) once memory is managed, or when it asks for
 //!   MCL_FUTURE (future managed allocations could not be paged): locking all of a program's
 //!   memory is the opposite of paging it. Before then, MCL_CURRENT alone goes to the kernel.
@@ -100,15 +100,28 @@ fn uncovered(held: &[Lock], from: usize, to: usize) -> Vec<(usize, usize)> {
     gaps
 }
 
-/// Most bytes of managed memory the program may lock: a quarter of the budget, and for an
-/// unprivileged process no more than RLIMIT_MEMLOCK.
-fn lockable_bytes(engine: &Engine) -> usize {
-    let quarter = engine.limit_pages() as usize * PAGE_SIZE / 4;
-    if rustix::process::geteuid().is_root() {
-        return quarter;
+/// Whether the calling thread may lock past RLIMIT_MEMLOCK: CAP_IPC_LOCK in its effective set,
+/// which is what the kernel asks (root without it is limited; a user with it is not).
+fn may_lock_past_rlimit() -> bool {
+    rustix::thread::capabilities(None)
+        .is_ok_and(|sets| sets.effective.contains(rustix::thread::CapabilitySet::IPC_LOCK))
+}
+
+/// RLIMIT_MEMLOCK's soft limit in bytes, unless the caller may lock past it.
+fn rlimit_bytes() -> Option<usize> {
+    if may_lock_past_rlimit() {
+        return None;
     }
     let limit = rustix::process::getrlimit(rustix::process::Resource::Memlock).current;
-    limit.map_or(quarter, |l| quarter.min(usize::try_from(l).unwrap_or(usize::MAX)))
+    limit.map(|l| usize::try_from(l).unwrap_or(usize::MAX))
+}
+
+/// Most bytes of managed memory the program may lock: a quarter of the budget, and without
+/// CAP_IPC_LOCK no more than RLIMIT_MEMLOCK. (Locks of unmanaged memory are the kernel's,
+/// counted against the limit by it, not here.)
+fn lockable_bytes(engine: &Engine) -> usize {
+    let quarter = engine.limit_pages() as usize * PAGE_SIZE / 4;
+    rlimit_bytes().map_or(quarter, |l| quarter.min(l))
 }
 
 /// Lock `[start, end)`: the unmanaged pieces by `kernel(from, to)`, the managed ones by
@@ -119,6 +132,10 @@ fn lock_range(start: usize, end: usize, kernel: impl Fn(usize, usize) -> isize) 
     let Some(engine) = runtime::running_engine() else {
         return pieces.iter().map(|&(a, b, _)| kernel(a, b)).find(|&r| r < 0).unwrap_or(0);
     };
+    if rlimit_bytes() == Some(0) {
+        // The kernel's answer when nothing may be locked at all: not allowed, rather than no room.
+        return refuse(libc::EPERM);
+    }
     // Reserve the new pages' bytes under the lock; pin outside it (reading pages in takes a
     // while, and frees and unmaps wait for this lock).
     let gaps: Vec<(usize, usize)> = {
