@@ -2500,7 +2500,9 @@ fn mlock_pins_managed_memory_within_a_quarter_of_the_budget() {
 /// RLIMIT_MEMLOCK binds a process without CAP_IPC_LOCK, root or not, and not one with it: the
 /// kernel's rule, which mlock over managed memory follows. Before, tiermem exempted root by its
 /// user id, so root without the capability could lock past the limit (over:0), and a limit of 0
-/// gave ENOMEM where the kernel says EPERM.
+/// gave ENOMEM where the kernel says EPERM. A locked mapping that mremap grows in place is
+/// locked over its new part (before, that part paged: grown_locked:0) and may not grow past the
+/// limit (EAGAIN; before, it grew).
 const MLOCK_RLIMIT: &str = r#"
 #include <cerrno>
 #include <cstdio>
@@ -2518,6 +2520,13 @@ static int ipc_lock(bool on) {
     if (on) data[0].effective |= 1u << CAP_IPC_LOCK;
     else data[0].effective &= ~(1u << CAP_IPC_LOCK);
     return (int)syscall(SYS_capset, &header, data);
+}
+static int all_resident(unsigned char* p, size_t len) {
+    static unsigned char in_core[4096];
+    if (mincore(p, len, in_core) != 0) return -1;
+    for (size_t i = 0; i < len / 4096; i++)
+        if (!(in_core[i] & 1)) return 0;
+    return 1;
 }
 static int memlock_limit(rlim_t bytes) {
     rlimit limit;
@@ -2538,9 +2547,21 @@ int main() {
     if (ipc_lock(true) != 0) return 6;
     int capable = mlock(base + 8 * mb, 2 * mb);  // past the limit, with the capability
     int unlock = munlock(base, 10 * mb);
+    // A locked mapping grown in place is locked over its new part too, within the limit.
+    if (ipc_lock(false) != 0 || memlock_limit(3 * mb) != 0) return 7;
+    unsigned char* g = (unsigned char*)mmap(nullptr, 4 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    memset(g, 16, 4 * mb);
+    int shrunk = mremap(g, 4 * mb, mb, 0) == g;
+    int grow = mlock(g, mb) == 0 && mremap(g, mb, 2 * mb, 0) == g;
+    memset(g + mb, 17, mb);
+    int grow_over = mremap(g, 2 * mb, 4 * mb, 0) == MAP_FAILED && errno == EAGAIN;  // 4 MiB locked
+    madvise(g, 2 * mb, MADV_PAGEOUT);
+    for (size_t i = 0; i < n; i += 4096) p[i] = 3;  // pages out whatever is not locked
+    int grown_locked = all_resident(g, 2 * mb) == 1 && g[100] == 16 && g[mb + 100] == 17;
     long bad = 0;
     for (size_t i = 0; i < n; i++) bad += p[i] != 3;
-    printf("over:%d fits:%d none:%d capable:%d unlock:%d bad:%ld\n", over, fits, none, capable, unlock, bad);
+    printf("over:%d fits:%d none:%d capable:%d unlock:%d shrunk:%d grow:%d grow_over:%d grown_locked:%d bad:%ld\n",
+           over, fits, none, capable, unlock, shrunk, grow, grow_over, grown_locked, bad);
     return 0;
 }
 "#;
@@ -2559,7 +2580,7 @@ fn mlock_follows_rlimit_memlock_without_cap_ipc_lock_as_the_kernel_does() {
         eprintln!("SKIPPED {name}: needs CAP_IPC_LOCK in the permitted set (the program drops and raises it)");
         return;
     }
-    let expected = "over:1 fits:0 none:1 capable:0 unlock:0 bad:0\n";
+    let expected = "over:1 fits:0 none:1 capable:0 unlock:0 shrunk:1 grow:1 grow_over:1 grown_locked:1 bad:0\n";
     // The expectation is the kernel's own answer, checked first without tiermem.
     let scratch = Scratch::new();
     let Some(bin) = build_cpp(&scratch, MLOCK_RLIMIT, "kernel", name) else { return };

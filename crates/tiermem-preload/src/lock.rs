@@ -223,7 +223,8 @@ pub(crate) fn any_locked(from: usize, to: usize) -> bool {
     !runtime::in_forked_child() && locks().held.iter().any(|l| l.start < to && l.end > from)
 }
 
-/// The locked parts of `[from, to)`, as (start, end), in order.
+/// The locked parts of `[from, to)`, as (start, end), in order; locks that meet are one part
+/// (a range locked in two calls is locked as a whole, as the kernel merges the two VMAs).
 pub(crate) fn locked_parts(from: usize, to: usize) -> Vec<(usize, usize)> {
     if runtime::in_forked_child() {
         return Vec::new();
@@ -231,7 +232,14 @@ pub(crate) fn locked_parts(from: usize, to: usize) -> Vec<(usize, usize)> {
     let mut parts: Vec<(usize, usize)> =
         locks().held.iter().map(|l| (l.start.max(from), l.end.min(to))).filter(|&(a, b)| a < b).collect();
     parts.sort_unstable();
-    parts
+    let mut merged: Vec<(usize, usize)> = Vec::with_capacity(parts.len());
+    for (a, b) in parts {
+        match merged.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => merged.push((a, b)),
+        }
+    }
+    merged
 }
 
 /// Lock `[start, end)` of managed memory again: a mapping mremap moved keeps its locks, as the

@@ -326,7 +326,14 @@ pub unsafe extern "C" fn mremap(
                 return remap_piece(table, piece, new_end, flags, to).unwrap_or_else(fail);
             }
             // In place: everything up to the new length is mapped (again, if an earlier shrink
-            // had unmapped it), and the tail beyond it is unmapped, its pages gone.
+            // had unmapped it), and the tail beyond it is unmapped, its pages gone. A wholly
+            // locked mapping grows locked, as VM_LOCKED does, if the quota has room (EAGAIN
+            // otherwise, before anything changes, as the kernel's check past RLIMIT_MEMLOCK).
+            let locked = crate::lock::locked_parts(base, base + old_end);
+            let grows_locked = new_end > old_end && locked == [(base, base + old_end)];
+            if grows_locked && !crate::lock::move_fits(old_end, new_end) {
+                return fail(libc::EAGAIN);
+            }
             let keep = new_end;
             entry.unmapped.retain_mut(|(from, to)| {
                 *from = (*from).max(keep);
@@ -341,6 +348,11 @@ pub unsafe extern "C" fn mremap(
                 }
             }
             entry.size = new_len;
+            drop(table);
+            if grows_locked {
+                // Locking takes the registry's lock itself.
+                crate::lock::relock(base + old_end, base + new_end);
+            }
             return old;
         }
     }
