@@ -763,9 +763,10 @@ impl fmt::Debug for FileQueue {
 
 impl FileQueue {
     /// Hand out what is on the completion ring, without entering the kernel.
-    fn drain(&mut self, on_done: &mut dyn FnMut(Completion)) -> usize {
+    fn drain(&mut self, max: usize, on_done: &mut dyn FnMut(Completion)) -> usize {
         let mut handed = 0;
-        for cqe in self.ring.completion() {
+        // Entries not taken stay on the ring: the queue's head moves past the taken ones only.
+        for cqe in self.ring.completion().take(max) {
             on_done(self.ledger.finish(cqe.user_data(), cqe.result()));
             handed += 1;
         }
@@ -837,7 +838,7 @@ impl IoQueue for FileQueue {
         }
     }
 
-    fn reap(&mut self, on_done: &mut dyn FnMut(Completion)) -> usize {
+    fn reap(&mut self, max: usize, on_done: &mut dyn FnMut(Completion)) -> usize {
         let submitted = self.ledger.in_flight() - self.ring.submission().len();
         if self.wait_mode == WaitMode::KernelPoll && submitted > 0 && self.ring.completion().is_empty() {
             // An IOPOLL ring posts completions only when someone polls: poll once, without
@@ -847,14 +848,14 @@ impl IoQueue for FileQueue {
             // A failed poll (EINTR, EAGAIN) leaves completions for the next reap or wait.
             let _ = polled;
         }
-        self.drain(on_done)
+        self.drain(max, on_done)
     }
 
     /// Submits what is queued, then waits for `min` completions as the wait mode says. `min`
     /// beyond what is in flight is capped: those requests can never finish.
     fn wait(&mut self, min: usize, on_done: &mut dyn FnMut(Completion)) -> Result<usize> {
         let target = min.min(self.in_flight());
-        let mut handed = self.drain(on_done);
+        let mut handed = self.drain(usize::MAX, on_done);
         let spin = self.wait_mode == WaitMode::SpinOnCompletionRing;
         if spin || handed >= target {
             self.submit()?;
@@ -866,7 +867,7 @@ impl IoQueue for FileQueue {
             } else {
                 self.enter_and_wait(target - handed)?;
             }
-            handed += self.drain(on_done);
+            handed += self.drain(usize::MAX, on_done);
         }
         Ok(handed)
     }
@@ -887,7 +888,7 @@ impl Drop for FileQueue {
                 // The ring is broken; closing it still cancels or finishes its requests.
                 break;
             }
-            self.drain(&mut |_| {});
+            self.drain(usize::MAX, &mut |_| {});
         }
     }
 }

@@ -196,8 +196,9 @@ pub trait IoQueue: Send + std::fmt::Debug {
     /// Start every queued request. Returns how many were started.
     fn submit(&mut self) -> Result<usize>;
 
-    /// Hand every finished request to `on_done`, without blocking. Returns how many.
-    fn reap(&mut self, on_done: &mut dyn FnMut(Completion)) -> usize;
+    /// Hand at most `max` finished requests to `on_done`, oldest first, without blocking; the
+    /// rest wait for the next call. Returns how many.
+    fn reap(&mut self, max: usize, on_done: &mut dyn FnMut(Completion)) -> usize;
 
     /// Wait until at least `min` requests finished (counting those handed out by this call), and
     /// hand them to `on_done`. Polled queues poll; completion-driven queues sleep.

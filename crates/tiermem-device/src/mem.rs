@@ -205,9 +205,9 @@ impl IoQueue for MemQueue {
         Ok(started)
     }
 
-    fn reap(&mut self, on_done: &mut dyn FnMut(Completion)) -> usize {
-        let done = self.finished.len();
-        self.finished.drain(..).for_each(&mut *on_done);
+    fn reap(&mut self, max: usize, on_done: &mut dyn FnMut(Completion)) -> usize {
+        let done = self.finished.len().min(max);
+        self.finished.drain(..done).for_each(&mut *on_done);
         done
     }
 
@@ -215,7 +215,7 @@ impl IoQueue for MemQueue {
     /// flight is capped: those requests can never finish.
     fn wait(&mut self, _min: usize, on_done: &mut dyn FnMut(Completion)) -> Result<usize> {
         self.submit()?;
-        Ok(self.reap(on_done))
+        Ok(self.reap(usize::MAX, on_done))
     }
 
     fn in_flight(&self) -> usize {
@@ -295,6 +295,11 @@ mod tests {
     }
 
     #[test]
+    fn reap_hands_out_at_most_max() {
+        testing::reap_hands_out_at_most_max(&MemDevice::new(64 * 4096).unwrap());
+    }
+
+    #[test]
     fn runs_move_consecutive_slots_in_one_request() {
         testing::runs_move_consecutive_slots_in_one_request(&MemDevice::new(256 * 4096).unwrap());
     }
@@ -315,7 +320,7 @@ mod tests {
         assert!(queue.notify_fd().is_none());
         arena.bytes_mut(0).fill(0xAB);
         queue.push(Request::Write { slot: 1, buf: 0 }, 1).unwrap();
-        assert_eq!(queue.reap(&mut |_| panic!("nothing was submitted")), 0);
+        assert_eq!(queue.reap(usize::MAX, &mut |_| panic!("nothing was submitted")), 0);
         assert_eq!(device.counters().snapshot().writes, 0);
         assert_eq!(queue.submit().unwrap(), 1);
         assert_eq!(queue.in_flight(), 1);
@@ -345,7 +350,7 @@ mod tests {
         assert!(eventfd_is_readable(&fd));
         assert!(read_eventfd(&fd) >= 1);
         assert!(!eventfd_is_readable(&fd), "reading the eventfd drains it");
-        assert_eq!(queue.reap(&mut |c| assert_eq!(c.tag, 9)), 1);
+        assert_eq!(queue.reap(usize::MAX, &mut |c| assert_eq!(c.tag, 9)), 1);
     }
 
     #[test]
@@ -360,7 +365,7 @@ mod tests {
                 // A blocking read sleeps until the submitter signals.
                 let count = read_eventfd(&fd);
                 let mut tags = Vec::new();
-                queue.lock().unwrap().reap(&mut |c| tags.push(c.tag));
+                queue.lock().unwrap().reap(usize::MAX, &mut |c| tags.push(c.tag));
                 (count, tags)
             });
             std::thread::sleep(std::time::Duration::from_millis(50));

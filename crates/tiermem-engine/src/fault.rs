@@ -20,7 +20,7 @@ use tiermem_sys::{Error, ErrorKind, Result, PAGE_SIZE};
 
 use crate::config::{IoMode, ReclaimMode};
 use crate::engine::Shared;
-use crate::io::{reap_background, tag, Op};
+use crate::io::{reap_background, reap_background_for, tag, Op};
 use crate::page::{Kind, PageState};
 use crate::policy::{FaultInfo, PageList};
 use crate::region::{RegionInner, RegionTable};
@@ -222,7 +222,7 @@ fn resolve(
                 drop(locked);
                 give_back(needs_room, staging);
                 waited_on_prefetch = true;
-                if reap_background(shared, regions) == 0 {
+                if reap_background_for(shared, regions, id) == 0 {
                     std::hint::spin_loop();
                 }
                 continue;

@@ -48,6 +48,12 @@ fn data_outlives_the_device_and_is_read_back_after_reopening() {
 }
 
 #[test]
+fn reap_hands_out_at_most_max() {
+    let dir = scratch();
+    testing::reap_hands_out_at_most_max(&device_of(&dir, 64));
+}
+
+#[test]
 fn runs_move_consecutive_slots_in_one_request() {
     let dir = scratch();
     testing::runs_move_consecutive_slots_in_one_request(&device_of(&dir, 256));
@@ -115,7 +121,7 @@ fn completion_queue_eventfd_becomes_readable_after_a_submit() {
             read_eventfd(&fd);
             let mut tags = Vec::new();
             while tags.is_empty() {
-                queue.lock().unwrap().reap(&mut |c| {
+                queue.lock().unwrap().reap(usize::MAX, &mut |c| {
                     c.result.unwrap();
                     tags.push(c.tag)
                 });
@@ -424,12 +430,12 @@ fn kernel_poll_queues_poll_in_reap_and_wait() {
         arena.bytes_mut(buf).fill(0xEE);
         queue.push(Request::Read { slot: u64::from(buf) * 4, buf }, u64::from(buf)).unwrap();
     }
-    assert_eq!(queue.reap(&mut |_| panic!("nothing was submitted")), 0);
+    assert_eq!(queue.reap(usize::MAX, &mut |_| panic!("nothing was submitted")), 0);
     assert_eq!(queue.submit().unwrap(), 16);
     let mut tags = Vec::new();
     // Reap alone must make progress: it polls once when the ring is empty.
     while tags.is_empty() {
-        queue.reap(&mut |c| {
+        queue.reap(usize::MAX, &mut |c| {
             c.result.unwrap();
             tags.push(c.tag)
         });
