@@ -2500,7 +2500,7 @@ fn mlock_pins_managed_memory_within_a_quarter_of_the_budget() {
 /// RLIMIT_MEMLOCK binds a process without CAP_IPC_LOCK, root or not, and not one with it: the
 /// kernel's rule, which mlock over managed memory follows. Before, tiermem exempted root by its
 /// user id, so root without the capability could lock past the limit (over:0), and a limit of 0
-/// gave ENOMEM where the kernel says EPERM. A locked mapping that mremap grows in place is
+/// gave ENOMEM where the kernel says EPERM (mlockall too). A locked mapping that mremap grows in place is
 /// locked over its new part (before, that part paged: grown_locked:0) and may not grow past the
 /// limit (EAGAIN; before, it grew).
 const MLOCK_RLIMIT: &str = r#"
@@ -2544,6 +2544,8 @@ int main() {
     int fits = mlock(base, mb / 2);
     if (memlock_limit(0) != 0) return 5;
     int none = mlock(base + 4 * mb, 4096) < 0 && errno == EPERM;  // nothing may be locked
+    none += mlockall(MCL_CURRENT) < 0 && errno == EPERM;
+    none += mlockall(0) < 0 && errno == EINVAL;  // bad flags first
     if (ipc_lock(true) != 0) return 6;
     int capable = mlock(base + 8 * mb, 2 * mb);  // past the limit, with the capability
     int unlock = munlock(base, 10 * mb);
@@ -2580,7 +2582,7 @@ fn mlock_follows_rlimit_memlock_without_cap_ipc_lock_as_the_kernel_does() {
         eprintln!("SKIPPED {name}: needs CAP_IPC_LOCK in the permitted set (the program drops and raises it)");
         return;
     }
-    let expected = "over:1 fits:0 none:1 capable:0 unlock:0 shrunk:1 grow:1 grow_over:1 grown_locked:1 bad:0\n";
+    let expected = "over:1 fits:0 none:3 capable:0 unlock:0 shrunk:1 grow:1 grow_over:1 grown_locked:1 bad:0\n";
     // The expectation is the kernel's own answer, checked first without tiermem.
     let scratch = Scratch::new();
     let Some(bin) = build_cpp(&scratch, MLOCK_RLIMIT, "kernel", name) else { return };

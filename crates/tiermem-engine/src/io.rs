@@ -202,29 +202,38 @@ impl Queues {
 /// faulting thread spun for a page near its end, unable to help.
 const REAP_CHUNK: usize = 8;
 
-/// Reap what the background queues finished and process it. Never blocks on a page lock:
-/// completions for locked pages are deferred. Returns how many completions were taken or
-/// processed (0: nothing was there).
+/// Reap what the background queues finished and process it. Never blocks, on a queue (one
+/// another thread holds is skipped) or a page lock (completions for locked pages are
+/// deferred). Returns how many completions were taken or processed; 0 when there was nothing
+/// to take, or the queues were busy.
 pub(crate) fn reap_background(shared: &Shared, regions: &RegionTable) -> usize {
-    reap_some(shared, regions, usize::MAX, None)
+    reap_some(shared, regions, usize::MAX, None, false)
 }
 
-/// As [`reap_background`], a few completions at a time (see [`REAP_CHUNK`]).
+/// For the completion thread: a few completions per queue (see [`REAP_CHUNK`]), waiting for a
+/// queue another thread holds, so that 0 means both rings were empty (and the thread may
+/// sleep: their eventfds signal the next completion).
 pub(crate) fn reap_background_chunk(shared: &Shared, regions: &RegionTable) -> usize {
-    reap_some(shared, regions, REAP_CHUNK, None)
+    reap_some(shared, regions, REAP_CHUNK, None, true)
 }
 
-/// For a faulting thread waiting for the prefetch of page `wanted`: a few completions, that
-/// page's first if it is among them.
+/// For a faulting thread waiting for the prefetch of page `wanted`: a few completions per
+/// queue, without waiting for a queue, that page's first if it is among them (a single-page
+/// prefetch; a page read as part of a run comes with its run, in order).
 pub(crate) fn reap_background_for(shared: &Shared, regions: &RegionTable, wanted: PageId) -> usize {
-    reap_some(shared, regions, REAP_CHUNK, Some(wanted))
+    reap_some(shared, regions, REAP_CHUNK, Some(wanted), false)
 }
 
-fn reap_some(shared: &Shared, regions: &RegionTable, max: usize, wanted: Option<PageId>) -> usize {
+fn reap_some(shared: &Shared, regions: &RegionTable, max: usize, wanted: Option<PageId>, wait: bool) -> usize {
     let mut batch = [Done { tag: 0, ok: false }; 64];
     let mut n = 0;
     for queue in [&shared.queues.prefetch, &shared.queues.writeback] {
-        let Ok(mut q) = queue.try_lock() else { continue };
+        let mut q = if wait {
+            lock(queue)
+        } else {
+            let Ok(q) = queue.try_lock() else { continue };
+            q
+        };
         q.reap(max, &mut |c: Completion| {
             if n < batch.len() {
                 batch[n] = Done { tag: c.tag, ok: c.result.is_ok() };

@@ -101,10 +101,20 @@ fn uncovered(held: &[Lock], from: usize, to: usize) -> Vec<(usize, usize)> {
 }
 
 /// Whether the calling thread may lock past RLIMIT_MEMLOCK: CAP_IPC_LOCK in its effective set,
-/// which is what the kernel asks (root without it is limited; a user with it is not).
+/// which is what the kernel asks (root without it is limited; a user with it is not). The
+/// kernel asks for it in the initial user namespace, so inside another one (a rootless
+/// container, `unshare -r`), whose capabilities capget reports, the limit holds.
 fn may_lock_past_rlimit() -> bool {
     rustix::thread::capabilities(None)
         .is_ok_and(|sets| sets.effective.contains(rustix::thread::CapabilitySet::IPC_LOCK))
+        && in_initial_user_namespace()
+}
+
+/// Whether this process's user namespace is the initial one: its uid map is the identity over
+/// every id, as only the initial namespace's is (an unreadable map counts as another one).
+fn in_initial_user_namespace() -> bool {
+    std::fs::read_to_string("/proc/self/uid_map")
+        .is_ok_and(|map| map.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"])
 }
 
 /// RLIMIT_MEMLOCK's soft limit in bytes, unless the caller may lock past it.
@@ -344,6 +354,14 @@ fn mlockall_call(flags: i32) -> isize {
     let managing = runtime::running_engine().is_some();
     if runtime::in_forked_child() || (!managing && flags & libc::MCL_FUTURE == 0) {
         return sys!(libc::SYS_mlockall, flags);
+    }
+    let known = libc::MCL_CURRENT | libc::MCL_FUTURE | libc::MCL_ONFAULT;
+    if flags == 0 || flags & !known != 0 || flags == libc::MCL_ONFAULT {
+        return refuse(libc::EINVAL);
+    }
+    if rlimit_bytes() == Some(0) {
+        // The kernel's answer when nothing may be locked, after checking the flags.
+        return refuse(libc::EPERM);
     }
     say_once(
         &SAID,
