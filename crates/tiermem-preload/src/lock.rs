@@ -136,13 +136,16 @@ fn lockable_bytes(engine: &Engine) -> usize {
 
 /// Lock `[start, end)`: the unmanaged pieces by `kernel(from, to)`, the managed ones by
 /// pinning, after checking that all of it may be locked.
-fn lock_range(start: usize, end: usize, kernel: impl Fn(usize, usize) -> isize) -> isize {
+/// `reserved`: bytes [`reserve`] set aside for this call (in `pending` until now), which need
+/// no check.
+fn lock_range(start: usize, end: usize, kernel: impl Fn(usize, usize) -> isize, reserved: usize) -> isize {
     static SAID: AtomicBool = AtomicBool::new(false);
     let pieces = pieces(start, end);
     let Some(engine) = runtime::running_engine() else {
+        locks().pending -= reserved;
         return pieces.iter().map(|&(a, b, _)| kernel(a, b)).find(|&r| r < 0).unwrap_or(0);
     };
-    if rlimit_bytes() == Some(0) {
+    if rlimit_bytes() == Some(0) && reserved == 0 {
         // The kernel's answer when nothing may be locked at all: not allowed, rather than no room.
         return refuse(libc::EPERM);
     }
@@ -153,9 +156,10 @@ fn lock_range(start: usize, end: usize, kernel: impl Fn(usize, usize) -> isize) 
         let gaps: Vec<(usize, usize)> =
             pieces.iter().filter(|p| p.2).flat_map(|&(a, b, _)| uncovered(&locks.held, a, b)).collect();
         let adding: usize = gaps.iter().map(|&(a, b)| b - a).sum();
+        locks.pending -= reserved;
         let locked: usize = locks.held.iter().map(|l| l.end - l.start).sum::<usize>() + locks.pending;
         let allowed = lockable_bytes(engine);
-        if locked + adding > allowed {
+        if adding > reserved && locked + adding > allowed {
             drop(locks);
             let mut mib = [0u8; 20];
             say_once(
@@ -252,22 +256,43 @@ pub(crate) fn locked_parts(from: usize, to: usize) -> Vec<(usize, usize)> {
     merged
 }
 
-/// Lock `[start, end)` of managed memory again: a mapping mremap moved keeps its locks, as the
-/// kernel's does. Best effort (the quota may refuse it, with the usual message).
-pub(crate) fn relock(start: usize, end: usize) {
-    let _ = lock_range(start, end, |_, _| 0);
+/// Lock quota set aside by [`reserve`] for locks an mremap makes at the new place, from its
+/// check to its relock, so no other thread's mlock takes the room in between (the kernel checks
+/// and accounts in one step). What is not used goes back when it is dropped.
+pub(crate) struct Reservation {
+    bytes: usize,
 }
 
-/// Whether a move that gives up `old` locked bytes and locks `new` bytes at the new place fits
-/// the quota (mremap of a locked mapping checks before moving, and fails with EAGAIN).
-pub(crate) fn move_fits(old: usize, new: usize) -> bool {
-    let Some(engine) = runtime::running_engine() else { return true };
-    if new <= old || runtime::in_forked_child() {
-        return true;
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            locks().pending -= self.bytes;
+        }
     }
-    let locks = locks();
+}
+
+/// Set aside `needed` bytes of the lock quota for a move or growth that gives up `freed` locked
+/// bytes: None (EAGAIN for mremap, which checks before moving) if they do not fit.
+pub(crate) fn reserve(freed: usize, needed: usize) -> Option<Reservation> {
+    let Some(engine) = runtime::running_engine() else { return Some(Reservation { bytes: 0 }) };
+    if runtime::in_forked_child() || needed == 0 {
+        return Some(Reservation { bytes: 0 });
+    }
+    let mut locks = locks();
     let locked = locks.held.iter().map(|l| l.end - l.start).sum::<usize>() + locks.pending;
-    locked - old.min(locked) + new <= lockable_bytes(engine)
+    if needed > freed && locked - freed.min(locked) + needed > lockable_bytes(engine) {
+        return None;
+    }
+    locks.pending += needed;
+    Some(Reservation { bytes: needed })
+}
+
+/// Lock `[start, end)` of managed memory again, out of `reservation`: a mapping mremap moved
+/// or grew keeps its locks, as the kernel's does, without the quota being checked again.
+pub(crate) fn relock(start: usize, end: usize, reservation: &mut Reservation) {
+    let take = reservation.bytes.min(end - start);
+    reservation.bytes -= take;
+    let _ = lock_range(start, end, |_, _| 0, take);
 }
 
 /// Memory leaving the program (unmapped, freed, shrunk away): its locks go with it, as the
@@ -291,7 +316,7 @@ fn lock_call(addr: usize, len: usize, kernel: impl Fn(usize, usize) -> isize) ->
     if runtime::in_forked_child() || !managed_somewhere {
         return kernel(addr, addr.saturating_add(len));
     }
-    lock_range(start, end, kernel)
+    lock_range(start, end, kernel, 0)
 }
 
 fn unlock_call(addr: usize, len: usize) -> isize {

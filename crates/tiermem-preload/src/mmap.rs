@@ -331,9 +331,12 @@ pub unsafe extern "C" fn mremap(
             // otherwise, before anything changes, as the kernel's check past RLIMIT_MEMLOCK).
             let locked = crate::lock::locked_parts(base, base + old_end);
             let grows_locked = new_end > old_end && locked == [(base, base + old_end)];
-            if grows_locked && !crate::lock::move_fits(old_end, new_end) {
-                return fail(libc::EAGAIN);
-            }
+            let mut reservation = if grows_locked {
+                let Some(r) = crate::lock::reserve(0, new_end - old_end) else { return fail(libc::EAGAIN) };
+                Some(r)
+            } else {
+                None
+            };
             let keep = new_end;
             entry.unmapped.retain_mut(|(from, to)| {
                 *from = (*from).max(keep);
@@ -349,9 +352,9 @@ pub unsafe extern "C" fn mremap(
             }
             entry.size = new_len;
             drop(table);
-            if grows_locked {
+            if let Some(reservation) = reservation.as_mut() {
                 // Locking takes the registry's lock itself.
-                crate::lock::relock(base + old_end, base + new_end);
+                crate::lock::relock(base + old_end, base + new_end, reservation);
             }
             return old;
         }
@@ -428,10 +431,14 @@ fn remap_piece(
     drop(table);
     // The lock quota first, as the kernel checks RLIMIT_MEMLOCK before anything else.
     let locked = crate::lock::locked_parts(start, start + len);
-    if fixed.is_none() && !crate::lock::move_fits(locked_bytes(&locked), moved_lock_bytes(&locked, start, len, new_end))
-    {
-        return Err(libc::EAGAIN);
-    }
+    let mut reservation = match fixed {
+        // Its locks go to the kernel, which checks them itself.
+        Some(_) => None,
+        None => Some(
+            crate::lock::reserve(locked_bytes(&locked), moved_lock_bytes(&locked, start, len, new_end))
+                .ok_or(libc::EAGAIN)?,
+        ),
+    };
     if flags & libc::MREMAP_MAYMOVE == 0 {
         return Err(libc::ENOMEM);
     }
@@ -483,8 +490,8 @@ fn remap_piece(
                 let _ = crate::io::sys!(libc::SYS_mlock, from, to - from);
             }
         }
-    } else {
-        relock_moved(&locked, start, len, new as usize, new_end);
+    } else if let Some(reservation) = reservation.as_mut() {
+        relock_moved(&locked, start, len, new as usize, new_end, reservation);
     }
     Ok(new)
 }
@@ -506,10 +513,18 @@ fn moved_lock_bytes(locked: &[(usize, usize)], old: usize, len: usize, new_len: 
     locked_bytes(&moved_locks(locked, old, len, 0, new_len))
 }
 
-/// Lock again, at their new place, the parts of `[old, old + len)` that were locked.
-fn relock_moved(locked: &[(usize, usize)], old: usize, len: usize, new: usize, new_len: usize) {
+/// Lock again, at their new place, the parts of `[old, old + len)` that were locked, out of
+/// the quota `reservation` set aside for them.
+fn relock_moved(
+    locked: &[(usize, usize)],
+    old: usize,
+    len: usize,
+    new: usize,
+    new_len: usize,
+    reservation: &mut crate::lock::Reservation,
+) {
     for (a, b) in moved_locks(locked, old, len, new, new_len) {
-        crate::lock::relock(a, b);
+        crate::lock::relock(a, b, reservation);
     }
 }
 
