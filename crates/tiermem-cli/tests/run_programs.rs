@@ -2502,7 +2502,8 @@ fn mlock_pins_managed_memory_within_a_quarter_of_the_budget() {
 /// user id, so root without the capability could lock past the limit (over:0), and a limit of 0
 /// gave ENOMEM where the kernel says EPERM (mlockall too). A locked mapping that mremap grows in place is
 /// locked over its new part (before, that part paged: grown_locked:0) and may not grow past the
-/// limit (EAGAIN; before, it grew).
+/// limit (EAGAIN; before, it grew). Memory the kernel locked counts against the limit too
+/// (shared:1; before, managed locks had the whole limit to themselves: shared:0).
 const MLOCK_RLIMIT: &str = r#"
 #include <cerrno>
 #include <cstdio>
@@ -2542,6 +2543,11 @@ int main() {
     if (ipc_lock(false) != 0 || memlock_limit(mb) != 0) return 4;
     int over = mlock(base, 2 * mb) < 0 && errno == ENOMEM;  // past the limit
     int fits = mlock(base, mb / 2);
+    // Memory the kernel locks (unmanaged: a static buffer) counts against the same limit.
+    static unsigned char key_ring[256 * 1024];
+    int shared = mlock(key_ring, sizeof key_ring);
+    shared += mlock(base + 2 * mb, mb / 2) < 0 && errno == ENOMEM;  // 0.25 + 0.5 + 0.5 MiB
+    munlock(key_ring, sizeof key_ring);
     if (memlock_limit(0) != 0) return 5;
     int none = mlock(base + 4 * mb, 4096) < 0 && errno == EPERM;  // nothing may be locked
     none += mlockall(MCL_CURRENT) < 0 && errno == EPERM;
@@ -2562,8 +2568,8 @@ int main() {
     int grown_locked = all_resident(g, 2 * mb) == 1 && g[100] == 16 && g[mb + 100] == 17;
     long bad = 0;
     for (size_t i = 0; i < n; i++) bad += p[i] != 3;
-    printf("over:%d fits:%d none:%d capable:%d unlock:%d shrunk:%d grow:%d grow_over:%d grown_locked:%d bad:%ld\n",
-           over, fits, none, capable, unlock, shrunk, grow, grow_over, grown_locked, bad);
+    printf("over:%d fits:%d shared:%d none:%d capable:%d unlock:%d shrunk:%d grow:%d grow_over:%d grown_locked:%d bad:%ld\n",
+           over, fits, shared, none, capable, unlock, shrunk, grow, grow_over, grown_locked, bad);
     return 0;
 }
 "#;
@@ -2582,7 +2588,8 @@ fn mlock_follows_rlimit_memlock_without_cap_ipc_lock_as_the_kernel_does() {
         eprintln!("SKIPPED {name}: needs CAP_IPC_LOCK in the permitted set (the program drops and raises it)");
         return;
     }
-    let expected = "over:1 fits:0 none:3 capable:0 unlock:0 shrunk:1 grow:1 grow_over:1 grown_locked:1 bad:0\n";
+    let expected =
+        "over:1 fits:0 shared:1 none:3 capable:0 unlock:0 shrunk:1 grow:1 grow_over:1 grown_locked:1 bad:0\n";
     // The expectation is the kernel's own answer, checked first without tiermem.
     let scratch = Scratch::new();
     let Some(bin) = build_cpp(&scratch, MLOCK_RLIMIT, "kernel", name) else { return };

@@ -127,11 +127,21 @@ fn rlimit_bytes() -> Option<usize> {
 }
 
 /// Most bytes of managed memory the program may lock: a quarter of the budget, and without
-/// CAP_IPC_LOCK no more than RLIMIT_MEMLOCK. (Locks of unmanaged memory are the kernel's,
-/// counted against the limit by it, not here.)
+/// CAP_IPC_LOCK no more than RLIMIT_MEMLOCK leaves beside the memory the kernel holds locked
+/// for it (unmanaged locks, which the kernel counts against the same limit).
 fn lockable_bytes(engine: &Engine) -> usize {
     let quarter = engine.limit_pages() as usize * PAGE_SIZE / 4;
-    rlimit_bytes().map_or(quarter, |l| quarter.min(l))
+    rlimit_bytes().map_or(quarter, |l| quarter.min(l.saturating_sub(kernel_locked_bytes())))
+}
+
+/// Memory the kernel has locked for this process (`VmLck`; 0 if unreadable).
+fn kernel_locked_bytes() -> usize {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return 0 };
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmLck:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok());
+    kib.unwrap_or(0) * 1024
 }
 
 /// Lock `[start, end)`: the unmanaged pieces by `kernel(from, to)`, the managed ones by
