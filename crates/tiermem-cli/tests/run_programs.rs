@@ -2421,19 +2421,10 @@ fn a_main_thread_ending_with_pthread_exit_ends_with_the_last_thread() {
     same_output_in_both_fault_modes(name, MAIN_PTHREAD_EXIT, "worker 0\nexit handler\n", "output");
 }
 
-/// mlock over managed memory (small-heap blocks too) pins it in the engine: a locked stretch
-/// stays resident while the rest pages, up to a quarter of the budget, and pages again after
-/// munlock; a lock past that and mlockall fail with ENOMEM, MADV_DONTNEED on locked pages with
-/// EINVAL, instead of the hang they caused (the kernel faulted every page in through the
-/// engine, which then could not evict locked pages).
-const MLOCK: &str = r#"
-#include <cerrno>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <sys/mman.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+/// C: whether every page of `[p, p + len)` is resident (mincore), for the lock tests.
+macro_rules! c_all_resident {
+    () => {
+        r#"
 static int all_resident(unsigned char* p, size_t len) {
     static unsigned char in_core[4096];
     if (mincore(p, len, in_core) != 0) return -1;
@@ -2441,6 +2432,27 @@ static int all_resident(unsigned char* p, size_t len) {
         if (!(in_core[i] & 1)) return 0;
     return 1;
 }
+"#
+    };
+}
+
+/// mlock over managed memory (small-heap blocks too) pins it in the engine: a locked stretch
+/// stays resident while the rest pages, up to a quarter of the budget, and pages again after
+/// munlock; a lock past that and mlockall fail with ENOMEM, MADV_DONTNEED on locked pages with
+/// EINVAL, instead of the hang they caused (the kernel faulted every page in through the
+/// engine, which then could not evict locked pages).
+const MLOCK: &str = concat!(
+    r#"
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+"#,
+    c_all_resident!(),
+    r#"
 int main() {
     const size_t mb = 1 << 20, n = 48 * mb;
     unsigned char* p = (unsigned char*)malloc(n);
@@ -2482,7 +2494,8 @@ int main() {
            small, lock, again, over, fits, dontneed, all, resident, unlock, evicted_after_unlock, moved_locked, move_over, bad);
     return 0;
 }
-"#;
+"#
+);
 
 #[test]
 fn mlock_pins_managed_memory_within_a_quarter_of_the_budget() {
@@ -2504,7 +2517,8 @@ fn mlock_pins_managed_memory_within_a_quarter_of_the_budget() {
 /// locked over its new part (before, that part paged: grown_locked:0) and may not grow past the
 /// limit (EAGAIN; before, it grew). Memory the kernel locked counts against the limit too
 /// (shared:1; before, managed locks had the whole limit to themselves: shared:0).
-const MLOCK_RLIMIT: &str = r#"
+const MLOCK_RLIMIT: &str = concat!(
+    r#"
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -2522,13 +2536,9 @@ static int ipc_lock(bool on) {
     else data[0].effective &= ~(1u << CAP_IPC_LOCK);
     return (int)syscall(SYS_capset, &header, data);
 }
-static int all_resident(unsigned char* p, size_t len) {
-    static unsigned char in_core[4096];
-    if (mincore(p, len, in_core) != 0) return -1;
-    for (size_t i = 0; i < len / 4096; i++)
-        if (!(in_core[i] & 1)) return 0;
-    return 1;
-}
+"#,
+    c_all_resident!(),
+    r#"
 static int memlock_limit(rlim_t bytes) {
     rlimit limit;
     getrlimit(RLIMIT_MEMLOCK, &limit);
@@ -2572,7 +2582,8 @@ int main() {
            over, fits, shared, none, capable, unlock, shrunk, grow, grow_over, grown_locked, bad);
     return 0;
 }
-"#;
+"#
+);
 
 #[test]
 fn mlock_follows_rlimit_memlock_without_cap_ipc_lock_as_the_kernel_does() {
