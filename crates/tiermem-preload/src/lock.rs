@@ -37,6 +37,13 @@ struct Locks {
     pending: usize,
 }
 
+impl Locks {
+    /// Bytes counted against the quota: locked, and being pinned or set aside.
+    fn counted(&self) -> usize {
+        self.held.iter().map(|l| l.end - l.start).sum::<usize>() + self.pending
+    }
+}
+
 static LOCKS: Mutex<Locks> = Mutex::new(Locks { held: Vec::new(), pending: 0 });
 
 fn locks() -> std::sync::MutexGuard<'static, Locks> {
@@ -167,7 +174,7 @@ fn lock_range(start: usize, end: usize, kernel: impl Fn(usize, usize) -> isize, 
             pieces.iter().filter(|p| p.2).flat_map(|&(a, b, _)| uncovered(&locks.held, a, b)).collect();
         let adding: usize = gaps.iter().map(|&(a, b)| b - a).sum();
         locks.pending -= reserved;
-        let locked: usize = locks.held.iter().map(|l| l.end - l.start).sum::<usize>() + locks.pending;
+        let locked = locks.counted();
         let allowed = lockable_bytes(engine);
         if adding > reserved && locked + adding > allowed {
             drop(locks);
@@ -289,7 +296,7 @@ pub(crate) fn reserve(freed: usize, needed: usize) -> Option<Reservation> {
         return Some(Reservation { bytes: 0 });
     }
     let mut locks = locks();
-    let locked = locks.held.iter().map(|l| l.end - l.start).sum::<usize>() + locks.pending;
+    let locked = locks.counted();
     if needed > freed && locked - freed.min(locked) + needed > lockable_bytes(engine) {
         return None;
     }
