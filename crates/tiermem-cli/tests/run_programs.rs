@@ -2181,6 +2181,115 @@ fn mremap_of_part_of_managed_memory_leaves_the_rest_in_place() {
     );
 }
 
+/// mremap of managed memory the program split or protected does what the kernel does (checked
+/// against Linux 6.18 without tiermem): a read-only mapping or an inaccessible piece moves (and
+/// grows) with its protection; growing a mapping split by mprotect or by a lock on part of it
+/// fails with EFAULT and changes nothing (tiermem crashed copying the inaccessible part, or moved
+/// it readable and writable); a same-size move to a fixed place keeps each part's protection
+/// (Linux >= 6.17); fork advice on the whole mapping moves with it. The budget holds it all:
+/// pages the program made read-only or inaccessible cannot be evicted yet (UFFDIO_MOVE needs the
+/// staging area's protection), see docs/running-programs.md.
+const MREMAP_KEEPS_PROTECTION: &str = r#"
+#include <cerrno>
+#include <csetjmp>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static sigjmp_buf jump;
+static void on_segv(int) { siglongjmp(jump, 1); }
+// 1 if reading p (and, for a write, writing back what it holds) faults.
+static int faults(volatile unsigned char* p, bool write) {
+    if (sigsetjmp(jump, 1) == 0) {
+        unsigned char v = *p;
+        if (write) *p = v;
+        return 0;
+    }
+    return 1;
+}
+static const size_t mb = 1 << 20;
+static unsigned char* filled() {
+    unsigned char* a = (unsigned char*)mmap(nullptr, 16 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    for (size_t i = 0; i < 16 * mb; i += 8) *(uint64_t*)(a + i) = i | 1;
+    return a;
+}
+// Words of [p, p + len) that are not what filled() wrote at offset `from` on.
+static long wrong(unsigned char* p, size_t from, size_t len) {
+    long bad = 0;
+    for (size_t i = 0; i < len; i += 8) bad += *(uint64_t*)(p + i) != ((from + i) | 1);
+    return bad;
+}
+int main() {
+    signal(SIGSEGV, on_segv);
+    // A: a read-only mapping grows by moving: read-only all through, contents kept.
+    unsigned char* a = filled();
+    mprotect(a, 16 * mb, PROT_READ);
+    unsigned char* b = (unsigned char*)mremap(a, 16 * mb, 32 * mb, MREMAP_MAYMOVE);
+    if (b == MAP_FAILED) return 10;
+    printf("A %d%d%d%d %ld\n", faults(b + mb, false), faults(b + mb, true), faults(b + 20 * mb, false),
+           faults(b + 20 * mb, true), wrong(b, 0, 16 * mb));
+    // B: an inaccessible piece moves out, grown: inaccessible until opened again.
+    a = filled();
+    mprotect(a + 4 * mb, 8192, PROT_NONE);
+    b = (unsigned char*)mremap(a + 4 * mb, 8192, 16384, MREMAP_MAYMOVE);
+    if (b == MAP_FAILED) return 11;
+    int b_none = faults(b, false) + faults(b + 12288, false);
+    mprotect(b, 16384, PROT_READ);
+    printf("B %d %ld %ld\n", b_none, wrong(b, 4 * mb, 8192), wrong(a, 0, 4 * mb) + wrong(a + 4 * mb + 8192, 4 * mb + 8192, mb));
+    // C: growing a mapping split by mprotect fails as a whole, and nothing changes.
+    a = filled();
+    mprotect(a + 4 * mb, 8192, PROT_NONE);
+    errno = 0;
+    b = (unsigned char*)mremap(a, 16 * mb, 32 * mb, MREMAP_MAYMOVE);
+    printf("C %d %d %ld\n", b == MAP_FAILED && errno == EFAULT, faults(a + 4 * mb, false), wrong(a, 0, 4 * mb));
+    // D: so does growing a partly locked one.
+    a = filled();
+    if (mlock(a + 4 * mb, 8192) != 0) return 12;
+    errno = 0;
+    b = (unsigned char*)mremap(a, 16 * mb, 32 * mb, MREMAP_MAYMOVE);
+    printf("D %d %ld\n", b == MAP_FAILED && errno == EFAULT, wrong(a, 0, 16 * mb));
+    munlock(a + 4 * mb, 8192);
+    // E: a move to a fixed place, same size, keeps each part's protection.
+    a = filled();
+    mprotect(a + 4 * mb, 8192, PROT_NONE);
+    mprotect(a + 8 * mb, mb, PROT_READ);
+    unsigned char* target = (unsigned char*)mmap(nullptr, 16 * mb, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    b = (unsigned char*)mremap(a, 16 * mb, 16 * mb, MREMAP_MAYMOVE | MREMAP_FIXED, target);
+    if (b != target) return 13;
+    int e_faults = faults(b + 4 * mb, false) * 1000 + faults(b + 8 * mb, false) * 100 + faults(b + 8 * mb, true) * 10 +
+                   faults(b + 12 * mb, true);
+    mprotect(b + 4 * mb, 8192, PROT_READ);
+    printf("E %04d %ld\n", e_faults, wrong(b, 0, 16 * mb));
+    // F: fork advice on the whole mapping moves with it, onto its growth too.
+    a = filled();
+    if (madvise(a, 16 * mb, MADV_WIPEONFORK) != 0) return 14;
+    b = (unsigned char*)mremap(a, 16 * mb, 32 * mb, MREMAP_MAYMOVE);
+    if (b == MAP_FAILED) return 15;
+    b[20 * mb] = 9;
+    pid_t child = fork();
+    if (child == 0) _exit(b[mb] == 0 && b[20 * mb] == 0 ? 7 : 1);
+    int status = 0;
+    waitpid(child, &status, 0);
+    printf("F %d %ld %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1, wrong(b, 0, 16 * mb), b[20 * mb]);
+    return 0;
+}
+"#;
+
+#[test]
+fn mremap_of_protected_managed_memory_does_what_the_kernel_does() {
+    let name = "mremap_of_protected_managed_memory_does_what_the_kernel_does";
+    same_output_in_both_fault_modes_under(
+        "256MiB",
+        name,
+        MREMAP_KEEPS_PROTECTION,
+        "A 0101 0\nB 2 0 0\nC 1 1 0\nD 1 0\nE 1010 0\nF 7 0 9\n",
+        "per case: which accesses faulted, wrong words, EFAULT seen, the child's view",
+    );
+}
+
 /// A forked child that unmaps, shrinks or moves part of a managed mapping it inherited goes on
 /// (it hung: the engine's lock on its regions, held across fork(), is never released in the
 /// child), keeps the rest of its copy, and leaves the parent's alone.
@@ -2795,6 +2904,11 @@ fn a_map_fixed_piece_inside_managed_memory_is_the_kernels() {
 /// it must succeed, print `expected` (`what` says what the printed values are), and draw no
 /// "tiermem: cannot ..." message (statistics unwritten, say).
 fn same_output_in_both_fault_modes(name: &str, source: &str, expected: &str, what: &str) {
+    same_output_in_both_fault_modes_under("16MiB", name, source, expected, what);
+}
+
+/// [`same_output_in_both_fault_modes`] with a budget of `limit`.
+fn same_output_in_both_fault_modes_under(limit: &str, name: &str, source: &str, expected: &str, what: &str) {
     if !uffd_or_skip(name) {
         return;
     }
@@ -2802,7 +2916,7 @@ fn same_output_in_both_fault_modes(name: &str, source: &str, expected: &str, wha
     let Some(bin) = build_cpp(&scratch, source, "program", name) else { return };
     for mode in ["sigbus", "thread"] {
         let mut command =
-            scratch.command(&["run", "--quiet", "--limit", "16MiB", "--fault-mode", mode, "--", bin.to_str().unwrap()]);
+            scratch.command(&["run", "--quiet", "--limit", limit, "--fault-mode", mode, "--", bin.to_str().unwrap()]);
         let child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         let out = output_within(child, 120, &format!("{name}: {mode}"));
         let err = String::from_utf8_lossy(&out.stderr);

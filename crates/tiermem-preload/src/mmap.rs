@@ -318,18 +318,27 @@ pub unsafe extern "C" fn mremap(
             // the program mapped over (or unmapped after that) beyond it.
             let broken = entry.unmapped.iter().any(|&(a, _)| a < old_end) || entry.meets_foreign(0, old_end);
             let in_place = new_len <= entry.len() && !entry.meets_foreign(old_end, new_end);
+            // The range as the kernel maps it: the program's mprotect or fork advice may have
+            // split it, and a lock on part of it would have. A resize or MREMAP_DONTUNMAP needs
+            // one mapping (the kernel's EFAULT otherwise); a move of the same size keeps each
+            // part as it is (Linux >= 6.17), and a shrink just unmaps the end.
+            let kernel = KernelParts::of(start, start + old_end);
+            let locked = crate::lock::locked_parts(start, start + old_end);
+            let partly_locked = !locked.is_empty() && locked != [(start, start + old_end)];
+            if (kernel.n > 1 || partly_locked) && (new_end > old_end || dont_unmap) {
+                return fail(libc::EFAULT);
+            }
             // In a forked child a move makes plain memory (see `remap_piece`).
             let child = runtime::in_forked_child();
             if offset != 0 || dont_unmap || fixed || broken || child || !in_place || entry.maps_beyond(old_end) {
                 let piece = Piece { start, offset, len: old_end };
                 let to = fixed.then_some(target);
-                return remap_piece(table, piece, new_end, flags, to).unwrap_or_else(fail);
+                return remap_piece(table, piece, new_end, flags, to, &kernel).unwrap_or_else(fail);
             }
             // In place: everything up to the new length is mapped (again, if an earlier shrink
             // had unmapped it), and the tail beyond it is unmapped, its pages gone. A wholly
             // locked mapping grows locked, as VM_LOCKED does, if the quota has room (EAGAIN
             // otherwise, before anything changes, as the kernel's check past RLIMIT_MEMLOCK).
-            let locked = crate::lock::locked_parts(base, base + old_end);
             let grows_locked = new_end > old_end && locked == [(base, base + old_end)];
             let mut reservation = if grows_locked {
                 let Some(r) = crate::lock::reserve(0, new_end - old_end) else { return fail(libc::EAGAIN) };
@@ -351,7 +360,17 @@ pub unsafe extern "C" fn mremap(
                 }
             }
             entry.size = new_len;
+            // What grows takes the mapping's protection and fork advice, as the kernel's
+            // mapping would grow with its own.
+            let advice = whole_piece_advice(&entry.fork_advice, 0, old_end);
             drop(table);
+            if new_end > old_end {
+                kernel.extend_to(base + old_end, base + new_end);
+                for a in advice.iter().flatten() {
+                    // SAFETY: advice the program gave the whole mapping, for the part it grew by.
+                    unsafe { madvise((base + old_end) as *mut c_void, new_end - old_end, *a) };
+                }
+            }
             if let Some(reservation) = reservation.as_mut() {
                 // Locking takes the registry's lock itself.
                 crate::lock::relock(base + old_end, base + new_end, reservation);
@@ -407,6 +426,7 @@ fn remap_piece(
     new_end: usize,
     flags: i32,
     fixed: Option<usize>,
+    kernel: &KernelParts,
 ) -> Result<*mut c_void, i32> {
     let Piece { start, offset, len } = piece;
     let dont_unmap = flags & libc::MREMAP_DONTUNMAP != 0;
@@ -428,6 +448,7 @@ fn remap_piece(
     if entry.unmapped.iter().any(|&(a, b)| a < end && b > offset) || entry.meets_foreign(offset, end) {
         return Err(libc::EFAULT);
     }
+    let advice = whole_piece_advice(&entry.fork_advice, offset, end);
     drop(table);
     // The lock quota first, as the kernel checks RLIMIT_MEMLOCK before anything else.
     let locked = crate::lock::locked_parts(start, start + len);
@@ -467,9 +488,19 @@ fn remap_piece(
     if new.is_null() {
         return Err(libc::ENOMEM);
     }
-    // SAFETY: `start..start + len` is managed and mapped (checked above), `new` was just
+    // Parts the program made unreadable are read for the copy, and every part gets its
+    // protection back at its new place (growth takes the last part's).
+    kernel.readable();
+    // SAFETY: `start..start + len` is managed, mapped and readable (see above), `new` was just
     // mapped at least `new_end` long, and the two do not overlap (a fixed target was checked).
     unsafe { std::ptr::copy_nonoverlapping(start as *const u8, new.cast::<u8>(), len.min(new_end)) };
+    kernel.protect_moved(start, new as usize, new as usize + new_end);
+    if fixed.is_none() && !runtime::in_forked_child() {
+        for a in advice.iter().flatten() {
+            // SAFETY: the program's own fork advice on the range, now at its new place.
+            unsafe { madvise(new, new_end, *a) };
+        }
+    }
     crate::lock::forget(start, start + len);
     let left = if dont_unmap {
         // SAFETY: the range was copied; dropping its pages is what MREMAP_DONTUNMAP does.
@@ -480,6 +511,9 @@ fn remap_piece(
     };
     if left != 0 {
         runtime::say(&["tiermem: mremap() could not take the old range away"]);
+    } else if dont_unmap {
+        // The range left behind keeps its protection, as the kernel's does.
+        kernel.protect_moved(start, start, start + len);
     }
     if fixed.is_some() {
         // The kernel's own mapping now: its locks are the kernel's (best effort, as a move).
@@ -494,6 +528,89 @@ fn remap_piece(
         relock_moved(&locked, start, len, new as usize, new_end, reservation);
     }
     Ok(new)
+}
+
+/// Most parts [`KernelParts`] tells apart; in a range split into more, what lies past them
+/// takes the last one's protection when it moves.
+const MAX_PARTS: usize = 16;
+
+/// How the kernel maps a range of managed memory: the parts the program split it into with
+/// mprotect or fork advice, each with its protection, clipped to the range. Unknown (no
+/// PROCMAP_QUERY, Linux < 6.11) reads as one read-write part, which is what the engine made.
+struct KernelParts {
+    parts: [tiermem_sys::mem::Vma; MAX_PARTS],
+    n: usize,
+    start: usize,
+    end: usize,
+}
+
+const READ_WRITE: i32 = libc::PROT_READ | libc::PROT_WRITE;
+
+impl KernelParts {
+    fn of(start: usize, end: usize) -> Self {
+        let mut parts = [tiermem_sys::mem::Vma::default(); MAX_PARTS];
+        let n = match tiermem_sys::mem::vmas(start, end, &mut parts) {
+            Ok(n) if n > 0 => n,
+            _ => {
+                parts[0] = tiermem_sys::mem::Vma { start, end, prot: READ_WRITE };
+                1
+            }
+        };
+        for p in &mut parts[..n] {
+            p.start = p.start.max(start);
+            p.end = p.end.min(end);
+        }
+        Self { parts, n, start, end }
+    }
+
+    fn parts(&self) -> &[tiermem_sys::mem::Vma] {
+        &self.parts[..self.n]
+    }
+
+    /// Make the range readable where the program made it unreadable: it is about to be copied
+    /// and left (or, with MREMAP_DONTUNMAP, emptied and protected again).
+    fn readable(&self) {
+        let listed = self.parts().last().is_some_and(|p| p.end == self.end);
+        if !listed || self.parts().iter().any(|p| p.prot & libc::PROT_READ == 0) {
+            let _ = crate::io::sys!(libc::SYS_mprotect, self.start, self.end - self.start, libc::PROT_READ);
+        }
+    }
+
+    /// Give the range copied from these parts, now at `new..new_end`, their protection, part by
+    /// part; what lies beyond them (growth) takes the last part's.
+    fn protect_moved(&self, old: usize, new: usize, new_end: usize) {
+        let Some(last) = self.parts().last() else { return };
+        for p in self.parts() {
+            let (from, to) = (new + (p.start - old), (new + (p.end - old)).min(new_end));
+            let to = if p.end == last.end { new_end } else { to };
+            if from < to && p.prot != READ_WRITE {
+                let _ = crate::io::sys!(libc::SYS_mprotect, from, to - from, p.prot);
+            }
+        }
+    }
+
+    /// The range grew in place from `from` to `to`: give that the (one) part's protection.
+    fn extend_to(&self, from: usize, to: usize) {
+        if let Some(p) = self.parts().last().filter(|p| p.prot != READ_WRITE) {
+            let _ = crate::io::sys!(libc::SYS_mprotect, from, to - from, p.prot);
+        }
+    }
+}
+
+/// The fork advice (up to one of each pair) the program gave to all of `offset..end` of a
+/// mapping: what the kernel's mapping of that range carries along when it moves or grows. Advice
+/// on part of it split the kernel's mapping, which a resize refuses before this is asked.
+fn whole_piece_advice(advice: &[(usize, usize, i32)], offset: usize, end: usize) -> [Option<i32>; 2] {
+    let mut out = [None; 2];
+    // The latest advice of each pair is in force.
+    for &(f, t, a) in advice {
+        if f <= offset && end <= t {
+            let pair = usize::from(!matches!(a, libc::MADV_WIPEONFORK | libc::MADV_KEEPONFORK));
+            out[pair] = Some(a);
+        }
+    }
+    // KEEPONFORK and DOFORK are what a fresh mapping has anyway.
+    out.map(|a| a.filter(|&a| matches!(a, libc::MADV_WIPEONFORK | libc::MADV_DONTFORK)))
 }
 
 /// The parts of `[old, old + len)` that were locked, at their new place `new`: a range locked

@@ -1,8 +1,10 @@
 //! Anonymous memory mappings and the madvise calls the engine needs.
 
+use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use rustix::io::Errno;
 use rustix::mm::{self, Advice, MapFlags, ProtFlags};
 
 use crate::{Error, Result, ResultExt, PAGE_SIZE};
@@ -285,6 +287,68 @@ pub unsafe fn discard(addr: *mut u8, len: usize) -> Result<()> {
         .context(|| format!("madvise(DONTNEED) of {len} bytes at {addr:p}"))
 }
 
+/// One mapping of this process as the kernel keeps it (a VMA): `[start, end)` and its
+/// protection (`PROT_*` bits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Vma {
+    /// First address.
+    pub start: usize,
+    /// One past the last address.
+    pub end: usize,
+    /// `PROT_READ`, `PROT_WRITE` and `PROT_EXEC` as the mapping has them.
+    pub prot: i32,
+}
+
+// _IOWR('f', 17, struct procmap_query)
+const PROCMAP_QUERY: u32 = (3 << 30)
+    | ((std::mem::size_of::<linux_raw_sys::general::procmap_query>() as u32) << 16)
+    | ((b'f' as u32) << 8)
+    | 17;
+
+/// The kernel's mappings that overlap `[start, end)`, in address order, written to `out`;
+/// returns how many (a full `out` may mean more follow). Asks PROCMAP_QUERY (Linux >= 6.11)
+/// on /proc/self/maps, one mapping per call, so nothing is allocated or parsed: safe to call
+/// with the preload's locks held. Err: the query is not available here, or failed.
+pub fn vmas(start: usize, end: usize, out: &mut [Vma]) -> std::result::Result<usize, Errno> {
+    use linux_raw_sys::general as uapi;
+    let maps = rustix::fs::open(
+        "/proc/self/maps",
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?;
+    let mut n = 0;
+    let mut at = start;
+    while at < end && n < out.len() {
+        // SAFETY: procmap_query is plain integers; all zeros is a valid value.
+        let mut query: uapi::procmap_query = unsafe { std::mem::zeroed() };
+        query.size = std::mem::size_of::<uapi::procmap_query>() as u64;
+        query.query_flags = uapi::procmap_query_flags::PROCMAP_QUERY_COVERING_OR_NEXT_VMA as u64;
+        query.query_addr = at as u64;
+        // SAFETY: PROCMAP_QUERY reads and fills a procmap_query of the given size; no name or
+        // build id is asked for (their sizes are 0), so the kernel writes nowhere else.
+        let rc = unsafe { libc::ioctl(maps.as_raw_fd(), PROCMAP_QUERY as _, &mut query as *mut uapi::procmap_query) };
+        if rc < 0 {
+            match std::io::Error::last_os_error().raw_os_error() {
+                // No mapping at or after `at`.
+                Some(libc::ENOENT) => break,
+                e => return Err(Errno::from_raw_os_error(e.unwrap_or(libc::EIO))),
+            }
+        }
+        let (vma_start, vma_end) = (query.vma_start as usize, query.vma_end as usize);
+        if vma_start >= end || vma_end <= at {
+            break;
+        }
+        let flag = |f: uapi::procmap_query_flags, prot: i32| if query.vma_flags & f as u64 != 0 { prot } else { 0 };
+        let prot = flag(uapi::procmap_query_flags::PROCMAP_QUERY_VMA_READABLE, libc::PROT_READ)
+            | flag(uapi::procmap_query_flags::PROCMAP_QUERY_VMA_WRITABLE, libc::PROT_WRITE)
+            | flag(uapi::procmap_query_flags::PROCMAP_QUERY_VMA_EXECUTABLE, libc::PROT_EXEC);
+        out[n] = Vma { start: vma_start, end: vma_end, prot };
+        n += 1;
+        at = vma_end;
+    }
+    Ok(n)
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -343,6 +407,38 @@ mod tests {
         let populated = Mapping::anonymous(64 * PAGE_SIZE, true).unwrap();
         assert!(rss_kib(populated.as_ptr()) >= 256, "a populated mapping holds its pages");
         assert_eq!(rss_kib(zeros.as_ptr()), 0, "the zero page is not counted as the mapping's memory");
+    }
+
+    #[test]
+    fn vmas_lists_the_kernels_mappings_with_their_protection() {
+        let map = Mapping::anonymous(4 * PAGE_SIZE, false).unwrap();
+        let base = map.as_ptr() as usize;
+        let protect = |page: usize, prot: mm::MprotectFlags| {
+            // SAFETY: one page of the mapping above, owned here and not touched while changed.
+            unsafe { mm::mprotect((base + page * PAGE_SIZE) as *mut libc::c_void, PAGE_SIZE, prot) }.unwrap();
+        };
+        protect(1, mm::MprotectFlags::empty());
+        protect(2, mm::MprotectFlags::READ);
+        let mut out = [Vma::default(); 8];
+        let n = match vmas(base, base + 4 * PAGE_SIZE, &mut out) {
+            Ok(n) => n,
+            Err(e) => {
+                eprintln!("SKIPPED vmas_lists_the_kernels_mappings_with_their_protection: PROCMAP_QUERY (Linux >= 6.11) is not available: {e}");
+                return;
+            }
+        };
+        let rw = libc::PROT_READ | libc::PROT_WRITE;
+        let page = |k: usize| base + k * PAGE_SIZE;
+        // The first and last parts may be merged with neighbouring mappings of the same kind.
+        assert_eq!(n, 4, "{:?}", &out[..n]);
+        assert_eq!((out[0].end, out[0].prot), (page(1), rw));
+        assert_eq!(out[1], Vma { start: page(1), end: page(2), prot: 0 });
+        assert_eq!(out[2], Vma { start: page(2), end: page(3), prot: libc::PROT_READ });
+        assert_eq!((out[3].start, out[3].prot), (page(3), rw));
+        // Only what overlaps the range, and no more than `out` holds.
+        assert_eq!(vmas(page(1), page(2), &mut out), Ok(1));
+        assert_eq!(out[0].prot, 0);
+        assert_eq!(vmas(base, page(4), &mut out[..2]), Ok(2));
     }
 
     #[test]
