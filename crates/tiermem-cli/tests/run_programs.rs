@@ -2186,9 +2186,9 @@ fn mremap_of_part_of_managed_memory_leaves_the_rest_in_place() {
 /// grows) with its protection; growing a mapping split by mprotect or by a lock on part of it
 /// fails with EFAULT and changes nothing (tiermem crashed copying the inaccessible part, or moved
 /// it readable and writable); a same-size move to a fixed place keeps each part's protection
-/// (Linux >= 6.17); fork advice on the whole mapping moves with it. The budget holds it all:
-/// pages the program made read-only or inaccessible cannot be evicted yet (UFFDIO_MOVE needs the
-/// staging area's protection), see docs/running-programs.md.
+/// (Linux >= 6.17); fork advice on the whole mapping moves with it. All of it pages (the budget
+/// is 16 MiB), and the forked child of case F gets copies of evicted pages of the protected
+/// mappings left by the others (it died of EFAULT reading them into a read-only one).
 const MREMAP_KEEPS_PROTECTION: &str = r#"
 #include <cerrno>
 #include <csetjmp>
@@ -2281,13 +2281,80 @@ int main() {
 #[test]
 fn mremap_of_protected_managed_memory_does_what_the_kernel_does() {
     let name = "mremap_of_protected_managed_memory_does_what_the_kernel_does";
-    same_output_in_both_fault_modes_under(
-        "256MiB",
+    same_output_in_both_fault_modes(
         name,
         MREMAP_KEEPS_PROTECTION,
         "A 0101 0\nB 2 0 0\nC 1 1 0\nD 1 0\nE 1010 0\nF 7 0 9\n",
         "per case: which accesses faulted, wrong words, EFAULT seen, the child's view",
     );
+}
+
+/// Managed memory the program made read-only, then inaccessible, pages like any other: twice
+/// the budget of each, with as much written memory after it, under both dirty trackings and
+/// both fault modes. Before, async WP could not evict such pages (UFFDIO_MOVE moves no page of
+/// a mapping that is not writable) and the program stalled once they filled the budget, and
+/// sync WP killed the program reading an inaccessible page to write it back.
+const PROTECTED_MEMORY_PAGES: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <sys/mman.h>
+// Twice the budget of managed memory made read-only, then inaccessible, with as much written
+// memory after it: everything must page, and every word read back once readable again.
+int main() {
+    const size_t mb = 1 << 20, n = 48 * mb;
+    long bad[2] = {0, 0};
+    const int prots[2] = {PROT_READ, PROT_NONE};
+    for (int k = 0; k < 2; k++) {
+        unsigned char* a = (unsigned char*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        for (size_t i = 0; i < n; i += 8) *(uint64_t*)(a + i) = (i + k) | 1;
+        if (mprotect(a, n, prots[k]) != 0) return 2;
+        unsigned char* b = (unsigned char*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        memset(b, 3, n);
+        if (mprotect(a, n, PROT_READ | PROT_WRITE) != 0) return 3;
+        for (size_t i = 0; i < n; i += 8) bad[k] += *(uint64_t*)(a + i) != ((i + k) | 1);
+        // Writable again: a write lands and pages out and back like any other.
+        for (size_t i = 0; i < n; i += 4096) a[i] ^= 0xff;
+        memset(b, 4, n);
+        for (size_t i = 0; i < n; i += 4096) bad[k] += a[i] != (((i + k) | 1) & 0xff ^ 0xff);
+        for (size_t i = 0; i < n; i += 4096) bad[k] += b[i] != 4;
+        munmap(a, n);
+        munmap(b, n);
+    }
+    printf("%ld %ld\n", bad[0], bad[1]);
+    return 0;
+}
+"#;
+
+#[test]
+fn memory_made_read_only_or_inaccessible_pages_like_any_other() {
+    let name = "memory_made_read_only_or_inaccessible_pages_like_any_other";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, PROTECTED_MEMORY_PAGES, "program", name) else { return };
+    for tracking in ["async-wp", "sync-wp"] {
+        for mode in ["sigbus", "thread"] {
+            let what = format!("{name}: {tracking}, {mode}");
+            let args = ["run", "--quiet", "--limit", "24MiB", "--dirty-tracking", tracking, "--fault-mode", mode, "--"];
+            let mut command = scratch.command(&args);
+            command.arg(&bin);
+            let child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+            let out = output_within(child, 120, &what);
+            let err = String::from_utf8_lossy(&out.stderr);
+            if err.contains("needs") && err.contains("Linux") {
+                eprintln!("SKIPPED {what}: {err}");
+                continue;
+            }
+            assert!(out.status.success(), "{what}: {err}");
+            assert_eq!(
+                String::from_utf8_lossy(&out.stdout),
+                "0 0\n",
+                "{what}: wrong words after read-only, inaccessible: {err}"
+            );
+        }
+    }
 }
 
 /// A forked child that unmaps, shrinks or moves part of a managed mapping it inherited goes on
@@ -2904,11 +2971,6 @@ fn a_map_fixed_piece_inside_managed_memory_is_the_kernels() {
 /// it must succeed, print `expected` (`what` says what the printed values are), and draw no
 /// "tiermem: cannot ..." message (statistics unwritten, say).
 fn same_output_in_both_fault_modes(name: &str, source: &str, expected: &str, what: &str) {
-    same_output_in_both_fault_modes_under("16MiB", name, source, expected, what);
-}
-
-/// [`same_output_in_both_fault_modes`] with a budget of `limit`.
-fn same_output_in_both_fault_modes_under(limit: &str, name: &str, source: &str, expected: &str, what: &str) {
     if !uffd_or_skip(name) {
         return;
     }
@@ -2916,7 +2978,7 @@ fn same_output_in_both_fault_modes_under(limit: &str, name: &str, source: &str, 
     let Some(bin) = build_cpp(&scratch, source, "program", name) else { return };
     for mode in ["sigbus", "thread"] {
         let mut command =
-            scratch.command(&["run", "--quiet", "--limit", limit, "--fault-mode", mode, "--", bin.to_str().unwrap()]);
+            scratch.command(&["run", "--quiet", "--limit", "16MiB", "--fault-mode", mode, "--", bin.to_str().unwrap()]);
         let child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         let out = output_within(child, 120, &format!("{name}: {mode}"));
         let err = String::from_utf8_lossy(&out.stderr);

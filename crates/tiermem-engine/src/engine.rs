@@ -80,6 +80,15 @@ pub(crate) struct Shared {
     /// This process's pagemap, to tell a page dropped behind the engine's back from a racing
     /// fault (see [`crate::fault::handle_fault`]); none where it cannot be opened.
     pub(crate) pagemap: Option<tiermem_sys::pagemap::Pagemap>,
+    /// Held (read) while reclaim takes out pages the program made read-only or inaccessible,
+    /// which UFFDIO_MOVE refuses, by copying them; a protection change takes it (write) through
+    /// [`Engine::protection_change`], so none can become writable between copy and drop.
+    pub(crate) protection: std::sync::RwLock<()>,
+    /// Every protection change of managed memory goes through [`Engine::protection_change`]
+    /// (the preload's mprotect does): only then are such pages taken out.
+    pub(crate) protection_guarded: AtomicBool,
+    /// /proc/self/mem, to read pages the program made inaccessible.
+    pub(crate) self_mem: Option<tiermem_sys::guarded_fd::Guarded<std::fs::File>>,
     /// Zeros to copy into untouched pages (enough for one zero-fill-around).
     pub(crate) zero_page: Mapping,
     /// Written to wake the reclaim thread (an eventfd: safe to write from a signal handler).
@@ -388,6 +397,9 @@ impl Engine {
             capture,
             prefault_metadata: AtomicBool::new(false),
             pagemap: tiermem_sys::pagemap::Pagemap::open_self().ok(),
+            protection: std::sync::RwLock::new(()),
+            protection_guarded: AtomicBool::new(false),
+            self_mem: std::fs::File::open("/proc/self/mem").ok().map(tiermem_sys::guarded_fd::Guarded::new),
             zero_page: Mapping::zeros(PAGE_SIZE * crate::fault::ZERO_FILL_AROUND)?,
             reclaim_wake: wake_eventfd()?,
             stop_event: wake_eventfd()?,
@@ -591,6 +603,16 @@ impl Engine {
     /// The budget in pages.
     pub fn limit_pages(&self) -> u64 {
         self.shared.limit_pages()
+    }
+
+    /// Hold this across every change of protection (mprotect) of managed memory; once asked
+    /// for, pages made read-only or inaccessible are evicted by copying them while no change
+    /// can happen (UFFDIO_MOVE, which eviction uses under async write protection, moves only
+    /// pages of writable mappings: without this such pages stay resident, and a program
+    /// keeping more of them than its budget stalls).
+    pub fn protection_change(&self) -> std::sync::RwLockWriteGuard<'_, ()> {
+        self.shared.protection_guarded.store(true, Ordering::Release);
+        self.shared.protection.write().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Whether residency is past the watermark (background reclaim is at work).

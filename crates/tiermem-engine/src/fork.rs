@@ -53,12 +53,16 @@ impl Engine {
         crate::delivery::detach_sigbus_in_child(&self.shared);
         let mut copied = ChildCopy::default();
         for region in hold.table.slots.iter().flatten() {
+            // The part of the region the page lies in, made writable for the copy if the program
+            // had made it read-only or inaccessible, and protected again once past it.
+            let mut part = OpenedPart::default();
             for (index, cell) in region.pages.iter().enumerate() {
                 let state = cell.peek();
                 let addr = region.page_addr(index as u64);
                 if matches!(state.kind(), Kind::Untouched | Kind::Resident) || skip(addr as usize) {
                     continue;
                 }
+                part.open_for(addr as usize);
                 // SAFETY: the page lies inside the region's mapping, which in the child is plain
                 // private memory that only this thread touches until fork() returns.
                 let page = unsafe { std::slice::from_raw_parts_mut(addr, PAGE_SIZE) };
@@ -83,5 +87,53 @@ impl Engine {
             }
         }
         Ok(copied)
+    }
+}
+
+/// In a forked child, the kernel mapping a copy is going into, opened for writing while the
+/// copy needs it if the program had protected it; protected again when dropped or when the copy
+/// moves past it.
+#[derive(Default)]
+struct OpenedPart {
+    /// The mapping's range and the protection to put back (0 end: none looked up yet).
+    start: usize,
+    end: usize,
+    prot: Option<i32>,
+}
+
+impl OpenedPart {
+    /// Make sure the page at `addr` can be written.
+    fn open_for(&mut self, addr: usize) {
+        if (self.start..self.end).contains(&addr) {
+            return;
+        }
+        self.close();
+        let mut vma = [tiermem_sys::mem::Vma::default(); 1];
+        let Ok(1) = tiermem_sys::mem::vmas(addr, addr + PAGE_SIZE, &mut vma) else {
+            // Unknown (no PROCMAP_QUERY): the page as the engine made it, writable.
+            *self = Self { start: addr, end: addr + PAGE_SIZE, prot: None };
+            return;
+        };
+        let rw = libc::PROT_READ | libc::PROT_WRITE;
+        let prot = (vma[0].prot & rw != rw).then_some(vma[0].prot);
+        *self = Self { start: vma[0].start, end: vma[0].end, prot };
+        if prot.is_some() {
+            // SAFETY: the child's own private mapping, which only this thread uses until fork()
+            // returns; its contents do not change.
+            let _ = unsafe { libc::syscall(libc::SYS_mprotect, self.start, self.end - self.start, rw) };
+        }
+    }
+
+    fn close(&mut self) {
+        if let Some(prot) = self.prot.take() {
+            // SAFETY: as in `open_for`: back to the program's own protection.
+            let _ = unsafe { libc::syscall(libc::SYS_mprotect, self.start, self.end - self.start, prot) };
+        }
+    }
+}
+
+impl Drop for OpenedPart {
+    fn drop(&mut self) {
+        self.close();
     }
 }

@@ -89,6 +89,12 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
             }
         }
     } else {
+        // Pages are read in place below: no protection may change until they are gone (a page
+        // made unreadable meanwhile would kill this thread). A change under way: next round.
+        let Ok(_no_change) = shared.protection.try_read() else {
+            unlock_all(shared, victims);
+            return 0;
+        };
         // Write-protect the dirty pages, run by run: from here a racing write waits for our lock.
         for_each_run(
             victims,
@@ -103,6 +109,7 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
                 }
             },
         );
+        let copies = copy_unreadable(shared, victims);
         settle_unwritten_around(shared, victims, true);
         queue_writes(shared, victims, true);
         for v in victims.iter_mut().flatten().filter(|v| v.next.is_none()) {
@@ -138,6 +145,7 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
                 }
             },
         );
+        release_copies(shared, victims, copies);
     }
     let mut evicted = 0;
     // Pages whose copy entered the victim tier, told to it once no victim is locked any more.
@@ -238,9 +246,13 @@ fn settle_unwritten_around(shared: &Shared, victims: &mut [Option<Victim<'_>>], 
 /// UFFDIO_MOVE, queue the writes of the written ones, and put back those that stay.
 fn capture_out(shared: &Shared, capture: &crate::capture::Capture, victims: &mut [Option<Victim<'_>>]) {
     let mut staging = capture.claim();
-    move_out(shared, capture, &mut staging, victims);
+    let mut unmoved = [None; PageList::CAPACITY];
+    move_out(shared, capture, &mut staging, victims, &mut unmoved);
     queue_writes(shared, victims, true);
     put_back_failed(shared, victims);
+    if unmoved.iter().any(Option::is_some) && shared.protection_guarded.load(Ordering::Acquire) {
+        copy_out_protected(shared, victims, &unmoved);
+    }
     // Dropping `staging` empties it (one MADV_DONTNEED): every page moved there is copied or
     // clean.
     Stats::add(&shared.stats.counters.unmap_calls, 1);
@@ -403,6 +415,11 @@ pub(crate) fn clean_batch(shared: &Shared, regions: &RegionTable, max: usize) ->
             v.next = Some(state);
         }
     }
+    // The pages are read in place below (see evict_batch).
+    let Ok(_no_change) = shared.protection.try_read() else {
+        unlock_all(shared, victims);
+        return 0;
+    };
     // Protect before copying: a write after this faults (sync WP) or shows as written (async
     // WP), so the copy never hides a later write.
     for_each_run(
@@ -419,8 +436,10 @@ pub(crate) fn clean_batch(shared: &Shared, regions: &RegionTable, max: usize) ->
             }
         },
     );
+    let copies = copy_unreadable(shared, victims);
     settle_unwritten_around(shared, victims, false);
     queue_writes(shared, victims, false);
+    release_copies(shared, victims, copies);
     let mut cleaned = shared.cleaned.lock().unwrap_or_else(|e| e.into_inner());
     let mut listed = 0;
     for v in victims.iter_mut().filter_map(Option::take) {
@@ -576,6 +595,7 @@ fn move_out(
     capture: &crate::capture::Capture,
     staging: &mut crate::capture::Staging<'_>,
     victims: &mut [Option<Victim<'_>>],
+    unmoved: &mut [Option<bool>; PageList::CAPACITY],
 ) {
     let n = victims.len();
     let mut written = [false; PageList::CAPACITY];
@@ -617,6 +637,7 @@ fn move_out(
         if !moved[k] {
             release(shared, v.buf.take());
             v.next = Some(state);
+            unmoved[k] = Some(written[k]);
             continue;
         }
         let page = staging.page(k);
@@ -641,6 +662,152 @@ fn move_out(
         if v.buf.is_none() {
             // No buffer to write it from: it goes back (see put_back_failed).
             v.next = Some(state.with_dirty(true));
+        }
+    }
+}
+
+/// Sync WP: where the program has changed the protection of managed memory, copy each victim
+/// it made unreadable (through /proc/self/mem) into a buffer of its own, which the write and
+/// the checks then read instead of the page (a read of the page itself would kill the reclaim
+/// thread). Write protection keeps the contents as they are meanwhile. Returns the copies, to
+/// release once the pages are gone.
+fn copy_unreadable(
+    shared: &Shared,
+    victims: &mut [Option<Victim<'_>>],
+) -> [Option<tiermem_device::BufId>; PageList::CAPACITY] {
+    let mut copies = [None; PageList::CAPACITY];
+    let Some(self_mem) = shared.self_mem.as_ref().filter(|_| shared.protection_guarded.load(Ordering::Acquire)) else {
+        return copies;
+    };
+    for (k, slot) in victims.iter_mut().enumerate() {
+        let Some(v) = slot.as_mut().filter(|v| v.next.is_none()) else { continue };
+        let addr = v.region.page_addr(v.index) as usize;
+        let mut vma = [tiermem_sys::mem::Vma::default(); 1];
+        if !matches!(tiermem_sys::mem::vmas(addr, addr + PAGE_SIZE, &mut vma), Ok(1) if vma[0].prot & libc::PROT_READ == 0)
+        {
+            continue;
+        }
+        let read = shared.arena.alloc().filter(|&copy| {
+            let read = rustix::io::pread(self_mem, shared.arena.bytes_mut(copy), addr as u64);
+            read.is_ok_and(|n| n == PAGE_SIZE) || {
+                shared.arena.release(copy);
+                false
+            }
+        });
+        match read {
+            Some(copy) => {
+                v.staged = Some(shared.arena.ptr(copy) as usize);
+                copies[k] = Some(copy);
+            }
+            // Unreadable and not copied: it stays.
+            None => {
+                release(shared, v.buf.take());
+                v.next = Some(v.page.state());
+            }
+        }
+    }
+    copies
+}
+
+/// Let go of victims nothing was done to yet: their buffers back, their locks released, and
+/// back to the replacement policy.
+fn unlock_all(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
+    for v in victims.iter_mut().filter_map(Option::take) {
+        release(shared, v.buf);
+        drop(v.page);
+        shared.replacement.on_insert(v.id);
+    }
+}
+
+/// Give back the copies [`copy_unreadable`] or [`copy_out_protected`] made, once written.
+fn release_copies(
+    shared: &Shared,
+    victims: &mut [Option<Victim<'_>>],
+    copies: [Option<tiermem_device::BufId>; PageList::CAPACITY],
+) {
+    for (slot, copy) in victims.iter_mut().zip(copies) {
+        if let (Some(v), Some(copy)) = (slot.as_mut(), copy) {
+            v.staged = None;
+            shared.arena.release(copy);
+        }
+    }
+}
+
+/// Async WP: take out the victims UFFDIO_MOVE left (`unmoved[k]`: whether the page was written
+/// since it came in) whose mapping the program made read-only or inaccessible, which the kernel
+/// moves no page out of. Their contents cannot change while protection changes wait
+/// ([`crate::Engine::protection_change`]), so each is copied (through /proc/self/mem, which
+/// reads inaccessible pages too), written back unless its slot holds it already, and dropped.
+/// Nothing is done when a protection change is under way: the pages stay for the next round.
+fn copy_out_protected(
+    shared: &Shared,
+    victims: &mut [Option<Victim<'_>>],
+    unmoved: &[Option<bool>; PageList::CAPACITY],
+) {
+    let Some(self_mem) = &shared.self_mem else { return };
+    let Ok(_no_change) = shared.protection.try_read() else { return };
+    // Copies of the pages, in buffers of their own (the victims' buffers get the written ones).
+    let mut copies: [Option<tiermem_device::BufId>; PageList::CAPACITY] = [None; PageList::CAPACITY];
+    for (k, slot) in victims.iter_mut().enumerate() {
+        let (Some(v), Some(was_written)) = (slot.as_mut(), unmoved[k]) else { continue };
+        let state = v.page.state();
+        if v.next != Some(state) || state.kind() != Kind::Resident || state.writing() {
+            continue;
+        }
+        let addr = v.region.page_addr(v.index) as usize;
+        let mut vma = [tiermem_sys::mem::Vma::default(); 1];
+        let writable = match tiermem_sys::mem::vmas(addr, addr + PAGE_SIZE, &mut vma) {
+            Ok(1) => vma[0].prot & libc::PROT_WRITE != 0,
+            _ => true,
+        };
+        if writable {
+            continue;
+        }
+        let Some(copy) = shared.arena.alloc() else { break };
+        let bytes = shared.arena.bytes_mut(copy);
+        if !matches!(rustix::io::pread(self_mem, &mut *bytes, addr as u64), Ok(n) if n == PAGE_SIZE) {
+            shared.arena.release(copy);
+            continue;
+        }
+        let clean = !was_written
+            && !state.dirty()
+            && state.slot().is_some()
+            && v.region
+                .slot_hashes
+                .get(v.index as usize)
+                .is_some_and(|h| h.load(Ordering::Relaxed) == crate::capture::page_hash(bytes));
+        if clean {
+            v.next = Some(clean_leaving(shared, state, bytes));
+            shared.arena.release(copy);
+        } else if let Some(buf) = shared.arena.alloc() {
+            // Written from its own buffer below, as a moved page is from the staging area.
+            v.buf = Some(buf);
+            v.next = None;
+            v.staged = Some(shared.arena.ptr(copy) as usize);
+            copies[k] = Some(copy);
+        } else {
+            shared.arena.release(copy);
+        }
+    }
+    queue_writes(shared, victims, true);
+    release_copies(shared, victims, copies);
+    // Drop the pages that leave, still under `_no_change`; one that cannot be dropped stays,
+    // with its write (if queued) finishing harmlessly.
+    for (k, slot) in victims.iter_mut().enumerate() {
+        let Some(v) = slot.as_mut().filter(|_| unmoved[k].is_some()) else { continue };
+        let Some(next) = v.next.filter(|n| n.kind() != Kind::Resident) else { continue };
+        Stats::add(&shared.stats.counters.unmap_calls, 1);
+        // SAFETY: the page is resident, locked by this thread and copied (or its slot holds
+        // it), and the program cannot write it while protection changes wait.
+        if unsafe { tiermem_sys::mem::discard(v.region.page_addr(v.index), PAGE_SIZE) }.is_err() {
+            if next.kind() == Kind::Prefetched {
+                shared.arena.release(next.buf());
+            }
+            let keep = v.page.state();
+            v.next = Some(match v.buf {
+                Some(b) if next.writing() => keep.with_slot(v.slot.map(|s| s.0)).with_writing(true).with_buf(b),
+                _ => keep,
+            });
         }
     }
 }

@@ -695,6 +695,33 @@ fn advise_managed(
     true
 }
 
+/// A protection change of managed memory waits while reclaim copies out pages the program made
+/// read-only or inaccessible (see `Engine::protection_change`), so none becomes writable between
+/// the copy and the drop. Everything else goes to the kernel as it is.
+fn change_protection(addr: usize, len: usize, kernel_call: impl FnOnce() -> libc::c_long) -> i32 {
+    let engine = (registry::may_overlap(addr, len.max(1)) && !runtime::in_forked_child())
+        .then(runtime::running_engine)
+        .flatten();
+    let _change = engine.map(tiermem_engine::Engine::protection_change);
+    kernel_call() as i32
+}
+
+/// # Safety
+/// The C contract of mprotect.
+#[no_mangle]
+pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: usize, prot: i32) -> i32 {
+    // SAFETY: the caller's own mprotect, passed to the kernel unchanged.
+    change_protection(addr as usize, len, || unsafe { libc::syscall(libc::SYS_mprotect, addr, len, prot) })
+}
+
+/// # Safety
+/// The C contract of pkey_mprotect.
+#[no_mangle]
+pub unsafe extern "C" fn pkey_mprotect(addr: *mut c_void, len: usize, prot: i32, pkey: i32) -> i32 {
+    // SAFETY: the caller's own pkey_mprotect, passed to the kernel unchanged.
+    change_protection(addr as usize, len, || unsafe { libc::syscall(libc::SYS_pkey_mprotect, addr, len, prot, pkey) })
+}
+
 /// # Safety
 /// The C contract of madvise.
 #[no_mangle]
