@@ -2186,7 +2186,9 @@ fn mremap_of_part_of_managed_memory_leaves_the_rest_in_place() {
 /// grows) with its protection; growing a mapping split by mprotect or by a lock on part of it
 /// fails with EFAULT and changes nothing (tiermem crashed copying the inaccessible part, or moved
 /// it readable and writable); a same-size move to a fixed place keeps each part's protection
-/// (Linux >= 6.17); fork advice on the whole mapping moves with it. All of it pages (the budget
+/// (Linux >= 6.17); fork advice on the whole mapping moves and grows with it, also advice given
+/// after a shrink through two growths in place (the second forgot it: advice was kept per
+/// call, and no one record covered the mapping). All of it pages (the budget
 /// is 16 MiB), and the forked child of case F gets copies of evicted pages of the protected
 /// mappings left by the others (it died of EFAULT reading them into a read-only one).
 const MREMAP_KEEPS_PROTECTION: &str = r#"
@@ -2274,6 +2276,17 @@ int main() {
     int status = 0;
     waitpid(child, &status, 0);
     printf("F %d %ld %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1, wrong(b, 0, 16 * mb), b[20 * mb]);
+    // G: and when advice given after a shrink holds through two growths in place.
+    a = filled();
+    if (mremap(a, 16 * mb, 8 * mb, 0) != a) return 16;
+    if (madvise(a, 8 * mb, MADV_WIPEONFORK) != 0) return 17;
+    if (mremap(a, 8 * mb, 12 * mb, 0) != a) return 18;
+    if (mremap(a, 12 * mb, 16 * mb, 0) != a) return 19;
+    a[14 * mb] = 9;
+    child = fork();
+    if (child == 0) _exit(a[0] == 0 && a[10 * mb] == 0 && a[14 * mb] == 0 ? 7 : 1);
+    waitpid(child, &status, 0);
+    printf("G %d %ld %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1, wrong(a, 0, 8 * mb), a[14 * mb]);
     return 0;
 }
 "#;
@@ -2284,7 +2297,7 @@ fn mremap_of_protected_managed_memory_does_what_the_kernel_does() {
     same_output_in_both_fault_modes(
         name,
         MREMAP_KEEPS_PROTECTION,
-        "A 0101 0\nB 2 0 0\nC 1 1 0\nD 1 0\nE 1010 0\nF 7 0 9\n",
+        "A 0101 0\nB 2 0 0\nC 1 1 0\nD 1 0\nE 1010 0\nF 7 0 9\nG 7 0 9\n",
         "per case: which accesses faulted, wrong words, EFAULT seen, the child's view",
     );
 }

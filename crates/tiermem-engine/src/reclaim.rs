@@ -36,7 +36,9 @@ struct Victim<'a> {
     slot: Option<(u64, bool)>,
     /// The state to publish, once decided.
     next: Option<PageState>,
-    /// Async WP: the staging page the page was moved to (its contents are read there).
+    /// Where the page's contents are read instead of the page itself: the staging page it was
+    /// moved to (async WP), or an arena copy of a page the program made unreadable or that
+    /// UFFDIO_MOVE refused ([`copy_unreadable`], [`copy_out_protected`]).
     staged: Option<usize>,
 }
 
@@ -666,11 +668,13 @@ fn move_out(
     }
 }
 
-/// Sync WP: where the program has changed the protection of managed memory, copy each victim
-/// it made unreadable (through /proc/self/mem) into a buffer of its own, which the write and
-/// the checks then read instead of the page (a read of the page itself would kill the reclaim
-/// thread). Write protection keeps the contents as they are meanwhile. Returns the copies, to
-/// release once the pages are gone.
+/// Eviction under sync WP and cleaning (either WP), which read victims in place: where the
+/// program has changed the protection of managed memory, copy each victim it made unreadable
+/// (through /proc/self/mem) into an arena buffer of its own, set as the victim's `staged`
+/// page, which the write and the checks then read instead (a read of the page itself would
+/// kill the reclaim thread). Write protection keeps the contents as they are meanwhile, and
+/// the caller's hold on [`Shared::protection`] the protection. Returns the copies, to release
+/// once written.
 fn copy_unreadable(
     shared: &Shared,
     victims: &mut [Option<Victim<'_>>],
@@ -683,7 +687,8 @@ fn copy_unreadable(
         let Some(v) = slot.as_mut().filter(|v| v.next.is_none()) else { continue };
         let addr = v.region.page_addr(v.index) as usize;
         let mut vma = [tiermem_sys::mem::Vma::default(); 1];
-        if !matches!(tiermem_sys::mem::vmas(addr, addr + PAGE_SIZE, &mut vma), Ok(1) if vma[0].prot & libc::PROT_READ == 0)
+        // Read in place only when known to be readable; a failed query copies (safe either way).
+        if matches!(tiermem_sys::mem::vmas(addr, addr + PAGE_SIZE, &mut vma), Ok(1) if vma[0].prot & libc::PROT_READ != 0)
         {
             continue;
         }
@@ -938,11 +943,12 @@ fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>], leave: bool
 }
 
 /// The page a victim's write copies: the page itself, mapped (resident, locked) and
-/// write-protected, or the staging page it was moved to.
+/// write-protected, or what `staged` points at (its staging page or arena copy).
 ///
 /// # Safety
-/// Only this thread touches a staging page, and a protected locked page is not written: the
-/// bytes are stable while the returned slice is used, within this reclaim round.
+/// Only this thread touches a staging page or a victim's copy, and a protected locked page is
+/// not written: the bytes are stable while the returned slice is used, within this reclaim
+/// round.
 unsafe fn source<'a>(v: &Victim<'a>) -> &'a [u8] {
     let from = v.staged.map_or(v.region.page_addr(v.index).cast_const(), |a| a as *const u8);
     // SAFETY: the caller's contract; `from` is PAGE_SIZE readable bytes (see above).

@@ -572,7 +572,7 @@ impl KernelParts {
     fn readable(&self) {
         let listed = self.parts().last().is_some_and(|p| p.end == self.end);
         if !listed || self.parts().iter().any(|p| p.prot & libc::PROT_READ == 0) {
-            let _ = crate::io::sys!(libc::SYS_mprotect, self.start, self.end - self.start, libc::PROT_READ);
+            protect(self.start, self.end - self.start, libc::PROT_READ);
         }
     }
 
@@ -584,7 +584,7 @@ impl KernelParts {
             let (from, to) = (new + (p.start - old), (new + (p.end - old)).min(new_end));
             let to = if p.end == last.end { new_end } else { to };
             if from < to && p.prot != READ_WRITE {
-                let _ = crate::io::sys!(libc::SYS_mprotect, from, to - from, p.prot);
+                protect(from, to - from, p.prot);
             }
         }
     }
@@ -592,25 +592,34 @@ impl KernelParts {
     /// The range grew in place from `from` to `to`: give that the (one) part's protection.
     fn extend_to(&self, from: usize, to: usize) {
         if let Some(p) = self.parts().last().filter(|p| p.prot != READ_WRITE) {
-            let _ = crate::io::sys!(libc::SYS_mprotect, from, to - from, p.prot);
+            protect(from, to - from, p.prot);
         }
     }
 }
 
-/// The fork advice (up to one of each pair) the program gave to all of `offset..end` of a
-/// mapping: what the kernel's mapping of that range carries along when it moves or grows. Advice
-/// on part of it split the kernel's mapping, which a resize refuses before this is asked.
+/// The fork advice (up to one of each pair) in force on all of `offset..end` of a mapping:
+/// what the kernel's mapping of that range carries along when it moves or grows. Advice is
+/// recorded per call (a mapping grown twice holds it in pieces); at each point the latest of a
+/// pair that covers it is in force. Advice on part of it split the kernel's mapping, which a
+/// resize refuses before this is asked.
 fn whole_piece_advice(advice: &[(usize, usize, i32)], offset: usize, end: usize) -> [Option<i32>; 2] {
+    let pair_of = |a: i32| usize::from(!matches!(a, libc::MADV_WIPEONFORK | libc::MADV_KEEPONFORK));
     let mut out = [None; 2];
-    // The latest advice of each pair is in force.
-    for &(f, t, a) in advice {
-        if f <= offset && end <= t {
-            let pair = usize::from(!matches!(a, libc::MADV_WIPEONFORK | libc::MADV_KEEPONFORK));
-            out[pair] = Some(a);
+    for (pair, on) in [(0, libc::MADV_WIPEONFORK), (1, libc::MADV_DONTFORK)] {
+        let of_pair = || advice.iter().filter(move |&&(_, _, a)| pair_of(a) == pair);
+        // Every point where the advice in force may change, then each stretch between two.
+        let mut cuts: Vec<usize> = of_pair().flat_map(|&(f, t, _)| [f, t]).filter(|&c| offset < c && c < end).collect();
+        cuts.extend([offset, end]);
+        cuts.sort_unstable();
+        cuts.dedup();
+        let all_on = cuts
+            .windows(2)
+            .all(|w| of_pair().rfind(|&&(f, t, _)| f <= w[0] && w[1] <= t).is_some_and(|&(_, _, a)| a == on));
+        if all_on && offset < end {
+            out[pair] = Some(on);
         }
     }
-    // KEEPONFORK and DOFORK are what a fresh mapping has anyway.
-    out.map(|a| a.filter(|&a| matches!(a, libc::MADV_WIPEONFORK | libc::MADV_DONTFORK)))
+    out
 }
 
 /// The parts of `[old, old + len)` that were locked, at their new place `new`: a range locked
@@ -699,11 +708,45 @@ fn advise_managed(
 /// read-only or inaccessible (see `Engine::protection_change`), so none becomes writable between
 /// the copy and the drop. Everything else goes to the kernel as it is.
 fn change_protection(addr: usize, len: usize, kernel_call: impl FnOnce() -> libc::c_long) -> i32 {
-    let engine = (registry::may_overlap(addr, len.max(1)) && !runtime::in_forked_child())
-        .then(runtime::running_engine)
-        .flatten();
-    let _change = engine.map(tiermem_engine::Engine::protection_change);
-    kernel_call() as i32
+    let managed = registry::may_overlap(addr, len.max(1))
+        && !runtime::in_forked_child()
+        && !registry::overlapping(&registry::lock(), addr, len.max(1)).is_empty();
+    let Some(engine) = runtime::running_engine().filter(|_| managed) else { return kernel_call() as i32 };
+    // No signal handler may run while the change is held: one touching evicted memory would
+    // wait for reclaim, which waits for the change to end.
+    // SAFETY: sigset_t is plain data, valid all zeros.
+    let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; rt_sigprocmask writes the old mask here.
+    let mut before: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `all` is a valid sigset_t.
+    unsafe { libc::sigfillset(&mut all) };
+    let set_size = std::mem::size_of::<libc::c_ulong>();
+    crate::io::sys!(
+        libc::SYS_rt_sigprocmask,
+        libc::SIG_BLOCK,
+        &all as *const libc::sigset_t,
+        &mut before as *mut libc::sigset_t,
+        set_size
+    );
+    let rc = {
+        let _change = engine.protection_change();
+        kernel_call()
+    };
+    let errno = runtime::errno();
+    crate::io::sys!(
+        libc::SYS_rt_sigprocmask,
+        libc::SIG_SETMASK,
+        &before as *const libc::sigset_t,
+        std::ptr::null_mut::<libc::sigset_t>(),
+        set_size
+    );
+    runtime::set_errno(errno);
+    rc as i32
+}
+
+/// mprotect for tiermem's own changes to the program's managed mappings, under the same lock.
+fn protect(start: usize, len: usize, prot: i32) {
+    change_protection(start, len, || crate::io::sys!(libc::SYS_mprotect, start, len, prot) as libc::c_long);
 }
 
 /// # Safety
