@@ -130,22 +130,7 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
             shared,
             victims,
             |v| v.next.is_some_and(|n| n.kind() != Kind::Resident),
-            |v, ok| {
-                if !ok {
-                    // Still mapped: stays resident (a write in flight for it is harmless), and
-                    // a copy taken for the victim tier goes back.
-                    if let Some(n) = v.next.filter(|n| n.kind() == Kind::Prefetched) {
-                        shared.arena.release(n.buf());
-                    }
-                    let keep = v.page.state();
-                    v.next = Some(match v.buf {
-                        Some(b) if v.next.is_some_and(|n| n.writing()) => {
-                            keep.with_slot(v.slot.map(|s| s.0)).with_writing(true).with_buf(b)
-                        }
-                        _ => keep,
-                    });
-                }
-            },
+            |v, ok| stay_unless_dropped(shared, v, ok),
         );
         release_copies(shared, victims, copies);
     }
@@ -569,6 +554,62 @@ fn discard_runs<'a>(
     );
 }
 
+/// After a drop of a leaving victim: if it failed (`dropped` false) the page is still mapped
+/// and stays resident (a write in flight for it is harmless), and a copy taken for the victim
+/// tier goes back.
+fn stay_unless_dropped(shared: &Shared, v: &mut Victim<'_>, dropped: bool) {
+    if dropped {
+        return;
+    }
+    if let Some(n) = v.next.filter(|n| n.kind() == Kind::Prefetched) {
+        shared.arena.release(n.buf());
+    }
+    let keep = v.page.state();
+    v.next = Some(match v.buf {
+        Some(b) if v.next.is_some_and(|n| n.writing()) => {
+            keep.with_slot(v.slot.map(|s| s.0)).with_writing(true).with_buf(b)
+        }
+        _ => keep,
+    });
+}
+
+/// Whether the slot of a victim in `state` already holds `bytes`, its contents: not written
+/// since it came in (`written`: the kernel's written bit under async WP), not dirty, and equal
+/// to the slot by hash, which covers a write between the scan and the move or copy.
+fn slot_holds(v: &Victim<'_>, state: PageState, written: bool, bytes: &[u8]) -> bool {
+    !written
+        && !state.dirty()
+        && state.slot().is_some()
+        && v.region
+            .slot_hashes
+            .get(v.index as usize)
+            .is_some_and(|h| h.load(Ordering::Relaxed) == crate::capture::page_hash(bytes))
+}
+
+/// The protection of the kernel mapping holding `addr`, if it can be asked (PROCMAP_QUERY).
+fn page_prot(addr: usize) -> Option<i32> {
+    let mut vma = [tiermem_sys::mem::Vma::default(); 1];
+    match tiermem_sys::mem::vmas(addr, addr + PAGE_SIZE, &mut vma) {
+        Ok(1) => Some(vma[0].prot),
+        _ => None,
+    }
+}
+
+/// A copy of the page at `addr` in an arena buffer of its own, read through /proc/self/mem
+/// (which reads pages the program made inaccessible too); None without a buffer or on a
+/// failed read.
+fn copy_page(shared: &Shared, addr: usize) -> Option<tiermem_device::BufId> {
+    let self_mem = shared.self_mem.as_ref()?;
+    let copy = shared.arena.alloc()?;
+    match rustix::io::pread(self_mem, shared.arena.bytes_mut(copy), addr as u64) {
+        Ok(n) if n == PAGE_SIZE => Some(copy),
+        _ => {
+            shared.arena.release(copy);
+            None
+        }
+    }
+}
+
 /// End (exclusive) of the run of address-contiguous victims, all accepted by `pick`, that starts
 /// at `i` (victims are sorted).
 fn run_end<'a>(victims: &[Option<Victim<'a>>], i: usize, pick: impl Fn(&Option<Victim<'a>>) -> bool) -> usize {
@@ -644,14 +685,9 @@ fn move_out(
         }
         let page = staging.page(k);
         v.staged = Some(page as usize);
-        let clean = !written[k] && !state.dirty() && state.slot().is_some() && {
-            // SAFETY: the page was moved to this staging page, which only this thread touches.
-            let bytes = unsafe { std::slice::from_raw_parts(page.cast_const(), PAGE_SIZE) };
-            v.region
-                .slot_hashes
-                .get(v.index as usize)
-                .is_some_and(|h| h.load(Ordering::Relaxed) == crate::capture::page_hash(bytes))
-        };
+        // SAFETY: the page was moved to this staging page, which only this thread touches.
+        let bytes = unsafe { std::slice::from_raw_parts(page.cast_const(), PAGE_SIZE) };
+        let clean = slot_holds(v, state, written[k], bytes);
         if clean {
             release(shared, v.buf.take());
             // SAFETY: see [`source`]: the staging page is this thread's alone.
@@ -680,26 +716,17 @@ fn copy_unreadable(
     victims: &mut [Option<Victim<'_>>],
 ) -> [Option<tiermem_device::BufId>; PageList::CAPACITY] {
     let mut copies = [None; PageList::CAPACITY];
-    let Some(self_mem) = shared.self_mem.as_ref().filter(|_| shared.protection_guarded.load(Ordering::Acquire)) else {
+    if !shared.protection_guarded.load(Ordering::Acquire) {
         return copies;
-    };
+    }
     for (k, slot) in victims.iter_mut().enumerate() {
         let Some(v) = slot.as_mut().filter(|v| v.next.is_none()) else { continue };
         let addr = v.region.page_addr(v.index) as usize;
-        let mut vma = [tiermem_sys::mem::Vma::default(); 1];
         // Read in place only when known to be readable; a failed query copies (safe either way).
-        if matches!(tiermem_sys::mem::vmas(addr, addr + PAGE_SIZE, &mut vma), Ok(1) if vma[0].prot & libc::PROT_READ != 0)
-        {
+        if page_prot(addr).is_some_and(|prot| prot & libc::PROT_READ != 0) {
             continue;
         }
-        let read = shared.arena.alloc().filter(|&copy| {
-            let read = rustix::io::pread(self_mem, shared.arena.bytes_mut(copy), addr as u64);
-            read.is_ok_and(|n| n == PAGE_SIZE) || {
-                shared.arena.release(copy);
-                false
-            }
-        });
-        match read {
+        match copy_page(shared, addr) {
             Some(copy) => {
                 v.staged = Some(shared.arena.ptr(copy) as usize);
                 copies[k] = Some(copy);
@@ -749,10 +776,10 @@ fn copy_out_protected(
     victims: &mut [Option<Victim<'_>>],
     unmoved: &[Option<bool>; PageList::CAPACITY],
 ) {
-    let Some(self_mem) = &shared.self_mem else { return };
     let Ok(_no_change) = shared.protection.try_read() else { return };
     // Copies of the pages, in buffers of their own (the victims' buffers get the written ones).
     let mut copies: [Option<tiermem_device::BufId>; PageList::CAPACITY] = [None; PageList::CAPACITY];
+    let mut leaving: [Option<PageId>; PageList::CAPACITY] = [None; PageList::CAPACITY];
     for (k, slot) in victims.iter_mut().enumerate() {
         let (Some(v), Some(was_written)) = (slot.as_mut(), unmoved[k]) else { continue };
         let state = v.page.state();
@@ -760,28 +787,13 @@ fn copy_out_protected(
             continue;
         }
         let addr = v.region.page_addr(v.index) as usize;
-        let mut vma = [tiermem_sys::mem::Vma::default(); 1];
-        let writable = match tiermem_sys::mem::vmas(addr, addr + PAGE_SIZE, &mut vma) {
-            Ok(1) => vma[0].prot & libc::PROT_WRITE != 0,
-            _ => true,
-        };
-        if writable {
+        if page_prot(addr).is_none_or(|prot| prot & libc::PROT_WRITE != 0) {
             continue;
         }
-        let Some(copy) = shared.arena.alloc() else { break };
+        let Some(copy) = copy_page(shared, addr) else { continue };
+        leaving[k] = Some(v.id);
         let bytes = shared.arena.bytes_mut(copy);
-        if !matches!(rustix::io::pread(self_mem, &mut *bytes, addr as u64), Ok(n) if n == PAGE_SIZE) {
-            shared.arena.release(copy);
-            continue;
-        }
-        let clean = !was_written
-            && !state.dirty()
-            && state.slot().is_some()
-            && v.region
-                .slot_hashes
-                .get(v.index as usize)
-                .is_some_and(|h| h.load(Ordering::Relaxed) == crate::capture::page_hash(bytes));
-        if clean {
+        if slot_holds(v, state, was_written, bytes) {
             v.next = Some(clean_leaving(shared, state, bytes));
             shared.arena.release(copy);
         } else if let Some(buf) = shared.arena.alloc() {
@@ -791,30 +803,19 @@ fn copy_out_protected(
             v.staged = Some(shared.arena.ptr(copy) as usize);
             copies[k] = Some(copy);
         } else {
+            leaving[k] = None;
             shared.arena.release(copy);
         }
     }
     queue_writes(shared, victims, true);
     release_copies(shared, victims, copies);
-    // Drop the pages that leave, still under `_no_change`; one that cannot be dropped stays,
-    // with its write (if queued) finishing harmlessly.
-    for (k, slot) in victims.iter_mut().enumerate() {
-        let Some(v) = slot.as_mut().filter(|_| unmoved[k].is_some()) else { continue };
-        let Some(next) = v.next.filter(|n| n.kind() != Kind::Resident) else { continue };
-        Stats::add(&shared.stats.counters.unmap_calls, 1);
-        // SAFETY: the page is resident, locked by this thread and copied (or its slot holds
-        // it), and the program cannot write it while protection changes wait.
-        if unsafe { tiermem_sys::mem::discard(v.region.page_addr(v.index), PAGE_SIZE) }.is_err() {
-            if next.kind() == Kind::Prefetched {
-                shared.arena.release(next.buf());
-            }
-            let keep = v.page.state();
-            v.next = Some(match v.buf {
-                Some(b) if next.writing() => keep.with_slot(v.slot.map(|s| s.0)).with_writing(true).with_buf(b),
-                _ => keep,
-            });
-        }
-    }
+    // Drop the pages that leave, still under `_no_change`.
+    discard_runs(
+        shared,
+        victims,
+        |v| leaving.contains(&Some(v.id)) && v.next.is_some_and(|n| n.kind() != Kind::Resident),
+        |v, ok| stay_unless_dropped(shared, v, ok),
+    );
 }
 
 /// Move one page; a page shared with a forked child (not exclusively ours, which UFFDIO_MOVE

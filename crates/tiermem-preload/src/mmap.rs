@@ -720,6 +720,9 @@ fn change_protection(addr: usize, len: usize, kernel_call: impl FnOnce() -> libc
     let mut before: libc::sigset_t = unsafe { std::mem::zeroed() };
     // SAFETY: `all` is a valid sigset_t.
     unsafe { libc::sigfillset(&mut all) };
+    // Never SIGBUS, which serves faults in sigbus mode (as the sigprocmask wrappers keep it).
+    // SAFETY: as above.
+    unsafe { libc::sigdelset(&mut all, libc::SIGBUS) };
     let set_size = std::mem::size_of::<libc::c_ulong>();
     crate::io::sys!(
         libc::SYS_rt_sigprocmask,
