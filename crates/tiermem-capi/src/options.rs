@@ -25,6 +25,7 @@ pub const KEYS: &[&str] = &[
     "handler_threads",
     "handler_spin_us",
     "hot_threshold",
+    "damon",
 ];
 
 /// An engine configuration plus the device to open for it.
@@ -61,6 +62,7 @@ fn apply(config: &mut EngineConfig, key: &str, value: &str) -> Result<()> {
         "handler_threads" => config.handler_threads = number(value)?,
         "handler_spin_us" => config.handler_spin_us = number(value)?,
         "hot_threshold" => config.hot_threshold = number(value)?,
+        "damon" => config.damon = tiermem_engine::settings::on_off(value)?,
         other => return Err(Error::new(ErrorKind::Internal, format!("option `{other}` is not an engine field"))),
     }
     Ok(())

@@ -406,6 +406,10 @@ struct RunArgs {
     /// back if evicted), 1..=64 [default: 8].
     #[arg(long, env = "TIERMEM_HOT_THRESHOLD")]
     hot_threshold: Option<String>,
+    /// on | off: also feed the access monitor from DAMON's monitoring of physical memory: pages
+    /// in regions it finds accessed are reported hot (needs root) [default: off].
+    #[arg(long, env = "TIERMEM_DAMON")]
+    damon: Option<String>,
     /// on | off: write address-contiguous dirty pages of a reclaim batch as one request of up
     /// to 32 pages to consecutive slots [default: off].
     #[arg(long, env = "TIERMEM_WRITE_RUNS")]
@@ -548,6 +552,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_RECLAIM_MODE", &args.reclaim_mode),
         ("TIERMEM_WRITE_FAULT_AROUND", &args.write_fault_around),
         ("TIERMEM_HOT_THRESHOLD", &args.hot_threshold),
+        ("TIERMEM_DAMON", &args.damon),
         ("TIERMEM_DIRTY_TRACKING", &args.dirty_tracking),
         ("TIERMEM_THRESHOLD", &args.threshold),
         ("TIERMEM_CGROUP", &args.cgroup),

@@ -147,6 +147,11 @@ pub struct EngineConfig {
     /// takes N read faults while it stays in the 64-entry hot-page table; a hot page found
     /// resident gets its referenced bit, one found evicted is read back.
     pub hot_threshold: u32,
+    /// Feed the access monitor from DAMON too: the resident pages in physical regions DAMON
+    /// found accessed in at least N samples of a window are reported hot (see `damon.rs`).
+    /// Listens to a kdamond already monitoring physical memory, or starts one when none exists;
+    /// needs root (tracefs, DAMON sysfs, frame numbers in /proc/self/pagemap).
+    pub damon: bool,
     /// Record every fault (page id, read or write) to this file in the simulator's binary trace
     /// format, for `tiermem sim`.
     pub trace_path: Option<std::path::PathBuf>,
@@ -182,6 +187,7 @@ impl Default for EngineConfig {
             read_runs: false,
             defer_prefetch_hits: false,
             hot_threshold: tiermem_monitor::hot_table::DEFAULT_THRESHOLD,
+            damon: false,
             trace_path: None,
         }
     }

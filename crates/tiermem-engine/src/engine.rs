@@ -283,6 +283,16 @@ impl Engine {
     /// Start an engine on `device` with `config`.
     pub fn new(config: EngineConfig, device: Arc<dyn Device>) -> Result<Self> {
         config.validate()?;
+        // Opened first: without it the engine refuses to start rather than run without a
+        // source the caller asked for.
+        let damon_events = if config.damon {
+            Some(
+                tiermem_monitor::damon::DamonEvents::open(crate::damon::OWN_SAMPLE, crate::damon::OWN_WINDOW)
+                    .map_err(|e| e.context("the DAMON source (--damon)"))?,
+            )
+        } else {
+            None
+        };
         let features = KernelFeatures::probe();
         if !features.userfaultfd {
             return Err(Error::new(
@@ -426,6 +436,10 @@ impl Engine {
         if let Some(consumer) = shared.monitor.take_consumer() {
             let s = shared.clone();
             threads.push(spawn("tiermem-monitor", Box::new(move || crate::monitor::monitor_thread(&s, consumer)))?);
+        }
+        if let Some(events) = damon_events {
+            let s = shared.clone();
+            threads.push(spawn("tiermem-damon", Box::new(move || crate::damon::damon_thread(&s, events)))?);
         }
         if shared.config.reclaim_mode == ReclaimMode::Background {
             let s = shared.clone();

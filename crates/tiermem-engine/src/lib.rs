@@ -13,6 +13,7 @@
 
 mod capture;
 pub mod config;
+mod damon;
 mod delivery;
 mod discard;
 mod engine;

@@ -138,6 +138,46 @@ impl LiveMonitor {
     }
 }
 
+impl LiveMonitor {
+    /// Feed DAMON's finding for `pages` (resident managed pages in regions it saw accessed) as
+    /// the physical source: their frames are entered in the reverse page table for the feed
+    /// and taken out after it (a frame's page changes once it is evicted). Waits for ring room
+    /// first, as advice does; false if the engine shuts down meanwhile.
+    pub(crate) fn physical_pages(&self, shared: &Shared, pages: &[crate::damon::AccessedPage]) -> bool {
+        let frames: Vec<tiermem_monitor::damon::DamonRegion> = pages
+            .iter()
+            .map(|p| {
+                let start = p.pfn * PAGE_SIZE as u64;
+                tiermem_monitor::damon::DamonRegion {
+                    start,
+                    end: start + PAGE_SIZE as u64,
+                    nr_accesses: p.nr_accesses,
+                    age: 0,
+                }
+            })
+            .collect();
+        let mut monitor = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+        while monitor.room() < pages.len() {
+            self.wake();
+            if shared.shutdown.load(Ordering::Acquire) {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        for p in pages {
+            // A region index the 16-bit field cannot hold is left out (reports carry 16 bits).
+            let _ = monitor.reverse_page_table().insert(p.pfn, p.region, p.page);
+        }
+        monitor.damon_regions(&frames);
+        for p in pages {
+            monitor.reverse_page_table().remove(p.pfn);
+        }
+        drop(monitor);
+        self.wake();
+        true
+    }
+}
+
 /// Will-need pages of one region gathered from consecutive reports, read together (contiguous
 /// pages share one request where their slots are contiguous too), and those set aside because
 /// they were busy.

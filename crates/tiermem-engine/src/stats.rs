@@ -124,6 +124,11 @@ pub struct Counters {
     pub monitor_read_ahead: AtomicU64,
     /// Resident pages advised cold and put first in line for eviction.
     pub cold_listed: AtomicU64,
+    /// DAMON aggregation windows the DAMON source took (`EngineConfig::damon`).
+    pub damon_windows: AtomicU64,
+    /// Resident managed pages found in regions DAMON saw accessed, over all windows (fed to
+    /// the monitor; those seen in at least N samples become hot reports).
+    pub damon_pages: AtomicU64,
     /// Evicted pages whose copy entered the victim tier (see [`crate::EngineConfig::victim_pages`]).
     pub victim_kept: AtomicU64,
     /// Faults served from the victim tier (a copy back, no device read).
@@ -242,6 +247,8 @@ impl Stats {
             unwritten_around: l(&c.unwritten_around),
             monitor_read_ahead: l(&c.monitor_read_ahead),
             cold_listed: l(&c.cold_listed),
+            damon_windows: l(&c.damon_windows),
+            damon_pages: l(&c.damon_pages),
             victim_kept: l(&c.victim_kept),
             victim_hits: l(&c.victim_hits),
             victim_dropped: l(&c.victim_dropped),
@@ -353,6 +360,12 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub cold_listed: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub damon_windows: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub damon_pages: u64,
     /// See [`Counters`].
     #[serde(default)]
     pub victim_kept: u64,
@@ -476,6 +489,13 @@ impl StatsSnapshot {
                 self.monitor_reports, self.hot_reports, self.monitor_read_ahead, self.cold_listed
             );
         }
+        if self.damon_windows > 0 {
+            let _ = writeln!(
+                s,
+                "DAMON           {} windows: {} resident pages found in accessed regions",
+                self.damon_windows, self.damon_pages
+            );
+        }
         if self.dropped_outside > 0 {
             let _ = writeln!(
                 s,
@@ -552,6 +572,8 @@ impl StatsSnapshot {
         self.unwritten_around += other.unwritten_around;
         self.monitor_read_ahead += other.monitor_read_ahead;
         self.cold_listed += other.cold_listed;
+        self.damon_windows += other.damon_windows;
+        self.damon_pages += other.damon_pages;
         self.victim_kept += other.victim_kept;
         self.victim_hits += other.victim_hits;
         self.victim_dropped += other.victim_dropped;

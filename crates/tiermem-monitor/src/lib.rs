@@ -60,6 +60,9 @@ pub struct Report {
 }
 
 const PAGE_MASK: u64 = (1 << 40) - 1;
+/// Marks physical frames in the hot-page table, which the engine's faults share with keys of
+/// (region, page): equal numbers of the two kinds stay apart.
+const PHYSICAL_KEY: u64 = 1 << 62;
 
 impl Report {
     /// Pack into a ring word.
@@ -183,8 +186,8 @@ impl Monitor {
     /// hot-page table, then the reverse page table.
     pub fn physical_line(&mut self, pfn: u64, write: bool) {
         self.counters.line_requests += 1;
-        if let Some(hot) = self.table.access(pfn, write) {
-            match self.rpt.lookup(hot) {
+        if let Some(hot) = self.table.access(pfn | PHYSICAL_KEY, write) {
+            match self.rpt.lookup(hot & !PHYSICAL_KEY) {
                 Some((pid, vpn)) => {
                     let _ = self.send(Report { kind: ReportKind::Hot, owner: pid, page: vpn });
                 }
