@@ -288,7 +288,7 @@ impl Engine {
         let damon_events = if config.damon {
             Some(
                 tiermem_monitor::damon::DamonEvents::open(crate::damon::OWN_SAMPLE, crate::damon::OWN_WINDOW)
-                    .map_err(|e| e.context("the DAMON source (--damon)"))?,
+                    .map_err(|e| e.context("the DAMON source (--damon; it needs root)"))?,
             )
         } else {
             None
