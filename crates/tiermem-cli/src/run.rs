@@ -492,12 +492,28 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         tiermem_device::DeviceSpec::File(path) if !path.exists() => Some(path.clone()),
         _ => None,
     };
+    // The engines only listen to a kdamond monitoring physical memory: one is started for the
+    // run when none exists, and stopped when it ends.
+    let own_kdamond = if settings.engine.damon {
+        tiermem_monitor::damon::ensure_paddr_kdamond(
+            tiermem_engine::damon::OWN_SAMPLE,
+            tiermem_engine::damon::OWN_WINDOW,
+        )
+        .map_err(|e| e.context("the DAMON source (--damon; it needs root)"))?
+    } else {
+        None
+    };
     let ending = spawn_and_wait(program, |command| {
         for (k, v) in &vars {
             command.env(k, v);
         }
         command.env("LD_PRELOAD", &preload);
     });
+    if settings.engine.damon {
+        drop(own_kdamond);
+        // Those of processes that were killed or exec'ed before their exit could remove them.
+        tiermem_monitor::damon::remove_abandoned_instances();
+    }
     if let Some(path) = created_device {
         let _ = std::fs::remove_file(path);
     }

@@ -149,8 +149,9 @@ pub struct EngineConfig {
     pub hot_threshold: u32,
     /// Feed the access monitor from DAMON too: the resident pages in physical regions DAMON
     /// found accessed in at least N samples of a window are reported hot (see `damon.rs`).
-    /// Listens to a kdamond already monitoring physical memory, or starts one when none exists;
-    /// needs root (tracefs, DAMON sysfs, frame numbers in /proc/self/pagemap).
+    /// Listens to a kdamond already monitoring physical memory (the engine refuses to start
+    /// without one; `tiermem run` starts one when none exists); needs root (tracefs, DAMON
+    /// sysfs, frame numbers in /proc/self/pagemap).
     pub damon: bool,
     /// Record every fault (page id, read or write) to this file in the simulator's binary trace
     /// format, for `tiermem sim`.

@@ -3,35 +3,40 @@
 //! the program keeps using never faults again). At the end of each of DAMON's aggregation
 //! windows this thread finds the resident managed pages whose frames lie in regions DAMON saw
 //! accessed (from /proc/self/pagemap), enters them in the monitor's reverse page table, and
-//! feeds the regions to the monitor as the paper's physical-address source: through the
+//! feeds them to the monitor as the paper's physical-address source: through the physical
 //! hot-page table and the reverse page table into the ring, where a hot page gets its
 //! referenced bit (replacement passes it over once) and goes to the prefetcher's `on_report`.
 //!
-//! DAMON's view is coarse: regions of megabytes, and on this VM the boot-time kdamond samples
-//! every 0.5 s and aggregates every 5 s. A page is reported when its region was found accessed
-//! in at least N samples of a window (the hot threshold).
+//! It listens to a kdamond already running for physical memory (`tiermem run --damon on`
+//! starts one when none exists). DAMON's view is coarse: regions of megabytes, and on this VM
+//! the boot-time kdamond samples every 0.5 s and aggregates every 5 s. A page is reported
+//! when its region was found accessed in at least N samples of a window (the hot threshold).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use tiermem_monitor::damon::{DamonEvents, DamonRegion};
+use tiermem_monitor::damon::DamonRegion;
 use tiermem_sys::PAGE_SIZE;
 
 use crate::engine::Shared;
+use crate::region::RegionInner;
 use crate::stats::Stats;
 
-/// Sampling interval and aggregation window of a kdamond the engine starts itself (only when
-/// no kdamond exists): fine enough to tell a working set within a second.
-pub(crate) const OWN_SAMPLE: Duration = Duration::from_millis(5);
-pub(crate) const OWN_WINDOW: Duration = Duration::from_millis(100);
+/// Sampling interval and aggregation window of a kdamond started for a run when none exists:
+/// fine enough to tell a working set within a second.
+pub const OWN_SAMPLE: Duration = Duration::from_millis(5);
+/// See [`OWN_SAMPLE`].
+pub const OWN_WINDOW: Duration = Duration::from_millis(100);
 
 /// Pagemap entries read per call.
 const PAGEMAP_CHUNK: usize = 512;
-/// Frames fed to the monitor per hold of its lock (the fault path skips the monitor while it
-/// is held), and so the ring room waited for first.
-const FEED_CHUNK: usize = 2048;
+/// Pages fed to the monitor at once: per hold of its lock (the fault path skips the monitor
+/// while it is held), and so the ring room waited for first and the reverse page table's
+/// leaves allocated at once (at most this many 4 KiB leaves when the frames are scattered).
+const FEED_CHUNK: usize = 512;
 
 /// A resident managed page whose frame DAMON found accessed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -42,8 +47,8 @@ pub(crate) struct AccessedPage {
     pub(crate) page: u64,
 }
 
-/// The thread: one round per aggregation window until shutdown.
-pub(crate) fn damon_thread(shared: &Shared, mut events: DamonEvents) {
+/// The thread: one round per aggregation window until shutdown or [`crate::Engine::stop_damon`].
+pub(crate) fn damon_thread(shared: &Shared) {
     let pagemap = match File::open("/proc/self/pagemap") {
         Ok(f) => f,
         Err(e) => {
@@ -51,12 +56,20 @@ pub(crate) fn damon_thread(shared: &Shared, mut events: DamonEvents) {
             return;
         }
     };
+    let mut chunk = Vec::with_capacity(FEED_CHUNK);
     while !shared.shutdown.load(Ordering::Acquire) {
-        let window = match events.next(Duration::from_millis(100)) {
+        // Held while waiting (100 ms at most), so that stopping it waits for no more.
+        let next = {
+            let mut events = shared.damon.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(events) = events.as_mut() else { return };
+            events.next(Duration::from_millis(100))
+        };
+        let window = match next {
             Ok(Some(window)) => window,
             Ok(None) => continue,
             Err(e) => {
                 tracing::warn!("DAMON source stopped: {e}");
+                Stats::add(&shared.stats.counters.damon_errors, 1);
                 return;
             }
         };
@@ -65,33 +78,40 @@ pub(crate) fn damon_thread(shared: &Shared, mut events: DamonEvents) {
         if accessed.is_empty() {
             continue;
         }
-        let pages = accessed_pages(shared, &pagemap, &accessed);
-        Stats::add(&shared.stats.counters.damon_pages, pages.len() as u64);
-        for chunk in pages.chunks(FEED_CHUNK) {
-            if !shared.monitor.physical_pages(shared, chunk) {
-                return;
-            }
+        shared.monitor.begin_physical_window();
+        if !feed_accessed_pages(shared, &pagemap, &accessed, &mut chunk) {
+            return;
         }
     }
 }
 
-/// The resident pages of live regions whose frames lie in `accessed` (sorted by address),
-/// sorted by frame.
-fn accessed_pages(shared: &Shared, pagemap: &File, accessed: &[DamonRegion]) -> Vec<AccessedPage> {
-    // Where the regions are, not the regions: holding one would keep a closed region's memory
-    // mapped. A region closed meanwhile yields pages whose reports the monitor thread drops.
-    let spans: Vec<(u32, usize, u64)> = {
+/// Find the resident pages of live regions whose frames lie in `accessed` (sorted by address)
+/// and feed them to the monitor a chunk at a time. False if the engine shuts down meanwhile.
+fn feed_accessed_pages(
+    shared: &Shared,
+    pagemap: &File,
+    accessed: &[DamonRegion],
+    chunk: &mut Vec<AccessedPage>,
+) -> bool {
+    // Where the regions are, with a weak reference each: a strong one would keep a closed
+    // region's memory mapped, and a slot reused by a new region must not get the old one's pages.
+    let spans: Vec<(u32, Weak<RegionInner>, usize, u64)> = {
         let regions = shared.regions();
         regions
             .slots
             .iter()
             .enumerate()
-            .filter_map(|(i, r)| r.as_ref().filter(|r| !r.is_closing()).map(|r| (i as u32, r.start(), r.page_count())))
+            .filter_map(|(i, r)| {
+                let r = r.as_ref().filter(|r| !r.is_closing())?;
+                Some((i as u32, Arc::downgrade(r), r.start(), r.page_count()))
+            })
             .collect()
     };
-    let mut out = Vec::new();
     let mut buf = [0u8; PAGEMAP_CHUNK * 8];
-    for (region, start, count) in spans {
+    for (region, weak, start, count) in spans {
+        if shared.shutdown.load(Ordering::Acquire) {
+            return false;
+        }
         let first_vpn = (start / PAGE_SIZE) as u64;
         let mut at = 0u64;
         while at < count {
@@ -108,14 +128,41 @@ fn accessed_pages(shared: &Shared, pagemap: &File, accessed: &[DamonRegion]) -> 
                     continue;
                 }
                 if let Some(r) = region_of(accessed, pfn * PAGE_SIZE as u64) {
-                    out.push(AccessedPage { pfn, nr_accesses: r.nr_accesses, region, page: at + k as u64 });
+                    chunk.push(AccessedPage { pfn, nr_accesses: r.nr_accesses, region, page: at + k as u64 });
+                    if chunk.len() == FEED_CHUNK && !feed(shared, &weak, chunk) {
+                        return false;
+                    }
                 }
             }
             at += n as u64;
         }
+        if !feed(shared, &weak, chunk) {
+            return false;
+        }
     }
-    out.sort_unstable();
-    out
+    true
+}
+
+/// Feed `chunk` (pages of the region `weak` refers to) to the monitor, unless that region was
+/// closed meanwhile, and empty it. False if the engine shuts down meanwhile.
+fn feed(shared: &Shared, weak: &Weak<RegionInner>, chunk: &mut Vec<AccessedPage>) -> bool {
+    if chunk.is_empty() {
+        return true;
+    }
+    let live = chunk.first().is_some_and(|p| {
+        let regions = shared.regions();
+        regions
+            .slots
+            .get(p.region as usize)
+            .and_then(|r| r.as_ref())
+            .is_some_and(|r| std::ptr::eq(Arc::as_ptr(r), weak.as_ptr()))
+    });
+    let fed = !live || {
+        Stats::add(&shared.stats.counters.damon_pages, chunk.len() as u64);
+        shared.monitor.physical_pages(shared, chunk)
+    };
+    chunk.clear();
+    fed
 }
 
 /// The region of `sorted` (by address, not overlapping) holding physical address `addr`.

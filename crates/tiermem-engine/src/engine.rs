@@ -108,6 +108,8 @@ pub(crate) struct Shared {
     pub(crate) victims: crate::victim::VictimTier,
     /// Reports from sources off the fault path, for the monitor thread (see [`crate::monitor`]).
     pub(crate) monitor: crate::monitor::LiveMonitor,
+    /// DAMON's events while the DAMON source runs (see [`crate::damon`]); taken to stop it.
+    pub(crate) damon: std::sync::Mutex<Option<tiermem_monitor::damon::DamonEvents>>,
 }
 
 impl Shared {
@@ -287,7 +289,7 @@ impl Engine {
         // source the caller asked for.
         let damon_events = if config.damon {
             Some(
-                tiermem_monitor::damon::DamonEvents::open(crate::damon::OWN_SAMPLE, crate::damon::OWN_WINDOW)
+                tiermem_monitor::damon::DamonEvents::open()
                     .map_err(|e| e.context("the DAMON source (--damon; it needs root)"))?,
             )
         } else {
@@ -419,6 +421,7 @@ impl Engine {
             prefetch_sampler: crate::prefetch_sample::PrefetchSampler::new(config.io_buffers as usize),
             victims: crate::victim::VictimTier::new(config.victim_pages as usize),
             monitor: crate::monitor::LiveMonitor::new(config.hot_threshold)?,
+            damon: std::sync::Mutex::new(damon_events),
             config,
         });
         let mut threads = Vec::new();
@@ -437,9 +440,9 @@ impl Engine {
             let s = shared.clone();
             threads.push(spawn("tiermem-monitor", Box::new(move || crate::monitor::monitor_thread(&s, consumer)))?);
         }
-        if let Some(events) = damon_events {
+        if shared.config.damon {
             let s = shared.clone();
-            threads.push(spawn("tiermem-damon", Box::new(move || crate::damon::damon_thread(&s, events)))?);
+            threads.push(spawn("tiermem-damon", Box::new(move || crate::damon::damon_thread(&s)))?);
         }
         if shared.config.reclaim_mode == ReclaimMode::Background {
             let s = shared.clone();
@@ -580,6 +583,13 @@ impl Engine {
         if let Some(trace) = &self.shared.trace {
             trace.finish();
         }
+    }
+
+    /// Stop the DAMON source ([`EngineConfig::damon`]) and remove its tracefs instance, for a
+    /// process that ends without dropping the engine (the preload shim's exit). Waits for the
+    /// source's current wait on DAMON, 100 ms at most. Dropping the engine does this too.
+    pub fn stop_damon(&self) {
+        drop(self.shared.damon.lock().unwrap_or_else(|e| e.into_inner()).take());
     }
 
     /// Counters and latencies so far.

@@ -13,7 +13,7 @@
 
 mod capture;
 pub mod config;
-mod damon;
+pub mod damon;
 mod delivery;
 mod discard;
 mod engine;

@@ -14,7 +14,9 @@
 //! madvise on managed memory), and every fault and write fault, which the fault path feeds to the
 //! hot-page table (§2.1, faults standing for the memory reads it counts; [`LiveMonitor::fault`]):
 //! a page that faults N times while it stays in the table is reported hot, and a hot page is
-//! wanted as a will-need page is (resident: its referenced bit; evicted: read back). The
+//! wanted as a will-need page is (resident: its referenced bit; evicted: read back). With
+//! `EngineConfig::damon`, DAMON's accessed regions too (`damon.rs`), through a table of their
+//! own ([`LiveMonitor::physical_pages`]). The
 //! prefetcher also hears every fault directly on the fault path, as before.
 
 use std::sync::atomic::Ordering;
@@ -139,10 +141,16 @@ impl LiveMonitor {
 }
 
 impl LiveMonitor {
+    /// A new window of DAMON's: see [`Monitor::begin_physical_window`].
+    pub(crate) fn begin_physical_window(&self) {
+        self.producer.lock().unwrap_or_else(|e| e.into_inner()).begin_physical_window();
+    }
+
     /// Feed DAMON's finding for `pages` (resident managed pages in regions it saw accessed) as
     /// the physical source: their frames are entered in the reverse page table for the feed
     /// and taken out after it (a frame's page changes once it is evicted). Waits for ring room
-    /// first, as advice does; false if the engine shuts down meanwhile.
+    /// first, as advice does, without holding the monitor meanwhile (faults would skip it and
+    /// advice would wait); false if the engine shuts down meanwhile.
     pub(crate) fn physical_pages(&self, shared: &Shared, pages: &[crate::damon::AccessedPage]) -> bool {
         let frames: Vec<tiermem_monitor::damon::DamonRegion> = pages
             .iter()
@@ -156,14 +164,18 @@ impl LiveMonitor {
                 }
             })
             .collect();
-        let mut monitor = self.producer.lock().unwrap_or_else(|e| e.into_inner());
-        while monitor.room() < pages.len() {
+        let mut monitor = loop {
+            let monitor = self.producer.lock().unwrap_or_else(|e| e.into_inner());
+            if monitor.room() >= pages.len() {
+                break monitor;
+            }
+            drop(monitor);
             self.wake();
             if shared.shutdown.load(Ordering::Acquire) {
                 return false;
             }
             std::thread::sleep(Duration::from_micros(100));
-        }
+        };
         for p in pages {
             // A region index the 16-bit field cannot hold is left out (reports carry 16 bits).
             let _ = monitor.reverse_page_table().insert(p.pfn, p.region, p.page);
@@ -245,7 +257,7 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
                 // It kept coming back: keep it (resident) or bring it back (evicted). The
                 // report leaves once its fault is resolved, but a handler thread that found
                 // the page's prefetch in flight leaves it to the completion: wait for that
-                // (hot reports are rare, the table's sent bit sees to it).
+                // (for a resident page, as DAMON's mostly are, this returns at once).
                 await_landing(region, &[page]);
                 want(shared, regions, pending, index, region, page);
                 // Counted once acted on: a resident hot page has its referenced bit by now.

@@ -129,6 +129,8 @@ pub struct Counters {
     /// Resident managed pages found in regions DAMON saw accessed, over all windows (fed to
     /// the monitor; those seen in at least N samples become hot reports).
     pub damon_pages: AtomicU64,
+    /// Times the DAMON source stopped on an error (reading its events failed).
+    pub damon_errors: AtomicU64,
     /// Evicted pages whose copy entered the victim tier (see [`crate::EngineConfig::victim_pages`]).
     pub victim_kept: AtomicU64,
     /// Faults served from the victim tier (a copy back, no device read).
@@ -249,6 +251,7 @@ impl Stats {
             cold_listed: l(&c.cold_listed),
             damon_windows: l(&c.damon_windows),
             damon_pages: l(&c.damon_pages),
+            damon_errors: l(&c.damon_errors),
             victim_kept: l(&c.victim_kept),
             victim_hits: l(&c.victim_hits),
             victim_dropped: l(&c.victim_dropped),
@@ -366,6 +369,9 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub damon_pages: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub damon_errors: u64,
     /// See [`Counters`].
     #[serde(default)]
     pub victim_kept: u64,
@@ -489,11 +495,13 @@ impl StatsSnapshot {
                 self.monitor_reports, self.hot_reports, self.monitor_read_ahead, self.cold_listed
             );
         }
-        if self.damon_windows > 0 {
+        if self.damon_windows > 0 || self.damon_errors > 0 {
             let _ = writeln!(
                 s,
-                "DAMON           {} windows: {} resident pages found in accessed regions",
-                self.damon_windows, self.damon_pages
+                "DAMON           {} windows: {} resident pages found in accessed regions{}",
+                self.damon_windows,
+                self.damon_pages,
+                if self.damon_errors > 0 { " (then it stopped on an error)" } else { "" }
             );
         }
         if self.dropped_outside > 0 {
@@ -574,6 +582,7 @@ impl StatsSnapshot {
         self.cold_listed += other.cold_listed;
         self.damon_windows += other.damon_windows;
         self.damon_pages += other.damon_pages;
+        self.damon_errors += other.damon_errors;
         self.victim_kept += other.victim_kept;
         self.victim_hits += other.victim_hits;
         self.victim_dropped += other.victim_dropped;

@@ -12,7 +12,8 @@
 //! - [`DamonEvents`] listens to the `damon:damon_aggregated` tracepoint, which every kdamond
 //!   fires for each region at the end of each aggregation window, in a tracefs instance of its
 //!   own. It reads what a kdamond already running for physical memory finds (this VM boots
-//!   with one), changing nothing of it, and starts a [`DamonPaddr`] only when no kdamond exists.
+//!   with one), changing nothing of it; [`ensure_paddr_kdamond`] starts a [`DamonPaddr`] when
+//!   no kdamond exists.
 
 use std::collections::HashMap;
 use std::fs::{self, File};
@@ -90,12 +91,6 @@ impl DamonPaddr {
         Ok(me)
     }
 
-    /// The kdamond's thread id.
-    pub fn pid(&self) -> Result<u32> {
-        let text = read(&self.kdamond.join("pid"))?;
-        text.parse().map_err(|_| Error::new(ErrorKind::Io, format!("kdamond pid '{text}' is not a number")))
-    }
-
     /// The regions as of the last aggregation window.
     pub fn regions(&self) -> Result<Vec<DamonRegion>> {
         write(&self.kdamond.join("state"), "update_schemes_tried_regions")?;
@@ -134,14 +129,19 @@ impl Drop for DamonPaddr {
 /// Where tracefs is mounted on current systems.
 pub const TRACEFS: &str = "/sys/kernel/tracing";
 
-/// A window's regions stay together: a line more than this after the previous one of its
-/// kdamond starts a new window (the kernel writes a window's lines in one go; a partial window
-/// is left behind when the trace buffer overflowed).
-const WINDOW_GAP: Duration = Duration::from_millis(500);
+/// A window's regions stay together: a line stamped more than this after the previous one of
+/// its kdamond starts a new window (the kernel writes a window's lines in one loop, within a
+/// millisecond here), as does a region below the previous one (it writes them in address order)
+/// and a report of lost events.
+const WINDOW_GAP_SECONDS: f64 = 0.05;
+
+/// Names of this module's tracefs instances start with this, then the owner's process id.
+const INSTANCE_PREFIX: &str = "tiermem-damon-";
 
 /// DAMON's regions of physical memory as each aggregation window ends, from the
-/// `damon:damon_aggregated` tracepoint; see the module docs. Its tracefs instance (and a
-/// kdamond it started, and a tracefs mount it made) go away on drop.
+/// `damon:damon_aggregated` tracepoint; see the module docs. It only listens: a kdamond
+/// monitoring physical memory must be running ([`ensure_paddr_kdamond`] starts one). Its
+/// tracefs instance (and a tracefs mount it made) go away on drop.
 #[derive(Debug)]
 pub struct DamonEvents {
     instance: PathBuf,
@@ -149,29 +149,50 @@ pub struct DamonEvents {
     pipe: Option<File>,
     /// Bytes after the last whole line read.
     partial: Vec<u8>,
-    /// Thread ids of the kdamonds monitoring physical memory: lines of others are ignored.
-    kdamonds: Vec<u32>,
+    /// The kdamonds monitoring physical memory: lines of others are ignored.
+    kdamonds: Vec<Kdamond>,
     /// Windows being gathered, per kdamond thread and target.
     windows: HashMap<(u32, u64), Window>,
     /// Finished windows not yet returned.
     ready: std::collections::VecDeque<Vec<DamonRegion>>,
-    own: Option<DamonPaddr>,
     mounted: bool,
+}
+
+/// A running kdamond with a `paddr` context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kdamond {
+    /// Its thread id, as the tracepoint names it.
+    pub pid: u32,
+    /// Bytes per unit of the addresses it reports (`addr_unit`, 1 unless set).
+    pub addr_unit: u64,
 }
 
 #[derive(Debug)]
 struct Window {
     expected: usize,
     regions: Vec<DamonRegion>,
-    last: Instant,
+    /// Trace time of its last line, in seconds.
+    last: f64,
 }
 
-/// One `damon_aggregated` line: (kdamond thread id, target id, regions in its window, region).
-fn parse_aggregated(line: &str) -> Option<(u32, u64, usize, DamonRegion)> {
+/// One `damon_aggregated` line.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Aggregated {
+    kdamond: u32,
+    target: u64,
+    /// Trace time, in seconds.
+    time: f64,
+    /// Regions in its window.
+    count: usize,
+    region: DamonRegion,
+}
+
+fn parse_aggregated(line: &str) -> Option<Aggregated> {
     // "  kdamond.0-77  [000] ..... 36079.267702: damon_aggregated: target_id=0 nr_regions=1288 4294967296-4300320768: 0 1"
     let (head, fields) = line.split_once(" damon_aggregated: ")?;
     let task = head.split_whitespace().next()?;
-    let pid = task.rsplit_once('-')?.1.parse().ok()?;
+    let kdamond = task.rsplit_once('-')?.1.parse().ok()?;
+    let time = head.split_whitespace().last()?.strip_suffix(':')?.parse().ok()?;
     let mut words = fields.split_whitespace();
     let target = words.next()?.strip_prefix("target_id=")?.parse().ok()?;
     let count = words.next()?.strip_prefix("nr_regions=")?.parse().ok()?;
@@ -182,28 +203,53 @@ fn parse_aggregated(line: &str) -> Option<(u32, u64, usize, DamonRegion)> {
         nr_accesses: words.next()?.parse().ok()?,
         age: words.next()?.parse().ok()?,
     };
-    Some((pid, target, count, region))
+    Some(Aggregated { kdamond, target, time, count, region })
 }
 
-/// Thread ids of the running kdamonds with a `paddr` context, and how many kdamonds exist.
-fn paddr_kdamonds() -> Result<(Vec<u32>, usize)> {
+/// The running kdamonds with a `paddr` context, and how many kdamonds exist.
+pub fn paddr_kdamonds() -> Result<(Vec<Kdamond>, usize)> {
     let admin = Path::new(ADMIN).join("kdamonds");
+    if !admin.exists() {
+        return Err(Error::new(ErrorKind::Unsupported, format!("{ADMIN} is missing: this kernel has no DAMON sysfs")));
+    }
     let count: usize = read(&admin.join("nr_kdamonds"))?.parse().unwrap_or(0);
-    let mut pids = Vec::new();
+    let mut found = Vec::new();
     for k in 0..count {
         let dir = admin.join(k.to_string());
         if read(&dir.join("state")).ok().as_deref() != Some("on") {
             continue;
         }
         let contexts: usize = read(&dir.join("contexts/nr_contexts")).ok().and_then(|t| t.parse().ok()).unwrap_or(0);
-        let paddr =
-            (0..contexts).any(|c| read(&dir.join(format!("contexts/{c}/operations"))).ok().as_deref() == Some("paddr"));
-        if let (true, Ok(pid)) = (paddr, read(&dir.join("pid")).and_then(|t| t.parse().map_err(|_| Error::invalid(t))))
-        {
-            pids.push(pid);
+        let Some(context) = (0..contexts)
+            .map(|c| dir.join(format!("contexts/{c}")))
+            .find(|c| read(&c.join("operations")).ok().as_deref() == Some("paddr"))
+        else {
+            continue;
+        };
+        // Kernels before addr_unit report plain bytes.
+        let addr_unit = read(&context.join("addr_unit")).ok().and_then(|t| t.parse().ok()).unwrap_or(1).max(1);
+        if let Some(pid) = read(&dir.join("pid")).ok().and_then(|t| t.parse().ok()) {
+            found.push(Kdamond { pid, addr_unit });
         }
     }
-    Ok((pids, count))
+    Ok((found, count))
+}
+
+/// Make sure a kdamond monitors physical memory: None if one runs, else one started here
+/// (sampling every `sample`, a window every `aggregate`), which stops when dropped. Refuses when
+/// kdamonds exist but none monitors physical memory (DAMON sysfs cannot add one beside them).
+pub fn ensure_paddr_kdamond(sample: Duration, aggregate: Duration) -> Result<Option<DamonPaddr>> {
+    let (running, count) = paddr_kdamonds()?;
+    if !running.is_empty() {
+        return Ok(None);
+    }
+    if count > 0 {
+        return Err(Error::new(
+            ErrorKind::Unsupported,
+            format!("{count} kdamond(s) exist and none is running with a paddr context; DAMON sysfs cannot add one beside them"),
+        ));
+    }
+    DamonPaddr::start(sample, aggregate).map(Some)
 }
 
 /// Mount tracefs at [`TRACEFS`] unless it is there; true if this call mounted it.
@@ -217,11 +263,17 @@ fn mount_tracefs() -> Result<bool> {
     Ok(true)
 }
 
-/// Names of this module's tracefs instances start with this, then the owner's process id.
-const INSTANCE_PREFIX: &str = "tiermem-damon-";
+/// Unmount tracefs if this process mounted it and no instance is left in it.
+fn unmount_tracefs_if_unused(mounted: bool) {
+    let empty = fs::read_dir(Path::new(TRACEFS).join("instances")).map(|mut d| d.next().is_none()).unwrap_or(false);
+    if mounted && empty {
+        let _ = rustix::mount::unmount(TRACEFS, rustix::mount::UnmountFlags::DETACH);
+    }
+}
 
-/// Remove the instances of processes that no longer run (killed before they could).
-fn remove_abandoned_instances() {
+/// Remove the instances of processes that no longer run: killed, or replaced by `exec`, before
+/// they could (`tiermem run` calls this when the program ends).
+pub fn remove_abandoned_instances() {
     let Ok(entries) = fs::read_dir(Path::new(TRACEFS).join("instances")) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name();
@@ -236,52 +288,43 @@ fn remove_abandoned_instances() {
 }
 
 impl DamonEvents {
-    /// Listen to the kdamond(s) monitoring physical memory; start one (sampling every
-    /// `sample`, a window every `aggregate`) if no kdamond exists at all.
-    pub fn open(sample: Duration, aggregate: Duration) -> Result<Self> {
-        if !Path::new(ADMIN).exists() {
+    /// Listen to the running kdamond(s) monitoring physical memory.
+    pub fn open() -> Result<Self> {
+        let (kdamonds, count) = paddr_kdamonds()?;
+        if kdamonds.is_empty() {
             return Err(Error::new(
                 ErrorKind::Unsupported,
-                format!("{ADMIN} is missing: this kernel has no DAMON sysfs"),
+                format!("no kdamond is running with a paddr context ({count} exist); `tiermem run --damon on` starts one when none exists"),
             ));
         }
-        let (mut kdamonds, count) = paddr_kdamonds()?;
-        let own = if kdamonds.is_empty() {
-            if count > 0 {
-                return Err(Error::new(
-                    ErrorKind::Unsupported,
-                    format!("{count} kdamond(s) exist and none monitors physical memory; DAMON sysfs cannot add one beside them"),
-                ));
-            }
-            let own = DamonPaddr::start(sample, aggregate)?;
-            kdamonds.push(own.pid()?);
-            Some(own)
-        } else {
-            None
-        };
         let mounted = mount_tracefs()?;
         remove_abandoned_instances();
-        static OPENED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = OPENED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let instance = Path::new(TRACEFS).join(format!("instances/{INSTANCE_PREFIX}{}-{n}", std::process::id()));
-        fs::create_dir(&instance)
-            .map_err(|e| Error::os(e, format!("creating tracefs instance {}", instance.display())))?;
-        let opened = (|| {
-            let event = instance.join("events/damon/damon_aggregated/enable");
-            if !event.exists() {
-                return Err(Error::new(ErrorKind::Unsupported, "this kernel has no damon:damon_aggregated tracepoint"));
-            }
-            write(&event, "1")?;
-            fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
-                .open(instance.join("trace_pipe"))
-                .map_err(|e| Error::os(e, format!("opening {}/trace_pipe", instance.display())))
-        })();
+        // Unique beyond the process id: a program that exec'ed keeps its id, and its previous
+        // image's instance may still be there.
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        let instance = Path::new(TRACEFS).join(format!("instances/{INSTANCE_PREFIX}{}-{nanos:x}", std::process::id()));
+        let opened = fs::create_dir(&instance)
+            .map_err(|e| Error::os(e, format!("creating tracefs instance {}", instance.display())))
+            .and_then(|()| {
+                let event = instance.join("events/damon/damon_aggregated/enable");
+                if !event.exists() {
+                    return Err(Error::new(
+                        ErrorKind::Unsupported,
+                        "this kernel has no damon:damon_aggregated tracepoint",
+                    ));
+                }
+                write(&event, "1")?;
+                fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+                    .open(instance.join("trace_pipe"))
+                    .map_err(|e| Error::os(e, format!("opening {}/trace_pipe", instance.display())))
+            });
         let pipe = match opened {
             Ok(pipe) => pipe,
             Err(e) => {
                 let _ = fs::remove_dir(&instance);
+                unmount_tracefs_if_unused(mounted);
                 return Err(e);
             }
         };
@@ -292,24 +335,22 @@ impl DamonEvents {
             kdamonds,
             windows: HashMap::new(),
             ready: Default::default(),
-            own,
             mounted,
         })
     }
 
-    /// Whether the kdamond listened to is one this process started.
-    pub fn started_own(&self) -> bool {
-        self.own.is_some()
-    }
-
-    /// The regions of the next aggregation window that ends, sorted by address; None if none
-    /// ends within `timeout`.
+    /// The regions (in bytes of physical address) of the next aggregation window that ends,
+    /// sorted by address; None if none ends within `timeout`.
     pub fn next(&mut self, timeout: Duration) -> Result<Option<Vec<DamonRegion>>> {
         let deadline = Instant::now() + timeout;
         let mut buf = [0u8; 16384];
         loop {
             if let Some(window) = self.ready.pop_front() {
                 return Ok(Some(window));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(None);
             }
             let Some(pipe) = self.pipe.as_mut() else { return Ok(None) };
             match pipe.read(&mut buf) {
@@ -322,10 +363,6 @@ impl DamonEvents {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(Error::os(e, format!("reading {}/trace_pipe", self.instance.display()))),
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Ok(None);
             }
             // The pipe wakes a poller when events arrive; a short cap keeps a missed wake-up cheap.
             let wait = left.min(Duration::from_millis(100));
@@ -340,23 +377,31 @@ impl DamonEvents {
         let Some(last_newline) = self.partial.iter().rposition(|&b| b == b'\n') else { return };
         let rest = self.partial.split_off(last_newline + 1);
         let text = std::mem::replace(&mut self.partial, rest);
-        let now = Instant::now();
         for line in String::from_utf8_lossy(&text).lines() {
-            let Some((pid, target, expected, region)) = parse_aggregated(line) else { continue };
-            if !self.kdamonds.contains(&pid) || expected == 0 {
+            // "CPU:1 [LOST 12 EVENTS]": the windows being gathered miss regions.
+            if line.contains("[LOST ") {
+                self.windows.clear();
                 continue;
             }
-            let window =
-                self.windows.entry((pid, target)).or_insert(Window { expected, regions: Vec::new(), last: now });
-            if window.expected != expected || now.duration_since(window.last) > WINDOW_GAP {
-                *window = Window { expected, regions: Vec::new(), last: now };
+            let Some(Aggregated { kdamond, target, time, count, mut region }) = parse_aggregated(line) else {
+                continue;
+            };
+            let Some(unit) = self.kdamonds.iter().find(|k| k.pid == kdamond).map(|k| k.addr_unit) else { continue };
+            if count == 0 {
+                continue;
+            }
+            region.start = region.start.saturating_mul(unit);
+            region.end = region.end.saturating_mul(unit);
+            let fresh = || Window { expected: count, regions: Vec::new(), last: time };
+            let window = self.windows.entry((kdamond, target)).or_insert_with(fresh);
+            let out_of_order = window.regions.last().is_some_and(|last| region.start < last.end);
+            if window.expected != count || out_of_order || time - window.last > WINDOW_GAP_SECONDS {
+                *window = fresh();
             }
             window.regions.push(region);
-            window.last = now;
+            window.last = time;
             if window.regions.len() == window.expected {
-                let mut regions = std::mem::take(&mut window.regions);
-                regions.sort_by_key(|r| r.start);
-                self.ready.push_back(regions);
+                self.ready.push_back(std::mem::take(&mut window.regions));
             }
         }
     }
@@ -368,12 +413,7 @@ impl Drop for DamonEvents {
         // The instance can be removed only once nothing has it open.
         drop(self.pipe.take());
         let _ = fs::remove_dir(&self.instance);
-        let instances = Path::new(TRACEFS).join("instances");
-        let empty = fs::read_dir(&instances).map(|mut d| d.next().is_none()).unwrap_or(false);
-        if self.mounted && empty {
-            let _ = rustix::mount::unmount(TRACEFS, rustix::mount::UnmountFlags::DETACH);
-        }
-        // `own` (a kdamond started here) stops when dropped after this.
+        unmount_tracefs_if_unused(self.mounted);
     }
 }
 
@@ -386,15 +426,70 @@ mod tests {
         let line = "       kdamond.0-77      [000] ..... 36079.267702: damon_aggregated: target_id=0 nr_regions=1288 4294967296-4300320768: 3 17";
         assert_eq!(
             parse_aggregated(line),
-            Some((77, 0, 1288, DamonRegion { start: 4294967296, end: 4300320768, nr_accesses: 3, age: 17 }))
+            Some(Aggregated {
+                kdamond: 77,
+                target: 0,
+                time: 36079.267702,
+                count: 1288,
+                region: DamonRegion { start: 4294967296, end: 4300320768, nr_accesses: 3, age: 17 }
+            })
         );
         assert_eq!(parse_aggregated("  <idle>-0  [001] d.... 1.0: sched_switch: prev_comm=x"), None);
         assert_eq!(parse_aggregated(&line.replace("3 17", "3")), None, "a cut-off line");
     }
 
     #[test]
+    fn windows_are_whole_in_address_order_and_restart_after_lost_events() {
+        let line_at = |time: f64, start: u64, count: usize| {
+            format!(
+                " kdamond.0-77 [000] ..... {time:.6}: damon_aggregated: target_id=0 nr_regions={count} {start}-{}: 1 2\n",
+                start + 10
+            )
+        };
+        let line = |start: u64, count: usize| line_at(2.0, start, count);
+        let mut events = DamonEvents {
+            instance: PathBuf::new(),
+            pipe: None,
+            partial: Vec::new(),
+            kdamonds: vec![Kdamond { pid: 77, addr_unit: 4 }],
+            windows: HashMap::new(),
+            ready: Default::default(),
+            mounted: false,
+        };
+        let mut feed = |text: String| {
+            events.partial.extend_from_slice(text.as_bytes());
+            events.take_lines();
+        };
+        // A window of three, cut short by lost events, then a whole one.
+        feed(line(100, 3) + &line(200, 3) + "CPU:0 [LOST 5 EVENTS]\n" + &line(300, 3));
+        // Its first part in one read, the rest in the next (a line split between them).
+        let whole = line(100, 3) + &line(200, 3) + &line(300, 3);
+        let (a, b) = whole.split_at(whole.len() - 20);
+        feed(line(500, 3) + a);
+        feed(b.to_string());
+        // Another kdamond's lines are not ours.
+        feed(line(100, 1).replace("-77 ", "-78 "));
+        // Two regions in order but a second apart: a window that lost its end, then a new one.
+        feed(line_at(5.0, 100, 2) + &line_at(6.0, 200, 2) + &line_at(6.0, 300, 2));
+        let windows: Vec<Vec<u64>> = events.ready.iter().map(|w| w.iter().map(|r| r.start).collect()).collect();
+        assert_eq!(
+            windows,
+            vec![vec![400, 800, 1200], vec![800, 1200]],
+            "in bytes (addr_unit 4); 300, 500 and 100 were parts of lost windows"
+        );
+        assert_eq!(events.ready[0][0].end, 440);
+    }
+
+    #[test]
     fn events_give_whole_windows_of_physical_regions_and_leave_nothing_behind() {
-        let mut events = match DamonEvents::open(Duration::from_millis(5), Duration::from_millis(100)) {
+        let _own = match ensure_paddr_kdamond(Duration::from_millis(5), Duration::from_millis(100)) {
+            Ok(own) => own,
+            Err(e) => {
+                println!("SKIPPED: no kdamond for physical memory: {e}");
+                return;
+            }
+        };
+        let mut events = match DamonEvents::open() {
             Ok(e) => e,
             Err(e) => {
                 println!("SKIPPED: DAMON events unavailable: {e}");
@@ -409,28 +504,5 @@ mod tests {
         assert!(window.iter().all(|r| r.start < r.end));
         drop(events);
         assert!(!instance.exists(), "the tracefs instance is removed");
-    }
-
-    #[test]
-    fn paddr_regions_show_accesses_when_damon_is_ours_to_use() {
-        let damon = match DamonPaddr::start(Duration::from_millis(5), Duration::from_millis(100)) {
-            Ok(d) => d,
-            Err(e) => {
-                println!("SKIPPED: DAMON paddr unavailable: {e}");
-                return;
-            }
-        };
-        // Keep 64 MiB busy while DAMON samples.
-        let mut data = vec![1u8; 64 << 20];
-        let deadline = std::time::Instant::now() + Duration::from_millis(600);
-        while std::time::Instant::now() < deadline {
-            for i in (0..data.len()).step_by(4096) {
-                data[i] = data[i].wrapping_add(1);
-            }
-        }
-        let regions = damon.regions().unwrap();
-        assert!(!regions.is_empty(), "DAMON reported no region");
-        assert!(regions.iter().all(|r| r.start < r.end));
-        assert!(regions.iter().any(|r| r.nr_accesses > 0), "some memory was accessed");
     }
 }

@@ -60,6 +60,11 @@ impl HotPageTable {
         self.threshold
     }
 
+    /// Forget every entry (counts and sent bits).
+    pub fn clear(&mut self) {
+        self.sets = [[Way::default(); WAYS]; SETS];
+    }
+
     /// A memory request for a cache line of `page`. Returns `Some(page)` when this read makes the
     /// page hot (the report to send).
     #[inline]

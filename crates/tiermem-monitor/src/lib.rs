@@ -6,8 +6,8 @@
 //! - [`rpt::ReversePageTable`]: physical page → {16-bit pid, 40-bit virtual page} (§2.2);
 //! - [`llc::LlcFilter`]: turns loads and stores into what a memory controller sees;
 //! - sources: [`Monitor`] takes the engine's faults and write faults, application hints,
-//!   traced accesses (virtual, through the table) and physical accesses (through the table and
-//!   the reverse page table, as DAMON's [`damon::DamonPaddr`] regions or hardware would give).
+//!   traced accesses (virtual, through the table) and physical accesses (through a table of
+//!   their own and the reverse page table, as DAMON's regions or hardware would give).
 //!
 //! Reports are 64-bit words ([`Report`]) so they fit the ring.
 
@@ -60,9 +60,6 @@ pub struct Report {
 }
 
 const PAGE_MASK: u64 = (1 << 40) - 1;
-/// Marks physical frames in the hot-page table, which the engine's faults share with keys of
-/// (region, page): equal numbers of the two kinds stay apart.
-const PHYSICAL_KEY: u64 = 1 << 62;
 
 impl Report {
     /// Pack into a ring word.
@@ -103,6 +100,10 @@ pub struct MonitorCounters {
 #[derive(Debug)]
 pub struct Monitor {
     table: HotPageTable,
+    /// The physical sources' own table: DAMON feeds thousands of frames a window, which would
+    /// wipe the faults' counts from a shared one, and its windows are its unit of time (see
+    /// [`Monitor::begin_physical_window`]).
+    physical: HotPageTable,
     rpt: ReversePageTable,
     ring: Producer,
     counters: MonitorCounters,
@@ -113,6 +114,7 @@ impl Monitor {
     pub fn new(threshold: u32, ring: Producer) -> tiermem_sys::Result<Self> {
         Ok(Self {
             table: HotPageTable::new(threshold)?,
+            physical: HotPageTable::new(threshold)?,
             rpt: ReversePageTable::default(),
             ring,
             counters: Default::default(),
@@ -186,14 +188,21 @@ impl Monitor {
     /// hot-page table, then the reverse page table.
     pub fn physical_line(&mut self, pfn: u64, write: bool) {
         self.counters.line_requests += 1;
-        if let Some(hot) = self.table.access(pfn | PHYSICAL_KEY, write) {
-            match self.rpt.lookup(hot & !PHYSICAL_KEY) {
+        if let Some(hot) = self.physical.access(pfn, write) {
+            match self.rpt.lookup(hot) {
                 Some((pid, vpn)) => {
                     let _ = self.send(Report { kind: ReportKind::Hot, owner: pid, page: vpn });
                 }
                 None => self.counters.untranslated += 1,
             }
         }
+    }
+
+    /// Start a new window of a physical source: what its table counted and sent is forgotten,
+    /// so a page counts the reads of one window (DAMON's samples), and a page still in use is
+    /// reported again each window (a frame may also hold another page by now).
+    pub fn begin_physical_window(&mut self) {
+        self.physical.clear();
     }
 
     /// Source: DAMON regions. Every page of an accessed region counts `nr_accesses` reads (at
@@ -263,5 +272,9 @@ mod tests {
         );
         assert_eq!(m.counters().untranslated, 1);
         assert_eq!(m.counters().line_requests, 6 + 7 + 2);
+        // A new window forgets the sent bits: a page still in use is reported again.
+        m.begin_physical_window();
+        m.damon_regions(&[damon::DamonRegion { start: 9000 * 4096, end: 9001 * 4096, nr_accesses: 5, age: 1 }]);
+        assert_eq!(rx.pop().and_then(Report::decode), Some(r(ReportKind::Hot, 12, 0xabc)));
     }
 }

@@ -44,7 +44,7 @@ const TLSF_CHUNK: usize = 1;
 const LARGEST_CHUNK: usize = 256 << 20;
 /// Chunks the fast pointer check knows; the heap stops growing there (and the C library serves).
 const MAX_CHUNKS: usize = 64;
-/// Engine threads recognised (completion, reclaim, handlers, the cgroup watch).
+/// Engine threads recognised (completion, reclaim, monitor, DAMON, handlers, the cgroup watch).
 const MAX_ENGINE_THREADS: usize = 16;
 
 pub struct Heap {

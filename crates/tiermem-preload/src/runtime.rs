@@ -954,6 +954,9 @@ extern "C" fn at_exit() {
     }
     let (Some(engine), Some(settings)) = (ENGINE.get(), SETTINGS.get()) else { return };
     engine.finish_trace();
+    // The engine is never dropped here: what its DAMON source set up outside the process
+    // (a tracefs instance) goes now.
+    engine.stop_damon();
     let Some(dir) = &settings.stats_dir else { return };
     let lowest = LOWEST_BUDGET.load(Ordering::Relaxed);
     let report = serde_json::json!({
