@@ -31,6 +31,9 @@ pub const OWN_SAMPLE: Duration = Duration::from_millis(5);
 /// See [`OWN_SAMPLE`].
 pub const OWN_WINDOW: Duration = Duration::from_millis(100);
 
+/// How long without a window before checking that the kdamond still runs.
+const KDAMOND_CHECK: Duration = Duration::from_secs(10);
+
 /// Pagemap entries read per call.
 const PAGEMAP_CHUNK: usize = 512;
 /// Pages fed to the monitor at once: per hold of its lock (the fault path skips the monitor
@@ -57,12 +60,25 @@ pub(crate) fn damon_thread(shared: &Shared) {
         }
     };
     let mut chunk = Vec::with_capacity(FEED_CHUNK);
-    while !shared.shutdown.load(Ordering::Acquire) {
+    let mut last_window = std::time::Instant::now();
+    let stopping = || shared.shutdown.load(Ordering::Acquire) || shared.damon_stop.load(Ordering::Acquire);
+    while !stopping() {
         // Held while waiting (100 ms at most), so that stopping it waits for no more.
         let next = {
             let mut events = shared.damon.lock().unwrap_or_else(|e| e.into_inner());
             let Some(events) = events.as_mut() else { return };
-            events.next(Duration::from_millis(100))
+            match events.next(Duration::from_millis(100)) {
+                // Its kdamond gone (stopped, say, by the run that started it while this
+                // process lives on): nothing more will come.
+                Ok(None) if last_window.elapsed() > KDAMOND_CHECK && !events.kdamond_running() => {
+                    Err(tiermem_sys::Error::new(tiermem_sys::ErrorKind::Io, "the kdamond it listened to stopped"))
+                }
+                Ok(None) if last_window.elapsed() > KDAMOND_CHECK => {
+                    last_window = std::time::Instant::now();
+                    Ok(None)
+                }
+                other => other,
+            }
         };
         let window = match next {
             Ok(Some(window)) => window,
@@ -70,9 +86,11 @@ pub(crate) fn damon_thread(shared: &Shared) {
             Err(e) => {
                 tracing::warn!("DAMON source stopped: {e}");
                 Stats::add(&shared.stats.counters.damon_errors, 1);
+                drop(shared.damon.lock().unwrap_or_else(|e| e.into_inner()).take());
                 return;
             }
         };
+        last_window = std::time::Instant::now();
         Stats::add(&shared.stats.counters.damon_windows, 1);
         let accessed: Vec<DamonRegion> = window.into_iter().filter(|r| r.nr_accesses > 0).collect();
         if accessed.is_empty() {

@@ -110,6 +110,10 @@ pub(crate) struct Shared {
     pub(crate) monitor: crate::monitor::LiveMonitor,
     /// DAMON's events while the DAMON source runs (see [`crate::damon`]); taken to stop it.
     pub(crate) damon: std::sync::Mutex<Option<tiermem_monitor::damon::DamonEvents>>,
+    /// Set to stop the DAMON source: its thread stops taking `damon` once it sees it.
+    pub(crate) damon_stop: AtomicBool,
+    /// The descriptor of the DAMON source's pipe (-1: none), for a forked child to close.
+    pub(crate) damon_fd: std::sync::atomic::AtomicI32,
 }
 
 impl Shared {
@@ -421,7 +425,11 @@ impl Engine {
             prefetch_sampler: crate::prefetch_sample::PrefetchSampler::new(config.io_buffers as usize),
             victims: crate::victim::VictimTier::new(config.victim_pages as usize),
             monitor: crate::monitor::LiveMonitor::new(config.hot_threshold)?,
+            damon_fd: std::sync::atomic::AtomicI32::new(
+                damon_events.as_ref().and_then(tiermem_monitor::damon::DamonEvents::pipe_fd).unwrap_or(-1),
+            ),
             damon: std::sync::Mutex::new(damon_events),
+            damon_stop: AtomicBool::new(false),
             config,
         });
         let mut threads = Vec::new();
@@ -587,9 +595,35 @@ impl Engine {
 
     /// Stop the DAMON source ([`EngineConfig::damon`]) and remove its tracefs instance, for a
     /// process that ends without dropping the engine (the preload shim's exit). Waits for the
-    /// source's current wait on DAMON, 100 ms at most. Dropping the engine does this too.
+    /// source's current wait on DAMON (100 ms at most), and gives up after 300 ms (called from
+    /// a signal handler on the source's own thread, it could never have it); `tiermem run`
+    /// then removes the instance. Dropping the engine does this too.
     pub fn stop_damon(&self) {
-        drop(self.shared.damon.lock().unwrap_or_else(|e| e.into_inner()).take());
+        self.shared.damon_stop.store(true, Ordering::Release);
+        let start = std::time::Instant::now();
+        loop {
+            match self.shared.damon.try_lock() {
+                Ok(mut events) => return drop(events.take()),
+                Err(std::sync::TryLockError::Poisoned(e)) => return drop(e.into_inner().take()),
+                Err(std::sync::TryLockError::WouldBlock) if start.elapsed() < std::time::Duration::from_millis(300) => {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                Err(std::sync::TryLockError::WouldBlock) => return,
+            }
+        }
+    }
+
+    /// In a forked child: close the DAMON source's pipe, which the child inherited, so that the
+    /// parent can remove its instance at exit while the child lives on. Nothing else of the
+    /// source is touched (its lock may have been held at the fork).
+    pub fn close_damon_in_forked_child(&self) {
+        let fd = self.shared.damon_fd.swap(-1, Ordering::AcqRel);
+        if fd >= 0 {
+            // SAFETY: the descriptor is the source's pipe, inherited by this child; the child
+            // never uses the engine's DAMON source (its thread is in the parent), and its copy
+            // of the pipe's `File` is never dropped (the engine is not torn down in a child).
+            drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+        }
     }
 
     /// Counters and latencies so far.
@@ -859,5 +893,7 @@ impl Drop for Engine {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        // Regions still alive keep `shared`, and with it the DAMON source's tracefs instance.
+        self.stop_damon();
     }
 }

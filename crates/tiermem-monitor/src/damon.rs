@@ -129,8 +129,8 @@ impl Drop for DamonPaddr {
 /// Where tracefs is mounted on current systems.
 pub const TRACEFS: &str = "/sys/kernel/tracing";
 
-/// A window's regions stay together: a line stamped more than this after the previous one of
-/// its kdamond starts a new window (the kernel writes a window's lines in one loop, within a
+/// A window's regions stay together: a line stamped (trace clock `mono`) more than this after
+/// the previous one of its kdamond starts a new window (the kernel writes a window's lines in one loop, within a
 /// millisecond here), as does a region below the previous one (it writes them in address order)
 /// and a report of lost events.
 const WINDOW_GAP_SECONDS: f64 = 0.05;
@@ -156,6 +156,8 @@ pub struct DamonEvents {
     /// Finished windows not yet returned.
     ready: std::collections::VecDeque<Vec<DamonRegion>>,
     mounted: bool,
+    /// The process that opened it: a forked child's copy must not tear the instance down.
+    owner: u32,
 }
 
 /// A running kdamond with a `paddr` context.
@@ -271,18 +273,50 @@ fn unmount_tracefs_if_unused(mounted: bool) {
     }
 }
 
-/// Remove the instances of processes that no longer run: killed, or replaced by `exec`, before
-/// they could (`tiermem run` calls this when the program ends).
+/// Remove the instances nobody reads any more: their process was killed, or replaced by
+/// `exec` (the pipe is closed on exec), before it could (`tiermem run` calls this when the
+/// program ends, and every open does). An instance whose pipe is open cannot be removed (the
+/// kernel says EBUSY), so no process id is trusted (a program may run in a pid namespace of
+/// its own); one just made, whose pipe is not open yet, can be, and its maker starts again.
 pub fn remove_abandoned_instances() {
     let Ok(entries) = fs::read_dir(Path::new(TRACEFS).join("instances")) else { return };
     for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(owner) = name.to_str().and_then(|n| n.strip_prefix(INSTANCE_PREFIX)) else { continue };
-        let Some(pid) = owner.split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
-        let gone = rustix::process::Pid::from_raw(pid)
-            .is_none_or(|pid| rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH));
-        if gone {
+        if entry.file_name().to_str().is_some_and(|n| n.starts_with(INSTANCE_PREFIX)) {
             let _ = fs::remove_dir(entry.path());
+        }
+    }
+}
+
+/// Create an instance with the tracepoint on and open its pipe; on failure nothing is left.
+fn create_instance() -> Result<(PathBuf, File)> {
+    // Unique beyond the process id: a program that exec'ed keeps its id, and its previous
+    // image's instance may still be there.
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let instance = Path::new(TRACEFS).join(format!("instances/{INSTANCE_PREFIX}{}-{nanos:x}", std::process::id()));
+    fs::create_dir(&instance).map_err(|e| Error::os(e, format!("creating tracefs instance {}", instance.display())))?;
+    let opened = (|| {
+        let event = instance.join("events/damon/damon_aggregated/enable");
+        if !event.exists() {
+            if !instance.exists() {
+                return Err(Error::new(ErrorKind::NotFound, format!("{} was removed", instance.display())));
+            }
+            return Err(Error::new(ErrorKind::Unsupported, "this kernel has no damon:damon_aggregated tracepoint"));
+        }
+        // A clock in seconds, the same on every CPU (the window gap is measured in it).
+        fs::write(instance.join("trace_clock"), "mono")
+            .map_err(|e| Error::os(e, format!("setting {}/trace_clock", instance.display())))?;
+        fs::write(&event, "1").map_err(|e| Error::os(e, format!("enabling {}", event.display())))?;
+        fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+            .open(instance.join("trace_pipe"))
+            .map_err(|e| Error::os(e, format!("opening {}/trace_pipe", instance.display())))
+    })();
+    match opened {
+        Ok(pipe) => Ok((instance, pipe)),
+        Err(e) => {
+            let _ = fs::remove_dir(&instance);
+            Err(e)
         }
     }
 }
@@ -299,33 +333,18 @@ impl DamonEvents {
         }
         let mounted = mount_tracefs()?;
         remove_abandoned_instances();
-        // Unique beyond the process id: a program that exec'ed keeps its id, and its previous
-        // image's instance may still be there.
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-        let instance = Path::new(TRACEFS).join(format!("instances/{INSTANCE_PREFIX}{}-{nanos:x}", std::process::id()));
-        let opened = fs::create_dir(&instance)
-            .map_err(|e| Error::os(e, format!("creating tracefs instance {}", instance.display())))
-            .and_then(|()| {
-                let event = instance.join("events/damon/damon_aggregated/enable");
-                if !event.exists() {
-                    return Err(Error::new(
-                        ErrorKind::Unsupported,
-                        "this kernel has no damon:damon_aggregated tracepoint",
-                    ));
+        // Another process's sweep can remove the instance before its pipe is open (nothing
+        // protects it until then): start again, a few times.
+        let mut attempt = 0;
+        let (instance, pipe) = loop {
+            attempt += 1;
+            match create_instance() {
+                Ok(made) => break made,
+                Err(e) if attempt < 4 && e.kind() == ErrorKind::NotFound => continue,
+                Err(e) => {
+                    unmount_tracefs_if_unused(mounted);
+                    return Err(e);
                 }
-                write(&event, "1")?;
-                fs::OpenOptions::new()
-                    .read(true)
-                    .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
-                    .open(instance.join("trace_pipe"))
-                    .map_err(|e| Error::os(e, format!("opening {}/trace_pipe", instance.display())))
-            });
-        let pipe = match opened {
-            Ok(pipe) => pipe,
-            Err(e) => {
-                let _ = fs::remove_dir(&instance);
-                unmount_tracefs_if_unused(mounted);
-                return Err(e);
             }
         };
         Ok(Self {
@@ -336,7 +355,21 @@ impl DamonEvents {
             windows: HashMap::new(),
             ready: Default::default(),
             mounted,
+            owner: std::process::id(),
         })
+    }
+
+    /// The descriptor of its pipe, for a forked child to close (the instance cannot be removed
+    /// while any process has it open).
+    pub fn pipe_fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.pipe.as_ref().map(AsRawFd::as_raw_fd)
+    }
+
+    /// Whether a kdamond it listens to still runs (one stopped, or restarted under another
+    /// thread id, sends nothing more).
+    pub fn kdamond_running(&self) -> bool {
+        paddr_kdamonds().is_ok_and(|(running, _)| running.iter().any(|k| self.kdamonds.contains(k)))
     }
 
     /// The regions (in bytes of physical address) of the next aggregation window that ends,
@@ -409,6 +442,9 @@ impl DamonEvents {
 
 impl Drop for DamonEvents {
     fn drop(&mut self) {
+        if std::process::id() != self.owner {
+            return;
+        }
         let _ = fs::write(self.instance.join("events/damon/damon_aggregated/enable"), "0");
         // The instance can be removed only once nothing has it open.
         drop(self.pipe.take());
@@ -455,6 +491,7 @@ mod tests {
             windows: HashMap::new(),
             ready: Default::default(),
             mounted: false,
+            owner: std::process::id(),
         };
         let mut feed = |text: String| {
             events.partial.extend_from_slice(text.as_bytes());

@@ -504,6 +504,7 @@ extern "C" fn after_fork_in_child() {
     THRESHOLD.store(usize::MAX, Ordering::Release);
     SIGBUS_MODE.store(false, Ordering::Release);
     let Some(engine) = ENGINE.get() else { return };
+    engine.close_damon_in_forked_child();
     // Pages the program's fork advice keeps from the child (see registry::Entry::fork_advice).
     let skip = |addr: usize| {
         registry::containing(&_table, addr).is_some_and(|base| _table[&base].excluded_from_fork(addr - base))
@@ -949,7 +950,7 @@ fn pin_own_code() {
 // ---- statistics ---------------------------------------------------------------------------
 
 extern "C" fn at_exit() {
-    if in_forked_child() {
+    if in_forked_child() || in_vfork_child() {
         return;
     }
     let (Some(engine), Some(settings)) = (ENGINE.get(), SETTINGS.get()) else { return };
