@@ -52,8 +52,10 @@ pub(crate) struct AccessedPage {
 
 /// The thread: one round per aggregation window until shutdown or [`crate::Engine::stop_damon`].
 pub(crate) fn damon_thread(shared: &Shared) {
+    // Guarded, as the engine's other descriptors: programs close every descriptor they did
+    // not open.
     let pagemap = match File::open("/proc/self/pagemap") {
-        Ok(f) => f,
+        Ok(f) => tiermem_sys::guarded_fd::Guarded::new(f),
         Err(e) => {
             tracing::warn!("DAMON source stopped: opening /proc/self/pagemap: {e}");
             return;
@@ -62,6 +64,8 @@ pub(crate) fn damon_thread(shared: &Shared) {
     let mut chunk = Vec::with_capacity(FEED_CHUNK);
     let mut last_window = std::time::Instant::now();
     let stopping = || shared.shutdown.load(Ordering::Acquire) || shared.damon_stop.load(Ordering::Acquire);
+    // Stopped by a caller that could not wait for the events: they go here.
+    let _drop_on_stop = DropOnStop(shared);
     while !stopping() {
         // Held while waiting (100 ms at most), so that stopping it waits for no more.
         let next = {
@@ -86,7 +90,6 @@ pub(crate) fn damon_thread(shared: &Shared) {
             Err(e) => {
                 tracing::warn!("DAMON source stopped: {e}");
                 Stats::add(&shared.stats.counters.damon_errors, 1);
-                drop(shared.damon.lock().unwrap_or_else(|e| e.into_inner()).take());
                 return;
             }
         };
@@ -100,6 +103,16 @@ pub(crate) fn damon_thread(shared: &Shared) {
         if !feed_accessed_pages(shared, &pagemap, &accessed, &mut chunk) {
             return;
         }
+    }
+}
+
+/// Drops the source's events when the thread ends for any reason (they may still be there
+/// when a stop gave up waiting for them).
+struct DropOnStop<'a>(&'a Shared);
+
+impl Drop for DropOnStop<'_> {
+    fn drop(&mut self) {
+        self.0.drop_damon(&mut self.0.damon.lock().unwrap_or_else(|e| e.into_inner()));
     }
 }
 

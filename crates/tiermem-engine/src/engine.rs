@@ -117,6 +117,14 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Drop the DAMON source's events (its instance goes), held under `damon`'s lock. Its pipe's
+    /// descriptor is forgotten first: a later fork's child would otherwise close whatever
+    /// reuses that number.
+    pub(crate) fn drop_damon(&self, events: &mut Option<tiermem_monitor::damon::DamonEvents>) {
+        self.damon_fd.store(-1, Ordering::Release);
+        drop(events.take());
+    }
+
     /// The userfaultfd `region` is registered on.
     pub(crate) fn uffd_of(&self, region: &RegionInner) -> &Uffd {
         self.uffd_for(region.threaded)
@@ -603,8 +611,8 @@ impl Engine {
         let start = std::time::Instant::now();
         loop {
             match self.shared.damon.try_lock() {
-                Ok(mut events) => return drop(events.take()),
-                Err(std::sync::TryLockError::Poisoned(e)) => return drop(e.into_inner().take()),
+                Ok(mut events) => return self.shared.drop_damon(&mut events),
+                Err(std::sync::TryLockError::Poisoned(e)) => return self.shared.drop_damon(&mut e.into_inner()),
                 Err(std::sync::TryLockError::WouldBlock) if start.elapsed() < std::time::Duration::from_millis(300) => {
                     std::thread::sleep(std::time::Duration::from_millis(1));
                 }
@@ -616,14 +624,11 @@ impl Engine {
     /// In a forked child: close the DAMON source's pipe, which the child inherited, so that the
     /// parent can remove its instance at exit while the child lives on. Nothing else of the
     /// source is touched (its lock may have been held at the fork).
+    /// Call it only in a child whose engine is never used or dropped again (the preload's).
     pub fn close_damon_in_forked_child(&self) {
-        let fd = self.shared.damon_fd.swap(-1, Ordering::AcqRel);
-        if fd >= 0 {
-            // SAFETY: the descriptor is the source's pipe, inherited by this child; the child
-            // never uses the engine's DAMON source (its thread is in the parent), and its copy
-            // of the pipe's `File` is never dropped (the engine is not torn down in a child).
-            drop(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
-        }
+        // The child's copy of the events is never dropped, and would not close it again if it
+        // were (`DamonEvents` leaves a copy in another process alone).
+        tiermem_sys::guarded_fd::close_inherited(self.shared.damon_fd.swap(-1, Ordering::AcqRel));
     }
 
     /// Counters and latencies so far.

@@ -22,6 +22,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use tiermem_sys::guarded_fd::Guarded;
 use tiermem_sys::{Error, ErrorKind, Result};
 
 /// DAMON's sysfs root.
@@ -145,8 +146,9 @@ const INSTANCE_PREFIX: &str = "tiermem-damon-";
 #[derive(Debug)]
 pub struct DamonEvents {
     instance: PathBuf,
-    /// The instance's trace_pipe (None only while dropping: the instance goes once it is closed).
-    pipe: Option<File>,
+    /// The instance's trace_pipe (None only while dropping: the instance goes once it is
+    /// closed), guarded: a program closing every descriptor it did not open leaves it alone.
+    pipe: Option<Guarded<File>>,
     /// Bytes after the last whole line read.
     partial: Vec<u8>,
     /// The kdamonds monitoring physical memory: lines of others are ignored.
@@ -277,8 +279,9 @@ fn unmount_tracefs_if_unused(mounted: bool) {
 /// `exec` (the pipe is closed on exec), before it could (`tiermem run` calls this when the
 /// program ends, and every open does). An instance whose pipe is open cannot be removed (the
 /// kernel says EBUSY), so no process id is trusted (a program may run in a pid namespace of
-/// its own); one just made, whose pipe is not open yet, can be, and its maker starts again.
+/// its own); one whose maker has not opened its pipe yet is protected by [`InstancesLock`].
 pub fn remove_abandoned_instances() {
+    let Ok(_lock) = InstancesLock::take() else { return };
     let Ok(entries) = fs::read_dir(Path::new(TRACEFS).join("instances")) else { return };
     for entry in entries.flatten() {
         if entry.file_name().to_str().is_some_and(|n| n.starts_with(INSTANCE_PREFIX)) {
@@ -287,8 +290,27 @@ pub fn remove_abandoned_instances() {
     }
 }
 
+/// An exclusive lock (flock) on tracefs's instances directory, held from creating an instance
+/// until its pipe is open, and by the sweep: the sweep never sees an instance not yet
+/// protected by its open pipe. Released on drop, or when its process dies.
+struct InstancesLock {
+    /// Holds the lock while open.
+    _dir: File,
+}
+
+impl InstancesLock {
+    fn take() -> Result<Self> {
+        let dir = Path::new(TRACEFS).join("instances");
+        let file = File::open(&dir).map_err(|e| Error::os(e, format!("opening {}", dir.display())))?;
+        rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)
+            .map_err(|e| Error::os(e.into(), format!("locking {}", dir.display())))?;
+        Ok(Self { _dir: file })
+    }
+}
+
 /// Create an instance with the tracepoint on and open its pipe; on failure nothing is left.
 fn create_instance() -> Result<(PathBuf, File)> {
+    let _lock = InstancesLock::take()?;
     // Unique beyond the process id: a program that exec'ed keeps its id, and its previous
     // image's instance may still be there.
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
@@ -333,23 +355,16 @@ impl DamonEvents {
         }
         let mounted = mount_tracefs()?;
         remove_abandoned_instances();
-        // Another process's sweep can remove the instance before its pipe is open (nothing
-        // protects it until then): start again, a few times.
-        let mut attempt = 0;
-        let (instance, pipe) = loop {
-            attempt += 1;
-            match create_instance() {
-                Ok(made) => break made,
-                Err(e) if attempt < 4 && e.kind() == ErrorKind::NotFound => continue,
-                Err(e) => {
-                    unmount_tracefs_if_unused(mounted);
-                    return Err(e);
-                }
+        let (instance, pipe) = match create_instance() {
+            Ok(made) => made,
+            Err(e) => {
+                unmount_tracefs_if_unused(mounted);
+                return Err(e);
             }
         };
         Ok(Self {
             instance,
-            pipe: Some(pipe),
+            pipe: Some(Guarded::new(pipe)),
             partial: Vec::new(),
             kdamonds,
             windows: HashMap::new(),
@@ -369,7 +384,8 @@ impl DamonEvents {
     /// Whether a kdamond it listens to still runs (one stopped, or restarted under another
     /// thread id, sends nothing more).
     pub fn kdamond_running(&self) -> bool {
-        paddr_kdamonds().is_ok_and(|(running, _)| running.iter().any(|k| self.kdamonds.contains(k)))
+        // A failed look counts as running: only a kdamond seen gone stops the source.
+        paddr_kdamonds().map_or(true, |(running, _)| running.iter().any(|k| self.kdamonds.contains(k)))
     }
 
     /// The regions (in bytes of physical address) of the next aggregation window that ends,
@@ -385,8 +401,9 @@ impl DamonEvents {
             if left.is_zero() {
                 return Ok(None);
             }
-            let Some(pipe) = self.pipe.as_mut() else { return Ok(None) };
-            match pipe.read(&mut buf) {
+            let Some(pipe) = self.pipe.as_ref() else { return Ok(None) };
+            let mut file: &File = pipe;
+            match file.read(&mut buf) {
                 Ok(n) if n > 0 => {
                     self.partial.extend_from_slice(&buf[..n]);
                     self.take_lines();
@@ -399,7 +416,7 @@ impl DamonEvents {
             }
             // The pipe wakes a poller when events arrive; a short cap keeps a missed wake-up cheap.
             let wait = left.min(Duration::from_millis(100));
-            let mut fds = [rustix::event::PollFd::new(pipe, rustix::event::PollFlags::IN)];
+            let mut fds = [rustix::event::PollFd::new(file, rustix::event::PollFlags::IN)];
             let ts = rustix::event::Timespec { tv_sec: wait.as_secs() as i64, tv_nsec: i64::from(wait.subsec_nanos()) };
             let _ = rustix::event::poll(&mut fds, Some(&ts));
         }
@@ -443,6 +460,9 @@ impl DamonEvents {
 impl Drop for DamonEvents {
     fn drop(&mut self) {
         if std::process::id() != self.owner {
+            // A forked child's copy: its descriptor may be closed already (the engine closes it
+            // after a fork) and its number reused, so it is not closed again here.
+            std::mem::forget(self.pipe.take());
             return;
         }
         let _ = fs::write(self.instance.join("events/damon/damon_aggregated/enable"), "0");

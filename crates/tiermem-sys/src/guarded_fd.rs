@@ -104,6 +104,23 @@ impl Drop for Guard {
     }
 }
 
+/// In a forked child: close `fd`, a guarded descriptor the child inherited but must not keep
+/// (its owner lives on in the parent), and take it out of the table, so that the number, once
+/// the program reuses it, is the program's to close. The child's copy of its [`Guard`] must
+/// never be dropped (its slot may hold another descriptor by then).
+pub fn close_inherited(fd: RawFd) {
+    if fd < 0 {
+        return;
+    }
+    for slot in &GUARDED[..USED_SLOTS.load(Ordering::Acquire)] {
+        let _ = slot.compare_exchange(fd, EMPTY, Ordering::AcqRel, Ordering::Acquire);
+    }
+    // SAFETY: `fd` is open in this process (inherited) and nothing in it uses the number any
+    // more: its owner's copy here is never used or dropped (the caller's promise). The raw
+    // system call, not libc's close, which the preload would refuse for a guarded number.
+    unsafe { rustix::io::close(fd) };
+}
+
 /// `fd` moved to a close-on-exec descriptor at or above [`FLOOR`]; `fd` itself where that
 /// fails (the soft RLIMIT_NOFILE is lower, or descriptors are exhausted).
 pub fn lift(fd: OwnedFd) -> OwnedFd {
@@ -212,5 +229,19 @@ mod tests {
         assert!(flags >= 0 && flags & libc::FD_CLOEXEC != 0);
         drop(guarded);
         assert!(!is_guarded(high));
+    }
+
+    #[test]
+    fn an_inherited_descriptor_is_closed_and_released() {
+        let fd = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC).unwrap();
+        let guarded = Guarded::new(fd);
+        let high = guarded.as_raw_fd();
+        assert!(is_guarded(high));
+        close_inherited(high);
+        assert!(!is_guarded(high), "no longer registered");
+        // SAFETY: F_GETFD only reads the descriptor's flags; it fails on a closed number.
+        assert_eq!(unsafe { libc::fcntl(high, libc::F_GETFD) }, -1, "closed");
+        // As a forked child's copy would be: never dropped (it would close the number again).
+        std::mem::forget(guarded);
     }
 }
