@@ -52,6 +52,9 @@ pub(crate) struct AccessedPage {
 
 /// The thread: one round per aggregation window until shutdown or [`crate::Engine::stop_damon`].
 pub(crate) fn damon_thread(shared: &Shared) {
+    // Stopped by a caller that could not wait for the events, or ended by a failure: they go
+    // when the thread ends.
+    let _drop_on_stop = DropOnStop(shared);
     // Guarded, as the engine's other descriptors: programs close every descriptor they did
     // not open.
     let pagemap = match File::open("/proc/self/pagemap") {
@@ -64,8 +67,6 @@ pub(crate) fn damon_thread(shared: &Shared) {
     let mut chunk = Vec::with_capacity(FEED_CHUNK);
     let mut last_window = std::time::Instant::now();
     let stopping = || shared.shutdown.load(Ordering::Acquire) || shared.damon_stop.load(Ordering::Acquire);
-    // Stopped by a caller that could not wait for the events: they go here.
-    let _drop_on_stop = DropOnStop(shared);
     while !stopping() {
         // Held while waiting (100 ms at most), so that stopping it waits for no more.
         let next = {

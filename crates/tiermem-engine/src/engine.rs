@@ -120,6 +120,8 @@ impl Shared {
     /// Drop the DAMON source's events (its instance goes), held under `damon`'s lock. Its pipe's
     /// descriptor is forgotten first: a later fork's child would otherwise close whatever
     /// reuses that number.
+    /// (A fork between the two leaves the child holding the pipe: the instance then goes with
+    /// a sweep after the child ends, never a wrong descriptor.)
     pub(crate) fn drop_damon(&self, events: &mut Option<tiermem_monitor::damon::DamonEvents>) {
         self.damon_fd.store(-1, Ordering::Release);
         drop(events.take());

@@ -281,7 +281,8 @@ fn unmount_tracefs_if_unused(mounted: bool) {
 /// kernel says EBUSY), so no process id is trusted (a program may run in a pid namespace of
 /// its own); one whose maker has not opened its pipe yet is protected by [`InstancesLock`].
 pub fn remove_abandoned_instances() {
-    let Ok(_lock) = InstancesLock::take() else { return };
+    // Without the lock nothing is removed: an instance may be on its way.
+    let Ok(Some(_lock)) = InstancesLock::take() else { return };
     let Ok(entries) = fs::read_dir(Path::new(TRACEFS).join("instances")) else { return };
     for entry in entries.flatten() {
         if entry.file_name().to_str().is_some_and(|n| n.starts_with(INSTANCE_PREFIX)) {
@@ -292,24 +293,46 @@ pub fn remove_abandoned_instances() {
 
 /// An exclusive lock (flock) on tracefs's instances directory, held from creating an instance
 /// until its pipe is open, and by the sweep: the sweep never sees an instance not yet
-/// protected by its open pipe. Released on drop, or when its process dies.
+/// protected by its open pipe. Unlocked on drop (a forked child's copy of the descriptor would
+/// otherwise keep it), or when its process dies.
 struct InstancesLock {
-    /// Holds the lock while open.
-    _dir: File,
+    /// Guarded: a program closing every descriptor while the engine starts leaves it alone.
+    dir: Guarded<File>,
 }
 
+/// How long [`InstancesLock::take`] tries: a holder stopped (SIGSTOP, a debugger) must not stop
+/// every other program's start.
+const LOCK_PATIENCE: Duration = Duration::from_secs(2);
+
 impl InstancesLock {
-    fn take() -> Result<Self> {
-        let dir = Path::new(TRACEFS).join("instances");
-        let file = File::open(&dir).map_err(|e| Error::os(e, format!("opening {}", dir.display())))?;
-        rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)
-            .map_err(|e| Error::os(e.into(), format!("locking {}", dir.display())))?;
-        Ok(Self { _dir: file })
+    /// The lock, or None if another process holds it for longer than [`LOCK_PATIENCE`].
+    fn take() -> Result<Option<Self>> {
+        let path = Path::new(TRACEFS).join("instances");
+        let dir = File::open(&path).map_err(|e| Error::os(e, format!("opening {}", path.display())))?;
+        let dir = Guarded::new(dir);
+        let start = Instant::now();
+        loop {
+            match rustix::fs::flock(&*dir, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => return Ok(Some(Self { dir })),
+                Err(rustix::io::Errno::WOULDBLOCK | rustix::io::Errno::INTR) if start.elapsed() < LOCK_PATIENCE => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(rustix::io::Errno::WOULDBLOCK | rustix::io::Errno::INTR) => return Ok(None),
+                Err(e) => return Err(Error::os(e.into(), format!("locking {}", path.display()))),
+            }
+        }
+    }
+}
+
+impl Drop for InstancesLock {
+    fn drop(&mut self) {
+        let _ = rustix::fs::flock(&*self.dir, rustix::fs::FlockOperation::Unlock);
     }
 }
 
 /// Create an instance with the tracepoint on and open its pipe; on failure nothing is left.
 fn create_instance() -> Result<(PathBuf, File)> {
+    // Without it (held elsewhere too long) no sweep runs meanwhile either: they all take it.
     let _lock = InstancesLock::take()?;
     // Unique beyond the process id: a program that exec'ed keeps its id, and its previous
     // image's instance may still be there.
