@@ -494,6 +494,8 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     };
     // The engines only listen to a kdamond monitoring physical memory: one is started for the
     // run when none exists, and stopped when it ends.
+    // The engines mount tracefs if it is not; one that exec'ed cannot unmount it: done here.
+    let tracefs_was_mounted = settings.engine.damon && tiermem_monitor::damon::tracefs_mounted();
     let own_kdamond = if settings.engine.damon {
         tiermem_monitor::damon::ensure_paddr_kdamond(
             tiermem_engine::damon::OWN_SAMPLE,
@@ -513,6 +515,7 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         drop(own_kdamond);
         // Those of processes that were killed or exec'ed before their exit could remove them.
         tiermem_monitor::damon::remove_abandoned_instances();
+        tiermem_monitor::damon::unmount_tracefs_if_unused(!tracefs_was_mounted);
     }
     if let Some(path) = created_device {
         let _ = std::fs::remove_file(path);

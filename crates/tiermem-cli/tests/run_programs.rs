@@ -502,6 +502,8 @@ fn damon_feeds_a_running_program_and_leaves_no_tracefs_instance_behind() {
             .collect()
     };
     let before = instances();
+    let tracefs_mounted = || std::path::Path::new("/sys/kernel/tracing/instances").is_dir();
+    let mounted_before = tracefs_mounted();
     // 64 MiB kept in use for 6 s (this VM's kdamond closes a window every 5 s); then a program
     // that replaces itself by exec once its engine (and its instance) is up, so that its
     // instance has no exit to go at.
@@ -525,6 +527,7 @@ fn damon_feeds_a_running_program_and_leaves_no_tracefs_instance_behind() {
     assert!(windows >= 1, "{name}: the source took no DAMON window: {err}");
     let left: Vec<String> = instances().into_iter().filter(|n| !before.contains(n)).collect();
     assert!(left.is_empty(), "{name}: tracefs instances left behind: {left:?}");
+    assert_eq!(tracefs_mounted(), mounted_before, "{name}: tracefs is mounted as it was before the run");
 }
 
 #[test]

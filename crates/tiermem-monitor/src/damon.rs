@@ -258,7 +258,7 @@ pub fn ensure_paddr_kdamond(sample: Duration, aggregate: Duration) -> Result<Opt
 
 /// Mount tracefs at [`TRACEFS`] unless it is there; true if this call mounted it.
 fn mount_tracefs() -> Result<bool> {
-    if Path::new(TRACEFS).join("instances").is_dir() {
+    if tracefs_mounted() {
         return Ok(false);
     }
     rustix::mount::mount("tracefs", TRACEFS, "tracefs", rustix::mount::MountFlags::empty(), None).map_err(|e| {
@@ -267,8 +267,14 @@ fn mount_tracefs() -> Result<bool> {
     Ok(true)
 }
 
-/// Unmount tracefs if this process mounted it and no instance is left in it.
-fn unmount_tracefs_if_unused(mounted: bool) {
+/// Whether tracefs is mounted at [`TRACEFS`].
+pub fn tracefs_mounted() -> bool {
+    Path::new(TRACEFS).join("instances").is_dir()
+}
+
+/// Unmount tracefs if `mounted` (the caller mounted it, or found it unmounted before its run)
+/// and no instance is left in it.
+pub fn unmount_tracefs_if_unused(mounted: bool) {
     let empty = fs::read_dir(Path::new(TRACEFS).join("instances")).map(|mut d| d.next().is_none()).unwrap_or(false);
     if mounted && empty {
         let _ = rustix::mount::unmount(TRACEFS, rustix::mount::UnmountFlags::DETACH);
