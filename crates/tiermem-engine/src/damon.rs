@@ -153,12 +153,12 @@ fn feed_accessed_pages(
                 break;
             }
             for (k, word) in bytes.chunks_exact(8).enumerate() {
-                let entry = u64::from_le_bytes(word.try_into().unwrap_or_default());
-                // Bit 63: present; bits 0..=54: the frame (0 without CAP_SYS_ADMIN).
-                let pfn = entry & ((1 << 55) - 1);
-                if entry & (1 << 63) == 0 || pfn == 0 {
+                // A frame of 0: hidden (no CAP_SYS_ADMIN).
+                let Some(pfn) =
+                    tiermem_sys::pagemap::present_frame(word.try_into().unwrap_or_default()).filter(|&f| f != 0)
+                else {
                     continue;
-                }
+                };
                 if let Some(r) = region_of(accessed, pfn * PAGE_SIZE as u64) {
                     chunk.push(AccessedPage { pfn, nr_accesses: r.nr_accesses, region, page: at + k as u64 });
                     if chunk.len() == FEED_CHUNK && !feed(shared, &weak, chunk) {

@@ -273,13 +273,10 @@ fn frames(first_vpn: u64, pages: usize) -> Vec<u64> {
     let pagemap = std::fs::File::open("/proc/self/pagemap").unwrap();
     let mut bytes = vec![0u8; pages * 8];
     pagemap.read_exact_at(&mut bytes, first_vpn * 8).unwrap();
-    let entries = bytes.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().unwrap()));
+    let entries = bytes.chunks_exact(8).map(|w| tiermem_sys::pagemap::present_frame(w.try_into().unwrap()));
     entries
         .enumerate()
-        .map(|(i, e)| {
-            assert!(e >> 63 == 1, "page {:#x} is not present", first_vpn + i as u64);
-            e & ((1 << 55) - 1)
-        })
+        .map(|(i, frame)| frame.unwrap_or_else(|| panic!("page {:#x} is not present", first_vpn + i as u64)))
         .collect()
 }
 

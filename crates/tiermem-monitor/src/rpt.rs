@@ -126,12 +126,9 @@ impl ReversePageTable {
                     break;
                 }
                 for (k, word) in bytes.chunks_exact(8).enumerate() {
-                    let entry = u64::from_le_bytes(word.try_into().unwrap_or_default());
-                    // Bit 63: present; bits 0..=54: the page frame number.
-                    if entry & (1 << 63) == 0 {
+                    let Some(pfn) = tiermem_sys::pagemap::present_frame(word.try_into().unwrap_or_default()) else {
                         continue;
-                    }
-                    let pfn = entry & ((1 << 55) - 1);
+                    };
                     if pfn == 0 {
                         present_without_pfn += 1;
                         continue;

@@ -63,6 +63,14 @@ pub struct Pagemap {
     file: crate::guarded_fd::Guarded<File>,
 }
 
+/// The page frame number in a /proc/PID/pagemap entry (8 bytes, little-endian) of a page present
+/// in memory; None for one that is not. The number reads 0 to a process without CAP_SYS_ADMIN.
+pub fn present_frame(entry: [u8; 8]) -> Option<u64> {
+    let entry = u64::from_le_bytes(entry);
+    // Bit 63: present; bits 0..=54: the frame.
+    (entry >> 63 == 1).then_some(entry & ((1 << 55) - 1))
+}
+
 impl Pagemap {
     /// Open this process's pagemap.
     pub fn open_self() -> Result<Self> {
