@@ -402,8 +402,10 @@ struct ForkState {
 /// small heap while the prepare handler holds the heap's lock.
 struct ForkSlot(std::cell::UnsafeCell<Option<ForkState>>);
 
-// SAFETY: glibc runs one fork's prepare, parent and child handlers on the forking thread while it
-// holds its atfork lock (forks are serialised), so two threads never touch the slot at once.
+// SAFETY: the slot is filled and emptied only by a thread holding the small heap's fork lock
+// (taken in `before_fork` before the slot is filled, given back after the parent or child handler
+// empties it), so two threads never touch it at once, whether glibc's fork serialises them with
+// its atfork lock or they fork through `fork_outside_the_c_library`.
 unsafe impl Sync for ForkSlot {}
 
 static FORK_STATE: ForkSlot = ForkSlot(std::cell::UnsafeCell::new(None));
@@ -411,6 +413,44 @@ static FORK_STATE: ForkSlot = ForkSlot(std::cell::UnsafeCell::new(None));
 fn fork_state() -> &'static mut Option<ForkState> {
     // SAFETY: see ForkSlot: only the forking thread reaches the slot, one handler at a time.
     unsafe { &mut *FORK_STATE.0.get() }
+}
+
+/// A fork the C library's `fork()` does not make (`_Fork`, or the fork or clone system call by
+/// number), for which it runs no atfork handlers: run ours around `fork` here, or the child would
+/// start without the managed pages the engine had evicted (it died of SIGSEGV touching them)
+/// and with the engine's locks as other threads held them. Returns what `fork` returned, with
+/// its errno.
+pub(crate) fn fork_outside_the_c_library(fork: impl FnOnce() -> libc::c_long) -> libc::c_long {
+    // A vfork child shares its parent's memory and engine, and the parent is stopped, maybe
+    // holding the locks the handlers take: nothing to copy, nothing to wait for.
+    if in_vfork_child() {
+        return fork();
+    }
+    before_fork();
+    let pid = fork();
+    let errno = errno();
+    if pid == 0 {
+        note_own_pid();
+        after_fork_in_child();
+    } else {
+        after_fork_in_parent();
+    }
+    set_errno(errno);
+    pid
+}
+
+/// glibc's `_Fork` (2.34 and later): fork without the atfork handlers, for callers that must
+/// not run them (a signal handler). tiermem's must run all the same; see
+/// [`fork_outside_the_c_library`]. glibc's own `fork()` calls its `_Fork` directly, not this.
+///
+/// # Safety
+/// The C contract of _Fork.
+#[no_mangle]
+pub unsafe extern "C" fn _Fork() -> libc::pid_t {
+    type ForkFn = unsafe extern "C" fn() -> libc::pid_t;
+    let real = crate::alloc::real!("_Fork", ForkFn);
+    // SAFETY: the C library's _Fork, called as the caller called ours.
+    fork_outside_the_c_library(|| libc::c_long::from(unsafe { real() })) as libc::pid_t
 }
 
 extern "C" fn before_fork() {

@@ -1,7 +1,9 @@
 //! `syscall()`, for programs and libraries that make the wrapped system calls by number: the
 //! close and dup family always go to [`crate::fds`], the mlock family to [`crate::lock`]; in sigbus fault mode the calls that move
 //! data go to their wrappers in [`crate::io`], [`crate::messages`], [`crate::process_vm`] or
-//! [`crate::paths`]; every other call goes to the C library's `syscall`.
+//! [`crate::paths`]; the fork and clone calls that copy the process run tiermem's fork
+//! handlers around them ([`runtime::fork_outside_the_c_library`]); every other call goes to the
+//! C library's `syscall`.
 //!
 //! `syscall` is variadic in C, which stable Rust cannot define. On x86-64 and AArch64 Linux a
 //! variadic call passes its integer arguments exactly as a call with that many `long`
@@ -35,6 +37,9 @@ pub unsafe extern "C" fn syscall(
     if let Some(result) = crate::lock::by_number(number, a, b, c) {
         return result as c_long;
     }
+    if forks_memory(number, a, b) {
+        return runtime::fork_outside_the_c_library(|| sys!(number, a, b, c, d, e, f) as c_long);
+    }
     let id = |v: c_long| v as libc::uid_t;
     match number {
         libc::SYS_setuid => crate::privileges::before_a_change(Some(&[id(a)])),
@@ -49,6 +54,31 @@ pub unsafe extern "C" fn syscall(
         }
     }
     sys!(number, a, b, c, d, e, f) as c_long
+}
+
+/// Whether the call makes a child with a copy of this process's memory that goes on on the
+/// caller's stack, as fork() does: the fork system call, or clone or clone3 without CLONE_VM and
+/// without a stack of its own (a child with one cannot return through this function; those and
+/// thread-like children share the memory, and the engine, as vfork children do).
+fn forks_memory(number: c_long, a: c_long, b: c_long) -> bool {
+    let copies = |flags: u64, stack: u64| flags & libc::CLONE_VM as u64 == 0 && stack == 0;
+    match number {
+        #[cfg(target_arch = "x86_64")]
+        libc::SYS_fork => true,
+        libc::SYS_clone => copies(a as u64, b as u64),
+        libc::SYS_clone3 => {
+            // struct clone_args: flags is its first u64, stack its sixth; the kernel takes no
+            // struct shorter than 64 bytes (CLONE_ARGS_SIZE_VER0).
+            let args = a as *const u64;
+            if args.is_null() || (b as usize) < 64 || !args.is_aligned() {
+                return false;
+            }
+            // SAFETY: the caller hands the kernel at least 64 bytes there to read, aligned.
+            let fields = unsafe { std::slice::from_raw_parts(args, 6) };
+            copies(fields[0], fields[5])
+        }
+        _ => false,
+    }
 }
 
 /// The close and dup family's wrapper result for their call numbers, or None.
