@@ -931,6 +931,49 @@ fn a_child_forked_past_the_c_library_s_fork_gets_the_managed_memory() {
     }
 }
 
+/// glibc's clone() without CLONE_VM: the child, on a stack of its own, sums a managed array
+/// much larger than the budget; so does the parent after it.
+const CLONE_CHILD: &str = r#"
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static uint64_t* a;
+static size_t n;
+static uint64_t sum() { uint64_t s = 0; for (size_t i = 0; i < n; i++) s += a[i] * (i | 1); return s; }
+static int child(void* expected) {
+    uint64_t seen = sum();
+    printf("child sum %llu ok=%d\n", (unsigned long long)seen, seen == *(uint64_t*)expected);
+    fflush(stdout);
+    return seen == *(uint64_t*)expected ? 0 : 3;
+}
+int main(int argc, char** argv) {
+    n = strtoull(argv[1], nullptr, 10);
+    a = (uint64_t*)malloc(n * sizeof *a);
+    for (size_t i = 0; i < n; i++) a[i] = i * 2654435761u;
+    uint64_t expected = sum();
+    size_t stack_size = 256 << 10;
+    char* stack = (char*)malloc(stack_size);
+    int pid = clone(child, stack + stack_size, SIGCHLD, &expected);
+    if (pid < 0) { perror("clone"); return 1; }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    printf("parent sum ok=%d child exit %d\n", sum() == expected, WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status));
+    return 0;
+}
+"#;
+
+#[test]
+fn a_child_of_clone_without_clone_vm_gets_the_managed_memory() {
+    let name = "a_child_of_clone_without_clone_vm_gets_the_managed_memory";
+    let Some(managed) = run_cpp_under_30_percent(name, CLONE_CHILD, scaled(32_000_000)) else { return };
+    let out = String::from_utf8_lossy(&managed.out.stdout).into_owned();
+    assert!(out.contains("child exit 0") && !out.contains("ok=0"), "{name}: {out}");
+}
+
 const EXEC_JOB: &str = r#"
 import os, subprocess, sys
 import numpy as np

@@ -453,6 +453,68 @@ pub unsafe extern "C" fn _Fork() -> libc::pid_t {
     fork_outside_the_c_library(|| libc::c_long::from(unsafe { real() })) as libc::pid_t
 }
 
+type CloneStart = extern "C" fn(*mut std::ffi::c_void) -> i32;
+type CloneFn = unsafe extern "C" fn(
+    CloneStart,
+    *mut std::ffi::c_void,
+    i32,
+    *mut std::ffi::c_void,
+    *mut libc::pid_t,
+    *mut std::ffi::c_void,
+    *mut libc::pid_t,
+) -> i32;
+
+/// What a child made by [`clone`] without CLONE_VM runs first: its own copy of this, on its own
+/// stack, in its own memory.
+struct CloneChild {
+    start: CloneStart,
+    arg: *mut std::ffi::c_void,
+}
+
+extern "C" fn clone_child_start(child: *mut std::ffi::c_void) -> i32 {
+    // SAFETY: `clone` passed a pointer to its CloneChild, which this child has a copy of at the
+    // same address (the memory was copied, not shared).
+    let CloneChild { start, arg } = unsafe { child.cast::<CloneChild>().read() };
+    note_own_pid();
+    after_fork_in_child();
+    start(arg)
+}
+
+/// glibc's `clone()`. Without CLONE_VM the child gets a copy of the memory, as fork() gives, but
+/// no atfork handlers: tiermem's run around it here, the child's before the caller's function
+/// (on the child's stack). With CLONE_VM (threads, vfork-like children) the memory and the
+/// engine are shared: straight to the C library. The optional arguments are passed on as they
+/// came, as `syscall` does with its (see [`crate::syscall`]).
+///
+/// # Safety
+/// The C contract of clone.
+#[no_mangle]
+pub unsafe extern "C" fn clone(
+    start: CloneStart,
+    stack: *mut std::ffi::c_void,
+    flags: i32,
+    arg: *mut std::ffi::c_void,
+    parent_tid: *mut libc::pid_t,
+    tls: *mut std::ffi::c_void,
+    child_tid: *mut libc::pid_t,
+) -> i32 {
+    let real = crate::alloc::real!("clone", CloneFn);
+    if flags & libc::CLONE_VM != 0 || in_vfork_child() {
+        // SAFETY: the C library's clone, called as the caller called ours.
+        return unsafe { real(start, stack, flags, arg, parent_tid, tls, child_tid) };
+    }
+    let child = CloneChild { start, arg };
+    let child_ptr = std::ptr::addr_of!(child).cast_mut().cast();
+    before_fork();
+    // SAFETY: as above, with the caller's function and argument wrapped in `child`, which lives
+    // until the call returns here (the child has its copy).
+    let pid = unsafe { real(clone_child_start, stack, flags, child_ptr, parent_tid, tls, child_tid) };
+    let errno = errno();
+    after_fork_in_parent();
+    set_errno(errno);
+    pid
+}
+
 extern "C" fn before_fork() {
     let Some(engine) = ENGINE.get() else { return };
     if in_forked_child() {
