@@ -34,6 +34,7 @@ mod libc_alloc;
 mod lock;
 mod messages;
 mod mmap;
+mod other_forks;
 mod paths;
 mod privileges;
 mod process_vm;

@@ -120,11 +120,11 @@ pub fn die(parts: &[&str]) -> ! {
 /// has another, and shares this one's memory, so it must not start an engine of its own.
 static OWN_PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
 
-extern "C" fn note_own_pid() {
+pub(crate) extern "C" fn note_own_pid() {
     OWN_PID.store(rustix::process::getpid().as_raw_nonzero().get(), Ordering::Release);
 }
 
-fn in_vfork_child() -> bool {
+pub(crate) fn in_vfork_child() -> bool {
     rustix::process::getpid().as_raw_nonzero().get() != OWN_PID.load(Ordering::Acquire)
 }
 
@@ -402,120 +402,41 @@ struct ForkState {
 /// small heap while the prepare handler holds the heap's lock.
 struct ForkSlot(std::cell::UnsafeCell<Option<ForkState>>);
 
-// SAFETY: the slot is filled and emptied only by a thread holding the small heap's fork lock
-// (taken in `before_fork` before the slot is filled, given back after the parent or child handler
-// empties it), so two threads never touch it at once, whether glibc's fork serialises them with
-// its atfork lock or they fork through `fork_outside_the_c_library`.
+// SAFETY: the slot is filled only by a thread holding the small heap's fork lock (taken in
+// `before_fork`, given back when the state leaves the slot), and read or emptied only by the
+// thread FORK_OWNER names, which it names from after the slot is filled until it is emptied: so
+// two threads never touch it at once, also when one forks through glibc (serialised by its
+// atfork lock) and another past it (`crate::other_forks`), or one forks before the engine
+// started and fills nothing.
 unsafe impl Sync for ForkSlot {}
 
 static FORK_STATE: ForkSlot = ForkSlot(std::cell::UnsafeCell::new(None));
+
+/// The thread (`pthread_self`, which a forked child keeps) whose fork state the slot holds; 0:
+/// none.
+static FORK_OWNER: AtomicUsize = AtomicUsize::new(0);
+
+fn this_thread() -> usize {
+    // SAFETY: pthread_self has no preconditions.
+    unsafe { libc::pthread_self() as usize }
+}
+
+/// The fork state this thread put in the slot, if it did.
+fn take_own_fork_state() -> Option<ForkState> {
+    if FORK_OWNER.load(Ordering::Acquire) != this_thread() {
+        return None;
+    }
+    let state = fork_state().take();
+    FORK_OWNER.store(0, Ordering::Release);
+    state
+}
 
 fn fork_state() -> &'static mut Option<ForkState> {
     // SAFETY: see ForkSlot: only the forking thread reaches the slot, one handler at a time.
     unsafe { &mut *FORK_STATE.0.get() }
 }
 
-/// A fork the C library's `fork()` does not make (`_Fork`, or the fork or clone system call by
-/// number), for which it runs no atfork handlers: run ours around `fork` here, or the child would
-/// start without the managed pages the engine had evicted (it died of SIGSEGV touching them)
-/// and with the engine's locks as other threads held them. Returns what `fork` returned, with
-/// its errno.
-pub(crate) fn fork_outside_the_c_library(fork: impl FnOnce() -> libc::c_long) -> libc::c_long {
-    // A vfork child shares its parent's memory and engine, and the parent is stopped, maybe
-    // holding the locks the handlers take: nothing to copy, nothing to wait for.
-    if in_vfork_child() {
-        return fork();
-    }
-    before_fork();
-    let pid = fork();
-    let errno = errno();
-    if pid == 0 {
-        note_own_pid();
-        after_fork_in_child();
-    } else {
-        after_fork_in_parent();
-    }
-    set_errno(errno);
-    pid
-}
-
-/// glibc's `_Fork` (2.34 and later): fork without the atfork handlers, for callers that must
-/// not run them (a signal handler). tiermem's must run all the same; see
-/// [`fork_outside_the_c_library`]. glibc's own `fork()` calls its `_Fork` directly, not this.
-///
-/// # Safety
-/// The C contract of _Fork.
-#[no_mangle]
-pub unsafe extern "C" fn _Fork() -> libc::pid_t {
-    type ForkFn = unsafe extern "C" fn() -> libc::pid_t;
-    let real = crate::alloc::real!("_Fork", ForkFn);
-    // SAFETY: the C library's _Fork, called as the caller called ours.
-    fork_outside_the_c_library(|| libc::c_long::from(unsafe { real() })) as libc::pid_t
-}
-
-type CloneStart = extern "C" fn(*mut std::ffi::c_void) -> i32;
-type CloneFn = unsafe extern "C" fn(
-    CloneStart,
-    *mut std::ffi::c_void,
-    i32,
-    *mut std::ffi::c_void,
-    *mut libc::pid_t,
-    *mut std::ffi::c_void,
-    *mut libc::pid_t,
-) -> i32;
-
-/// What a child made by [`clone`] without CLONE_VM runs first: its own copy of this, on its own
-/// stack, in its own memory.
-struct CloneChild {
-    start: CloneStart,
-    arg: *mut std::ffi::c_void,
-}
-
-extern "C" fn clone_child_start(child: *mut std::ffi::c_void) -> i32 {
-    // SAFETY: `clone` passed a pointer to its CloneChild, which this child has a copy of at the
-    // same address (the memory was copied, not shared).
-    let CloneChild { start, arg } = unsafe { child.cast::<CloneChild>().read() };
-    note_own_pid();
-    after_fork_in_child();
-    start(arg)
-}
-
-/// glibc's `clone()`. Without CLONE_VM the child gets a copy of the memory, as fork() gives, but
-/// no atfork handlers: tiermem's run around it here, the child's before the caller's function
-/// (on the child's stack). With CLONE_VM (threads, vfork-like children) the memory and the
-/// engine are shared: straight to the C library. The optional arguments are passed on as they
-/// came, as `syscall` does with its (see [`crate::syscall`]).
-///
-/// # Safety
-/// The C contract of clone.
-#[no_mangle]
-pub unsafe extern "C" fn clone(
-    start: CloneStart,
-    stack: *mut std::ffi::c_void,
-    flags: i32,
-    arg: *mut std::ffi::c_void,
-    parent_tid: *mut libc::pid_t,
-    tls: *mut std::ffi::c_void,
-    child_tid: *mut libc::pid_t,
-) -> i32 {
-    let real = crate::alloc::real!("clone", CloneFn);
-    if flags & libc::CLONE_VM != 0 || in_vfork_child() {
-        // SAFETY: the C library's clone, called as the caller called ours.
-        return unsafe { real(start, stack, flags, arg, parent_tid, tls, child_tid) };
-    }
-    let child = CloneChild { start, arg };
-    let child_ptr = std::ptr::addr_of!(child).cast_mut().cast();
-    before_fork();
-    // SAFETY: as above, with the caller's function and argument wrapped in `child`, which lives
-    // until the call returns here (the child has its copy).
-    let pid = unsafe { real(clone_child_start, stack, flags, child_ptr, parent_tid, tls, child_tid) };
-    let errno = errno();
-    after_fork_in_parent();
-    set_errno(errno);
-    pid
-}
-
-extern "C" fn before_fork() {
+pub(crate) extern "C" fn before_fork() {
     let Some(engine) = ENGINE.get() else { return };
     if in_forked_child() {
         return;
@@ -543,6 +464,7 @@ extern "C" fn before_fork() {
     let table = registry::lock();
     let hold = engine.hold_for_fork();
     *fork_state() = Some(ForkState { _heap: heap, _table: table, hold, done_read, done_write });
+    FORK_OWNER.store(this_thread(), Ordering::Release);
 }
 
 /// The soft RLIMIT_NOFILE (None: unlimited).
@@ -583,8 +505,8 @@ fn with_descriptor_room<T>(wanted: u64, make: impl FnOnce() -> T) -> T {
     made
 }
 
-extern "C" fn after_fork_in_parent() {
-    let Some(state) = fork_state().take() else { return };
+pub(crate) extern "C" fn after_fork_in_parent() {
+    let Some(state) = take_own_fork_state() else { return };
     let ForkState { _heap, _table, hold, done_read, done_write } = state;
     drop(done_write);
     // Wait until the child has copied what it needs from our device: until then our slots must
@@ -595,8 +517,8 @@ extern "C" fn after_fork_in_parent() {
     drop(_table);
 }
 
-extern "C" fn after_fork_in_child() {
-    let Some(state) = fork_state().take() else { return };
+pub(crate) extern "C" fn after_fork_in_child() {
+    let Some(state) = take_own_fork_state() else { return };
     let ForkState { _heap, _table, hold, done_read, done_write } = state;
     drop(done_read);
     FORKED_CHILD.store(true, Ordering::Release);

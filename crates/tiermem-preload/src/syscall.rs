@@ -2,7 +2,7 @@
 //! close and dup family always go to [`crate::fds`], the mlock family to [`crate::lock`]; in sigbus fault mode the calls that move
 //! data go to their wrappers in [`crate::io`], [`crate::messages`], [`crate::process_vm`] or
 //! [`crate::paths`]; the fork and clone calls that copy the process run tiermem's fork
-//! handlers around them ([`runtime::fork_outside_the_c_library`]); every other call goes to the
+//! handlers around them ([`crate::other_forks`]); every other call goes to the
 //! C library's `syscall`.
 //!
 //! `syscall` is variadic in C, which stable Rust cannot define. On x86-64 and AArch64 Linux a
@@ -38,7 +38,7 @@ pub unsafe extern "C" fn syscall(
         return result as c_long;
     }
     if forks_memory(number, a, b) {
-        return runtime::fork_outside_the_c_library(|| sys!(number, a, b, c, d, e, f) as c_long);
+        return crate::other_forks::around(|| sys!(number, a, b, c, d, e, f) as c_long);
     }
     let id = |v: c_long| v as libc::uid_t;
     match number {
@@ -58,10 +58,13 @@ pub unsafe extern "C" fn syscall(
 
 /// Whether the call makes a child with a copy of this process's memory that goes on on the
 /// caller's stack, as fork() does: the fork system call, or clone or clone3 without CLONE_VM and
-/// without a stack of its own (a child with one cannot return through this function; those and
-/// thread-like children share the memory, and the engine, as vfork children do).
+/// without a stack of its own (a child with one cannot return through this function;
+/// thread-like children share the memory, and the engine, as vfork children do). Also not with
+/// CLONE_FILES (the fork handshake's pipe would be shared) or CLONE_SETTLS (the child's handler
+/// would run with the caller's thread pointer).
 fn forks_memory(number: c_long, a: c_long, b: c_long) -> bool {
-    let copies = |flags: u64, stack: u64| flags & libc::CLONE_VM as u64 == 0 && stack == 0;
+    let shares = (libc::CLONE_VM | libc::CLONE_FILES | libc::CLONE_SETTLS) as u64;
+    let copies = |flags: u64, stack: u64| flags & shares == 0 && stack == 0;
     match number {
         #[cfg(target_arch = "x86_64")]
         libc::SYS_fork => true,

@@ -1,0 +1,227 @@
+//! Forks glibc's `fork()` does not make, for which it runs no atfork handlers: `_Fork`,
+//! `clone()` without CLONE_VM, and the fork, clone and clone3 system calls by number (from
+//! [`crate::syscall`]). Their children get a copy of the memory as a fork child does, so
+//! tiermem's fork handlers (see `runtime`) must run around them too: without them the child
+//! started without the managed pages the engine had evicted (it died of SIGSEGV touching them)
+//! and with the engine's locks as other threads held them.
+//!
+//! The handlers take locks (the small heap's, the registry's, the engine's), so `_Fork` from a
+//! signal handler that interrupted tiermem's own allocator would wait on itself, as glibc's
+//! `fork()` with atfork handlers would.
+
+use std::ffi::c_void;
+
+use libc::c_long;
+
+use crate::runtime::{
+    after_fork_in_child, after_fork_in_parent, before_fork, errno, in_vfork_child, note_own_pid, set_errno,
+};
+
+/// Run the fork handlers around `fork`, which makes a child with a copy of the memory that goes
+/// on from here, on this stack. Returns what `fork` returned, with its errno.
+pub(crate) fn around(fork: impl FnOnce() -> c_long) -> c_long {
+    // A vfork child shares its parent's memory and engine, and the parent is stopped, maybe
+    // holding the locks the handlers take: nothing to copy, nothing to wait for.
+    if in_vfork_child() {
+        return fork();
+    }
+    before_fork();
+    let pid = fork();
+    let errno = errno();
+    if pid == 0 {
+        note_own_pid();
+        after_fork_in_child();
+    } else {
+        after_fork_in_parent();
+    }
+    set_errno(errno);
+    pid
+}
+
+/// glibc's `_Fork` (2.34 and later): fork without the atfork handlers, for callers that must
+/// not run them. tiermem's run all the same. glibc's own `fork()` calls its `_Fork` directly,
+/// not this.
+///
+/// # Safety
+/// The C contract of _Fork.
+#[no_mangle]
+pub unsafe extern "C" fn _Fork() -> libc::pid_t {
+    type ForkFn = unsafe extern "C" fn() -> libc::pid_t;
+    static REAL: std::sync::OnceLock<Option<ForkFn>> = std::sync::OnceLock::new();
+    let real = *REAL.get_or_init(|| {
+        // SAFETY: dlsym with a NUL-terminated name; RTLD_NEXT finds the definition past ours.
+        let address = unsafe { libc::dlsym(libc::RTLD_NEXT, c"_Fork".as_ptr()) };
+        // SAFETY: glibc's _Fork has this C signature.
+        (!address.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, ForkFn>(address) })
+    });
+    around(|| match real {
+        // SAFETY: the C library's _Fork, called as the caller called ours.
+        Some(real) => c_long::from(unsafe { real() }),
+        // A C library without one (before glibc 2.34): what it does, by number.
+        None => crate::io::sys!(libc::SYS_clone, libc::SIGCHLD, 0, 0, 0, 0) as c_long,
+    }) as libc::pid_t
+}
+
+type CloneStart = extern "C" fn(*mut c_void) -> i32;
+type CloneFn = unsafe extern "C" fn(
+    Option<CloneStart>,
+    *mut c_void,
+    i32,
+    *mut c_void,
+    *mut libc::pid_t,
+    *mut c_void,
+    *mut libc::pid_t,
+) -> i32;
+
+/// Stack the child of [`clone`] runs its fork handler on before it moves to the caller's.
+const HANDLER_STACK: usize = 256 << 10;
+
+/// What the child of [`clone`] runs once its handler is done; the child reads its own copy.
+struct CloneChild {
+    start: CloneStart,
+    arg: *mut c_void,
+    /// The caller's stack, 16-byte aligned.
+    stack: usize,
+}
+
+/// glibc's `clone()`. Without CLONE_VM the child gets a copy of the memory, as fork() gives: the
+/// handlers run around it. The child starts on a stack of tiermem's (unmanaged: glibc writes
+/// the function and argument there before the call, which on an evicted page of a managed stack
+/// would fault while the handlers hold the engine), runs its handler there, then calls the
+/// caller's function on the caller's stack and exits with its result, as glibc's child does.
+/// Straight to the C library: CLONE_VM (threads and vfork-like children share the memory and
+/// the engine), CLONE_FILES (the fork handshake's pipe would be shared), CLONE_SETTLS (the
+/// handler would run with the caller's thread pointer), bad arguments (the C library's error),
+/// architectures without the stack switch below. The optional arguments are passed on as they
+/// came, as `syscall` does with its.
+///
+/// # Safety
+/// The C contract of clone.
+#[no_mangle]
+pub unsafe extern "C" fn clone(
+    start: Option<CloneStart>,
+    stack: *mut c_void,
+    flags: i32,
+    arg: *mut c_void,
+    parent_tid: *mut libc::pid_t,
+    tls: *mut c_void,
+    child_tid: *mut libc::pid_t,
+) -> i32 {
+    let real = crate::alloc::real!("clone", CloneFn);
+    // SAFETY: the C library's clone, called as the caller called ours.
+    let straight = || unsafe { real(start, stack, flags, arg, parent_tid, tls, child_tid) };
+    let shares = libc::CLONE_VM | libc::CLONE_FILES | libc::CLONE_SETTLS;
+    let Some(start) = start.filter(|_| flags & shares == 0 && !stack.is_null() && STACK_SWITCH) else {
+        return straight();
+    };
+    if in_vfork_child() {
+        return straight();
+    }
+    let Ok(own) = HandlerStack::new() else {
+        set_errno(libc::ENOMEM);
+        return -1;
+    };
+    let child = CloneChild { start, arg, stack: stack as usize & !15 };
+    let child_ptr = std::ptr::addr_of!(child).cast_mut().cast();
+    let pid = around(|| {
+        // SAFETY: as above, with tiermem's start function and stack; `child` lives until the call
+        // returns here, and the child has its own copy.
+        c_long::from(unsafe { real(Some(clone_child_start), own.top(), flags, child_ptr, parent_tid, tls, child_tid) })
+    });
+    // Only the parent gets here: the child starts in `clone_child_start`, on the handler stack.
+    pid as i32
+}
+
+extern "C" fn clone_child_start(child: *mut c_void) -> i32 {
+    // SAFETY: `clone` passed a pointer to its CloneChild, which this child has a copy of at the
+    // same address (the memory was copied, not shared).
+    let CloneChild { start, arg, stack } = unsafe { child.cast::<CloneChild>().read() };
+    note_own_pid();
+    after_fork_in_child();
+    // SAFETY: the caller's function, argument and stack, as it gave them to clone.
+    unsafe { call_on_stack_and_exit(start, arg, stack) }
+}
+
+/// An anonymous mapping made past the shim (never managed), unmapped when dropped. The
+/// child has its own copy; the parent's goes when clone returns.
+struct HandlerStack(*mut c_void);
+
+impl HandlerStack {
+    fn new() -> rustix::io::Result<Self> {
+        use rustix::mm::{mmap_anonymous, MapFlags, ProtFlags};
+        // SAFETY: a new private anonymous mapping at an address the kernel chooses.
+        let at = unsafe {
+            mmap_anonymous(
+                std::ptr::null_mut(),
+                HANDLER_STACK,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE | MapFlags::STACK,
+            )
+        }?;
+        Ok(Self(at))
+    }
+
+    fn top(&self) -> *mut c_void {
+        self.0.cast::<u8>().wrapping_add(HANDLER_STACK).cast()
+    }
+}
+
+impl Drop for HandlerStack {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, no longer used in this process.
+        let _ = unsafe { rustix::mm::munmap(self.0, HANDLER_STACK) };
+    }
+}
+
+const STACK_SWITCH: bool = cfg!(any(target_arch = "x86_64", target_arch = "aarch64"));
+
+/// Move to `stack` (16-byte aligned), call `start(arg)` there and end the thread with its result
+/// (SYS_exit, as glibc's clone child does).
+///
+/// # Safety
+/// `stack` must be the top of memory this thread may use as its stack.
+#[cfg(target_arch = "x86_64")]
+unsafe fn call_on_stack_and_exit(start: CloneStart, arg: *mut c_void, stack: usize) -> ! {
+    // SAFETY: the caller's contract; the call below gets an aligned stack and never returns here.
+    unsafe {
+        std::arch::asm!(
+            "mov rsp, {stack}",
+            "call {start}",
+            "mov edi, eax",
+            "mov eax, 60",
+            "syscall",
+            "ud2",
+            stack = in(reg) stack,
+            start = in(reg) start,
+            in("rdi") arg,
+            options(noreturn),
+        )
+    }
+}
+
+/// See the x86-64 version.
+///
+/// # Safety
+/// `stack` must be the top of memory this thread may use as its stack.
+#[cfg(target_arch = "aarch64")]
+unsafe fn call_on_stack_and_exit(start: CloneStart, arg: *mut c_void, stack: usize) -> ! {
+    // SAFETY: as on x86-64.
+    unsafe {
+        std::arch::asm!(
+            "mov sp, {stack}",
+            "blr {start}",
+            "mov x8, #93",
+            "svc #0",
+            "brk #0",
+            stack = in(reg) stack,
+            start = in(reg) start,
+            in("x0") arg,
+            options(noreturn),
+        )
+    }
+}
+
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+unsafe fn call_on_stack_and_exit(_: CloneStart, _: *mut c_void, _: usize) -> ! {
+    unreachable!("clone goes straight to the C library here (STACK_SWITCH)")
+}
