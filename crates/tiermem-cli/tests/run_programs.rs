@@ -147,7 +147,17 @@ struct Managed {
     peak_managed_rss: u64,
 }
 
-/// `tiermem run --limit LIMIT EXTRA -- PROGRAM`, sampling managed residency every 25 ms.
+/// How long one `tiermem run` of these tests may take before it counts as hung (the longest
+/// take about two minutes here): `TIERMEM_TEST_RUN_TIMEOUT` seconds, 600 by default.
+fn run_timeout() -> Duration {
+    let secs = std::env::var("TIERMEM_TEST_RUN_TIMEOUT").ok().and_then(|v| v.parse().ok()).unwrap_or(600);
+    Duration::from_secs(secs)
+}
+
+/// `tiermem run --limit LIMIT EXTRA -- PROGRAM`, sampling managed residency every 25 ms. A run
+/// past [`run_timeout`] is stopped (SIGTERM, which `tiermem run` passes to the program and then
+/// cleans up after; SIGKILL to all of them 10 s later) and fails the test, instead of holding up
+/// the whole suite until its own time limit.
 fn run_managed(scratch: &Scratch, limit: &str, extra: &[&str], program: &[&str]) -> Managed {
     let stats_path = scratch.path().join(format!("stats-{}.json", std::process::id()));
     let stats_arg = stats_path.display().to_string();
@@ -158,22 +168,42 @@ fn run_managed(scratch: &Scratch, limit: &str, extra: &[&str], program: &[&str])
     let child = scratch.command(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("tiermem run");
     let done = Arc::new(AtomicBool::new(false));
     let peak = Arc::new(AtomicU64::new(0));
+    let timeout = run_timeout();
     let sampler = {
         let (done, peak, pid) = (done.clone(), peak.clone(), child.id());
         std::thread::spawn(move || {
+            let started = std::time::Instant::now();
+            let mut terminated = None;
             while !done.load(Ordering::Relaxed) {
                 let mut pids = Vec::new();
                 descendants(pid, &mut pids);
+                if terminated.is_none() && started.elapsed() > timeout {
+                    // SAFETY: signalling a process of our own test.
+                    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+                    terminated = Some(std::time::Instant::now());
+                } else if terminated.is_some_and(|at| at.elapsed() > Duration::from_secs(10)) {
+                    for p in pids.iter().copied().chain([pid]) {
+                        // SAFETY: as above.
+                        unsafe { libc::kill(p as i32, libc::SIGKILL) };
+                    }
+                }
                 for p in pids {
                     peak.fetch_max(managed_rss_stopped(p), Ordering::Relaxed);
                 }
                 std::thread::sleep(Duration::from_millis(25));
             }
+            terminated.is_some()
         })
     };
     let out = child.wait_with_output().expect("waiting for tiermem run");
     done.store(true, Ordering::Relaxed);
-    sampler.join().unwrap();
+    let timed_out = sampler.join().unwrap();
+    assert!(
+        !timed_out,
+        "tiermem run {program:?} did not end within {} s and was stopped: {}",
+        timeout.as_secs(),
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stats = std::fs::read_to_string(&stats_path)
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
