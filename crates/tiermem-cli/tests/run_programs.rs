@@ -1010,9 +1010,20 @@ int main(int argc, char** argv) {
 #[test]
 fn a_child_of_clone_without_clone_vm_gets_the_managed_memory() {
     let name = "a_child_of_clone_without_clone_vm_gets_the_managed_memory";
-    let Some(managed) = run_cpp_under_30_percent(name, CLONE_CHILD, scaled(32_000_000)) else { return };
-    let out = String::from_utf8_lossy(&managed.out.stdout).into_owned();
-    assert!(out.matches("child exit 0").count() == 2 && !out.contains("ok=0"), "{name}: {out}");
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, CLONE_CHILD, "clone_child", name) else { return };
+    let (bin, n) = (bin.display().to_string(), scaled(32_000_000).to_string());
+    let program = [bin.as_str(), n.as_str()];
+    let (reference, _) = profile(&scratch, &program);
+    for mode in ["sigbus", "thread"] {
+        let managed = run_managed(&scratch, "30%", &["--fault-mode", mode], &program);
+        assert_managed_like_reference(&format!("{name} ({mode})"), &reference, &managed);
+        let out = String::from_utf8_lossy(&managed.out.stdout).into_owned();
+        assert!(out.matches("child exit 0").count() == 2 && !out.contains("ok=0"), "{name} ({mode}): {out}");
+    }
 }
 
 const EXEC_JOB: &str = r#"

@@ -17,6 +17,22 @@ use crate::runtime::{
     after_fork_in_child, after_fork_in_parent, before_fork, errno, in_vfork_child, note_own_pid, set_errno,
 };
 
+/// Clone flags with which a child gets no handlers and the call goes straight to the kernel or
+/// the C library: the child shares the memory and the engine (CLONE_VM: threads, vfork-like
+/// children) or the descriptor table (CLONE_FILES: the fork handshake's pipe would be shared),
+/// would run its handler with the caller's thread pointer (CLONE_SETTLS), or the kernel would
+/// touch the caller's memory while the handlers hold the engine, which an evicted page there
+/// would wait for (CLONE_PARENT_SETTID and CLONE_PIDFD write to it in the parent,
+/// CLONE_CHILD_SETTID in the child before its copy overwrites that page, and with CLONE_VFORK
+/// the parent waits inside the call, holding everything, until the child execs or exits).
+pub(crate) const CLONE_WITHOUT_HANDLERS: u64 = (libc::CLONE_VM
+    | libc::CLONE_FILES
+    | libc::CLONE_SETTLS
+    | libc::CLONE_PARENT_SETTID
+    | libc::CLONE_PIDFD
+    | libc::CLONE_CHILD_SETTID
+    | libc::CLONE_VFORK) as u64;
+
 /// Run the fork handlers around `fork`, which makes a child with a copy of the memory that goes
 /// on from here, on this stack. Returns what `fork` returned, with its errno.
 pub(crate) fn around(fork: impl FnOnce() -> c_long) -> c_long {
@@ -58,7 +74,10 @@ pub unsafe extern "C" fn _Fork() -> libc::pid_t {
         // SAFETY: the C library's _Fork, called as the caller called ours.
         Some(real) => c_long::from(unsafe { real() }),
         // A C library without one (before glibc 2.34): what it does, by number.
-        None => crate::io::sys!(libc::SYS_clone, libc::SIGCHLD, 0, 0, 0, 0) as c_long,
+        None => {
+            let (flags, none) = (c_long::from(libc::SIGCHLD), 0 as c_long);
+            crate::io::sys!(libc::SYS_clone, flags, none, none, none, none) as c_long
+        }
     }) as libc::pid_t
 }
 
@@ -73,10 +92,15 @@ type CloneFn = unsafe extern "C" fn(
     *mut libc::pid_t,
 ) -> i32;
 
-/// Stack the child of [`clone`] runs its fork handler on before it moves to the caller's.
+/// Stack the child of [`clone`] runs its fork handler on before it moves to the caller's (a
+/// guard page below it).
 const HANDLER_STACK: usize = 256 << 10;
 
-/// What the child of [`clone`] runs once its handler is done; the child reads its own copy.
+/// What the child of [`clone`] runs once its handler is done. It sits at the top of the handler
+/// stack, unmanaged: on the caller's stack (managed memory, maybe) its page could be evicted
+/// after it was written, and the child would read zeros there before its handler copied the
+/// page back.
+#[repr(C, align(16))]
 struct CloneChild {
     start: CloneStart,
     arg: *mut c_void,
@@ -85,15 +109,13 @@ struct CloneChild {
 }
 
 /// glibc's `clone()`. Without CLONE_VM the child gets a copy of the memory, as fork() gives: the
-/// handlers run around it. The child starts on a stack of tiermem's (unmanaged: glibc writes
-/// the function and argument there before the call, which on an evicted page of a managed stack
-/// would fault while the handlers hold the engine), runs its handler there, then calls the
-/// caller's function on the caller's stack and exits with its result, as glibc's child does.
-/// Straight to the C library: CLONE_VM (threads and vfork-like children share the memory and
-/// the engine), CLONE_FILES (the fork handshake's pipe would be shared), CLONE_SETTLS (the
-/// handler would run with the caller's thread pointer), bad arguments (the C library's error),
-/// architectures without the stack switch below. The optional arguments are passed on as they
-/// came, as `syscall` does with its.
+/// handlers run around it. The child starts on a stack of tiermem's (unmanaged: glibc on x86-64
+/// writes the function and argument there before the call, which on an evicted page of a
+/// managed stack would fault while the handlers hold the engine), runs its handler there, then
+/// calls the caller's function on the caller's stack and exits with its result, as glibc's
+/// child does. Straight to the C library: the flags of [`CLONE_WITHOUT_HANDLERS`], bad
+/// arguments (the C library's error), architectures without the stack switch below. The
+/// optional arguments are passed on as they came, as `syscall` does with its.
 ///
 /// # Safety
 /// The C contract of clone.
@@ -110,31 +132,32 @@ pub unsafe extern "C" fn clone(
     let real = crate::alloc::real!("clone", CloneFn);
     // SAFETY: the C library's clone, called as the caller called ours.
     let straight = || unsafe { real(start, stack, flags, arg, parent_tid, tls, child_tid) };
-    let shares = libc::CLONE_VM | libc::CLONE_FILES | libc::CLONE_SETTLS;
-    let Some(start) = start.filter(|_| flags & shares == 0 && !stack.is_null() && STACK_SWITCH) else {
+    let served = flags as u32 as u64 & CLONE_WITHOUT_HANDLERS == 0 && !stack.is_null() && STACK_SWITCH;
+    let Some(start) = start.filter(|_| served) else {
         return straight();
     };
     if in_vfork_child() {
         return straight();
     }
-    let Ok(own) = HandlerStack::new() else {
+    let Ok(own) = HandlerStack::new(CloneChild { start, arg, stack: stack as usize & !15 }) else {
         set_errno(libc::ENOMEM);
         return -1;
     };
-    let child = CloneChild { start, arg, stack: stack as usize & !15 };
-    let child_ptr = std::ptr::addr_of!(child).cast_mut().cast();
     let pid = around(|| {
-        // SAFETY: as above, with tiermem's start function and stack; `child` lives until the call
-        // returns here, and the child has its own copy.
-        c_long::from(unsafe { real(Some(clone_child_start), own.top(), flags, child_ptr, parent_tid, tls, child_tid) })
+        // SAFETY: as above, with tiermem's start function, stack and argument (the CloneChild at
+        // the stack's top, which the child has its own copy of).
+        c_long::from(unsafe {
+            real(Some(clone_child_start), own.top(), flags, own.child(), parent_tid, tls, child_tid)
+        })
     });
     // Only the parent gets here: the child starts in `clone_child_start`, on the handler stack.
     pid as i32
 }
 
 extern "C" fn clone_child_start(child: *mut c_void) -> i32 {
-    // SAFETY: `clone` passed a pointer to its CloneChild, which this child has a copy of at the
-    // same address (the memory was copied, not shared).
+    // SAFETY: `clone` passed the CloneChild at the top of the handler stack, which this child
+    // has its own copy of at the same address (the memory was copied, not shared), in memory
+    // tiermem does not manage.
     let CloneChild { start, arg, stack } = unsafe { child.cast::<CloneChild>().read() };
     note_own_pid();
     after_fork_in_child();
@@ -142,34 +165,40 @@ extern "C" fn clone_child_start(child: *mut c_void) -> i32 {
     unsafe { call_on_stack_and_exit(start, arg, stack) }
 }
 
-/// An anonymous mapping made past the shim (never managed), unmapped when dropped. The
-/// child has its own copy; the parent's goes when clone returns.
+/// An anonymous mapping made past the shim (never managed): a guard page, then the stack, with
+/// the CloneChild at its top. Unmapped when dropped; the child has its own copy.
 struct HandlerStack(*mut c_void);
 
 impl HandlerStack {
-    fn new() -> rustix::io::Result<Self> {
-        use rustix::mm::{mmap_anonymous, MapFlags, ProtFlags};
+    const LEN: usize = tiermem_sys::PAGE_SIZE + HANDLER_STACK;
+
+    fn new(child: CloneChild) -> rustix::io::Result<Self> {
+        use rustix::mm::{mmap_anonymous, mprotect, MapFlags, MprotectFlags, ProtFlags};
+        let (rw, flags) = (ProtFlags::READ | ProtFlags::WRITE, MapFlags::PRIVATE | MapFlags::STACK);
         // SAFETY: a new private anonymous mapping at an address the kernel chooses.
-        let at = unsafe {
-            mmap_anonymous(
-                std::ptr::null_mut(),
-                HANDLER_STACK,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE | MapFlags::STACK,
-            )
-        }?;
-        Ok(Self(at))
+        let stack = Self(unsafe { mmap_anonymous(std::ptr::null_mut(), Self::LEN, rw, flags) }?);
+        // SAFETY: the lowest page of our own new mapping.
+        unsafe { mprotect(stack.0, tiermem_sys::PAGE_SIZE, MprotectFlags::empty()) }?;
+        // SAFETY: the top of our own mapping, aligned for a CloneChild (the mapping's end is).
+        unsafe { stack.child().cast::<CloneChild>().write(child) };
+        Ok(stack)
     }
 
+    /// Where the CloneChild is: the top of the mapping.
+    fn child(&self) -> *mut c_void {
+        self.0.cast::<u8>().wrapping_add(Self::LEN - std::mem::size_of::<CloneChild>()).cast()
+    }
+
+    /// The stack's top: just below the CloneChild, 16-byte aligned.
     fn top(&self) -> *mut c_void {
-        self.0.cast::<u8>().wrapping_add(HANDLER_STACK).cast()
+        self.child()
     }
 }
 
 impl Drop for HandlerStack {
     fn drop(&mut self) {
         // SAFETY: our own mapping, no longer used in this process.
-        let _ = unsafe { rustix::mm::munmap(self.0, HANDLER_STACK) };
+        let _ = unsafe { rustix::mm::munmap(self.0, Self::LEN) };
     }
 }
 
@@ -186,6 +215,8 @@ unsafe fn call_on_stack_and_exit(start: CloneStart, arg: *mut c_void, stack: usi
     unsafe {
         std::arch::asm!(
             "mov rsp, {stack}",
+            // The outermost frame, as glibc's clone child has it: unwinders stop here.
+            "xor ebp, ebp",
             "call {start}",
             "mov edi, eax",
             "mov eax, 60",
@@ -209,6 +240,8 @@ unsafe fn call_on_stack_and_exit(start: CloneStart, arg: *mut c_void, stack: usi
     unsafe {
         std::arch::asm!(
             "mov sp, {stack}",
+            "mov x29, xzr",
+            "mov x30, xzr",
             "blr {start}",
             "mov x8, #93",
             "svc #0",

@@ -37,7 +37,10 @@ pub unsafe extern "C" fn syscall(
     if let Some(result) = crate::lock::by_number(number, a, b, c) {
         return result as c_long;
     }
-    if forks_memory(number, a, b) {
+    let mut clone_args = CloneArgs::default();
+    if forks_memory(number, a, b, &mut clone_args) {
+        // clone3 reads our copy of its arguments; the others take theirs as they are.
+        let a = if number == libc::SYS_clone3 { clone_args.0.as_ptr() as c_long } else { a };
         return crate::other_forks::around(|| sys!(number, a, b, c, d, e, f) as c_long);
     }
     let id = |v: c_long| v as libc::uid_t;
@@ -57,32 +60,38 @@ pub unsafe extern "C" fn syscall(
 }
 
 /// Whether the call makes a child with a copy of this process's memory that goes on on the
-/// caller's stack, as fork() does: the fork system call, or clone or clone3 without CLONE_VM and
-/// without a stack of its own (a child with one cannot return through this function;
-/// thread-like children share the memory, and the engine, as vfork children do). Also not with
-/// CLONE_FILES (the fork handshake's pipe would be shared) or CLONE_SETTLS (the child's handler
-/// would run with the caller's thread pointer).
-fn forks_memory(number: c_long, a: c_long, b: c_long) -> bool {
-    let shares = (libc::CLONE_VM | libc::CLONE_FILES | libc::CLONE_SETTLS) as u64;
-    let copies = |flags: u64, stack: u64| flags & shares == 0 && stack == 0;
+/// caller's stack, as fork() does: the fork system call, or clone or clone3 without a stack of
+/// its own (a child with one cannot return through this function) and without the flags of
+/// [`crate::other_forks::CLONE_WITHOUT_HANDLERS`]. For clone3, `args` gets a copy of the
+/// caller's arguments to hand the kernel instead: the kernel reads them while the fork
+/// handlers hold the engine, which an evicted page there would wait for.
+fn forks_memory(number: c_long, a: c_long, b: c_long, args: &mut CloneArgs) -> bool {
+    let copies = |flags: u64, stack: u64| flags & crate::other_forks::CLONE_WITHOUT_HANDLERS == 0 && stack == 0;
     match number {
         #[cfg(target_arch = "x86_64")]
         libc::SYS_fork => true,
         libc::SYS_clone => copies(a as u64, b as u64),
         libc::SYS_clone3 => {
-            // struct clone_args: flags is its first u64, stack its sixth; the kernel takes no
-            // struct shorter than 64 bytes (CLONE_ARGS_SIZE_VER0).
-            let args = a as *const u64;
-            if args.is_null() || (b as usize) < 64 || !args.is_aligned() {
+            // struct clone_args: flags is its first u64, stack its sixth, set_tid_size its tenth;
+            // the kernel takes no struct shorter than 64 bytes (CLONE_ARGS_SIZE_VER0), and
+            // none longer than ours is copied (later fields would be lost).
+            let size = b as usize;
+            if a == 0 || !(64..=std::mem::size_of::<CloneArgs>()).contains(&size) {
                 return false;
             }
-            // SAFETY: the caller hands the kernel at least 64 bytes there to read, aligned.
-            let fields = unsafe { std::slice::from_raw_parts(args, 6) };
-            copies(fields[0], fields[5])
+            // SAFETY: the caller hands the kernel `size` bytes there to read (a pointer the
+            // kernel would refuse with EFAULT faults here instead); any alignment.
+            unsafe { std::ptr::copy_nonoverlapping(a as *const u8, args.0.as_mut_ptr().cast::<u8>(), size) };
+            // set_tid (the kernel reads that array too) is left to the kernel alone.
+            copies(args.0[0], args.0[5]) && args.0[9] == 0
         }
         _ => false,
     }
 }
+
+/// Room for a clone3 argument struct (Linux 6.18's is 88 bytes).
+#[derive(Default)]
+struct CloneArgs([u64; 16]);
 
 /// The close and dup family's wrapper result for their call numbers, or None.
 fn descriptors(number: c_long, a: c_long, b: c_long, c: c_long) -> Option<c_long> {
