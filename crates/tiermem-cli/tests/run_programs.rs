@@ -2489,6 +2489,14 @@ const PROTECTED_MEMORY_PAGES: &str = r#"
 #include <cstdio>
 #include <cstring>
 #include <sys/mman.h>
+#ifdef BY_NUMBER
+// The same calls by number, as some runtimes make them.
+#include <sys/syscall.h>
+#include <unistd.h>
+#define mmap(a, n, p, f, fd, o) (void*)syscall(SYS_mmap, a, n, p, f, fd, (long)(o))
+#define mprotect(a, n, p) (int)syscall(SYS_mprotect, a, n, p)
+#define munmap(a, n) (int)syscall(SYS_munmap, a, n)
+#endif
 // Twice the budget of managed memory made read-only, then inaccessible, with as much written
 // memory after it: everything must page, and every word read back once readable again.
 int main() {
@@ -2512,6 +2520,19 @@ int main() {
         munmap(b, n);
     }
     printf("%ld %ld\n", bad[0], bad[1]);
+#ifdef BY_NUMBER
+    // madvise and mremap by number too: dropped pages read as zeros, a moved mapping keeps
+    // its words and grows with zeros.
+    long wrong = 0;
+    uint64_t* c = (uint64_t*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    for (size_t i = 0; i < n / 8; i++) c[i] = i | 1;
+    if (syscall(SYS_madvise, c, n / 2, MADV_DONTNEED) != 0) return 4;
+    uint64_t* d = (uint64_t*)syscall(SYS_mremap, c, n, 2 * n, MREMAP_MAYMOVE);
+    if (d == (uint64_t*)MAP_FAILED) return 5;
+    for (size_t i = 0; i < n / 4; i++) wrong += d[i] != (i < n / 16 ? 0 : i < n / 8 ? (i | 1) : 0);
+    printf("madvise, mremap: %ld wrong\n", wrong);
+    munmap(d, 2 * n);
+#endif
     return 0;
 }
 "#;
@@ -2544,6 +2565,45 @@ fn memory_made_read_only_or_inaccessible_pages_like_any_other() {
                 "{what}: wrong words after read-only, inaccessible: {err}"
             );
         }
+    }
+}
+
+/// The same program with mmap, mprotect and munmap made by number through syscall(): the shim
+/// sends them to the same wrappers. Before, that memory was never managed, and raw protection
+/// changes on managed memory bypassed the lock that keeps eviction from reading a page the
+/// program just made inaccessible.
+#[test]
+fn memory_mapped_and_protected_by_number_pages_like_any_other() {
+    let name = "memory_mapped_and_protected_by_number_pages_like_any_other";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let source = format!("#define BY_NUMBER\n{PROTECTED_MEMORY_PAGES}");
+    let Some(bin) = build_cpp(&scratch, &source, "program", name) else { return };
+    for (tracking, mode) in [("async-wp", "sigbus"), ("sync-wp", "thread")] {
+        let what = format!("{name}: {tracking}, {mode}");
+        let stats = scratch.path().join(format!("stats-{tracking}.json"));
+        let stats_arg = stats.display().to_string();
+        let args = ["run", "--quiet", "--limit", "24MiB", "--dirty-tracking", tracking, "--fault-mode", mode];
+        let mut command = scratch.command(&args);
+        command.args(["--stats-json", &stats_arg, "--"]).arg(&bin);
+        let child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let out = output_within(child, 120, &what);
+        let err = String::from_utf8_lossy(&out.stderr);
+        if err.contains("needs") && err.contains("Linux") {
+            eprintln!("SKIPPED {what}: {err}");
+            continue;
+        }
+        assert!(out.status.success(), "{what}: {err}");
+        let expected = "0 0\nmadvise, mremap: 0 wrong\n";
+        assert_eq!(String::from_utf8_lossy(&out.stdout), expected, "{what}: wrong words: {err}");
+        let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        let managed = stats["managed_allocations"].as_u64().unwrap_or(0);
+        let evictions = stats["merged"]["evictions"].as_u64().unwrap_or(0);
+        // Five mappings of 48 MiB under a 24 MiB budget: all managed, most of them evicted.
+        assert!(managed >= 5 && evictions > 2 * 12_288, "{what}: {managed} managed mappings, {evictions} evictions");
+        eprintln!("{what}: identical words; {managed} managed mappings, {evictions} evictions");
     }
 }
 

@@ -120,16 +120,28 @@ impl OpenedPart {
         if prot.is_some() {
             // SAFETY: the child's own private mapping, which only this thread uses until fork()
             // returns; its contents do not change.
-            let _ = unsafe { libc::syscall(libc::SYS_mprotect, self.start, self.end - self.start, rw) };
+            let _ = unsafe { raw_mprotect(self.start, self.end - self.start, rw) };
         }
     }
 
     fn close(&mut self) {
         if let Some(prot) = self.prot.take() {
             // SAFETY: as in `open_for`: back to the program's own protection.
-            let _ = unsafe { libc::syscall(libc::SYS_mprotect, self.start, self.end - self.start, prot) };
+            let _ = unsafe { raw_mprotect(self.start, self.end - self.start, prot) };
         }
     }
+}
+
+/// mprotect straight to the kernel: not through `syscall()`, which a preloaded shim may wrap
+/// (tiermem's sends mprotect by number to its own wrapper, whose locks the forked child must not
+/// take).
+///
+/// # Safety
+/// As mprotect: the range must be memory whose protection may change.
+unsafe fn raw_mprotect(start: usize, len: usize, prot: i32) -> rustix::io::Result<()> {
+    let flags = rustix::mm::MprotectFlags::from_bits_retain(prot as u32);
+    // SAFETY: the caller's contract.
+    unsafe { rustix::mm::mprotect(start as *mut libc::c_void, len, flags) }
 }
 
 impl Drop for OpenedPart {

@@ -54,8 +54,8 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
     if replaces && registry::may_overlap(addr as usize, len) {
         return map_fixed_over_managed(addr, len, prot, flags, fd, off);
     }
-    // SAFETY: the caller's own mmap, passed to the kernel unchanged.
-    syscall_result(unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) })
+    // The caller's own mmap, passed to the kernel unchanged.
+    syscall_result(crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, fd, off) as libc::c_long)
 }
 
 /// mmap(MAP_FIXED) over managed memory. The kernel replaces the pages there with the program's
@@ -65,8 +65,8 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
 /// lock, so no munmap of the rest releases a region in between.
 fn map_fixed_over_managed(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut c_void {
     let start = addr as usize;
-    // SAFETY: the caller's own mmap, passed to the kernel unchanged.
-    let map = || unsafe { libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off) };
+    // The caller's own mmap, passed to the kernel unchanged.
+    let map = || crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, fd, off) as libc::c_long;
     syscall_result(replace_managed(start, start.saturating_add(len.next_multiple_of(PAGE_SIZE)), map))
 }
 
@@ -127,8 +127,8 @@ fn reserve_again(start: usize, end: usize, over: Reserve) -> i32 {
         Reserve::IfFree => libc::MAP_FIXED_NOREPLACE,
     };
     let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | fixed | libc::MAP_NORESERVE;
-    // SAFETY: replaces only the caller's own mapping, which it asked to unmap or move.
-    let r = unsafe { libc::syscall(libc::SYS_mmap, start, end - start, libc::PROT_NONE, flags, -1, 0) };
+    // Replaces only the caller's own mapping, which it asked to unmap or move.
+    let r = crate::io::sys!(libc::SYS_mmap, start, end - start, libc::PROT_NONE, flags, -1i32, 0i64) as libc::c_long;
     if r as usize == start {
         0
     } else {
@@ -194,8 +194,8 @@ fn kernel_munmap(start: usize, end: usize) -> i32 {
     if end <= start {
         return 0;
     }
-    // SAFETY: the caller's own munmap of memory that is not managed.
-    unsafe { libc::syscall(libc::SYS_munmap, start, end - start) as i32 }
+    // The caller's own munmap of memory that is not managed.
+    crate::io::sys!(libc::SYS_munmap, start, end - start) as i32
 }
 
 /// # Safety
@@ -384,8 +384,8 @@ pub unsafe extern "C" fn mremap(
     let from_piece = registry::may_overlap(start, 1) && registry::handed_over_at(&registry::lock(), start).is_some();
     let target = new_addr as usize;
     let onto_managed = flags & libc::MREMAP_FIXED != 0 && registry::may_overlap(target, new_len.max(1));
-    // SAFETY: the caller's own mremap of memory that is not managed.
-    let call = || unsafe { libc::syscall(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) };
+    // The caller's own mremap of memory that is not managed.
+    let call = || crate::io::sys!(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) as libc::c_long;
     let moved = if onto_managed {
         replace_managed(target, target.saturating_add(new_len.next_multiple_of(PAGE_SIZE)), call)
     } else {
@@ -695,10 +695,10 @@ fn advise_managed(
                     runtime::say(&["tiermem: madvise() on managed memory: ", &e.to_string()]);
                 }
             }
-            // SAFETY: the caller's own advice on memory that is not managed.
-            None => unsafe {
-                libc::syscall(libc::SYS_madvise, from, to - from, advice);
-            },
+            // The caller's own advice on memory that is not managed.
+            None => {
+                crate::io::sys!(libc::SYS_madvise, from, to - from, advice);
+            }
         }
     }
     true
@@ -756,16 +756,18 @@ fn protect(start: usize, len: usize, prot: i32) {
 /// The C contract of mprotect.
 #[no_mangle]
 pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: usize, prot: i32) -> i32 {
-    // SAFETY: the caller's own mprotect, passed to the kernel unchanged.
-    change_protection(addr as usize, len, || unsafe { libc::syscall(libc::SYS_mprotect, addr, len, prot) })
+    // The caller's own mprotect, passed to the kernel unchanged.
+    change_protection(addr as usize, len, || crate::io::sys!(libc::SYS_mprotect, addr, len, prot) as libc::c_long)
 }
 
 /// # Safety
 /// The C contract of pkey_mprotect.
 #[no_mangle]
 pub unsafe extern "C" fn pkey_mprotect(addr: *mut c_void, len: usize, prot: i32, pkey: i32) -> i32 {
-    // SAFETY: the caller's own pkey_mprotect, passed to the kernel unchanged.
-    change_protection(addr as usize, len, || unsafe { libc::syscall(libc::SYS_pkey_mprotect, addr, len, prot, pkey) })
+    // The caller's own pkey_mprotect, passed to the kernel unchanged.
+    change_protection(addr as usize, len, || {
+        crate::io::sys!(libc::SYS_pkey_mprotect, addr, len, prot, pkey) as libc::c_long
+    })
 }
 
 /// # Safety
@@ -799,8 +801,8 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: i32) -> 
             libc::MADV_WIPEONFORK | libc::MADV_KEEPONFORK | libc::MADV_DONTFORK | libc::MADV_DOFORK
                 if !runtime::in_forked_child() =>
             {
-                // SAFETY: the caller's own advice, passed to the kernel unchanged.
-                let rc = unsafe { libc::syscall(libc::SYS_madvise, addr, len, advice) as i32 };
+                // The caller's own advice, passed to the kernel unchanged.
+                let rc = crate::io::sys!(libc::SYS_madvise, addr, len, advice) as i32;
                 if rc == 0 {
                     // Only advice the kernel took: the child's mapping follows it.
                     let mut table = registry::lock();
@@ -834,6 +836,6 @@ pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: i32) -> 
             _ => {}
         }
     }
-    // SAFETY: the caller's own advice, passed to the kernel unchanged.
-    unsafe { libc::syscall(libc::SYS_madvise, addr, len, advice) as i32 }
+    // The caller's own advice, passed to the kernel unchanged.
+    crate::io::sys!(libc::SYS_madvise, addr, len, advice) as i32
 }

@@ -553,7 +553,7 @@ pub fn release(entry: registry::Entry) {
         for (start, end) in own_parts {
             // SAFETY: the child's private copy of a region nobody else refers to now (the
             // pieces handed over are the program's own mappings, left alone).
-            unsafe { libc::syscall(libc::SYS_munmap, start, end - start) };
+            let _ = crate::io::sys!(libc::SYS_munmap, start, end - start);
         }
     } else {
         crate::lock::forget(entry.base(), entry.base() + entry.len());

@@ -1,5 +1,5 @@
 //! `syscall()`, for programs and libraries that make the wrapped system calls by number: the
-//! close and dup family always go to [`crate::fds`], the mlock family to [`crate::lock`]; in sigbus fault mode the calls that move
+//! mmap family always goes to [`crate::mmap`], the close and dup family to [`crate::fds`], the mlock family to [`crate::lock`]; in sigbus fault mode the calls that move
 //! data go to their wrappers in [`crate::io`], [`crate::messages`], [`crate::process_vm`] or
 //! [`crate::paths`]; the fork and clone calls that copy the process run tiermem's fork
 //! handlers around them ([`crate::other_forks`]); every other call goes to the
@@ -31,6 +31,9 @@ pub unsafe extern "C" fn syscall(
     e: c_long,
     f: c_long,
 ) -> c_long {
+    if let Some(result) = memory(number, a, b, c, d, e, f) {
+        return result;
+    }
     if let Some(result) = descriptors(number, a, b, c) {
         return result;
     }
@@ -92,6 +95,33 @@ fn forks_memory(number: c_long, a: c_long, b: c_long, args: &mut CloneArgs) -> b
 /// Room for a clone3 argument struct (Linux 6.18's is 88 bytes).
 #[derive(Default)]
 struct CloneArgs([u64; 16]);
+
+/// The mmap family by number goes to the same wrappers as by name, so managed memory is made,
+/// unmapped, moved, protected and advised alike. (Before, an anonymous mmap by number was never
+/// managed, and an mprotect by number on managed memory raced eviction, which reads pages in
+/// place under the protection lock that call bypassed.) The wrappers reach the kernel past
+/// `syscall`, so none of this comes back here.
+fn memory(number: c_long, a: c_long, b: c_long, c: c_long, d: c_long, e: c_long, f: c_long) -> Option<c_long> {
+    use crate::mmap;
+    macro_rules! call {
+        ($wrapper:expr) => {
+            // SAFETY: the caller's own call, its arguments in the C types of the function that
+            // makes it, which is what the kernel would have made of them.
+            unsafe { $wrapper }
+        };
+    }
+    let (addr, len) = (a as *mut c_void, b as usize);
+    let result = match number {
+        libc::SYS_mmap => call!(mmap::mmap(addr, len, c as i32, d as i32, e as i32, f)) as c_long,
+        libc::SYS_munmap => c_long::from(call!(mmap::munmap(addr, len))),
+        libc::SYS_mremap => call!(mmap::mremap(addr, len, c as usize, d as i32, e as *mut c_void)) as c_long,
+        libc::SYS_mprotect => c_long::from(call!(mmap::mprotect(addr, len, c as i32))),
+        libc::SYS_pkey_mprotect => c_long::from(call!(mmap::pkey_mprotect(addr, len, c as i32, d as i32))),
+        libc::SYS_madvise => c_long::from(call!(mmap::madvise(addr, len, c as i32))),
+        _ => return None,
+    };
+    Some(result)
+}
 
 /// The close and dup family's wrapper result for their call numbers, or None.
 fn descriptors(number: c_long, a: c_long, b: c_long, c: c_long) -> Option<c_long> {
