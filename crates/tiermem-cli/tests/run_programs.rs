@@ -541,7 +541,11 @@ fn madvise_willneed_on_managed_memory_reads_the_pages_ahead() {
     let kinds: Vec<u64> = bytes[24..].chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap()) & 3).collect();
     let reports = kinds.iter().filter(|&&k| k == 2).count();
     assert_eq!(reports, 8, "{name}: the trace should hold the 8 sequential reports ({} records)", kinds.len());
-    assert!(kinds.iter().filter(|&&k| k < 2).count() > 2048, "{name}: and the faults");
+    // And the faults: at least the first touches of the 16,384 pages written, which one zero-fill
+    // maps at most 64 of (usually several thousand, by how much room reclaim has made; a CI run
+    // once had fewer than 2,048, the bound this had before).
+    let faults = kinds.iter().filter(|&&k| k < 2).count();
+    assert!(faults >= 16_384 / 64, "{name}: and the faults ({faults} fault records)");
 }
 
 #[test]
