@@ -608,10 +608,11 @@ impl RunOutcome {
         );
         let _ = writeln!(
             s,
-            "managed         {} processes, {} allocations ({} reusing freed ones), {:.1} MiB allocated, {:.1} MiB at peak; {} left unmanaged",
+            "managed         {} processes, {} allocations ({} reusing freed ones, {} mapped where the program said), {:.1} MiB allocated, {:.1} MiB at peak; {} left unmanaged",
             self.processes.len(),
             self.sum("managed_allocations"),
             self.sum("reused_allocations"),
+            self.sum("fixed_allocations"),
             mib(self.sum("managed_bytes")),
             mib(self.processes.iter().filter_map(|p| p["peak_managed_bytes"].as_u64()).max().unwrap_or(0)),
             self.sum("fallback_allocations")
@@ -691,6 +692,7 @@ impl RunOutcome {
             "managed_allocations": self.sum("managed_allocations"),
             "fallback_allocations": self.sum("fallback_allocations"),
             "reused_allocations": self.sum("reused_allocations"),
+            "fixed_allocations": self.sum("fixed_allocations"),
             "small_heap_allocations": self.sum("small_heap_allocations"),
             "small_heap_bytes": self.sum("small_heap_bytes"),
             "stdio_streams_unlocked": self.sum("stdio_streams_unlocked"),

@@ -418,6 +418,144 @@ fn a_program_allocating_1mib_arenas_with_mmap_is_managed() {
     assert!(allocations >= n, "{name}: {allocations} managed allocations for {n} 1 MiB mappings");
 }
 
+/// A runtime's heap as the JVM lays it out: address space reserved with PROT_NONE, then memory
+/// mapped into it with MAP_FIXED as the heap grows, a piece given back by mapping PROT_NONE over
+/// it and mapped again, and a piece placed with MAP_FIXED_NOREPLACE into a hole. Prints a hash
+/// of everything written, read back in another order.
+const RESERVE_THEN_MAP: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <sys/mman.h>
+#ifndef MAP_FIXED_NOREPLACE
+#define MAP_FIXED_NOREPLACE 0x100000
+#endif
+static uint64_t* map_at(char* at, size_t len, int flags) {
+    void* p = mmap(at, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | flags, -1, 0);
+    if (p != at) { perror("mmap in the reservation"); exit(1); }
+    return (uint64_t*)p;
+}
+static void fill(uint64_t* w, size_t words, uint64_t seed) {
+    for (size_t i = 0; i < words; i++) { seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17; w[i] = seed; }
+}
+int main(int argc, char** argv) {
+    size_t pieces = strtoull(argv[1], nullptr, 10), piece = 32 << 20, words = piece / 8;
+    char* base = (char*)mmap(nullptr, (pieces + 1) * piece, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED) { perror("reserve"); return 1; }
+    for (size_t i = 0; i < pieces; i++) fill(map_at(base + i * piece, piece, MAP_FIXED), words, i + 1);
+    // Give back all of piece 1 and the second half of piece 2 as the JVM does, then map them
+    // again and fill them anew.
+    for (int k = 1; k <= 2; k++) {
+        char* at = base + k * piece + (k - 1) * piece / 2;
+        size_t len = piece / k;
+        if (mmap(at, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) != at) { perror("uncommit"); return 1; }
+        fill(map_at(at, len, MAP_FIXED), len / 8, 1000 + k);
+    }
+    // The last piece of the reservation: unmapped, then placed without replacing anything.
+    char* last = base + pieces * piece;
+    if (munmap(last, piece) != 0) { perror("munmap"); return 1; }
+    fill(map_at(last, piece, MAP_FIXED_NOREPLACE), words, 2000);
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t k = 0; k <= pieces; k++) {
+        uint64_t* w = (uint64_t*)(base + ((k * 7) % (pieces + 1)) * piece);
+        for (size_t i = 0; i < words; i += 3) h = (h ^ w[i]) * 1099511628211ULL;
+    }
+    printf("pieces=%zu fnv=%016llx\n", pieces, (unsigned long long)h);
+}
+"#;
+
+#[test]
+fn memory_mapped_into_a_reservation_at_fixed_addresses_is_managed() {
+    let name = "memory_mapped_into_a_reservation_at_fixed_addresses_is_managed";
+    let pieces = scaled(16).max(4);
+    let Some(managed) = run_cpp_under_30_percent(name, RESERVE_THEN_MAP, pieces) else { return };
+    // Every first mapping, piece 1 mapped again (its region went with it) and the one placed
+    // into the hole; half of piece 2 mapped again lies inside a live region and stays the
+    // kernel's.
+    let fixed = managed.stats["fixed_allocations"].as_u64().unwrap_or(0);
+    assert!(fixed == pieces + 2, "{name}: {fixed} managed mappings at fixed addresses, expected {}", pieces + 2);
+}
+
+/// A Java program (the JVM maps its heap into reserved address space with MAP_FIXED): tables
+/// swept and updated by two threads while they make garbage, then the heap shrunk by the
+/// collector and grown again.
+const JAVA_CHURN: &str = r#"
+import java.util.*;
+
+public class Churn {
+    public static void main(String[] args) throws Exception {
+        int threads = 2, megabytes = Integer.parseInt(args[0]), rounds = 4;
+        final int words = megabytes * 131072 / threads;
+        long[][] tables = new long[threads][];
+        Thread[] workers = new Thread[threads];
+        for (int t = 0; t < threads; t++) {
+            final int id = t;
+            workers[t] = new Thread(() -> {
+                long[] table = new long[words];
+                for (int i = 0; i < words; i++) table[i] = i * 31L + id;
+                long x = 88172645463325252L + id;
+                for (int r = 0; r < rounds; r++) {
+                    for (int i = 0; i < words; i++) table[i] = table[i] * 6364136223846793005L + r;
+                    for (int k = 0; k < 2000; k++) {
+                        x ^= x << 13; x ^= x >>> 7; x ^= x << 17;
+                        int at = (int) Long.remainderUnsigned(x, words);
+                        table[at] = table[at] * 6364136223846793005L + x;
+                    }
+                    Map<Integer, String> junk = new HashMap<>();
+                    for (int k = 0; k < 200000; k++) junk.put(k, "v" + (k ^ r));
+                }
+                tables[id] = table;
+            });
+            workers[t].start();
+        }
+        for (Thread w : workers) w.join();
+        long sum = 0;
+        for (long[] table : tables) for (long v : table) sum = sum * 1099511628211L + v;
+        System.out.println("tables " + Long.toHexString(sum));
+        Arrays.fill(tables, null);
+        for (int i = 0; i < 3; i++) System.gc();
+        long[][] again = new long[megabytes / 8][];
+        for (int i = 0; i < again.length; i++) {
+            again[i] = new long[131072];
+            for (int j = 0; j < 131072; j++) again[i][j] = (long) i * j + 7;
+        }
+        long second = 0;
+        for (long[] table : again) for (long v : table) second = second * 1099511628211L + v;
+        System.out.println("after shrinking " + Long.toHexString(second));
+    }
+}
+"#;
+
+#[test]
+fn a_java_program_s_heap_is_managed_in_both_fault_modes() {
+    let name = "a_java_program_s_heap_is_managed_in_both_fault_modes";
+    if !uffd_or_skip(name) || !have("java", &["-version"], name) || !have("javac", &["-version"], name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    std::fs::write(scratch.path().join("Churn.java"), JAVA_CHURN).unwrap();
+    let out = Command::new("javac").arg("Churn.java").current_dir(scratch.path()).output().expect("javac");
+    assert!(out.status.success(), "javac failed: {}", String::from_utf8_lossy(&out.stderr));
+    let megabytes = scaled(256).max(32).to_string();
+    let classes = scratch.path().display().to_string();
+    // G1 (the default collector) with faults on the faulting thread, the parallel collector with
+    // handler threads.
+    for (collector, mode) in [("-XX:+UseG1GC", "sigbus"), ("-XX:+UseParallelGC", "thread")] {
+        let program = ["java", collector, "-Xmx1g", "-cp", classes.as_str(), "Churn", megabytes.as_str()];
+        let (reference, _) = profile(&scratch, &program);
+        let managed = run_managed(&scratch, "30%", &["--fault-mode", mode], &program);
+        assert_managed_like_reference(&format!("{name} ({collector}, {mode})"), &reference, &managed);
+        let fixed = managed.stats["fixed_allocations"].as_u64().unwrap_or(0);
+        assert!(fixed > 0, "{name} ({collector}): the heap was not managed (no mapping at a fixed address)");
+        let managed_bytes = managed.stats["processes"][0]["peak_managed_bytes"].as_u64().unwrap_or(0);
+        let tables = scaled(256).max(32) << 20;
+        assert!(
+            managed_bytes >= tables,
+            "{name} ({collector}): {managed_bytes} managed bytes at peak, under the {tables} of its tables"
+        );
+    }
+}
+
 /// Pieces of managed mappings given back: one piece unmapped three times (the kernel takes that
 /// as once), a mapping shrunk with mremap and then unmapped: the rest keeps its data, and each
 /// mapping is gone once all of it is.

@@ -528,6 +528,33 @@ impl Engine {
             return Err(Error::invalid("region length must be greater than zero"));
         }
         let len = len.div_ceil(PAGE_SIZE) * PAGE_SIZE;
+        self.region_over(len, threaded, false, || Mapping::anonymous(len, false))
+    }
+
+    /// Manage `len` bytes at `addr` that the caller has just mapped itself: a program's
+    /// `mmap(MAP_FIXED)` of fresh anonymous memory, as runtimes that reserve address space
+    /// first and map into it later do (a Java heap). The region owns the mapping from then on
+    /// (dropping it unmaps it); on failure it is left as it was, the caller's.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` is a private anonymous read-write mapping the caller owns, made by
+    /// one mmap that has just returned, not populated and not yet used: nothing else unmaps it
+    /// or uses it as its own.
+    pub unsafe fn adopt_region(&self, addr: *mut u8, len: usize) -> Result<Region> {
+        // SAFETY: the caller hands the mapping over whole (this function's contract).
+        self.region_over(len, false, true, || unsafe { Mapping::adopt(addr, len) })
+    }
+
+    /// A region over the mapping `map` makes (`len` bytes, whole pages): device room for its
+    /// pages, the userfaultfd registration, base pages only. An `adopted` mapping (the
+    /// caller's) is left mapped if this fails; one made here is unmapped.
+    fn region_over(
+        &self,
+        len: usize,
+        threaded: bool,
+        adopted: bool,
+        map: impl FnOnce() -> Result<Mapping>,
+    ) -> Result<Region> {
         let pages = (len / PAGE_SIZE) as u64;
         if pages >= 1 << crate::policy::PAGE_INDEX_BITS {
             return Err(Error::invalid(format!("region of {len} bytes is too large")));
@@ -546,15 +573,20 @@ impl Engine {
                 ),
             ));
         }
-        let built = (|| {
-            let mapping = Mapping::anonymous(len, false)?;
+        let built = map().and_then(|mapping| {
             let mode = RegisterMode { missing: true, write_protect: true };
-            self.shared.uffd_for(threaded).register(mapping.as_ptr(), len, mode)?;
+            if let Err(e) = self.shared.uffd_for(threaded).register(mapping.as_ptr(), len, mode) {
+                if adopted {
+                    // Not ours after all: it stays the caller's, mapped.
+                    std::mem::forget(mapping);
+                }
+                return Err(e);
+            }
             // Huge pages would be faulted in by the kernel behind our back; keep base pages.
-            // SAFETY: the range is the mapping just created and owned here.
+            // SAFETY: the range is the mapping just created (or handed over) and owned here.
             let _ = unsafe { rustix::mm::madvise(mapping.as_ptr().cast(), len, rustix::mm::Advice::LinuxNoHugepage) };
-            Ok::<_, Error>(mapping)
-        })();
+            Ok(mapping)
+        });
         let mapping = match built {
             Ok(m) => m,
             Err(e) => {

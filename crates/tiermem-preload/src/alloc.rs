@@ -70,19 +70,7 @@ fn allocate(size: usize, align: usize, origin: Origin, reuse: bool) -> *mut c_vo
             let base = region.as_ptr() as usize;
             let user = if extra > 0 { base.next_multiple_of(align) } else { base };
             let len = region.len();
-            registry::insert(
-                &mut table,
-                Entry {
-                    region,
-                    user,
-                    size,
-                    origin,
-                    unmapped: Vec::new(),
-                    handed_over: Vec::new(),
-                    reserved: Vec::new(),
-                    fork_advice: Vec::new(),
-                },
-            );
+            registry::insert(&mut table, Entry::new(region, user, size, origin));
             drop(table);
             runtime::count_allocation(len);
             if reused {
@@ -92,16 +80,22 @@ fn allocate(size: usize, align: usize, origin: Origin, reuse: bool) -> *mut c_vo
         }
         Err(e) => {
             drop(table);
-            static WARNED: AtomicBool = AtomicBool::new(false);
-            runtime::FALLBACK_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-            if !WARNED.swap(true, Ordering::Relaxed) {
-                runtime::say(&[
-                    "tiermem: an allocation is served by the C library, unmanaged (further ones are counted, not shown): ",
-                    &e.to_string(),
-                ]);
-            }
+            note_unmanaged(&e);
             std::ptr::null_mut()
         }
+    }
+}
+
+/// The engine could not take an allocation, which the kernel or the C library serves
+/// unmanaged instead: counted, and said once.
+pub fn note_unmanaged(e: &dyn std::fmt::Display) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    runtime::FALLBACK_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        runtime::say(&[
+            "tiermem: an allocation is served unmanaged, by the C library or the kernel (further ones are counted, not shown): ",
+            &e.to_string(),
+        ]);
     }
 }
 

@@ -1,7 +1,9 @@
 //! Anonymous private mmap, munmap and mremap. Only plain read-write anonymous private mappings
-//! of at least the threshold are managed; shared, fixed, locked, huge-page, stack, executable and
-//! PROT_NONE reservations (runtimes' address-space tricks) go to the kernel unchanged, as do all
-//! file mappings. The real calls are made as system calls, so nothing recurses into the shim.
+//! of at least the threshold are managed, also where the program places them itself (MAP_FIXED:
+//! runtimes that reserve address space and map into it as they grow, such as a Java heap);
+//! shared, locked, huge-page, stack, executable and PROT_NONE reservations go to the kernel
+//! unchanged, as do all file mappings. The real calls are made as system calls, so nothing
+//! recurses into the shim.
 
 use std::ffi::c_void;
 
@@ -26,12 +28,28 @@ const UNMANAGED_FLAGS: i32 = libc::MAP_FIXED
 const MAP_SHARING_TYPE: i32 = 0x0f;
 
 fn manageable(len: usize, prot: i32, flags: i32, fd: i32) -> bool {
+    flags & UNMANAGED_FLAGS == 0 && plain_anonymous(len, prot, flags, fd)
+}
+
+/// Read-write, private, anonymous, at least the threshold (flags outside UNMANAGED_FLAGS and
+/// MAP_POPULATE aside).
+fn plain_anonymous(len: usize, prot: i32, flags: i32, fd: i32) -> bool {
     flags & libc::MAP_ANONYMOUS != 0
         && flags & MAP_SHARING_TYPE == libc::MAP_PRIVATE
-        && flags & UNMANAGED_FLAGS == 0
         && fd == -1
         && prot == libc::PROT_READ | libc::PROT_WRITE
         && len >= runtime::threshold()
+}
+
+/// A mapping the engine can take over once the kernel has placed it where the program said:
+/// as [`manageable`] but with MAP_FIXED or MAP_FIXED_NOREPLACE, and not populated (the
+/// engine must see every page's first touch).
+fn manageable_in_place(len: usize, prot: i32, flags: i32, fd: i32) -> bool {
+    let placed = libc::MAP_FIXED | libc::MAP_FIXED_NOREPLACE;
+    flags & placed != 0
+        && flags & (UNMANAGED_FLAGS & !placed) == 0
+        && flags & libc::MAP_POPULATE == 0
+        && plain_anonymous(len, prot, flags, fd)
 }
 
 fn syscall_result(rc: libc::c_long) -> *mut c_void {
@@ -49,6 +67,11 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
             return p;
         }
     }
+    if manageable_in_place(len, prot, flags, fd) {
+        if let Some(result) = map_managed_in_place(addr, len, prot, flags, off) {
+            return result;
+        }
+    }
     // MAP_FIXED_NOREPLACE (alone or with MAP_FIXED) fails over existing mappings: nothing to forget.
     let replaces = flags & libc::MAP_FIXED != 0 && flags & libc::MAP_FIXED_NOREPLACE == 0;
     if replaces && registry::may_overlap(addr as usize, len) {
@@ -56,6 +79,39 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
     }
     // The caller's own mmap, passed to the kernel unchanged.
     syscall_result(crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, fd, off) as libc::c_long)
+}
+
+/// The program's fresh anonymous mapping at its own address, managed: the kernel maps it as
+/// asked, then the engine takes it over as a region. None (the caller goes on as for any other
+/// mapping) where the range meets managed memory: what the program maps over a region stays the
+/// kernel's. Where the engine cannot take it, it stays the kernel's, mapped.
+fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, off: i64) -> Option<*mut c_void> {
+    let start = addr as usize;
+    let pages = len.next_multiple_of(PAGE_SIZE);
+    // Held from the check to the registration, as for any other change to managed ranges.
+    let mut table = registry::lock();
+    if !registry::overlapping(&table, start, pages).is_empty() {
+        return None;
+    }
+    let mapped = crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, -1i32, off) as libc::c_long;
+    if mapped as usize != start {
+        return Some(syscall_result(mapped));
+    }
+    // SAFETY: the kernel has just made this private anonymous read-write mapping, unpopulated,
+    // for the program's call, which has not returned: nothing else uses or unmaps it yet.
+    match unsafe { runtime::engine().adopt_region(addr.cast(), pages) } {
+        Ok(region) => {
+            registry::insert(&mut table, registry::Entry::new(region, start, len, Origin::Mmap));
+            drop(table);
+            runtime::count_allocation(pages);
+            runtime::FIXED_ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Err(e) => {
+            drop(table);
+            crate::alloc::note_unmanaged(&e);
+        }
+    }
+    Some(addr)
 }
 
 /// mmap(MAP_FIXED) over managed memory. The kernel replaces the pages there with the program's

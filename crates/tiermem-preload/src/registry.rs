@@ -46,6 +46,20 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// A new allocation: `region`, handed to the program at `user` for `size` bytes.
+    pub fn new(region: Region, user: usize, size: usize, origin: Origin) -> Self {
+        Self {
+            region,
+            user,
+            size,
+            origin,
+            unmapped: Vec::new(),
+            handed_over: Vec::new(),
+            reserved: Vec::new(),
+            fork_advice: Vec::new(),
+        }
+    }
+
     /// Whether a forked child gets no copy of the page at `offset`: its mapping is wiped in the
     /// child (MADV_WIPEONFORK) or absent there (MADV_DONTFORK), by the latest advice of each kind.
     pub fn excluded_from_fork(&self, offset: usize) -> bool {

@@ -30,6 +30,8 @@ pub static PEAK_MANAGED_BYTES: AtomicU64 = AtomicU64::new(0);
 pub static FALLBACK_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 /// Managed allocations served by a kept freed region ([`crate::recycle`]).
 pub static REUSED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+/// Managed mappings the program placed itself (mmap with MAP_FIXED, [`crate::mmap`]).
+pub static FIXED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 pub static SYSCALLS_WRAPPED: AtomicU64 = AtomicU64::new(0);
 /// Calls that failed for want of memory in the cgroup and were tried again after room was made
 /// ([`memory_refused`]).
@@ -1002,6 +1004,7 @@ extern "C" fn at_exit() {
         "peak_managed_bytes": PEAK_MANAGED_BYTES.load(Ordering::Relaxed),
         "fallback_allocations": FALLBACK_ALLOCATIONS.load(Ordering::Relaxed),
         "reused_allocations": REUSED_ALLOCATIONS.load(Ordering::Relaxed),
+        "fixed_allocations": FIXED_ALLOCATIONS.load(Ordering::Relaxed),
         "small_heap_allocations": crate::heap::ALLOCATIONS.load(Ordering::Relaxed),
         "small_heap_bytes": crate::heap::CHUNK_BYTES.load(Ordering::Relaxed),
         "syscalls_wrapped": SYSCALLS_WRAPPED.load(Ordering::Relaxed),

@@ -132,6 +132,22 @@ impl Mapping {
         Ok(Self::at(ptr, len))
     }
 
+    /// Take over `len` bytes at `ptr` that the caller mapped itself: from now on they are this
+    /// mapping's, and dropping it unmaps them.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` is a mapping the caller owns and hands over whole: nothing else
+    /// unmaps it or keeps using it as its own.
+    pub unsafe fn adopt(ptr: *mut u8, len: usize) -> Result<Self> {
+        if len == 0 || !len.is_multiple_of(PAGE_SIZE) || !(ptr as usize).is_multiple_of(PAGE_SIZE) {
+            return Err(Error::invalid(format!(
+                "mapping of {len} bytes at {ptr:p} is not page-aligned with a non-zero length"
+            )));
+        }
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::invalid("mapping at address 0"))?;
+        Ok(Self::at(ptr, len))
+    }
+
     /// Start address.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
