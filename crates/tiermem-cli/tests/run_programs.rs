@@ -470,10 +470,12 @@ fn memory_mapped_into_a_reservation_at_fixed_addresses_is_managed() {
     let pieces = scaled(16).max(4);
     let Some(managed) = run_cpp_under_30_percent(name, RESERVE_THEN_MAP, pieces) else { return };
     // Every first mapping, piece 1 mapped again (its region went with it) and the one placed
-    // into the hole; half of piece 2 mapped again lies inside a live region and stays the
-    // kernel's.
+    // into the hole are regions of their own; half of piece 2 mapped again lies inside its live
+    // region, which takes it back. Nothing is left to the kernel.
     let fixed = managed.stats["fixed_allocations"].as_u64().unwrap_or(0);
     assert!(fixed == pieces + 2, "{name}: {fixed} managed mappings at fixed addresses, expected {}", pieces + 2);
+    let unmanaged = managed.stats["fallback_allocations"].as_u64();
+    assert_eq!(unmanaged, Some(0), "{name}: mappings left unmanaged");
 }
 
 /// A Java program (the JVM maps its heap into reserved address space with MAP_FIXED): tables
@@ -541,12 +543,24 @@ fn a_java_program_s_heap_is_managed_in_both_fault_modes() {
     // G1 (the default collector) with faults on the faulting thread, the parallel collector with
     // handler threads.
     for (collector, mode) in [("-XX:+UseG1GC", "sigbus"), ("-XX:+UseParallelGC", "thread")] {
-        let program = ["java", collector, "-Xmx1g", "-cp", classes.as_str(), "Churn", megabytes.as_str()];
+        let program = [
+            "java",
+            "-XX:+DisplayVMOutputToStderr",
+            collector,
+            "-Xmx1g",
+            "-cp",
+            classes.as_str(),
+            "Churn",
+            megabytes.as_str(),
+        ];
         let (reference, _) = profile(&scratch, &program);
         let managed = run_managed(&scratch, "30%", &["--fault-mode", mode], &program);
         assert_managed_like_reference(&format!("{name} ({collector}, {mode})"), &reference, &managed);
         let fixed = managed.stats["fixed_allocations"].as_u64().unwrap_or(0);
         assert!(fixed > 0, "{name} ({collector}): the heap was not managed (no mapping at a fixed address)");
+        // Also where the collector gave memory back and mapped it again.
+        let unmanaged = managed.stats["fallback_allocations"].as_u64();
+        assert_eq!(unmanaged, Some(0), "{name} ({collector}): mappings left unmanaged");
         let managed_bytes = managed.stats["processes"][0]["peak_managed_bytes"].as_u64().unwrap_or(0);
         let tables = scaled(256).max(32) << 20;
         assert!(
@@ -3296,7 +3310,9 @@ fn a_program_that_drops_root_runs_managed_and_leaves_statistics() {
 }
 
 /// (What Linux itself prints: the test's expectations are the kernel's behaviour.)
-/// The program's own mapping placed with MAP_FIXED inside a managed one is the kernel's: madvise
+/// The program's own mapping placed with MAP_FIXED inside a managed one (one tiermem does not
+/// manage, or at first; a plain read-write one is taken back, with the same results here) is
+/// the kernel's: madvise
 /// (DONTNEED zeros it), mremap and munmap reach it, and it outlives the managed mapping around
 /// it. Before, DONTNEED left its data (allocators rely on the zeros), mremap failed, munmap
 /// left it mapped, and unmapping the rest of the managed mapping unmapped it too (SIGSEGV).
@@ -3336,10 +3352,13 @@ int main() {
     munmap(a + 24 * mb, 8 * mb);
     long kept_bad = count_not(h, 4 * mb, 4);
     // A second MAP_FIXED over a piece and beyond it; an unmapped piece faults and stays reserved.
+    // (Executable, so that tiermem leaves these pieces to the kernel: a plain read-write one
+    // would be taken back into the managed mapping, whose unmapped pieces read as zeros.)
     unsigned char* b = (unsigned char*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     memset(b, 5, n);
-    memset(mmap(b + 8 * mb, 8 * mb, PROT_READ | PROT_WRITE, fixed, -1, 0), 6, 8 * mb);
-    memset(mmap(b + 12 * mb, 8 * mb, PROT_READ | PROT_WRITE, fixed, -1, 0), 7, 8 * mb);
+    const int rwx = PROT_READ | PROT_WRITE | PROT_EXEC;
+    memset(mmap(b + 8 * mb, 8 * mb, rwx, fixed, -1, 0), 6, 8 * mb);
+    memset(mmap(b + 12 * mb, 8 * mb, rwx, fixed, -1, 0), 7, 8 * mb);
     madvise(b + 16 * mb, 4 * mb, MADV_DONTNEED);
     long second_not_zero = count_not(b + 16 * mb, 4 * mb, 0);
     munmap(b + 8 * mb, 4 * mb);

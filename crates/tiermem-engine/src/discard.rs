@@ -52,6 +52,26 @@ impl Region {
         self.inner.mapping.take_back(offset, len);
     }
 
+    /// `[offset, offset + len)`, handed over before, holds fresh private anonymous read-write
+    /// memory the program has just mapped there (a heap grown again where it gave memory
+    /// back): the region manages it again, as untouched pages. On failure it stays handed over.
+    ///
+    /// # Safety
+    /// The range is such a mapping, made by one mmap that has just returned, not populated and
+    /// not yet used: nothing else unmaps it or uses it as its own.
+    pub unsafe fn adopt_back(&self, offset: usize, len: usize) -> Result<()> {
+        self.check_range(offset, len)?;
+        let addr = self.inner.mapping.as_ptr().wrapping_add(offset);
+        let mode = tiermem_sys::uffd::RegisterMode { missing: true, write_protect: true };
+        self.shared.uffd_of(&self.inner).register(addr, len, mode)?;
+        // Base pages only, as for the region's own mapping.
+        // SAFETY: the range is the fresh mapping the caller hands back to the region.
+        let _ = unsafe { rustix::mm::madvise(addr.cast(), len, rustix::mm::Advice::LinuxNoHugepage) };
+        // Its pages were forgotten when it was handed over: untouched, no slot.
+        self.inner.mapping.adopt_back(offset, len);
+        Ok(())
+    }
+
     /// Discard the pages of `[offset, offset + len)` (page-aligned, inside the region). Waits
     /// for I/O in flight on them; safe against concurrent faults and reclaim.
     pub fn discard(&self, offset: usize, len: usize) -> Result<()> {

@@ -68,10 +68,13 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
         }
     }
     if manageable_in_place(len, prot, flags, fd) {
-        if let Some(result) = map_managed_in_place(addr, len, prot, flags, off) {
-            return result;
-        }
+        return map_managed_in_place(addr, len, prot, flags, off);
     }
+    map_as_asked(addr, len, prot, flags, fd, off)
+}
+
+/// The program's mmap, unmanaged: by the kernel, handing over any managed memory it replaces.
+fn map_as_asked(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut c_void {
     // MAP_FIXED_NOREPLACE (alone or with MAP_FIXED) fails over existing mappings: nothing to forget.
     let replaces = flags & libc::MAP_FIXED != 0 && flags & libc::MAP_FIXED_NOREPLACE == 0;
     if replaces && registry::may_overlap(addr as usize, len) {
@@ -82,36 +85,55 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
 }
 
 /// The program's fresh anonymous mapping at its own address, managed: the kernel maps it as
-/// asked, then the engine takes it over as a region. None (the caller goes on as for any other
-/// mapping) where the range meets managed memory: what the program maps over a region stays the
-/// kernel's. Where the engine cannot take it, it stays the kernel's, mapped.
-fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, off: i64) -> Option<*mut c_void> {
+/// asked, then where it lies in live managed regions (a heap grown again where it gave memory
+/// back) they take those pieces back, and the engine takes the rest over as regions of their
+/// own. Whatever the engine cannot take stays the kernel's, mapped. The result of the call.
+fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, off: i64) -> *mut c_void {
     let start = addr as usize;
-    let pages = len.next_multiple_of(PAGE_SIZE);
-    // Held from the check to the registration, as for any other change to managed ranges.
+    let end = start + len.next_multiple_of(PAGE_SIZE);
+    // Started (if this is the first managed memory) before the registry is locked, as for
+    // any other allocation.
+    let engine = runtime::engine();
+    let map = || crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, -1i32, off) as libc::c_long;
     let mut table = registry::lock();
-    if !registry::overlapping(&table, start, pages).is_empty() {
-        return None;
-    }
-    let mapped = crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, -1i32, off) as libc::c_long;
+    let mapped = if registry::overlapping(&table, start, end - start).is_empty() {
+        map()
+    } else {
+        // Over managed memory: handed over first, as for any mapping there (regions it
+        // replaces whole go), then taken back below with the registry locked again (its
+        // regions may have changed meanwhile; the new mapping, which the program has not seen
+        // yet, has not).
+        drop(table);
+        let mapped = replace_managed(start, end, map);
+        table = registry::lock();
+        mapped
+    };
     if mapped as usize != start {
-        return Some(syscall_result(mapped));
+        return syscall_result(mapped);
     }
-    // SAFETY: the kernel has just made this private anonymous read-write mapping, unpopulated,
-    // for the program's call, which has not returned: nothing else uses or unmaps it yet.
-    match unsafe { runtime::engine().adopt_region(addr.cast(), pages) } {
-        Ok(region) => {
-            registry::insert(&mut table, registry::Entry::new(region, start, len, Origin::Mmap));
-            drop(table);
-            runtime::count_allocation(pages);
-            runtime::FIXED_ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
-        Err(e) => {
-            drop(table);
+    let mut outside = vec![(start, end)];
+    for base in registry::overlapping(&table, start, end - start) {
+        let entry = table.get_mut(&base).expect("listed above");
+        let (from, to) = (base.max(start), (base + entry.len()).min(end));
+        tiermem_sys::mem::remove_range(&mut outside, from, to);
+        // SAFETY: `from..to` is part of the fresh mapping the kernel has just made for the
+        // program's call, which has not returned: nothing uses it yet.
+        if let Err(e) = unsafe { entry.adopt_back(from - base, to - base) } {
             crate::alloc::note_unmanaged(&e);
         }
     }
-    Some(addr)
+    for (from, to) in outside {
+        // SAFETY: as above, and no region holds `from..to`.
+        match unsafe { engine.adopt_region(from as *mut u8, to - from) } {
+            Ok(region) => {
+                registry::insert(&mut table, registry::Entry::new(region, from, to - from, Origin::Mmap));
+                runtime::count_allocation(to - from);
+                runtime::FIXED_ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            Err(e) => crate::alloc::note_unmanaged(&e),
+        }
+    }
+    syscall_result(mapped)
 }
 
 /// mmap(MAP_FIXED) over managed memory. The kernel replaces the pages there with the program's
@@ -522,9 +544,10 @@ fn remap_piece(
     let new = match fixed {
         Some(target) => {
             let (prot, map) = (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS);
-            // SAFETY: a fixed anonymous mapping where the caller asked its range to go, which
-            // replaces what is there, as its mremap would (managed pieces are handed over).
-            let p = unsafe { mmap(target as *mut c_void, new_end, prot, map | libc::MAP_FIXED, -1, 0) };
+            // A fixed anonymous mapping, the kernel's (not adopted: its locks and advice are
+            // the kernel's below), where the caller asked its range to go, which replaces what
+            // is there, as its mremap would (managed pieces are handed over).
+            let p = map_as_asked(target as *mut c_void, new_end, prot, map | libc::MAP_FIXED, -1, 0);
             if p == libc::MAP_FAILED {
                 return Err(runtime::errno());
             }

@@ -153,6 +153,25 @@ impl Entry {
         }
     }
 
+    /// `[from, to)` (offsets), handed over, holds fresh anonymous memory the program has just
+    /// mapped there with MAP_FIXED: the region's own again, managed (see
+    /// [`tiermem_engine::Region::adopt_back`]). Its fork advice starts afresh, as the new
+    /// mapping's does in the kernel.
+    ///
+    /// # Safety
+    /// As for `Region::adopt_back`: the range is that fresh mapping, not yet used.
+    pub unsafe fn adopt_back(&mut self, from: usize, to: usize) -> Result<(), String> {
+        // SAFETY: this function's contract.
+        unsafe { self.region.adopt_back(from, to - from) }.map_err(|e| e.to_string())?;
+        for list in [&mut self.handed_over, &mut self.reserved, &mut self.unmapped] {
+            tiermem_sys::mem::remove_range(list, from, to);
+        }
+        if !self.fork_advice.is_empty() {
+            self.fork_advice.extend([(from, to, libc::MADV_KEEPONFORK), (from, to, libc::MADV_DOFORK)]);
+        }
+        Ok(())
+    }
+
     /// The parts of the region not handed over, as absolute (start, end).
     pub fn own_parts(&self) -> Vec<(usize, usize)> {
         let base = self.base();

@@ -226,6 +226,14 @@ impl Mapping {
         );
     }
 
+    /// `[offset, offset + len)`, handed over before, holds a fresh mapping this one takes as its
+    /// own again: its pages are this mapping's to fill, and dropping it unmaps them.
+    pub fn adopt_back(&self, offset: usize, len: usize) {
+        let (from, to) = self.page_range(offset, len);
+        remove_range(&mut self.handed_over.lock().unwrap_or_else(|e| e.into_inner()), from, to);
+        remove_range(&mut self.foreign.lock().unwrap_or_else(|e| e.into_inner()), from, to);
+    }
+
     /// The parts still this mapping's own, as (offset, length), in order.
     pub fn own_parts(&self) -> Vec<(usize, usize)> {
         let handed = self.handed_over.lock().unwrap_or_else(|e| e.into_inner());
