@@ -88,9 +88,11 @@ def test_system_groups_expand_in_order_without_repeats():
         parse_systems(" , ")
 
 
-def test_kvstore_runs_only_when_asked_for():
-    assert "kvstore" in WORKLOADS
-    assert "kvstore" not in cli.build_parser().parse_args([]).workloads.split(",")
+def test_kvstore_and_javasort_run_only_when_asked_for():
+    defaults = cli.build_parser().parse_args([]).workloads.split(",")
+    for name in ("kvstore", "javasort"):
+        assert name in WORKLOADS
+        assert name not in defaults
 
 
 def test_every_workload_has_every_scale():
@@ -113,10 +115,12 @@ def on_path(program):
     return any(os.access(os.path.join(d, program), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
-@pytest.mark.parametrize("name", ["quicksort", "intsort", "linpack", "kvstore"])
+@pytest.mark.parametrize("name", ["quicksort", "intsort", "linpack", "kvstore", "javasort"])
 def test_tiny_workloads_are_deterministic(tmp_path, name):
     if name == "quicksort" and not on_path("g++"):
         pytest.skip("no g++ to build the quicksort driver")
+    if name == "javasort" and not (on_path("java") and on_path("javac")):
+        pytest.skip("no JDK (java, javac) for the javasort workload")
     if name == "kvstore" and not on_path("redis-server"):
         pytest.skip("no redis-server (apt-get install redis-server)")
     first, second = run_tiny(name, tmp_path), run_tiny(name, tmp_path)

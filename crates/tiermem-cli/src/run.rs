@@ -608,11 +608,12 @@ impl RunOutcome {
         );
         let _ = writeln!(
             s,
-            "managed         {} processes, {} allocations ({} reusing freed ones, {} mapped where the program said), {:.1} MiB allocated, {:.1} MiB at peak; {} left unmanaged",
+            "managed         {} processes, {} allocations ({} reusing freed ones, {} mapped where the program said, {} pieces mapped again taken back), {:.1} MiB allocated, {:.1} MiB at peak; {} left unmanaged",
             self.processes.len(),
             self.sum("managed_allocations"),
             self.sum("reused_allocations"),
             self.sum("fixed_allocations"),
+            self.sum("pieces_taken_back"),
             mib(self.sum("managed_bytes")),
             mib(self.processes.iter().filter_map(|p| p["peak_managed_bytes"].as_u64()).max().unwrap_or(0)),
             self.sum("fallback_allocations")
@@ -693,6 +694,7 @@ impl RunOutcome {
             "fallback_allocations": self.sum("fallback_allocations"),
             "reused_allocations": self.sum("reused_allocations"),
             "fixed_allocations": self.sum("fixed_allocations"),
+            "pieces_taken_back": self.sum("pieces_taken_back"),
             "small_heap_allocations": self.sum("small_heap_allocations"),
             "small_heap_bytes": self.sum("small_heap_bytes"),
             "stdio_streams_unlocked": self.sum("stdio_streams_unlocked"),

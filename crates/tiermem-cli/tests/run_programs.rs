@@ -476,6 +476,8 @@ fn memory_mapped_into_a_reservation_at_fixed_addresses_is_managed() {
     assert!(fixed == pieces + 2, "{name}: {fixed} managed mappings at fixed addresses, expected {}", pieces + 2);
     let unmanaged = managed.stats["fallback_allocations"].as_u64();
     assert_eq!(unmanaged, Some(0), "{name}: mappings left unmanaged");
+    let taken_back = managed.stats["pieces_taken_back"].as_u64();
+    assert_eq!(taken_back, Some(1), "{name}: the half piece mapped again was not taken back");
 }
 
 /// A Java program (the JVM maps its heap into reserved address space with MAP_FIXED): tables
@@ -3311,8 +3313,7 @@ fn a_program_that_drops_root_runs_managed_and_leaves_statistics() {
 
 /// (What Linux itself prints: the test's expectations are the kernel's behaviour.)
 /// The program's own mapping placed with MAP_FIXED inside a managed one (one tiermem does not
-/// manage, or at first; a plain read-write one is taken back, with the same results here) is
-/// the kernel's: madvise
+/// manage: executable here) is the kernel's: madvise
 /// (DONTNEED zeros it), mremap and munmap reach it, and it outlives the managed mapping around
 /// it. Before, DONTNEED left its data (allocators rely on the zeros), mremap failed, munmap
 /// left it mapped, and unmapping the rest of the managed mapping unmapped it too (SIGSEGV).
@@ -3332,7 +3333,11 @@ int main() {
     unsigned char* a = (unsigned char*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     memset(a, 1, n);
     const int fixed = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED;
-    unsigned char* f = (unsigned char*)mmap(a + 8 * mb, 8 * mb, PROT_READ | PROT_WRITE, fixed, -1, 0);
+    // Executable pieces, so that tiermem leaves them to the kernel: a plain read-write one would
+    // be taken back into the managed mapping (test memory_mapped_into_a_reservation_...), whose
+    // unmapped pieces read as zeros.
+    const int rwx = PROT_READ | PROT_WRITE | PROT_EXEC;
+    unsigned char* f = (unsigned char*)mmap(a + 8 * mb, 8 * mb, rwx, fixed, -1, 0);
     memset(f, 2, 8 * mb);
     int dontneed = madvise(f, 8 * mb, MADV_DONTNEED);
     long not_zero = count_not(f, 8 * mb, 0);
@@ -3346,17 +3351,14 @@ int main() {
     signal(SIGSEGV, SIG_DFL);
     long rest_bad = count_not(a, 8 * mb, 1) + count_not(a + 16 * mb, 16 * mb, 1);
     // A MAP_FIXED piece outlives the managed mapping around it.
-    unsigned char* h = (unsigned char*)mmap(a + 20 * mb, 4 * mb, PROT_READ | PROT_WRITE, fixed, -1, 0);
+    unsigned char* h = (unsigned char*)mmap(a + 20 * mb, 4 * mb, rwx, fixed, -1, 0);
     memset(h, 4, 4 * mb);
     munmap(a, 20 * mb);
     munmap(a + 24 * mb, 8 * mb);
     long kept_bad = count_not(h, 4 * mb, 4);
     // A second MAP_FIXED over a piece and beyond it; an unmapped piece faults and stays reserved.
-    // (Executable, so that tiermem leaves these pieces to the kernel: a plain read-write one
-    // would be taken back into the managed mapping, whose unmapped pieces read as zeros.)
     unsigned char* b = (unsigned char*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     memset(b, 5, n);
-    const int rwx = PROT_READ | PROT_WRITE | PROT_EXEC;
     memset(mmap(b + 8 * mb, 8 * mb, rwx, fixed, -1, 0), 6, 8 * mb);
     memset(mmap(b + 12 * mb, 8 * mb, rwx, fixed, -1, 0), 7, 8 * mb);
     madvise(b + 16 * mb, 4 * mb, MADV_DONTNEED);

@@ -112,7 +112,10 @@ impl RegionTable {
         });
         let region = Arc::new(make(index as u32));
         let start = region.start();
-        let at = self.by_start.partition_point(|&(s, _)| s < start);
+        // After any region of the same start: a region being dropped may still be listed
+        // while a new one takes over its addresses (the program mapped there again), and
+        // `find` must see the new one.
+        let at = self.by_start.partition_point(|&(s, _)| s <= start);
         self.by_start.insert(at, (start, index as u32));
         self.slots[index] = Some(region.clone());
         region

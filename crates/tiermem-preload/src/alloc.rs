@@ -80,22 +80,19 @@ fn allocate(size: usize, align: usize, origin: Origin, reuse: bool) -> *mut c_vo
         }
         Err(e) => {
             drop(table);
-            note_unmanaged(&e);
+            note_unmanaged("an allocation is served by the C library", &e);
             std::ptr::null_mut()
         }
     }
 }
 
-/// The engine could not take an allocation, which the kernel or the C library serves
-/// unmanaged instead: counted, and said once.
-pub fn note_unmanaged(e: &dyn std::fmt::Display) {
+/// The engine could not take an allocation (`what`: how it is served instead, unmanaged):
+/// counted, and said once.
+pub fn note_unmanaged(what: &str, e: &dyn std::fmt::Display) {
     static WARNED: AtomicBool = AtomicBool::new(false);
     runtime::FALLBACK_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
     if !WARNED.swap(true, Ordering::Relaxed) {
-        runtime::say(&[
-            "tiermem: an allocation is served unmanaged, by the C library or the kernel (further ones are counted, not shown): ",
-            &e.to_string(),
-        ]);
+        runtime::say(&["tiermem: ", what, ", unmanaged (further ones are counted, not shown): ", &e.to_string()]);
     }
 }
 

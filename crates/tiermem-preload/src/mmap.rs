@@ -111,15 +111,27 @@ fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, of
     if mapped as usize != start {
         return syscall_result(mapped);
     }
+    // Said once the registry is unlocked: a message may go through the shim's own write().
+    let mut errors = Vec::new();
     let mut outside = vec![(start, end)];
     for base in registry::overlapping(&table, start, end - start) {
         let entry = table.get_mut(&base).expect("listed above");
         let (from, to) = (base.max(start), (base + entry.len()).min(end));
         tiermem_sys::mem::remove_range(&mut outside, from, to);
+        // Only into an mmap'd region, and only inside what the program has mapped of it: a
+        // malloc'd block is released by free() alone (the program's own munmap or mremap of
+        // the piece must reach the kernel), and a piece past the end of a region shrunk by
+        // mremap must not be grown over in place.
+        let within = to - base <= entry.size.next_multiple_of(PAGE_SIZE);
+        if entry.origin != Origin::Mmap || !within {
+            errors.push("it lies in a malloc'd block or past the end of a mapping shrunk by mremap".to_string());
+            continue;
+        }
         // SAFETY: `from..to` is part of the fresh mapping the kernel has just made for the
         // program's call, which has not returned: nothing uses it yet.
-        if let Err(e) = unsafe { entry.adopt_back(from - base, to - base) } {
-            crate::alloc::note_unmanaged(&e);
+        match unsafe { entry.adopt_back(from - base, to - base) } {
+            Ok(()) => _ = runtime::TAKEN_BACK.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            Err(e) => errors.push(e),
         }
     }
     for (from, to) in outside {
@@ -130,8 +142,12 @@ fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, of
                 runtime::count_allocation(to - from);
                 runtime::FIXED_ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
-            Err(e) => crate::alloc::note_unmanaged(&e),
+            Err(e) => errors.push(e.to_string()),
         }
+    }
+    drop(table);
+    for e in &errors {
+        crate::alloc::note_unmanaged("memory the program mapped at its own address stays the kernel's", e);
     }
     syscall_result(mapped)
 }

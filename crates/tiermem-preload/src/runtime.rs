@@ -32,6 +32,8 @@ pub static FALLBACK_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 pub static REUSED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 /// Managed mappings the program placed itself (mmap with MAP_FIXED, [`crate::mmap`]).
 pub static FIXED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+/// Pieces of such mappings a live managed region took back ([`crate::mmap`]).
+pub static TAKEN_BACK: AtomicU64 = AtomicU64::new(0);
 pub static SYSCALLS_WRAPPED: AtomicU64 = AtomicU64::new(0);
 /// Calls that failed for want of memory in the cgroup and were tried again after room was made
 /// ([`memory_refused`]).
@@ -1005,6 +1007,7 @@ extern "C" fn at_exit() {
         "fallback_allocations": FALLBACK_ALLOCATIONS.load(Ordering::Relaxed),
         "reused_allocations": REUSED_ALLOCATIONS.load(Ordering::Relaxed),
         "fixed_allocations": FIXED_ALLOCATIONS.load(Ordering::Relaxed),
+        "pieces_taken_back": TAKEN_BACK.load(Ordering::Relaxed),
         "small_heap_allocations": crate::heap::ALLOCATIONS.load(Ordering::Relaxed),
         "small_heap_bytes": crate::heap::CHUNK_BYTES.load(Ordering::Relaxed),
         "syscalls_wrapped": SYSCALLS_WRAPPED.load(Ordering::Relaxed),
