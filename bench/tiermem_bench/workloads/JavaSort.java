@@ -3,6 +3,7 @@
 // collector copies and frees). Prints the harness's result line with a digest of the sorted
 // array and the counts.
 import java.util.HashMap;
+import java.util.Locale;
 import java.util.Map;
 
 public class JavaSort {
@@ -25,7 +26,7 @@ public class JavaSort {
         long spread = 0;
         for (long g = 0; g < groups; g++) spread += counts.getOrDefault(g, 0L) * (g + 1);
         double seconds = (System.nanoTime() - start) / 1e9;
-        System.out.printf("TIERMEM_BENCH_RESULT {\"digest\": \"%016x-%d-%d-%d\", \"n\": %d, \"work_s\": %.6f}%n",
+        System.out.printf(Locale.ROOT, "TIERMEM_BENCH_RESULT {\"digest\": \"%016x-%d-%d-%d\", \"n\": %d, \"work_s\": %.6f}%n",
                 h, spread, n, seed, n, seconds);
     }
 }

@@ -33,8 +33,11 @@ class Workload:
         if self.name == "quicksort":
             return [str(quicksort_binary(cache_dir)), str(p["n"]), str(p["seed"])]
         if self.name == "javasort":
-            return ["java", "-XX:+DisplayVMOutputToStderr", f"-Xmx{p['heap-mb']}m", "-cp", str(java_classes(cache_dir)),
-                    "JavaSort", str(p["n"]), str(p["groups"]), str(p["seed"])]
+            # G1 named: the JVM picks its collector from the memory it sees, which a memory
+            # cgroup's limit makes small (the serial collector), so limited runs would differ
+            # from the unlimited one.
+            return ["java", "-XX:+DisplayVMOutputToStderr", "-XX:+UseG1GC", f"-Xmx{p['heap-mb']}m", "-cp",
+                    str(java_classes(cache_dir)), "JavaSort", str(p["n"]), str(p["groups"]), str(p["seed"])]
         if self.name == "pagerank":
             from tiermem_bench.workloads import pagerank
 
@@ -137,19 +140,23 @@ def quicksort_binary(cache_dir: Path) -> Path:
 def java_classes(cache_dir: Path) -> Path:
     """Compile JavaSort.java with javac into a directory in `cache_dir` (once per source version)."""
     source = HERE / "JavaSort.java"
-    tag = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
-    classes = Path(cache_dir) / f"javasort-{tag}"
-    if (classes / "JavaSort.class").exists():
-        return classes
     if not shutil.which("javac") or not shutil.which("java"):
         raise RuntimeError("no JDK (java, javac) found; install one (apt-get install default-jdk-headless) "
                            "to run the javasort workload")
+    # Per source and compiler version, so another JDK compiles afresh.
+    version = subprocess.run(["javac", "-version"], capture_output=True, text=True).stdout.strip()
+    tag = hashlib.sha256(source.read_bytes() + version.encode()).hexdigest()[:12]
+    classes = Path(cache_dir) / f"javasort-{tag}"
+    if (classes / "JavaSort.class").exists():
+        return classes
     tmp = classes.with_name(classes.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     subprocess.run(["javac", "-d", str(tmp), str(source)], check=True)
     try:
         os.replace(tmp, classes)
     except OSError:
-        # Another process compiled it meanwhile.
+        # Another process compiled it meanwhile (a directory is not renamed over a full one).
         shutil.rmtree(tmp, ignore_errors=True)
+    if not (classes / "JavaSort.class").exists():
+        raise RuntimeError(f"javac left no JavaSort.class in {classes}")
     return classes

@@ -421,7 +421,7 @@ fn a_program_allocating_1mib_arenas_with_mmap_is_managed() {
 /// A runtime's heap as the JVM lays it out: address space reserved with PROT_NONE, then memory
 /// mapped into it with MAP_FIXED as the heap grows, a piece given back by mapping PROT_NONE over
 /// it and mapped again, and a piece placed with MAP_FIXED_NOREPLACE into a hole. Prints a hash
-/// of everything written, read back in another order.
+/// of everything written, read back from the last piece to the first.
 const RESERVE_THEN_MAP: &str = r#"
 #include <cstdint>
 #include <cstdio>
@@ -457,7 +457,7 @@ int main(int argc, char** argv) {
     fill(map_at(last, piece, MAP_FIXED_NOREPLACE), words, 2000);
     uint64_t h = 1469598103934665603ULL;
     for (size_t k = 0; k <= pieces; k++) {
-        uint64_t* w = (uint64_t*)(base + ((k * 7) % (pieces + 1)) * piece);
+        uint64_t* w = (uint64_t*)(base + (pieces - k) * piece);
         for (size_t i = 0; i < words; i += 3) h = (h ^ w[i]) * 1099511628211ULL;
     }
     printf("pieces=%zu fnv=%016llx\n", pieces, (unsigned long long)h);
@@ -560,7 +560,8 @@ fn a_java_program_s_heap_is_managed_in_both_fault_modes() {
         assert_managed_like_reference(&format!("{name} ({collector}, {mode})"), &reference, &managed);
         let fixed = managed.stats["fixed_allocations"].as_u64().unwrap_or(0);
         assert!(fixed > 0, "{name} ({collector}): the heap was not managed (no mapping at a fixed address)");
-        // Also where the collector gave memory back and mapped it again.
+        // Nothing the JVM mapped was left to the kernel (it may or may not map given-back
+        // memory again in a run this short; the C++ test above covers taking pieces back).
         let unmanaged = managed.stats["fallback_allocations"].as_u64();
         assert_eq!(unmanaged, Some(0), "{name} ({collector}): mappings left unmanaged");
         let managed_bytes = managed.stats["processes"][0]["peak_managed_bytes"].as_u64().unwrap_or(0);

@@ -113,8 +113,8 @@ impl RegionTable {
         let region = Arc::new(make(index as u32));
         let start = region.start();
         // After any region of the same start: a region being dropped may still be listed
-        // while a new one takes over its addresses (the program mapped there again), and
-        // `find` must see the new one.
+        // while a new one takes over its addresses (the program mapped there again); `find`
+        // then sees the new one at once instead of retrying faults until the old one is gone.
         let at = self.by_start.partition_point(|&(s, _)| s <= start);
         self.by_start.insert(at, (start, index as u32));
         self.slots[index] = Some(region.clone());

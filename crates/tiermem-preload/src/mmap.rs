@@ -90,27 +90,37 @@ fn map_as_asked(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, o
 /// own. Whatever the engine cannot take stays the kernel's, mapped. The result of the call.
 fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, off: i64) -> *mut c_void {
     let start = addr as usize;
-    let end = start + len.next_multiple_of(PAGE_SIZE);
+    let Some(end) = len.checked_next_multiple_of(PAGE_SIZE).and_then(|n| start.checked_add(n)) else {
+        // Past the address space: the kernel refuses it.
+        return map_as_asked(addr, len, prot, flags, -1, off);
+    };
     // Started (if this is the first managed memory) before the registry is locked, as for
     // any other allocation.
     let engine = runtime::engine();
     let map = || crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, -1i32, off) as libc::c_long;
     let mut table = registry::lock();
-    let mapped = if registry::overlapping(&table, start, end - start).is_empty() {
-        map()
+    if registry::overlapping(&table, start, end - start).is_empty() {
+        let mapped = map();
+        if mapped as usize != start {
+            return syscall_result(mapped);
+        }
+    } else if flags & libc::MAP_FIXED_NOREPLACE != 0 {
+        // Over managed memory, which the kernel refuses to replace (EEXIST): nothing to hand over.
+        drop(table);
+        return map_as_asked(addr, len, prot, flags, -1, off);
     } else {
         // Over managed memory: handed over first, as for any mapping there (regions it
         // replaces whole go), then taken back below with the registry locked again (its
         // regions may have changed meanwhile; the new mapping, which the program has not seen
-        // yet, has not).
+        // yet, has not). A failure returns before that lock, which could change errno.
         drop(table);
         let mapped = replace_managed(start, end, map);
+        if mapped as usize != start {
+            return syscall_result(mapped);
+        }
         table = registry::lock();
-        mapped
-    };
-    if mapped as usize != start {
-        return syscall_result(mapped);
     }
+    let mapped = start as libc::c_long;
     // Said once the registry is unlocked: a message may go through the shim's own write().
     let mut errors = Vec::new();
     let mut outside = vec![(start, end)];
