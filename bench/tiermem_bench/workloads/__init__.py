@@ -35,9 +35,11 @@ class Workload:
         if self.name == "javasort":
             # G1 named: the JVM picks its collector from the memory it sees, which a memory
             # cgroup's limit makes small (the serial collector), so limited runs would differ
-            # from the unlimited one.
-            return ["java", "-XX:+DisplayVMOutputToStderr", "-XX:+UseG1GC", f"-Xmx{p['heap-mb']}m", "-cp",
-                    str(java_classes(cache_dir)), "JavaSort", str(p["n"]), str(p["groups"]), str(p["seed"])]
+            # from the unlimited one. No perf-data file in /tmp, which a run killed at its
+            # time limit would leave behind.
+            return ["java", "-XX:+DisplayVMOutputToStderr", "-XX:-UsePerfData", "-XX:+UseG1GC",
+                    f"-Xmx{p['heap-mb']}m", "-cp", str(java_classes(cache_dir)),
+                    "JavaSort", str(p["n"]), str(p["groups"]), str(p["seed"])]
         if self.name == "pagerank":
             from tiermem_bench.workloads import pagerank
 
