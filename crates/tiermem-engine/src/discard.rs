@@ -62,11 +62,8 @@ impl Region {
     pub unsafe fn adopt_back(&self, offset: usize, len: usize) -> Result<()> {
         self.check_range(offset, len)?;
         let addr = self.inner.mapping.as_ptr().wrapping_add(offset);
-        let mode = tiermem_sys::uffd::RegisterMode { missing: true, write_protect: true };
-        self.shared.uffd_of(&self.inner).register(addr, len, mode)?;
-        // Base pages only, as for the region's own mapping.
         // SAFETY: the range is the fresh mapping the caller hands back to the region.
-        let _ = unsafe { rustix::mm::madvise(addr.cast(), len, rustix::mm::Advice::LinuxNoHugepage) };
+        unsafe { crate::engine::register_base_pages(self.shared.uffd_of(&self.inner), addr, len)? };
         // Its pages were forgotten when it was handed over: untouched, no slot.
         self.inner.mapping.adopt_back(offset, len);
         Ok(())

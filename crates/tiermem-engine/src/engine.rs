@@ -279,6 +279,19 @@ fn watermarks(config: &EngineConfig, limit_pages: u64) -> (u64, u64) {
     (watermark, at(config.evict_watermark).max(watermark))
 }
 
+/// Register `[addr, addr + len)` with `uffd` for missing and write-protect faults, as base pages
+/// only (huge pages would be faulted in by the kernel behind the engine's back).
+///
+/// # Safety
+/// The range is a private anonymous mapping the engine owns (a region's, or a piece given back
+/// to one).
+pub(crate) unsafe fn register_base_pages(uffd: &Uffd, addr: *mut u8, len: usize) -> Result<()> {
+    uffd.register(addr, len, RegisterMode { missing: true, write_protect: true })?;
+    // SAFETY: the caller's contract: the range is the engine's.
+    let _ = unsafe { rustix::mm::madvise(addr.cast(), len, rustix::mm::Advice::LinuxNoHugepage) };
+    Ok(())
+}
+
 /// A running paging engine.
 #[derive(Debug)]
 pub struct Engine {
@@ -574,17 +587,14 @@ impl Engine {
             ));
         }
         let built = map().and_then(|mapping| {
-            let mode = RegisterMode { missing: true, write_protect: true };
-            if let Err(e) = self.shared.uffd_for(threaded).register(mapping.as_ptr(), len, mode) {
+            // SAFETY: the range is the mapping just created (or handed over) and owned here.
+            if let Err(e) = unsafe { register_base_pages(self.shared.uffd_for(threaded), mapping.as_ptr(), len) } {
                 if adopted {
                     // Not ours after all: it stays the caller's, mapped.
                     std::mem::forget(mapping);
                 }
                 return Err(e);
             }
-            // Huge pages would be faulted in by the kernel behind our back; keep base pages.
-            // SAFETY: the range is the mapping just created (or handed over) and owned here.
-            let _ = unsafe { rustix::mm::madvise(mapping.as_ptr().cast(), len, rustix::mm::Advice::LinuxNoHugepage) };
             Ok(mapping)
         });
         let mapping = match built {

@@ -120,7 +120,6 @@ fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, of
         }
         table = registry::lock();
     }
-    let mapped = start as libc::c_long;
     // Said once the registry is unlocked: a message may go through the shim's own write().
     let mut errors = Vec::new();
     let mut outside = vec![(start, end)];
@@ -159,7 +158,7 @@ fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, of
     for e in &errors {
         crate::alloc::note_unmanaged("memory the program mapped at its own address stays the kernel's", e);
     }
-    syscall_result(mapped)
+    addr
 }
 
 /// mmap(MAP_FIXED) over managed memory. The kernel replaces the pages there with the program's
