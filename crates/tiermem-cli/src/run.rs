@@ -608,12 +608,13 @@ impl RunOutcome {
         );
         let _ = writeln!(
             s,
-            "managed         {} processes, {} allocations ({} reusing freed ones, {} mapped where the program said, {} pieces mapped again taken back), {:.1} MiB allocated, {:.1} MiB at peak; {} left unmanaged",
+            "managed         {} processes, {} allocations ({} reusing freed ones, {} mapped where the program said, {} pieces mapped again taken back, {} reservations made usable with mprotect), {:.1} MiB allocated, {:.1} MiB at peak; {} left unmanaged",
             self.processes.len(),
             self.sum("managed_allocations"),
             self.sum("reused_allocations"),
             self.sum("fixed_allocations"),
             self.sum("pieces_taken_back"),
+            self.sum("committed_allocations"),
             mib(self.sum("managed_bytes")),
             mib(self.processes.iter().filter_map(|p| p["peak_managed_bytes"].as_u64()).max().unwrap_or(0)),
             self.sum("fallback_allocations")
@@ -695,6 +696,7 @@ impl RunOutcome {
             "reused_allocations": self.sum("reused_allocations"),
             "fixed_allocations": self.sum("fixed_allocations"),
             "pieces_taken_back": self.sum("pieces_taken_back"),
+            "committed_allocations": self.sum("committed_allocations"),
             "small_heap_allocations": self.sum("small_heap_allocations"),
             "small_heap_bytes": self.sum("small_heap_bytes"),
             "stdio_streams_unlocked": self.sum("stdio_streams_unlocked"),

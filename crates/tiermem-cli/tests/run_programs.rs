@@ -480,6 +480,176 @@ fn memory_mapped_into_a_reservation_at_fixed_addresses_is_managed() {
     assert_eq!(taken_back, Some(1), "{name}: the half piece mapped again was not taken back");
 }
 
+/// A heap laid out as V8 (Node) lays out its own: each 256 KiB page reserved in a mapping of
+/// its own with PROT_NONE and MADV_DONTFORK (the odd pages here), then made usable with
+/// mprotect. Every third page is given back (mprotect PROT_NONE and MADV_DONTNEED) and made
+/// usable again, which must read as zeros. Made usable too, and to stay the kernel's: a
+/// reservation that held data while inaccessible (it must keep it; counted unmanaged), one
+/// locked with MLOCK_ONFAULT (counted unmanaged; `locked=` says whether the lock was allowed),
+/// a MAP_STACK reservation, one with MADV_WIPEONFORK (a forked child must read zeros there),
+/// and a 256 KiB piece of a malloc'd block that was made inaccessible (a small-heap chunk's,
+/// evicted meanwhile: it must keep its data). A forked child hashes the pages it has (the even
+/// ones) and must see what the parent wrote; the odd ones must be absent there. Prints the
+/// hashes.
+const RESERVE_THEN_PROTECT: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static void fill(uint64_t* w, size_t words, uint64_t seed) {
+    for (size_t i = 0; i < words; i++) { seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17; w[i] = seed; }
+}
+static void usable(void* p, size_t len) { if (mprotect(p, len, PROT_READ | PROT_WRITE) != 0) { perror("mprotect"); exit(1); } }
+static uint64_t* reserve_usable(size_t len, int flags) {
+    void* r = mmap(nullptr, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | flags, -1, 0);
+    if (r == MAP_FAILED) { perror("reserve"); exit(1); }
+    return (uint64_t*)r;
+}
+static uint64_t hash(const uint64_t* w, size_t words) {
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t i = 0; i < words; i += 7) h = (h ^ w[i]) * 1099511628211ULL;
+    return h;
+}
+int main(int argc, char** argv) {
+    size_t n = strtoull(argv[1], nullptr, 10), page = 256 << 10, reserve = 508 << 10, words = page / 8;
+    uint64_t** p = (uint64_t**)calloc(n, sizeof(uint64_t*));
+    uint64_t* piece = nullptr;
+    uint64_t piece_hash = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (i == n / 4) {
+            // A malloc'd block under the threshold (the small heap's, once memory is managed),
+            // written early so that it is evicted by the time a piece of it is made
+            // inaccessible and usable again.
+            char* block = (char*)malloc(3 * page);
+            piece = (uint64_t*)(((uintptr_t)block + page - 1) & ~(uintptr_t)(page - 1));
+            fill(piece, words, 555);
+            piece_hash = hash(piece, words);
+        }
+        void* r = mmap(nullptr, reserve, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (r == MAP_FAILED) { perror("reserve"); return 1; }
+        if (i % 2 == 1 && madvise(r, reserve, MADV_DONTFORK) != 0) { perror("dontfork"); return 1; }
+        usable(r, page);
+        p[i] = (uint64_t*)r;
+        fill(p[i], words, i + 1);
+    }
+    for (size_t i = 0; i < n; i += 3) {
+        if (mprotect(p[i], page, PROT_NONE) != 0 || madvise(p[i], page, MADV_DONTNEED) != 0) { perror("give back"); return 1; }
+        usable(p[i], page);
+        for (size_t k = 0; k < words; k += 512) if (p[i][k] != 0) { printf("page %zu: not zero after it was given back\n", i); return 1; }
+        fill(p[i], words, 1000 + i);
+    }
+    // Data kept while inaccessible stays when the memory is made usable again.
+    uint64_t* kept = (uint64_t*)mmap(nullptr, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (kept == MAP_FAILED) { perror("mmap"); return 1; }
+    fill(kept, words, 77);
+    if (mprotect(kept, page, PROT_NONE) != 0) { perror("protect"); return 1; }
+    usable(kept, page);
+    uint64_t expect[2] = {0, 0};
+    fill(expect, 2, 77);
+    if (kept[0] != expect[0] || kept[1] != expect[1]) { printf("data kept while inaccessible was lost\n"); return 1; }
+    uint64_t* locked = reserve_usable(page, 0);
+    int lock_ok = mlock2(locked, page, MLOCK_ONFAULT) == 0;
+    usable(locked, page);
+    fill(locked, words, 88);
+    uint64_t* stack = reserve_usable(page, MAP_STACK);
+    usable(stack, page);
+    fill(stack, words, 99);
+    uint64_t* wiped = reserve_usable(page, 0);
+    if (madvise(wiped, page, MADV_WIPEONFORK) != 0) { perror("wipeonfork"); return 1; }
+    usable(wiped, page);
+    fill(wiped, words, 111);
+    if (mprotect(piece, page, PROT_NONE) != 0) { perror("protect piece"); return 1; }
+    usable(piece, page);
+    if (hash(piece, words) != piece_hash) { printf("the malloc'd block lost its data\n"); return 1; }
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t k = 0; k < n; k++) {
+        uint64_t* w = p[(k * 7919) % n];
+        for (size_t i = 0; i < words; i += 7) h = (h ^ w[i]) * 1099511628211ULL;
+    }
+    int fd[2];
+    if (pipe(fd) != 0) { perror("pipe"); return 1; }
+    pid_t child = fork();
+    if (child == 0) {
+        uint64_t c = 1469598103934665603ULL;
+        for (size_t i = 0; i < n; i += 2) for (size_t k = 0; k < words; k += 7) c = (c ^ p[i][k]) * 1099511628211ULL;
+        if (write(fd[1], &c, sizeof c) != sizeof c) _exit(1);
+        // The odd pages are not mapped here (MADV_DONTFORK).
+        unsigned char v;
+        for (size_t i = 1; i < n; i += 2) if (mincore(p[i], 4096, &v) == 0) _exit(2);
+        for (size_t i = 0; i < words; i++) if (wiped[i] != 0) _exit(3);
+        _exit(0);
+    }
+    uint64_t from_child = 0, even = 1469598103934665603ULL;
+    if (read(fd[0], &from_child, sizeof from_child) != sizeof from_child) { printf("no hash from the child\n"); return 1; }
+    int status = 0;
+    waitpid(child, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) { printf("child failed: status %d\n", status); return 1; }
+    for (size_t i = 0; i < n; i += 2) for (size_t k = 0; k < words; k += 7) even = (even ^ p[i][k]) * 1099511628211ULL;
+    if (from_child != even) { printf("the child saw other data\n"); return 1; }
+    for (size_t i = 0; i < n; i++) munmap(p[i], reserve);
+    h = (h ^ hash(locked, words) ^ hash(stack, words) ^ hash(wiped, words)) * 1099511628211ULL;
+    printf("pages=%zu fnv=%016llx child=%016llx\n", n, (unsigned long long)h, (unsigned long long)from_child);
+    fprintf(stderr, "locked=%d\n", lock_ok);
+}
+"#;
+
+#[test]
+fn reserved_memory_made_usable_with_mprotect_is_managed() {
+    let name = "reserved_memory_made_usable_with_mprotect_is_managed";
+    let pages = scaled(400).max(48);
+    let Some(managed) = run_cpp_under_30_percent(name, RESERVE_THEN_PROTECT, pages) else { return };
+    // Every 256 KiB page is a region of its own; pages given back and made usable again stay
+    // the same region. The stack, the memory wiped on fork and the malloc'd piece are not
+    // taken; the reservation that held data and the locked one are counted as left unmanaged.
+    let committed = managed.stats["committed_allocations"].as_u64().unwrap_or(0);
+    assert_eq!(committed, pages, "{name}: {committed} reservations managed, expected {pages}");
+    let locked = String::from_utf8_lossy(&managed.out.stderr).contains("locked=1");
+    let unmanaged = managed.stats["fallback_allocations"].as_u64();
+    assert_eq!(unmanaged, Some(1 + u64::from(locked)), "{name}: left to the kernel (locked: {locked})");
+    // (The child's hash of the even pages, most of them evicted at the fork, equals the
+    // parent's only if their contents were copied into it.)
+}
+
+/// A Node program: about 600 MB of JavaScript objects made, then walked three times.
+const NODE_OBJECTS: &str = r#"
+const n = +process.argv[2], a = [];
+for (let i = 0; i < n; i++) {
+    const o = new Array(100000);
+    for (let j = 0; j < 100000; j++) o[j] = {i, j, s: 'v' + (i * 100000 + j)};
+    a.push(o);
+}
+let s = 0;
+for (let r = 0; r < 3; r++) for (const o of a) for (const e of o) s += e.j + e.s.length;
+console.log(n, s);
+"#;
+
+#[test]
+fn a_node_program_s_heap_is_managed() {
+    let name = "a_node_program_s_heap_is_managed";
+    if !uffd_or_skip(name) || !have("node", &["--version"], name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    std::fs::write(scratch.path().join("objects.js"), NODE_OBJECTS).unwrap();
+    let arrays = scaled(30).max(6).to_string();
+    // V8 sizes its heap from the memory it sees: name a limit above the footprint.
+    let program = ["node", "--max-old-space-size=2048", "objects.js", arrays.as_str()];
+    let (reference, footprint) = profile(&scratch, &program);
+    let managed = run_managed(&scratch, "30%", &[], &program);
+    assert_managed_like_reference(name, &reference, &managed);
+    let committed = managed.stats["committed_allocations"].as_u64().unwrap_or(0);
+    assert!(committed > 0, "{name}: the JavaScript heap was not managed (no reservation made usable)");
+    // Most of the footprint was the JavaScript heap, managed.
+    let committed_bytes = managed.stats["processes"][0]["committed_bytes"].as_u64().unwrap_or(0);
+    assert!(
+        committed_bytes >= footprint / 2,
+        "{name}: {committed_bytes} bytes of reservations managed, under half of its {footprint}-byte footprint"
+    );
+}
+
 /// A Java program (the JVM maps its heap into reserved address space with MAP_FIXED): tables
 /// swept and updated by two threads while they make garbage, then the heap shrunk by the
 /// collector and grown again.

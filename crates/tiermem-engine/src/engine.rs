@@ -546,13 +546,14 @@ impl Engine {
 
     /// Manage `len` bytes at `addr` that the caller has just mapped itself: a program's
     /// `mmap(MAP_FIXED)` of fresh anonymous memory, as runtimes that reserve address space
-    /// first and map into it later do (a Java heap). The region owns the mapping from then on
+    /// first and map into it later do (a Java heap), or a reservation it has just made
+    /// read-write with mprotect (V8's heap). The region owns the mapping from then on
     /// (dropping it unmaps it); on failure it is left as it was, the caller's.
     ///
     /// # Safety
-    /// `[addr, addr + len)` is a private anonymous read-write mapping the caller owns, made by
-    /// one mmap that has just returned, not populated and not yet used: nothing else unmaps it
-    /// or uses it as its own.
+    /// `[addr, addr + len)` is private anonymous read-write memory the caller owns, mapped or
+    /// made read-write by one call that has just returned, with no page present or swapped out
+    /// and not yet used: nothing else unmaps it or uses it as its own.
     pub unsafe fn adopt_region(&self, addr: *mut u8, len: usize) -> Result<Region> {
         // SAFETY: the caller hands the mapping over whole (this function's contract).
         self.region_over(len, false, true, || unsafe { Mapping::adopt(addr, len) })

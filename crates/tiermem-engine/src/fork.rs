@@ -62,7 +62,12 @@ impl Engine {
                 if matches!(state.kind(), Kind::Untouched | Kind::Resident) || skip(addr as usize) {
                     continue;
                 }
-                part.open_for(addr as usize);
+                if !part.open_for(addr as usize) {
+                    // Nothing mapped there in the child: advice the kernel applied before the
+                    // engine took the memory over (MADV_DONTFORK on a reservation V8 then
+                    // made usable).
+                    continue;
+                }
                 // SAFETY: the page lies inside the region's mapping, which in the child is plain
                 // private memory that only this thread touches until fork() returns.
                 let page = unsafe { std::slice::from_raw_parts_mut(addr, PAGE_SIZE) };
@@ -95,33 +100,46 @@ impl Engine {
 /// moves past it.
 #[derive(Default)]
 struct OpenedPart {
-    /// The mapping's range and the protection to put back (0 end: none looked up yet).
+    /// The mapping's range and the protection to put back (0 end: none looked up yet), or the
+    /// gap between mappings the last page fell in (`absent`).
     start: usize,
     end: usize,
     prot: Option<i32>,
+    absent: bool,
 }
 
 impl OpenedPart {
-    /// Make sure the page at `addr` can be written.
-    fn open_for(&mut self, addr: usize) {
+    /// Make sure the page at `addr` can be written. False when nothing is mapped there.
+    fn open_for(&mut self, addr: usize) -> bool {
         if (self.start..self.end).contains(&addr) {
-            return;
+            return !self.absent;
         }
         self.close();
+        // The mapping at `addr`, or the next one.
         let mut vma = [tiermem_sys::mem::Vma::default(); 1];
-        let Ok(1) = tiermem_sys::mem::vmas(addr, addr + PAGE_SIZE, &mut vma) else {
-            // Unknown (no PROCMAP_QUERY): the page as the engine made it, writable.
-            *self = Self { start: addr, end: addr + PAGE_SIZE, prot: None };
-            return;
-        };
+        match tiermem_sys::mem::vmas(addr, usize::MAX, &mut vma) {
+            Ok(1) if vma[0].start <= addr => {}
+            Ok(n) => {
+                // A gap, up to the next mapping: one query for all its pages.
+                let end = if n == 1 { vma[0].start } else { usize::MAX };
+                *self = Self { start: addr, end, prot: None, absent: true };
+                return false;
+            }
+            Err(_) => {
+                // Unknown (no PROCMAP_QUERY): the page as the engine made it, writable.
+                *self = Self { start: addr, end: addr + PAGE_SIZE, prot: None, absent: false };
+                return true;
+            }
+        }
         let rw = libc::PROT_READ | libc::PROT_WRITE;
         let prot = (vma[0].prot & rw != rw).then_some(vma[0].prot);
-        *self = Self { start: vma[0].start, end: vma[0].end, prot };
+        *self = Self { start: vma[0].start, end: vma[0].end, prot, absent: false };
         if prot.is_some() {
             // SAFETY: the child's own private mapping, which only this thread uses until fork()
             // returns; its contents do not change.
             let _ = unsafe { raw_mprotect(self.start, self.end - self.start, rw) };
         }
+        true
     }
 
     fn close(&mut self) {

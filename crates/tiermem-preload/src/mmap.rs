@@ -1,9 +1,9 @@
 //! Anonymous private mmap, munmap and mremap. Only plain read-write anonymous private mappings
 //! of at least the threshold are managed, also where the program places them itself (MAP_FIXED:
-//! runtimes that reserve address space and map into it as they grow, such as a Java heap);
-//! shared, locked, huge-page, stack, executable and PROT_NONE reservations go to the kernel
-//! unchanged, as do all file mappings. The real calls are made as system calls, so nothing
-//! recurses into the shim.
+//! runtimes that reserve address space and map into it as they grow, such as a Java heap) or
+//! makes a reservation usable with mprotect (V8's heap); shared, locked, huge-page, stack,
+//! executable and PROT_NONE reservations go to the kernel unchanged, as do all file mappings.
+//! The real calls are made as system calls, so nothing recurses into the shim.
 
 use std::ffi::c_void;
 
@@ -70,7 +70,33 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
     if manageable_in_place(len, prot, flags, fd) {
         return map_managed_in_place(addr, len, prot, flags, off);
     }
-    map_as_asked(addr, len, prot, flags, fd, off)
+    let mapped = map_as_asked(addr, len, prot, flags, fd, off);
+    if prot == libc::PROT_NONE && flags & (libc::MAP_STACK | libc::MAP_GROWSDOWN) != 0 && mapped != libc::MAP_FAILED {
+        // A stack reserved to be made usable later (a coroutine's, a fiber's).
+        keep_for_kernel(mapped as usize, len);
+    }
+    mapped
+}
+
+/// Reservations never taken over when made usable with mprotect (see [`commit_managed`]):
+/// stacks (a fault on an evicted stack page could not be served on that stack), memory the
+/// program asked to be wiped in a forked child (the engine would copy evicted pages into it)
+/// and memory under a protection key (reclaim's threads hold only the default key's rights).
+/// The kernel cannot be asked for any of these. A stale entry only leaves memory the
+/// kernel's; past 1024 the oldest go.
+static KEPT_FOR_KERNEL: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
+
+fn keep_for_kernel(start: usize, len: usize) {
+    let end = start.saturating_add(len.next_multiple_of(PAGE_SIZE));
+    let mut kept = KEPT_FOR_KERNEL.lock().unwrap_or_else(|e| e.into_inner());
+    if kept.len() >= 1024 {
+        kept.remove(0);
+    }
+    kept.push((start, end));
+}
+
+fn kept_for_kernel(start: usize, end: usize) -> bool {
+    KEPT_FOR_KERNEL.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|&(a, b)| a < end && start < b)
 }
 
 /// The program's mmap, unmanaged: by the kernel, handing over any managed memory it replaces.
@@ -656,7 +682,7 @@ impl KernelParts {
         let n = match tiermem_sys::mem::vmas(start, end, &mut parts) {
             Ok(n) if n > 0 => n,
             _ => {
-                parts[0] = tiermem_sys::mem::Vma { start, end, prot: READ_WRITE };
+                parts[0] = tiermem_sys::mem::Vma { start, end, prot: READ_WRITE, ..Default::default() };
                 1
             }
         };
@@ -860,8 +886,102 @@ fn protect(start: usize, len: usize, prot: i32) {
 /// The C contract of mprotect.
 #[no_mangle]
 pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: usize, prot: i32) -> i32 {
+    if let Some(rc) = commit_managed(addr as usize, len, prot) {
+        return rc;
+    }
     // The caller's own mprotect, passed to the kernel unchanged.
     change_protection(addr as usize, len, || crate::io::sys!(libc::SYS_mprotect, addr, len, prot) as libc::c_long)
+}
+
+/// The program making reserved address space usable: mprotect to read-write of at least the
+/// commit threshold, all inside one private anonymous PROT_NONE mapping that no region holds.
+/// V8 (Node's JavaScript heap) commits its heap this way, in 256 KiB pieces. The kernel changes
+/// the protection; then, if no page there holds data (kept while inaccessible, or brought in
+/// because the range is locked) and the range is not locked, the engine takes it over as a
+/// region of its own, as for memory mapped at the program's own address. None: not such a
+/// call, which the caller passes on as it is. Else the call's result.
+fn commit_managed(start: usize, len: usize, prot: i32) -> Option<i32> {
+    if prot != libc::PROT_READ | libc::PROT_WRITE
+        || len < runtime::commit_threshold()
+        || !start.is_multiple_of(PAGE_SIZE)
+    {
+        return None;
+    }
+    let end = start.checked_add(len.checked_next_multiple_of(PAGE_SIZE)?)?;
+    if runtime::in_forked_child() {
+        return None;
+    }
+    // Asked before any lock is taken (a signal handler's mprotect of memory that is not a
+    // reservation must not wait on the registry). Needs PROCMAP_QUERY (Linux >= 6.11).
+    let mut vma = [tiermem_sys::mem::Vma::default(); 2];
+    let reserved = matches!(tiermem_sys::mem::vmas(start, end, &mut vma), Ok(1))
+        && vma[0].start <= start
+        && end <= vma[0].end
+        && vma[0].prot == libc::PROT_NONE
+        && !vma[0].shared
+        && !vma[0].file;
+    if !reserved || kept_for_kernel(start, end) {
+        return None;
+    }
+    // Started (if this is the first managed memory) before the registry is locked, as for any
+    // other allocation.
+    let engine = runtime::engine();
+    let mut table = registry::lock();
+    // Regions are looked for here, not with `may_overlap` (a bounding range, which V8's heap
+    // pages, placed at random, soon cover); the small heap's chunks are regions outside the
+    // registry (a block of it the program protected and opens again).
+    let managed = !registry::overlapping(&table, start, end - start).is_empty()
+        || crate::heap::contains(start)
+        || crate::heap::first_chunk_start_in(start, end).is_some();
+    if managed {
+        drop(table);
+        return None;
+    }
+    // The caller's own mprotect, passed to the kernel unchanged.
+    let rc = crate::io::sys!(libc::SYS_mprotect, start, len, prot) as i32;
+    if rc != 0 {
+        return Some(rc);
+    }
+    let adopted = empty_and_unlocked(start, end).and_then(|()| {
+        // SAFETY: `start..end` is private anonymous read-write memory the program made usable
+        // with the call that has not returned yet, no region holds it, and no page of it
+        // holds data.
+        unsafe { engine.adopt_region(start as *mut u8, end - start) }.map_err(|e| e.to_string())
+    });
+    match adopted {
+        Ok(region) => {
+            registry::insert(&mut table, registry::Entry::new(region, start, end - start, Origin::Mmap));
+            runtime::count_allocation(end - start);
+            runtime::COMMITTED_ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            runtime::COMMITTED_BYTES.fetch_add((end - start) as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        Err(e) => {
+            // Said once the registry is unlocked: a message may go through the shim's own write().
+            drop(table);
+            crate::alloc::note_unmanaged("reserved memory the program made accessible stays the kernel's", &e);
+        }
+    }
+    Some(0)
+}
+
+/// Ok when no page of `[start, end)` holds data (the engine must see every page's first touch;
+/// PAGEMAP_SCAN, Linux >= 6.7) and the range is not locked: with nothing there to lose,
+/// MADV_DONTNEED tells, failing on a lock (MLOCK_ONFAULT brings no page in, and the engine
+/// could never evict a locked one).
+fn empty_and_unlocked(start: usize, end: usize) -> Result<(), String> {
+    static PAGEMAP: std::sync::OnceLock<Option<tiermem_sys::pagemap::Pagemap>> = std::sync::OnceLock::new();
+    let pagemap = PAGEMAP.get_or_init(|| tiermem_sys::pagemap::Pagemap::open_self().ok());
+    let Some(pagemap) = pagemap else { return Err("/proc/self/pagemap cannot be opened".to_string()) };
+    match pagemap.any_mapped(start, end) {
+        Ok(false) => {}
+        Ok(true) => return Err("some of its pages hold data".to_string()),
+        Err(e) => return Err(format!("PAGEMAP_SCAN: {e}")),
+    }
+    // No page holds data (just checked): the advice drops nothing.
+    if crate::io::sys!(libc::SYS_madvise, start, end - start, libc::MADV_DONTNEED) != 0 {
+        return Err("it is locked".to_string());
+    }
+    Ok(())
 }
 
 /// # Safety
@@ -869,15 +989,27 @@ pub unsafe extern "C" fn mprotect(addr: *mut c_void, len: usize, prot: i32) -> i
 #[no_mangle]
 pub unsafe extern "C" fn pkey_mprotect(addr: *mut c_void, len: usize, prot: i32, pkey: i32) -> i32 {
     // The caller's own pkey_mprotect, passed to the kernel unchanged.
-    change_protection(addr as usize, len, || {
+    let rc = change_protection(addr as usize, len, || {
         crate::io::sys!(libc::SYS_pkey_mprotect, addr, len, prot, pkey) as libc::c_long
-    })
+    });
+    if rc == 0 && pkey > 0 {
+        keep_for_kernel(addr as usize, len);
+    }
+    rc
 }
 
 /// # Safety
 /// The C contract of madvise.
 #[no_mangle]
 pub unsafe extern "C" fn madvise(addr: *mut c_void, len: usize, advice: i32) -> i32 {
+    let rc = madvise_call(addr, len, advice);
+    if rc == 0 && advice == libc::MADV_WIPEONFORK {
+        keep_for_kernel(addr as usize, len);
+    }
+    rc
+}
+
+fn madvise_call(addr: *mut c_void, len: usize, advice: i32) -> i32 {
     let start = addr as usize;
     if registry::may_overlap(start, len) && start.is_multiple_of(PAGE_SIZE) {
         let end = start.saturating_add(len.next_multiple_of(PAGE_SIZE));

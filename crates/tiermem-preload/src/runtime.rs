@@ -34,6 +34,9 @@ pub static REUSED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 pub static FIXED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 /// Pieces of such mappings a live managed region took back ([`crate::mmap`]).
 pub static TAKEN_BACK: AtomicU64 = AtomicU64::new(0);
+/// Reserved memory the program made accessible with mprotect, managed ([`crate::mmap`]).
+pub static COMMITTED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+pub static COMMITTED_BYTES: AtomicU64 = AtomicU64::new(0);
 pub static SYSCALLS_WRAPPED: AtomicU64 = AtomicU64::new(0);
 /// Calls that failed for want of memory in the cgroup and were tried again after room was made
 /// ([`memory_refused`]).
@@ -160,6 +163,16 @@ pub fn load_settings() {
 /// Smallest size that is managed (usize::MAX when nothing is).
 pub fn threshold() -> usize {
     THRESHOLD.load(Ordering::Acquire)
+}
+
+/// Smallest reserved range made accessible with mprotect that is managed: the threshold, but
+/// at most 256 KiB, the pieces V8 commits its heap in (one large heap, not a lone small mapping).
+/// usize::MAX when nothing is managed (before the settings are read, in a forked child).
+pub fn commit_threshold() -> usize {
+    match threshold() {
+        usize::MAX => usize::MAX,
+        t => t.min(256 << 10),
+    }
 }
 
 pub fn sigbus_mode() -> bool {
@@ -1008,6 +1021,8 @@ extern "C" fn at_exit() {
         "reused_allocations": REUSED_ALLOCATIONS.load(Ordering::Relaxed),
         "fixed_allocations": FIXED_ALLOCATIONS.load(Ordering::Relaxed),
         "pieces_taken_back": TAKEN_BACK.load(Ordering::Relaxed),
+        "committed_allocations": COMMITTED_ALLOCATIONS.load(Ordering::Relaxed),
+        "committed_bytes": COMMITTED_BYTES.load(Ordering::Relaxed),
         "small_heap_allocations": crate::heap::ALLOCATIONS.load(Ordering::Relaxed),
         "small_heap_bytes": crate::heap::CHUNK_BYTES.load(Ordering::Relaxed),
         "syscalls_wrapped": SYSCALLS_WRAPPED.load(Ordering::Relaxed),

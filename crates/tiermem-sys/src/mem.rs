@@ -311,8 +311,8 @@ pub unsafe fn discard(addr: *mut u8, len: usize) -> Result<()> {
         .context(|| format!("madvise(DONTNEED) of {len} bytes at {addr:p}"))
 }
 
-/// One mapping of this process as the kernel keeps it (a VMA): `[start, end)` and its
-/// protection (`PROT_*` bits).
+/// One mapping of this process as the kernel keeps it (a VMA): `[start, end)`, its
+/// protection (`PROT_*` bits) and what backs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Vma {
     /// First address.
@@ -321,6 +321,10 @@ pub struct Vma {
     pub end: usize,
     /// `PROT_READ`, `PROT_WRITE` and `PROT_EXEC` as the mapping has them.
     pub prot: i32,
+    /// Shared (MAP_SHARED) rather than private.
+    pub shared: bool,
+    /// Backed by a file (an inode or a device: also hugetlbfs and shared memory), not anonymous.
+    pub file: bool,
 }
 
 // _IOWR('f', 17, struct procmap_query)
@@ -366,7 +370,9 @@ pub fn vmas(start: usize, end: usize, out: &mut [Vma]) -> std::result::Result<us
         let prot = flag(uapi::procmap_query_flags::PROCMAP_QUERY_VMA_READABLE, libc::PROT_READ)
             | flag(uapi::procmap_query_flags::PROCMAP_QUERY_VMA_WRITABLE, libc::PROT_WRITE)
             | flag(uapi::procmap_query_flags::PROCMAP_QUERY_VMA_EXECUTABLE, libc::PROT_EXEC);
-        out[n] = Vma { start: vma_start, end: vma_end, prot };
+        let shared = query.vma_flags & uapi::procmap_query_flags::PROCMAP_QUERY_VMA_SHARED as u64 != 0;
+        let file = query.inode != 0 || query.dev_major != 0 || query.dev_minor != 0;
+        out[n] = Vma { start: vma_start, end: vma_end, prot, shared, file };
         n += 1;
         at = vma_end;
     }
@@ -456,13 +462,32 @@ mod tests {
         // The first and last parts may be merged with neighbouring mappings of the same kind.
         assert_eq!(n, 4, "{:?}", &out[..n]);
         assert_eq!((out[0].end, out[0].prot), (page(1), rw));
-        assert_eq!(out[1], Vma { start: page(1), end: page(2), prot: 0 });
-        assert_eq!(out[2], Vma { start: page(2), end: page(3), prot: libc::PROT_READ });
+        assert_eq!(out[1], Vma { start: page(1), end: page(2), prot: 0, ..Default::default() });
+        assert_eq!(out[2], Vma { start: page(2), end: page(3), prot: libc::PROT_READ, ..Default::default() });
         assert_eq!((out[3].start, out[3].prot), (page(3), rw));
         // Only what overlaps the range, and no more than `out` holds.
         assert_eq!(vmas(page(1), page(2), &mut out), Ok(1));
         assert_eq!(out[0].prot, 0);
         assert_eq!(vmas(base, page(4), &mut out[..2]), Ok(2));
+        // A file's mapping and a shared one say so (the anonymous private ones above do not).
+        let file = std::fs::File::open("/proc/self/exe").unwrap();
+        // SAFETY: a new read-only private mapping of a file, unmapped below, nothing else there.
+        let text =
+            unsafe { mm::mmap(std::ptr::null_mut(), PAGE_SIZE, mm::ProtFlags::READ, mm::MapFlags::PRIVATE, &file, 0) }
+                .unwrap() as usize;
+        // SAFETY: as above, anonymous and shared.
+        let shared =
+            unsafe { mm::mmap_anonymous(std::ptr::null_mut(), PAGE_SIZE, mm::ProtFlags::READ, mm::MapFlags::SHARED) }
+                .unwrap() as usize;
+        assert_eq!(vmas(text, text + PAGE_SIZE, &mut out), Ok(1));
+        assert!(out[0].file && !out[0].shared, "{:?}", out[0]);
+        assert_eq!(vmas(shared, shared + PAGE_SIZE, &mut out), Ok(1));
+        // (Shared anonymous memory is backed by shmem, a file of its own.)
+        assert!(out[0].shared, "{:?}", out[0]);
+        for addr in [text, shared] {
+            // SAFETY: the mappings made above, unused now.
+            unsafe { mm::munmap(addr as *mut libc::c_void, PAGE_SIZE) }.unwrap();
+        }
     }
 
     #[test]

@@ -124,6 +124,18 @@ impl Pagemap {
         Ok(u64::from_ne_bytes(entry) & (PRESENT | SWAPPED) != 0)
     }
 
+    /// Whether any page of `[start, end)` holds data: present in memory or swapped out.
+    pub fn any_mapped(&self, start: usize, end: usize) -> Result<bool, Errno> {
+        let query = ScanQuery {
+            any_of: category::PRESENT | category::SWAPPED,
+            report: category::PRESENT | category::SWAPPED,
+            max_pages: 1,
+            ..Default::default()
+        };
+        let mut out = [PageRegion::default(); 1];
+        Ok(self.scan(start, end, &query, &mut out)?.0 > 0)
+    }
+
     /// How many pages of `[start, end)` are present in memory, per the kernel.
     pub fn count_present(&self, start: usize, end: usize) -> Result<u64, Errno> {
         let query = ScanQuery { required: category::PRESENT, report: category::PRESENT, ..Default::default() };
@@ -139,5 +151,34 @@ impl Pagemap {
             at = walk_end;
         }
         Ok(total)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::Mapping;
+
+    #[test]
+    fn any_mapped_sees_a_single_written_page_and_nothing_in_untouched_memory() {
+        let map = Mapping::anonymous(8 * PAGE_SIZE, false).unwrap();
+        let base = map.as_ptr() as usize;
+        let pagemap = Pagemap::open_self().unwrap();
+        let any = |from: usize, to: usize| pagemap.any_mapped(base + from * PAGE_SIZE, base + to * PAGE_SIZE);
+        match any(0, 8) {
+            Ok(false) => {}
+            Ok(true) => panic!("untouched memory reported as holding data"),
+            Err(e) => {
+                eprintln!("SKIPPED any_mapped_sees_a_single_written_page_and_nothing_in_untouched_memory: PAGEMAP_SCAN (Linux >= 6.7) is not available: {e}");
+                return;
+            }
+        }
+        // SAFETY: page 5 lies inside the 8-page mapping above.
+        let page = unsafe { map.as_ptr().add(5 * PAGE_SIZE) };
+        // SAFETY: a byte of that page, owned here and writable.
+        unsafe { page.write(1) };
+        assert_eq!(any(0, 8), Ok(true));
+        assert_eq!(any(5, 6), Ok(true));
+        assert_eq!((any(0, 5), any(6, 8)), (Ok(false), Ok(false)));
     }
 }
