@@ -126,9 +126,16 @@ impl OpenedPart {
                 return false;
             }
             Err(_) => {
-                // Unknown (no PROCMAP_QUERY): the page as the engine made it, writable.
-                *self = Self { start: addr, end: addr + PAGE_SIZE, prot: None, absent: false };
-                return true;
+                // Unknown (no PROCMAP_QUERY, or no descriptor left): mincore says whether
+                // anything is mapped there (ENOMEM: no), and the page is then taken as the
+                // engine made it, writable.
+                let mut resident = 0u8;
+                // SAFETY: mincore writes one byte per page of the range into `resident`: one
+                // page here.
+                let rc = unsafe { libc::mincore(addr as *mut libc::c_void, PAGE_SIZE, &mut resident) };
+                let absent = rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOMEM);
+                *self = Self { start: addr, end: addr + PAGE_SIZE, prot: None, absent };
+                return !absent;
             }
         }
         let rw = libc::PROT_READ | libc::PROT_WRITE;

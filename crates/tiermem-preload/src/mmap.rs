@@ -87,6 +87,10 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
 static KEPT_FOR_KERNEL: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
 
 fn keep_for_kernel(start: usize, len: usize) {
+    // A forked child takes nothing over (and its copy of the lock may be held for good).
+    if runtime::in_forked_child() {
+        return;
+    }
     let end = start.saturating_add(len.next_multiple_of(PAGE_SIZE));
     let mut kept = KEPT_FOR_KERNEL.lock().unwrap_or_else(|e| e.into_inner());
     if kept.len() >= 1024 {
@@ -95,8 +99,13 @@ fn keep_for_kernel(start: usize, len: usize) {
     kept.push((start, end));
 }
 
+/// Busy (a signal handler interrupting its holder): kept, the safe answer.
 fn kept_for_kernel(start: usize, end: usize) -> bool {
-    KEPT_FOR_KERNEL.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|&(a, b)| a < end && start < b)
+    match KEPT_FOR_KERNEL.try_lock() {
+        Ok(kept) => kept.iter().any(|&(a, b)| a < end && start < b),
+        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().iter().any(|&(a, b)| a < end && start < b),
+        Err(std::sync::TryLockError::WouldBlock) => true,
+    }
 }
 
 /// The program's mmap, unmanaged: by the kernel, handing over any managed memory it replaces.
@@ -969,9 +978,13 @@ fn commit_managed(start: usize, len: usize, prot: i32) -> Option<i32> {
 /// MADV_DONTNEED tells, failing on a lock (MLOCK_ONFAULT brings no page in, and the engine
 /// could never evict a locked one).
 fn empty_and_unlocked(start: usize, end: usize) -> Result<(), String> {
-    static PAGEMAP: std::sync::OnceLock<Option<tiermem_sys::pagemap::Pagemap>> = std::sync::OnceLock::new();
-    let pagemap = PAGEMAP.get_or_init(|| tiermem_sys::pagemap::Pagemap::open_self().ok());
-    let Some(pagemap) = pagemap else { return Err("/proc/self/pagemap cannot be opened".to_string()) };
+    // Kept open once opened (a failure, such as no descriptor left, is tried again next time).
+    static PAGEMAP: std::sync::OnceLock<tiermem_sys::pagemap::Pagemap> = std::sync::OnceLock::new();
+    if PAGEMAP.get().is_none() {
+        let opened = tiermem_sys::pagemap::Pagemap::open_self().map_err(|e| e.to_string())?;
+        let _ = PAGEMAP.set(opened);
+    }
+    let Some(pagemap) = PAGEMAP.get() else { return Err("/proc/self/pagemap is not open".to_string()) };
     match pagemap.any_mapped(start, end) {
         Ok(false) => {}
         Ok(true) => return Err("some of its pages hold data".to_string()),
