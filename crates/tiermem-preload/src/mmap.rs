@@ -180,13 +180,9 @@ fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, of
     }
     for (from, to) in outside {
         // SAFETY: as above, and no region holds `from..to`.
-        match unsafe { engine.adopt_region(from as *mut u8, to - from) } {
-            Ok(region) => {
-                registry::insert(&mut table, registry::Entry::new(region, from, to - from, Origin::Mmap));
-                runtime::count_allocation(to - from);
-                runtime::FIXED_ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            Err(e) => errors.push(e.to_string()),
+        match unsafe { adopt_mapping(engine, &mut table, from, to) } {
+            Ok(()) => _ = runtime::FIXED_ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            Err(e) => errors.push(e),
         }
     }
     drop(table);
@@ -194,6 +190,25 @@ fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, of
         crate::alloc::note_unmanaged("memory the program mapped at its own address stays the kernel's", e);
     }
     addr
+}
+
+/// The engine takes `[from, to)` over as a region of its own, listed in the registry as an
+/// mmap'd one (released once the program has unmapped all of it).
+///
+/// # Safety
+/// As [`tiermem_engine::Engine::adopt_region`]: fresh private anonymous read-write memory of the
+/// program's, just mapped or made usable, with no page holding data, which no region holds.
+unsafe fn adopt_mapping(
+    engine: &tiermem_engine::Engine,
+    table: &mut std::collections::BTreeMap<usize, registry::Entry>,
+    from: usize,
+    to: usize,
+) -> Result<(), String> {
+    // SAFETY: forwarded to the caller.
+    let region = unsafe { engine.adopt_region(from as *mut u8, to - from) }.map_err(|e| e.to_string())?;
+    registry::insert(table, registry::Entry::new(region, from, to - from, Origin::Mmap));
+    runtime::count_allocation(to - from);
+    Ok(())
 }
 
 /// mmap(MAP_FIXED) over managed memory. The kernel replaces the pages there with the program's
@@ -955,12 +970,10 @@ fn commit_managed(start: usize, len: usize, prot: i32) -> Option<i32> {
         // SAFETY: `start..end` is private anonymous read-write memory the program made usable
         // with the call that has not returned yet, no region holds it, and no page of it
         // holds data.
-        unsafe { engine.adopt_region(start as *mut u8, end - start) }.map_err(|e| e.to_string())
+        unsafe { adopt_mapping(engine, &mut table, start, end) }
     });
     match adopted {
-        Ok(region) => {
-            registry::insert(&mut table, registry::Entry::new(region, start, end - start, Origin::Mmap));
-            runtime::count_allocation(end - start);
+        Ok(()) => {
             runtime::COMMITTED_ALLOCATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             runtime::COMMITTED_BYTES.fetch_add((end - start) as u64, std::sync::atomic::Ordering::Relaxed);
         }
