@@ -82,8 +82,9 @@ pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i
 /// stacks (a fault on an evicted stack page could not be served on that stack), memory the
 /// program asked to be wiped in a forked child (the engine would copy evicted pages into it)
 /// and memory under a protection key (reclaim's threads hold only the default key's rights).
-/// The kernel cannot be asked for any of these. A stale entry only leaves memory the
-/// kernel's; past 1024 the oldest go.
+/// PROCMAP_QUERY does not tell any of these. A range the program unmaps whole is dropped; a
+/// stale entry (a range moved by mremap, or unmapped in part) only leaves memory the kernel's;
+/// past 1024 the oldest go.
 static KEPT_FOR_KERNEL: std::sync::Mutex<Vec<(usize, usize)>> = std::sync::Mutex::new(Vec::new());
 
 fn keep_for_kernel(start: usize, len: usize) {
@@ -97,6 +98,18 @@ fn keep_for_kernel(start: usize, len: usize) {
         kept.remove(0);
     }
     kept.push((start, end));
+}
+
+/// The program unmapped `[start, end)`: ranges wholly inside it are gone (so a program that
+/// makes and drops many fiber stacks does not push live ones out). Skipped while the list is
+/// busy (a signal handler interrupting its holder), which only leaves a stale range kept.
+fn forget_kept(start: usize, end: usize) {
+    if runtime::in_forked_child() {
+        return;
+    }
+    if let Ok(mut kept) = KEPT_FOR_KERNEL.try_lock() {
+        kept.retain(|&(a, b)| !(start <= a && b <= end));
+    }
 }
 
 /// Busy (a signal handler interrupting its holder): kept, the safe answer.
@@ -348,7 +361,11 @@ fn kernel_munmap(start: usize, end: usize) -> i32 {
         return 0;
     }
     // The caller's own munmap of memory that is not managed.
-    crate::io::sys!(libc::SYS_munmap, start, end - start) as i32
+    let rc = crate::io::sys!(libc::SYS_munmap, start, end - start) as i32;
+    if rc == 0 {
+        forget_kept(start, end);
+    }
+    rc
 }
 
 /// # Safety
