@@ -115,7 +115,7 @@ def on_path(program):
     return any(os.access(os.path.join(d, program), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
-@pytest.mark.parametrize("name", ["quicksort", "intsort", "linpack", "kvstore", "javasort"])
+@pytest.mark.parametrize("name", ["quicksort", "intsort", "linpack", "kmeans", "mlp", "kvstore", "javasort"])
 def test_tiny_workloads_are_deterministic(tmp_path, name):
     if name == "quicksort" and not on_path("g++"):
         pytest.skip("no g++ to build the quicksort driver")
@@ -163,3 +163,24 @@ def test_a_missing_python_package_is_named_with_the_command_that_installs_it(tmp
     assert cli.main(["--scale", "tiny", "--workloads", "quicksort"]) == 2
     err = capsys.readouterr().err
     assert "lacks the harness's Python packages tqdm" in err and "pip install -r" in err, err
+
+
+@pytest.mark.parametrize("name", ["kmeans", "mlp"])
+def test_generated_inputs_are_made_once_in_prepare_and_read_by_the_run(tmp_path, name):
+    w = WORKLOADS[name]
+    w.prepare("tiny", tmp_path)
+    inputs = sorted(tmp_path.glob(f"{name}-*.npy"))
+    assert inputs, "prepare wrote no input file"
+    argv = w.command("tiny", tmp_path)
+    for path in inputs:
+        assert str(path) in argv, (path, argv)
+    made = {p: p.stat().st_mtime_ns for p in inputs}
+    w.prepare("tiny", tmp_path)
+    assert {p: p.stat().st_mtime_ns for p in inputs} == made, "prepare made the inputs again"
+    assert not list(tmp_path.glob("*.tmp*")), "a temporary file was left behind"
+    # The run reads the file: without it, it fails rather than generating the data itself.
+    inputs[0].unlink()
+    env = dict(os.environ, PYTHONPATH=str(BENCH_DIR), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    out = run_stopping_group(argv, text=True, env=env, timeout=120)
+    assert out.returncode != 0
+    assert inputs[0].name in out.stderr

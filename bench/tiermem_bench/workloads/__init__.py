@@ -47,12 +47,25 @@ class Workload:
                     pagerank.edge_file(str(cache_dir), p["nodes"], p["edges"], p["seed"])]
         module = f"tiermem_bench.workloads.{self.name}"
         args = [python, "-m", module]
+        # Parameters that shape a prepared input file go into its name, not onto the command line.
+        if self.name == "kmeans":
+            from tiermem_bench.workloads import kmeans
+
+            args += ["--points-file", kmeans.points_file(str(cache_dir), p["samples"], p["features"],
+                                                         p["clusters"], p["seed"])]
+            p = {k: v for k, v in p.items() if k not in ("samples", "features")}
+        elif self.name == "mlp":
+            from tiermem_bench.workloads import mlp
+
+            features, labels = mlp.data_files(str(cache_dir), p["samples"], p["features"], p["seed"])
+            args += ["--features-file", features, "--labels-file", labels]
+            p = {k: v for k, v in p.items() if k not in ("samples", "features")}
         for key, value in p.items():
             args += [f"--{key}", str(value)]
         return args
 
     def prepare(self, scale: str, cache_dir: Path) -> None:
-        """One-time, unmeasured set-up: compile the C++ driver, write the graph file."""
+        """One-time, unmeasured set-up: compile the C++ driver, write the input files."""
         cache_dir.mkdir(parents=True, exist_ok=True)
         p = self.params[scale]
         if self.name == "quicksort":
@@ -63,6 +76,14 @@ class Workload:
             from tiermem_bench.workloads import pagerank
 
             pagerank.prepare(str(cache_dir), p["nodes"], p["edges"], p["seed"])
+        elif self.name == "kmeans":
+            from tiermem_bench.workloads import kmeans
+
+            kmeans.prepare(str(cache_dir), p["samples"], p["features"], p["clusters"], p["seed"])
+        elif self.name == "mlp":
+            from tiermem_bench.workloads import mlp
+
+            mlp.prepare(str(cache_dir), p["samples"], p["features"], p["seed"])
         elif self.name == "kvstore":
             from tiermem_bench.workloads import kvstore
 
@@ -77,7 +98,7 @@ WORKLOADS: dict[str, Workload] = {
             "quick": {"n": 12_000_000, "seed": 4},
             "full": {"n": 400_000_000, "seed": 4},
         }),
-        Workload("kmeans", "scikit-learn KMeans (Lloyd) on make_blobs", {
+        Workload("kmeans", "scikit-learn KMeans (Lloyd) on make_blobs points read from a file", {
             "tiny": {"samples": 100_000, "features": 32, "clusters": 8, "iterations": 5, "seed": 4},
             "quick": {"samples": 300_000, "features": 32, "clusters": 16, "iterations": 8, "seed": 4},
             "full": {"samples": 8_000_000, "features": 64, "clusters": 16, "iterations": 10, "seed": 4},
@@ -92,7 +113,7 @@ WORKLOADS: dict[str, Workload] = {
             "quick": {"n": 2_800, "seed": 4},
             "full": {"n": 14_000, "seed": 4},
         }),
-        Workload("mlp", "scikit-learn MLPClassifier training (Adam, mini-batches)", {
+        Workload("mlp", "scikit-learn MLPClassifier training (Adam, mini-batches) on a data set read from a file", {
             "tiny": {"samples": 40_000, "features": 64, "hidden": 128, "epochs": 1, "batch": 1024, "seed": 4},
             "quick": {"samples": 80_000, "features": 128, "hidden": 256, "epochs": 1, "batch": 4096, "seed": 4},
             "full": {"samples": 2_500_000, "features": 256, "hidden": 512, "epochs": 2, "batch": 4096, "seed": 4},

@@ -56,3 +56,17 @@ class Timer:
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.start
         return False
+
+
+def save_npy(path: str, array) -> None:
+    """Write `array` to `path` as .npy, atomically: a run never sees a half-written input file."""
+    import numpy as np
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as out:
+            np.save(out, array)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
