@@ -184,3 +184,18 @@ def test_generated_inputs_are_made_once_in_prepare_and_read_by_the_run(tmp_path,
     out = run_stopping_group(argv, text=True, env=env, timeout=120)
     assert out.returncode != 0
     assert inputs[0].name in out.stderr
+
+
+def test_the_pagerank_edge_list_is_sorted_by_source_then_target(tmp_path):
+    import numpy as np
+
+    w = WORKLOADS["pagerank"]
+    w.prepare("tiny", tmp_path)
+    (path,) = tmp_path.glob("pagerank-*.edges")
+    edges = np.loadtxt(path, dtype=np.int64)
+    assert len(edges) == w.params["tiny"]["edges"]
+    assert edges.max() == w.params["tiny"]["nodes"] - 1
+    order = np.lexsort((edges[:, 1], edges[:, 0]))
+    assert (order == np.arange(len(edges))).all(), "edges are not in (source, target) order"
+    assert str(path) in w.command("tiny", tmp_path)
+    assert not list(tmp_path.glob("*.tmp*")), "a temporary file was left behind"
