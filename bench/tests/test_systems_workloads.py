@@ -199,3 +199,23 @@ def test_the_pagerank_edge_list_is_sorted_by_source_then_target(tmp_path):
     assert (order == np.arange(len(edges))).all(), "edges are not in (source, target) order"
     assert str(path) in w.command("tiny", tmp_path)
     assert not list(tmp_path.glob("*.tmp*")), "a temporary file was left behind"
+
+
+def test_prepare_removes_what_a_killed_prepare_left_and_keeps_a_running_one_s(tmp_path):
+    from tiermem_bench.workloads import kmeans
+
+    w = WORKLOADS["kmeans"]
+    p = w.params["tiny"]
+    path = kmeans.points_file(str(tmp_path), p["samples"], p["features"], p["clusters"], p["seed"])
+    exited = subprocess.Popen(["true"])
+    exited.wait()  # its pid now names no process
+    dead = f"{path}.tmp{exited.pid}"
+    live = f"{path}.tmp{os.getppid()}"
+    for leftover in (dead, live):
+        with open(leftover, "wb") as f:
+            f.write(b"half")
+    w.prepare("tiny", tmp_path)
+    assert os.path.exists(path)
+    assert not os.path.exists(dead), "a dead prepare's temporary file was kept"
+    assert os.path.exists(live), "a running process's temporary file was removed"
+    os.unlink(live)

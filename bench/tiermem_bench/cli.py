@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", type=Path,
                    help="directory for the swap file and tiermem's device file (same file system for both; "
                         "default: <out>/scratch)")
-    p.add_argument("--cache", type=Path, help="where the compiled driver and graph files are kept "
-                                              "(default target/bench-apps/cache)")
+    p.add_argument("--cache", type=Path, help="where the compiled drivers and the workloads' input files are kept "
+                                              "(up to about 10 GB at --scale full; default target/bench-apps/cache)")
     p.add_argument("--tiermem", help="the tiermem binary (default: the one that started this, $TIERMEM_BIN)")
     p.add_argument("--timeout-factor", type=float, default=25.0,
                    help="kill a run after this many times the unlimited run's time (default 25)")

@@ -58,15 +58,52 @@ class Timer:
         return False
 
 
-def save_npy(path: str, array) -> None:
-    """Write `array` to `path` as .npy, atomically: a run never sees a half-written input file."""
-    import numpy as np
+def generator_tag(generator, *packages) -> str:
+    """A short hash of `generator`'s source and of the versions of `packages`: part of a prepared
+    input's file name, so that changing how an input is made (the code or a pinned library)
+    makes a new file instead of reusing one made the old way."""
+    import importlib.metadata
+    import inspect
 
+    h = hashlib.sha256(inspect.getsource(generator).encode())
+    for package in packages:
+        h.update(f"\0{package}={importlib.metadata.version(package)}".encode())
+    return h.hexdigest()[:10]
+
+
+def remove_stale_temporaries(path: str) -> None:
+    """Remove `path.tmp<pid>` files that a killed `prepare` left (their pid no longer runs)."""
+    directory, name = os.path.split(path)
+    for entry in os.listdir(directory or "."):
+        pid = entry[len(name) + 4:] if entry.startswith(name + ".tmp") else ""
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            os.unlink(os.path.join(directory, entry))
+        except PermissionError:
+            pass  # someone else's process: still running
+
+
+def write_atomically(path: str, write) -> None:
+    """Call `write(file)` on a temporary file next to `path`, then sync it and rename it to
+    `path`: a run never sees a half-written input file, also after a crash."""
+    remove_stale_temporaries(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as out:
-            np.save(out, array)
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def save_npy(path: str, array) -> None:
+    """Write `array` to `path` as .npy, atomically (see `write_atomically`)."""
+    import numpy as np
+
+    write_atomically(path, lambda out: np.save(out, array))

@@ -3,17 +3,18 @@
 The points come from make_blobs once, in `prepare`, and are saved as a .npy file; a run loads them
 (a sequential read, as a job reads its input) and clusters them. Generating them inside the run
 measured make_blobs' shuffle, a gather of every row in random order, rather than k-means: at 20%
-of the footprint that gather was about 70% of the run's page misses (docs/application-benchmarks.md).
+of the footprint that gather cost about half the run's critical reads (docs/application-benchmarks.md).
 """
 
 import argparse
 import os
 
-from tiermem_bench.workloads._common import Timer, digest, emit, save_npy
+from tiermem_bench.workloads._common import Timer, digest, emit, generator_tag, save_npy
 
 
 def points_file(cache_dir, samples, features, clusters, seed):
-    return os.path.join(cache_dir, f"kmeans-{samples}-{features}-{clusters}-{seed}.npy")
+    tag = generator_tag(prepare, "scikit-learn", "numpy")
+    return os.path.join(cache_dir, f"kmeans-{samples}-{features}-{clusters}-{seed}-{tag}.npy")
 
 
 def prepare(cache_dir, samples, features, clusters, seed):

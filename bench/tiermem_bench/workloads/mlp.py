@@ -10,11 +10,12 @@ import argparse
 import os
 import warnings
 
-from tiermem_bench.workloads._common import Timer, digest, emit, save_npy
+from tiermem_bench.workloads._common import Timer, digest, emit, generator_tag, save_npy
 
 
 def data_files(cache_dir, samples, features, seed):
-    stem = os.path.join(cache_dir, f"mlp-{samples}-{features}-{seed}")
+    tag = generator_tag(prepare, "scikit-learn", "numpy")
+    stem = os.path.join(cache_dir, f"mlp-{samples}-{features}-{seed}-{tag}")
     return stem + "-features.npy", stem + "-labels.npy"
 
 

@@ -8,11 +8,12 @@ gathered both ways at random, and at 20% of the footprint that was most of the r
 import argparse
 import os
 
-from tiermem_bench.workloads._common import Timer, digest, emit
+from tiermem_bench.workloads._common import Timer, digest, emit, generator_tag, write_atomically
 
 
 def edge_file(cache_dir, nodes, edges, seed):
-    return os.path.join(cache_dir, f"pagerank-{nodes}-{edges}-{seed}-by-source.edges")
+    tag = generator_tag(prepare, "numpy")
+    return os.path.join(cache_dir, f"pagerank-{nodes}-{edges}-{seed}-{tag}.edges")
 
 
 def prepare(cache_dir, nodes, edges, seed):
@@ -30,21 +31,19 @@ def prepare(cache_dir, nodes, edges, seed):
         count = min(chunk, edges - start)
         sources.append(rng.integers(0, nodes, count))
         targets.append((rng.zipf(1.7, count) - 1 + rng.integers(0, 64, count) * 7919) % nodes)
-    sources, targets = np.concatenate(sources), np.concatenate(targets)
-    order = np.lexsort((targets, sources))
-    sources, targets = sources[order], targets[order]
-    tmp = path + f".tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as out:
-            for start in range(0, edges, chunk):
-                part = slice(start, start + chunk)
-                lines = np.char.add(np.char.add(sources[part].astype(str), " "), targets[part].astype(str))
-                out.write("\n".join(lines.tolist()))
-                out.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # One key per edge, sorted in place: (source, target) order with a single array in memory.
+    keys = np.concatenate(sources) * nodes + np.concatenate(targets)
+    del sources, targets
+    keys.sort()
+
+    def write(out):
+        for start in range(0, edges, chunk):
+            part = keys[start:start + chunk]
+            lines = np.char.add(np.char.add((part // nodes).astype(str), " "), (part % nodes).astype(str))
+            out.write("\n".join(lines.tolist()).encode())
+            out.write(b"\n")
+
+    write_atomically(path, write)
     return path
 
 
