@@ -281,30 +281,38 @@ fn frames(first_vpn: u64, pages: usize) -> Vec<u64> {
 }
 
 /// A thread gathering the regions of every DAMON window until finished (or dropped, when a test
-/// fails: its tracefs instance goes with it).
+/// fails: its tracefs instance goes with it), each with whether it came after [`Listener::mark`].
 struct Listener {
     listening: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: Option<std::thread::JoinHandle<Vec<tiermem_monitor::damon::DamonRegion>>>,
+    marked: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Vec<(bool, tiermem_monitor::damon::DamonRegion)>>>,
 }
 
 impl Listener {
     fn start(mut events: tiermem_monitor::damon::DamonEvents) -> Self {
         use std::sync::atomic::Ordering;
         let listening = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-        let flag = listening.clone();
+        let marked = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (flag, after_mark) = (listening.clone(), marked.clone());
         let thread = std::thread::spawn(move || {
             let mut heard = Vec::new();
             while flag.load(Ordering::Acquire) {
                 if let Some(window) = events.next(Duration::from_millis(100)).unwrap() {
-                    heard.extend(window);
+                    let late = after_mark.load(Ordering::Acquire);
+                    heard.extend(window.into_iter().map(|r| (late, r)));
                 }
             }
             heard
         });
-        Self { listening, thread: Some(thread) }
+        Self { listening, marked, thread: Some(thread) }
     }
 
-    fn finish(mut self) -> Vec<tiermem_monitor::damon::DamonRegion> {
+    /// Windows heard from now on are marked as such.
+    fn mark(&self) {
+        self.marked.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    fn finish(mut self) -> Vec<(bool, tiermem_monitor::damon::DamonRegion)> {
         self.listening.store(false, std::sync::atomic::Ordering::Release);
         self.thread.take().map(|t| t.join().unwrap()).unwrap_or_default()
     }
@@ -388,6 +396,7 @@ fn damon_reports_the_resident_pages_a_program_keeps_using() {
             assert!(start.elapsed() < Duration::from_secs(60), "DAMON's windows did not come within 60 s: {s:?}");
         };
         let settled = use_busy_until(&|s| s.damon_windows >= 2);
+        listener.mark();
         stats = use_busy_until(&|s| s.damon_windows >= settled.damon_windows + 3);
         skip_reports = settled.hot_reports;
         // Nothing was evicted (the budget holds both), so the frames stayed where they were.
@@ -396,13 +405,18 @@ fn damon_reports_the_resident_pages_a_program_keeps_using() {
         check_pages(&idle, 0..IDLE);
     }
     let mut heard = listener.finish();
-    heard.sort_by_key(|r| r.start);
-    // Whether a region DAMON reported (found accessed, if `accessed`) holds frame `pfn`.
-    let reported_in = |pfn: u64, accessed: bool| {
+    heard.sort_by_key(|(_, r)| r.start);
+    // Whether a region DAMON reported (found accessed, if `accessed`; in a window heard after the
+    // busy pages settled, if `late`) holds frame `pfn`.
+    let reported_in_windows = |pfn: u64, accessed: bool, late: bool| {
         let addr = pfn * PAGE as u64;
-        let after = heard.partition_point(|r| r.start <= addr);
-        heard[..after].iter().rev().any(|r| addr < r.end && (!accessed || r.nr_accesses > 0))
+        let after = heard.partition_point(|(_, r)| r.start <= addr);
+        heard[..after]
+            .iter()
+            .rev()
+            .any(|&(marked, r)| addr < r.end && (!accessed || r.nr_accesses > 0) && (marked || !late))
     };
+    let reported_in = |pfn: u64, accessed: bool| reported_in_windows(pfn, accessed, false);
     // A kdamond may watch only part of physical memory (this VM's: 4 to 9.1 GiB).
     let watched = busy_frames.iter().filter(|&&f| reported_in(f, false)).count();
     if watched == 0 {
@@ -436,12 +450,37 @@ fn damon_reports_the_resident_pages_a_program_keeps_using() {
         stats.damon_windows, stats.damon_pages, stats.hot_reports
     );
     assert!(busy_hot > 0, "busy pages reported hot");
-    // DAMON's regions are megabytes of frames, so idle pages sharing one with busy pages are
-    // reported too (2-4x fewer of them in a share, in runs here); the busy pages still stand
-    // out, among the pages of each kind whose frames DAMON watches.
+    // DAMON's regions are megabytes of frames, so idle pages sharing one with busy pages (or with
+    // anything else in use: DAMON watches physical memory) are reported too. Where DAMON itself
+    // found the busy pages' frames accessed more often than the idle ones' in the counted
+    // windows (2-4x, in quiet runs here), the engine's reports must show the same; where its
+    // regions mixed them (after a long build has scattered free memory), there is nothing to
+    // tell apart.
     let idle_watched = idle_frames.iter().filter(|&&f| reported_in(f, false)).count().max(1);
-    assert!(
-        busy_hot as f64 / watched as f64 > idle_hot as f64 / idle_watched as f64,
-        "busy pages are reported more often than idle ones: {busy_hot}/{watched} against {idle_hot}/{idle_watched}"
-    );
+    let accessed_late = |frames: &[u64]| frames.iter().filter(|&&f| reported_in_windows(f, true, true)).count();
+    let (busy_seen, idle_seen) = (accessed_late(&busy_frames), accessed_late(&idle_frames));
+    let share = |n: usize, of: usize| n as f64 / of as f64;
+    eprintln!("DAMON found accessed in the counted windows: {busy_seen} busy, {idle_seen} idle pages' frames");
+    // The engine reports what DAMON found, page for page: the counts agree but for a window
+    // that ended as the counting began (a tenth, or 16 pages, of slack).
+    for (kind, reported, seen) in [("busy", busy_hot, busy_seen), ("idle", idle_hot, idle_seen)] {
+        assert!(
+            reported.abs_diff(seen) <= (seen / 10).max(16),
+            "{kind} pages reported hot ({reported}) against those DAMON found accessed ({seen})"
+        );
+    }
+    if share(busy_seen, watched) > share(idle_seen, idle_watched) {
+        assert!(
+            share(busy_hot, watched) > share(idle_hot, idle_watched),
+            "busy pages are reported more often than idle ones, as DAMON found them accessed \
+             ({busy_seen}/{watched} against {idle_seen}/{idle_watched}): \
+             {busy_hot}/{watched} against {idle_hot}/{idle_watched}"
+        );
+    } else {
+        println!(
+            "SKIPPED: {name}: busy against idle not compared: DAMON's own regions found the idle \
+             pages' frames accessed as often as the busy ones' ({busy_seen}/{watched} against \
+             {idle_seen}/{idle_watched}; memory is fragmented)"
+        );
+    }
 }
