@@ -75,6 +75,8 @@ impl<const L: usize> Lists<L> {
     pub(crate) fn with_dense(capacity: usize, dense: u64) -> Self {
         let capacity = capacity.clamp(1, NIL as usize / 2);
         let dense = dense.min(NIL as u64 / 2);
+        // A node's list index has 8 bits of its word.
+        assert!(L <= 256, "at most 256 lists");
         let d = dense as usize;
         let nodes = (0..d + capacity)
             .map(|i| Node { next: if i >= d && i + 1 < d + capacity { i as u32 + 1 } else { NIL }, ..Node::UNUSED })
