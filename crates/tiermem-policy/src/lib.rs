@@ -180,7 +180,7 @@ pub struct PolicyOptions {
     pub stream: StreamConfig,
     /// Page ids below this are tracked by `lru` and `stream-first` in arrays indexed by page
     /// instead of a hash table (faster when ids are small and dense, as the simulator's are;
-    /// costs 32 bytes per id, allocated at construction). 0, the default: hashing only.
+    /// costs 16 bytes per id, allocated at construction). 0, the default: hashing only.
     pub dense_pages: u64,
 }
 

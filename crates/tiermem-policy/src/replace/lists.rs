@@ -23,6 +23,8 @@ struct Node {
     next: u32,
 }
 
+const _: () = assert!(std::mem::size_of::<Node>() == 16);
+
 impl Node {
     /// `word` = stamp << 9 | list << 1 | in use. 55 bits of clock last 10^16 moves.
     const STAMP_SHIFT: u32 = 9;
