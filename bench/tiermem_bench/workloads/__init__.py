@@ -9,6 +9,7 @@ minutes) and "full" (footprints of 2-6 GB).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import shutil
 import subprocess
@@ -40,26 +41,12 @@ class Workload:
             return ["java", "-XX:+DisplayVMOutputToStderr", "-XX:-UsePerfData", "-XX:+UseG1GC",
                     f"-Xmx{p['heap-mb']}m", "-cp", str(java_classes(cache_dir)),
                     "JavaSort", str(p["n"]), str(p["groups"]), str(p["seed"])]
-        if self.name == "pagerank":
-            from tiermem_bench.workloads import pagerank
-
-            return [python, "-m", "tiermem_bench.workloads.pagerank", "--edges-file",
-                    pagerank.edge_file(str(cache_dir), p["nodes"], p["edges"], p["seed"])]
-        module = f"tiermem_bench.workloads.{self.name}"
-        args = [python, "-m", module]
-        # Parameters that shape a prepared input file go into its name, not onto the command line.
-        if self.name == "kmeans":
-            from tiermem_bench.workloads import kmeans
-
-            args += ["--points-file", kmeans.points_file(str(cache_dir), p["samples"], p["features"],
-                                                         p["clusters"], p["seed"])]
-            p = {k: v for k, v in p.items() if k not in ("samples", "features")}
-        elif self.name == "mlp":
-            from tiermem_bench.workloads import mlp
-
-            features, labels = mlp.data_files(str(cache_dir), p["samples"], p["features"], p["seed"])
-            args += ["--features-file", features, "--labels-file", labels]
-            p = {k: v for k, v in p.items() if k not in ("samples", "features")}
+        args = [python, "-m", f"tiermem_bench.workloads.{self.name}"]
+        generator = input_generator(self.name)
+        if generator:
+            # Parameters that shape a prepared input file go into its name, not onto the command line.
+            args += generator.input_args(str(cache_dir), **{k: p[k] for k in generator.INPUT_PARAMS})
+            p = {k: v for k, v in p.items() if k not in generator.INPUT_ONLY}
         for key, value in p.items():
             args += [f"--{key}", str(value)]
         return args
@@ -72,18 +59,8 @@ class Workload:
             quicksort_binary(cache_dir)
         elif self.name == "javasort":
             java_classes(cache_dir)
-        elif self.name == "pagerank":
-            from tiermem_bench.workloads import pagerank
-
-            pagerank.prepare(str(cache_dir), p["nodes"], p["edges"], p["seed"])
-        elif self.name == "kmeans":
-            from tiermem_bench.workloads import kmeans
-
-            kmeans.prepare(str(cache_dir), p["samples"], p["features"], p["clusters"], p["seed"])
-        elif self.name == "mlp":
-            from tiermem_bench.workloads import mlp
-
-            mlp.prepare(str(cache_dir), p["samples"], p["features"], p["seed"])
+        elif generator := input_generator(self.name):
+            generator.prepare(str(cache_dir), **{k: p[k] for k in generator.INPUT_PARAMS})
         elif self.name == "kvstore":
             from tiermem_bench.workloads import kvstore
 
@@ -141,6 +118,19 @@ WORKLOADS: dict[str, Workload] = {
 # kvstore is a client-server pair rather than one program (see kvstore.py), javasort needs a JDK.
 NOT_BY_DEFAULT = ("kvstore", "javasort")
 DEFAULT_WORKLOADS = tuple(n for n in WORKLOADS if n not in NOT_BY_DEFAULT)
+
+
+# Workloads whose input is generated once, unmeasured, and read from a file by each run: their
+# modules name the parameters the file depends on (INPUT_PARAMS), those only it needs
+# (INPUT_ONLY), the run's options naming it (input_args) and how it is made (prepare).
+GENERATED_INPUTS = ("pagerank", "kmeans", "mlp")
+
+
+def input_generator(name: str):
+    """The module that makes `name`'s input file, or None."""
+    if name not in GENERATED_INPUTS:
+        return None
+    return importlib.import_module(f"tiermem_bench.workloads.{name}")
 
 
 def quicksort_binary(cache_dir: Path) -> Path:

@@ -12,6 +12,16 @@ import os
 from tiermem_bench.workloads._common import Timer, digest, emit, generator_tag, save_npy
 
 
+# What the input file depends on, and which of those only it needs (not the run's options).
+INPUT_PARAMS = ("samples", "features", "clusters", "seed")
+INPUT_ONLY = ("samples", "features")
+
+
+def input_args(cache_dir, samples, features, clusters, seed):
+    """The run's options naming its input file."""
+    return ["--points-file", points_file(cache_dir, samples, features, clusters, seed)]
+
+
 def points_file(cache_dir, samples, features, clusters, seed):
     tag = generator_tag(prepare, "scikit-learn", "numpy")
     return os.path.join(cache_dir, f"kmeans-{samples}-{features}-{clusters}-{seed}-{tag}.npy")

@@ -13,6 +13,17 @@ import warnings
 from tiermem_bench.workloads._common import Timer, digest, emit, generator_tag, save_npy
 
 
+# What the input files depend on, and which of those only they need (not the run's options).
+INPUT_PARAMS = ("samples", "features", "seed")
+INPUT_ONLY = ("samples", "features")
+
+
+def input_args(cache_dir, samples, features, seed):
+    """The run's options naming its input files."""
+    features_path, labels_path = data_files(cache_dir, samples, features, seed)
+    return ["--features-file", features_path, "--labels-file", labels_path]
+
+
 def data_files(cache_dir, samples, features, seed):
     tag = generator_tag(prepare, "scikit-learn", "numpy")
     stem = os.path.join(cache_dir, f"mlp-{samples}-{features}-{seed}-{tag}")

@@ -11,6 +11,16 @@ import os
 from tiermem_bench.workloads._common import Timer, digest, emit, generator_tag, write_atomically
 
 
+# What the input file depends on; the run needs none of it but the file.
+INPUT_PARAMS = ("nodes", "edges", "seed")
+INPUT_ONLY = INPUT_PARAMS
+
+
+def input_args(cache_dir, nodes, edges, seed):
+    """The run's options naming its input file."""
+    return ["--edges-file", edge_file(cache_dir, nodes, edges, seed)]
+
+
 def edge_file(cache_dir, nodes, edges, seed):
     tag = generator_tag(prepare, "numpy")
     return os.path.join(cache_dir, f"pagerank-{nodes}-{edges}-{seed}-{tag}.edges")
