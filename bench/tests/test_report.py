@@ -221,3 +221,56 @@ def test_several_runs_files_merge_with_a_workload_measured_again_replacing_its_r
     assert "kmw  (unlimited: 1.00 s)" in table and "5.00" in table
     # Merging needs somewhere to write.
     assert cli.main(["--report-only", str(first), str(second), "--no-plot"]) == 2
+
+
+def _ab_run(workload, system, ratio, wall, status="ok", read_mib=None):
+    run = RunRecord(workload=workload, system=system, ratio=ratio, repeat=1, limit_bytes=50000,
+                    footprint_bytes=100000, status=status, wall_s=wall, digest="d").to_dict()
+    if read_mib is not None:
+        run["tiermem_stats"] = {"processes": [{"device": {"bytes_read_medium": read_mib << 20,
+                                                           "bytes_written_medium": 0}}]}
+    return run
+
+
+def test_an_ab_compares_medians_per_point_and_leaves_failed_points_out_of_the_means():
+    base = [_ab_run("sortw", "tiermem-file", 100, 2.0, read_mib=100), _ab_run("sortw", "tiermem-file", 100, 4.0,
+                                                                              read_mib=140),
+            _ab_run("sortw", "tiermem-mem", 100, 1.0), _ab_run("kmw", "tiermem-file", 20, 8.0),
+            _ab_run("prw", "tiermem-file", 20, 60.0, status="timeout"), _ab_run("onlyw", "tiermem-file", 40, 1.0),
+            _ab_run("sortw", "unlimited", None, 0.5)]
+    new = [_ab_run("sortw", "tiermem-file", 100, 1.5, read_mib=90), _ab_run("sortw", "tiermem-mem", 100, 1.0),
+           _ab_run("kmw", "tiermem-file", 20, 16.0), _ab_run("prw", "tiermem-file", 20, 50.0)]
+    text = report.compare_runs(base, new)
+    lines = text.splitlines()
+    row = next(line for line in lines if "sortw" in line and "tiermem-file" in line)
+    # Base median 3.0 s and 120 MiB over two runs; new 1.5 s, 90 MiB: 0.5x.
+    assert "3.00 s 120 MiB (2/2 ok)" in row and "1.50 s 90 MiB (1/1 ok)" in row and row.endswith("0.500x")
+    assert next(line for line in lines if "kmw" in line).endswith("2.000x")
+    # Over sortw file 0.5, sortw mem 1.0 and kmw file 2.0: (0.5 * 1 * 2) ** (1/3) = 1.
+    assert any(line.split()[:4] == ["all", "1.000x", "over", "3"] for line in lines)
+    assert any(line.split()[:5] == ["tiermem-file", "20%", "2.000x", "over", "1"] for line in lines)
+    assert any(line.split()[:4] == ["tiermem-file", "1.000x", "over", "2"] for line in lines), text
+    prw = next(line for line in lines if "prw" in line and "base" not in line)
+    assert prw.rstrip().endswith("-"), "a point with a failed run has no ratio"
+    assert "prw 20% tiermem-file: base - (0/1 ok), new 50.00 s (1/1 ok)" in text
+    assert "onlyw 40% tiermem-file: only in the base runs" in text
+    assert "unlimited" not in text
+
+
+def test_the_ab_option_reads_runs_files_and_rejects_bad_input(tmp_path, capsys):
+    from tiermem_bench import cli
+
+    base, new = tmp_path / "base.json", tmp_path / "new.json"
+    base.write_text(json.dumps(_document(["sortw"], {"sortw": 2.0}, "t1")))
+    new.write_text(json.dumps(_document(["sortw"], {"sortw": 3.0}, "t2")))
+    out = tmp_path / "ab"
+    assert cli.main(["--compare", str(base), "--to", str(new), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "1.500x" in printed and (out / "compare.txt").read_text() == printed
+    assert cli.main(["--compare", str(base)]) == 2
+    assert "--compare and --to go together" in capsys.readouterr().err
+    assert cli.main(["--compare", str(base), "--to", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text("{}")
+    assert cli.main(["--compare", str(base), "--to", str(tmp_path / "other.json")]) == 2
+    assert "not a runs.json" in capsys.readouterr().err

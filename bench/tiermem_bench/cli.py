@@ -100,7 +100,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not run anything: print the tables and draw the plot of an earlier runs.json; "
                         "of several merged into --out, each file's workloads replacing the earlier files' runs "
                         "of them (a workload measured again)")
+    p.add_argument("--compare", type=Path, nargs="+", metavar="BASE_RUNS_JSON",
+                   help="do not run anything: an A/B of the runs in these runs.json files (the base) against "
+                        "those given with --to (say the same matrix with another --tiermem build): time and "
+                        "MiB read per point, new/base, and its geometric mean per system and ratio; written to "
+                        "--out/compare.txt too when --out is given")
+    p.add_argument("--to", type=Path, nargs="+", metavar="NEW_RUNS_JSON", help="the runs --compare compares")
     return p
+
+
+def compare(base_paths: list[Path], new_paths: list[Path], out: Path | None) -> int:
+    """`--compare BASE... --to NEW...`: print (and with `out`, save) the A/B of the two sets."""
+    sides = []
+    for paths in (base_paths, new_paths):
+        runs = []
+        for path in paths:
+            try:
+                runs += json.loads(path.read_text())["runs"]
+            except (OSError, ValueError) as e:
+                print(f"tiermem bench apps: cannot read {path}: {e}", file=sys.stderr)
+                return 2
+            except (KeyError, TypeError):
+                print(f"tiermem bench apps: {path}: not a runs.json written by tiermem bench apps (no runs in it)",
+                      file=sys.stderr)
+                return 2
+        sides.append(runs)
+    text = report.compare_runs(*sides)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.txt").write_text(text)
+    print(text, end="")
+    return 0
 
 
 def find_tiermem(explicit: str | None) -> str | None:
@@ -347,6 +377,14 @@ def main(argv=None) -> int:
         if path is not None and path.exists() and not path.is_dir():
             print(f"tiermem bench apps: {option} {path}: exists and is not a directory", file=sys.stderr)
             return 2
+    if (args.compare is None) != (args.to is None):
+        print("tiermem bench apps: --compare and --to go together (the base runs and the new ones)", file=sys.stderr)
+        return 2
+    if args.compare is not None:
+        if args.report_only:
+            print("tiermem bench apps: --compare and --report-only do not go together", file=sys.stderr)
+            return 2
+        return compare(args.compare, args.to, args.out)
 
     packages = harness_packages()
     missing = [name for name, version in packages.items() if version is None]
