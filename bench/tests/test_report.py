@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 
 from tiermem_bench import report, stats
 from tiermem_bench.runner import CSV_FIELDS, STATUSES, RunRecord
@@ -233,28 +234,42 @@ def _ab_run(workload, system, ratio, wall, status="ok", read_mib=None):
 
 
 def test_an_ab_compares_medians_per_point_and_leaves_failed_points_out_of_the_means():
-    base = [_ab_run("sortw", "tiermem-file", 100, 2.0, read_mib=100), _ab_run("sortw", "tiermem-file", 100, 4.0,
-                                                                              read_mib=140),
-            _ab_run("sortw", "tiermem-mem", 100, 1.0), _ab_run("kmw", "tiermem-file", 20, 8.0),
-            _ab_run("prw", "tiermem-file", 20, 60.0, status="timeout"), _ab_run("onlyw", "tiermem-file", 40, 1.0),
-            _ab_run("sortw", "unlimited", None, 0.5)]
-    new = [_ab_run("sortw", "tiermem-file", 100, 1.5, read_mib=90), _ab_run("sortw", "tiermem-mem", 100, 1.0),
-           _ab_run("kmw", "tiermem-file", 20, 16.0), _ab_run("prw", "tiermem-file", 20, 50.0)]
+    base = [_ab_run("sortw", "tiermem-file", 100, w, read_mib=m) for w, m in ((2.0, 100), (3.0, 120), (10.0, 400))]
+    base += [_ab_run("sortw", "tiermem-mem", 100, 1.0), _ab_run("kmw", "tiermem-file", 20, 8.0),
+             _ab_run("kmw", "linux-swap", 20, 4.0), _ab_run("prw", "tiermem-file", 20, 60.0, status="timeout"),
+             _ab_run("onlyw", "tiermem-file", 40, 1.0), _ab_run("sortw", "unlimited", None, 0.5),
+             _ab_run("sortw", "tiermem-file", None, 0.7)]
+    new = [_ab_run("sortw", "tiermem-file", 100, 1.5, read_mib=90), _ab_run("sortw", "tiermem-mem", 100, 0.5),
+           _ab_run("kmw", "tiermem-file", 20, 16.0), _ab_run("kmw", "linux-swap", 20, 1.0),
+           _ab_run("prw", "tiermem-file", 20, 50.0), _ab_run("newonlyw", "tiermem-mem", 60, 1.0)]
     text = report.compare_runs(base, new)
     lines = text.splitlines()
     row = next(line for line in lines if "sortw" in line and "tiermem-file" in line)
-    # Base median 3.0 s and 120 MiB over two runs; new 1.5 s, 90 MiB: 0.5x.
-    assert "3.00 s 120 MiB (2/2 ok)" in row and "1.50 s 90 MiB (1/1 ok)" in row and row.endswith("0.500x")
-    assert next(line for line in lines if "kmw" in line).endswith("2.000x")
-    # Over sortw file 0.5, sortw mem 1.0 and kmw file 2.0: (0.5 * 1 * 2) ** (1/3) = 1.
-    assert any(line.split()[:4] == ["all", "1.000x", "over", "3"] for line in lines)
-    assert any(line.split()[:5] == ["tiermem-file", "20%", "2.000x", "over", "1"] for line in lines)
-    assert any(line.split()[:4] == ["tiermem-file", "1.000x", "over", "2"] for line in lines), text
+    # Base medians 3.0 s and 120 MiB over three uneven runs (means would be 5.0 s, 207 MiB);
+    # new 1.5 s and 90 MiB: 0.5x.
+    assert "3.00 s 120 MiB (3/3 ok)" in row and "1.50 s 90 MiB (1/1 ok)" in row and row.endswith("0.500x")
+    assert next(line for line in lines if "kmw" in line and "tiermem-file" in line).endswith("2.000x")
+    found = [re.match(r"^  (\S.*?)\s+(\S+) over (\d+)( \(.*\))?$", line) for line in lines]
+    means = {m.group(1): (m.group(2), int(m.group(3)), m.group(4) or "") for m in found if m}
+    # Over the tiermem systems: sortw file 0.5, sortw mem 0.5 and kmw file 2.0, new/base not
+    # base/new: (0.5 * 0.5 * 2) ** (1/3) = 0.794; Linux swap's 0.25 is not in it.
+    assert means["all tiermem systems"][:2] == ("0.794x", 3), text
+    assert means["tiermem-file"][:2] == ("1.000x", 2) and means["tiermem-mem"][:2] == ("0.500x", 1)
+    assert means["linux-swap"][:2] == ("0.250x", 1) and means["tiermem-file 20%"][:2] == ("2.000x", 1)
+    assert list(means)[:4] == ["all tiermem systems", "linux-swap", "tiermem-file", "tiermem-mem"], list(means)
+    assert list(means)[4:] == ["linux-swap 20%", "tiermem-file 100%", "tiermem-file 20%", "tiermem-mem 100%"]
+    assert means["tiermem-file 20%"][2] == " (1 with a failed run left out)", text
     prw = next(line for line in lines if "prw" in line and "base" not in line)
     assert prw.rstrip().endswith("-"), "a point with a failed run has no ratio"
     assert "prw 20% tiermem-file: base - (0/1 ok), new 50.00 s (1/1 ok)" in text
     assert "onlyw 40% tiermem-file: only in the base runs" in text
-    assert "unlimited" not in text
+    assert "newonlyw 60% tiermem-mem: only in the new runs" in text
+    assert "unlimited" not in text and "0.70" not in text, "runs without a ratio are not points"
+
+
+def _runs_file(path, runs, scale="quick"):
+    path.write_text(json.dumps({"schema": 1, "meta": {"scale": scale}, "runs": runs, "points": []}))
+    return path
 
 
 def test_the_ab_option_reads_runs_files_and_rejects_bad_input(tmp_path, capsys):
@@ -267,10 +282,37 @@ def test_the_ab_option_reads_runs_files_and_rejects_bad_input(tmp_path, capsys):
     assert cli.main(["--compare", str(base), "--to", str(new), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "1.500x" in printed and (out / "compare.txt").read_text() == printed
-    assert cli.main(["--compare", str(base)]) == 2
-    assert "--compare and --to go together" in capsys.readouterr().err
-    assert cli.main(["--compare", str(base), "--to", str(tmp_path / "missing.json")]) == 2
-    assert "cannot read" in capsys.readouterr().err
-    (tmp_path / "other.json").write_text("{}")
-    assert cli.main(["--compare", str(base), "--to", str(tmp_path / "other.json")]) == 2
-    assert "not a runs.json" in capsys.readouterr().err
+    assert "WARNING" not in printed
+    # Two files on a side are pooled: the base median becomes that of 2.0 and 4.0.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(_document(["sortw"], {"sortw": 4.0}, "t3")))
+    assert cli.main(["--compare", str(base), str(other), "--to", str(new)]) == 0
+    assert "1.000x" in capsys.readouterr().out
+    full = _runs_file(tmp_path / "full.json", [_ab_run("sortw", "tiermem-file", 50, 9.0)], scale="full")
+    assert cli.main(["--compare", str(base), "--to", str(full)]) == 0
+    assert capsys.readouterr().out.startswith("WARNING: the files were measured at different scales")
+
+    def refused(argv, message):
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+    refused(["--compare", str(base)], "--compare and --to go together")
+    refused(["--to", str(new)], "--compare and --to go together")
+    refused(["--compare", str(base), "--to", str(new), "--report-only", str(base)], "do not go together")
+    refused(["--compare", str(base), "--to", str(new), "--workloads", "sortw"], "--workloads cannot apply")
+    refused(["--compare", str(base), "--to", str(tmp_path / "missing.json")], "cannot read")
+    (tmp_path / "broken.json").write_text("{not json")
+    refused(["--compare", str(base), "--to", str(tmp_path / "broken.json")], "cannot read")
+    for name, document, message in [
+            ("empty", {}, "no list of runs"), ("string", {"runs": "abc"}, "no list of runs"),
+            ("number", {"runs": [1]}, "run 0: not an object"),
+            ("keyless", {"runs": [{"system": "tiermem-file", "status": "ok"}]}, "workload, system or status missing"),
+            ("text-ratio", {"runs": [dict(_ab_run("w", "tiermem-file", 20, 1.0), ratio="20")]}, "ratio '20'"),
+            ("untimed", {"runs": [dict(_ab_run("w", "tiermem-file", 20, 1.0), wall_s=None)]}, "without a positive"),
+            ("zero", {"runs": [dict(_ab_run("w", "tiermem-file", 20, 1.0), wall_s=0)]}, "without a positive")]:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(document))
+        refused(["--compare", str(base), "--to", str(path)], message)
+    (tmp_path / "afile").write_text("")
+    refused(["--compare", str(base), "--to", str(new), "--out", str(tmp_path / "afile" / "sub")], "cannot write")

@@ -101,34 +101,69 @@ def build_parser() -> argparse.ArgumentParser:
                         "of several merged into --out, each file's workloads replacing the earlier files' runs "
                         "of them (a workload measured again)")
     p.add_argument("--compare", type=Path, nargs="+", metavar="BASE_RUNS_JSON",
-                   help="do not run anything: an A/B of the runs in these runs.json files (the base) against "
-                        "those given with --to (say the same matrix with another --tiermem build): time and "
-                        "MiB read per point, new/base, and its geometric mean per system and ratio; written to "
-                        "--out/compare.txt too when --out is given")
-    p.add_argument("--to", type=Path, nargs="+", metavar="NEW_RUNS_JSON", help="the runs --compare compares")
+                   help="do not run anything: an A/B of the runs in these runs.json files (the base, pooled) "
+                        "against those given with --to (say the same matrix with another --tiermem build): "
+                        "median time and MiB read per point, new/base of the times, and its geometric mean over "
+                        "the tiermem systems, per system and per system and ratio; written to --out/compare.txt "
+                        "too when --out is given")
+    p.add_argument("--to", type=Path, nargs="+", metavar="NEW_RUNS_JSON",
+                   help="the runs --compare compares with the base (pooled)")
     return p
 
 
+def load_compared_runs(path: Path) -> tuple[list[dict], str | None]:
+    """The runs of one runs.json for `--compare`, checked so that the comparison cannot trip over
+    them, and the scale it was measured at. Raises ValueError with what is wrong."""
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    runs = document.get("runs") if isinstance(document, dict) else None
+    if not isinstance(runs, list):
+        raise ValueError(f"{path}: not a runs.json written by tiermem bench apps (no list of runs in it)")
+    for i, run in enumerate(runs):
+        problem = None
+        if not isinstance(run, dict):
+            problem = "not an object"
+        elif not all(isinstance(run.get(k), str) for k in ("workload", "system", "status")):
+            problem = "workload, system or status missing"
+        elif run.get("ratio") is not None and (type(run["ratio"]) is not int or run["ratio"] <= 0):
+            problem = f"ratio {run['ratio']!r} is not a whole percentage"
+        elif run["status"] == OK and not (isinstance(run.get("wall_s"), (int, float))
+                                          and math.isfinite(run["wall_s"]) and run["wall_s"] > 0):
+            problem = f"a successful run without a positive time (wall_s {run.get('wall_s')!r})"
+        if problem:
+            raise ValueError(f"{path}: run {i}: {problem}")
+    meta = document.get("meta")
+    return runs, meta.get("scale") if isinstance(meta, dict) else None
+
+
 def compare(base_paths: list[Path], new_paths: list[Path], out: Path | None) -> int:
-    """`--compare BASE... --to NEW...`: print (and with `out`, save) the A/B of the two sets."""
-    sides = []
+    """`--compare BASE... --to NEW...`: print (and with `out`, save) the A/B of the two sets, the
+    files of each side pooled."""
+    sides, scales = [], set()
     for paths in (base_paths, new_paths):
         runs = []
         for path in paths:
             try:
-                runs += json.loads(path.read_text())["runs"]
-            except (OSError, ValueError) as e:
-                print(f"tiermem bench apps: cannot read {path}: {e}", file=sys.stderr)
+                found, scale = load_compared_runs(path)
+            except ValueError as e:
+                print(f"tiermem bench apps: {e}", file=sys.stderr)
                 return 2
-            except (KeyError, TypeError):
-                print(f"tiermem bench apps: {path}: not a runs.json written by tiermem bench apps (no runs in it)",
-                      file=sys.stderr)
-                return 2
+            runs += found
+            scales.add(scale)
         sides.append(runs)
     text = report.compare_runs(*sides)
+    if len(scales) > 1:
+        text = (f"WARNING: the files were measured at different scales "
+                f"({', '.join(sorted(str(s) for s in scales))}): their points are not the same programs\n" + text)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "compare.txt").write_text(text)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "compare.txt").write_text(text)
+        except OSError as e:
+            print(f"tiermem bench apps: cannot write {out / 'compare.txt'}: {e}", file=sys.stderr)
+            return 2
     print(text, end="")
     return 0
 
@@ -359,6 +394,25 @@ def harness_packages(requirements: Path = BENCH_DIR / "requirements.txt") -> dic
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.compare is not None:
+        # Options of a run, which an A/B of finished runs would silently ignore.
+        parser = build_parser()
+        ignored = [f"--{dest.replace('_', '-')}" for dest in ("scale", "systems", "ratios", "workloads", "repeats",
+                                                              "dir", "cache", "tiermem", "timeout_factor",
+                                                              "min_timeout", "no_plot")
+                   if getattr(args, dest) != parser.get_default(dest)]
+        if ignored:
+            print(f"tiermem bench apps: --compare runs nothing, so {', '.join(ignored)} cannot apply",
+                  file=sys.stderr)
+            return 2
+    if (args.compare is None) != (args.to is None):
+        print("tiermem bench apps: --compare and --to go together (the base runs and the new ones)", file=sys.stderr)
+        return 2
+    if args.compare is not None:
+        if args.report_only:
+            print("tiermem bench apps: --compare and --report-only do not go together", file=sys.stderr)
+            return 2
+        return compare(args.compare, args.to, args.out)
     try:
         ratios = parse_ratios(args.ratios)
         systems = parse_systems(args.systems)
@@ -377,14 +431,6 @@ def main(argv=None) -> int:
         if path is not None and path.exists() and not path.is_dir():
             print(f"tiermem bench apps: {option} {path}: exists and is not a directory", file=sys.stderr)
             return 2
-    if (args.compare is None) != (args.to is None):
-        print("tiermem bench apps: --compare and --to go together (the base runs and the new ones)", file=sys.stderr)
-        return 2
-    if args.compare is not None:
-        if args.report_only:
-            print("tiermem bench apps: --compare and --report-only do not go together", file=sys.stderr)
-            return 2
-        return compare(args.compare, args.to, args.out)
 
     packages = harness_packages()
     missing = [name for name, version in packages.items() if version is None]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tiermem_bench import stats
 from tiermem_bench.runner import CSV_FIELDS
-from tiermem_bench.systems import GROUPS, UNLIMITED
+from tiermem_bench.systems import GROUPS, SYSTEMS, UNLIMITED
 
 SCHEMA_VERSION = 1
 
@@ -299,61 +299,73 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
 
 def compare_runs(base: list[dict], new: list[dict]) -> str:
     """An A/B of two sets of runs of the same matrix (the same harness with two tiermem builds,
-    say): per point (workload, ratio, system) each side's median time and MiB read of its
-    successful runs, and new/base; then the geometric mean of new/base over the points both
-    sides completed in every run, overall, per system and per system and ratio. Points where a
-    run of either side failed are listed, not averaged: a failure has no time to compare."""
+    say): per point (workload, ratio, system) each side's median time and MiB read over its
+    successful runs, and new/base of the times; then the geometric mean of new/base over the
+    points both sides completed in every run: over the tiermem systems (Linux swap does not run
+    the build being judged: its lines show how much the machine drifted between the sides), per
+    system, and per system and ratio. A point where a run of either side failed has no time to
+    compare: it is listed apart, and every mean says how many such points it left out. Runs are
+    expected validated (see `cli.compare`)."""
     mib = 1 << 20
 
     def points(runs):
         found = {}
         for run in runs:
-            if run.get("system") == UNLIMITED or run.get("ratio") is None:
+            if run["system"] == UNLIMITED or run["ratio"] is None:
                 continue
             found.setdefault((run["workload"], run["ratio"], run["system"]), []).append(run)
         return found
 
     def side(runs):
-        ok = [r for r in runs if r.get("status") == "ok"]
+        ok = [r for r in runs if r["status"] == "ok"]
         if not ok:
             return f"- (0/{len(runs)} ok)"
         read = stats.median([moved[0] / mib for moved in map(device_traffic, ok) if moved is not None])
         text = f"{stats.median([r['wall_s'] for r in ok]):.2f} s" + ("" if read is None else f" {read:.0f} MiB")
         return f"{text} ({len(ok)}/{len(runs)} ok)"
 
+    def groups(system, ratio):
+        tiermem = SYSTEMS.get(system) is not None and SYSTEMS[system].kind == "tiermem"
+        return ([("tiermem",)] if tiermem else []) + [(system,), (system, ratio)]
+
     before, after = points(base), points(new)
     keys = sorted(set(before) | set(after), key=lambda k: (k[0], -k[1], k[2]))
+    width = max([27] + [len(side(runs)) + 1 for found in (before, after) for runs in found.values()])
     lines = ["Time of the new runs against the base runs, per point (median of the successful runs; MiB read "
              "from the paging device)",
-             f"  {'workload':<10} {'ratio':>5}  {'system':<30} {'base':<27} {'new':<27} new/base"]
-    ratios: dict[str, list[float]] = {}
-    unmatched = []
+             f"  {'workload':<10} {'ratio':>5}  {'system':<30} {'base':<{width}} {'new':<{width}} new/base"]
+    ratios: dict[tuple, list[float]] = {}
+    left_out: dict[tuple, int] = {}
+    failed, unmatched = [], []
     for key in keys:
         b, n = before.get(key, []), after.get(key, [])
         workload, ratio, system = key
-        label = f"  {workload:<10} {ratio:>4}%  {system:<30}"
         if not b or not n:
             unmatched.append(f"{workload} {ratio}% {system}: only in the {'base' if b else 'new'} runs")
             continue
-        complete = all(r.get("status") == "ok" for r in b + n)
         cell = "-"
-        if complete:
+        if all(r["status"] == "ok" for r in b + n):
             ratio_of_times = stats.median([r["wall_s"] for r in n]) / stats.median([r["wall_s"] for r in b])
             cell = f"{ratio_of_times:.3f}x"
-            for group in ("all", system, f"{system} {ratio}%"):
+            for group in groups(system, ratio):
                 ratios.setdefault(group, []).append(ratio_of_times)
-        lines.append(f"{label} {side(b):<27} {side(n):<27} {cell}")
+        else:
+            failed.append(f"{workload} {ratio}% {system}: base {side(b)}, new {side(n)}")
+            for group in groups(system, ratio):
+                left_out[group] = left_out.get(group, 0) + 1
+        lines.append(f"  {workload:<10} {ratio:>4}%  {system:<30} {side(b):<{width}} {side(n):<{width}} {cell}")
     lines.append("")
-    if not ratios:
-        lines.append("No point completed in every run on both sides: nothing to average.")
+    every = sorted(set(ratios) | set(left_out), key=lambda g: (len(g), g[0] != "tiermem", g[0], -(g[1:] or (0,))[0]))
+    if not every:
+        lines.append("No point is in both sets of runs: nothing to compare.")
     else:
         lines.append("Geometric mean of new/base over the points completed in every run on both sides")
-        order = ["all"] + sorted(g for g in ratios if g != "all" and "%" not in g) + sorted(
-            (g for g in ratios if "%" in g), key=lambda g: (g.split()[0], -int(g.split()[1][:-1])))
-        for group in order:
-            lines.append(f"  {group:<36} {stats.geomean(ratios[group]):.3f}x over {len(ratios[group])}")
-    failed = [f"{k[0]} {k[1]}% {k[2]}: base {side(before[k])}, new {side(after[k])}" for k in keys
-              if k in before and k in after and not all(r.get("status") == "ok" for r in before[k] + after[k])]
+        for group in every:
+            label = "all tiermem systems" if group == ("tiermem",) else " ".join(
+                [group[0]] + [f"{r}%" for r in group[1:]])
+            mean = f"{stats.geomean(ratios[group]):.3f}x" if group in ratios else "-"
+            extra = f" ({left_out[group]} with a failed run left out)" if left_out.get(group) else ""
+            lines.append(f"  {label:<36} {mean:>7} over {len(ratios.get(group, []))}{extra}")
     for title, items in (("Points with a failed run (left out of the means)", failed),
                          ("Points on one side only", unmatched)):
         if items:
