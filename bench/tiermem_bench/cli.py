@@ -393,10 +393,10 @@ def harness_packages(requirements: Path = BENCH_DIR / "requirements.txt") -> dic
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.compare is not None:
         # Options of a run, which an A/B of finished runs would silently ignore.
-        parser = build_parser()
         ignored = [f"--{dest.replace('_', '-')}" for dest in ("scale", "systems", "ratios", "workloads", "repeats",
                                                               "dir", "cache", "tiermem", "timeout_factor",
                                                               "min_timeout", "no_plot")

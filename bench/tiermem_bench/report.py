@@ -307,30 +307,26 @@ def compare_runs(base: list[dict], new: list[dict]) -> str:
     compare: it is listed apart, and every mean says how many such points it left out. Runs are
     expected validated (see `cli.compare`)."""
     mib = 1 << 20
+    summaries = [stats.summarise([r for r in runs if r["system"] != UNLIMITED and r["ratio"] is not None])
+                 for runs in (base, new)]
+    reads = [_medians(runs, lambda r: (device_traffic(r) or (None,))[0]) for runs in (base, new)]
 
-    def points(runs):
-        found = {}
-        for run in runs:
-            if run["system"] == UNLIMITED or run["ratio"] is None:
-                continue
-            found.setdefault((run["workload"], run["ratio"], run["system"]), []).append(run)
-        return found
-
-    def side(runs):
-        ok = [r for r in runs if r["status"] == "ok"]
-        if not ok:
-            return f"- (0/{len(runs)} ok)"
-        read = stats.median([moved[0] / mib for moved in map(device_traffic, ok) if moved is not None])
-        text = f"{stats.median([r['wall_s'] for r in ok]):.2f} s" + ("" if read is None else f" {read:.0f} MiB")
-        return f"{text} ({len(ok)}/{len(runs)} ok)"
+    def side(k, key):
+        point = summaries[k][key]
+        if point["median_s"] is None:
+            return f"- (0/{point['runs']} ok)"
+        read = reads[k].get(key)
+        text = f"{point['median_s']:.2f} s" + ("" if read is None else f" {read / mib:.0f} MiB")
+        return f"{text} ({point['ok']}/{point['runs']} ok)"
 
     def groups(system, ratio):
         tiermem = SYSTEMS.get(system) is not None and SYSTEMS[system].kind == "tiermem"
         return ([("tiermem",)] if tiermem else []) + [(system,), (system, ratio)]
 
-    before, after = points(base), points(new)
-    keys = sorted(set(before) | set(after), key=lambda k: (k[0], -k[1], k[2]))
-    width = max([27] + [len(side(runs)) + 1 for found in (before, after) for runs in found.values()])
+    before, after = summaries
+    keys = sorted(set(before) | set(after), key=lambda k: (k[0], -k[2], k[1]))
+    cells = {key: [side(k, key) if key in summaries[k] else "" for k in (0, 1)] for key in keys}
+    width = max([27] + [len(c) + 1 for pair in cells.values() for c in pair])
     lines = ["Time of the new runs against the base runs, per point (median of the successful runs; MiB read "
              "from the paging device)",
              f"  {'workload':<10} {'ratio':>5}  {'system':<30} {'base':<{width}} {'new':<{width}} new/base"]
@@ -338,22 +334,22 @@ def compare_runs(base: list[dict], new: list[dict]) -> str:
     left_out: dict[tuple, int] = {}
     failed, unmatched = [], []
     for key in keys:
-        b, n = before.get(key, []), after.get(key, [])
-        workload, ratio, system = key
-        if not b or not n:
+        workload, system, ratio = key
+        (b, n), (b_text, n_text) = (before.get(key), after.get(key)), cells[key]
+        if b is None or n is None:
             unmatched.append(f"{workload} {ratio}% {system}: only in the {'base' if b else 'new'} runs")
             continue
         cell = "-"
-        if all(r["status"] == "ok" for r in b + n):
-            ratio_of_times = stats.median([r["wall_s"] for r in n]) / stats.median([r["wall_s"] for r in b])
+        if b["failures"] == 0 and n["failures"] == 0:
+            ratio_of_times = n["median_s"] / b["median_s"]
             cell = f"{ratio_of_times:.3f}x"
             for group in groups(system, ratio):
                 ratios.setdefault(group, []).append(ratio_of_times)
         else:
-            failed.append(f"{workload} {ratio}% {system}: base {side(b)}, new {side(n)}")
+            failed.append(f"{workload} {ratio}% {system}: base {b_text}, new {n_text}")
             for group in groups(system, ratio):
                 left_out[group] = left_out.get(group, 0) + 1
-        lines.append(f"  {workload:<10} {ratio:>4}%  {system:<30} {side(b):<{width}} {side(n):<{width}} {cell}")
+        lines.append(f"  {workload:<10} {ratio:>4}%  {system:<30} {b_text:<{width}} {n_text:<{width}} {cell}")
     lines.append("")
     every = sorted(set(ratios) | set(left_out), key=lambda g: (len(g), g[0] != "tiermem", g[0], -(g[1:] or (0,))[0]))
     if not every:
