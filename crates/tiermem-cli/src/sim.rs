@@ -12,8 +12,8 @@ use tiermem_sys::{Error, Result};
 /// Arguments of `tiermem sim`.
 #[derive(Debug, Args)]
 pub struct SimArgs {
-    /// Trace file: tiermem binary, Valgrind lackey `--trace-mem=yes` output, or page numbers;
-    /// `-` reads standard input (give --format).
+    /// Trace file: tiermem binary, Valgrind lackey `--trace-mem=yes` output, or page numbers,
+    /// each also xz-compressed; `-` reads standard input (give --format).
     pub trace: Option<PathBuf>,
     /// Save the page-level trace (after the LLC filter and hot-page table) in the binary format.
     #[arg(long)]

@@ -48,6 +48,10 @@ fn bad_input_fails_with_a_message_naming_the_problem() {
     let empty_path = empty.path().to_str().unwrap();
     let huge_access = text_file(" L 0000000010,99999\n");
     let huge_path = huge_access.path().to_str().unwrap();
+    // A gzip member's first bytes: what matters is that they are not taken for a trace.
+    let mut gzip = tempfile::NamedTempFile::new().unwrap();
+    gzip.write_all(&[0x1F, 0x8B, 8, 0, b'r', b'e', b's', b't']).unwrap();
+    let gzip_path = gzip.path().to_str().unwrap();
     let cases: Vec<(Vec<&str>, String)> = vec![
         (vec!["sim", good_path, "--prefetch", "oracle"], "unknown prefetcher 'oracle'".into()),
         (vec!["sim", good_path, "--replace", "magic"], "unknown replacement policy 'magic'".into()),
@@ -61,6 +65,7 @@ fn bad_input_fails_with_a_message_naming_the_problem() {
         (vec!["sim"], "--synthetic".into()),
         (vec!["sim", "--synthetic", "zigzag:10:10"], "unknown synthetic trace 'zigzag'".into()),
         (vec!["sim", "-"], "needs --format".into()),
+        (vec!["sim", gzip_path], format!("{gzip_path}: compressed with gzip, which tiermem does not read")),
         (vec!["sim", good_path, "--read-ns=-1"], "--read-ns -1".into()),
         (vec!["sim", huge_path, "--format", "lackey"], format!("{huge_path}:1: size above 4096 bytes")),
         (vec!["sim", good_path, "--llc", "64GiB:16"], "at most 1024 MiB".into()),
@@ -72,4 +77,25 @@ fn bad_input_fails_with_a_message_naming_the_problem() {
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(err.contains(&needle), "{args:?}: expected '{needle}' in: {err}");
     }
+}
+
+/// The example traces are stored xz-compressed (docs/figures/policies/traces): the simulator
+/// reads them as they are, with the same results as from the decompressed file.
+#[test]
+fn a_stored_xz_trace_gives_the_results_of_its_decompressed_file() {
+    let stored = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/figures/policies/traces/sort.tmtrace.xz");
+    let mut compressed = std::io::BufReader::new(std::fs::File::open(stored).expect("the stored sort trace"));
+    let mut plain = tempfile::NamedTempFile::new().unwrap();
+    lzma_rs::xz_decompress(&mut compressed, &mut plain).expect("decompressing the stored trace");
+    let plain_path = plain.path().to_str().unwrap();
+    let args = ["--local", "50%", "--prefetch", "none,ondemand", "--replace", "clock,seq-protect", "--json"];
+    let results = |trace: &str| {
+        let out = tiermem(&[&["sim", trace][..], &args[..]].concat());
+        assert!(out.status.success(), "{trace}: {}", String::from_utf8_lossy(&out.stderr));
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (json["results"].clone(), json["footprint_pages"].clone())
+    };
+    let from_xz = results(stored);
+    assert!(from_xz.0.as_array().is_some_and(|r| r.len() == 4), "{:?}", from_xz.0);
+    assert_eq!(from_xz, results(plain_path));
 }

@@ -155,21 +155,24 @@ fn bad_line(path: &Path, line_no: usize, text: &str, why: &str) -> Error {
     Error::invalid(format!("{}:{line_no}: {why}: '{shown}'", path.display()))
 }
 
-/// Read a trace file (`-`: standard input, which needs an explicit format).
+/// Read a trace file (`-`: standard input, which needs an explicit format). A file compressed
+/// with xz is read as it decompresses (the repository stores its example traces that way).
 pub fn load(path: &Path, format: Format, lines: &LineOptions) -> Result<Trace> {
     let stdin = path.as_os_str() == "-";
+    if stdin && format == Format::Auto {
+        return Err(Error::invalid("reading a trace from standard input needs --format (binary, lackey, pages)"));
+    }
+    let mut input = open_input(path, stdin)?;
+    // The format is told from the first bytes of the (decompressed) input, which are then read
+    // again in front of the rest.
+    let mut head = vec![0u8; DETECT_BYTES];
+    let n = read_up_to(&mut input, &mut head).map_err(|e| read_error(path, e))?;
+    head.truncate(n);
     let format = match format {
-        Format::Auto if stdin => {
-            return Err(Error::invalid("reading a trace from standard input needs --format (binary, lackey, pages)"))
-        }
-        Format::Auto => detect(path)?,
+        Format::Auto => detect(path, &head)?,
         f => f,
     };
-    let input: Box<dyn Read> = if stdin {
-        Box::new(std::io::stdin().lock())
-    } else {
-        Box::new(File::open(path).map_err(|e| Error::os(e, format!("opening trace {}", path.display())))?)
-    };
+    let input: Box<dyn Read> = Box::new(std::io::Cursor::new(head).chain(input));
     let trace = match format {
         Format::Binary => read_binary(path, input, lines)?,
         Format::Lackey => read_lackey(path, input, lines)?,
@@ -181,31 +184,116 @@ pub fn load(path: &Path, format: Format, lines: &LineOptions) -> Result<Trace> {
     Ok(trace)
 }
 
-fn detect(path: &Path) -> Result<Format> {
-    let mut file = File::open(path).map_err(|e| Error::os(e, format!("opening trace {}", path.display())))?;
-    let mut head = [0u8; 8];
-    let n = read_up_to(&mut file, &mut head).map_err(|e| Error::os(e, format!("reading {}", path.display())))?;
-    if n == 8 && &head == MAGIC {
-        return Ok(Format::Binary);
-    }
-    detect_text(path)
+/// Bytes read ahead to tell the format (a few thousand lines of text).
+const DETECT_BYTES: usize = 64 << 10;
+
+/// Magic bytes of an xz stream.
+const XZ_MAGIC: &[u8] = &[0xFD, b'7', b'z', b'X', b'Z', 0];
+
+/// Compressions recognised only to say so: (magic, name, how to decompress).
+const OTHER_COMPRESSIONS: &[(&[u8], &str, &str)] = &[
+    (&[0x1F, 0x8B], "gzip", "gzip -dk"),
+    (&[0x28, 0xB5, 0x2F, 0xFD], "zstd", "zstd -d"),
+    (b"BZh", "bzip2", "bzip2 -dk"),
+];
+
+fn read_error(path: &Path, e: std::io::Error) -> Error {
+    Error::os_kind(ErrorKind::InvalidInput, e, format!("reading {}", path.display()))
 }
 
-fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match r.read(&mut buf[n..])? {
-            0 => break,
-            k => n += k,
+/// The trace's bytes: the file or standard input, decompressed on the way if it is xz.
+fn open_input(path: &Path, stdin: bool) -> Result<Box<dyn Read>> {
+    // `Send`, so an xz decoder thread can own it (a buffered reader goes around it below).
+    let raw: Box<dyn Read + Send> = if stdin {
+        Box::new(std::io::stdin())
+    } else {
+        Box::new(File::open(path).map_err(|e| Error::os(e, format!("opening trace {}", path.display())))?)
+    };
+    let mut raw = BufReader::with_capacity(1 << 16, raw);
+    let mut magic = [0u8; 6];
+    let n = read_up_to(&mut raw, &mut magic).map_err(|e| read_error(path, e))?;
+    let magic = &magic[..n];
+    let raw = std::io::Cursor::new(magic.to_vec()).chain(raw);
+    if magic.starts_with(XZ_MAGIC) {
+        return Ok(Box::new(XzReader::start(Box::new(raw)).map_err(|e| read_error(path, e))?));
+    }
+    for &(bytes, name, command) in OTHER_COMPRESSIONS {
+        if magic.starts_with(bytes) {
+            return Err(Error::invalid(format!(
+                "{}: compressed with {name}, which tiermem does not read (it reads xz): decompress it first ({command} {})",
+                path.display(),
+                path.display()
+            )));
         }
     }
-    Ok(n)
+    Ok(Box::new(raw))
 }
 
-fn detect_text(path: &Path) -> Result<Format> {
-    let file = File::open(path).map_err(|e| Error::os(e, format!("opening trace {}", path.display())))?;
-    for line in BufReader::new(file).lines().take(1000) {
-        let Ok(line) = line else {
+/// An xz stream decompressed by a thread into a pipe, so a trace larger than memory can still
+/// be read. Corrupt or truncated data ends the stream with an error, never with a shorter trace.
+struct XzReader {
+    pipe: Option<std::io::PipeReader>,
+    decoder: Option<std::thread::JoinHandle<std::result::Result<(), String>>>,
+}
+
+impl XzReader {
+    fn start(compressed: Box<dyn Read + Send>) -> std::io::Result<Self> {
+        let (pipe, writer) = std::io::pipe()?;
+        let decoder = std::thread::Builder::new().name("xz-decoder".into()).spawn(move || {
+            let mut input = BufReader::with_capacity(1 << 16, compressed);
+            let mut output = std::io::BufWriter::with_capacity(1 << 16, writer);
+            lzma_rs::xz_decompress(&mut input, &mut output).map_err(|e| e.to_string())?;
+            std::io::Write::flush(&mut output).map_err(|e| e.to_string())
+        })?;
+        Ok(Self { pipe: Some(pipe), decoder: Some(decoder) })
+    }
+}
+
+impl Read for XzReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let Some(pipe) = &mut self.pipe else { return Ok(0) };
+        let n = pipe.read(buf)?;
+        if n == 0 && !buf.is_empty() {
+            // The end of the pipe: it is the end of the trace only if the decoder finished.
+            if let Some(decoder) = self.decoder.take() {
+                let outcome = decoder.join().unwrap_or_else(|_| Err("the decoder failed".into()));
+                if let Err(why) = outcome {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("the xz data is corrupt or truncated ({why})"),
+                    ));
+                }
+            }
+        }
+        Ok(n)
+    }
+}
+
+impl Drop for XzReader {
+    fn drop(&mut self) {
+        // Closing the pipe first stops a decoder still writing (its write fails), so the join
+        // does not wait for the rest of a file nobody reads.
+        drop(self.pipe.take());
+        if let Some(decoder) = self.decoder.take() {
+            let _ = decoder.join();
+        }
+    }
+}
+
+/// The format of a trace whose first bytes are `head`: the binary format by its magic, else
+/// text, lackey if its first access line looks like one.
+fn detect(path: &Path, head: &[u8]) -> Result<Format> {
+    if head.starts_with(MAGIC) {
+        return Ok(Format::Binary);
+    }
+    // A full head may end inside a line (even inside a character): only whole lines count.
+    let whole = if head.len() == DETECT_BYTES {
+        head.iter().rposition(|&b| b == b'\n').map_or(&head[..0], |end| &head[..end])
+    } else {
+        head
+    };
+    for line in whole.split(|&b| b == b'\n').take(1000) {
+        let Ok(line) = std::str::from_utf8(line) else {
             return Err(Error::invalid(format!("{}: neither a binary trace nor text", path.display())));
         };
         let t = line.trim();
@@ -218,6 +306,17 @@ fn detect_text(path: &Path) -> Result<Format> {
         return Ok(if lackey { Format::Lackey } else { Format::Pages });
     }
     Ok(Format::Pages)
+}
+
+fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
 }
 
 fn parse_number(text: &str) -> Option<u64> {
@@ -530,6 +629,76 @@ mod tests {
         assert!(load(f.path(), Format::Binary, &LineOptions::default()).unwrap_err().to_string().contains("truncated"));
         let g = file("TMTRACE");
         assert!(load(g.path(), Format::Binary, &LineOptions::default()).is_err());
+    }
+
+    fn xz(bytes: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        lzma_rs::xz_compress(&mut &bytes[..], &mut out).unwrap();
+        out
+    }
+
+    fn file_of(bytes: &[u8]) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(bytes).unwrap();
+        f
+    }
+
+    /// Compressed or not, a trace loads to the same events, in every format, including text
+    /// longer than the part read ahead to tell its format.
+    #[test]
+    fn xz_compressed_traces_load_like_the_plain_ones() {
+        let options = LineOptions::default();
+        // Several times the read-ahead, with lines of varying length so one is cut at its end.
+        let pages: String =
+            (0..40_000u64).map(|i| format!("{} {}\n", i * 7919 % 100_003, ["r", "w"][(i % 3 == 0) as usize])).collect();
+        assert!(pages.len() > 3 * DETECT_BYTES);
+        let mut lackey = String::from("==1== Lackey\n");
+        for i in 0..5000u64 {
+            lackey += &format!(" L {:x},8\n S {:x},4\n", 0x10000 + i * 4096, 0x900000 + i * 64);
+        }
+        let mut binary = Vec::new();
+        let mut w = BinaryWriter::new(&mut binary, false).unwrap();
+        for i in 0..30_000u64 {
+            w.write(i % 977, if i % 5 == 0 { EventKind::Write } else { EventKind::Read }).unwrap();
+        }
+        w.finish().unwrap();
+        for (name, bytes, format) in [
+            ("pages", pages.as_bytes(), Format::Pages),
+            ("lackey", lackey.as_bytes(), Format::Lackey),
+            ("binary", &binary[..], Format::Binary),
+        ] {
+            let plain = load(file_of(bytes).path(), Format::Auto, &options).unwrap();
+            let packed = file_of(&xz(bytes));
+            let unpacked = load(packed.path(), Format::Auto, &options).unwrap();
+            assert_eq!(unpacked.events, plain.events, "{name}");
+            assert_eq!(unpacked.raw_accesses, plain.raw_accesses, "{name}");
+            assert_eq!(load(packed.path(), format, &options).unwrap().events, plain.events, "{name} named");
+        }
+        let plain = load(file_of(pages.as_bytes()).path(), Format::Auto, &options).unwrap();
+        assert_eq!(plain.events.len(), 40_000, "every line, also across the read-ahead");
+    }
+
+    #[test]
+    fn damaged_xz_and_other_compressions_fail_with_a_message() {
+        let options = LineOptions::default();
+        let pages: String = (0..50_000u64).map(|i| format!("{}\n", i * 31 % 65_537)).collect();
+        let packed = xz(pages.as_bytes());
+        // Cut short: an error, never a shorter trace.
+        let cut = file_of(&packed[..packed.len() / 2]);
+        let e = load(cut.path(), Format::Auto, &options).unwrap_err().to_string();
+        assert!(e.contains("corrupt or truncated"), "{e}");
+        // Damaged inside: decoded garbage fails the parse before the block's check is reached,
+        // or the check fails; either way an error.
+        let mut damaged = packed.clone();
+        let middle = damaged.len() / 2;
+        damaged[middle] ^= 0x55;
+        assert!(load(file_of(&damaged).path(), Format::Auto, &options).is_err());
+        for (magic, name) in
+            [(&[0x1F, 0x8B, 8, 0][..], "gzip"), (&[0x28, 0xB5, 0x2F, 0xFD][..], "zstd"), (b"BZh9", "bzip2")]
+        {
+            let e = load(file_of(magic).path(), Format::Auto, &options).unwrap_err().to_string();
+            assert!(e.contains(&format!("compressed with {name}")) && e.contains("decompress it first"), "{e}");
+        }
     }
 
     #[test]
