@@ -6,7 +6,7 @@ use std::time::Instant;
 use clap::Args;
 use tiermem_engine::config::parse_size;
 use tiermem_sim::trace::{Format, LineOptions, Synthetic, SyntheticGen};
-use tiermem_sim::{format_table, Latency, MonitorInput, SimConfig, SimResult, Simulator};
+use tiermem_sim::{format_table, HitInfo, Latency, MonitorInput, SimConfig, SimResult, Simulator};
 use tiermem_sys::{Error, Result};
 
 /// Arguments of `tiermem sim`.
@@ -49,6 +49,11 @@ pub struct SimArgs {
     /// change), none (faults only, as the engine without a monitor), reports, accesses.
     #[arg(long, default_value = "auto")]
     pub monitor: String,
+    /// What replacement learns of an access to a resident page: full (every access, as a trace
+    /// or accessed bits give) or engine (what tiermem's engine sees live: only the first write
+    /// to a clean page, nothing of reads).
+    #[arg(long, default_value = "full")]
+    pub hits: String,
     /// CPU time per trace event, ns.
     #[arg(long, default_value_t = Latency::default().access_ns)]
     pub access_ns: f64,
@@ -241,6 +246,11 @@ pub fn run(args: &SimArgs) -> Result<()> {
         "reports" => MonitorInput::Reports,
         other => return Err(Error::invalid(format!("--monitor '{other}': expected auto, none, reports, accesses"))),
     };
+    let hits = match args.hits.as_str() {
+        "full" => HitInfo::Full,
+        "engine" => HitInfo::Engine,
+        other => return Err(Error::invalid(format!("--hits '{other}': expected full or engine"))),
+    };
     let mut rows = Vec::new();
     for prefetch in &prefetchers {
         for replace in &replacements {
@@ -255,6 +265,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
                 options,
                 latency,
                 monitor,
+                hits,
             };
             let started = Instant::now();
             let result = match (&trace, synthetic) {
@@ -305,6 +316,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
             "local_pages": local_pages,
             "raw_accesses": trace.as_ref().map(|t| t.raw_accesses),
             "monitor": monitor,
+            "hits": hits,
             "latency": latency,
             "results": rows,
         });
@@ -312,7 +324,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "trace {label}: footprint {footprint} pages, local memory {local_pages} pages ({:.0}%), monitor input {monitor:?}",
+        "trace {label}: footprint {footprint} pages, local memory {local_pages} pages ({:.0}%), monitor input {monitor:?}, hits {hits:?}",
         local_pages as f64 * 100.0 / footprint.max(1) as f64
     );
     let results: Vec<SimResult> = rows.iter().map(|r| r.result.clone()).collect();

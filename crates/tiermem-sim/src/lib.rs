@@ -6,7 +6,7 @@
 pub mod sim;
 pub mod trace;
 
-pub use sim::{footprint, simulate, Latency, MonitorInput, SimConfig, SimResult, Simulator};
+pub use sim::{footprint, simulate, HitInfo, Latency, MonitorInput, SimConfig, SimResult, Simulator};
 pub use trace::{load, Event, EventKind, Format, LineOptions, Synthetic, SyntheticGen, Trace};
 
 /// A plain-text table of results, one row per policy pair.

@@ -71,6 +71,20 @@ pub enum MonitorInput {
     Accesses,
 }
 
+/// What the replacement policy learns of an access to a resident page (a hit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum HitInfo {
+    /// Every hit: the policy hears `on_access` and the page's referenced bit is set (except on
+    /// the first touch of a prefetched page). What a trace gives, or a kernel with accessed bits.
+    Full,
+    /// What tiermem's engine sees: nothing of a read, and of writes only the first to a clean
+    /// page (one that came in by a read fault or a prefetch), which sets the referenced bit, as
+    /// the engine finds a clean page written in the page tables (async write protection) or
+    /// takes its write-protect fault. The engine also cleans pages ahead of eviction, after
+    /// which a write is seen again; the simulator does not model that cleaning.
+    Engine,
+}
+
 /// One simulation's setup.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
@@ -86,6 +100,8 @@ pub struct SimConfig {
     pub latency: Latency,
     /// Monitor input.
     pub monitor: MonitorInput,
+    /// What the replacement policy learns of hits.
+    pub hits: HitInfo,
 }
 
 /// What a simulation measured.
@@ -468,13 +484,18 @@ impl Simulator {
             return;
         }
         if s & RESIDENT != 0 {
-            // The first touch of a prefetched page is its first use, as a fault is for a page
-            // read on demand, not a reuse: the engine maps prefetched pages before the program
-            // touches them and never sees that touch, so the referenced bit stays clear there too.
-            let reused = if s & PREFETCHED != 0 { 0 } else { REFERENCED };
-            cell.set((s & !PREFETCHED) | reused | dirty);
-            self.policies.on_access(page);
-            self.policy_mru = page;
+            if self.config.hits == HitInfo::Full {
+                // The first touch of a prefetched page is its first use, as a fault is for a page
+                // read on demand, not a reuse: the engine maps prefetched pages before the program
+                // touches them and never sees that touch, so the referenced bit stays clear there too.
+                let reused = if s & PREFETCHED != 0 { 0 } else { REFERENCED };
+                cell.set((s & !PREFETCHED) | reused | dirty);
+                self.policies.on_access(page);
+                self.policy_mru = page;
+            } else {
+                let first_write = if write && s & DIRTY == 0 { REFERENCED } else { 0 };
+                cell.set((s & !PREFETCHED) | first_write | dirty);
+            }
             if s & PREFETCHED != 0 {
                 self.result.prefetch_hits += 1;
                 let arrival = self.arrivals.remove(&page).unwrap_or(0.0);
@@ -589,6 +610,7 @@ mod tests {
             options: PolicyOptions::default(),
             latency: Latency::default(),
             monitor: MonitorInput::Reports,
+            hits: HitInfo::Full,
         };
         let mut sim = Simulator::new(config).unwrap();
         // The default decides per policy; `false` forces every call through.
@@ -608,6 +630,7 @@ mod tests {
             options: PolicyOptions::default(),
             latency: Latency::default(),
             monitor: MonitorInput::None,
+            hits: HitInfo::Full,
         };
         let mut sim = Simulator::new(config).unwrap();
         let referenced = |sim: &mut Simulator, page| sim.pages.cell(page).get() & REFERENCED != 0;
@@ -623,6 +646,50 @@ mod tests {
         sim.step(event(100, EventKind::Read));
         assert!(referenced(&mut sim, 100));
         assert_eq!(sim.result.faults, 1);
+    }
+
+    /// With the engine's view of hits, a read teaches the policy nothing and a write counts
+    /// once, as the first write to a clean page; the policy never hears `on_access`.
+    #[test]
+    fn the_engine_view_sees_only_the_first_write_to_a_clean_page() {
+        let config = |hits| SimConfig {
+            local_pages: 16,
+            prefetch: "fastswap".into(),
+            replace: "clock".into(),
+            options: PolicyOptions::default(),
+            latency: Latency::default(),
+            monitor: MonitorInput::None,
+            hits,
+        };
+        let mut sim = Simulator::new(config(HitInfo::Engine)).unwrap();
+        let referenced = |sim: &mut Simulator, page| sim.pages.cell(page).get() & REFERENCED != 0;
+        sim.step(event(100, EventKind::Read)); // a fault; 101..=107 read ahead
+        sim.step(event(100, EventKind::Read));
+        assert!(!referenced(&mut sim, 100), "a read hit is not seen");
+        sim.step(event(100, EventKind::Write));
+        assert!(referenced(&mut sim, 100), "the first write to a clean page is");
+        let cell = sim.pages.cell(100);
+        cell.set(cell.get() & !REFERENCED);
+        sim.step(event(100, EventKind::Write));
+        assert!(!referenced(&mut sim, 100), "later writes to the dirty page are not");
+        sim.step(event(101, EventKind::Write));
+        assert!(referenced(&mut sim, 101), "a prefetched page is clean: its first write is seen");
+        sim.step(event(200, EventKind::Write)); // a write fault: the page comes in dirty
+        sim.step(event(200, EventKind::Write));
+        assert!(!referenced(&mut sim, 200), "a page that came in by a write is dirty from the start");
+
+        // `lru` ranks by `on_access`: with every hit it keeps the page used between faults, with
+        // the engine's view it only has insertion order and the referenced bits (none here).
+        let loop_with_a_hot_page: Vec<Event> =
+            (0..200u64).flat_map(|i| [event(1000, EventKind::Read), event(i % 24, EventKind::Read)]).collect();
+        let faults = |hits| {
+            let mut sim =
+                Simulator::new(SimConfig { prefetch: "none".into(), replace: "lru".into(), ..config(hits) }).unwrap();
+            loop_with_a_hot_page.iter().for_each(|&e| sim.step(e));
+            sim.finish().faults
+        };
+        let (full, engine) = (faults(HitInfo::Full), faults(HitInfo::Engine));
+        assert!(engine > full, "the hot page is evicted without its hits: {engine} against {full}");
     }
 
     /// Forwards only the `&self` hooks, so the simulator's `_mut` calls take the trait's default
@@ -666,6 +733,7 @@ mod tests {
             options: PolicyOptions::default(),
             latency: Latency::default(),
             monitor,
+            hits: HitInfo::Full,
         };
         let mut sim = if exclusive {
             Simulator::new(config).unwrap()

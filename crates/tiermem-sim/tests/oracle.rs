@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 
 use proptest::prelude::*;
 use tiermem_sim::trace::event;
-use tiermem_sim::{simulate, EventKind, Latency, MonitorInput, SimConfig, SimResult};
+use tiermem_sim::{simulate, EventKind, HitInfo, Latency, MonitorInput, SimConfig, SimResult};
 
 fn config(prefetch: &str, replace: &str, local_pages: usize) -> SimConfig {
     SimConfig {
@@ -14,6 +14,7 @@ fn config(prefetch: &str, replace: &str, local_pages: usize) -> SimConfig {
         options: Default::default(),
         latency: Latency::default(),
         monitor: MonitorInput::None,
+        hits: HitInfo::Full,
     }
 }
 
