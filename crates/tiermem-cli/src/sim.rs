@@ -217,6 +217,20 @@ pub fn run(args: &SimArgs) -> Result<()> {
             tiermem_policy::build_policies("none", r, 1, &options)?;
         }
     }
+    // Options checked before the input is loaded (a large trace takes a while).
+    let hits = match args.hits.as_str() {
+        "full" => HitInfo::Full,
+        "engine" => HitInfo::Engine,
+        other => return Err(Error::invalid(format!("--hits '{other}': expected full or engine"))),
+    };
+    // None: auto (the trace's reports if it has any, else every page change).
+    let monitor = match args.monitor.as_str() {
+        "auto" => None,
+        "accesses" => Some(MonitorInput::Accesses),
+        "none" => Some(MonitorInput::None),
+        "reports" => Some(MonitorInput::Reports),
+        other => return Err(Error::invalid(format!("--monitor '{other}': expected auto, none, reports, accesses"))),
+    };
     // Load (or describe) the input.
     let (trace, synthetic, label) = match (&args.trace, &args.synthetic) {
         (Some(path), None) => {
@@ -239,17 +253,10 @@ pub fn run(args: &SimArgs) -> Result<()> {
     };
     let local_pages = parse_local(&args.local, footprint)?;
     let has_reports = trace.as_ref().is_some_and(|t| t.has_reports);
-    let monitor = match args.monitor.as_str() {
-        "auto" if has_reports => MonitorInput::Reports,
-        "auto" | "accesses" => MonitorInput::Accesses,
-        "none" => MonitorInput::None,
-        "reports" => MonitorInput::Reports,
-        other => return Err(Error::invalid(format!("--monitor '{other}': expected auto, none, reports, accesses"))),
-    };
-    let hits = match args.hits.as_str() {
-        "full" => HitInfo::Full,
-        "engine" => HitInfo::Engine,
-        other => return Err(Error::invalid(format!("--hits '{other}': expected full or engine"))),
+    let monitor = match monitor {
+        None if has_reports => MonitorInput::Reports,
+        None => MonitorInput::Accesses,
+        Some(m) => m,
     };
     let mut rows = Vec::new();
     for prefetch in &prefetchers {

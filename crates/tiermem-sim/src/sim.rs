@@ -7,6 +7,9 @@
 //! - an access to a resident page is a hit: the replacement policy hears `on_access` (the trace
 //!   is full access information) and the page's referenced bit is set, except on the first
 //!   touch of a prefetched page: that is its first use, not a reuse (the engine never sees it).
+//!   With [`HitInfo::Engine`] the policy learns only what the live engine does instead: no
+//!   `on_access`, the referenced bit set by the first write to a clean page and by a monitor
+//!   report on a resident page, nothing for reads.
 //!   It is a prefetch hit, late if its read has not finished (the access waits), and the
 //!   prefetcher hears `on_fault` with `hit`, as in the engine;
 //! - an access to any other page is a fault: room is made (one victim at a time, from the
@@ -442,6 +445,15 @@ impl Simulator {
     fn report(&mut self, page: u64) {
         self.result.reports += 1;
         self.policy_mru = u64::MAX;
+        if self.config.hits == HitInfo::Engine {
+            // The engine marks a reported page that is resident as used (its monitor is one of
+            // the few ways it learns of accesses that do not fault).
+            if let Some(cell) = self.pages.existing(page) {
+                if cell.get() & RESIDENT != 0 {
+                    cell.set(cell.get() | REFERENCED);
+                }
+            }
+        }
         self.policies.on_report(page, &mut self.wanted);
         if !self.wanted.is_empty() {
             self.issue_wanted();
@@ -677,6 +689,13 @@ mod tests {
         sim.step(event(200, EventKind::Write)); // a write fault: the page comes in dirty
         sim.step(event(200, EventKind::Write));
         assert!(!referenced(&mut sim, 200), "a page that came in by a write is dirty from the start");
+        // A monitor report on a resident page is a use the engine sees.
+        let mut sim = Simulator::new(SimConfig { monitor: MonitorInput::Reports, ..config(HitInfo::Engine) }).unwrap();
+        sim.step(event(300, EventKind::Read));
+        sim.step(event(300, EventKind::Read));
+        assert!(!referenced(&mut sim, 300));
+        sim.step(event(300, EventKind::Report));
+        assert!(referenced(&mut sim, 300), "reported while resident");
 
         // `lru` ranks by `on_access`: with every hit it keeps the page used between faults, with
         // the engine's view it only has insertion order and the referenced bits (none here).

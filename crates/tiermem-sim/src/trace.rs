@@ -155,8 +155,8 @@ fn bad_line(path: &Path, line_no: usize, text: &str, why: &str) -> Error {
     Error::invalid(format!("{}:{line_no}: {why}: '{shown}'", path.display()))
 }
 
-/// Read a trace file (`-`: standard input, which needs an explicit format). A file compressed
-/// with xz is read as it decompresses (the repository stores its example traces that way).
+/// Read a trace file (`-`: standard input, which needs an explicit format). A trace compressed
+/// with xz is decompressed first (the repository stores its example traces that way).
 pub fn load(path: &Path, format: Format, lines: &LineOptions) -> Result<Trace> {
     let stdin = path.as_os_str() == "-";
     if stdin && format == Format::Auto {
@@ -184,28 +184,35 @@ pub fn load(path: &Path, format: Format, lines: &LineOptions) -> Result<Trace> {
     Ok(trace)
 }
 
-/// Bytes read ahead to tell the format (a few thousand lines of text).
-const DETECT_BYTES: usize = 64 << 10;
+/// Bytes read ahead to tell the format: a few thousand lines of text, past any header a tool
+/// wrote (Valgrind's `==PID==` lines).
+const DETECT_BYTES: usize = 256 << 10;
 
 /// Magic bytes of an xz stream.
 const XZ_MAGIC: &[u8] = &[0xFD, b'7', b'z', b'X', b'Z', 0];
 
-/// Compressions recognised only to say so: (magic, name, how to decompress).
+/// Compressions recognised only to say so: (magic, name, the command that decompresses to
+/// standard output).
 const OTHER_COMPRESSIONS: &[(&[u8], &str, &str)] = &[
-    (&[0x1F, 0x8B], "gzip", "gzip -dk"),
-    (&[0x28, 0xB5, 0x2F, 0xFD], "zstd", "zstd -d"),
-    (b"BZh", "bzip2", "bzip2 -dk"),
+    (&[0x1F, 0x8B], "gzip", "gzip -dc"),
+    (&[0x28, 0xB5, 0x2F, 0xFD], "zstd", "zstd -dc"),
+    (b"BZh", "bzip2", "bzip2 -dc"),
 ];
 
 fn read_error(path: &Path, e: std::io::Error) -> Error {
-    Error::os_kind(ErrorKind::InvalidInput, e, format!("reading {}", path.display()))
+    Error::os(e, format!("reading {}", path.display()))
 }
 
-/// The trace's bytes: the file or standard input, decompressed on the way if it is xz.
+/// The trace's bytes: the file or standard input, decompressed first if it is xz.
+///
+/// Decompressed whole, in this thread: the decoder (lzma-rs) holds a whole xz block in memory
+/// before it hands any of it out, and `xz` writes one block unless told to write several, so
+/// reading as it decodes would save no memory; a trace then needs its decompressed size in
+/// memory once besides its events. An error of the decoder is reported as such, before any
+/// parsing.
 fn open_input(path: &Path, stdin: bool) -> Result<Box<dyn Read>> {
-    // `Send`, so an xz decoder thread can own it (a buffered reader goes around it below).
-    let raw: Box<dyn Read + Send> = if stdin {
-        Box::new(std::io::stdin())
+    let raw: Box<dyn Read> = if stdin {
+        Box::new(std::io::stdin().lock())
     } else {
         Box::new(File::open(path).map_err(|e| Error::os(e, format!("opening trace {}", path.display())))?)
     };
@@ -213,71 +220,31 @@ fn open_input(path: &Path, stdin: bool) -> Result<Box<dyn Read>> {
     let mut magic = [0u8; 6];
     let n = read_up_to(&mut raw, &mut magic).map_err(|e| read_error(path, e))?;
     let magic = &magic[..n];
-    let raw = std::io::Cursor::new(magic.to_vec()).chain(raw);
+    let mut raw = std::io::Cursor::new(magic.to_vec()).chain(raw);
     if magic.starts_with(XZ_MAGIC) {
-        return Ok(Box::new(XzReader::start(Box::new(raw)).map_err(|e| read_error(path, e))?));
+        let mut decompressed = Vec::new();
+        lzma_rs::xz_decompress(&mut BufReader::new(&mut raw), &mut decompressed).map_err(|e| {
+            Error::invalid(format!(
+                "{}: cannot decompress the xz data (corrupt, truncated, or using a feature the decoder lacks): {e}",
+                path.display()
+            ))
+        })?;
+        return Ok(Box::new(std::io::Cursor::new(decompressed)));
     }
     for &(bytes, name, command) in OTHER_COMPRESSIONS {
         if magic.starts_with(bytes) {
+            let how = if stdin {
+                format!("decompress it in the pipe ({command} FILE | tiermem sim - --format ...)")
+            } else {
+                format!("decompress it first ({command} {} > TRACE)", path.display())
+            };
             return Err(Error::invalid(format!(
-                "{}: compressed with {name}, which tiermem does not read (it reads xz): decompress it first ({command} {})",
-                path.display(),
+                "{}: compressed with {name}, which tiermem does not read (it reads xz): {how}",
                 path.display()
             )));
         }
     }
     Ok(Box::new(raw))
-}
-
-/// An xz stream decompressed by a thread into a pipe, so a trace larger than memory can still
-/// be read. Corrupt or truncated data ends the stream with an error, never with a shorter trace.
-struct XzReader {
-    pipe: Option<std::io::PipeReader>,
-    decoder: Option<std::thread::JoinHandle<std::result::Result<(), String>>>,
-}
-
-impl XzReader {
-    fn start(compressed: Box<dyn Read + Send>) -> std::io::Result<Self> {
-        let (pipe, writer) = std::io::pipe()?;
-        let decoder = std::thread::Builder::new().name("xz-decoder".into()).spawn(move || {
-            let mut input = BufReader::with_capacity(1 << 16, compressed);
-            let mut output = std::io::BufWriter::with_capacity(1 << 16, writer);
-            lzma_rs::xz_decompress(&mut input, &mut output).map_err(|e| e.to_string())?;
-            std::io::Write::flush(&mut output).map_err(|e| e.to_string())
-        })?;
-        Ok(Self { pipe: Some(pipe), decoder: Some(decoder) })
-    }
-}
-
-impl Read for XzReader {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let Some(pipe) = &mut self.pipe else { return Ok(0) };
-        let n = pipe.read(buf)?;
-        if n == 0 && !buf.is_empty() {
-            // The end of the pipe: it is the end of the trace only if the decoder finished.
-            if let Some(decoder) = self.decoder.take() {
-                let outcome = decoder.join().unwrap_or_else(|_| Err("the decoder failed".into()));
-                if let Err(why) = outcome {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        format!("the xz data is corrupt or truncated ({why})"),
-                    ));
-                }
-            }
-        }
-        Ok(n)
-    }
-}
-
-impl Drop for XzReader {
-    fn drop(&mut self) {
-        // Closing the pipe first stops a decoder still writing (its write fails), so the join
-        // does not wait for the rest of a file nobody reads.
-        drop(self.pipe.take());
-        if let Some(decoder) = self.decoder.take() {
-            let _ = decoder.join();
-        }
-    }
 }
 
 /// The format of a trace whose first bytes are `head`: the binary format by its magic, else
@@ -649,8 +616,9 @@ mod tests {
     fn xz_compressed_traces_load_like_the_plain_ones() {
         let options = LineOptions::default();
         // Several times the read-ahead, with lines of varying length so one is cut at its end.
-        let pages: String =
-            (0..40_000u64).map(|i| format!("{} {}\n", i * 7919 % 100_003, ["r", "w"][(i % 3 == 0) as usize])).collect();
+        let pages: String = (0..150_000u64)
+            .map(|i| format!("{} {}\n", i * 7919 % 100_003, ["r", "w"][(i % 3 == 0) as usize]))
+            .collect();
         assert!(pages.len() > 3 * DETECT_BYTES);
         let mut lackey = String::from("==1== Lackey\n");
         for i in 0..5000u64 {
@@ -674,8 +642,11 @@ mod tests {
             assert_eq!(unpacked.raw_accesses, plain.raw_accesses, "{name}");
             assert_eq!(load(packed.path(), format, &options).unwrap().events, plain.events, "{name} named");
         }
-        let plain = load(file_of(pages.as_bytes()).path(), Format::Auto, &options).unwrap();
-        assert_eq!(plain.events.len(), 40_000, "every line, also across the read-ahead");
+        // Absolute counts too: both sides above share the read-ahead.
+        let count = |bytes: &[u8]| load(file_of(&xz(bytes)).path(), Format::Auto, &options).unwrap();
+        assert_eq!(count(pages.as_bytes()).events.len(), 150_000, "every line, also across the read-ahead");
+        assert_eq!(count(lackey.as_bytes()).raw_accesses, 10_000, "every lackey access");
+        assert_eq!(count(&binary).events.len(), 30_000, "every binary record");
     }
 
     #[test]
@@ -686,13 +657,14 @@ mod tests {
         // Cut short: an error, never a shorter trace.
         let cut = file_of(&packed[..packed.len() / 2]);
         let e = load(cut.path(), Format::Auto, &options).unwrap_err().to_string();
-        assert!(e.contains("corrupt or truncated"), "{e}");
-        // Damaged inside: decoded garbage fails the parse before the block's check is reached,
-        // or the check fails; either way an error.
-        let mut damaged = packed.clone();
+        assert!(e.contains("cannot decompress the xz data"), "{e}");
+        // A real `xz` file (CRC64-checked, as the stored traces are) damaged inside.
+        let stored = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/figures/policies/traces/sort.tmtrace.xz");
+        let mut damaged = std::fs::read(stored).expect("the stored sort trace");
         let middle = damaged.len() / 2;
         damaged[middle] ^= 0x55;
-        assert!(load(file_of(&damaged).path(), Format::Auto, &options).is_err());
+        let e = load(file_of(&damaged).path(), Format::Auto, &options).unwrap_err().to_string();
+        assert!(e.contains("cannot decompress the xz data"), "{e}");
         for (magic, name) in
             [(&[0x1F, 0x8B, 8, 0][..], "gzip"), (&[0x28, 0xB5, 0x2F, 0xFD][..], "zstd"), (b"BZh9", "bzip2")]
         {
