@@ -223,7 +223,7 @@ fn open_input(path: &Path, stdin: bool) -> Result<Box<dyn Read>> {
     let mut raw = std::io::Cursor::new(magic.to_vec()).chain(raw);
     if magic.starts_with(XZ_MAGIC) {
         let mut decompressed = Vec::new();
-        lzma_rs::xz_decompress(&mut BufReader::new(&mut raw), &mut decompressed).map_err(|e| {
+        lzma_rs::xz_decompress(&mut raw, &mut decompressed).map_err(|e| {
             Error::invalid(format!(
                 "{}: cannot decompress the xz data (corrupt, truncated, or using a feature the decoder lacks): {e}",
                 path.display()
