@@ -50,8 +50,8 @@ pub struct SimArgs {
     #[arg(long, default_value = "auto")]
     pub monitor: String,
     /// What replacement learns of an access to a resident page: full (every access, as a trace
-    /// or accessed bits give) or engine (what tiermem's engine sees live: only the first write
-    /// to a clean page, nothing of reads).
+    /// or accessed bits give) or engine (what tiermem's engine sees live: the first write to a
+    /// clean page and monitor reports, nothing of reads).
     #[arg(long, default_value = "full")]
     pub hits: String,
     /// CPU time per trace event, ns.

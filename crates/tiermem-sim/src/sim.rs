@@ -83,8 +83,9 @@ pub enum HitInfo {
     /// What tiermem's engine sees: nothing of a read, and of writes only the first to a clean
     /// page (one that came in by a read fault or a prefetch), which sets the referenced bit, as
     /// the engine finds a clean page written in the page tables (async write protection) or
-    /// takes its write-protect fault. The engine also cleans pages ahead of eviction, after
-    /// which a write is seen again; the simulator does not model that cleaning.
+    /// takes its write-protect fault; and a monitor report on a resident page, which the engine
+    /// also counts as a use. The engine also cleans pages ahead of eviction, after which a write
+    /// is seen again; the simulator does not model that cleaning.
     Engine,
 }
 
