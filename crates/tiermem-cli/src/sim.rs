@@ -54,6 +54,10 @@ pub struct SimArgs {
     /// clean page and monitor reports, nothing of reads).
     #[arg(long, default_value = "full")]
     pub hits: String,
+    /// Share of local memory kept cleaned ahead of eviction as the engine's reclaim thread does
+    /// (0: evict each victim as it is picked; the engine keeps 0.3, above its 70% watermark).
+    #[arg(long, default_value_t = 0.0)]
+    pub clean_ahead: f64,
     /// CPU time per trace event, ns.
     #[arg(long, default_value_t = Latency::default().access_ns)]
     pub access_ns: f64,
@@ -223,6 +227,9 @@ pub fn run(args: &SimArgs) -> Result<()> {
         "engine" => HitInfo::Engine,
         other => return Err(Error::invalid(format!("--hits '{other}': expected full or engine"))),
     };
+    if !(0.0..1.0).contains(&args.clean_ahead) {
+        return Err(Error::invalid(format!("--clean-ahead {}: a share at least 0 and below 1", args.clean_ahead)));
+    }
     // None: auto (the trace's reports if it has any, else every page change).
     let monitor = match args.monitor.as_str() {
         "auto" => None,
@@ -273,6 +280,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
                 latency,
                 monitor,
                 hits,
+                clean_ahead: args.clean_ahead,
             };
             let started = Instant::now();
             let result = match (&trace, synthetic) {
@@ -324,6 +332,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
             "raw_accesses": trace.as_ref().map(|t| t.raw_accesses),
             "monitor": monitor,
             "hits": hits,
+            "clean_ahead": args.clean_ahead,
             "latency": latency,
             "results": rows,
         });
@@ -331,8 +340,9 @@ pub fn run(args: &SimArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "trace {label}: footprint {footprint} pages, local memory {local_pages} pages ({:.0}%), monitor input {monitor:?}, hits {hits:?}",
-        local_pages as f64 * 100.0 / footprint.max(1) as f64
+        "trace {label}: footprint {footprint} pages, local memory {local_pages} pages ({:.0}%), monitor input {monitor:?}, hits {hits:?}, clean-ahead {}",
+        local_pages as f64 * 100.0 / footprint.max(1) as f64,
+        args.clean_ahead
     );
     let results: Vec<SimResult> = rows.iter().map(|r| r.result.clone()).collect();
     print!("{}", format_table(&results));

@@ -106,6 +106,11 @@ pub struct SimConfig {
     pub monitor: MonitorInput,
     /// What the replacement policy learns of hits.
     pub hits: HitInfo,
+    /// Share of local memory kept cleaned ahead of eviction, as the engine's reclaim thread
+    /// does (0: off, victims are evicted one at a time as they are picked; the engine's default
+    /// is 0.3, everything above its 70% watermark). Cleaned pages leave the policy, are written
+    /// back if dirty and dropped oldest first; one used meanwhile goes back to the policy.
+    pub clean_ahead: f64,
 }
 
 /// What a simulation measured.
@@ -148,6 +153,7 @@ const RESIDENT: u8 = 1;
 const PREFETCHED: u8 = 2; // resident, read ahead, not touched yet
 const REFERENCED: u8 = 4;
 const DIRTY: u8 = 8;
+const CLEANED: u8 = 16; // resident, on the cleaned list (out of the policy)
 
 const CHUNK_SHIFT: u32 = 12;
 const CHUNK: usize = 1 << CHUNK_SHIFT;
@@ -306,6 +312,9 @@ pub struct Simulator {
     skip_repeats: bool,
     /// The page the replacement policy last heard `on_access` for, if nothing came after.
     policy_mru: u64,
+    /// Pages cleaned ahead of eviction, oldest first, and how many to keep (0: off).
+    cleaned: std::collections::VecDeque<u64>,
+    clean_target: usize,
 }
 
 /// Pages a prefetcher may name (page ids carry no region in the simulator).
@@ -316,6 +325,12 @@ impl Simulator {
     pub fn new(config: SimConfig) -> Result<Self> {
         if config.local_pages == 0 {
             return Err(Error::invalid("local memory must be at least one page"));
+        }
+        if !(0.0..1.0).contains(&config.clean_ahead) {
+            return Err(Error::invalid(format!(
+                "clean-ahead share {} must be at least 0 and below 1",
+                config.clean_ahead
+            )));
         }
         config.options.stream.validate()?;
         // Synthetic and page-list traces number pages from 0: index them directly up to a
@@ -352,8 +367,10 @@ impl Simulator {
             local_pages: config.local_pages,
             ..SimResult::default()
         };
+        // Belady evicts by the future: cleaning ahead would only get in its way.
+        let clean_target =
+            if replace == "belady" { 0 } else { (config.local_pages as f64 * config.clean_ahead) as usize };
         Self {
-            config,
             policies,
             pages: PageTable::default(),
             arrivals: FastMap::default(),
@@ -366,6 +383,9 @@ impl Simulator {
             result,
             skip_repeats,
             policy_mru: u64::MAX,
+            cleaned: std::collections::VecDeque::new(),
+            clean_target,
+            config,
         }
     }
 
@@ -379,8 +399,68 @@ impl Simulator {
 
     /// Evict until there is room for one more page.
     fn make_room(&mut self) {
-        let mut empty_picks = 0;
+        if self.clean_target > 0 {
+            self.make_room_from_cleaned();
+            return;
+        }
         while self.resident >= self.config.local_pages {
+            if !self.pick_victim() {
+                return;
+            }
+            for k in 0..self.victims.len() {
+                let page = self.victims.as_slice()[k];
+                let cell = self.pages.cell(page);
+                let s = cell.get();
+                if s & RESIDENT != 0 {
+                    cell.set(0);
+                    self.evicted(page, s);
+                }
+            }
+        }
+    }
+
+    /// Account for `page`, in state `s`, leaving local memory (its state already cleared).
+    fn evicted(&mut self, page: u64, s: u8) {
+        self.resident -= 1;
+        self.result.evictions += 1;
+        if s & PREFETCHED != 0 {
+            self.result.unused_prefetches += 1;
+            self.arrivals.remove(&page);
+        }
+        if s & DIRTY != 0 {
+            self.write_back();
+        }
+    }
+
+    /// Evict the way the engine does: victims picked by the policy are first cleaned (written
+    /// back if dirty, still resident, out of the policy) onto a list of `clean_target` pages, and
+    /// evictions drop the oldest cleaned page; one used since it was cleaned (its referenced bit,
+    /// which with [`HitInfo::Engine`] only a write or a report sets) goes back to the policy.
+    fn make_room_from_cleaned(&mut self) {
+        while self.resident >= self.config.local_pages {
+            self.clean_ahead();
+            let Some(page) = self.cleaned.pop_front() else { return };
+            let cell = self.pages.cell(page);
+            let s = cell.get();
+            if s & (RESIDENT | CLEANED) != (RESIDENT | CLEANED) {
+                continue;
+            }
+            if s & REFERENCED != 0 {
+                cell.set(s & !(CLEANED | REFERENCED));
+                self.policies.on_insert(page);
+                self.policy_mru = u64::MAX;
+                continue;
+            }
+            cell.set(0);
+            self.evicted(page, s);
+        }
+    }
+
+    /// The policy's next victim, into `victims`; false if it has none. A second-chance pass may
+    /// clear every referenced bit without choosing, and the next pass then chooses: twice
+    /// empty, the policy tracks nothing resident.
+    fn pick_victim(&mut self) -> bool {
+        for _ in 0..2 {
             self.victims.clear();
             let pages = &self.pages;
             let is_referenced = |id: u64| {
@@ -391,37 +471,40 @@ impl Simulator {
                 })
             };
             self.policies.pick_victims(1, &is_referenced, &mut self.victims);
-            if self.victims.is_empty() {
-                // A second-chance pass may clear every referenced bit without choosing; the
-                // next pass then chooses. Twice empty: the policy tracks nothing resident.
-                empty_picks += 1;
-                if empty_picks == 2 {
-                    return;
-                }
-                continue;
+            if !self.victims.is_empty() {
+                return true;
             }
-            empty_picks = 0;
+        }
+        false
+    }
+
+    /// Fill the cleaned list up to its target from the policy's victims.
+    fn clean_ahead(&mut self) {
+        while self.cleaned.len() < self.clean_target {
+            if !self.pick_victim() {
+                return;
+            }
             for k in 0..self.victims.len() {
                 let page = self.victims.as_slice()[k];
                 let cell = self.pages.cell(page);
                 let s = cell.get();
-                if s & RESIDENT == 0 {
+                if s & RESIDENT == 0 || s & CLEANED != 0 {
                     continue;
                 }
-                cell.set(0);
-                self.resident -= 1;
-                self.result.evictions += 1;
-                if s & PREFETCHED != 0 {
-                    self.result.unused_prefetches += 1;
-                    self.arrivals.remove(&page);
-                }
+                cell.set((s & !(DIRTY | REFERENCED)) | CLEANED);
+                self.cleaned.push_back(page);
                 if s & DIRTY != 0 {
-                    self.result.writebacks += 1;
-                    let start = self.device_free.max(self.now);
-                    self.device_free = start + self.config.latency.transfer_ns;
+                    self.write_back();
                 }
             }
         }
+    }
+
+    /// A page written back: the device is busy for its transfer.
+    fn write_back(&mut self) {
+        self.result.writebacks += 1;
+        let start = self.device_free.max(self.now);
+        self.device_free = start + self.config.latency.transfer_ns;
     }
 
     fn issue_wanted(&mut self) {
@@ -503,8 +586,11 @@ impl Simulator {
                 // touches them and never sees that touch, so the referenced bit stays clear there too.
                 let reused = if s & PREFETCHED != 0 { 0 } else { REFERENCED };
                 cell.set((s & !PREFETCHED) | reused | dirty);
-                self.policies.on_access(page);
-                self.policy_mru = page;
+                // A cleaned page is out of the policy until it is rescued.
+                if s & CLEANED == 0 {
+                    self.policies.on_access(page);
+                    self.policy_mru = page;
+                }
             } else {
                 let first_write = if write && s & DIRTY == 0 { REFERENCED } else { 0 };
                 cell.set((s & !PREFETCHED) | first_write | dirty);
@@ -624,6 +710,7 @@ mod tests {
             latency: Latency::default(),
             monitor: MonitorInput::Reports,
             hits: HitInfo::Full,
+            clean_ahead: 0.0,
         };
         let mut sim = Simulator::new(config).unwrap();
         // The default decides per policy; `false` forces every call through.
@@ -644,6 +731,7 @@ mod tests {
             latency: Latency::default(),
             monitor: MonitorInput::None,
             hits: HitInfo::Full,
+            clean_ahead: 0.0,
         };
         let mut sim = Simulator::new(config).unwrap();
         let referenced = |sim: &mut Simulator, page| sim.pages.cell(page).get() & REFERENCED != 0;
@@ -673,6 +761,7 @@ mod tests {
             latency: Latency::default(),
             monitor: MonitorInput::None,
             hits,
+            clean_ahead: 0.0,
         };
         let mut sim = Simulator::new(config(HitInfo::Engine)).unwrap();
         let referenced = |sim: &mut Simulator, page| sim.pages.cell(page).get() & REFERENCED != 0;
@@ -710,6 +799,45 @@ mod tests {
         };
         let (full, engine) = (faults(HitInfo::Full), faults(HitInfo::Engine));
         assert!(engine > full, "the hot page is evicted without its hits: {engine} against {full}");
+    }
+
+    /// With pages cleaned ahead, a victim is written back when it is cleaned, stays resident on
+    /// the cleaned list, and is dropped later unless used meanwhile, which with the engine's view
+    /// means written: then it goes back to the policy.
+    #[test]
+    fn cleaned_pages_are_dropped_oldest_first_unless_written_meanwhile() {
+        let config = SimConfig {
+            local_pages: 10,
+            prefetch: "none".into(),
+            replace: "clock".into(),
+            options: PolicyOptions::default(),
+            latency: Latency::default(),
+            monitor: MonitorInput::None,
+            hits: HitInfo::Engine,
+            clean_ahead: 0.3,
+        };
+        let mut sim = Simulator::new(config).unwrap();
+        for page in 0..10 {
+            sim.step(event(page, EventKind::Write));
+        }
+        assert_eq!(sim.result.writebacks, 0);
+        // The 11th page: 0, 1, 2 are cleaned (three write-backs) and 0 is dropped.
+        sim.step(event(10, EventKind::Read));
+        assert_eq!((sim.result.writebacks, sim.result.evictions), (3, 1));
+        let state = |sim: &mut Simulator, page| sim.pages.cell(page).get();
+        assert_eq!(state(&mut sim, 0), 0, "dropped");
+        assert_eq!(state(&mut sim, 1) & (RESIDENT | CLEANED | DIRTY), RESIDENT | CLEANED, "cleaned, still resident");
+        sim.step(event(2, EventKind::Read));
+        sim.step(event(1, EventKind::Write)); // seen: the first write since it was cleaned
+        sim.step(event(11, EventKind::Read));
+        // 3 is cleaned to keep three, 1 goes back to the policy, 4 is cleaned in its place, and
+        // 2 (only read) is dropped, without a write.
+        assert_eq!(state(&mut sim, 2), 0, "a read is not seen: dropped");
+        assert_eq!(state(&mut sim, 1) & (RESIDENT | CLEANED | DIRTY), RESIDENT | DIRTY, "rescued by its write");
+        assert_eq!((sim.result.writebacks, sim.result.evictions), (5, 2));
+        let faults = sim.result.faults;
+        sim.step(event(1, EventKind::Read));
+        assert_eq!(sim.result.faults, faults, "still resident");
     }
 
     /// Forwards only the `&self` hooks, so the simulator's `_mut` calls take the trait's default
@@ -754,6 +882,7 @@ mod tests {
             latency: Latency::default(),
             monitor,
             hits: HitInfo::Full,
+            clean_ahead: 0.0,
         };
         let mut sim = if exclusive {
             Simulator::new(config).unwrap()

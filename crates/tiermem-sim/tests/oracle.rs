@@ -15,6 +15,7 @@ fn config(prefetch: &str, replace: &str, local_pages: usize) -> SimConfig {
         latency: Latency::default(),
         monitor: MonitorInput::None,
         hits: HitInfo::Full,
+        clean_ahead: 0.0,
     }
 }
 
