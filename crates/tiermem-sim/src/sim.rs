@@ -110,6 +110,7 @@ pub struct SimConfig {
     /// does (0: off, victims are evicted one at a time as they are picked; the engine's default
     /// is 0.3, everything above its 70% watermark). Cleaned pages leave the policy, are written
     /// back if dirty and dropped oldest first; one used meanwhile goes back to the policy.
+    /// `belady` ignores it.
     pub clean_ahead: f64,
 }
 
@@ -369,7 +370,7 @@ impl Simulator {
         };
         // Belady evicts by the future: cleaning ahead would only get in its way.
         let clean_target =
-            if replace == "belady" { 0 } else { (config.local_pages as f64 * config.clean_ahead) as usize };
+            if replace == "belady" { 0 } else { (config.local_pages as f64 * config.clean_ahead).ceil() as usize };
         Self {
             policies,
             pages: PageTable::default(),
@@ -491,7 +492,9 @@ impl Simulator {
                 if s & RESIDENT == 0 || s & CLEANED != 0 {
                     continue;
                 }
-                cell.set((s & !(DIRTY | REFERENCED)) | CLEANED);
+                // The referenced bit stays, as in the engine: a policy that picked without
+                // asking (fifo) leaves a used page to be sent back at the list's front.
+                cell.set((s & !DIRTY) | CLEANED);
                 self.cleaned.push_back(page);
                 if s & DIRTY != 0 {
                     self.write_back();
@@ -584,7 +587,8 @@ impl Simulator {
                 // The first touch of a prefetched page is its first use, as a fault is for a page
                 // read on demand, not a reuse: the engine maps prefetched pages before the program
                 // touches them and never sees that touch, so the referenced bit stays clear there too.
-                let reused = if s & PREFETCHED != 0 { 0 } else { REFERENCED };
+                // A cleaned page is out of the policy: any touch is what sends it back.
+                let reused = if s & PREFETCHED != 0 && s & CLEANED == 0 { 0 } else { REFERENCED };
                 cell.set((s & !PREFETCHED) | reused | dirty);
                 // A cleaned page is out of the policy until it is rescued.
                 if s & CLEANED == 0 {
@@ -816,7 +820,7 @@ mod tests {
             hits: HitInfo::Engine,
             clean_ahead: 0.3,
         };
-        let mut sim = Simulator::new(config).unwrap();
+        let mut sim = Simulator::new(config.clone()).unwrap();
         for page in 0..10 {
             sim.step(event(page, EventKind::Write));
         }
@@ -838,6 +842,23 @@ mod tests {
         let faults = sim.result.faults;
         sim.step(event(1, EventKind::Read));
         assert_eq!(sim.result.faults, faults, "still resident");
+
+        // With every hit known, a read of a cleaned page sends it back too, a prefetched one's
+        // first touch included (a prefetched page on the list is set up by hand here).
+        let mut sim = Simulator::new(SimConfig { hits: HitInfo::Full, ..config }).unwrap();
+        for page in 0..10 {
+            sim.step(event(page, EventKind::Write));
+        }
+        sim.step(event(10, EventKind::Read)); // 0, 1, 2 cleaned, 0 dropped
+        let cell = sim.pages.cell(2);
+        cell.set(cell.get() | PREFETCHED);
+        sim.step(event(2, EventKind::Read));
+        assert_eq!(sim.result.prefetch_hits, 1);
+        sim.step(event(11, EventKind::Read)); // 3 cleaned, 1 dropped
+        sim.step(event(12, EventKind::Read)); // 4 cleaned, 2 sent back, 3 dropped
+        assert_eq!(state(&mut sim, 1), 0, "untouched: dropped");
+        assert_eq!(state(&mut sim, 2) & (RESIDENT | CLEANED), RESIDENT, "touched while cleaned: sent back");
+        assert_eq!(state(&mut sim, 3), 0);
     }
 
     /// Forwards only the `&self` hooks, so the simulator's `_mut` calls take the trait's default
