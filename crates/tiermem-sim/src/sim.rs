@@ -85,7 +85,7 @@ pub enum HitInfo {
     /// the engine finds a clean page written in the page tables (async write protection) or
     /// takes its write-protect fault; and a monitor report on a resident page, which the engine
     /// also counts as a use. The engine also cleans pages ahead of eviction, after which a write
-    /// is seen again; the simulator does not model that cleaning.
+    /// is seen again: [`SimConfig::clean_ahead`] models that.
     Engine,
 }
 
