@@ -53,3 +53,31 @@ def test_table_names_a_missing_result(tmp_path):
     assert done.returncode != 0
     assert "cannot read" in done.stderr and "nothing.fig.json" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_table_rows_of_fault_traces_say_where_the_events_come_from():
+    quick = FIGURES / "quick"
+    names = ["quicksort-quick", "random-quick"]
+    out = subprocess.run([sys.executable, str(TRACES / "table.py"), str(quick), *names],
+                         capture_output=True, text=True, check=True).stdout
+    rows = out.strip().splitlines()
+    assert len(rows) == 2
+    assert "std::sort" in rows[0] and "128 MiB table" in rows[1]
+    for row in rows:
+        assert "faults under a 512-page budget" in row
+        assert len([c for c in row.strip("|").split("|")]) == 8
+
+
+def test_the_random_update_kernel_takes_another_size(tmp_path):
+    default = subprocess.run([str(compile_kernel("random_update", tmp_path))], capture_output=True, text=True,
+                             check=True, timeout=60).stdout.split()
+    # The overrides scripts/record-fault-traces.sh uses, smaller: a 512 KiB table, a quarter
+    # update per word.
+    binary = tmp_path / "random_update_small"
+    subprocess.run([shutil.which("cc") or shutil.which("gcc"), "-O2", "-Wall", "-Wextra", "-Werror",
+                    "-DTABLE_LOG2=16", "-DUPDATES=(TABLE / 4)", "-o", str(binary), str(TRACES / "random_update.c")],
+                   check=True)
+    small = subprocess.run([str(binary)], capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    assert small[1] == "restored" and len(small[0]) == 16
+    # Another table, so another checksum: the sizes took effect.
+    assert small[0] != default[0]

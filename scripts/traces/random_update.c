@@ -1,14 +1,19 @@
 /* Random updates to a table, in the style of HPCC RandomAccess (GUPS): a 16 MiB table of
  * 64-bit words, 4 updates per word, each XORing a pseudo-random value into the word it
  * selects, so nearly every update touches a different page. The updates are then applied
- * again, which restores the table; the program checks that and prints the table's checksum. */
+ * again, which restores the table; the program checks that and prints the table's checksum.
+ * -DTABLE_LOG2=N and -DUPDATES=N change the table's size and the number of updates a pass. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
+#ifndef TABLE_LOG2
 #define TABLE_LOG2 21
+#endif
 #define TABLE (1UL << TABLE_LOG2)
+#ifndef UPDATES
 #define UPDATES (4 * TABLE)
+#endif
 
 /* The polynomial shift register HPCC uses (x^63 + x^2 + x + 1), one step per update. */
 static uint64_t next(uint64_t r) { return (r << 1) ^ ((int64_t)r < 0 ? 7 : 0); }

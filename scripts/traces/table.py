@@ -3,10 +3,12 @@
     python3 scripts/traces/table.py DIR NAME...
 
 reads DIR/NAME.fig.json (every prefetcher x replacement at 50%) and DIR/NAME.convert.json (the
-raw access count) and prints one Markdown row per program: accuracy / coverage of each
-prefetcher under `clock`, modeled speed-ups over `fastswap` x `clock`, and faults of
-`stream-first` against `clock` without prefetching.
+raw access count of a lackey trace) or, for a fault trace of `tiermem trace record`,
+DIR/NAME.tmtrace.json (its description), and prints one Markdown row per program: accuracy /
+coverage of each prefetcher under `clock`, modeled speed-ups over `fastswap` x `clock`, and
+faults of `stream-first` against `clock` without prefetching.
 """
+import os
 import json
 import sys
 
@@ -18,6 +20,13 @@ LABELS = {
     'pagerank': 'numpy PageRank (prefix)',
     'npb-is': 'NPB-IS-style integer sort, 2^20 keys, 10 rankings (C)',
     'random': 'HPCC-style random updates, 16 MiB table (C)',
+    'quicksort-quick': 'C++ std::sort, 12 M integers',
+    'kmeans-quick': 'scikit-learn k-means',
+    'pagerank-quick': 'igraph PageRank',
+    'intsort-quick': 'NPB-IS-style integer sort, numpy (prefix)',
+    'linpack-quick': 'SciPy LU solve (Linpack)',
+    'mlp-quick': 'scikit-learn MLP training',
+    'random-quick': 'HPCC-style random updates, 128 MiB table (C)',
 }
 
 
@@ -31,7 +40,13 @@ def load(path):
 
 def row(directory, name):
     fig = load(f'{directory}/{name}.fig.json')
-    raw = load(f'{directory}/{name}.convert.json')['raw_accesses']
+    fault_trace = f'{directory}/{name}.tmtrace.json'
+    if os.path.exists(fault_trace):
+        budget = load(fault_trace)['budget_pages']
+        source = f"faults under a {budget}-page budget"
+    else:
+        raw = load(f'{directory}/{name}.convert.json')['raw_accesses']
+        source = f"{raw / 1e6:.0f}M accesses"
     runs = {(r['prefetch'], r['replace']): r for r in fig['results']}
 
     def run(prefetch, replace):
@@ -46,7 +61,7 @@ def row(directory, name):
     base = run('fastswap', 'clock')['modeled_ns']
     accesses = run('none', 'clock')['accesses']
     cells = [
-        f"{LABELS.get(name, name)} ({fig['footprint_pages']} pages, {raw / 1e6:.0f}M accesses → "
+        f"{LABELS.get(name, name)} ({fig['footprint_pages']} pages, {source} → "
         f"{accesses / 1e3:.0f}k page events)",
         *(acc_cov(p) for p in ('readahead', 'fastswap', 'leap', 'stream')),
         f"{base / run('stream', 'clock')['modeled_ns']:.3f}×",
