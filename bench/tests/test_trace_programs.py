@@ -81,3 +81,16 @@ def test_the_random_update_kernel_takes_another_size(tmp_path):
     assert small[1] == "restored" and len(small[0]) == 16
     # Another table, so another checksum: the sizes took effect.
     assert small[0] != default[0]
+
+
+def test_table_names_what_a_fault_trace_lacks(tmp_path):
+    (tmp_path / "t.fig.json").write_text((FIGURES / "quick" / "quicksort-quick.fig.json").read_text())
+    done = subprocess.run([sys.executable, str(TRACES / "table.py"), str(tmp_path), "t"],
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "t.convert.json" in done.stderr and "t.tmtrace.json" in done.stderr and "Traceback" not in done.stderr
+    (tmp_path / "t.tmtrace.json").write_text("{}")
+    done = subprocess.run([sys.executable, str(TRACES / "table.py"), str(tmp_path), "t"],
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "budget_pages" in done.stderr and "Traceback" not in done.stderr

@@ -41,12 +41,16 @@ def load(path):
 def row(directory, name):
     fig = load(f'{directory}/{name}.fig.json')
     fault_trace = f'{directory}/{name}.tmtrace.json'
+    lackey = f'{directory}/{name}.convert.json'
     if os.path.exists(fault_trace):
-        budget = load(fault_trace)['budget_pages']
+        budget = load(fault_trace).get('budget_pages')
+        if not isinstance(budget, int):
+            sys.exit(f'{fault_trace}: no budget_pages (not a `tiermem trace record` description?)')
         source = f"faults under a {budget}-page budget"
+    elif os.path.exists(lackey):
+        source = f"{load(lackey)['raw_accesses'] / 1e6:.0f}M accesses"
     else:
-        raw = load(f'{directory}/{name}.convert.json')['raw_accesses']
-        source = f"{raw / 1e6:.0f}M accesses"
+        sys.exit(f'cannot read {lackey} (a lackey trace\'s) or {fault_trace} (a fault trace\'s description)')
     runs = {(r['prefetch'], r['replace']): r for r in fig['results']}
 
     def run(prefetch, replace):
