@@ -94,3 +94,16 @@ def test_table_names_what_a_fault_trace_lacks(tmp_path):
                           capture_output=True, text=True)
     assert done.returncode != 0
     assert "budget_pages" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_quick_scale_plot_is_drawn_from_the_stored_results(tmp_path):
+    pytest.importorskip("matplotlib", reason="SKIPPED: matplotlib not installed (bench/requirements.txt)")
+    out = tmp_path / "p.png"
+    names = ["quicksort-quick", "random-quick"]
+    subprocess.run([sys.executable, str(TRACES / "plot.py"), str(out), str(FIGURES / "quick"), *names], check=True)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    # A result without the pairs the plot needs is named, not drawn.
+    (tmp_path / "bare.fig.json").write_text('{"results": []}')
+    done = subprocess.run([sys.executable, str(TRACES / "plot.py"), str(out), str(tmp_path), "bare"],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "no readahead, fastswap, leap, stream x clock result" in done.stderr
