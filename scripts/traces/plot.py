@@ -6,31 +6,22 @@ prefetcher, all with `clock` replacement.
 
 reads DIR/NAME.fig.json for each NAME (the runs of docs/policies.md's tables).
 """
-import json
 import sys
 
+from table import pairs
+
 PREFETCHERS = ("readahead", "fastswap", "leap", "stream")
-
-
-def results(directory, name):
-    path = f"{directory}/{name}.fig.json"
-    try:
-        with open(path) as f:
-            runs = json.load(f)["results"]
-    except (OSError, ValueError, KeyError) as e:
-        sys.exit(f"cannot read {path}: {e}")
-    by_pair = {(r["prefetch"], r["replace"]): r for r in runs}
-    missing = [p for p in PREFETCHERS if (p, "clock") not in by_pair]
-    if missing:
-        sys.exit(f"{path}: no {', '.join(missing)} x clock result")
-    return by_pair
 
 
 def main():
     if len(sys.argv) < 4:
         sys.exit(__doc__)
     out, directory, names = sys.argv[1], sys.argv[2], sys.argv[3:]
-    runs = {name: results(directory, name) for name in names}
+    # Every pair looked up first, so a missing one ends the run before anything is drawn.
+    runs = {}
+    for name in names:
+        _, run = pairs(directory, name)
+        runs[name] = {p: run(p, "clock") for p in PREFETCHERS}
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,7 +37,7 @@ def main():
     for ax, (_, value, label) in zip(axes, panels):
         for k, prefetch in enumerate(PREFETCHERS):
             xs = [i + (k - (len(PREFETCHERS) - 1) / 2) * width for i in range(len(names))]
-            ys = [value(runs[n][(prefetch, "clock")], runs[n][("fastswap", "clock")]["modeled_ns"]) for n in names]
+            ys = [value(runs[n][prefetch], runs[n]["fastswap"]["modeled_ns"]) for n in names]
             ax.bar(xs, ys, width, label=prefetch)
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)

@@ -38,8 +38,23 @@ def load(path):
         sys.exit(f'cannot read {path}: {e}')
 
 
+def pairs(directory, name):
+    """DIR/NAME.fig.json, and a lookup of its result for a prefetcher x replacement pair that
+    exits naming a missing one."""
+    path = f'{directory}/{name}.fig.json'
+    fig = load(path)
+    runs = {(r['prefetch'], r['replace']): r for r in fig.get('results', [])}
+
+    def run(prefetch, replace):
+        if (prefetch, replace) not in runs:
+            sys.exit(f'{name}: no {prefetch} x {replace} result in {path}')
+        return runs[(prefetch, replace)]
+
+    return fig, run
+
+
 def row(directory, name):
-    fig = load(f'{directory}/{name}.fig.json')
+    fig, run = pairs(directory, name)
     fault_trace = f'{directory}/{name}.tmtrace.json'
     lackey = f'{directory}/{name}.convert.json'
     if os.path.exists(fault_trace):
@@ -51,13 +66,6 @@ def row(directory, name):
         source = f"{load(lackey)['raw_accesses'] / 1e6:.0f}M accesses"
     else:
         sys.exit(f'cannot read {lackey} (a lackey trace\'s) or {fault_trace} (a fault trace\'s description)')
-    runs = {(r['prefetch'], r['replace']): r for r in fig['results']}
-
-    def run(prefetch, replace):
-        if (prefetch, replace) not in runs:
-            sys.exit(f'{name}: no {prefetch} x {replace} result in {directory}/{name}.fig.json')
-        return runs[(prefetch, replace)]
-
     def acc_cov(prefetch):
         r = run(prefetch, 'clock')
         return f"{r['accuracy']:.0%} / {r['coverage']:.0%}"
