@@ -1,15 +1,16 @@
 //! `tiermem probe --machine`: the facts about the machine that decide what paging costs on it,
-//! and three of those costs measured. On a VM they differ from bare metal by an order of
+//! and four of those costs measured. On a VM they differ from bare metal by an order of
 //! magnitude (an inter-processor interrupt is a VM exit on both sides; a halted vCPU takes a
 //! host wake-up), and they explain figures that would otherwise look like engine faults: each
 //! eviction of a scattered page pays one TLB shootdown, each fault a handler thread serves pays
-//! two thread wake-ups. The benchmark harness records this next to its results.
+//! two thread wake-ups, each fault served on the faulting thread the kernel's own signal round trip.
+//! The benchmark harness records this next to its results.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::time::Instant;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tiermem_sys::{Error, Result, PAGE_SIZE};
 
 /// What `/proc` and `/sys` say about the machine (nothing measured). `None`: not exposed here.
@@ -55,6 +56,29 @@ pub struct MachineCosts {
     /// UFFDIO_COPY of a 4 KiB page into a fresh registered mapping: the kernel's part of every
     /// page-in.
     pub page_map_us: f64,
+    /// A fault served on the faulting thread with nothing but the kernel's work in it (None:
+    /// not measured, as in a process that cannot start a worker of its own).
+    pub fault_round_trip: Option<FaultRoundTrip>,
+}
+
+/// What the kernel alone makes a fault served on the faulting thread cost (`sigbus` mode): the
+/// access to a missing page of a userfaultfd region registered for SIGBUS, the signal's
+/// delivery, a handler that only maps a page with UFFDIO_COPY, and the return into the retried
+/// access. No user-space pager can serve a fault this way for less, so it is the floor under
+/// every critical fault besides its device read.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct FaultRoundTrip {
+    /// The whole round trip as the faulting code sees it, median, µs.
+    pub p50_us: f64,
+    /// The same, mean, µs.
+    pub mean_us: f64,
+    /// Of it, the UFFDIO_COPY inside the handler (mean, µs).
+    pub copy_us: f64,
+    /// The rest (mean, µs): the kernel's fault entry, the signal frame and delivery, the return
+    /// through sigreturn.
+    pub delivery_us: f64,
+    /// Faults timed.
+    pub faults: usize,
 }
 
 /// Read the facts. Never fails: what cannot be read is `None`.
@@ -150,8 +174,9 @@ const WAKEUPS: usize = 2000;
 const MAPPED_PAGES: usize = 2000;
 
 /// Measure the costs (well under a second). Runs threads of its own; the calling thread's CPU
-/// affinity is restored afterwards.
-pub fn costs() -> Result<MachineCosts> {
+/// affinity is restored afterwards. With `worker` (a `tiermem` executable), the fault round trip
+/// is measured in a process of its own started from it ([`fault_round_trip_in_worker`]).
+pub fn costs(worker: Option<&Path>) -> Result<MachineCosts> {
     let cpus = allowed_cpus();
     let (here, there) = (cpus[0], cpus.get(1).copied());
     let unmap_alone_us = on_cpu_then_restore(&cpus, here, || mean_unmap_us(None))?;
@@ -169,6 +194,124 @@ pub fn costs() -> Result<MachineCosts> {
         tlb_shootdown_us: unmap_with_busy_thread_us.map(|busy| (busy - unmap_alone_us).max(0.0)),
         thread_wakeup_us,
         page_map_us: crate::bench::micro_tiermem::page_map_latency_us(MAPPED_PAGES)?,
+        fault_round_trip: worker.map(fault_round_trip_in_worker).transpose()?,
+    })
+}
+
+/// The hidden subcommand of `tiermem` that runs [`measure_fault_round_trip`] and prints it as
+/// JSON.
+pub const FAULT_WORKER_COMMAND: &str = "fault-round-trip-worker";
+/// Faults timed for the round-trip figure.
+pub const ROUND_TRIP_FAULTS: usize = 4000;
+
+/// [`measure_fault_round_trip`] in a fresh process started from `worker` (a `tiermem`
+/// executable): its SIGBUS handler then cannot meet an engine's, or a test's running alongside.
+pub fn fault_round_trip_in_worker(worker: &Path) -> Result<FaultRoundTrip> {
+    let out = std::process::Command::new(worker)
+        .arg(FAULT_WORKER_COMMAND)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| Error::os(e, format!("starting {} {FAULT_WORKER_COMMAND}", worker.display())))?;
+    if !out.status.success() {
+        let why = String::from_utf8_lossy(&out.stderr);
+        return Err(Error::new(
+            tiermem_sys::ErrorKind::Internal,
+            format!("the fault round-trip worker ended with {}: {}", out.status, why.trim()),
+        ));
+    }
+    serde_json::from_slice(&out.stdout)
+        .map_err(|e| Error::new(tiermem_sys::ErrorKind::Internal, format!("the fault round-trip worker's output: {e}")))
+}
+
+/// The descriptor, source page and time spent copying of [`measure_fault_round_trip`], for its
+/// signal handler (set only while it runs).
+static ROUND_TRIP_UFFD: AtomicPtr<tiermem_sys::uffd::Uffd> = AtomicPtr::new(std::ptr::null_mut());
+static ROUND_TRIP_SOURCE: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
+static ROUND_TRIP_COPY_NS: AtomicU64 = AtomicU64::new(0);
+static ROUND_TRIP_FAILED: AtomicBool = AtomicBool::new(false);
+
+/// Serve one fault of the round-trip measurement: map the source page there.
+extern "C" fn on_round_trip_fault(_sig: libc::c_int, info: *mut libc::siginfo_t, _context: *mut libc::c_void) {
+    let started = Instant::now();
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
+    let info = unsafe { &*info };
+    // SAFETY: a SIGBUS's siginfo carries the faulting address.
+    let addr = unsafe { info.si_addr() } as usize & !(PAGE_SIZE - 1);
+    let uffd = ROUND_TRIP_UFFD.load(Ordering::Acquire);
+    let source = ROUND_TRIP_SOURCE.load(Ordering::Acquire);
+    if uffd.is_null() || source.is_null() {
+        // Not one of ours (nothing else in the worker faults): the default action, at once.
+        // SAFETY: resetting SIGBUS to its default disposition; the access then kills the worker,
+        // whose parent reports its status.
+        unsafe { libc::signal(libc::SIGBUS, libc::SIG_DFL) };
+        return;
+    }
+    // SAFETY: both are published only while the measurement's descriptor and source page live,
+    // and only its own accesses to its registered mapping fault here.
+    let uffd = unsafe { &*uffd };
+    // SAFETY: `source` is one readable page; `addr` is the faulting page of the registered
+    // mapping, which is missing (that is why it faulted).
+    if unsafe { uffd.copy(addr as *mut u8, source, PAGE_SIZE, false, false) }.is_err() {
+        // Never fault forever: the mapping stops being watched and the access gets a zero page.
+        ROUND_TRIP_FAILED.store(true, Ordering::Relaxed);
+        let _ = uffd.unregister(addr as *mut u8, PAGE_SIZE);
+    }
+    ROUND_TRIP_COPY_NS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+}
+
+/// Time `faults` faults served on the faulting thread by a handler that only maps the page
+/// (see [`FaultRoundTrip`]). Installs a SIGBUS handler for the duration and puts the previous
+/// disposition back; meant for a process of its own ([`fault_round_trip_in_worker`]), since an
+/// engine in `sigbus` mode in the same process would lose its faults meanwhile.
+pub fn measure_fault_round_trip(faults: usize) -> Result<FaultRoundTrip> {
+    use tiermem_sys::uffd::{Features, RegisterMode, Uffd};
+    let faults = faults.max(1);
+    let uffd = Uffd::open(Features::SIGBUS, true)?;
+    let target = tiermem_sys::mem::Mapping::anonymous(faults * PAGE_SIZE, false)?;
+    uffd.register(target.as_ptr(), target.len(), RegisterMode { missing: true, write_protect: false })?;
+    let source = vec![0x5au8; PAGE_SIZE];
+    let mut samples = Vec::with_capacity(faults);
+    ROUND_TRIP_COPY_NS.store(0, Ordering::Relaxed);
+    ROUND_TRIP_FAILED.store(false, Ordering::Relaxed);
+    ROUND_TRIP_SOURCE.store(source.as_ptr().cast_mut(), Ordering::Release);
+    ROUND_TRIP_UFFD.store(std::ptr::from_ref(&uffd).cast_mut(), Ordering::Release);
+    // SAFETY: sigaction is plain data; all zeroes is an empty mask and no flags.
+    let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+    action.sa_sigaction = on_round_trip_fault as *const () as usize;
+    action.sa_flags = libc::SA_SIGINFO;
+    // SAFETY: as above, filled in by the call.
+    let mut previous: libc::sigaction = unsafe { std::mem::zeroed() };
+    // SAFETY: installs a handler for SIGBUS with a valid action; the previous one is kept.
+    if unsafe { libc::sigaction(libc::SIGBUS, &action, &mut previous) } != 0 {
+        ROUND_TRIP_UFFD.store(std::ptr::null_mut(), Ordering::Release);
+        return Err(Error::os(std::io::Error::last_os_error(), "sigaction(SIGBUS)"));
+    }
+    for page in 0..faults {
+        let byte = target.as_ptr().wrapping_add(page * PAGE_SIZE);
+        let started = Instant::now();
+        // SAFETY: a never-touched page of `target`: the read faults, the handler maps the source
+        // page there, and the read runs again and returns its first byte.
+        let value = unsafe { byte.read_volatile() };
+        samples.push(started.elapsed().as_nanos() as u64);
+        std::hint::black_box(value);
+    }
+    // SAFETY: puts back the disposition saved above.
+    unsafe { libc::sigaction(libc::SIGBUS, &previous, std::ptr::null_mut()) };
+    ROUND_TRIP_UFFD.store(std::ptr::null_mut(), Ordering::Release);
+    ROUND_TRIP_SOURCE.store(std::ptr::null_mut(), Ordering::Release);
+    if ROUND_TRIP_FAILED.load(Ordering::Relaxed) {
+        return Err(Error::new(tiermem_sys::ErrorKind::Internal, "UFFDIO_COPY failed in the fault handler"));
+    }
+    let total: u64 = samples.iter().sum();
+    samples.sort_unstable();
+    let mean_us = total as f64 / faults as f64 / 1e3;
+    let copy_us = ROUND_TRIP_COPY_NS.load(Ordering::Relaxed) as f64 / faults as f64 / 1e3;
+    Ok(FaultRoundTrip {
+        p50_us: samples[faults / 2] as f64 / 1e3,
+        mean_us,
+        copy_us,
+        delivery_us: (mean_us - copy_us).max(0.0),
+        faults,
     })
 }
 
@@ -304,7 +447,7 @@ pub fn summary_lines(facts: &MachineFacts, costs: &MachineCosts) -> Vec<String> 
         ),
         None => "thread wake-up: not measured (one CPU)".to_string(),
     };
-    vec![
+    let mut lines = vec![
         format!("machine         {first}"),
         format!("                {second}"),
         format!("costs           {shootdown}"),
@@ -313,7 +456,20 @@ pub fn summary_lines(facts: &MachineFacts, costs: &MachineCosts) -> Vec<String> 
             "                UFFDIO_COPY of a fresh page {:.2} µs (the kernel's part of every page-in)",
             costs.page_map_us
         ),
-    ]
+    ];
+    if let Some(trip) = &costs.fault_round_trip {
+        lines.push(format!("                {}", round_trip_line(trip)));
+    }
+    lines
+}
+
+/// One line on [`FaultRoundTrip`], for `probe --machine` and `bench micro`.
+pub fn round_trip_line(trip: &FaultRoundTrip) -> String {
+    format!(
+        "fault served on the faulting thread {:.2} µs median, {:.2} mean (SIGBUS delivery and return {:.2}, UFFDIO_COPY {:.2}): \
+         the kernel's floor under every critical fault besides its read",
+        trip.p50_us, trip.mean_us, trip.delivery_us, trip.copy_us
+    )
 }
 
 #[cfg(test)]
@@ -380,6 +536,7 @@ mod tests {
             tlb_shootdown_us: None,
             thread_wakeup_us: None,
             page_map_us: 1.0,
+            fault_round_trip: None,
         };
         let text = summary_lines(&facts, &costs).join("\n");
         assert!(text.contains("1 CPU, no hypervisor") && text.contains("not measured (one CPU)"), "{text}");
@@ -388,7 +545,7 @@ mod tests {
 
     #[test]
     fn the_measured_costs_are_positive_and_a_shootdown_needs_a_second_cpu() {
-        let costs = costs().expect("costs");
+        let costs = costs(None).expect("costs");
         assert!(costs.unmap_alone_us > 0.0 && costs.page_map_us > 0.0, "{costs:?}");
         if allowed_cpus().len() < 2 {
             println!("SKIPPED shootdown and wake-up figures: this process may use one CPU only");

@@ -37,6 +37,9 @@ enum Command {
     /// Internal: the child process of `bench micro --system linux-swap`.
     #[command(hide = true)]
     MicroWorker(MicroWorkerArgs),
+    /// Internal: the child process that times the kernel's fault round trip (`probe --machine`).
+    #[command(hide = true, name = tiermem_cli::machine::FAULT_WORKER_COMMAND)]
+    FaultRoundTripWorker,
 }
 
 #[derive(Debug, Args)]
@@ -71,7 +74,8 @@ struct ProbeArgs {
     latency: bool,
     /// Also describe the machine (CPUs, hypervisor, idle polling, free page reporting to the
     /// host, THP, swap, DAMON) and measure what paging pays on it: a TLB shootdown, a thread
-    /// wake-up across CPUs, the kernel's mapping of a page (under a second).
+    /// wake-up across CPUs, the kernel's mapping of a page, and a fault served on the faulting
+    /// thread with nothing but the kernel's work in it (under a second).
     #[arg(long)]
     machine: bool,
 }
@@ -224,17 +228,23 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
     } else {
         None
     };
-    // Only when a critical fault was timed (the floor means nothing without one).
-    let map_us = if rows.iter().any(|r| r.critical_fault_us.is_some()) {
-        micro_tiermem::page_map_latency_us(8192).ok()
+    // Only when a critical fault was timed (the floor means nothing without one); the round
+    // trip only where faults were served on the faulting thread.
+    let timed_critical = rows.iter().any(|r| r.critical_fault_us.is_some());
+    let map_us = if timed_critical { micro_tiermem::page_map_latency_us(8192).ok() } else { None };
+    let round_trip = if timed_critical && base.fault_mode == tiermem_engine::FaultMode::Sigbus {
+        std::env::current_exe().ok().and_then(|worker| tiermem_cli::machine::fault_round_trip_in_worker(&worker).ok())
     } else {
         None
     };
     if args.json {
-        let all = serde_json::json!({"size_mb": args.size_mb, "limit_mb": args.limit_mb, "device_read_us": device_us, "page_map_us": map_us, "rows": rows, "details": details});
+        let all = serde_json::json!({"size_mb": args.size_mb, "limit_mb": args.limit_mb, "device_read_us": device_us, "page_map_us": map_us, "fault_round_trip": round_trip, "rows": rows, "details": details});
         println!("{all}");
     } else {
         print!("{}", micro_tiermem::format_table(&rows, args.size_mb, args.limit_mb, device_us, map_us));
+        if let Some(trip) = &round_trip {
+            println!("  the kernel alone: {} (measured after the runs)", tiermem_cli::machine::round_trip_line(trip));
+        }
     }
     if rows.iter().any(|r| r.mismatched_pages > 0) {
         return Err(Error::new(ErrorKind::Internal, "some pages read back wrong: see the table"));
@@ -277,8 +287,12 @@ fn probe(args: &ProbeArgs) -> Result<()> {
         (Some(Ok(_)), true) => Some(micro_tiermem::device_read_latency_us(&dir, PROBE_LATENCY_READS)?),
         _ => None,
     };
-    let machine =
-        if args.machine { Some((tiermem_cli::machine::facts(), tiermem_cli::machine::costs()?)) } else { None };
+    let machine = if args.machine {
+        let worker = std::env::current_exe().map_err(|e| Error::os(e, "locating the tiermem executable"))?;
+        Some((tiermem_cli::machine::facts(), tiermem_cli::machine::costs(Some(&worker))?))
+    } else {
+        None
+    };
     if args.json {
         let mut out = serde_json::json!({
             "kernel": features,
@@ -328,6 +342,13 @@ fn print_probe(
             dir.display()
         );
     }
+}
+
+fn fault_round_trip_worker() -> Result<()> {
+    let trip = tiermem_cli::machine::measure_fault_round_trip(tiermem_cli::machine::ROUND_TRIP_FAULTS)?;
+    let json = serde_json::to_string(&trip).map_err(|e| Error::new(ErrorKind::Internal, e.to_string()))?;
+    println!("{json}");
+    Ok(())
 }
 
 fn micro_worker(args: &MicroWorkerArgs) -> Result<()> {
@@ -623,6 +644,7 @@ fn main() -> ExitCode {
             apps::limited_run(args).and_then(|report| apps::write_report(&report, args.result.as_deref()))
         }
         Command::MicroWorker(args) => micro_worker(args),
+        Command::FaultRoundTripWorker => fault_round_trip_worker(),
         Command::Sim(args) => tiermem_cli::sim::run(args),
         Command::Trace(TraceArgs { command: TraceCommand::Record(args) }) => {
             trace_record(args).map(|never| match never {})

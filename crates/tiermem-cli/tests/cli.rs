@@ -57,9 +57,32 @@ fn probe_describes_the_machine_and_what_paging_costs_on_it() {
         assert!(json["costs"]["tlb_shootdown_us"].as_f64().is_some_and(|us| us >= 0.0), "{json}");
         assert!(json["costs"]["thread_wakeup_us"].as_f64().is_some_and(|us| us > 0.0), "{json}");
     }
+    // The kernel's own round trip of a fault served on the faulting thread, from a worker
+    // process: the whole trip holds its UFFDIO_COPY, and delivery is the rest.
+    let trip = &json["costs"]["fault_round_trip"];
+    let (p50, mean, copy, delivery) = (
+        trip["p50_us"].as_f64().expect("p50_us"),
+        trip["mean_us"].as_f64().expect("mean_us"),
+        trip["copy_us"].as_f64().expect("copy_us"),
+        trip["delivery_us"].as_f64().expect("delivery_us"),
+    );
+    assert!(p50 > 0.0 && copy > 0.0 && mean > copy, "{trip}");
+    assert!((mean - copy - delivery).abs() < 1e-6, "{trip}");
+    assert_eq!(trip["faults"].as_u64(), Some(tiermem_cli::machine::ROUND_TRIP_FAULTS as u64), "{trip}");
     let out = tiermem(&["probe", "--machine"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("machine ") && text.contains("TLB shootdown") && text.contains("UFFDIO_COPY"), "{text}");
+    assert!(text.contains("fault served on the faulting thread"), "{text}");
+}
+
+#[test]
+fn a_fault_round_trip_worker_that_cannot_start_is_an_error_not_a_figure() {
+    let missing = std::path::Path::new("/nonexistent/tiermem");
+    let e = tiermem_cli::machine::fault_round_trip_in_worker(missing).expect_err("no such worker");
+    assert!(e.to_string().contains("/nonexistent/tiermem"), "{e}");
+    // A worker that runs but prints no figure (`true` ignores its argument) is refused too.
+    let e = tiermem_cli::machine::fault_round_trip_in_worker(std::path::Path::new("/bin/true")).expect_err("no JSON");
+    assert!(e.to_string().contains("output"), "{e}");
 }
 
 #[test]
@@ -126,6 +149,9 @@ fn small_micro_run_verifies_every_page_on_mem_and_file() {
     // The kernel's own cost of mapping a page, the floor of the engine share, is measured too.
     let map_us = json["page_map_us"].as_f64().expect("page_map_us");
     assert!(map_us > 0.0 && map_us < 1000.0, "{json}");
+    // So is the kernel's round trip of a fault on the faulting thread (the default sigbus mode).
+    let trip_us = json["fault_round_trip"]["p50_us"].as_f64().expect("fault_round_trip");
+    assert!(trip_us > 0.0 && trip_us < 1000.0, "{json}");
     for detail in json["details"].as_array().unwrap() {
         let stats = &detail["tiermem"]["stats"];
         assert!(stats["evictions"].as_u64().unwrap() >= 2048, "8 MiB of 16 must have left: {stats}");
