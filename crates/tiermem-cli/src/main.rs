@@ -231,20 +231,30 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
     // Only when a critical fault was timed (the floor means nothing without one); the round
     // trip only where faults were served on the faulting thread.
     let timed_critical = rows.iter().any(|r| r.critical_fault_us.is_some());
-    let map_us = if timed_critical { micro_tiermem::page_map_latency_us(8192).ok() } else { None };
-    let round_trip = if timed_critical && base.fault_mode == tiermem_engine::FaultMode::Sigbus {
-        std::env::current_exe().ok().and_then(|worker| tiermem_cli::machine::fault_round_trip_in_worker(&worker).ok())
-    } else {
-        None
+    let floor = micro_tiermem::KernelFloor {
+        page_map_us: if timed_critical { micro_tiermem::page_map_latency_us(8192).ok() } else { None },
+        // The same copy from a buffer the device has just filled, as a critical fault on a
+        // device file maps it.
+        page_map_after_read_us: if timed_critical && device_us.is_some() {
+            micro_tiermem::page_map_after_read_us(&dir, 2000).ok()
+        } else {
+            None
+        },
+        fault_round_trip: if timed_critical && base.fault_mode == tiermem_engine::FaultMode::Sigbus {
+            std::env::current_exe()
+                .ok()
+                .and_then(|worker| tiermem_cli::machine::fault_round_trip_in_worker(&worker).ok())
+        } else {
+            None
+        },
     };
     if args.json {
-        let all = serde_json::json!({"size_mb": args.size_mb, "limit_mb": args.limit_mb, "device_read_us": device_us, "page_map_us": map_us, "fault_round_trip": round_trip, "rows": rows, "details": details});
+        let all = serde_json::json!({"size_mb": args.size_mb, "limit_mb": args.limit_mb, "device_read_us": device_us,
+            "page_map_us": floor.page_map_us, "page_map_after_read_us": floor.page_map_after_read_us,
+            "fault_round_trip": floor.fault_round_trip, "rows": rows, "details": details});
         println!("{all}");
     } else {
-        print!("{}", micro_tiermem::format_table(&rows, args.size_mb, args.limit_mb, device_us, map_us));
-        if let Some(trip) = &round_trip {
-            println!("  the kernel alone: {} (measured after the runs)", tiermem_cli::machine::round_trip_line(trip));
-        }
+        print!("{}", micro_tiermem::format_table(&rows, args.size_mb, args.limit_mb, device_us, &floor));
     }
     if rows.iter().any(|r| r.mismatched_pages > 0) {
         return Err(Error::new(ErrorKind::Internal, "some pages read back wrong: see the table"));

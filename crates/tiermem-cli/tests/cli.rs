@@ -152,6 +152,9 @@ fn small_micro_run_verifies_every_page_on_mem_and_file() {
     // So is the kernel's round trip of a fault on the faulting thread (the default sigbus mode).
     let trip_us = json["fault_round_trip"]["p50_us"].as_f64().expect("fault_round_trip");
     assert!(trip_us > 0.0 && trip_us < 1000.0, "{json}");
+    // And the copy from a buffer a device read has just filled (a file device was measured).
+    let after_read_us = json["page_map_after_read_us"].as_f64().expect("page_map_after_read_us");
+    assert!(after_read_us > 0.0 && after_read_us < 1000.0, "{json}");
     for detail in json["details"].as_array().unwrap() {
         let stats = &detail["tiermem"]["stats"];
         assert!(stats["evictions"].as_u64().unwrap() >= 2048, "8 MiB of 16 must have left: {stats}");

@@ -99,29 +99,78 @@ pub fn tiermem_point(
 /// Mean µs of single 4 KiB reads through a polled queue of a fresh device file in `dir`: the
 /// device's own latency, the floor for the critical-fault path.
 pub fn device_read_latency_us(dir: &Path, samples: u32) -> Result<f64> {
-    let device = open_device(Variant::File, dir, 64 << 20)?;
-    let arena = Arc::new(BufferArena::new(16)?);
-    let mut queue = device.open_queue(QueueKind::Polled, 4, &arena)?;
-    let slots = device.capacity_slots();
-    let buf = arena.alloc().ok_or_else(|| Error::new(tiermem_sys::ErrorKind::Internal, "empty arena"))?;
-    arena.bytes_mut(buf).fill(0x5a);
-    // Write every slot first so reads hit allocated blocks, as evicted pages do.
-    for slot in 0..slots {
-        queue.push(Request::Write { slot, buf }, slot)?;
-        queue.submit()?;
-        queue.wait(1, &mut |_| {})?;
-    }
-    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut reader = SlotReader::new(dir)?;
     let started = Instant::now();
     for _ in 0..samples {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        queue.push(Request::Read { slot: x % slots, buf }, 0)?;
-        queue.submit()?;
-        queue.wait(1, &mut |_| {})?;
+        reader.read_next()?;
     }
     Ok(started.elapsed().as_secs_f64() * 1e6 / f64::from(samples))
+}
+
+/// Random single-slot reads from a 64 MiB temporary device file in `dir` through a polled
+/// queue, into one buffer: what a critical fault's read is.
+struct SlotReader {
+    arena: Arc<BufferArena>,
+    queue: Box<dyn tiermem_device::IoQueue>,
+    buf: tiermem_device::BufId,
+    slots: u64,
+    rng: u64,
+    // Kept open for the queue (the device file goes when it drops).
+    _device: Arc<dyn Device>,
+}
+
+impl SlotReader {
+    fn new(dir: &Path) -> Result<Self> {
+        let device = open_device(Variant::File, dir, 64 << 20)?;
+        let arena = Arc::new(BufferArena::new(16)?);
+        let mut queue = device.open_queue(QueueKind::Polled, 4, &arena)?;
+        let slots = device.capacity_slots();
+        let buf = arena.alloc().ok_or_else(|| Error::new(tiermem_sys::ErrorKind::Internal, "empty arena"))?;
+        arena.bytes_mut(buf).fill(0x5a);
+        // Write every slot first so reads hit allocated blocks, as evicted pages do.
+        for slot in 0..slots {
+            queue.push(Request::Write { slot, buf }, slot)?;
+            queue.submit()?;
+            queue.wait(1, &mut |_| {})?;
+        }
+        Ok(Self { arena, queue, buf, slots, rng: 0x2545_f491_4f6c_dd1d, _device: device })
+    }
+
+    /// Read a random slot into the buffer and wait for it.
+    fn read_next(&mut self) -> Result<()> {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.queue.push(Request::Read { slot: self.rng % self.slots, buf: self.buf }, 0)?;
+        self.queue.submit()?;
+        self.queue.wait(1, &mut |_| {})?;
+        Ok(())
+    }
+}
+
+/// Mean µs of UFFDIO_COPY of a 4 KiB page into a fresh registered mapping from a buffer the
+/// device in `dir` has just read into, as a critical fault maps its page: its source is not in
+/// the CPU's caches then, so it costs more than [`page_map_latency_us`], whose source is.
+pub fn page_map_after_read_us(dir: &Path, pages: usize) -> Result<f64> {
+    use tiermem_sys::uffd::{Features, RegisterMode, Uffd};
+    let mut reader = SlotReader::new(dir)?;
+    let uffd = Uffd::open(Features::empty(), true)?;
+    let target = tiermem_sys::mem::Mapping::anonymous(pages * tiermem_sys::PAGE_SIZE, false)?;
+    uffd.register(target.as_ptr(), target.len(), RegisterMode { missing: true, write_protect: false })?;
+    let mut copying = std::time::Duration::ZERO;
+    for page in 0..pages {
+        reader.read_next()?;
+        let dst = target.as_ptr().wrapping_add(page * tiermem_sys::PAGE_SIZE);
+        let src = reader.arena.ptr(reader.buf);
+        let started = Instant::now();
+        // SAFETY: `src` is the reader's buffer, one readable page that nothing writes now (its
+        // read has completed); `dst` is a page of `target`, registered above, never touched, and
+        // unmapped only when `target` drops after this loop.
+        unsafe { uffd.copy(dst, src, tiermem_sys::PAGE_SIZE, false, true) }
+            .map_err(|(_, e)| Error::os(e.into(), "UFFDIO_COPY from a buffer just read"))?;
+        copying += started.elapsed();
+    }
+    Ok(copying.as_secs_f64() * 1e6 / pages as f64)
 }
 
 /// One row of the comparison table.
@@ -193,8 +242,20 @@ pub fn page_map_latency_us(pages: usize) -> Result<f64> {
     Ok(started.elapsed().as_secs_f64() * 1e6 / pages as f64)
 }
 
+/// What the kernel alone costs in a critical fault, measured after the runs (each None where not
+/// measured): the floor under the engine share the table reports.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct KernelFloor {
+    /// UFFDIO_COPY of a fresh page from a cache-hot buffer, mean µs ([`page_map_latency_us`]).
+    pub page_map_us: Option<f64>,
+    /// The same from a buffer the device has just filled, mean µs ([`page_map_after_read_us`]).
+    pub page_map_after_read_us: Option<f64>,
+    /// A fault served on the faulting thread by a handler that only maps the page.
+    pub fault_round_trip: Option<crate::machine::FaultRoundTrip>,
+}
+
 /// The side-by-side table, with speed-ups over Linux swap when it was measured.
-pub fn format_table(rows: &[Row], size_mb: u64, limit_mb: u64, device_us: Option<f64>, map_us: Option<f64>) -> String {
+pub fn format_table(rows: &[Row], size_mb: u64, limit_mb: u64, device_us: Option<f64>, floor: &KernelFloor) -> String {
     use std::fmt::Write;
     let mut s = String::new();
     let _ = writeln!(s, "array {size_mb} MiB, limit {limit_mb} MiB, per-page µs (mean; read p50/p99):");
@@ -251,11 +312,20 @@ pub fn format_table(rows: &[Row], size_mb: u64, limit_mb: u64, device_us: Option
             let _ = writeln!(s, "  {}: engine share of a critical fault {:.2} µs mean{median}", r.system, fault - io);
         }
     }
-    if let Some(m) = map_us {
+    if let Some(m) = floor.page_map_us {
         let _ = writeln!(
             s,
             "  of which the kernel maps the page: UFFDIO_COPY of a fresh page alone {m:.2} µs (measured after the runs)"
         );
+    }
+    if let Some(m) = floor.page_map_after_read_us {
+        let _ = writeln!(
+            s,
+            "  the same copy from a buffer the device has just filled (not in the CPU's caches): {m:.2} µs"
+        );
+    }
+    if let Some(trip) = &floor.fault_round_trip {
+        let _ = writeln!(s, "  the kernel alone: {}", crate::machine::round_trip_line(trip));
     }
     let _ = writeln!(s, "\"vs LS\" = Linux swap time / this system's time (>1 = faster than Linux swap)");
     s
