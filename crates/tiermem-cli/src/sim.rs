@@ -58,6 +58,11 @@ pub struct SimArgs {
     /// (0: evict each victim as it is picked; the engine keeps 0.3, above its 70% watermark).
     #[arg(long, default_value_t = 0.0)]
     pub clean_ahead: f64,
+    /// With --clean-ahead, clean only while fewer than this many write-backs are in flight, as
+    /// the engine keeps half its write-back queue (64) for eviction; when nothing is cleaned,
+    /// evictions take the policy's victims directly (0: no limit, cleaning is instant).
+    #[arg(long, default_value_t = 0)]
+    pub clean_queue: usize,
     /// CPU time per trace event, ns.
     #[arg(long, default_value_t = Latency::default().access_ns)]
     pub access_ns: f64,
@@ -230,6 +235,9 @@ pub fn run(args: &SimArgs) -> Result<()> {
     if !(0.0..1.0).contains(&args.clean_ahead) {
         return Err(Error::invalid(format!("--clean-ahead {}: a share at least 0 and below 1", args.clean_ahead)));
     }
+    if args.clean_queue > 0 && args.clean_ahead == 0.0 {
+        return Err(Error::invalid("--clean-queue limits cleaning ahead: give --clean-ahead too"));
+    }
     // None: auto (the trace's reports if it has any, else every page change).
     let monitor = match args.monitor.as_str() {
         "auto" => None,
@@ -281,6 +289,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
                 monitor,
                 hits,
                 clean_ahead: args.clean_ahead,
+                clean_queue: args.clean_queue,
             };
             let started = Instant::now();
             let result = match (&trace, synthetic) {
@@ -333,6 +342,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
             "monitor": monitor,
             "hits": hits,
             "clean_ahead": args.clean_ahead,
+            "clean_queue": args.clean_queue,
             "latency": latency,
             "results": rows,
         });
@@ -340,9 +350,10 @@ pub fn run(args: &SimArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "trace {label}: footprint {footprint} pages, local memory {local_pages} pages ({:.0}%), monitor input {monitor:?}, hits {hits:?}, clean-ahead {}",
+        "trace {label}: footprint {footprint} pages, local memory {local_pages} pages ({:.0}%), monitor input {monitor:?}, hits {hits:?}, clean-ahead {}{}",
         local_pages as f64 * 100.0 / footprint.max(1) as f64,
-        args.clean_ahead
+        args.clean_ahead,
+        if args.clean_queue > 0 { format!(" (at most {} write-backs in flight)", args.clean_queue) } else { String::new() }
     );
     let results: Vec<SimResult> = rows.iter().map(|r| r.result.clone()).collect();
     print!("{}", format_table(&results));

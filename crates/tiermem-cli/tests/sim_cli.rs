@@ -68,6 +68,10 @@ fn bad_input_fails_with_a_message_naming_the_problem() {
         (vec!["sim", gzip_path], format!("{gzip_path}: compressed with gzip, which tiermem does not read")),
         (vec!["sim", good_path, "--hits", "some"], "--hits 'some': expected full or engine".into()),
         (vec!["sim", good_path, "--clean-ahead", "1"], "--clean-ahead 1: a share at least 0 and below 1".into()),
+        (
+            vec!["sim", good_path, "--clean-queue", "64"],
+            "--clean-queue limits cleaning ahead: give --clean-ahead too".into(),
+        ),
         (vec!["sim", good_path, "--read-ns=-1"], "--read-ns -1".into()),
         (vec!["sim", huge_path, "--format", "lackey"], format!("{huge_path}:1: size above 4096 bytes")),
         (vec!["sim", good_path, "--llc", "64GiB:16"], "at most 1024 MiB".into()),

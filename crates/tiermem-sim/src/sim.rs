@@ -112,6 +112,12 @@ pub struct SimConfig {
     /// back if dirty and dropped oldest first; one used meanwhile goes back to the policy.
     /// `belady` ignores it.
     pub clean_ahead: f64,
+    /// Most write-backs in flight that cleaning leaves behind it (0: no limit, every victim is
+    /// cleaned the moment the list has room). The engine cleans only while its write-back queue
+    /// has room, keeping half of it for eviction (64 of 128), so how far ahead it gets depends
+    /// on the device's write rate; when the list runs dry, evictions take the policy's victims
+    /// directly, written back on the way out if dirty.
+    pub clean_queue: usize,
 }
 
 /// What a simulation measured.
@@ -139,6 +145,8 @@ pub struct SimResult {
     pub unused_prefetches: u64,
     /// Pages evicted.
     pub evictions: u64,
+    /// Of them, pages dropped from the cleaned list (cleaned ahead, no write at eviction).
+    pub cleaned_evictions: u64,
     /// Dirty pages written back on eviction.
     pub writebacks: u64,
     /// prefetch_hits / prefetch_issued.
@@ -316,6 +324,9 @@ pub struct Simulator {
     /// Pages cleaned ahead of eviction, oldest first, and how many to keep (0: off).
     cleaned: std::collections::VecDeque<u64>,
     clean_target: usize,
+    /// When the write-backs still in flight complete, oldest first (kept only with a
+    /// [`SimConfig::clean_queue`] limit).
+    writes_in_flight: std::collections::VecDeque<f64>,
 }
 
 /// Pages a prefetcher may name (page ids carry no region in the simulator).
@@ -386,6 +397,7 @@ impl Simulator {
             policy_mru: u64::MAX,
             cleaned: std::collections::VecDeque::new(),
             clean_target,
+            writes_in_flight: std::collections::VecDeque::new(),
             config,
         }
     }
@@ -405,19 +417,27 @@ impl Simulator {
             return;
         }
         while self.resident >= self.config.local_pages {
-            if !self.pick_victim() {
+            if !self.evict_from_policy() {
                 return;
             }
-            for k in 0..self.victims.len() {
-                let page = self.victims.as_slice()[k];
-                let cell = self.pages.cell(page);
-                let s = cell.get();
-                if s & RESIDENT != 0 {
-                    cell.set(0);
-                    self.evicted(page, s);
-                }
+        }
+    }
+
+    /// Evict the policy's next victim (written back if dirty); false if it has none.
+    fn evict_from_policy(&mut self) -> bool {
+        if !self.pick_victim() {
+            return false;
+        }
+        for k in 0..self.victims.len() {
+            let page = self.victims.as_slice()[k];
+            let cell = self.pages.cell(page);
+            let s = cell.get();
+            if s & RESIDENT != 0 {
+                cell.set(0);
+                self.evicted(page, s);
             }
         }
+        true
     }
 
     /// Account for `page`, in state `s`, leaving local memory (its state already cleared).
@@ -439,8 +459,15 @@ impl Simulator {
     /// which with [`HitInfo::Engine`] only a write or a report sets) goes back to the policy.
     fn make_room_from_cleaned(&mut self) {
         while self.resident >= self.config.local_pages {
-            self.clean_ahead();
-            let Some(page) = self.cleaned.pop_front() else { return };
+            let held_back = self.clean_ahead();
+            let Some(page) = self.cleaned.pop_front() else {
+                // Nothing cleaned because the write-back queue is full: evict directly, as the
+                // engine's eviction does then. (Otherwise the policy has nothing to give.)
+                if held_back && self.evict_from_policy() {
+                    continue;
+                }
+                return;
+            };
             let cell = self.pages.cell(page);
             let s = cell.get();
             if s & (RESIDENT | CLEANED) != (RESIDENT | CLEANED) {
@@ -453,6 +480,7 @@ impl Simulator {
                 continue;
             }
             cell.set(0);
+            self.result.cleaned_evictions += 1;
             self.evicted(page, s);
         }
     }
@@ -479,11 +507,15 @@ impl Simulator {
         false
     }
 
-    /// Fill the cleaned list up to its target from the policy's victims.
-    fn clean_ahead(&mut self) {
+    /// Fill the cleaned list up to its target from the policy's victims, while the write-back
+    /// queue has room for cleaning. True if that room ran out first.
+    fn clean_ahead(&mut self) -> bool {
         while self.cleaned.len() < self.clean_target {
+            if self.cleaning_held_back() {
+                return true;
+            }
             if !self.pick_victim() {
-                return;
+                return false;
             }
             for k in 0..self.victims.len() {
                 let page = self.victims.as_slice()[k];
@@ -501,13 +533,32 @@ impl Simulator {
                 }
             }
         }
+        false
     }
 
-    /// A page written back: the device is busy for its transfer.
+    /// Whether [`SimConfig::clean_queue`] write-backs are still in flight now, as the engine
+    /// stops picking victims to clean when half its write-back queue is busy (it counts a
+    /// victim whether or not it turns out to need a write).
+    fn cleaning_held_back(&mut self) -> bool {
+        if self.config.clean_queue == 0 {
+            return false;
+        }
+        while self.writes_in_flight.front().is_some_and(|&done| done <= self.now) {
+            self.writes_in_flight.pop_front();
+        }
+        self.writes_in_flight.len() >= self.config.clean_queue
+    }
+
+    /// A page written back: the device is busy for its transfer, and the write is in flight
+    /// until a device latency after it started.
     fn write_back(&mut self) {
         self.result.writebacks += 1;
         let start = self.device_free.max(self.now);
         self.device_free = start + self.config.latency.transfer_ns;
+        if self.config.clean_queue > 0 {
+            let latency = self.config.latency.read_ns.max(self.config.latency.transfer_ns);
+            self.writes_in_flight.push_back(start + latency);
+        }
     }
 
     fn issue_wanted(&mut self) {
@@ -715,6 +766,7 @@ mod tests {
             monitor: MonitorInput::Reports,
             hits: HitInfo::Full,
             clean_ahead: 0.0,
+            clean_queue: 0,
         };
         let mut sim = Simulator::new(config).unwrap();
         // The default decides per policy; `false` forces every call through.
@@ -736,6 +788,7 @@ mod tests {
             monitor: MonitorInput::None,
             hits: HitInfo::Full,
             clean_ahead: 0.0,
+            clean_queue: 0,
         };
         let mut sim = Simulator::new(config).unwrap();
         let referenced = |sim: &mut Simulator, page| sim.pages.cell(page).get() & REFERENCED != 0;
@@ -766,6 +819,7 @@ mod tests {
             monitor: MonitorInput::None,
             hits,
             clean_ahead: 0.0,
+            clean_queue: 0,
         };
         let mut sim = Simulator::new(config(HitInfo::Engine)).unwrap();
         let referenced = |sim: &mut Simulator, page| sim.pages.cell(page).get() & REFERENCED != 0;
@@ -819,6 +873,7 @@ mod tests {
             monitor: MonitorInput::None,
             hits: HitInfo::Engine,
             clean_ahead: 0.3,
+            clean_queue: 0,
         };
         let mut sim = Simulator::new(config.clone()).unwrap();
         for page in 0..10 {
@@ -859,6 +914,59 @@ mod tests {
         assert_eq!(state(&mut sim, 1), 0, "untouched: dropped");
         assert_eq!(state(&mut sim, 2) & (RESIDENT | CLEANED), RESIDENT, "touched while cleaned: sent back");
         assert_eq!(state(&mut sim, 3), 0);
+    }
+
+    /// With a write-back queue limit, cleaning stops while that many write-backs are in flight,
+    /// and evictions that find nothing cleaned then write their own victims back; without it,
+    /// every victim is cleaned the moment the list has room.
+    #[test]
+    fn cleaning_waits_for_room_in_the_write_back_queue() {
+        let config = |clean_queue| SimConfig {
+            local_pages: 80,
+            // The next seven pages after each fault: evictions for them come back to back,
+            // with no fault in between to wait for the writes.
+            prefetch: "fastswap".into(),
+            replace: "fifo".into(),
+            options: PolicyOptions::default(),
+            latency: Latency { read_ns: 1e6, transfer_ns: 1000.0, ..Latency::default() },
+            monitor: MonitorInput::None,
+            // (With every hit known, a prefetched page's first touch is not a reuse: nothing
+            // below is referenced, so no cleaned page is sent back.)
+            hits: HitInfo::Full,
+            clean_ahead: 0.3,
+            clean_queue,
+        };
+        let run = |clean_queue| {
+            let mut sim = Simulator::new(config(clean_queue)).unwrap();
+            // Ten faults, each with its seven prefetched neighbours, all written: 80 dirty pages
+            // fill memory.
+            for group in (0..10).map(|g| g * 100) {
+                (group..group + 8).for_each(|page| sim.step(event(page, EventKind::Write)));
+            }
+            assert_eq!((sim.result.evictions, sim.result.writebacks, sim.result.faults), (0, 0, 10));
+            // A fault far from them and its seven prefetches need eight evictions.
+            sim.step(event(5000, EventKind::Read));
+            let evicted: Vec<u64> = (0..10)
+                .flat_map(|g| g * 100..g * 100 + 8)
+                .filter(|&p| sim.pages.cell(p).get() & RESIDENT == 0)
+                .collect();
+            (sim.result.clone(), evicted)
+        };
+        let (free, free_evicted) = run(0);
+        // Unlimited: the oldest 24 are cleaned (written) ahead; each of the eight evictions drops
+        // the oldest cleaned page, and another is cleaned in its place from the second on.
+        assert_eq!((free.evictions, free.cleaned_evictions), (8, 8));
+        assert_eq!(free.writebacks, 24 + 7, "{free:?}");
+        let (held, held_evicted) = run(1);
+        // One write-back in flight at most: the fault's eviction cleans one victim, written by
+        // the time its own read returns, and the first prefetch's cleans one more; the other
+        // six find the queue busy and the list empty, and write their own victims on the way
+        // out.
+        assert_eq!((held.evictions, held.cleaned_evictions), (8, 2), "{held:?}");
+        assert_eq!(held.writebacks, 8, "each victim written once, nothing cleaned ahead of need");
+        // Either way the same pages leave, oldest first (fifo).
+        assert_eq!(free_evicted, held_evicted);
+        assert_eq!(held_evicted, (0..8).collect::<Vec<u64>>());
     }
 
     /// Forwards only the `&self` hooks, so the simulator's `_mut` calls take the trait's default
@@ -904,6 +1012,7 @@ mod tests {
             monitor,
             hits: HitInfo::Full,
             clean_ahead: 0.0,
+            clean_queue: 0,
         };
         let mut sim = if exclusive {
             Simulator::new(config).unwrap()

@@ -16,6 +16,7 @@ fn config(prefetch: &str, replace: &str, local_pages: usize) -> SimConfig {
         monitor: MonitorInput::None,
         hits: HitInfo::Full,
         clean_ahead: 0.0,
+        clean_queue: 0,
     }
 }
 
