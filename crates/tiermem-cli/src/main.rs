@@ -236,14 +236,13 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
         // The same copy from a buffer the device has just filled, as a critical fault on a
         // device file maps it.
         page_map_after_read_us: if timed_critical && device_us.is_some() {
-            micro_tiermem::page_map_after_read_us(&dir, 2000).ok()
+            noted(micro_tiermem::page_map_after_read_us(&dir, 2000), "the copy from a buffer just read")
         } else {
             None
         },
         fault_round_trip: if timed_critical && base.fault_mode == tiermem_engine::FaultMode::Sigbus {
-            std::env::current_exe()
-                .ok()
-                .and_then(|worker| tiermem_cli::machine::fault_round_trip_in_worker(&worker).ok())
+            let worker = std::env::current_exe().map_err(|e| Error::os(e, "locating the tiermem executable"));
+            noted(worker.and_then(|w| tiermem_cli::machine::fault_round_trip_in_worker(&w)), "the fault round trip")
         } else {
             None
         },
@@ -263,6 +262,12 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
         return Err(Error::new(ErrorKind::Unsupported, "no system could be measured"));
     }
     Ok(())
+}
+
+/// A figure measured after the runs, or None with a note on stderr saying why not (the table
+/// is worth printing without it).
+fn noted<T>(figure: Result<T>, what: &str) -> Option<T> {
+    figure.map_err(|e| eprintln!("tiermem: note: {what} was not measured: {e}")).ok()
 }
 
 fn progress_bar(name: &str, size_mb: u64) -> indicatif::ProgressBar {

@@ -58,9 +58,10 @@ pub struct SimArgs {
     /// (0: evict each victim as it is picked; the engine keeps 0.3, above its 70% watermark).
     #[arg(long, default_value_t = 0.0)]
     pub clean_ahead: f64,
-    /// With --clean-ahead, clean only while fewer than this many write-backs are in flight, as
-    /// the engine keeps half its write-back queue (64) for eviction; when nothing is cleaned,
-    /// evictions take the policy's victims directly (0: no limit, cleaning is instant).
+    /// With --clean-ahead, clean only while fewer than this many write-backs are in flight (the
+    /// engine cleans only as far as its write-back queue has room); when nothing is cleaned,
+    /// evictions take the policy's victims directly (0: no limit, cleaning is instant; 64 fits
+    /// the live runs best, docs/policies.md).
     #[arg(long, default_value_t = 0)]
     pub clean_queue: usize,
     /// CPU time per trace event, ns.

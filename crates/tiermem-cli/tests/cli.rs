@@ -83,6 +83,16 @@ fn a_fault_round_trip_worker_that_cannot_start_is_an_error_not_a_figure() {
     // A worker that runs but prints no figure (`true` ignores its argument) is refused too.
     let e = tiermem_cli::machine::fault_round_trip_in_worker(std::path::Path::new("/bin/true")).expect_err("no JSON");
     assert!(e.to_string().contains("output"), "{e}");
+    // One that never finishes is killed at its deadline, and that is an error too.
+    let dir = tempfile::tempdir().unwrap();
+    let stuck = dir.path().join("stuck-worker");
+    std::fs::write(&stuck, "#!/bin/sh\nexec sleep 60\n").unwrap();
+    std::fs::set_permissions(&stuck, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let started = std::time::Instant::now();
+    let e = tiermem_cli::machine::fault_round_trip_in_worker_within(&stuck, std::time::Duration::from_millis(300))
+        .expect_err("a stuck worker");
+    assert!(e.to_string().contains("killed"), "{e}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "the deadline was kept");
 }
 
 #[test]

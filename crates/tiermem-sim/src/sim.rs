@@ -112,11 +112,12 @@ pub struct SimConfig {
     /// back if dirty and dropped oldest first; one used meanwhile goes back to the policy.
     /// `belady` ignores it.
     pub clean_ahead: f64,
-    /// Most write-backs in flight that cleaning leaves behind it (0: no limit, every victim is
-    /// cleaned the moment the list has room). The engine cleans only while its write-back queue
-    /// has room, keeping half of it for eviction (64 of 128), so how far ahead it gets depends
-    /// on the device's write rate; when the list runs dry, evictions take the policy's victims
-    /// directly, written back on the way out if dirty.
+    /// Most write-backs in flight while cleaning picks victims (0: no limit, every victim is
+    /// cleaned the moment the list has room). The engine cleans only as far as its write-back
+    /// queue has room (each batch takes at most half of what is free), so how far ahead it
+    /// gets depends on the device's write rate; here a write is in flight for one device
+    /// latency from its start, and when the list runs dry while cleaning is held back, an
+    /// eviction takes the policy's next victim directly, written back on its way out if dirty.
     pub clean_queue: usize,
 }
 
@@ -536,9 +537,8 @@ impl Simulator {
         false
     }
 
-    /// Whether [`SimConfig::clean_queue`] write-backs are still in flight now, as the engine
-    /// stops picking victims to clean when half its write-back queue is busy (it counts a
-    /// victim whether or not it turns out to need a write).
+    /// Whether [`SimConfig::clean_queue`] write-backs are still in flight now (only writes
+    /// count: a clean victim costs the queue nothing).
     fn cleaning_held_back(&mut self) -> bool {
         if self.config.clean_queue == 0 {
             return false;
