@@ -152,22 +152,40 @@ impl SlotReader {
 /// device in `dir` has just read into, as a critical fault maps its page: its source is not in
 /// the CPU's caches then, so it costs more than [`page_map_latency_us`], whose source is.
 pub fn page_map_after_read_us(dir: &Path, pages: usize) -> Result<f64> {
-    use tiermem_sys::uffd::{Features, RegisterMode, Uffd};
     let mut reader = SlotReader::new(dir)?;
+    mean_copy_us(pages, "UFFDIO_COPY from a buffer just read", || {
+        reader.read_next()?;
+        Ok(reader.arena.ptr(reader.buf).cast_const())
+    })
+}
+
+/// Mean µs of one UFFDIO_COPY of a 4 KiB page into a fresh registered mapping: the kernel's
+/// part of every page-in (allocating, charging, copying and mapping the page), which no engine
+/// work can remove. Measured on its own so the engine share of a critical fault can be read
+/// against it.
+pub fn page_map_latency_us(pages: usize) -> Result<f64> {
+    let source = vec![0x5au8; tiermem_sys::PAGE_SIZE];
+    mean_copy_us(pages, "UFFDIO_COPY of a fresh page", || Ok(source.as_ptr()))
+}
+
+/// Map `pages` fresh pages of a registered mapping with one UFFDIO_COPY each, from the page
+/// `next_source` gives before each copy (that call is not timed); the mean µs of a copy.
+/// `next_source` must return a readable page that nothing writes until its next call.
+fn mean_copy_us(pages: usize, what: &str, mut next_source: impl FnMut() -> Result<*const u8>) -> Result<f64> {
+    use tiermem_sys::uffd::{Features, RegisterMode, Uffd};
     let uffd = Uffd::open(Features::empty(), true)?;
     let target = tiermem_sys::mem::Mapping::anonymous(pages * tiermem_sys::PAGE_SIZE, false)?;
     uffd.register(target.as_ptr(), target.len(), RegisterMode { missing: true, write_protect: false })?;
     let mut copying = std::time::Duration::ZERO;
     for page in 0..pages {
-        reader.read_next()?;
+        let src = next_source()?;
         let dst = target.as_ptr().wrapping_add(page * tiermem_sys::PAGE_SIZE);
-        let src = reader.arena.ptr(reader.buf);
         let started = Instant::now();
-        // SAFETY: `src` is the reader's buffer, one readable page that nothing writes now (its
-        // read has completed); `dst` is a page of `target`, registered above, never touched, and
-        // unmapped only when `target` drops after this loop.
+        // SAFETY: `src` is one readable page that nothing writes now (the callers' promise);
+        // `dst` is a page of `target`, registered above, never touched, and unmapped only when
+        // `target` drops after this loop.
         unsafe { uffd.copy(dst, src, tiermem_sys::PAGE_SIZE, false, true) }
-            .map_err(|(_, e)| Error::os(e.into(), "UFFDIO_COPY from a buffer just read"))?;
+            .map_err(|(_, e)| Error::os(e.into(), what.to_string()))?;
         copying += started.elapsed();
     }
     Ok(copying.as_secs_f64() * 1e6 / pages as f64)
@@ -219,27 +237,6 @@ impl Row {
 /// One figure (`pick`: mean, median) of a timed path that ran at least once.
 fn path_us(stats: &StatsSnapshot, path: &str, pick: impl Fn(&PathStats) -> f64) -> Option<f64> {
     stats.paths.iter().find(|p| p.path == path && p.count > 0).map(pick)
-}
-
-/// Mean µs of one UFFDIO_COPY of a 4 KiB page into a fresh registered mapping: the kernel's
-/// part of every page-in (allocating, charging, copying and mapping the page), which no engine
-/// work can remove. Measured on its own so the engine share of a critical fault can be read
-/// against it.
-pub fn page_map_latency_us(pages: usize) -> Result<f64> {
-    use tiermem_sys::uffd::{Features, RegisterMode, Uffd};
-    let uffd = Uffd::open(Features::empty(), true)?;
-    let target = tiermem_sys::mem::Mapping::anonymous(pages * tiermem_sys::PAGE_SIZE, false)?;
-    uffd.register(target.as_ptr(), target.len(), RegisterMode { missing: true, write_protect: false })?;
-    let source = vec![0x5au8; tiermem_sys::PAGE_SIZE];
-    let started = Instant::now();
-    for page in 0..pages {
-        let dst = target.as_ptr().wrapping_add(page * tiermem_sys::PAGE_SIZE);
-        // SAFETY: `source` is one readable page; `dst` is a page of `target`, registered above,
-        // never touched, and unmapped only when `target` drops after this loop.
-        unsafe { uffd.copy(dst, source.as_ptr(), tiermem_sys::PAGE_SIZE, false, true) }
-            .map_err(|(_, e)| Error::os(e.into(), "UFFDIO_COPY of a fresh page"))?;
-    }
-    Ok(started.elapsed().as_secs_f64() * 1e6 / pages as f64)
 }
 
 /// What the kernel alone costs in a critical fault, measured after the runs (each None where not
