@@ -2013,21 +2013,26 @@ fn with_the_mem_device_in_a_larger_cgroup_the_limit_counts_the_unmanaged_memory(
     assert!(evicted > 0, "{name}: 64 MiB under a 40 MiB limit must evict");
 }
 
-/// Fills a managed array larger than the budget, then maps and fills unmanaged memory in one
-/// burst (a raw mmap system call, which the shim does not see), then reads both back.
+/// Fills a managed array of N MiB larger than the budget, then maps and fills K KiB of
+/// unmanaged memory in one burst, then reads both back. The burst is a shared mapping of a
+/// memfd: not anonymous, so the shim leaves it alone (it sees mmap by number through
+/// `syscall()` too, which this program used until 2026-12-01 and which made its "burst"
+/// managed memory), and charged to the cgroup as shared memory, which without swap the kernel
+/// cannot reclaim.
 const UNMANAGED_BURST: &str = r#"
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <sys/mman.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 int main(int argc, char** argv) {
-    size_t n = ((size_t)atoi(argv[1]) << 20) / 8, len = (size_t)atoi(argv[2]) << 20;
+    size_t n = ((size_t)atoi(argv[1]) << 20) / 8, len = (size_t)atoi(argv[2]) << 10;
     uint64_t* a = (uint64_t*)malloc(n * 8);
     for (size_t i = 0; i < n; i++) a[i] = i * 2654435761u;
-    void* raw = (void*)syscall(SYS_mmap, nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    int fd = memfd_create("burst", 0);
+    if (fd < 0 || ftruncate(fd, (off_t)len) != 0) { perror("memfd"); return 2; }
+    void* raw = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (raw == MAP_FAILED) { perror("mmap"); return 2; }
     memset(raw, 7, len);
     uint64_t sum = 0;
@@ -2041,7 +2046,8 @@ int main(int argc, char** argv) {
 /// Unmanaged memory can grow faster than the budget follows the cgroup (a look every 20 ms):
 /// 4 MiB filled at once next to a full budget under a 48 MiB limit got the program OOM-killed.
 /// With `--cgroup guard` the kernel pauses it instead, tiermem cuts its budget, and the program
-/// completes, with the right output and the cgroup's OOM killer back on afterwards.
+/// completes, with the right output and
+/// the cgroup's OOM killer back on afterwards.
 ///
 /// In both fault modes, each run after the page cache was dropped: then the program's code is
 /// read in (and charged) during the run, and before the engine's threads took their memory from
@@ -2050,21 +2056,50 @@ int main(int argc, char** argv) {
 #[test]
 fn under_the_oom_guard_a_burst_of_unmanaged_memory_pauses_the_program_instead_of_killing_it() {
     let name = "under_the_oom_guard_a_burst_of_unmanaged_memory_pauses_the_program_instead_of_killing_it";
-    let Some((scratch, bin_arg, reference)) = oom_guard_program(name, UNMANAGED_BURST, "unmanaged_burst") else {
+    let Some((scratch, bin_arg, reference)) = oom_guard_program(name, UNMANAGED_BURST, "unmanaged_burst", "4096")
+    else {
         return;
     };
     let limit: u64 = 48 << 20;
     let limit_arg = limit.to_string();
     let device = format!("file:{}", scratch.path().display());
     for mode in ["thread", "sigbus"] {
-        burst_under_the_oom_guard(name, &scratch, mode, &bin_arg, &reference.stdout, &limit_arg, &device);
+        let burst = Burst { kib: "4096", fault_mode: mode, cold_cache: true, reference: &reference.stdout };
+        for attempt in 0..3 {
+            let (rescues, _, waits) =
+                burst_under_the_oom_guard(name, &scratch, &burst, &bin_arg, &limit_arg, &device, attempt);
+            // The burst must have hit the cgroup's limit at least once, or this proved nothing;
+            // a run where the 20 ms look happened to catch it in time is tried again.
+            if rescues + waits > 0 {
+                break;
+            }
+            assert!(
+                attempt < 2,
+                "{name} ({mode}): in three runs the burst never ran the cgroup out of memory: the test no longer tests the guard"
+            );
+        }
     }
+}
+
+/// One burst run of [`UNMANAGED_BURST`]: its size, the fault mode, whether the page cache is
+/// dropped first (the program's code is then read in, and charged, during the run), and the
+/// program's output alone.
+struct Burst<'a> {
+    kib: &'a str,
+    fault_mode: &'a str,
+    cold_cache: bool,
+    reference: &'a [u8],
 }
 
 /// What the OOM-guard tests need: root and cgroups, the cgroup v1 memory controller (whose
 /// memory.oom_control the guard switches), and the C++ program `source` built, with its output
-/// run alone with arguments 96 16. None, after saying SKIPPED, where something is missing.
-fn oom_guard_program(name: &str, source: &str, bin_name: &str) -> Option<(Scratch, String, std::process::Output)> {
+/// run alone with arguments 96 and `second_arg`. None, after saying SKIPPED, where something is missing.
+fn oom_guard_program(
+    name: &str,
+    source: &str,
+    bin_name: &str,
+    second_arg: &str,
+) -> Option<(Scratch, String, std::process::Output)> {
     if !cgroup_test_or_skip(name) {
         return None;
     }
@@ -2074,72 +2109,71 @@ fn oom_guard_program(name: &str, source: &str, bin_name: &str) -> Option<(Scratc
     }
     let scratch = Scratch::new();
     let bin = build_cpp(&scratch, source, bin_name, name)?;
-    let reference = Command::new(&bin).args(["96", "16"]).output().expect("the program alone");
+    let reference = Command::new(&bin).args(["96", second_arg]).output().expect("the program alone");
     Some((scratch, bin.display().to_string(), reference))
 }
 
+/// One run of [`UNMANAGED_BURST`] under the guard, in a cgroup of `limit_arg` bytes without swap:
+/// it must complete with the program's own output and leave the OOM killer on. Returns the
+/// budget cuts, the ballast releases and the page copies the full cgroup refused.
 fn burst_under_the_oom_guard(
     name: &str,
     scratch: &Scratch,
-    mode: &str,
+    burst: &Burst<'_>,
     bin_arg: &str,
-    reference: &[u8],
     limit_arg: &str,
     device: &str,
-) {
+    attempt: u32,
+) -> (u64, u64, u64) {
     let limit: u64 = limit_arg.parse().unwrap();
-    for attempt in 0..3 {
+    let mode = burst.fault_mode;
+    if burst.cold_cache {
         drop_page_cache();
-        let cgroup = tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", limit, Some(0))
-            .expect("memory cgroup");
-        let stats = scratch.path().join(format!("burst-{mode}-{attempt}.json"));
-        let stats_arg = stats.display().to_string();
-        let args = [
-            "run",
-            "--fault-mode",
-            mode,
-            "--cgroup",
-            "guard",
-            "--limit",
-            limit_arg,
-            "--device",
-            device,
-            "--stats-json",
-            &stats_arg,
-            "--",
-            bin_arg,
-            "96",
-            "16",
-        ];
-        let out = tiermem_cli::bench::linux_swap::run_in_cgroup(&cgroup, &mut scratch.command(&args));
-        let control = std::fs::read_to_string(cgroup.path().join("memory.oom_control")).unwrap_or_default();
-        let kills = cgroup.oom_kills();
-        cgroup.close().expect("removing the cgroup");
-        let out = out.expect("tiermem run");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{name} ({mode}): {stderr} (OOM kills {kills:?})");
-        assert_eq!(out.stdout, reference, "{name} ({mode}): same output as the program alone");
-        assert!(
-            control.contains("oom_kill_disable 0"),
-            "{name} ({mode}): OOM killer left off after the run: {control}"
-        );
-        let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
-        let process = &stats["processes"][0];
-        let rescues = process["oom_rescues"].as_u64().unwrap_or(0);
-        let waits = stats["merged"]["memory_waits"].as_u64().unwrap_or(0);
-        let reserve = process["engine_reserve_bytes"].as_u64().expect("the engine's reserve in the statistics");
-        assert!(reserve > 0, "{name} ({mode}): the engine's threads took nothing from their reserve");
-        eprintln!(
-            "{name} ({mode}): attempt {attempt}: {rescues} budget cuts for the OOM guard, {waits} page copies \
-             refused, {reserve} bytes of the engine's reserve used"
-        );
-        // The burst must have hit the cgroup's limit at least once, or this proved nothing;
-        // a run where the 20 ms look happened to catch it in time is tried again.
-        if rescues + waits > 0 {
-            return;
-        }
     }
-    panic!("{name} ({mode}): in three runs the burst never ran the cgroup out of memory: the test no longer tests the guard");
+    let cgroup = tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", limit, Some(0))
+        .expect("memory cgroup");
+    let stats = scratch.path().join(format!("burst-{mode}-{attempt}.json"));
+    let stats_arg = stats.display().to_string();
+    let args = [
+        "run",
+        "--fault-mode",
+        mode,
+        "--cgroup",
+        "guard",
+        "--limit",
+        limit_arg,
+        "--device",
+        device,
+        "--stats-json",
+        &stats_arg,
+        "--",
+        bin_arg,
+        "96",
+        burst.kib,
+    ];
+    let out = tiermem_cli::bench::linux_swap::run_in_cgroup(&cgroup, &mut scratch.command(&args));
+    let control = std::fs::read_to_string(cgroup.path().join("memory.oom_control")).unwrap_or_default();
+    let kills = cgroup.oom_kills();
+    cgroup.close().expect("removing the cgroup");
+    let out = out.expect("tiermem run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name} ({mode}): {stderr} (OOM kills {kills:?})");
+    assert_eq!(out.stdout, burst.reference, "{name} ({mode}): same output as the program alone");
+    assert!(control.contains("oom_kill_disable 0"), "{name} ({mode}): OOM killer left off after the run: {control}");
+    let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let process = &stats["processes"][0];
+    let rescues = process["oom_rescues"].as_u64().unwrap_or(0);
+    let releases = process["oom_ballast_releases"].as_u64().unwrap_or(0);
+    let waits = stats["merged"]["memory_waits"].as_u64().unwrap_or(0);
+    let reserve = process["engine_reserve_bytes"].as_u64().expect("the engine's reserve in the statistics");
+    assert!(reserve > 0, "{name} ({mode}): the engine's threads took nothing from their reserve");
+    let lowest = process["lowest_budget_bytes"].as_u64().unwrap_or(0) >> 20;
+    eprintln!(
+        "{name} ({mode}, {} KiB): attempt {attempt}: {releases} ballast releases, {rescues} budget cuts, {waits} page \
+         copies refused, lowest budget {lowest} MiB, {reserve} bytes of the engine's reserve used",
+        burst.kib
+    );
+    (rescues, releases, waits)
 }
 
 /// Fills a managed array larger than the budget, then queues N MiB on a Unix socket pair (its
@@ -2198,7 +2232,9 @@ int main(int argc, char** argv) {
 #[test]
 fn a_socket_buffer_the_full_cgroup_refuses_is_made_room_for() {
     let name = "a_socket_buffer_the_full_cgroup_refuses_is_made_room_for";
-    let Some((scratch, bin_arg, reference)) = oom_guard_program(name, SOCKET_QUEUE, "socket_queue") else { return };
+    let Some((scratch, bin_arg, reference)) = oom_guard_program(name, SOCKET_QUEUE, "socket_queue", "16") else {
+        return;
+    };
     assert!(reference.status.success(), "{name}: the program alone: {}", String::from_utf8_lossy(&reference.stderr));
     let limit: u64 = 48 << 20;
     let limit_arg = limit.to_string();

@@ -52,6 +52,23 @@ fn map_page(
     map_pages(shared, region, dst, src, 1, write_protect)
 }
 
+/// [`map_page`] for a page nobody waits for (a prefetch): a copy the full cgroup refuses fails
+/// at once with ENOMEM instead of being retried. Retrying held the completion and reclaim
+/// threads, the ones to free memory, for up to two seconds each while the program waited for
+/// it (their stacks, seen in a stuck run). A 16 MiB burst of unmanaged memory under a 48 MiB
+/// limit and the OOM guard ended with the OOM killer in 6 of 10 runs before (handler-thread
+/// and SIGBUS modes, by hand), 8 of 32 after: it still can, when the program itself waits in
+/// the kernel's reclaim of its own code pages.
+fn map_page_unless_out_of_memory(
+    shared: &Shared,
+    region: &RegionInner,
+    dst: *mut u8,
+    src: *const u8,
+    write_protect: bool,
+) -> Result<(), Errno> {
+    map_pages_waiting(shared, region, dst, src, 1, write_protect, false)
+}
+
 /// Take a buffer, reaping background completions until one is free. Holds no page lock.
 pub(crate) fn alloc_buffer(shared: &Shared, regions: &RegionTable) -> BufId {
     loop {
@@ -463,6 +480,20 @@ pub(crate) fn map_pages(
     count: usize,
     write_protect: bool,
 ) -> Result<(), Errno> {
+    map_pages_waiting(shared, region, dst, src, count, write_protect, true)
+}
+
+/// [`map_pages`], waiting for memory (`wait_for_memory`) or failing with ENOMEM when the full
+/// cgroup refuses a page.
+fn map_pages_waiting(
+    shared: &Shared,
+    region: &RegionInner,
+    dst: *mut u8,
+    src: *const u8,
+    count: usize,
+    write_protect: bool,
+    wait_for_memory: bool,
+) -> Result<(), Errno> {
     let mut done = 0;
     let mut memory_waits = 0;
     while done < count {
@@ -492,7 +523,7 @@ pub(crate) fn map_pages(
             // refuses the page instead of killing. Shrink the budget a step once so reclaim
             // makes room (the cgroup watch sees the count and cuts more if needed), then keep
             // reclaim awake and try again for a while before giving up.
-            Errno::NOMEM if memory_waits < NOMEM_RETRIES => {
+            Errno::NOMEM if wait_for_memory && memory_waits < NOMEM_RETRIES => {
                 if memory_waits == 0 {
                     Stats::add(&shared.stats.counters.memory_waits, 1);
                     shared.shed(shared.limit_pages() / 32);
@@ -507,13 +538,14 @@ pub(crate) fn map_pages(
             Errno::NOENT if count - done > 1 => {
                 for i in done..count {
                     let offset = i * PAGE_SIZE;
-                    match map_pages(
+                    match map_pages_waiting(
                         shared,
                         region,
                         dst.wrapping_add(offset),
                         src.wrapping_add(offset),
                         1,
                         write_protect,
+                        wait_for_memory,
                     ) {
                         Ok(()) | Err(Errno::EXIST) => {}
                         Err(e) => return Err(e),
@@ -758,7 +790,7 @@ pub(crate) fn install_prefetched(shared: &Shared, region: &RegionInner, index: u
         return state.with_kind(Kind::Evicted);
     }
     let protect = shared.write_protect;
-    match map_page(shared, region, region.page_addr(index), shared.arena.ptr(buf), protect) {
+    match map_page_unless_out_of_memory(shared, region, region.page_addr(index), shared.arena.ptr(buf), protect) {
         Ok(()) | Err(Errno::EXIST) => {
             shared.arena.release(buf);
             shared.replacement.on_insert(region.id(index));
