@@ -57,7 +57,7 @@ fn map_page(
 /// threads, the ones to free memory, for up to two seconds each while the program waited for
 /// it (their stacks, seen in a stuck run). A 16 MiB burst of unmanaged memory under a 48 MiB
 /// limit and the OOM guard ended with the OOM killer in 6 of 10 runs before (handler-thread
-/// and SIGBUS modes, by hand), 8 of 32 after: it still can, when the program itself waits in
+/// and SIGBUS modes, by hand), 9 of 43 after: it still can, when the program itself waits in
 /// the kernel's reclaim of its own code pages.
 fn map_page_unless_out_of_memory(
     shared: &Shared,
