@@ -2045,8 +2045,8 @@ int main(int argc, char** argv) {
 
 /// Unmanaged memory can grow faster than the budget follows the cgroup (a look every 20 ms):
 /// 4 MiB filled at once next to a full budget under a 48 MiB limit got the program OOM-killed.
-/// With `--cgroup guard` the kernel pauses it instead, tiermem cuts its budget, and the program
-/// completes, with the right output and
+/// With `--cgroup guard` the kernel pauses it instead, tiermem releases its ballast and, as the
+/// burst goes on past it, cuts its budget, and the program completes, with the right output and
 /// the cgroup's OOM killer back on afterwards.
 ///
 /// In both fault modes, each run after the page cache was dropped: then the program's code is
@@ -2079,6 +2079,33 @@ fn under_the_oom_guard_a_burst_of_unmanaged_memory_pauses_the_program_instead_of
             );
         }
     }
+}
+
+/// A burst smaller than the OOM guard's ballast (512 KiB next to a full budget under a 48 MiB
+/// limit; the ballast is 1 MiB): the ballast's release is room enough, so the budget is not cut.
+/// Before 2026-12-01 every OOM event cut it by a 16th of the room (to 38.9 MiB here, against
+/// 41.7–41.8 MiB without a cut), and the cut stayed as extra margin for seconds: quick
+/// quicksort at 20% of its footprint ran on an 11.0 MiB budget instead of 12.9 MiB.
+#[test]
+fn under_the_oom_guard_a_burst_smaller_than_the_ballast_costs_no_budget_cut() {
+    let name = "under_the_oom_guard_a_burst_smaller_than_the_ballast_costs_no_budget_cut";
+    let Some((scratch, bin_arg, reference)) = oom_guard_program(name, UNMANAGED_BURST, "unmanaged_burst", "512") else {
+        return;
+    };
+    let limit_arg = (48u64 << 20).to_string();
+    let device = format!("file:{}", scratch.path().display());
+    // The page cache stays warm, as for the benchmark's runs: the program's code read in during
+    // the run would be growth of its own, on top of the burst.
+    let burst = Burst { kib: "512", fault_mode: "sigbus", cold_cache: false, reference: &reference.stdout };
+    for attempt in 0..3 {
+        let (rescues, releases, _) =
+            burst_under_the_oom_guard(name, &scratch, &burst, &bin_arg, &limit_arg, &device, attempt);
+        assert_eq!(rescues, 0, "{name}: the budget was cut for a burst the ballast covers");
+        if releases > 0 {
+            return;
+        }
+    }
+    panic!("{name}: in three runs the burst never ran the cgroup out of memory: the test no longer tests the ballast");
 }
 
 /// One burst run of [`UNMANAGED_BURST`]: its size, the fault mode, whether the page cache is
