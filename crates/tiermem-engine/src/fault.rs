@@ -52,8 +52,9 @@ fn map_page(
     map_pages(shared, region, dst, src, 1, write_protect)
 }
 
-/// [`map_page`] for a page nobody waits for (a prefetch): a copy the full cgroup refuses fails
-/// at once with ENOMEM instead of being retried. Retrying held the completion and reclaim
+/// [`map_page`] for a prefetched page: a copy the full cgroup refuses fails at once with ENOMEM
+/// instead of being retried, and the page stays on the device (a program that was waiting for
+/// it reads it again, waiting for memory in its own fault). Retrying held the completion and reclaim
 /// threads, the ones to free memory, for up to two seconds each while the program waited for
 /// it (their stacks, seen in a stuck run). A 16 MiB burst of unmanaged memory under a 48 MiB
 /// limit and the OOM guard ended with the OOM killer in 6 of 10 runs before (handler-thread

@@ -759,9 +759,10 @@ fn local_room(engine: &Engine, cgroup: &CgroupRoom, configured: u64) -> u64 {
 /// Unmanaged memory can grow faster than one look in 20 ms can follow: 4 MiB filled in a few
 /// milliseconds next to a full budget under a 48 MiB limit was enough for the OOM killer. With
 /// the guard the kernel pauses the program instead. The guard's ballast, held as the margin, is
-/// released at once; if the cgroup runs out again before the ballast is back, the budget is cut
-/// to a step (a 16th of the room, at least 2 MiB) below what is resident, without reading anything (reading cgroup
-/// files needs memory the cgroup does not have), and that step stays as extra margin, shrinking
+/// released at once, and the next look fits the budget to what grew. If the cgroup runs out
+/// again before the ballast is back, or cannot be read meanwhile, the budget is cut to a step
+/// (a 16th of the room, at least 2 MiB) below what is resident, without reading anything
+/// (reading cgroup files needs memory the cgroup does not have), and that step stays as extra margin, shrinking
 /// by a 256th per look (about half in 3.5 s), so a program that bursts again finds the room
 /// free. If the budget is already at its floor, tiermem has nothing left to give: the guard
 /// turns the killer back on.
@@ -820,23 +821,7 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
                     continue;
                 }
             }
-            let room = local_room(engine, &cgroup, configured);
-            let step = (room / 16).max(2 << 20);
-            let page = tiermem_sys::PAGE_SIZE as u64;
-            let (limit, resident) = (engine.limit_pages() * page, engine.resident_pages() * page);
-            if resident > limit {
-                // Reclaim is still getting down to the last cut: wait for it, cut no further.
-            } else if limit <= 16 * page {
-                if let Some(g) = guard.take() {
-                    g.disarm();
-                    say(&["tiermem: the cgroup is out of memory and the budget is at its floor: OOM killer back on"]);
-                }
-            } else {
-                OOM_RESCUES.fetch_add(1, Ordering::Relaxed);
-                let budget = engine.set_limit_bytes(resident.saturating_sub(step));
-                LOWEST_BUDGET.fetch_min(budget, Ordering::Relaxed);
-                extra_margin = (extra_margin + step).min(room / 4);
-            }
+            cut_budget_a_step(engine, &cgroup, configured, &mut guard, &mut extra_margin);
             continue;
         }
         extra_margin -= extra_margin / 256;
@@ -854,7 +839,40 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
             let catching_up = engine.resident_pages() > engine.limit_pages();
             let files = file_room.update(look.file_refaults, local_room(engine, &cgroup, configured) / 2, catching_up);
             fit_budget_to_look(engine, &cgroup, configured, margin + extra_margin + files, look);
+        } else if out_since.is_some() {
+            // The cgroup could not be read while it is out of memory (reading it needs memory
+            // too): the ballast's room is gone already, so cut as for a second event.
+            cut_budget_a_step(engine, &cgroup, configured, &mut guard, &mut extra_margin);
         }
+    }
+}
+
+/// Cut the budget to a step (a 16th of the room, at least 2 MiB) below what is resident,
+/// without reading anything, and keep the step as extra margin (see [`watch_cgroup`]); with the
+/// budget at its floor, turn the guard's OOM killer back on instead.
+fn cut_budget_a_step(
+    engine: &Engine,
+    cgroup: &CgroupRoom,
+    configured: u64,
+    guard: &mut Option<OomGuard>,
+    extra_margin: &mut u64,
+) {
+    let room = local_room(engine, cgroup, configured);
+    let step = (room / 16).max(2 << 20);
+    let page = tiermem_sys::PAGE_SIZE as u64;
+    let (limit, resident) = (engine.limit_pages() * page, engine.resident_pages() * page);
+    if resident > limit {
+        // Reclaim is still getting down to the last cut: wait for it, cut no further.
+    } else if limit <= 16 * page {
+        if let Some(g) = guard.take() {
+            g.disarm();
+            say(&["tiermem: the cgroup is out of memory and the budget is at its floor: OOM killer back on"]);
+        }
+    } else {
+        OOM_RESCUES.fetch_add(1, Ordering::Relaxed);
+        let budget = engine.set_limit_bytes(resident.saturating_sub(step));
+        LOWEST_BUDGET.fetch_min(budget, Ordering::Relaxed);
+        *extra_margin = (*extra_margin + step).min(room / 4);
     }
 }
 
