@@ -128,8 +128,13 @@ fn map_as_asked(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, o
     if replaces && registry::may_overlap(addr as usize, len) {
         return map_fixed_over_managed(addr, len, prot, flags, fd, off);
     }
-    // The caller's own mmap, passed to the kernel unchanged.
-    syscall_result(crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, fd, off) as libc::c_long)
+    // The caller's own mmap, passed to the kernel unchanged. Its mapping's bookkeeping is kernel
+    // memory the cgroup charges, which a cgroup tiermem keeps full refuses at once (ENOMEM)
+    // where Linux swap would have reclaimed: seen for a memfd mapped right after a full budget
+    // under the OOM guard (`tests/run_programs.rs`, the burst test). Made room for and tried
+    // again, as for a socket buffer.
+    let rc = crate::io::retrying_refused(|| crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, fd, off));
+    syscall_result(rc as libc::c_long)
 }
 
 /// The program's fresh anonymous mapping at its own address, managed: the kernel maps it as
