@@ -52,24 +52,6 @@ fn map_page(
     map_pages(shared, region, dst, src, 1, write_protect)
 }
 
-/// [`map_page`] for a prefetched page: a copy the full cgroup refuses fails at once with ENOMEM
-/// instead of being retried, and the page stays on the device (a program that was waiting for
-/// it reads it again, waiting for memory in its own fault). Retrying held the completion and reclaim
-/// threads, the ones to free memory, for up to two seconds each while the program waited for
-/// it (their stacks, seen in a stuck run). A 16 MiB burst of unmanaged memory under a 48 MiB
-/// limit and the OOM guard ended with the OOM killer in 6 of 10 runs before (handler-thread
-/// and SIGBUS modes, by hand), 9 of 43 after: it still can, when the program itself waits in
-/// the kernel's reclaim of its own code pages.
-fn map_page_unless_out_of_memory(
-    shared: &Shared,
-    region: &RegionInner,
-    dst: *mut u8,
-    src: *const u8,
-    write_protect: bool,
-) -> Result<(), Errno> {
-    map_pages_waiting(shared, region, dst, src, 1, write_protect, false)
-}
-
 /// Take a buffer, reaping background completions until one is free. Holds no page lock.
 pub(crate) fn alloc_buffer(shared: &Shared, regions: &RegionTable) -> BufId {
     loop {
@@ -791,7 +773,16 @@ pub(crate) fn install_prefetched(shared: &Shared, region: &RegionInner, index: u
         return state.with_kind(Kind::Evicted);
     }
     let protect = shared.write_protect;
-    match map_page_unless_out_of_memory(shared, region, region.page_addr(index), shared.arena.ptr(buf), protect) {
+    // Not waiting for memory: a copy the full cgroup refuses fails at once with ENOMEM and the
+    // page stays on the device (a program waiting for it reads it again, waiting for memory in
+    // its own fault). Retrying held the completion and reclaim threads, the ones to free
+    // memory, for up to two seconds each while the program waited for it (their stacks, seen in
+    // a stuck run). A 16 MiB burst of unmanaged memory under a 48 MiB limit and the OOM guard
+    // ended with the OOM killer in 6 of 10 runs before (handler-thread and SIGBUS modes, by
+    // hand), 9 of 43 after: it still can, when the program itself waits in the kernel's reclaim
+    // of its own code pages.
+    let (dst, src) = (region.page_addr(index), shared.arena.ptr(buf));
+    match map_pages_waiting(shared, region, dst, src, 1, protect, false) {
         Ok(()) | Err(Errno::EXIST) => {
             shared.arena.release(buf);
             shared.replacement.on_insert(region.id(index));
