@@ -236,8 +236,9 @@ impl StreamTable {
             entries.push_front(i);
         }
         // Buckets at least as wide as the join distance: a joinable first page is in the
-        // page's bucket or a neighbour.
-        let bucket_shift = 64 - (config.join_distance - 1).leading_zeros().min(63);
+        // page's bucket or a neighbour. At most 63 (a shift by 64 overflows): two buckets
+        // then, for a join distance past half the page space.
+        let bucket_shift = (64 - (config.join_distance - 1).leading_zeros().min(63)).min(63);
         Self { config, state: Mutex::new(entries), bucket_shift, filters: true }
     }
 
@@ -544,8 +545,9 @@ mod tests {
         /// owners, clustered and far pages, strides of both signs, and a small join distance.
         #[test]
         fn filters_change_no_answer(
-            entries in 1usize..8,
-            join in prop_oneof![Just(64u64), 1u64..200],
+            entries in prop_oneof![1usize..8, 65usize..=MAX_ENTRIES],
+            // Join distances past half the page space too.
+            join in prop_oneof![Just(64u64), 1u64..200, Just(1u64 << 63), Just(u64::MAX)],
             // Pages equal in their low 16 bits too: the lookup's first pass compares only those.
             ops in proptest::collection::vec((0u32..3, prop_oneof![
                 0u64..300,
@@ -639,7 +641,7 @@ mod tests {
         /// longer history (other strides) and re-reports of an entry's newest page.
         #[test]
         fn matches_the_plain_model(
-            entries in prop_oneof![Just(64usize), 1usize..10],
+            entries in prop_oneof![Just(64usize), 1usize..10, 65usize..=MAX_ENTRIES],
             history in prop_oneof![Just(5usize), 3usize..=MAX_HISTORY],
             join in prop_oneof![Just(64u64), 1u64..300],
             ops in proptest::collection::vec((0u32..3, prop_oneof![0u64..400, 0u64..100_000], 0u8..4), 1..600),
