@@ -330,7 +330,8 @@ fn read_lackey(path: &Path, file: Box<dyn Read>, options: &LineOptions) -> Resul
         if t.is_empty() || t.starts_with("==") || t.starts_with('#') {
             continue;
         }
-        let (op, rest) = t.split_at(1);
+        // The operation is the first character, which need not be one byte in a damaged file.
+        let (op, rest) = t.split_at(t.chars().next().map_or(0, char::len_utf8));
         let Some((addr, size)) = rest.trim().split_once(',') else {
             return Err(bad_line(path, i + 1, &line, "expected 'OP ADDRESS,SIZE'"));
         };
@@ -382,7 +383,9 @@ fn read_binary(path: &Path, file: Box<dyn Read>, options: &LineOptions) -> Resul
     if unit > 1 {
         return Err(Error::invalid(format!("{}: unknown address unit {unit} (0 pages, 1 bytes)", path.display())));
     }
-    let mut events = Vec::with_capacity(count.min(1 << 28) as usize);
+    // The header's count is only a hint: a damaged or hostile file may claim any number of
+    // records, so at most 1 Mi are reserved ahead (8 MiB) and the rest grows as records come.
+    let mut events = Vec::with_capacity(count.min(1 << 20) as usize);
     let mut word = [0u8; 8];
     let mut n = 0u64;
     loop {
@@ -590,6 +593,14 @@ mod tests {
         assert!(load(f.path(), Format::Pages, &LineOptions::default()).unwrap_err().to_string().contains(":1:"));
         let f = file("# nothing\n");
         assert!(load(f.path(), Format::Auto, &LineOptions::default()).unwrap_err().to_string().contains("no accesses"));
+    }
+
+    #[test]
+    fn a_lackey_line_starting_with_a_multibyte_character_is_a_bad_line() {
+        // Found by the `trace_load` fuzz target: the operation was cut at byte 1, inside 'ċ'.
+        let f = file(" L 10000,8\n\u{10b} 10000,8\n");
+        let e = load(f.path(), Format::Lackey, &LineOptions::default()).unwrap_err().to_string();
+        assert!(e.contains(":2:") && e.contains("unknown operation"), "{e}");
     }
 
     #[test]
