@@ -281,6 +281,9 @@ pub fn run(args: &SimArgs) -> Result<()> {
                 eprintln!("note: belady runs only without prefetching; skipping {prefetch} × belady");
                 continue;
             }
+            if replace == "belady" && hits == HitInfo::Engine {
+                eprintln!("note: belady, the offline optimum, hears every access; --hits engine applies to the online policies");
+            }
             let config = SimConfig {
                 local_pages,
                 prefetch: prefetch.clone(),

@@ -436,8 +436,15 @@ impl StreamTable {
     /// Push the pages to prefetch for `stream` (clipped to `0..region_pages`) into `out`.
     pub fn prefetch_targets(&self, stream: Stream, region_pages: u64, out: &mut crate::PageList) {
         for k in 0..self.config.depth as u64 {
-            let ahead = (self.config.distance + k) as i64 * stream.stride;
-            let Some(target) = (stream.end as i64).checked_add(ahead) else { break };
+            // A distance or stride so large that the target leaves the page space is past any
+            // region (computed unchecked, `--stream-distance 18446744073709551615` wrapped round
+            // to one page behind the stream).
+            let ahead = self.config.distance.checked_add(k).and_then(|d| i64::try_from(d).ok());
+            let Some(target) =
+                ahead.and_then(|d| d.checked_mul(stream.stride)).and_then(|a| (stream.end as i64).checked_add(a))
+            else {
+                break;
+            };
             if target < 0 || target as u64 >= region_pages {
                 break;
             }
@@ -722,6 +729,16 @@ mod tests {
         out.clear();
         table.prefetch_targets(Stream { end: 200, stride: -3 }, 1 << 20, &mut out);
         assert!(out.is_empty(), "never below page 0");
+        // Distances that leave the page space prefetch nothing (they wrapped round to pages
+        // behind the stream).
+        for distance in [u64::MAX, 1 << 63, (1 << 62) + 1] {
+            let far = StreamTable::new(StreamConfig { distance, depth: 3, ..StreamConfig::default() });
+            out.clear();
+            far.prefetch_targets(Stream { end: 488, stride: 2 }, 1 << 40, &mut out);
+            assert!(out.is_empty(), "distance {distance}: {:?}", out.as_slice());
+            far.prefetch_targets(Stream { end: 488, stride: -3 }, 1 << 40, &mut out);
+            assert!(out.is_empty(), "distance {distance}, backwards: {:?}", out.as_slice());
+        }
         let noisy = StreamTable::new(StreamConfig::default());
         for p in [10, 11, 13, 16] {
             noisy.train(1, p);

@@ -330,22 +330,24 @@ pub struct Simulator {
     writes_in_flight: std::collections::VecDeque<f64>,
 }
 
+/// Refuse settings no simulation can run with.
+fn check(config: &SimConfig) -> Result<()> {
+    if config.local_pages == 0 {
+        return Err(Error::invalid("local memory must be at least one page"));
+    }
+    if !(0.0..1.0).contains(&config.clean_ahead) {
+        return Err(Error::invalid(format!("clean-ahead share {} must be at least 0 and below 1", config.clean_ahead)));
+    }
+    config.options.stream.validate()
+}
+
 /// Pages a prefetcher may name (page ids carry no region in the simulator).
 const REGION_PAGES: u64 = 1 << 40;
 
 impl Simulator {
     /// A simulator with policies built by name (`belady` is refused: use [`simulate`]).
     pub fn new(config: SimConfig) -> Result<Self> {
-        if config.local_pages == 0 {
-            return Err(Error::invalid("local memory must be at least one page"));
-        }
-        if !(0.0..1.0).contains(&config.clean_ahead) {
-            return Err(Error::invalid(format!(
-                "clean-ahead share {} must be at least 0 and below 1",
-                config.clean_ahead
-            )));
-        }
-        config.options.stream.validate()?;
+        check(&config)?;
         // Synthetic and page-list traces number pages from 0: index them directly up to a
         // footprint twice the local memory (pages beyond are hashed, as always).
         let mut options = config.options;
@@ -713,7 +715,8 @@ pub fn footprint(events: &[Event]) -> usize {
 }
 
 /// Replay a whole trace. `belady` is built from the trace here (it needs the future), and runs
-/// only without prefetching. `progress` hears the number of events done now and then.
+/// only without prefetching, hearing of every access ([`SimConfig::hits`] is for the online
+/// policies). `progress` hears the number of events done now and then.
 pub fn simulate(events: &[Event], config: &SimConfig, progress: &mut dyn FnMut(u64)) -> Result<SimResult> {
     if events.is_empty() {
         return Err(Error::invalid("the trace has no accesses"));
@@ -725,9 +728,7 @@ pub fn simulate(events: &[Event], config: &SimConfig, progress: &mut dyn FnMut(u
                 config.prefetch
             )));
         }
-        if config.local_pages == 0 {
-            return Err(Error::invalid("local memory must be at least one page"));
-        }
+        check(config)?;
         let pages: Vec<u64> = events
             .iter()
             .map(|&e| split_event(e))
@@ -735,7 +736,9 @@ pub fn simulate(events: &[Event], config: &SimConfig, progress: &mut dyn FnMut(u
             .map(|(p, _)| p)
             .collect();
         let belady = tiermem_policy::replace::Belady::from_trace(&pages);
-        let config = SimConfig { monitor: MonitorInput::None, ..config.clone() };
+        // The optimum knows every access: it hears each one in trace order, whatever the online
+        // policies are told of hits (with `HitInfo::Engine` it heard none and aborted).
+        let config = SimConfig { monitor: MonitorInput::None, hits: HitInfo::Full, ..config.clone() };
         Simulator::with_policies(config, Box::new(tiermem_policy::prefetch::NoPrefetch), Box::new(belady))
     } else {
         Simulator::new(config.clone())?
@@ -775,6 +778,30 @@ mod tests {
             sim.step(e);
         }
         sim.finish()
+    }
+
+    #[test]
+    fn belady_hears_every_access_whatever_the_online_policies_learn_of_hits() {
+        // Found by the `simulate` fuzz target: with `--hits engine` the simulator told Belady of
+        // no hit, and it aborted the run ("driven out of trace order").
+        let events: Vec<Event> = (0..400u64).map(|i| event(i * 7 % 23, EventKind::Read)).collect();
+        let config = |hits| SimConfig {
+            local_pages: 8,
+            prefetch: "none".into(),
+            replace: "belady".into(),
+            options: PolicyOptions::default(),
+            latency: Latency::default(),
+            monitor: MonitorInput::Reports,
+            hits,
+            clean_ahead: 0.0,
+            clean_queue: 0,
+        };
+        let full = simulate(&events, &config(HitInfo::Full), &mut |_| {}).unwrap();
+        let engine = simulate(&events, &config(HitInfo::Engine), &mut |_| {}).unwrap();
+        assert_eq!((engine.faults, engine.accesses), (full.faults, full.accesses));
+        assert!(full.faults > 23 && full.faults < 400, "{} faults", full.faults);
+        let bad = SimConfig { clean_ahead: 1.5, ..config(HitInfo::Full) };
+        assert!(simulate(&events, &bad, &mut |_| {}).unwrap_err().to_string().contains("clean-ahead"));
     }
 
     #[test]
