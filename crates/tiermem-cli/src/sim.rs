@@ -391,7 +391,7 @@ fn fault_trace_note(trace: &std::path::Path) -> Option<String> {
     // The engine evicts from 98% of its budget in batches, and pages it installs without a fault
     // (zero-filled or read ahead) never appear in the trace: uniform random reads replayed
     // exactly from 95% of the budget down, PageRank from 90% (docs/policies.md).
-    let replay = budget * 95 / 100;
+    let replay = budget - budget / 20;
     Some(format!(
         "{} holds the faults of one live run (--replace {} --prefetch {}, budget {budget} pages), \
          not every access: pages that run kept resident never appear. Replayed with that run's \
