@@ -224,6 +224,27 @@ def test_several_runs_files_merge_with_a_workload_measured_again_replacing_its_r
     assert cli.main(["--report-only", str(first), str(second), "--no-plot"]) == 2
 
 
+def test_report_only_refuses_a_damaged_runs_file_with_a_message(tmp_path, capsys):
+    from tiermem_bench import cli
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_document(["sortw"], {"sortw": 2.0}, "t1")))
+    (tmp_path / "broken.json").write_text('{"runs": [')
+    # A run without its system made the report fail with a KeyError traceback.
+    for name, document, message in [
+            ("keyless", {"runs": [{"workload": "x"}]}, "run 0: workload, system or status missing"),
+            ("empty", {}, "no list of runs"),
+            ("meta", dict(_document(["sortw"], {"sortw": 2.0}, "t1"), meta=[1]), "its meta is not an object"),
+            ("broken", None, "cannot read")]:
+        path = tmp_path / f"{name}.json"
+        if document is not None:
+            path.write_text(json.dumps(document))
+        argv = ["--report-only", str(good), str(path), "--out", str(tmp_path / "out"), "--no-plot"]
+        assert cli.main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert message in err and str(path) in err and "Traceback" not in err, err
+
+
 def _ab_run(workload, system, ratio, wall, status="ok", read_mib=None):
     run = RunRecord(workload=workload, system=system, ratio=ratio, repeat=1, limit_bytes=50000,
                     footprint_bytes=100000, status=status, wall_s=wall, digest="d").to_dict()

@@ -112,8 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_compared_runs(path: Path) -> tuple[list[dict], str | None]:
-    """The runs of one runs.json for `--compare`, checked so that the comparison cannot trip over
-    them, and the scale it was measured at. Raises ValueError with what is wrong."""
+    """The runs of one runs.json for `--compare` (see `load_checked`) and the scale it was
+    measured at. Raises ValueError with what is wrong."""
+    document = load_checked(path)
+    meta = document.get("meta")
+    return document["runs"], meta.get("scale") if isinstance(meta, dict) else None
+
+
+def load_checked(path: Path) -> dict:
+    """One runs.json document for `--compare` or `--report-only`, its runs checked so that the
+    tables cannot trip over them. Raises ValueError with what is wrong."""
     try:
         document = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -134,8 +142,9 @@ def load_compared_runs(path: Path) -> tuple[list[dict], str | None]:
             problem = f"a successful run without a positive time (wall_s {run.get('wall_s')!r})"
         if problem:
             raise ValueError(f"{path}: run {i}: {problem}")
-    meta = document.get("meta")
-    return runs, meta.get("scale") if isinstance(meta, dict) else None
+    if "meta" in document and not isinstance(document["meta"], dict):
+        raise ValueError(f"{path}: its meta is not an object")
+    return document
 
 
 def compare(base_paths: list[Path], new_paths: list[Path], out: Path | None) -> int:
@@ -442,13 +451,9 @@ def main(argv=None) -> int:
 
     if args.report_only:
         try:
-            runs, meta = merge_runs([(path, json.loads(path.read_text())) for path in args.report_only])
-        except KeyError as e:
-            print(f"tiermem bench apps: {' '.join(map(str, args.report_only))}: not a runs.json written by "
-                  f"tiermem bench apps (no {e} in it)", file=sys.stderr)
-            return 2
-        except (OSError, ValueError) as e:
-            print(f"tiermem bench apps: cannot read {' '.join(map(str, args.report_only))}: {e}", file=sys.stderr)
+            runs, meta = merge_runs([(path, load_checked(path)) for path in args.report_only])
+        except ValueError as e:
+            print(f"tiermem bench apps: {e}", file=sys.stderr)
             return 2
         if len(args.report_only) > 1 and args.out is None:
             print("tiermem bench apps: merging several runs.json files needs --out", file=sys.stderr)
