@@ -35,8 +35,9 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
     let options = PolicyOptions { stream, dense_pages };
     let pair = build_policies(prefetch, replace, capacity, &options).expect("listed names build");
     // Regions of any size the engine allows: one page up to 2^40 - 1 pages.
-    let regions: Vec<u64> =
-        (0..u.int_in_range(1..=4)?).map(|_| u.choose(&[1u64, 2, 7, 64, 1000, 1 << 20, (1 << 40) - 1]).copied()).collect::<Result<_>>()?;
+    let regions: Vec<u64> = (0..u.int_in_range(1..=4)?)
+        .map(|_| u.choose(&[1u64, 2, 7, 64, 1000, 1 << 20, (1 << 40) - 1]).copied())
+        .collect::<Result<_>>()?;
     let mut resident: HashSet<u64> = HashSet::new();
     let mut out = PageList::default();
     let mut last = (0u32, 0u64);
@@ -83,7 +84,10 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
                 pair.replacement.pick_victims(max, &is_referenced, &mut out);
                 assert!(out.len() <= max, "{replace}: {} victims asked for at most {max}", out.len());
                 for &victim in out.as_slice() {
-                    assert!(resident.remove(&victim), "{replace}: victim {victim:#x} is not a page it holds (or named twice)");
+                    assert!(
+                        resident.remove(&victim),
+                        "{replace}: victim {victim:#x} is not a page it holds (or named twice)"
+                    );
                 }
                 // The engine hands back a victim it could not evict.
                 if let Some(&back) = out.as_slice().first() {

@@ -755,13 +755,13 @@ mod tests {
                 let page = match kind {
                     Synthetic::Sequential => (i - 1) % f,
                     Synthetic::Random => r % f,
-                    Synthetic::Mixed if r % 5 == 0 => (r >> 8) % f,
+                    Synthetic::Mixed if r.is_multiple_of(5) => (r >> 8) % f,
                     Synthetic::Mixed => {
                         let s = ((r >> 4) & 7) as usize;
                         cursor[s] = (cursor[s] + s as u64 + 1) % f;
                         cursor[s]
                     }
-                    Synthetic::Hot if r % 10 == 0 => {
+                    Synthetic::Hot if r.is_multiple_of(10) => {
                         cursor[0] = (cursor[0] + 1) % f;
                         cursor[0]
                     }
