@@ -238,7 +238,7 @@ impl StreamTable {
         // Buckets at least as wide as the join distance: a joinable first page is in the
         // page's bucket or a neighbour. At most 63 (a shift by 64 overflows): two buckets
         // then, for a join distance past half the page space.
-        let bucket_shift = (64 - (config.join_distance - 1).leading_zeros().min(63)).min(63);
+        let bucket_shift = (64 - (config.join_distance - 1).leading_zeros()).clamp(1, 63);
         Self { config, state: Mutex::new(entries), bucket_shift, filters: true }
     }
 
