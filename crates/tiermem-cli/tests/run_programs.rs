@@ -2208,6 +2208,79 @@ fn burst_under_the_oom_guard(
     (rescues, releases, waits)
 }
 
+/// Fills a managed array of N MiB, forks, and has the child sum it (exit 0 with the sum, 3 when
+/// fork fails with ENOMEM, 4 on another error).
+const FORK_BIG: &str = r#"
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <cstring>
+#include <sys/wait.h>
+#include <unistd.h>
+int main(int argc, char** argv) {
+    size_t n = ((size_t)atoi(argv[1]) << 20) / 8;
+    uint64_t* a = (uint64_t*)malloc(n * 8);
+    for (size_t i = 0; i < n; i++) a[i] = i * 2654435761u;
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0) {
+        printf("fork: %s\n", strerror(errno));
+        return errno == ENOMEM ? 3 : 4;
+    }
+    uint64_t sum = 0;
+    for (size_t i = 0; i < n; i++) sum += a[i] ^ i;
+    if (pid == 0) {
+        printf("child %llu\n", (unsigned long long)sum);
+        return 0;
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    printf("parent %llu, child exit %d\n", (unsigned long long)sum, WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    return 0;
+}
+"#;
+
+/// A fork whose child could never hold its copy of the parent's evicted pages (a forked child
+/// copies them into its own memory, which does not page): 96 MiB under a 48 MiB cgroup without
+/// swap. fork() fails with ENOMEM in the parent, which says why, instead of the child dying
+/// part way through its copy or the cgroup's OOM killer ending one of them (Python's
+/// `multiprocessing.Pool` forked again and again and never returned). With room enough for the
+/// copy (a 48 MiB budget in a 256 MiB cgroup), the same fork goes through and the child sees
+/// the data.
+#[test]
+fn a_fork_whose_child_cannot_hold_the_parent_s_evicted_pages_fails_with_enomem() {
+    let name = "a_fork_whose_child_cannot_hold_the_parent_s_evicted_pages_fails_with_enomem";
+    let Some((scratch, bin_arg, reference)) = oom_guard_program(name, FORK_BIG, "fork_big", "0") else {
+        return;
+    };
+    let expected = String::from_utf8_lossy(&reference.stdout).to_string();
+    assert!(expected.contains("child exit 0"), "{expected}");
+    let device = format!("file:{}", scratch.path().display());
+    let budget = (48u64 << 20).to_string();
+    for (cgroup_limit, fits) in [(48u64 << 20, false), (256 << 20, true)] {
+        let cgroup =
+            tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", cgroup_limit, Some(0))
+                .expect("memory cgroup");
+        let args = ["run", "--cgroup", "guard", "--limit", &budget, "--device", &device, "--", &bin_arg, "96", "0"];
+        let out = tiermem_cli::bench::linux_swap::run_in_cgroup(&cgroup, &mut scratch.command(&args));
+        let kills = cgroup.oom_kills();
+        cgroup.close().expect("removing the cgroup");
+        let out = out.expect("tiermem run");
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert_eq!(kills, Some(0), "{name}: OOM kills in a cgroup of {cgroup_limit} bytes: {stderr}");
+        if fits {
+            assert!(out.status.success(), "{name}: {stdout} {stderr}");
+            assert_eq!(stdout, expected, "{name}: the child sums the parent's data");
+            assert!(!stderr.contains("fork refused"), "{stderr}");
+        } else {
+            assert_eq!(out.status.code(), Some(3), "{name}: fork fails with ENOMEM: {stdout} {stderr}");
+            assert_eq!(stdout.trim(), "fork: Cannot allocate memory");
+            assert!(stderr.contains("tiermem: fork refused (ENOMEM)"), "{stderr}");
+        }
+    }
+}
+
 /// Fills a managed array larger than the budget, then queues N MiB on a Unix socket pair (its
 /// buffers forced large, the writer non-blocking) before reading them back: the kernel charges
 /// the queued buffers to the cgroup, which tiermem keeps nearly full of managed pages.

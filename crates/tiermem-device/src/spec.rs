@@ -33,6 +33,15 @@ impl DeviceSpec {
         }
     }
 
+    /// [`DeviceSpec::open`], with less room where the file system has not enough: while making a
+    /// file of `capacity_bytes` fails for want of space, one of half the size is tried (in whole
+    /// pages), down to `floor_bytes`. Several processes sizing their files from the free space
+    /// at the same moment can each count the same space: the last ones used to fail. Returns the
+    /// device and the room it got.
+    pub fn open_within_free_space(&self, capacity_bytes: u64, floor_bytes: u64) -> Result<(Arc<dyn Device>, u64)> {
+        shrink_to_fit(capacity_bytes, floor_bytes, |bytes| self.open(bytes))
+    }
+
     /// Open the device with room for `capacity_bytes` (a non-zero multiple of 4096). A missing
     /// file is created and a smaller one extended; see [`FileDevice::open`]. A directory gets a
     /// private unnamed device file inside it; see [`FileDevice::create_temporary`].
@@ -42,6 +51,21 @@ impl DeviceSpec {
             Self::File(path) if path.is_dir() => Arc::new(FileDevice::create_temporary(path, capacity_bytes)?),
             Self::File(path) => Arc::new(FileDevice::open(path, Some(capacity_bytes))?),
         })
+    }
+}
+
+/// `open(capacity)`, halved (in whole pages) while it fails with [`crate::ErrorKind::NoSpace`]
+/// and stays at least `floor`; the last error otherwise.
+fn shrink_to_fit<T>(capacity: u64, floor: u64, mut open: impl FnMut(u64) -> Result<T>) -> Result<(T, u64)> {
+    let mut bytes = capacity;
+    loop {
+        match open(bytes) {
+            Ok(made) => return Ok((made, bytes)),
+            Err(e) if e.kind() == crate::ErrorKind::NoSpace && bytes / 2 / 4096 * 4096 >= floor.max(4096) => {
+                bytes = bytes / 2 / 4096 * 4096;
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 
@@ -90,6 +114,41 @@ mod tests {
         let err = DeviceSpec::parse("file:").unwrap_err();
         assert_eq!(err.kind(), ErrorKind::InvalidInput);
         assert!(err.to_string().contains("needs a path"), "{err}");
+    }
+
+    #[test]
+    fn no_space_halves_the_room_down_to_the_floor_and_other_errors_stop_at_once() {
+        fn fits_below(limit: u64, tried: &mut Vec<u64>) -> impl FnMut(u64) -> Result<u64> + '_ {
+            move |bytes| {
+                tried.push(bytes);
+                if bytes <= limit {
+                    Ok(bytes)
+                } else {
+                    Err(Error::new(ErrorKind::NoSpace, "no space"))
+                }
+            }
+        }
+        let mut tried = Vec::new();
+        let (made, room) = shrink_to_fit(1 << 30, 64 << 20, fits_below(300 << 20, &mut tried)).unwrap();
+        assert_eq!((made, room), (256 << 20, 256 << 20));
+        assert_eq!(tried, [1 << 30, 512 << 20, 256 << 20]);
+        // Never below the floor: the last error stands.
+        tried.clear();
+        let err = shrink_to_fit(1 << 30, 300 << 20, fits_below(200 << 20, &mut tried)).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::NoSpace);
+        assert_eq!(tried, [1 << 30, 512 << 20]);
+        // Whole pages: an odd size halves to a multiple of 4096.
+        tried.clear();
+        let (_, room) = shrink_to_fit(3 * 4096 * 1000 + 4096, 4096, fits_below(1 << 20, &mut tried)).unwrap();
+        assert!(room % 4096 == 0 && room <= 1 << 20 && room > 1 << 19, "{room}");
+        // Another error is not retried.
+        let mut calls = 0;
+        let err = shrink_to_fit(1 << 30, 4096, |_| -> Result<()> {
+            calls += 1;
+            Err(Error::new(ErrorKind::Permission, "denied"))
+        })
+        .unwrap_err();
+        assert_eq!((err.kind(), calls), (ErrorKind::Permission, 1));
     }
 
     #[test]

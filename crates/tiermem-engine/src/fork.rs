@@ -41,6 +41,23 @@ impl Engine {
         ForkHold { table: self.shared.regions.write().unwrap_or_else(|e| e.into_inner()) }
     }
 
+    /// How many pages a fork made now would have to copy into the child (see
+    /// [`Engine::copy_into_forked_child`]): the managed pages that are not resident, but for
+    /// those `skip` names. An estimate: pages come and go until the fork holds the engine.
+    pub fn pages_a_forked_child_copies(&self, skip: &dyn Fn(usize) -> bool) -> u64 {
+        let table = self.shared.regions();
+        let mut pages = 0;
+        for region in table.slots.iter().flatten() {
+            for (index, cell) in region.pages.iter().enumerate() {
+                let kind = cell.peek().kind();
+                if !matches!(kind, Kind::Untouched | Kind::Resident) && !skip(region.page_addr(index as u64) as usize) {
+                    pages += 1;
+                }
+            }
+        }
+        pages
+    }
+
     /// In the child of a fork made under `hold`: copy every managed page that is not resident
     /// into the child's own memory, so the child sees exactly the parent's data, and detach the
     /// SIGBUS handler. The engine must not be used in the child afterwards (its threads and

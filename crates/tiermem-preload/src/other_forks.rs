@@ -14,7 +14,8 @@ use std::ffi::c_void;
 use libc::c_long;
 
 use crate::runtime::{
-    after_fork_in_child, after_fork_in_parent, before_fork, errno, in_vfork_child, note_own_pid, set_errno,
+    after_fork_in_child, after_fork_in_parent, before_fork, errno, fork_cannot_fit, in_vfork_child, note_own_pid,
+    set_errno,
 };
 
 /// Clone flags with which a child gets no handlers and the call goes straight to the kernel or
@@ -41,6 +42,10 @@ pub(crate) fn around(fork: impl FnOnce() -> c_long) -> c_long {
     if in_vfork_child() {
         return fork();
     }
+    if fork_cannot_fit() {
+        set_errno(libc::ENOMEM);
+        return -1;
+    }
     before_fork();
     let pid = fork();
     let errno = errno();
@@ -52,6 +57,37 @@ pub(crate) fn around(fork: impl FnOnce() -> c_long) -> c_long {
     }
     set_errno(errno);
     pid
+}
+
+/// glibc's `fork()`, which runs tiermem's handlers itself (registered with pthread_atfork):
+/// here only the check that the child's copy can fit ([`fork_cannot_fit`]), which no atfork
+/// handler can make, since none can make fork fail.
+///
+/// # Safety
+/// The C contract of fork.
+#[no_mangle]
+pub unsafe extern "C" fn fork() -> libc::pid_t {
+    type ForkFn = unsafe extern "C" fn() -> libc::pid_t;
+    static REAL: std::sync::OnceLock<Option<ForkFn>> = std::sync::OnceLock::new();
+    let real = *REAL.get_or_init(|| {
+        // SAFETY: dlsym with a NUL-terminated name; RTLD_NEXT finds the definition past ours.
+        let address = unsafe { libc::dlsym(libc::RTLD_NEXT, c"fork".as_ptr()) };
+        // SAFETY: the C library's fork has this C signature.
+        (!address.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, ForkFn>(address) })
+    });
+    if fork_cannot_fit() {
+        set_errno(libc::ENOMEM);
+        return -1;
+    }
+    match real {
+        // SAFETY: the C library's fork, called as the caller called ours.
+        Some(real) => unsafe { real() },
+        // No C library fork past ours (cannot happen with glibc): say so as fork would.
+        None => {
+            set_errno(libc::ENOSYS);
+            -1
+        }
+    }
 }
 
 /// glibc's `_Fork` (2.34 and later): fork without the atfork handlers, for callers that must

@@ -55,6 +55,13 @@ static PEAK_FILE_ROOM: AtomicU64 = AtomicU64::new(0);
 /// Bytes of the OOM guard's ballast (0 without the guard).
 static BALLAST_BYTES: AtomicU64 = AtomicU64::new(0);
 static CHILD_PAGES_COPIED: AtomicU64 = AtomicU64::new(0);
+/// The memory cgroup's limit when it has no swap, else 0; and, at the latest look, what it is
+/// charged for besides the managed pages resident (none of which a fork's child can have):
+/// together what [`fork_cannot_fit`] weighs a fork's copy against.
+static CGROUP_LIMIT_WITHOUT_SWAP: AtomicU64 = AtomicU64::new(0);
+static CGROUP_CHARGED_BESIDES_MANAGED: AtomicU64 = AtomicU64::new(0);
+/// Forks refused because the child's copy could not fit in the cgroup.
+static FORKS_REFUSED: AtomicU64 = AtomicU64::new(0);
 
 /// Set this thread's errno.
 pub fn set_errno(value: i32) {
@@ -255,6 +262,9 @@ fn start_engine(guard: std::sync::MutexGuard<'_, ()>) -> &'static Engine {
     engine
 }
 
+/// The least a device file tiermem makes is given, however little free space its file system has.
+const DEVICE_FLOOR: u64 = 64 << 20;
+
 /// Open the device, start the engine and the cgroup watch (the threads created here are the
 /// engine's own).
 fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engine {
@@ -286,11 +296,26 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
         if let Some(fs) = dir.and_then(|d| rustix::fs::statvfs(d).ok()) {
             let free = fs.f_bavail.saturating_mul(fs.f_frsize);
             if free > 0 {
-                capacity = capacity.min((free / 2).max(64 << 20) / 4096 * 4096);
+                capacity = capacity.min((free / 2).max(DEVICE_FLOOR) / 4096 * 4096);
             }
         }
     }
-    let device = match settings.device.open(capacity) {
+    // Other processes of the run may be making theirs from the same free space at this moment.
+    let open = |spec: &tiermem_device::DeviceSpec| {
+        let (device, room) = spec.open_within_free_space(capacity, DEVICE_FLOOR)?;
+        if room < capacity {
+            let (mut a, mut b) = ([0u8; 20], [0u8; 20]);
+            say(&[
+                "tiermem: the device got ",
+                decimal((room >> 20) as i64, &mut a),
+                " MiB instead of ",
+                decimal((capacity >> 20) as i64, &mut b),
+                " MiB: its file system had no room for more",
+            ]);
+        }
+        Ok::<_, tiermem_sys::Error>(device)
+    };
+    let device = match open(&settings.device) {
         Ok(d) => d,
         Err(e)
             if e.kind() == ErrorKind::Busy
@@ -303,7 +328,7 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
                 tiermem_device::DeviceSpec::Mem => None,
             }
             .unwrap_or_else(std::env::temp_dir);
-            match tiermem_device::DeviceSpec::File(dir).open(capacity) {
+            match open(&tiermem_device::DeviceSpec::File(dir)) {
                 Ok(d) => d,
                 Err(e) => die(&["tiermem: cannot open a device: ", &e.to_string()]),
             }
@@ -455,6 +480,44 @@ fn fork_state() -> &'static mut Option<ForkState> {
     unsafe { &mut *FORK_STATE.0.get() }
 }
 
+/// Whether a fork now could not give its child the parent's data, so that it should fail with
+/// ENOMEM instead, as the kernel's fork does where memory cannot be committed. A child copies
+/// every managed page that is not resident into its own memory (see
+/// [`Engine::copy_into_forked_child`]), charged to the same cgroup; when those pages alone are
+/// more than the cgroup leaves besides the parent's resident managed pages, and it cannot swap,
+/// no eviction can make the room: the child would die (or be OOM-killed) part way through its
+/// copy. Python's `multiprocessing.Pool` then forked again and again and never returned; now
+/// its `os.fork()` raises "Cannot allocate memory" at once. A note says why on stderr.
+pub(crate) fn fork_cannot_fit() -> bool {
+    let limit = CGROUP_LIMIT_WITHOUT_SWAP.load(Ordering::Relaxed);
+    let Some(engine) = ENGINE.get().filter(|_| limit > 0) else { return false };
+    if in_forked_child() || in_vfork_child() {
+        return false;
+    }
+    let copy = {
+        let table = registry::lock();
+        let skip = |addr: usize| {
+            registry::containing(&table, addr).is_some_and(|base| table[&base].excluded_from_fork(addr - base))
+        };
+        engine.pages_a_forked_child_copies(&skip) * tiermem_sys::PAGE_SIZE as u64
+    };
+    let room = limit.saturating_sub(CGROUP_CHARGED_BESIDES_MANAGED.load(Ordering::Relaxed));
+    if copy <= room {
+        return false;
+    }
+    FORKS_REFUSED.fetch_add(1, Ordering::Relaxed);
+    let (mut a, mut b) = ([0u8; 20], [0u8; 20]);
+    say(&[
+        "tiermem: fork refused (ENOMEM): the child would copy ",
+        decimal((copy >> 20) as i64, &mut a),
+        " MiB of evicted managed memory, and its memory cgroup, without swap, has ",
+        decimal((room >> 20) as i64, &mut b),
+        " MiB for it even with every managed page evicted (a forked child does not page; \
+         docs/running-programs.md, fork)",
+    ]);
+    true
+}
+
 pub(crate) extern "C" fn before_fork() {
     let Some(engine) = ENGINE.get() else { return };
     if in_forked_child() {
@@ -601,6 +664,9 @@ pub struct CgroupRoom {
     usage: std::path::PathBuf,
     stat: std::path::PathBuf,
     keys: &'static StatKeys,
+    /// Nothing charged to the cgroup can be swapped out (v1: memory.memsw.limit_in_bytes no
+    /// higher than the limit; v2: memory.swap.max 0).
+    no_swap: bool,
     /// The cgroup's directory when it is a v1 memory cgroup (the OOM guard needs v1's
     /// `memory.oom_control`).
     v1_dir: Option<std::path::PathBuf>,
@@ -617,11 +683,14 @@ impl CgroupRoom {
             if controllers.split(',').any(|c| c == "memory") {
                 let dir = std::path::Path::new("/sys/fs/cgroup/memory").join(path);
                 let limit = read_number(&dir.join("memory.limit_in_bytes"))?;
+                // No memsw file: swap is not accounted, so not limited either.
+                let memsw = read_number(&dir.join("memory.memsw.limit_in_bytes"));
                 return (limit < 1 << 60).then(|| Self {
                     limit,
                     usage: dir.join("memory.usage_in_bytes"),
                     stat: dir.join("memory.stat"),
                     keys: &V1_KEYS,
+                    no_swap: memsw.is_some_and(|memsw| memsw <= limit),
                     v1_dir: Some(dir.clone()),
                 });
             }
@@ -633,6 +702,7 @@ impl CgroupRoom {
                         usage: dir.join("memory.current"),
                         stat: dir.join("memory.stat"),
                         keys: &V2_KEYS,
+                        no_swap: read_number(&dir.join("memory.swap.max")) == Some(0),
                         v1_dir: None,
                     });
                 }
@@ -756,6 +826,8 @@ fn fit_budget_to_look(engine: &Engine, cgroup: &CgroupRoom, configured: u64, mar
     let held = engine.device_memory_held();
     let managed = engine.resident_pages() * tiermem_sys::PAGE_SIZE as u64;
     let unmanaged = look.charged.saturating_sub(managed + held.unwrap_or(0));
+    CGROUP_CHARGED_BESIDES_MANAGED.store(look.charged.saturating_sub(managed), Ordering::Relaxed);
+    CGROUP_LIMIT_WITHOUT_SWAP.store(if cgroup.no_swap { cgroup.limit } else { 0 }, Ordering::Relaxed);
     let room = local.saturating_sub(unmanaged + margin);
     let budget = engine.set_limit_bytes(room.min(configured));
     LOWEST_BUDGET.fetch_min(budget, Ordering::Relaxed);
@@ -1063,6 +1135,7 @@ extern "C" fn at_exit() {
         "lowest_budget_bytes": (lowest != u64::MAX).then_some(lowest),
         "oom_rescues": OOM_RESCUES.load(Ordering::Relaxed),
         "oom_ballast_releases": BALLAST_RELEASES.load(Ordering::Relaxed),
+        "forks_refused": FORKS_REFUSED.load(Ordering::Relaxed),
         "file_refaults": FILE_REFAULTS.load(Ordering::Relaxed),
         "peak_file_room_bytes": PEAK_FILE_ROOM.load(Ordering::Relaxed),
         "fault_mode": engine.config().fault_mode.to_string(),
