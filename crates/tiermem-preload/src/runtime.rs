@@ -55,11 +55,9 @@ static PEAK_FILE_ROOM: AtomicU64 = AtomicU64::new(0);
 /// Bytes of the OOM guard's ballast (0 without the guard).
 static BALLAST_BYTES: AtomicU64 = AtomicU64::new(0);
 static CHILD_PAGES_COPIED: AtomicU64 = AtomicU64::new(0);
-/// The memory cgroup's limit when it has no swap, else 0; and, at the latest look, what it is
-/// charged for besides the managed pages resident (none of which a fork's child can have):
-/// together what [`fork_cannot_fit`] weighs a fork's copy against.
-static CGROUP_LIMIT_WITHOUT_SWAP: AtomicU64 = AtomicU64::new(0);
-static CGROUP_CHARGED_BESIDES_MANAGED: AtomicU64 = AtomicU64::new(0);
+/// The memory cgroup the budget follows, when it has no swap: what [`fork_cannot_fit`] weighs
+/// a fork's copy against.
+static CGROUP_WITHOUT_SWAP: OnceLock<CgroupRoom> = OnceLock::new();
 /// Forks refused because the child's copy could not fit in the cgroup.
 static FORKS_REFUSED: AtomicU64 = AtomicU64::new(0);
 
@@ -387,6 +385,9 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
                 None
             };
             let guarded = guard.is_some();
+            if cgroup.no_swap {
+                let _ = CGROUP_WITHOUT_SWAP.set(cgroup.clone());
+            }
             let watch = std::thread::Builder::new()
                 .name("tiermem-cgroup".into())
                 .spawn(move || watch_cgroup(engine, cgroup, guard));
@@ -483,14 +484,16 @@ fn fork_state() -> &'static mut Option<ForkState> {
 /// Whether a fork now could not give its child the parent's data, so that it should fail with
 /// ENOMEM instead, as the kernel's fork does where memory cannot be committed. A child copies
 /// every managed page that is not resident into its own memory (see
-/// [`Engine::copy_into_forked_child`]), charged to the same cgroup; when those pages alone are
-/// more than the cgroup leaves besides the parent's resident managed pages, and it cannot swap,
-/// no eviction can make the room: the child would die (or be OOM-killed) part way through its
-/// copy. Python's `multiprocessing.Pool` then forked again and again and never returned; now
-/// its `os.fork()` raises "Cannot allocate memory" at once. A note says why on stderr.
+/// [`Engine::copy_into_forked_child`]), charged to the same cgroup, while the parent holds its
+/// engine still: nothing is evicted for the copy meanwhile. So when those pages are more than
+/// the cgroup has free (its page cache aside, which the kernel drops) and it cannot swap, the
+/// child would die part way through its copy, or the cgroup's killer end one of them, or the
+/// parent, resuming in a full cgroup, would get SIGSEGV from the kernel for want of a page for
+/// its next signal frame (all three seen). Python's `multiprocessing.Pool` forked again and
+/// again and never returned; now its `os.fork()` raises "Cannot allocate memory" at once. A
+/// note says why on stderr.
 pub(crate) fn fork_cannot_fit() -> bool {
-    let limit = CGROUP_LIMIT_WITHOUT_SWAP.load(Ordering::Relaxed);
-    let Some(engine) = ENGINE.get().filter(|_| limit > 0) else { return false };
+    let (Some(engine), Some(cgroup)) = (ENGINE.get(), CGROUP_WITHOUT_SWAP.get()) else { return false };
     if in_forked_child() || in_vfork_child() {
         return false;
     }
@@ -501,7 +504,12 @@ pub(crate) fn fork_cannot_fit() -> bool {
         };
         engine.pages_a_forked_child_copies(&skip) * tiermem_sys::PAGE_SIZE as u64
     };
-    let room = limit.saturating_sub(CGROUP_CHARGED_BESIDES_MANAGED.load(Ordering::Relaxed));
+    // Read now: the program may have filled memory since the watch last looked (20 ms). The
+    // child needs some memory besides the copy (its page tables, the pages it writes), and
+    // while it lives the parent's evictions free nothing it still shares: the margin the
+    // budget keeps (a 50th of the limit, at least 1 MiB) is kept out of the room too.
+    let Some(look) = cgroup.look() else { return false };
+    let room = cgroup.limit.saturating_sub(look.charged + (cgroup.limit / 50).max(1 << 20));
     if copy <= room {
         return false;
     }
@@ -512,8 +520,8 @@ pub(crate) fn fork_cannot_fit() -> bool {
         decimal((copy >> 20) as i64, &mut a),
         " MiB of evicted managed memory, and its memory cgroup, without swap, has ",
         decimal((room >> 20) as i64, &mut b),
-        " MiB for it even with every managed page evicted (a forked child does not page; \
-         docs/running-programs.md, fork)",
+        " MiB free for it (a forked child's copy does not page, and the parent's pages stay while it \
+         copies; docs/running-programs.md, fork)",
     ]);
     true
 }
@@ -658,7 +666,7 @@ pub fn release(entry: registry::Entry) {
 // ---- cgroup -------------------------------------------------------------------------------
 
 /// The memory cgroup this process runs in, when it has a limit.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct CgroupRoom {
     limit: u64,
     usage: std::path::PathBuf,
@@ -826,8 +834,6 @@ fn fit_budget_to_look(engine: &Engine, cgroup: &CgroupRoom, configured: u64, mar
     let held = engine.device_memory_held();
     let managed = engine.resident_pages() * tiermem_sys::PAGE_SIZE as u64;
     let unmanaged = look.charged.saturating_sub(managed + held.unwrap_or(0));
-    CGROUP_CHARGED_BESIDES_MANAGED.store(look.charged.saturating_sub(managed), Ordering::Relaxed);
-    CGROUP_LIMIT_WITHOUT_SWAP.store(if cgroup.no_swap { cgroup.limit } else { 0 }, Ordering::Relaxed);
     let room = local.saturating_sub(unmanaged + margin);
     let budget = engine.set_limit_bytes(room.min(configured));
     LOWEST_BUDGET.fetch_min(budget, Ordering::Relaxed);
