@@ -67,27 +67,13 @@ pub(crate) fn around(fork: impl FnOnce() -> c_long) -> c_long {
 /// The C contract of fork.
 #[no_mangle]
 pub unsafe extern "C" fn fork() -> libc::pid_t {
-    type ForkFn = unsafe extern "C" fn() -> libc::pid_t;
-    static REAL: std::sync::OnceLock<Option<ForkFn>> = std::sync::OnceLock::new();
-    let real = *REAL.get_or_init(|| {
-        // SAFETY: dlsym with a NUL-terminated name; RTLD_NEXT finds the definition past ours.
-        let address = unsafe { libc::dlsym(libc::RTLD_NEXT, c"fork".as_ptr()) };
-        // SAFETY: the C library's fork has this C signature.
-        (!address.is_null()).then(|| unsafe { std::mem::transmute::<*mut c_void, ForkFn>(address) })
-    });
+    let real = crate::alloc::real!("fork", unsafe extern "C" fn() -> libc::pid_t);
     if fork_cannot_fit() {
         set_errno(libc::ENOMEM);
         return -1;
     }
-    match real {
-        // SAFETY: the C library's fork, called as the caller called ours.
-        Some(real) => unsafe { real() },
-        // No C library fork past ours (cannot happen with glibc): say so as fork would.
-        None => {
-            set_errno(libc::ENOSYS);
-            -1
-        }
-    }
+    // SAFETY: the C library's fork, called as the caller called ours.
+    unsafe { real() }
 }
 
 /// glibc's `_Fork` (2.34 and later): fork without the atfork handlers, for callers that must
