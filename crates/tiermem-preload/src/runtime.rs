@@ -504,6 +504,9 @@ pub(crate) fn fork_cannot_fit() -> bool {
         };
         engine.pages_a_forked_child_copies(&skip) * tiermem_sys::PAGE_SIZE as u64
     };
+    if copy == 0 {
+        return false;
+    }
     // Read now: the program may have filled memory since the watch last looked (20 ms). The
     // child needs some memory besides the copy (its page tables, the pages it writes), and
     // while it lives the parent's evictions free nothing it still shares: the margin the
