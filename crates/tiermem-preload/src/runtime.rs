@@ -488,8 +488,8 @@ fn fork_state() -> &'static mut Option<ForkState> {
 /// engine still: nothing is evicted for the copy meanwhile. So when those pages are more than
 /// the cgroup has free (its page cache aside, which the kernel drops) and it cannot swap, the
 /// child would die part way through its copy, or the cgroup's killer end one of them, or the
-/// parent, resuming in a full cgroup, would get SIGSEGV from the kernel for want of a page for
-/// its next signal frame (all three seen). Python's `multiprocessing.Pool` forked again and
+/// parent, resuming in a full cgroup, would die of SIGSEGV (all three seen; the last most
+/// likely the kernel finding no page for its next signal frame). Python's `multiprocessing.Pool` forked again and
 /// again and never returned; now its `os.fork()` raises "Cannot allocate memory" at once. A
 /// note says why on stderr.
 pub(crate) fn fork_cannot_fit() -> bool {
