@@ -127,6 +127,9 @@ struct Entries {
     first_lows: [u16; MAX_ENTRIES],
     /// Counting filter: detected streams whose walked range covers each (owner, bucket) slot.
     hulls: [u16; FILTER],
+    /// Bit i set while entry i has a stride: where the hull filter lets a page through, only
+    /// these entries can hold it (most entries of a random access pattern have none).
+    strided: [u64; MAX_ENTRIES / LANES],
 }
 
 /// Slots of the hull filter: a few times the most entries, and small enough (2 KiB) to stay in
@@ -201,6 +204,17 @@ impl Entries {
         }
     }
 
+    /// Record whether entry `i` has a stride.
+    #[inline]
+    fn mark_strided(&mut self, i: usize, strided: bool) {
+        let (word, bit) = (i / LANES, 1u64 << (i % LANES));
+        if strided {
+            self.strided[word] |= bit;
+        } else {
+            self.strided[word] &= !bit;
+        }
+    }
+
     /// Add (`delta` 1) or remove (`delta` -1) entry `i`'s walked range, if it is a detected
     /// stream, to or from the hull filter.
     fn count(&mut self, i: usize, shift: u32, delta: i32) {
@@ -230,6 +244,7 @@ impl StreamTable {
             e: [FREE; MAX_ENTRIES],
             first_lows: [0; MAX_ENTRIES],
             hulls: [0; FILTER],
+            strided: [0; MAX_ENTRIES / LANES],
         };
         // Free entries go first, lowest index first: the list runs n-1 (front) .. 0 (tail).
         for i in 0..config.entries {
@@ -320,6 +335,7 @@ impl StreamTable {
             e.pages[0] = page;
             e.first = page;
             s.first_lows[victim] = page as u16;
+            s.mark_strided(victim, false);
             s.mru = victim;
             s.touch(victim);
             s.count(victim, shift, 1);
@@ -384,6 +400,7 @@ impl StreamTable {
         }
         let hull_after = hull(e);
         s.first_lows[i] = first as u16;
+        s.mark_strided(i, stride != 0);
         // The hull filter changes only where a bucket did (a window sliding along a stream
         // mostly stays within its buckets).
         if hull_after != hull_before {
@@ -427,10 +444,24 @@ impl StreamTable {
         if on(&s.e[s.mru]) {
             return true;
         }
-        if filters && s.wide == 0 && s.hulls[filter_slot(owner, page >> shift)] == 0 {
+        if !filters {
+            return s.e[..config.entries].iter().any(on);
+        }
+        if s.wide == 0 && s.hulls[filter_slot(owner, page >> shift)] == 0 {
             return false;
         }
-        s.e[..config.entries].iter().any(on)
+        // Only entries with a stride can hold the page.
+        for (word, &bits) in s.strided.iter().enumerate() {
+            let mut bits = bits;
+            while bits != 0 {
+                let i = word * LANES + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                if on(&s.e[i]) {
+                    return true;
+                }
+            }
+        }
+        false
     }
 
     /// Push the pages to prefetch for `stream` (clipped to `0..region_pages`) into `out`.
