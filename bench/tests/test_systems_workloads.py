@@ -88,9 +88,9 @@ def test_system_groups_expand_in_order_without_repeats():
         parse_systems(" , ")
 
 
-def test_kvstore_and_javasort_run_only_when_asked_for():
+def test_kvstore_javasort_and_sqlite_run_only_when_asked_for():
     defaults = cli.build_parser().parse_args([]).workloads.split(",")
-    for name in ("kvstore", "javasort"):
+    for name in ("kvstore", "javasort", "sqlite"):
         assert name in WORKLOADS
         assert name not in defaults
 
@@ -115,7 +115,7 @@ def on_path(program):
     return any(os.access(os.path.join(d, program), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
-@pytest.mark.parametrize("name", ["quicksort", "intsort", "linpack", "kmeans", "mlp", "kvstore", "javasort"])
+@pytest.mark.parametrize("name", ["quicksort", "intsort", "linpack", "kmeans", "mlp", "kvstore", "javasort", "sqlite"])
 def test_tiny_workloads_are_deterministic(tmp_path, name):
     if name == "quicksort" and not on_path("g++"):
         pytest.skip("no g++ to build the quicksort driver")
@@ -165,11 +165,11 @@ def test_a_missing_python_package_is_named_with_the_command_that_installs_it(tmp
     assert "lacks the harness's Python packages tqdm" in err and "pip install -r" in err, err
 
 
-@pytest.mark.parametrize("name", ["kmeans", "mlp"])
+@pytest.mark.parametrize("name", ["kmeans", "mlp", "sqlite"])
 def test_generated_inputs_are_made_once_in_prepare_and_read_by_the_run(tmp_path, name):
     w = WORKLOADS[name]
     w.prepare("tiny", tmp_path)
-    inputs = sorted(tmp_path.glob(f"{name}-*.npy"))
+    inputs = sorted(p for p in tmp_path.glob(f"{name}-*") if ".tmp" not in p.name)
     assert inputs, "prepare wrote no input file"
     argv = w.command("tiny", tmp_path)
     for path in inputs:
@@ -184,6 +184,22 @@ def test_generated_inputs_are_made_once_in_prepare_and_read_by_the_run(tmp_path,
     out = run_stopping_group(argv, text=True, env=env, timeout=120)
     assert out.returncode != 0
     assert inputs[0].name in out.stderr
+
+
+def test_the_sqlite_digest_depends_on_the_rows_and_every_row_is_loaded(tmp_path):
+    w = WORKLOADS["sqlite"]
+    env = dict(os.environ, PYTHONPATH=str(BENCH_DIR))
+    results = []
+    for seed in (4, 5):
+        params = dict(w.params["tiny"], seed=seed)
+        variant = type(w)(w.name, w.description, {"tiny": params})
+        variant.prepare("tiny", tmp_path)
+        out = run_stopping_group(variant.command("tiny", tmp_path), text=True, env=env, timeout=120)
+        assert out.returncode == 0, out.stderr
+        results.append(parse_result(out.stdout))
+    assert results[0]["digest"] != results[1]["digest"]
+    assert results[0]["rows"] == w.params["tiny"]["rows"]
+    assert results[0]["probed_rows"] > 0, "the index probes found rows"
 
 
 def test_the_pagerank_edge_list_is_sorted_by_source_then_target(tmp_path):

@@ -1,7 +1,7 @@
 """The application workloads, their sizes per scale, and how to start them.
 
 Every workload is real library code (C++ std::sort, scikit-learn, igraph/PRPACK, LAPACK through
-SciPy, numpy) driven by a short script with a fixed seed that prints a digest of its result.
+SciPy, numpy; SQLite, Redis and OpenJDK among the optional ones) driven by a short script with a fixed seed that prints a digest of its result.
 Scales: "tiny" (CI smoke and tests, tens of MB), "quick" (a few hundred MB: the whole matrix in
 minutes) and "full" (footprints of 2-6 GB).
 """
@@ -105,6 +105,11 @@ WORKLOADS: dict[str, Workload] = {
             "quick": {"keys": 16_000_000, "bits": 21, "iterations": 5, "seed": 4},
             "full": {"keys": 600_000_000, "bits": 23, "iterations": 10, "seed": 4},
         }),
+        Workload("sqlite", "SQLite (the system's libsqlite3): in-memory table loaded from a file, index, GROUP BY, sort, index probes", {
+            "tiny": {"rows": 100_000, "probes": 5_000, "seed": 4},
+            "quick": {"rows": 1_000_000, "probes": 40_000, "seed": 4},
+            "full": {"rows": 25_000_000, "probes": 1_000_000, "seed": 4},
+        }),
         Workload("javasort", "Java (OpenJDK): Arrays.sort of random longs, then a HashMap of boxed counts", {
             "tiny": {"n": 3_000_000, "groups": 100_000, "seed": 4, "heap-mb": 1024},
             "quick": {"n": 12_000_000, "groups": 500_000, "seed": 4, "heap-mb": 2048},
@@ -114,16 +119,16 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-# Run only when asked for (`--workloads kvstore,javasort`): not among the paper's programs;
+# Run only when asked for (`--workloads kvstore,javasort,sqlite`): not among the paper's programs;
 # kvstore is a client-server pair rather than one program (see kvstore.py), javasort needs a JDK.
-NOT_BY_DEFAULT = ("kvstore", "javasort")
+NOT_BY_DEFAULT = ("kvstore", "javasort", "sqlite")
 DEFAULT_WORKLOADS = tuple(n for n in WORKLOADS if n not in NOT_BY_DEFAULT)
 
 
 # Workloads whose input is generated once, unmeasured, and read from a file by each run: their
 # modules name the parameters the file depends on (INPUT_PARAMS), those only it needs
 # (INPUT_ONLY), the run's options naming it (input_args) and how it is made (prepare).
-GENERATED_INPUTS = ("pagerank", "kmeans", "mlp")
+GENERATED_INPUTS = ("pagerank", "kmeans", "mlp", "sqlite")
 
 
 def input_generator(name: str):
