@@ -839,6 +839,14 @@ impl IoQueue for FileQueue {
     }
 
     fn reap(&mut self, max: usize, on_done: &mut dyn FnMut(Completion)) -> usize {
+        if !self.ring.submission().is_empty() {
+            // A submission the kernel refused (io_uring takes its request memory from the
+            // memory cgroup, so it fails while the cgroup is full) left entries on the ring,
+            // and the caller went on. Nothing else would submit them until the next request
+            // comes, and a thread waiting for one of them would wait forever (seen: a fault
+            // handler spinning for a prefetch whose entry was still on the ring).
+            let _ = self.submit();
+        }
         let submitted = self.ledger.in_flight() - self.ring.submission().len();
         if self.wait_mode == WaitMode::KernelPoll && submitted > 0 && self.ring.completion().is_empty() {
             // An IOPOLL ring posts completions only when someone polls: poll once, without

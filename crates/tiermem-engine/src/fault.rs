@@ -553,6 +553,26 @@ fn outcome_of_copy_error(e: Errno) -> Outcome {
     }
 }
 
+/// Submit what `queue` holds. The kernel refuses a submission while the memory cgroup is full
+/// (io_uring charges its request memory there), so a refusal is treated as a refused page copy
+/// is: counted as a wait for memory (which the cgroup watch answers), the budget shed a step,
+/// reclaim kept awake, and tried again for up to two seconds before the fault fails.
+fn submit_retrying(shared: &Shared, queue: &mut dyn tiermem_device::IoQueue) -> Result<(), Errno> {
+    for attempt in 0..NOMEM_RETRIES {
+        if queue.submit().is_ok() {
+            return Ok(());
+        }
+        if attempt == 0 {
+            Stats::add(&shared.stats.counters.memory_waits, 1);
+            shared.shed(shared.limit_pages() / 32);
+        } else {
+            shared.wake_reclaim();
+        }
+        std::thread::sleep(std::time::Duration::from_micros(500));
+    }
+    Err(Errno::IO)
+}
+
 /// Read the faulting page first on a lane, then issue prefetches, then poll for the page.
 #[allow(clippy::too_many_arguments)]
 fn read_critical(
@@ -569,7 +589,7 @@ fn read_critical(
     let mut lane = shared.queues.lane(lane_hint);
     let submitted = Instant::now();
     lane.push(Request::Read { slot, buf }, critical_tag).map_err(|_| Errno::IO)?;
-    lane.submit().map_err(|_| Errno::IO)?;
+    submit_retrying(shared, &mut **lane)?;
     let poll_only = shared.config.io_mode == IoMode::PollOnly;
     let requests = issue_prefetches(shared, region, info, poll_only.then_some(&mut **lane));
     let on_lane = if poll_only { requests } else { 0 };
