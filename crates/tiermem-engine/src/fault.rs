@@ -507,14 +507,8 @@ fn map_pages_waiting(
             // makes room (the cgroup watch sees the count and cuts more if needed), then keep
             // reclaim awake and try again for a while before giving up.
             Errno::NOMEM if wait_for_memory && memory_waits < NOMEM_RETRIES => {
-                if memory_waits == 0 {
-                    Stats::add(&shared.stats.counters.memory_waits, 1);
-                    shared.shed(shared.limit_pages() / 32);
-                } else {
-                    shared.wake_reclaim();
-                }
+                wait_for_memory_once(shared, memory_waits);
                 memory_waits += 1;
-                std::thread::sleep(std::time::Duration::from_micros(500));
             }
             // The run crosses a VMA boundary (the program split the region with madvise or
             // mprotect), which one copy cannot: go page by page.
@@ -562,15 +556,22 @@ fn submit_retrying(shared: &Shared, queue: &mut dyn tiermem_device::IoQueue) -> 
         if queue.submit().is_ok() {
             return Ok(());
         }
-        if attempt == 0 {
-            Stats::add(&shared.stats.counters.memory_waits, 1);
-            shared.shed(shared.limit_pages() / 32);
-        } else {
-            shared.wake_reclaim();
-        }
-        std::thread::sleep(std::time::Duration::from_micros(500));
+        wait_for_memory_once(shared, attempt);
     }
     Err(Errno::IO)
+}
+
+/// One wait of a thread the full cgroup refused memory (`earlier` waits before it): the first
+/// is counted (the cgroup watch answers the count) and sheds the budget a step so reclaim makes
+/// room; later ones keep reclaim awake. Then 0.5 ms before the caller tries again.
+fn wait_for_memory_once(shared: &Shared, earlier: u32) {
+    if earlier == 0 {
+        Stats::add(&shared.stats.counters.memory_waits, 1);
+        shared.shed(shared.limit_pages() / 32);
+    } else {
+        shared.wake_reclaim();
+    }
+    std::thread::sleep(std::time::Duration::from_micros(500));
 }
 
 /// Read the faulting page first on a lane, then issue prefetches, then poll for the page.

@@ -510,9 +510,9 @@ pub(crate) fn fork_cannot_fit() -> bool {
     // Read now: the program may have filled memory since the watch last looked (20 ms). The
     // child needs some memory besides the copy (its page tables, the pages it writes), and
     // while it lives the parent's evictions free nothing it still shares: the margin the
-    // budget keeps (a 50th of the limit, at least 1 MiB) is kept out of the room too.
+    // budget keeps ([`base_margin`]) is kept out of the room too.
     let Some(look) = cgroup.look() else { return false };
-    let room = cgroup.limit.saturating_sub(look.charged + (cgroup.limit / 50).max(1 << 20));
+    let room = cgroup.limit.saturating_sub(look.charged + base_margin(engine, cgroup, engine.config().limit_bytes));
     if copy <= room {
         return false;
     }
