@@ -23,6 +23,8 @@ use crate::policy::PageList;
 
 /// Pages one staging area holds: one eviction batch at most.
 pub(crate) const AREA_PAGES: usize = PageList::CAPACITY;
+/// A page kept resident at each end of an area, around its staging pages: see [`Capture::new`].
+const SENTINELS: usize = 1;
 /// Staging areas: threads evicting at the same time (reclaim, direct reclaim by faulting
 /// threads) each need one.
 const AREAS: usize = 8;
@@ -50,15 +52,34 @@ pub(crate) struct Staging<'a> {
 impl Capture {
     /// Map and register the staging areas on `uffd` (UFFDIO_MOVE only moves into registered
     /// memory, with the same protection as the source, so they are registered as regions are).
+    ///
+    /// Eviction must not need memory: it is what makes room when the memory cgroup has none.
+    /// A move into an area needs the area's anon_vma and the page tables over its pages, and
+    /// the kernel charges both to the cgroup of the thread that allocates them. So each area
+    /// gets them here, while there is room, by a write to a sentinel page at each end before
+    /// the area is registered, and the sentinels stay: emptying the staging pages between them
+    /// (MADV_DONTNEED, which frees a page table left empty) then leaves every page table the
+    /// area spans in place, since a table holding staging pages holds one sentinel or the
+    /// other. Before, the first move into an area, and every move after a table was freed,
+    /// allocated; under a full cgroup the reclaim thread then waited in the kernel's reclaim
+    /// for memory only its own eviction could free, and the OOM guard gave up after 2 s (the
+    /// OOM-guard test's rare failure, docs/running-programs.md).
     pub(crate) fn new(uffd: &Uffd) -> Result<Self> {
         let mut areas = Vec::with_capacity(AREAS);
         for _ in 0..AREAS {
-            let mapping = Mapping::anonymous(AREA_PAGES * PAGE_SIZE, false)?;
-            uffd.register(mapping.as_ptr(), mapping.len(), RegisterMode { missing: true, write_protect: true })?;
+            let mapping = Mapping::anonymous((AREA_PAGES + 2 * SENTINELS) * PAGE_SIZE, false)?;
             // SAFETY: the range is the mapping just created and owned here.
             let _ = unsafe {
                 rustix::mm::madvise(mapping.as_ptr().cast(), mapping.len(), rustix::mm::Advice::LinuxNoHugepage)
             };
+            for sentinel in [0, mapping.len() - PAGE_SIZE] {
+                // The offset is within the mapping (its first and last page).
+                let byte = mapping.as_ptr().wrapping_add(sentinel);
+                // SAFETY: a byte of the mapping just created, not registered yet (no fault
+                // goes to the engine), that nothing else refers to.
+                unsafe { byte.write_volatile(1) };
+            }
+            uffd.register(mapping.as_ptr(), mapping.len(), RegisterMode { missing: true, write_protect: true })?;
             areas.push(Area { mapping, busy: AtomicBool::new(false) });
         }
         Ok(Self { areas: areas.into_boxed_slice(), pagemap: Pagemap::open_self()? })
@@ -117,9 +138,9 @@ impl Capture {
 }
 
 impl Staging<'_> {
-    /// Address of staging page `k`.
+    /// Address of staging page `k` (after the first sentinel).
     pub(crate) fn page(&self, k: usize) -> *mut u8 {
-        self.area.mapping.as_ptr().wrapping_add(k * PAGE_SIZE)
+        self.area.mapping.as_ptr().wrapping_add((SENTINELS + k) * PAGE_SIZE)
     }
 
     /// Note that pages up to `k` (exclusive) may hold moved pages, to empty them on drop.
@@ -133,7 +154,7 @@ impl Drop for Staging<'_> {
         if self.used_pages > 0 {
             // SAFETY: the staging pages belong to this area, which this thread holds; their
             // contents have been copied or were clean.
-            let _ = unsafe { tiermem_sys::mem::discard(self.area.mapping.as_ptr(), self.used_pages * PAGE_SIZE) };
+            let _ = unsafe { tiermem_sys::mem::discard(self.page(0), self.used_pages * PAGE_SIZE) };
         }
         self.area.busy.store(false, Ordering::Release);
     }

@@ -871,6 +871,11 @@ fn local_room(engine: &Engine, cgroup: &CgroupRoom, configured: u64) -> u64 {
 /// free. If the budget is already at its floor, tiermem has nothing left to give: the guard
 /// turns the killer back on.
 fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<OomGuard>) {
+    if let Some(dir) = &cgroup.v1_dir {
+        if let Err(why) = leave_for_parent_cgroup(dir) {
+            say(&["tiermem: the cgroup watch stays in the limited cgroup (", &why, ")"]);
+        }
+    }
     let configured = engine.config().limit_bytes;
     let mut extra_margin = 0u64;
     // Looks since the cgroup was last out of memory.
@@ -896,8 +901,11 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
             if g.under_oom().unwrap_or(true) {
                 if since.elapsed() > Duration::from_secs(2) {
                     if let Some(g) = guard.take() {
+                        say(&[
+                            "tiermem: the cgroup stayed out of memory for 2 s: OOM killer back on; the threads were in",
+                        ]);
+                        say_where_threads_wait();
                         g.disarm();
-                        say(&["tiermem: the cgroup stayed out of memory for 2 s: OOM killer back on"]);
                     }
                     out_since = None;
                 }
@@ -948,6 +956,39 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
             // too): the ballast's room is gone already, so cut as for a second event.
             cut_budget_a_step(engine, &cgroup, configured, &mut guard, &mut extra_margin);
         }
+    }
+}
+
+/// Move the calling thread (the cgroup watch) to the parent of its v1 memory cgroup `dir`.
+///
+/// The watch reads the cgroup's files every 20 ms, and the kernel charges the buffers of each
+/// read (a `seq_file` page for `memory.stat`, the open file) to the memory cgroup of the thread
+/// that reads. In a full cgroup that read waited in the kernel's reclaim throttling, while the
+/// watch was the thread meant to make room (the OOM-guard test's rare thread-mode failure,
+/// docs/running-programs.md). Charged to the parent, the read never waits for the cgroup it
+/// watches. What moves out is only that transient kernel memory, a few KiB freed at the end of
+/// each look: the thread's stack and heap belong to the process's memory, which v1 charges to the
+/// cgroup of its main thread, where everything else stays. v1 only: v2 moves whole processes.
+fn leave_for_parent_cgroup(dir: &std::path::Path) -> Result<(), String> {
+    let parent = dir.parent().filter(|p| p.starts_with("/sys/fs/cgroup/memory")).ok_or("it has no parent")?;
+    let tasks = parent.join("tasks");
+    std::fs::write(&tasks, rustix::thread::gettid().as_raw_nonzero().to_string())
+        .map_err(|e| format!("cannot write {}: {e}", tasks.display()))
+}
+
+/// Say where each thread of this process is: its kernel stack's innermost frames (readable by
+/// root), else the kernel function it sleeps in. Said when the OOM guard gives up, it names
+/// what kept the engine from making room (a thread waiting for memory itself, and where).
+fn say_where_threads_wait() {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return };
+    for task in tasks.flatten() {
+        let read = |name: &str| std::fs::read_to_string(task.path().join(name)).unwrap_or_default();
+        let stack = read("stack");
+        // Lines like "[<0>] reclaim_throttle+0x1a3/0x2e0": the function's name only.
+        let frames: Vec<&str> =
+            stack.lines().filter_map(|l| l.split_whitespace().nth(1)?.split('+').next()).take(8).collect();
+        let place = if frames.is_empty() { read("wchan") } else { frames.join(" < ") };
+        say(&["tiermem:   ", read("comm").trim(), ": ", &place]);
     }
 }
 
