@@ -451,6 +451,91 @@ fn own_v1_oom_control_path() -> Option<PathBuf> {
     Some(path)
 }
 
+/// How long the cgroup may stay out of memory, without a break `tiermem run` sees, before it
+/// turns the OOM killer back on itself: well past the shim's own 2 s (see [`OomBackstop`]).
+const OOM_BACKSTOP_AFTER: Duration = Duration::from_secs(10);
+
+/// The backstop of `--cgroup guard`: a thread of `tiermem run` itself that turns the cgroup's
+/// OOM killer back on once the cgroup has been out of memory for [`OOM_BACKSTOP_AFTER`], for
+/// when the shim's guard, inside the program, cannot. Seen: a program forked just under its
+/// limit, whose engine threads, the guard's among them, all waited in the cgroup's OOM wait
+/// for a page of their own stack or heap that the fork had left shared with the child; the run
+/// hung for good. `tiermem run` shares no memory with the program (it exec'ed), reads the
+/// control file through a descriptor opened up front, and its thread moves to the parent
+/// cgroup on v1 (as the shim's watch does), so nothing it does needs the cgroup's memory.
+struct OomBackstop {
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl OomBackstop {
+    /// Start watching the v1 `memory.oom_control` at `path`; None if it cannot be opened.
+    /// Returns once the thread has moved and read the file once: everything it allocates (its
+    /// stack, the kernel's read buffer, its message) is taken before the program starts, while
+    /// the cgroup has room. A thread first scheduled later, with the cgroup full, aborted.
+    fn start(path: &Path) -> Option<Self> {
+        let control = std::fs::File::options().read(true).write(true).open(path).ok()?;
+        let dir = path.parent()?.to_path_buf();
+        let message = format!(
+            "tiermem: the cgroup stayed out of memory for {} s and the program's OOM guard did not give up: OOM killer back on\n",
+            OOM_BACKSTOP_AFTER.as_secs()
+        );
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = std::sync::Arc::clone(&done);
+        let (ready, started) = std::sync::mpsc::sync_channel(1);
+        let thread = std::thread::Builder::new()
+            .name("tiermem-oom-backstop".into())
+            .spawn(move || {
+                let _ = tiermem_sys::cgroup::move_thread_to_parent_v1(&dir);
+                let _ = read_oom_control(&control);
+                let _ = ready.send(());
+                // From here nothing allocates: with the killer off, a new page of this process
+                // in a full cgroup would wait like the program's.
+                let mut out_since: Option<Instant> = None;
+                while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(100));
+                    let Some((killer_off, under_oom)) = read_oom_control(&control) else { continue };
+                    if !(killer_off && under_oom) {
+                        out_since = None;
+                        continue;
+                    }
+                    let since = *out_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= OOM_BACKSTOP_AFTER {
+                        use std::io::Write;
+                        let _ = std::io::stderr().write_all(message.as_bytes());
+                        if (&control).write_all(b"0").is_err() {
+                            let _ = std::io::stderr().write_all(b"tiermem: cannot turn the OOM killer back on\n");
+                        }
+                        return;
+                    }
+                }
+            })
+            .ok()?;
+        let _ = started.recv_timeout(Duration::from_secs(5));
+        Some(Self { done, thread: Some(thread) })
+    }
+}
+
+impl Drop for OomBackstop {
+    fn drop(&mut self) {
+        self.done.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// `oom_kill_disable` and `under_oom` from an open `memory.oom_control` (read from its start, so
+/// the kernel reuses the buffer of the first read).
+fn read_oom_control(control: &std::fs::File) -> Option<(bool, bool)> {
+    use std::os::unix::fs::FileExt;
+    let mut text = [0u8; 256];
+    let n = control.read_at(&mut text, 0).ok()?;
+    let text = std::str::from_utf8(&text[..n]).ok()?;
+    let field = |key: &str| text.lines().find_map(|l| l.strip_prefix(key)).map(|v| v.trim() != "0");
+    Some((field("oom_kill_disable ")?, field("under_oom ")?))
+}
+
 /// `tiermem run`: run `program` under the shim with `settings` and collect what it measured.
 pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     let features = KernelFeatures::probe();
@@ -505,12 +590,16 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     } else {
         None
     };
+    // Not where the killer was off before the run: whoever turned it off handles the cgroup's
+    // OOM, and `tiermem run` puts that setting back.
+    let backstop = oom_control.as_ref().filter(|(_, was_off)| !was_off).and_then(|(path, _)| OomBackstop::start(path));
     let ending = spawn_and_wait(program, |command| {
         for (k, v) in &vars {
             command.env(k, v);
         }
         command.env("LD_PRELOAD", &preload);
     });
+    drop(backstop);
     if settings.engine.damon {
         drop(own_kdamond);
         // Those of processes that were killed or exec'ed before their exit could remove them.

@@ -2288,6 +2288,82 @@ fn a_fork_whose_child_cannot_hold_the_parent_s_evicted_pages_fails_with_enomem()
 /// Fills a managed array larger than the budget, then queues N MiB on a Unix socket pair (its
 /// buffers forced large, the writer non-blocking) before reading them back: the kernel charges
 /// the queued buffers to the cgroup, which tiermem keeps nearly full of managed pages.
+/// A program that turns its own memory cgroup's OOM killer off, as the shim's OOM guard does,
+/// then fills anonymous memory past the limit: with no guard left to act (the program is
+/// statically linked, so the shim is not in it), its tasks would wait for memory for good.
+const OOM_WAITER: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+int main(int argc, char** argv) {
+    std::ifstream cgroups("/proc/self/cgroup");
+    std::string line, dir;
+    while (std::getline(cgroups, line)) {
+        size_t at = line.find(":memory:");
+        if (at != std::string::npos) dir = "/sys/fs/cgroup/memory" + line.substr(at + 8);
+    }
+    std::ofstream control(dir + "/memory.oom_control");
+    control << "1" << std::flush;
+    if (!control) { perror("memory.oom_control"); return 2; }
+    size_t len = (size_t)atoi(argv[1]) << 20;
+    char* fill = (char*)malloc(len);
+    for (size_t i = 0; i < len; i += 4096) fill[i] = 1;
+    printf("filled %zu MiB\n", len >> 20);
+    return 0;
+}
+"#;
+
+/// `--cgroup guard` ends a run with a kill, never a hang, even where the shim's guard cannot
+/// act: `tiermem run` itself turns the OOM killer back on once the cgroup has been out of memory
+/// for 10 s. Seen without it: a program forked just under its limit, whose engine threads all
+/// waited in the cgroup's OOM wait for pages the fork had left shared, hung for good. Here a
+/// statically linked program (no shim) turns the killer off and fills 64 MiB under 32 MiB.
+#[test]
+fn when_the_oom_guard_cannot_act_tiermem_run_turns_the_killer_back_on() {
+    let name = "when_the_oom_guard_cannot_act_tiermem_run_turns_the_killer_back_on";
+    if !cgroup_test_or_skip(name) {
+        return;
+    }
+    if !Path::new("/sys/fs/cgroup/memory").is_dir() {
+        eprintln!("SKIPPED {name}: the OOM guard needs the cgroup v1 memory controller (memory.oom_control)");
+        return;
+    }
+    let scratch = Scratch::new();
+    let src = scratch.path().join("oom_waiter.cpp");
+    let bin = scratch.path().join("oom_waiter");
+    std::fs::write(&src, OOM_WAITER).unwrap();
+    let built = Command::new("g++").args(["-O2", "-static", "-o"]).arg(&bin).arg(&src).output().expect("g++");
+    if !built.status.success() {
+        eprintln!("SKIPPED {name}: g++ cannot link statically here: {}", String::from_utf8_lossy(&built.stderr));
+        return;
+    }
+    let limit = (32u64 << 20).to_string();
+    let cgroup = tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", 32 << 20, Some(0))
+        .expect("memory cgroup");
+    let run = scratch.command(&["run", "--cgroup", "guard", "--limit", &limit, "--", &bin.display().to_string(), "64"]);
+    // Should the backstop fail, the run would hang: a time limit turns that into a failure.
+    let mut limited = Command::new("timeout");
+    limited.args(["-s", "KILL", "120"]).arg(run.get_program()).args(run.get_args()).current_dir(scratch.path());
+    let started = std::time::Instant::now();
+    let out = tiermem_cli::bench::linux_swap::run_in_cgroup(&cgroup, &mut limited);
+    let took = started.elapsed();
+    let control = std::fs::read_to_string(cgroup.path().join("memory.oom_control")).unwrap_or_default();
+    let kills = cgroup.oom_kills();
+    cgroup.close().expect("removing the cgroup");
+    let out = out.expect("tiermem run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("the cgroup stayed out of memory for 10 s"),
+        "{name}: no word of the backstop after {took:?}: {stderr}"
+    );
+    assert!(stderr.contains("killed by signal 9"), "{name}: the program was not killed: {stderr}");
+    assert_eq!(kills, Some(1), "{name}: one OOM kill expected: {stderr}");
+    assert!(took < Duration::from_secs(60), "{name}: took {took:?}");
+    assert!(control.contains("oom_kill_disable 0"), "{name}: OOM killer left off after the run: {control}");
+}
+
 const SOCKET_QUEUE: &str = r#"
 #include <cerrno>
 #include <cstdio>

@@ -872,7 +872,10 @@ fn local_room(engine: &Engine, cgroup: &CgroupRoom, configured: u64) -> u64 {
 /// turns the killer back on.
 fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<OomGuard>) {
     if let Some(dir) = &cgroup.v1_dir {
-        if let Err(why) = leave_for_parent_cgroup(dir) {
+        // Its reads of the cgroup's files are charged to the parent: in a full cgroup they
+        // waited in the kernel's reclaim throttling while the watch was the thread meant to
+        // make room (docs/running-programs.md).
+        if let Err(why) = tiermem_sys::cgroup::move_thread_to_parent_v1(dir) {
             say(&["tiermem: the cgroup watch stays in the limited cgroup (", &why, ")"]);
         }
     }
@@ -957,23 +960,6 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
             cut_budget_a_step(engine, &cgroup, configured, &mut guard, &mut extra_margin);
         }
     }
-}
-
-/// Move the calling thread (the cgroup watch) to the parent of its v1 memory cgroup `dir`.
-///
-/// The watch reads the cgroup's files every 20 ms, and the kernel charges the buffers of each
-/// read (a `seq_file` page for `memory.stat`, the open file) to the memory cgroup of the thread
-/// that reads. In a full cgroup that read waited in the kernel's reclaim throttling, while the
-/// watch was the thread meant to make room (the OOM-guard test's rare thread-mode failure,
-/// docs/running-programs.md). Charged to the parent, the read never waits for the cgroup it
-/// watches. What moves out is only that transient kernel memory, a few KiB freed at the end of
-/// each look: the thread's stack and heap belong to the process's memory, which v1 charges to the
-/// cgroup of its main thread, where everything else stays. v1 only: v2 moves whole processes.
-fn leave_for_parent_cgroup(dir: &std::path::Path) -> Result<(), String> {
-    let parent = dir.parent().filter(|p| p.starts_with("/sys/fs/cgroup/memory")).ok_or("it has no parent")?;
-    let tasks = parent.join("tasks");
-    std::fs::write(&tasks, rustix::thread::gettid().as_raw_nonzero().to_string())
-        .map_err(|e| format!("cannot write {}: {e}", tasks.display()))
 }
 
 /// Say where each thread of this process is: its kernel stack's innermost frames (readable by

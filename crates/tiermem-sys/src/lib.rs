@@ -3,6 +3,7 @@
 //! Everything `unsafe` that talks to the kernel about memory lives here, so the engine above can be
 //! written in safe code wherever possible.
 
+pub mod cgroup;
 pub mod error;
 pub mod guarded_fd;
 pub mod mem;
