@@ -493,7 +493,8 @@ impl OomBackstop {
                 // in a full cgroup would wait like the program's.
                 let mut out_since: Option<Instant> = None;
                 while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                    std::thread::sleep(Duration::from_millis(100));
+                    // Parked rather than asleep: the run's end unparks it at once.
+                    std::thread::park_timeout(Duration::from_millis(100));
                     let Some((killer_off, under_oom)) = read_oom_control(&control) else { continue };
                     if !(killer_off && under_oom) {
                         out_since = None;
@@ -520,6 +521,7 @@ impl Drop for OomBackstop {
     fn drop(&mut self) {
         self.done.store(true, std::sync::atomic::Ordering::Release);
         if let Some(thread) = self.thread.take() {
+            thread.thread().unpark();
             let _ = thread.join();
         }
     }
