@@ -2136,17 +2136,26 @@ fn oom_guard_program(
     bin_name: &str,
     second_arg: &str,
 ) -> Option<(Scratch, String, std::process::Output)> {
-    if !cgroup_test_or_skip(name) {
-        return None;
-    }
-    if !Path::new("/sys/fs/cgroup/memory").is_dir() {
-        eprintln!("SKIPPED {name}: the OOM guard needs the cgroup v1 memory controller (memory.oom_control)");
+    if !oom_guard_test_or_skip(name) {
         return None;
     }
     let scratch = Scratch::new();
     let bin = build_cpp(&scratch, source, bin_name, name)?;
     let reference = Command::new(&bin).args(["96", second_arg]).output().expect("the program alone");
     Some((scratch, bin.display().to_string(), reference))
+}
+
+/// Whether the OOM-guard tests can run here: root, cgroups, and the cgroup v1 memory controller
+/// (whose memory.oom_control the guard switches). Says SKIPPED where not.
+fn oom_guard_test_or_skip(name: &str) -> bool {
+    if !cgroup_test_or_skip(name) {
+        return false;
+    }
+    if !Path::new("/sys/fs/cgroup/memory").is_dir() {
+        eprintln!("SKIPPED {name}: the OOM guard needs the cgroup v1 memory controller (memory.oom_control)");
+        return false;
+    }
+    true
 }
 
 /// One run of [`UNMANAGED_BURST`] under the guard, in a cgroup of `limit_arg` bytes without swap:
@@ -2323,11 +2332,7 @@ int main(int argc, char** argv) {
 #[test]
 fn when_the_oom_guard_cannot_act_tiermem_run_turns_the_killer_back_on() {
     let name = "when_the_oom_guard_cannot_act_tiermem_run_turns_the_killer_back_on";
-    if !cgroup_test_or_skip(name) {
-        return;
-    }
-    if !Path::new("/sys/fs/cgroup/memory").is_dir() {
-        eprintln!("SKIPPED {name}: the OOM guard needs the cgroup v1 memory controller (memory.oom_control)");
+    if !oom_guard_test_or_skip(name) {
         return;
     }
     let scratch = Scratch::new();

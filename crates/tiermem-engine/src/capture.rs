@@ -56,8 +56,8 @@ impl Capture {
     /// Eviction must not need memory: it is what makes room when the memory cgroup has none.
     /// A move into an area needs the area's anon_vma and the page tables over its pages, and
     /// the kernel charges both to the cgroup of the thread that allocates them. So each area
-    /// gets them here, while there is room, by a write to a sentinel page at each end before
-    /// the area is registered, and the sentinels stay: emptying the staging pages between them
+    /// gets them here, while there is room, by a write to a sentinel page at each end (outside
+    /// the registered range), and the sentinels stay: emptying the staging pages between them
     /// (MADV_DONTNEED, which frees a page table left empty) then leaves every page table the
     /// area spans in place, since a table holding staging pages holds one sentinel or the
     /// other. Before, the first move into an area, and every move after a table was freed,
@@ -75,11 +75,15 @@ impl Capture {
             for sentinel in [0, mapping.len() - PAGE_SIZE] {
                 // The offset is within the mapping (its first and last page).
                 let byte = mapping.as_ptr().wrapping_add(sentinel);
-                // SAFETY: a byte of the mapping just created, not registered yet (no fault
-                // goes to the engine), that nothing else refers to.
+                // SAFETY: a byte of the mapping just created, outside the range registered
+                // below (no fault goes to the engine), that nothing else refers to.
                 unsafe { byte.write_volatile(1) };
             }
-            uffd.register(mapping.as_ptr(), mapping.len(), RegisterMode { missing: true, write_protect: true })?;
+            // The staging pages only: the sentinels are the engine's own memory, not managed
+            // memory (a kernel's count of registered memory, as the tests take it, leaves them
+            // out). Page tables do not follow the split this makes, so they still hold them.
+            let staging = mapping.as_ptr().wrapping_add(SENTINELS * PAGE_SIZE);
+            uffd.register(staging, AREA_PAGES * PAGE_SIZE, RegisterMode { missing: true, write_protect: true })?;
             areas.push(Area { mapping, busy: AtomicBool::new(false) });
         }
         Ok(Self { areas: areas.into_boxed_slice(), pagemap: Pagemap::open_self()? })
