@@ -2294,9 +2294,6 @@ fn a_fork_whose_child_cannot_hold_the_parent_s_evicted_pages_fails_with_enomem()
     }
 }
 
-/// Fills a managed array larger than the budget, then queues N MiB on a Unix socket pair (its
-/// buffers forced large, the writer non-blocking) before reading them back: the kernel charges
-/// the queued buffers to the cgroup, which tiermem keeps nearly full of managed pages.
 /// A program that turns its own memory cgroup's OOM killer off, as the shim's OOM guard does,
 /// then fills anonymous memory past the limit: with no guard left to act (the program is
 /// statically linked, so the shim is not in it), its tasks would wait for memory for good.
@@ -2369,6 +2366,9 @@ fn when_the_oom_guard_cannot_act_tiermem_run_turns_the_killer_back_on() {
     assert!(control.contains("oom_kill_disable 0"), "{name}: OOM killer left off after the run: {control}");
 }
 
+/// Fills a managed array larger than the budget, then queues N MiB on a Unix socket pair (its
+/// buffers forced large, the writer non-blocking) before reading them back: the kernel charges
+/// the queued buffers to the cgroup, which tiermem keeps nearly full of managed pages.
 const SOCKET_QUEUE: &str = r#"
 #include <cerrno>
 #include <cstdio>

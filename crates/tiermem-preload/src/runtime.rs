@@ -875,7 +875,10 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
         // Its reads of the cgroup's files are charged to the parent: in a full cgroup they
         // waited in the kernel's reclaim throttling while the watch was the thread meant to
         // make room (docs/running-programs.md).
-        if let Err(why) = tiermem_sys::cgroup::move_thread_to_parent_v1(dir) {
+        let moved = tiermem_sys::cgroup::move_thread_to_parent_v1(dir);
+        // Said only with the guard, which needs root anyway: a user who may not move threads
+        // need not hear about it on every run.
+        if let (Err(why), Some(_)) = (moved, &guard) {
             say(&["tiermem: the cgroup watch stays in the limited cgroup (", &why, ")"]);
         }
     }
