@@ -487,7 +487,7 @@ impl OomBackstop {
             .name("tiermem-oom-backstop".into())
             .spawn(move || {
                 let _ = tiermem_sys::cgroup::move_thread_to_parent_v1(&dir);
-                let _ = read_oom_control(&control);
+                let _ = tiermem_sys::cgroup::read_oom_control(&control);
                 let _ = ready.send(());
                 // From here nothing allocates: with the killer off, a new page of this process
                 // in a full cgroup would wait like the program's.
@@ -495,8 +495,8 @@ impl OomBackstop {
                 while !stop.load(std::sync::atomic::Ordering::Acquire) {
                     // Parked rather than asleep: the run's end unparks it at once.
                     std::thread::park_timeout(Duration::from_millis(100));
-                    let Some((killer_off, under_oom)) = read_oom_control(&control) else { continue };
-                    if !(killer_off && under_oom) {
+                    let Some(state) = tiermem_sys::cgroup::read_oom_control(&control) else { continue };
+                    if !(state.killer_off && state.under_oom) {
                         out_since = None;
                         continue;
                     }
@@ -525,17 +525,6 @@ impl Drop for OomBackstop {
             let _ = thread.join();
         }
     }
-}
-
-/// `oom_kill_disable` and `under_oom` from an open `memory.oom_control` (read from its start, so
-/// the kernel reuses the buffer of the first read).
-fn read_oom_control(control: &std::fs::File) -> Option<(bool, bool)> {
-    use std::os::unix::fs::FileExt;
-    let mut text = [0u8; 256];
-    let n = control.read_at(&mut text, 0).ok()?;
-    let text = std::str::from_utf8(&text[..n]).ok()?;
-    let field = |key: &str| text.lines().find_map(|l| l.strip_prefix(key)).map(|v| v.trim() != "0");
-    Some((field("oom_kill_disable ")?, field("under_oom ")?))
 }
 
 /// `tiermem run`: run `program` under the shim with `settings` and collect what it measured.

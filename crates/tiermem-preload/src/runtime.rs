@@ -1093,12 +1093,7 @@ impl OomGuard {
 
     /// Whether a task of the cgroup waits for memory now (None: cannot tell).
     fn under_oom(&self) -> Option<bool> {
-        use std::os::unix::fs::FileExt;
-        let mut text = [0u8; 256];
-        let n = self.control.read_at(&mut text, 0).ok()?;
-        let text = std::str::from_utf8(&text[..n]).ok()?;
-        let value = text.lines().find_map(|l| l.strip_prefix("under_oom "))?;
-        Some(value.trim() != "0")
+        tiermem_sys::cgroup::read_oom_control(&self.control).map(|c| c.under_oom)
     }
 
     /// Wait up to `timeout` for the cgroup to run out of memory; true if it did.

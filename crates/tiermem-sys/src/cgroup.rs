@@ -18,3 +18,45 @@ pub fn move_thread_to_parent_v1(dir: &Path) -> Result<(), String> {
     std::fs::write(&tasks, rustix::thread::gettid().as_raw_nonzero().to_string())
         .map_err(|e| format!("cannot write {}: {e}", tasks.display()))
 }
+
+/// What a v1 `memory.oom_control` says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OomControl {
+    /// `oom_kill_disable`: the cgroup's OOM killer is off.
+    pub killer_off: bool,
+    /// `under_oom`: a task of the cgroup waits for memory now.
+    pub under_oom: bool,
+}
+
+/// Read an open v1 `memory.oom_control` from its start, into a buffer on the stack: the
+/// kernel reuses the buffer of the first read, so a read allocates nothing, in the kernel or
+/// here, even while the cgroup has no memory left.
+pub fn read_oom_control(control: &std::fs::File) -> Option<OomControl> {
+    use std::os::unix::fs::FileExt;
+    let mut text = [0u8; 256];
+    let n = control.read_at(&mut text, 0).ok()?;
+    let text = std::str::from_utf8(&text[..n]).ok()?;
+    let field = |key: &str| text.lines().find_map(|l| l.strip_prefix(key)).map(|v| v.trim() != "0");
+    Some(OomControl { killer_off: field("oom_kill_disable ")?, under_oom: field("under_oom ")? })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oom_control_is_read_from_its_start_every_time() {
+        let path = std::env::temp_dir().join(format!("tiermem-oom-control-{}", std::process::id()));
+        std::fs::write(&path, "oom_kill_disable 1\nunder_oom 0\noom_kill 3\n").unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        let read = read_oom_control(&file);
+        // A second read of the same descriptor sees the same text (no offset carried over).
+        let again = read_oom_control(&file);
+        std::fs::write(&path, "under_oom 1\n").unwrap();
+        let partial = read_oom_control(&std::fs::File::open(&path).unwrap());
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(read, Some(OomControl { killer_off: true, under_oom: false }));
+        assert_eq!(again, read);
+        assert_eq!(partial, None, "a text without oom_kill_disable is not a reading");
+    }
+}
