@@ -785,7 +785,7 @@ impl CgroupLook {
 /// bursts while a program starts (an interpreter importing its libraries in a full cgroup), and
 /// the room they leave behind is mostly not needed again: Linpack at 20% of its footprint saw
 /// 2,500–3,200 refaults in its first second and none after, and the room that decayed from them
-/// took 4–15 MiB from a budget of about 30 for the whole 12–18 s run, while the page cache
+/// took 4–17 MiB from a budget of about 30 for the whole 13–20 s run, while the page cache
 /// shrank from 6 MiB to 2.5 without a refault. Room the cache leaves empty now goes back to the
 /// budget; the kernel then drops file pages nobody uses again, and those the program does use
 /// come back as refaults and win their room again.
