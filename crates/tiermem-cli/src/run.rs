@@ -486,8 +486,17 @@ impl OomBackstop {
         let thread = std::thread::Builder::new()
             .name("tiermem-oom-backstop".into())
             .spawn(move || {
+                use std::io::Write;
                 let _ = tiermem_sys::cgroup::move_thread_to_parent_v1(&dir);
                 let _ = tiermem_sys::cgroup::read_oom_control(&control);
+                // The thread's move does not move its page faults: a new page of this process
+                // (its stack too) is charged to the cgroup of the process, the limited one. A
+                // first touch of a deeper stack page when it came to act left it waiting in the
+                // OOM wait with the program (seen once, in a debug build). So the stack it will
+                // use is touched now, and the write that turns the killer back on is made once
+                // (the killer is on at this point, as the backstop starts only then).
+                touch_stack();
+                let _ = (&control).write_all(b"0");
                 let _ = ready.send(());
                 // From here nothing allocates: with the killer off, a new page of this process
                 // in a full cgroup would wait like the program's.
@@ -502,7 +511,6 @@ impl OomBackstop {
                     }
                     let since = *out_since.get_or_insert_with(Instant::now);
                     if since.elapsed() >= OOM_BACKSTOP_AFTER {
-                        use std::io::Write;
                         let _ = std::io::stderr().write_all(message.as_bytes());
                         if (&control).write_all(b"0").is_err() {
                             let _ = std::io::stderr().write_all(b"tiermem: cannot turn the OOM killer back on\n");
@@ -515,6 +523,19 @@ impl OomBackstop {
         let _ = started.recv_timeout(Duration::from_secs(5));
         Some(Self { done, thread: Some(thread) })
     }
+}
+
+/// Stack the backstop's thread writes at start, far more than its loop and its last message
+/// take (a debug build's frames included).
+const BACKSTOP_STACK_BYTES: usize = 256 << 10;
+
+/// Write [`BACKSTOP_STACK_BYTES`] of stack below the caller's frame, so later calls as deep
+/// find their pages already there.
+#[inline(never)]
+fn touch_stack() {
+    let mut pad = [0u8; BACKSTOP_STACK_BYTES];
+    // The reference escapes, so the zeroing above is kept: every page of it is written.
+    std::hint::black_box(&mut pad);
 }
 
 impl Drop for OomBackstop {

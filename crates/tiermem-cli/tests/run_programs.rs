@@ -2344,18 +2344,41 @@ fn when_the_oom_guard_cannot_act_tiermem_run_turns_the_killer_back_on() {
     let limit = (32u64 << 20).to_string();
     let cgroup = tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", 32 << 20, Some(0))
         .expect("memory cgroup");
-    let run = scratch.command(&["run", "--cgroup", "guard", "--limit", &limit, "--", &bin.display().to_string(), "64"]);
-    // Should the backstop fail, the run would hang: a time limit turns that into a failure.
-    let mut limited = Command::new("timeout");
-    limited.args(["-s", "KILL", "120"]).arg(run.get_program()).args(run.get_args()).current_dir(scratch.path());
+    let mut run =
+        scratch.command(&["run", "--cgroup", "guard", "--limit", &limit, "--", &bin.display().to_string(), "64"]);
+    // Should the backstop fail, the run would hang, and so would a time limit kept inside the
+    // cgroup (a `timeout` there once waited in the OOM wait with the program): a watchdog here,
+    // outside it, kills every task of the cgroup after 120 s, which ends even that wait.
+    let finished = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watchdog = {
+        let (finished, procs) = (std::sync::Arc::clone(&finished), cgroup.procs_file());
+        std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
+            while !finished.load(std::sync::atomic::Ordering::Acquire) {
+                if std::time::Instant::now() >= deadline {
+                    let pids = std::fs::read_to_string(&procs).unwrap_or_default();
+                    for pid in pids.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+                        // SAFETY: kill has no memory-safety preconditions.
+                        unsafe { libc::kill(pid, libc::SIGKILL) };
+                    }
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            false
+        })
+    };
     let started = std::time::Instant::now();
-    let out = tiermem_cli::bench::linux_swap::run_in_cgroup(&cgroup, &mut limited);
+    let out = tiermem_cli::bench::linux_swap::run_in_cgroup(&cgroup, &mut run);
     let took = started.elapsed();
+    finished.store(true, std::sync::atomic::Ordering::Release);
+    let watchdog_fired = watchdog.join().expect("the watchdog thread");
     let control = std::fs::read_to_string(cgroup.path().join("memory.oom_control")).unwrap_or_default();
     let kills = cgroup.oom_kills();
     cgroup.close().expect("removing the cgroup");
     let out = out.expect("tiermem run");
     let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!watchdog_fired, "{name}: the run hung until the watchdog killed it after {took:?}: {stderr}");
     assert!(
         stderr.contains("the cgroup stayed out of memory for 10 s"),
         "{name}: no word of the backstop after {took:?}: {stderr}"
