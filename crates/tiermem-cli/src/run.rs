@@ -548,6 +548,38 @@ impl Drop for OomBackstop {
     }
 }
 
+/// Start of the name of a run's statistics directory, followed by the pid of its `tiermem run`.
+const STATS_DIR_PREFIX: &str = "tiermem-stats-";
+
+/// Remove the statistics directories in `tmp` that runs killed before they could remove their
+/// own left behind (SIGKILL at a time limit, the OOM killer, a test's watchdog): those named
+/// after a pid no process has any more, if they are this user's. A directory whose pid is alive
+/// again (reused) stays until a later run finds it dead.
+fn remove_stale_stats_dirs(tmp: &Path) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(tmp) else { return };
+    let uid = rustix::process::getuid().as_raw();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(STATS_DIR_PREFIX))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if Path::new("/proc").join(pid.to_string()).exists() {
+            continue;
+        }
+        // Not followed if a link: only a real directory of ours goes.
+        let Ok(meta) = std::fs::symlink_metadata(entry.path()) else { continue };
+        if meta.is_dir() && meta.uid() == uid {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 /// `tiermem run`: run `program` under the shim with `settings` and collect what it measured.
 pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     let features = KernelFeatures::probe();
@@ -558,9 +590,11 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         ));
     }
     let shim = locate_shim()?;
+    let tmp = std::env::temp_dir();
+    remove_stale_stats_dirs(&tmp);
     let stats_dir = tempfile::Builder::new()
-        .prefix("tiermem-stats-")
-        .tempdir()
+        .prefix(&format!("{STATS_DIR_PREFIX}{}-", std::process::id()))
+        .tempdir_in(&tmp)
         .map_err(|e| Error::os(e, "creating a directory for statistics"))?;
     let mut settings = settings;
     settings.stats_dir = Some(stats_dir.path().to_path_buf());

@@ -1751,6 +1751,37 @@ fn sigterm_to_tiermem_run_reaches_the_program_and_a_device_file_it_made_goes() {
     assert!(!device.exists(), "{name}: the device file the run created is still there");
 }
 
+/// A run killed before it could remove its statistics directory (SIGKILL, the OOM killer) leaves
+/// it behind; the next run removes it, and only those whose run is gone.
+#[test]
+fn a_killed_run_s_statistics_directory_goes_with_the_next_run() {
+    let name = "a_killed_run_s_statistics_directory_goes_with_the_next_run";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let tmp = scratch.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    // A pid nobody has any more: a child that has been waited for.
+    let mut gone = Command::new("true").spawn().unwrap();
+    gone.wait().unwrap();
+    let dead = tmp.join(format!("tiermem-stats-{}-Xy12ab", gone.id()));
+    let alive = tmp.join(format!("tiermem-stats-{}-Zz34cd", std::process::id()));
+    let other = tmp.join("tiermem-stats-notapid");
+    for dir in [&dead, &alive, &other] {
+        std::fs::create_dir(dir).unwrap();
+        std::fs::write(dir.join("stats.json"), "{}").unwrap();
+    }
+    let out = scratch.command(&["run", "--limit", "16MiB", "--", "true"]).env("TMPDIR", &tmp).output().unwrap();
+    assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(!dead.exists(), "{name}: the killed run's directory is still there");
+    assert!(alive.exists(), "{name}: a live process's directory was removed");
+    assert!(other.exists(), "{name}: a directory not named after a pid was removed");
+    let mut left: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().map(|e| e.file_name()).collect();
+    left.sort();
+    assert_eq!(left.len(), 2, "{name}: the run's own directory went too: {left:?}");
+}
+
 /// `tiermem trace record` gives a trace of what the engine saw, which `tiermem sim` replays.
 #[test]
 fn trace_record_writes_a_trace_the_simulator_replays() {
