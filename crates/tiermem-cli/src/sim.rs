@@ -15,7 +15,8 @@ pub struct SimArgs {
     /// Trace file: tiermem binary, Valgrind lackey `--trace-mem=yes` output, or page numbers,
     /// each also xz-compressed; `-` reads standard input (give --format).
     pub trace: Option<PathBuf>,
-    /// Save the page-level trace (after the LLC filter and hot-page table) in the binary format.
+    /// Save the page-level trace (after the LLC filter and hot-page table; or the synthetic
+    /// trace) in the binary format.
     #[arg(long)]
     pub save: Option<PathBuf>,
     /// Trace format.
@@ -255,6 +256,13 @@ pub fn run(args: &SimArgs) -> Result<()> {
                 eprintln!("tiermem sim: note: {note}");
             }
             (Some(t), None, path.display().to_string())
+        }
+        (None, Some(spec)) if args.save.is_some() => {
+            // To be saved, the synthetic trace is made whole first, and replayed from memory
+            // like a loaded one.
+            let (kind, accesses, footprint) = parse_synthetic(spec)?;
+            let events = SyntheticGen::new(kind, footprint).take(accesses as usize).collect();
+            (Some(tiermem_sim::Trace { events, has_reports: false, raw_accesses: 0 }), None, spec.clone())
         }
         (None, Some(spec)) => (None, Some(parse_synthetic(spec)?), spec.clone()),
         _ => return Err(Error::invalid("give a trace file or --synthetic KIND:ACCESSES:FOOTPRINT_PAGES")),

@@ -151,3 +151,27 @@ fn the_stored_quick_scale_sort_trace_replays_to_its_stored_results() {
     let stream = results.iter().find(|r| r["prefetch"] == "stream" && r["replace"] == "clock").unwrap();
     assert!(stream["accuracy"].as_f64().unwrap() > 0.9 && stream["coverage"].as_f64().unwrap() > 0.95, "{stream}");
 }
+
+#[test]
+fn a_saved_synthetic_trace_replays_to_the_results_of_the_synthetic_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let saved = dir.path().join("mixed.tmtrace");
+    let saved = saved.to_str().unwrap();
+    let json = |args: &[&str]| -> serde_json::Value {
+        let out = tiermem(args);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let mut doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        // What the input was: a name, and a count of byte-level accesses a file may have.
+        for key in ["trace", "raw_accesses"] {
+            doc.as_object_mut().unwrap().remove(key);
+        }
+        doc
+    };
+    let policies = ["--local", "2000", "--prefetch", "none,stream", "--replace", "lru,stream-first", "--json"];
+    let synthetic = json(&[&["sim", "--synthetic", "mixed:200000:5000"][..], &policies].concat());
+    let saving = json(&[&["sim", "--synthetic", "mixed:200000:5000", "--save", saved][..], &policies].concat());
+    let replayed = json(&[&["sim", saved][..], &policies].concat());
+    assert_eq!(saving, synthetic, "saving changes nothing of the run");
+    assert_eq!(replayed, synthetic, "the saved trace holds the synthetic accesses");
+    assert_eq!(std::fs::metadata(saved).unwrap().len(), 24 + 8 * 200_000, "a header and one record an access");
+}
