@@ -2269,8 +2269,9 @@ int main(int argc, char** argv) {
     fflush(stdout);
     pid_t pid = fork();
     if (pid < 0) {
-        printf("fork: %s\n", strerror(errno));
-        return errno == ENOMEM ? 3 : 4;
+        int error = errno;
+        printf("fork: %s\n", strerror(error));
+        return error == ENOMEM ? 3 : 4;
     }
     uint64_t sum = 0;
     for (size_t i = 0; i < n; i++) sum += a[i] ^ i;
@@ -2306,12 +2307,41 @@ fn a_fork_whose_child_cannot_hold_the_parent_s_evicted_pages_fails_with_enomem()
         let cgroup =
             tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", cgroup_limit, Some(0))
                 .expect("memory cgroup");
-        let args = ["run", "--cgroup", "guard", "--limit", &budget, "--device", &device, "--", &bin_arg, "96", "0"];
+        let stats = scratch.path().join(format!("fork-{cgroup_limit}.json"));
+        let stats_arg = stats.to_str().expect("UTF-8 path");
+        let args = [
+            "run",
+            "--cgroup",
+            "guard",
+            "--limit",
+            &budget,
+            "--device",
+            &device,
+            "--stats-json",
+            stats_arg,
+            "--",
+            &bin_arg,
+            "96",
+            "0",
+        ];
         let out = tiermem_cli::bench::linux_swap::run_in_cgroup(&cgroup, &mut scratch.command(&args));
         let kills = cgroup.oom_kills();
         cgroup.close().expect("removing the cgroup");
         let out = out.expect("tiermem run");
         let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        // What the guard did, so that a failure says whether the fork or the fill went wrong.
+        let guard: String = std::fs::read_to_string(&stats)
+            .ok()
+            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+            .and_then(|doc| doc["processes"].get(0).cloned())
+            .map(|p| {
+                ["forks_refused", "oom_ballast_releases", "oom_rescues", "lowest_budget_bytes"]
+                    .iter()
+                    .map(|key| format!("{key} {} ", p[key]))
+                    .collect()
+            })
+            .unwrap_or_else(|| "no statistics".into());
+        let stderr = format!("{stderr}\n[{guard}]");
         assert_eq!(kills, Some(0), "{name}: OOM kills in a cgroup of {cgroup_limit} bytes: {stderr}");
         if fits {
             assert!(out.status.success(), "{name}: {stdout} {stderr}");

@@ -511,8 +511,9 @@ pub(crate) fn fork_cannot_fit() -> bool {
     // child needs some memory besides the copy (its page tables, the pages it writes), and
     // while it lives the parent's evictions free nothing it still shares: the margin the
     // budget keeps ([`base_margin`]) is kept out of the room too.
-    let Some(look) = cgroup.look() else { return false };
-    let room = cgroup.limit.saturating_sub(look.charged + base_margin(engine, cgroup, engine.config().limit_bytes));
+    let resident = engine.resident_pages() * tiermem_sys::PAGE_SIZE as u64;
+    let margin = base_margin(engine, cgroup, engine.config().limit_bytes);
+    let room = room_for_fork(cgroup.limit, cgroup.look(), resident, margin);
     if copy <= room {
         return false;
     }
@@ -527,6 +528,16 @@ pub(crate) fn fork_cannot_fit() -> bool {
          copies; docs/running-programs.md, fork)",
     ]);
     true
+}
+
+/// The room a forked child's copy has in the cgroup: its limit less what is charged and
+/// `margin`. A cgroup that cannot be read (reading its files needs memory too, which a full
+/// cgroup may refuse this thread) is judged by what is certainly charged, the managed pages
+/// `resident` now, rather than taken to have room: a fork let through there copies into a full
+/// cgroup.
+fn room_for_fork(limit: u64, look: Option<CgroupLook>, resident: u64, margin: u64) -> u64 {
+    let charged = look.map_or(resident, |look| look.charged);
+    limit.saturating_sub(charged + margin)
 }
 
 pub(crate) extern "C" fn before_fork() {
@@ -1274,9 +1285,18 @@ mod tests {
         }
     }
 
-    use super::FileRoom;
+    use super::{room_for_fork, CgroupLook, FileRoom};
 
     const PAGE: u64 = tiermem_sys::PAGE_SIZE as u64;
+
+    #[test]
+    fn a_fork_s_room_is_judged_by_the_resident_pages_when_the_cgroup_cannot_be_read() {
+        const MIB: u64 = 1 << 20;
+        let look = CgroupLook { charged: 30 * MIB, droppable: 4 * MIB, file_refaults: None };
+        assert_eq!(room_for_fork(48 * MIB, Some(look), 20 * MIB, MIB), 17 * MIB, "limit less charged and margin");
+        assert_eq!(room_for_fork(48 * MIB, None, 40 * MIB, MIB), 7 * MIB, "unreadable: the resident pages count");
+        assert_eq!(room_for_fork(48 * MIB, None, 48 * MIB, MIB), 0, "no room, never a wrap-around");
+    }
 
     #[test]
     fn file_room_grows_by_a_page_a_refault_up_to_its_cap_and_shrinks_when_calm() {
@@ -1321,7 +1341,7 @@ mod tests {
         assert_eq!(room.update(Some(3050), 0, 1 << 30, true), grown);
     }
 
-    use super::{CgroupLook, V1_KEYS, V2_KEYS};
+    use super::{V1_KEYS, V2_KEYS};
 
     #[test]
     fn a_look_counts_shared_memory_as_charged_and_the_rest_of_the_page_cache_as_droppable() {
