@@ -78,7 +78,7 @@ WORKLOADS: dict[str, Workload] = {
         Workload("kmeans", "scikit-learn KMeans (Lloyd) on make_blobs points read from a file", {
             "tiny": {"samples": 100_000, "features": 32, "clusters": 8, "iterations": 5, "seed": 4},
             "quick": {"samples": 300_000, "features": 32, "clusters": 16, "iterations": 8, "seed": 4},
-            "full": {"samples": 8_000_000, "features": 64, "clusters": 16, "iterations": 10, "seed": 4},
+            "full": {"samples": 4_000_000, "features": 64, "clusters": 16, "iterations": 10, "seed": 4},
         }),
         Workload("pagerank", "igraph PageRank (PRPACK), 655k/7.5M-shaped graph scaled", {
             "tiny": {"nodes": 40_000, "edges": 460_000, "seed": 4},
@@ -93,7 +93,7 @@ WORKLOADS: dict[str, Workload] = {
         Workload("mlp", "scikit-learn MLPClassifier training (Adam, mini-batches) on a data set read from a file", {
             "tiny": {"samples": 40_000, "features": 64, "hidden": 128, "epochs": 1, "batch": 1024, "seed": 4},
             "quick": {"samples": 80_000, "features": 128, "hidden": 256, "epochs": 1, "batch": 4096, "seed": 4},
-            "full": {"samples": 2_500_000, "features": 256, "hidden": 512, "epochs": 2, "batch": 4096, "seed": 4},
+            "full": {"samples": 800_000, "features": 256, "hidden": 512, "epochs": 2, "batch": 4096, "seed": 4},
         }),
         Workload("kvstore", "Redis server (Debian's redis-server), YCSB-B-style: Zipf 0.99 keys, 90% GET", {
             "tiny": {"keys": 30_000, "value-bytes": 1000, "ops": 60_000, "seed": 4},
@@ -103,7 +103,7 @@ WORKLOADS: dict[str, Workload] = {
         Workload("intsort", "NPB-IS-style integer sort (bucket ranking + radix sort, streaming)", {
             "tiny": {"keys": 4_000_000, "bits": 19, "iterations": 5, "seed": 4},
             "quick": {"keys": 16_000_000, "bits": 21, "iterations": 5, "seed": 4},
-            "full": {"keys": 600_000_000, "bits": 23, "iterations": 10, "seed": 4},
+            "full": {"keys": 320_000_000, "bits": 23, "iterations": 10, "seed": 4},
         }),
         Workload("sqlite", "SQLite (the system's libsqlite3): in-memory table loaded from a file, index, GROUP BY, sort, index probes", {
             "tiny": {"rows": 100_000, "probes": 5_000, "seed": 4},
