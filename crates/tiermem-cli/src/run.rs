@@ -551,10 +551,19 @@ impl Drop for OomBackstop {
 /// Start of the name of a run's statistics directory, followed by the pid of its `tiermem run`.
 const STATS_DIR_PREFIX: &str = "tiermem-stats-";
 
+/// Hold `dir` locked (flock) while its run lasts: the lock goes with the process, however it
+/// ends, which is what tells a later run that the directory is nobody's.
+fn lock_stats_dir(dir: &Path) -> Option<std::fs::File> {
+    let file = std::fs::File::open(dir).ok()?;
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive).ok()?;
+    Some(file)
+}
+
 /// Remove the statistics directories in `tmp` that runs killed before they could remove their
 /// own left behind (SIGKILL at a time limit, the OOM killer, a test's watchdog): those named
-/// after a pid no process has any more, if they are this user's. A directory whose pid is alive
-/// again (reused) stays until a later run finds it dead.
+/// after a pid no process has any more and not locked by a live run (one in another pid
+/// namespace sharing `tmp`), if they are this user's. A directory whose pid is alive again
+/// (reused) stays until a later run finds it dead.
 fn remove_stale_stats_dirs(tmp: &Path) {
     use std::os::unix::fs::MetadataExt;
     let Ok(entries) = std::fs::read_dir(tmp) else { return };
@@ -574,7 +583,11 @@ fn remove_stale_stats_dirs(tmp: &Path) {
         }
         // Not followed if a link: only a real directory of ours goes.
         let Ok(meta) = std::fs::symlink_metadata(entry.path()) else { continue };
-        if meta.is_dir() && meta.uid() == uid {
+        if !meta.is_dir() || meta.uid() != uid {
+            continue;
+        }
+        let Ok(dir) = std::fs::File::open(entry.path()) else { continue };
+        if rustix::fs::flock(&dir, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_ok() {
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
@@ -596,6 +609,7 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         .prefix(&format!("{STATS_DIR_PREFIX}{}-", std::process::id()))
         .tempdir_in(&tmp)
         .map_err(|e| Error::os(e, "creating a directory for statistics"))?;
+    let _stats_dir_lock = lock_stats_dir(stats_dir.path());
     let mut settings = settings;
     settings.stats_dir = Some(stats_dir.path().to_path_buf());
     let preload = match std::env::var_os("LD_PRELOAD") {

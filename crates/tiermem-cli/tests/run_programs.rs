@@ -1768,18 +1768,23 @@ fn a_killed_run_s_statistics_directory_goes_with_the_next_run() {
     let dead = tmp.join(format!("tiermem-stats-{}-Xy12ab", gone.id()));
     let alive = tmp.join(format!("tiermem-stats-{}-Zz34cd", std::process::id()));
     let other = tmp.join("tiermem-stats-notapid");
-    for dir in [&dead, &alive, &other] {
+    // A dead pid here, but locked: a live run in another pid namespace that shares the directory.
+    let elsewhere = tmp.join(format!("tiermem-stats-{}-Ww56ef", gone.id()));
+    for dir in [&dead, &alive, &other, &elsewhere] {
         std::fs::create_dir(dir).unwrap();
         std::fs::write(dir.join("stats.json"), "{}").unwrap();
     }
+    let lock = std::fs::File::open(&elsewhere).unwrap();
+    rustix::fs::flock(&lock, rustix::fs::FlockOperation::LockExclusive).unwrap();
     let out = scratch.command(&["run", "--limit", "16MiB", "--", "true"]).env("TMPDIR", &tmp).output().unwrap();
     assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
     assert!(!dead.exists(), "{name}: the killed run's directory is still there");
     assert!(alive.exists(), "{name}: a live process's directory was removed");
     assert!(other.exists(), "{name}: a directory not named after a pid was removed");
+    assert!(elsewhere.exists(), "{name}: a directory its run holds locked was removed");
     let mut left: Vec<_> = std::fs::read_dir(&tmp).unwrap().flatten().map(|e| e.file_name()).collect();
     left.sort();
-    assert_eq!(left.len(), 2, "{name}: the run's own directory went too: {left:?}");
+    assert_eq!(left.len(), 3, "{name}: the run's own directory went too: {left:?}");
 }
 
 /// `tiermem trace record` gives a trace of what the engine saw, which `tiermem sim` replays.
