@@ -982,57 +982,6 @@ int main() {
 }
 "#;
 
-/// Frees a 2 MiB allocation (kept for reuse, memory being nearly empty), then with argument 1
-/// fills 24 MiB and makes one more allocation, then allocates 2 MiB again.
-const KEPT_UNDER_PRESSURE: &str = r#"
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-int main(int argc, char** argv) {
-    const size_t small = 2u << 20, big = 24u << 20, other = 3u << 20;
-    unsigned long long sum = 0;
-    unsigned char* a = (unsigned char*)malloc(small);
-    memset(a, 1, small);
-    free(a);
-    if (atoi(argv[1])) {
-        unsigned char* b = (unsigned char*)malloc(big);
-        memset(b, 2, big);
-        unsigned char* c = (unsigned char*)malloc(other);
-        memset(c, 3, other);
-        for (size_t i = 0; i < big; i += 4096) sum += b[i];
-        sum += c[other - 1];
-        free(c);
-        free(b);
-    }
-    unsigned char* d = (unsigned char*)malloc(small);
-    memset(d, 4, small);
-    for (size_t i = 0; i < small; i += 4096) sum += d[i];
-    free(d);
-    printf("sum=%llu\n", sum);
-}
-"#;
-
-/// A freed region kept for reuse goes once memory is under pressure: a program that fills its
-/// budget past the reclaim watermark and then allocates again finds the kept region gone (its
-/// resident garbage would otherwise be written out like live data), while without that the same
-/// allocation reuses it.
-#[test]
-fn a_kept_freed_region_goes_when_a_new_one_is_made_under_pressure() {
-    let name = "a_kept_freed_region_goes_when_a_new_one_is_made_under_pressure";
-    if !uffd_or_skip(name) {
-        return;
-    }
-    let scratch = Scratch::new();
-    let Some(bin) = build_cpp(&scratch, KEPT_UNDER_PRESSURE, "kept_under_pressure", name) else { return };
-    let bin = bin.display().to_string();
-    for (fill, wanted) in [("0", 1), ("1", 0)] {
-        let managed = run_managed(&scratch, "32MiB", &[], &[bin.as_str(), fill]);
-        let err = String::from_utf8_lossy(&managed.out.stderr);
-        assert!(managed.out.status.success(), "{name} (fill {fill}): {err}");
-        assert_eq!(managed.stats["reused_allocations"].as_u64(), Some(wanted), "{name} (fill {fill}): {err}");
-    }
-}
-
 #[test]
 fn freed_allocations_are_reused_by_malloc_but_never_by_calloc_or_mmap() {
     let name = "freed_allocations_are_reused_by_malloc_but_never_by_calloc_or_mmap";

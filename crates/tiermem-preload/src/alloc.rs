@@ -64,9 +64,6 @@ fn allocate(size: usize, align: usize, origin: Origin, reuse: bool) -> *mut c_vo
     let engine = runtime::engine();
     let kept = if reuse && extra == 0 { crate::recycle::take(len) } else { None };
     let reused = kept.is_some();
-    if !reused {
-        crate::recycle::trim(engine);
-    }
     let mut table = registry::lock();
     match kept.map_or_else(|| engine.create_region(len), Ok) {
         Ok(region) => {

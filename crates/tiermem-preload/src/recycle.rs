@@ -11,8 +11,7 @@
 //!
 //! Bounded: at most [`MAX_KEPT`] regions and an eighth of the budget, oldest dropped first, and
 //! only while residency is below the reclaim watermark, so kept garbage never crowds out live
-//! data: a region is kept only below it, and all are dropped when a new region is made above
-//! it ([`trim`]). A kept region's resident pages count against the budget like any others.
+//! data; a kept region's resident pages count against the budget like any others.
 
 use std::sync::Mutex;
 
@@ -62,17 +61,6 @@ pub fn keep(engine: &Engine, region: Region) {
         }
     }
     drop(dropped);
-}
-
-/// Drop every kept region once residency has passed the reclaim watermark: from there the
-/// engine writes pages out to make room, and a kept region's resident pages are garbage it
-/// would write like live data (intsort at 80% of its footprint, whose rankings each free 32 MiB
-/// of counts and sums: 547 MiB read and 538 written with regions kept, 464 and 396 without).
-/// Called when a fresh region is about to be made, the moment the program's memory grows.
-pub fn trim(engine: &Engine) {
-    if engine.under_pressure() && !KEPT.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
-        clear();
-    }
 }
 
 /// Whether `addr` lies in a kept region: memory the program freed and nobody owns now.
