@@ -196,24 +196,46 @@ const RECENT: usize = 1024;
 struct PageTable {
     index: FastMap<u32>,
     chunks: Vec<Box<[std::cell::Cell<u8>; CHUNK]>>,
+    /// When each prefetched page not touched yet arrives, beside its state (a map of them cost
+    /// a hash insert per prefetch and a removal per use).
+    arrivals: Vec<Box<[f64; CHUNK]>>,
     recent: Box<[(u64, u32); RECENT]>,
 }
 
 impl Default for PageTable {
     fn default() -> Self {
         // No chunk key is u64::MAX (pages have at most 40 bits), so the cache starts empty.
-        Self { index: FastMap::default(), chunks: Vec::new(), recent: Box::new([(u64::MAX, 0); RECENT]) }
+        Self {
+            index: FastMap::default(),
+            chunks: Vec::new(),
+            arrivals: Vec::new(),
+            recent: Box::new([(u64::MAX, 0); RECENT]),
+        }
     }
 }
 
 impl PageTable {
+    /// The chunk holding `page` (made if new).
     #[inline(always)]
-    fn cell(&mut self, page: u64) -> &std::cell::Cell<u8> {
+    fn chunk(&mut self, page: u64) -> usize {
         let key = page >> CHUNK_SHIFT;
         let slot = (key as usize) & (RECENT - 1);
         let (cached_key, cached_chunk) = self.recent[slot];
         let chunk = if cached_key == key { cached_chunk } else { self.find_chunk(key, slot) };
-        &self.chunks[chunk as usize][(page as usize) & (CHUNK - 1)]
+        chunk as usize
+    }
+
+    #[inline(always)]
+    fn cell(&mut self, page: u64) -> &std::cell::Cell<u8> {
+        let chunk = self.chunk(page);
+        &self.chunks[chunk][(page as usize) & (CHUNK - 1)]
+    }
+
+    /// The arrival time slot of `page` (meaningful while it is prefetched and untouched).
+    #[inline(always)]
+    fn arrival(&mut self, page: u64) -> &mut f64 {
+        let chunk = self.chunk(page);
+        &mut self.arrivals[chunk][(page as usize) & (CHUNK - 1)]
     }
 
     /// The chunk of `key` (made if new), remembered in `recent[slot]`: the slow path of
@@ -225,6 +247,7 @@ impl PageTable {
         let c = *self.index.entry(key).or_insert(next);
         if c == next {
             self.chunks.push(Box::new(std::array::from_fn(|_| std::cell::Cell::new(0))));
+            self.arrivals.push(Box::new([0.0; CHUNK]));
         }
         self.recent[slot] = (key, c);
         c
@@ -309,8 +332,8 @@ pub struct Simulator {
     config: SimConfig,
     policies: Policies,
     pages: PageTable,
-    /// Arrival times of prefetched pages not touched yet.
-    arrivals: FastMap<f64>,
+    /// Prefetched pages not touched yet (their arrival times are in `pages`).
+    untouched_prefetches: u64,
     resident: usize,
     now: f64,
     device_free: f64,
@@ -388,7 +411,7 @@ impl Simulator {
         Self {
             policies,
             pages: PageTable::default(),
-            arrivals: FastMap::default(),
+            untouched_prefetches: 0,
             resident: 0,
             now: 0.0,
             device_free: 0.0,
@@ -437,19 +460,19 @@ impl Simulator {
             let s = cell.get();
             if s & RESIDENT != 0 {
                 cell.set(0);
-                self.evicted(page, s);
+                self.evicted(s);
             }
         }
         true
     }
 
-    /// Account for `page`, in state `s`, leaving local memory (its state already cleared).
-    fn evicted(&mut self, page: u64, s: u8) {
+    /// Account for a page in state `s` leaving local memory (its state already cleared).
+    fn evicted(&mut self, s: u8) {
         self.resident -= 1;
         self.result.evictions += 1;
         if s & PREFETCHED != 0 {
             self.result.unused_prefetches += 1;
-            self.arrivals.remove(&page);
+            self.untouched_prefetches -= 1;
         }
         if s & DIRTY != 0 {
             self.write_back();
@@ -484,7 +507,7 @@ impl Simulator {
             }
             cell.set(0);
             self.result.cleaned_evictions += 1;
-            self.evicted(page, s);
+            self.evicted(s);
         }
     }
 
@@ -573,7 +596,8 @@ impl Simulator {
             self.make_room();
             let arrival = self.device_read();
             self.pages.cell(page).set(RESIDENT | PREFETCHED);
-            self.arrivals.insert(page, arrival);
+            *self.pages.arrival(page) = arrival;
+            self.untouched_prefetches += 1;
             self.resident += 1;
             self.result.prefetch_issued += 1;
             self.policies.on_insert(page);
@@ -654,7 +678,8 @@ impl Simulator {
             }
             if s & PREFETCHED != 0 {
                 self.result.prefetch_hits += 1;
-                let arrival = self.arrivals.remove(&page).unwrap_or(0.0);
+                self.untouched_prefetches -= 1;
+                let arrival = *self.pages.arrival(page);
                 if arrival > self.now {
                     self.result.late_prefetches += 1;
                     self.now = arrival;
@@ -685,7 +710,7 @@ impl Simulator {
 
     /// Finish: count prefetched pages never touched and compute the ratios.
     pub fn finish(mut self) -> SimResult {
-        self.result.unused_prefetches += self.arrivals.len() as u64;
+        self.result.unused_prefetches += self.untouched_prefetches;
         let r = &mut self.result;
         r.accuracy = ratio(r.prefetch_hits, r.prefetch_issued);
         r.coverage = ratio(r.prefetch_hits, r.prefetch_hits + r.faults);
@@ -934,6 +959,7 @@ mod tests {
         sim.step(event(10, EventKind::Read)); // 0, 1, 2 cleaned, 0 dropped
         let cell = sim.pages.cell(2);
         cell.set(cell.get() | PREFETCHED);
+        sim.untouched_prefetches += 1;
         sim.step(event(2, EventKind::Read));
         assert_eq!(sim.result.prefetch_hits, 1);
         sim.step(event(11, EventKind::Read)); // 3 cleaned, 1 dropped
