@@ -95,6 +95,10 @@ pub struct SimArgs {
     /// Also measure the simulator's speed (wall time, accesses per second).
     #[arg(long)]
     pub bench: bool,
+    /// Policy pairs simulated at once, each with its own simulator state (default: one per
+    /// CPU; 1 with --bench, so each pair's speed is that of one core).
+    #[arg(long)]
+    pub jobs: Option<usize>,
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -282,7 +286,8 @@ pub fn run(args: &SimArgs) -> Result<()> {
         None => MonitorInput::Accesses,
         Some(m) => m,
     };
-    let mut rows = Vec::new();
+    // The pairs in table order; belady with prefetching is left out with a note.
+    let mut pairs = Vec::new();
     for prefetch in &prefetchers {
         for replace in &replacements {
             if replace == "belady" && prefetch != "none" {
@@ -292,59 +297,61 @@ pub fn run(args: &SimArgs) -> Result<()> {
             if replace == "belady" && hits == HitInfo::Engine {
                 eprintln!("note: belady, the offline optimum, hears every access; --hits engine applies to the online policies");
             }
-            let config = SimConfig {
-                local_pages,
-                prefetch: prefetch.clone(),
-                replace: replace.clone(),
-                options,
-                latency,
-                monitor,
-                hits,
-                clean_ahead: args.clean_ahead,
-                clean_queue: args.clean_queue,
-            };
-            let started = Instant::now();
-            let result = match (&trace, synthetic) {
-                (Some(t), _) => {
-                    let bar = progress_bar(t.events.len() as u64, format!("{prefetch} × {replace}"));
-                    let r = tiermem_sim::simulate(&t.events, &config, &mut |done| bar.set_position(done))?;
-                    bar.finish_and_clear();
-                    r
-                }
-                (None, Some((kind, accesses, footprint))) if replace == "belady" => {
-                    let events: Vec<u64> = SyntheticGen::new(kind, footprint).take(accesses as usize).collect();
-                    tiermem_sim::simulate(&events, &config, &mut |_| {})?
-                }
-                (None, Some((kind, accesses, footprint))) => {
-                    let bar = progress_bar(accesses, format!("{prefetch} × {replace}"));
-                    let mut sim = Simulator::new(config)?;
-                    let mut generator = SyntheticGen::new(kind, footprint);
-                    let mut left = accesses;
-                    while left > 0 {
-                        let n = left.min(1 << 20);
-                        for e in generator.by_ref().take(n as usize) {
-                            sim.step(e);
-                        }
-                        left -= n;
-                        bar.inc(n);
-                    }
-                    bar.finish_and_clear();
-                    sim.finish()
-                }
-                _ => unreachable!("input checked above"),
-            };
-            let wall = started.elapsed().as_secs_f64();
-            let speed = result.accesses as f64 / wall;
-            rows.push(Row {
-                result,
-                wall_seconds: args.bench.then_some(wall),
-                accesses_per_second: args.bench.then_some(speed),
-            });
+            pairs.push((prefetch.clone(), replace.clone()));
         }
     }
-    if rows.is_empty() {
+    if pairs.is_empty() {
         return Err(Error::invalid("no policy pair to run"));
     }
+    let jobs = jobs(args.jobs, args.bench, pairs.len())?;
+    let bars = indicatif::MultiProgress::new();
+    let run_pair = |prefetch: &str, replace: &str| -> Result<Row> {
+        let config = SimConfig {
+            local_pages,
+            prefetch: prefetch.to_string(),
+            replace: replace.to_string(),
+            options,
+            latency,
+            monitor,
+            hits,
+            clean_ahead: args.clean_ahead,
+            clean_queue: args.clean_queue,
+        };
+        let started = Instant::now();
+        let result = match (&trace, synthetic) {
+            (Some(t), _) => {
+                let bar = bars.add(progress_bar(t.events.len() as u64, format!("{prefetch} × {replace}")));
+                let r = tiermem_sim::simulate(&t.events, &config, &mut |done| bar.set_position(done));
+                bar.finish_and_clear();
+                r?
+            }
+            (None, Some((kind, accesses, footprint))) if replace == "belady" => {
+                let events: Vec<u64> = SyntheticGen::new(kind, footprint).take(accesses as usize).collect();
+                tiermem_sim::simulate(&events, &config, &mut |_| {})?
+            }
+            (None, Some((kind, accesses, footprint))) => {
+                let bar = bars.add(progress_bar(accesses, format!("{prefetch} × {replace}")));
+                let mut sim = Simulator::new(config)?;
+                let mut generator = SyntheticGen::new(kind, footprint);
+                let mut left = accesses;
+                while left > 0 {
+                    let n = left.min(1 << 20);
+                    for e in generator.by_ref().take(n as usize) {
+                        sim.step(e);
+                    }
+                    left -= n;
+                    bar.inc(n);
+                }
+                bar.finish_and_clear();
+                sim.finish()
+            }
+            _ => unreachable!("input checked above"),
+        };
+        let wall = started.elapsed().as_secs_f64();
+        let speed = result.accesses as f64 / wall;
+        Ok(Row { result, wall_seconds: args.bench.then_some(wall), accesses_per_second: args.bench.then_some(speed) })
+    };
+    let rows = run_pairs(&pairs, jobs, &run_pair)?;
     if args.json {
         let out = serde_json::json!({
             "trace": label,
@@ -381,6 +388,66 @@ pub fn run(args: &SimArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Pairs simulated at once: `--jobs`, else one per CPU, but one with `--bench` (each pair's
+/// speed is then that of a core of its own); never more than there are pairs.
+fn jobs(asked: Option<usize>, bench: bool, pairs: usize) -> Result<usize> {
+    let jobs = match asked {
+        Some(0) => return Err(Error::invalid("--jobs 0: at least one pair has to run at a time")),
+        Some(n) => n,
+        None if bench => 1,
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    let jobs = jobs.min(pairs);
+    if bench && jobs > 1 {
+        eprintln!(
+            "tiermem sim: note: --bench with {jobs} pairs at once: they share the CPUs and memory, so each speed is below that of a core alone"
+        );
+    }
+    Ok(jobs)
+}
+
+/// Run every pair, `jobs` at a time, and give their rows in `pairs`' order. Each simulation is
+/// independent and deterministic, so the results are those of running the pairs one by one.
+/// After a failure no further pair starts, and the first failure in table order is returned.
+fn run_pairs(
+    pairs: &[(String, String)],
+    jobs: usize,
+    run_pair: &(dyn Fn(&str, &str) -> Result<Row> + Sync),
+) -> Result<Vec<Row>> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    use std::sync::Mutex;
+
+    if jobs <= 1 {
+        return pairs.iter().map(|(p, r)| run_pair(p, r)).collect();
+    }
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let done: Vec<Mutex<Option<Result<Row>>>> = pairs.iter().map(|_| Mutex::new(None)).collect();
+    std::thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| {
+                while !failed.load(Relaxed) {
+                    let k = next.fetch_add(1, Relaxed);
+                    let Some((p, r)) = pairs.get(k) else { break };
+                    let row = run_pair(p, r);
+                    failed.fetch_or(row.is_err(), Relaxed);
+                    *done[k].lock().unwrap_or_else(|e| e.into_inner()) = Some(row);
+                }
+            });
+        }
+    });
+    // A pair not started (after a failure) leaves its slot empty; the failure itself is in a
+    // slot of its own, so it is met before or after the gap and returned either way.
+    let results: Vec<Result<Row>> =
+        done.into_iter().filter_map(|slot| slot.into_inner().unwrap_or_else(|e| e.into_inner())).collect();
+    let complete = results.len() == pairs.len();
+    let rows = results.into_iter().collect::<Result<Vec<Row>>>()?;
+    if !complete {
+        return Err(Error::new(tiermem_sys::ErrorKind::Internal, "pairs were left unsimulated without a failure"));
+    }
+    Ok(rows)
 }
 
 /// What to keep in mind when replaying a trace `tiermem trace record` wrote (it leaves a
@@ -421,4 +488,40 @@ fn save(trace: &tiermem_sim::Trace, path: &std::path::Path) -> Result<()> {
     }
     w.finish().map_err(|e| Error::os(e, format!("writing {}", path.display())))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(prefetch: &str) -> Row {
+        Row {
+            result: SimResult { prefetch: prefetch.to_string(), ..SimResult::default() },
+            wall_seconds: None,
+            accesses_per_second: None,
+        }
+    }
+
+    #[test]
+    fn pairs_run_side_by_side_come_back_in_order_and_a_failure_is_reported() {
+        let pairs: Vec<(String, String)> =
+            ["a", "b", "c", "d", "e"].iter().map(|p| (p.to_string(), "lru".into())).collect();
+        for jobs in [1, 2, 5] {
+            let rows = run_pairs(&pairs, jobs, &|p, _| Ok(row(p))).unwrap();
+            let order: Vec<&str> = rows.iter().map(|r| r.result.prefetch.as_str()).collect();
+            assert_eq!(order, ["a", "b", "c", "d", "e"], "{jobs} jobs");
+            let failing = |p: &str, _: &str| if p == "c" { Err(Error::invalid("pair c failed")) } else { Ok(row(p)) };
+            let err = run_pairs(&pairs, jobs, &failing).map(|_| ()).unwrap_err();
+            assert!(err.to_string().contains("pair c failed"), "{jobs} jobs: {err}");
+        }
+    }
+
+    #[test]
+    fn jobs_default_to_the_cpus_but_to_one_when_timing() {
+        assert!(jobs(Some(0), false, 4).is_err());
+        assert_eq!(jobs(Some(3), false, 2).unwrap(), 2, "never more than there are pairs");
+        assert_eq!(jobs(None, true, 9).unwrap(), 1);
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(jobs(None, false, 64).unwrap(), cpus.min(64));
+    }
 }

@@ -76,6 +76,7 @@ fn bad_input_fails_with_a_message_naming_the_problem() {
         (vec!["sim", huge_path, "--format", "lackey"], format!("{huge_path}:1: size above 4096 bytes")),
         (vec!["sim", good_path, "--llc", "64GiB:16"], "at most 1024 MiB".into()),
         (vec!["sim", "--synthetic", "random:10:1000000000000"], "at most 268435456 pages".into()),
+        (vec!["sim", good_path, "--jobs", "0"], "--jobs 0".into()),
     ];
     for (args, needle) in cases {
         let out = tiermem(&args);
@@ -174,4 +175,27 @@ fn a_saved_synthetic_trace_replays_to_the_results_of_the_synthetic_run() {
     assert_eq!(saving, synthetic, "saving changes nothing of the run");
     assert_eq!(replayed, synthetic, "the saved trace holds the synthetic accesses");
     assert_eq!(std::fs::metadata(saved).unwrap().len(), 24 + 8 * 200_000, "a header and one record an access");
+}
+
+/// Pairs simulated side by side give exactly the results of simulating them one by one, in the
+/// same order, from a file and from a synthetic trace alike.
+#[test]
+fn pairs_run_side_by_side_give_the_results_of_running_them_one_by_one() {
+    let pages: String = (0..30_000u64).map(|i| format!("{}\n", if i % 3 == 0 { i % 997 } else { i % 4000 })).collect();
+    let f = text_file(&pages);
+    let path = f.path().to_str().unwrap();
+    let pairs = ["--prefetch", "none,readahead,stream", "--replace", "lru,stream-first,belady", "--local", "30%"];
+    for input in [vec!["sim", path], vec!["sim", "--synthetic", "mixed:300000:20000"]] {
+        let results = |jobs: &str| {
+            let out = tiermem(&[&input[..], &pairs[..], &["--json", "--jobs", jobs][..]].concat());
+            assert!(out.status.success(), "{input:?} --jobs {jobs}: {}", String::from_utf8_lossy(&out.stderr));
+            let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            json["results"].clone()
+        };
+        let one_by_one = results("1");
+        // 3 prefetchers × 3 policies, less belady with the two that prefetch.
+        assert_eq!(one_by_one.as_array().map(Vec::len), Some(7), "{one_by_one}");
+        assert_eq!(results("3"), one_by_one, "{input:?}");
+        assert_eq!(results("16"), one_by_one, "{input:?}: more jobs than pairs");
+    }
 }
