@@ -197,8 +197,9 @@ struct PageTable {
     index: FastMap<u32>,
     chunks: Vec<Box<[std::cell::Cell<u8>; CHUNK]>>,
     /// When each prefetched page not touched yet arrives, beside its state (a map of them cost
-    /// a hash insert per prefetch and a removal per use).
-    arrivals: Vec<Box<[f64; CHUNK]>>,
+    /// a hash insert per prefetch and a removal per use). Made for a chunk when a page of it is
+    /// first prefetched: eight times its states' size, and a run without prefetching needs none.
+    arrivals: Vec<Option<Box<[f64; CHUNK]>>>,
     recent: Box<[(u64, u32); RECENT]>,
 }
 
@@ -235,7 +236,8 @@ impl PageTable {
     #[inline(always)]
     fn arrival(&mut self, page: u64) -> &mut f64 {
         let chunk = self.chunk(page);
-        &mut self.arrivals[chunk][(page as usize) & (CHUNK - 1)]
+        let times = self.arrivals[chunk].get_or_insert_with(|| Box::new([0.0; CHUNK]));
+        &mut times[(page as usize) & (CHUNK - 1)]
     }
 
     /// The chunk of `key` (made if new), remembered in `recent[slot]`: the slow path of
@@ -247,7 +249,7 @@ impl PageTable {
         let c = *self.index.entry(key).or_insert(next);
         if c == next {
             self.chunks.push(Box::new(std::array::from_fn(|_| std::cell::Cell::new(0))));
-            self.arrivals.push(Box::new([0.0; CHUNK]));
+            self.arrivals.push(None);
         }
         self.recent[slot] = (key, c);
         c
