@@ -26,9 +26,10 @@ pub struct SimArgs {
     /// mixed, hot), generated on the fly.
     #[arg(long, conflicts_with = "trace")]
     pub synthetic: Option<String>,
-    /// Local memory: pages (`4096`) or a share of the trace's footprint (`50%`).
-    #[arg(long, default_value = "50%")]
-    pub local: String,
+    /// Local memory: pages (`4096`) or a share of the trace's footprint (`50%`); several
+    /// (comma-separated) run every pair at each size, for a miss-ratio curve in one call.
+    #[arg(long, value_delimiter = ',', default_value = "50%")]
+    pub local: Vec<String>,
     /// Prefetchers to compare (comma-separated): none, readahead, fastswap, leap, stream,
     /// ondemand, stride.
     #[arg(long, value_delimiter = ',', default_value = "readahead")]
@@ -95,8 +96,8 @@ pub struct SimArgs {
     /// Also measure the simulator's speed (wall time, accesses per second).
     #[arg(long)]
     pub bench: bool,
-    /// Policy pairs simulated at once, each with its own simulator state (default: one per
-    /// CPU; 1 with --bench, so each pair's speed is that of one core).
+    /// Simulations (policy pairs, at each --local size) run at once, each with its own
+    /// simulator state (default: one per CPU; 1 with --bench, so each speed is one core's).
     #[arg(long)]
     pub jobs: Option<usize>,
 }
@@ -279,7 +280,14 @@ pub fn run(args: &SimArgs) -> Result<()> {
         (None, Some((_, _, f))) => f as usize,
         _ => 0,
     };
-    let local_pages = parse_local(&args.local, footprint)?;
+    // Sizes in the order given, each once.
+    let mut sizes: Vec<usize> = Vec::new();
+    for text in &args.local {
+        let pages = parse_local(text, footprint)?;
+        if !sizes.contains(&pages) {
+            sizes.push(pages);
+        }
+    }
     let has_reports = trace.as_ref().is_some_and(|t| t.has_reports);
     let monitor = match monitor {
         None if has_reports => MonitorInput::Reports,
@@ -287,7 +295,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
         Some(m) => m,
     };
     // The pairs in table order; belady with prefetching is left out with a note.
-    let mut pairs = Vec::new();
+    let mut pairs: Vec<(&str, &str)> = Vec::new();
     for prefetch in &prefetchers {
         for replace in &replacements {
             if replace == "belady" && prefetch != "none" {
@@ -297,15 +305,22 @@ pub fn run(args: &SimArgs) -> Result<()> {
             if replace == "belady" && hits == HitInfo::Engine {
                 eprintln!("note: belady, the offline optimum, hears every access; --hits engine applies to the online policies");
             }
-            pairs.push((prefetch.clone(), replace.clone()));
+            pairs.push((prefetch, replace));
         }
     }
     if pairs.is_empty() {
         return Err(Error::invalid("no policy pair to run"));
     }
-    let jobs = jobs(args.jobs, args.bench, pairs.len())?;
+    // Every pair at each size, size by size.
+    let runs: Vec<(usize, &str, &str)> =
+        sizes.iter().flat_map(|&local| pairs.iter().map(move |&(p, r)| (local, p, r))).collect();
+    let jobs = jobs(args.jobs, args.bench, runs.len())?;
     let bars = indicatif::MultiProgress::new();
-    let run_pair = |prefetch: &str, replace: &str| -> Result<Row> {
+    let several = sizes.len() > 1;
+    let run_one = |&(local_pages, prefetch, replace): &(usize, &str, &str)| -> Result<Row> {
+        // With several sizes a bar says which one it is at.
+        let label =
+            if several { format!("{local_pages} {prefetch} × {replace}") } else { format!("{prefetch} × {replace}") };
         let config = SimConfig {
             local_pages,
             prefetch: prefetch.to_string(),
@@ -320,7 +335,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
         let started = Instant::now();
         let result = match (&trace, synthetic) {
             (Some(t), _) => {
-                let bar = bars.add(progress_bar(t.events.len() as u64, format!("{prefetch} × {replace}")));
+                let bar = bars.add(progress_bar(t.events.len() as u64, label));
                 let r = tiermem_sim::simulate(&t.events, &config, &mut |done| bar.set_position(done));
                 bar.finish_and_clear();
                 r?
@@ -330,7 +345,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
                 tiermem_sim::simulate(&events, &config, &mut |_| {})?
             }
             (None, Some((kind, accesses, footprint))) => {
-                let bar = bars.add(progress_bar(accesses, format!("{prefetch} × {replace}")));
+                let bar = bars.add(progress_bar(accesses, label));
                 let mut sim = Simulator::new(config)?;
                 let mut generator = SyntheticGen::new(kind, footprint);
                 let mut left = accesses;
@@ -351,12 +366,12 @@ pub fn run(args: &SimArgs) -> Result<()> {
         let speed = result.accesses as f64 / wall;
         Ok(Row { result, wall_seconds: args.bench.then_some(wall), accesses_per_second: args.bench.then_some(speed) })
     };
-    let rows = run_pairs(&pairs, jobs, &run_pair)?;
+    let rows = run_all(&runs, jobs, &run_one)?;
     if args.json {
         let out = serde_json::json!({
             "trace": label,
             "footprint_pages": footprint,
-            "local_pages": local_pages,
+            "local_pages": if several { serde_json::json!(sizes) } else { serde_json::json!(sizes[0]) },
             "raw_accesses": trace.as_ref().map(|t| t.raw_accesses),
             "monitor": monitor,
             "hits": hits,
@@ -368,18 +383,20 @@ pub fn run(args: &SimArgs) -> Result<()> {
         println!("{out}");
         return Ok(());
     }
+    let share = |pages: usize| format!("{pages} pages ({:.0}%)", pages as f64 * 100.0 / footprint.max(1) as f64);
     println!(
-        "trace {label}: footprint {footprint} pages, local memory {local_pages} pages ({:.0}%), monitor input {monitor:?}, hits {hits:?}, clean-ahead {}{}",
-        local_pages as f64 * 100.0 / footprint.max(1) as f64,
+        "trace {label}: footprint {footprint} pages, local memory {}, monitor input {monitor:?}, hits {hits:?}, clean-ahead {}{}",
+        sizes.iter().map(|&p| share(p)).collect::<Vec<_>>().join(", "),
         args.clean_ahead,
         if args.clean_queue > 0 { format!(" (at most {} write-backs in flight)", args.clean_queue) } else { String::new() }
     );
     let results: Vec<SimResult> = rows.iter().map(|r| r.result.clone()).collect();
-    print!("{}", format_table(&results));
+    print!("{}", format_table(&results, several));
     if args.bench {
         for r in &rows {
             println!(
-                "speed {} × {}: {:.1} M accesses/s ({:.2} s)",
+                "speed {}{} × {}: {:.1} M accesses/s ({:.2} s)",
+                if several { format!("{} pages: ", r.result.local_pages) } else { String::new() },
                 r.result.prefetch,
                 r.result.replace,
                 r.accesses_per_second.unwrap_or(0.0) / 1e6,
@@ -390,48 +407,44 @@ pub fn run(args: &SimArgs) -> Result<()> {
     Ok(())
 }
 
-/// Pairs simulated at once: `--jobs`, else one per CPU, but one with `--bench` (each pair's
-/// speed is then that of a core of its own); never more than there are pairs.
-fn jobs(asked: Option<usize>, bench: bool, pairs: usize) -> Result<usize> {
+/// Simulations run at once: `--jobs`, else one per CPU, but one with `--bench` (each one's
+/// speed is then that of a core of its own); never more than there are simulations.
+fn jobs(asked: Option<usize>, bench: bool, runs: usize) -> Result<usize> {
     let jobs = match asked {
-        Some(0) => return Err(Error::invalid("--jobs 0: at least one pair has to run at a time")),
+        Some(0) => return Err(Error::invalid("--jobs 0: at least one simulation has to run at a time")),
         Some(n) => n,
         None if bench => 1,
         None => std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
-    let jobs = jobs.min(pairs);
+    let jobs = jobs.min(runs);
     if bench && jobs > 1 {
         eprintln!(
-            "tiermem sim: note: --bench with {jobs} pairs at once: they share the CPUs and memory, so each speed is below that of a core alone"
+            "tiermem sim: note: --bench with {jobs} simulations at once: they share the CPUs and memory, so each speed is below that of a core alone"
         );
     }
     Ok(jobs)
 }
 
-/// Run every pair, `jobs` at a time, and give their rows in `pairs`' order. Each simulation is
-/// independent and deterministic, so the results are those of running the pairs one by one.
-/// After a failure no further pair starts, and the first failure in table order is returned.
-fn run_pairs(
-    pairs: &[(String, String)],
-    jobs: usize,
-    run_pair: &(dyn Fn(&str, &str) -> Result<Row> + Sync),
-) -> Result<Vec<Row>> {
+/// Run every simulation, `jobs` at a time, and give their rows in `runs`' order. Each is
+/// independent and deterministic, so the results are those of running them one by one. After a
+/// failure no further one starts, and the first failure in table order is returned.
+fn run_all<T: Sync>(runs: &[T], jobs: usize, run_one: &(dyn Fn(&T) -> Result<Row> + Sync)) -> Result<Vec<Row>> {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
     use std::sync::Mutex;
 
     if jobs <= 1 {
-        return pairs.iter().map(|(p, r)| run_pair(p, r)).collect();
+        return runs.iter().map(run_one).collect();
     }
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
-    let done: Vec<Mutex<Option<Result<Row>>>> = pairs.iter().map(|_| Mutex::new(None)).collect();
+    let done: Vec<Mutex<Option<Result<Row>>>> = runs.iter().map(|_| Mutex::new(None)).collect();
     std::thread::scope(|scope| {
         for _ in 0..jobs {
             scope.spawn(|| {
                 while !failed.load(Relaxed) {
                     let k = next.fetch_add(1, Relaxed);
-                    let Some((p, r)) = pairs.get(k) else { break };
-                    let row = run_pair(p, r);
+                    let Some(run) = runs.get(k) else { break };
+                    let row = run_one(run);
                     failed.fetch_or(row.is_err(), Relaxed);
                     *done[k].lock().unwrap_or_else(|e| e.into_inner()) = Some(row);
                 }
@@ -442,10 +455,10 @@ fn run_pairs(
     // slot of its own, so it is met before or after the gap and returned either way.
     let results: Vec<Result<Row>> =
         done.into_iter().filter_map(|slot| slot.into_inner().unwrap_or_else(|e| e.into_inner())).collect();
-    let complete = results.len() == pairs.len();
+    let complete = results.len() == runs.len();
     let rows = results.into_iter().collect::<Result<Vec<Row>>>()?;
     if !complete {
-        return Err(Error::new(tiermem_sys::ErrorKind::Internal, "pairs were left unsimulated without a failure"));
+        return Err(Error::new(tiermem_sys::ErrorKind::Internal, "simulations were left out without a failure"));
     }
     Ok(rows)
 }
@@ -507,11 +520,12 @@ mod tests {
         let pairs: Vec<(String, String)> =
             ["a", "b", "c", "d", "e"].iter().map(|p| (p.to_string(), "lru".into())).collect();
         for jobs in [1, 2, 5] {
-            let rows = run_pairs(&pairs, jobs, &|p, _| Ok(row(p))).unwrap();
+            let rows = run_all(&pairs, jobs, &|(p, _)| Ok(row(p))).unwrap();
             let order: Vec<&str> = rows.iter().map(|r| r.result.prefetch.as_str()).collect();
             assert_eq!(order, ["a", "b", "c", "d", "e"], "{jobs} jobs");
-            let failing = |p: &str, _: &str| if p == "c" { Err(Error::invalid("pair c failed")) } else { Ok(row(p)) };
-            let err = run_pairs(&pairs, jobs, &failing).map(|_| ()).unwrap_err();
+            let failing =
+                |(p, _): &(String, String)| if p == "c" { Err(Error::invalid("pair c failed")) } else { Ok(row(p)) };
+            let err = run_all(&pairs, jobs, &failing).map(|_| ()).unwrap_err();
             assert!(err.to_string().contains("pair c failed"), "{jobs} jobs: {err}");
         }
     }

@@ -199,3 +199,38 @@ fn pairs_run_side_by_side_give_the_results_of_running_them_one_by_one() {
         assert_eq!(results("16"), one_by_one, "{input:?}: more jobs than pairs");
     }
 }
+
+/// Several `--local` sizes in one call: each pair at each size, size by size, each row the
+/// result of a call with that size alone; for LRU and the optimum (stack algorithms) faults
+/// never rise with the size.
+#[test]
+fn several_local_sizes_give_each_pair_at_each_size_in_one_call() {
+    let pages: String = (0..20_000u64).map(|i| format!("{}\n", (i * 7919 + i / 3) % 1500)).collect();
+    let f = text_file(&pages);
+    let path = f.path().to_str().unwrap();
+    let json = |local: &str| {
+        let out = tiermem(&["sim", path, "--local", local, "--prefetch", "none", "--replace", "lru,belady", "--json"]);
+        assert!(out.status.success(), "--local {local}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    // 25% of the 1,500 pages is 375: named twice, run once.
+    let all = json("100,25%,750,375,1200");
+    assert_eq!(all["local_pages"], serde_json::json!([100, 375, 750, 1200]));
+    let rows = all["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 8, "{all}");
+    for (k, size) in [100, 375, 750, 1200].into_iter().enumerate() {
+        let alone = json(&size.to_string());
+        assert_eq!(alone["local_pages"], size);
+        assert_eq!(rows[2 * k..2 * k + 2], alone["results"].as_array().unwrap()[..], "at {size} pages");
+    }
+    for policy in ["lru", "belady"] {
+        let faults: Vec<u64> =
+            rows.iter().filter(|r| r["replace"] == policy).map(|r| r["faults"].as_u64().unwrap()).collect();
+        assert!(faults.windows(2).all(|w| w[1] <= w[0]), "{policy}: {faults:?}");
+        assert!(faults[0] > faults[3], "{policy}: more memory, fewer faults: {faults:?}");
+    }
+    let table = tiermem(&["sim", path, "--local", "100,750", "--prefetch", "none", "--replace", "lru"]);
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("local memory 100 pages (7%), 750 pages (50%)"), "{text}");
+    assert!(text.lines().any(|l| l.trim_start().starts_with("750 none")), "{text}");
+}

@@ -9,9 +9,13 @@ pub mod trace;
 pub use sim::{footprint, simulate, HitInfo, Latency, MonitorInput, SimConfig, SimResult, Simulator};
 pub use trace::{load, Event, EventKind, Format, LineOptions, Synthetic, SyntheticGen, Trace};
 
-/// A plain-text table of results, one row per policy pair.
-pub fn format_table(results: &[SimResult]) -> String {
-    let mut out = format!(
+/// A plain-text table of results, one row per policy pair (and local memory size, shown in a
+/// first column when `with_local`).
+pub fn format_table(results: &[SimResult], with_local: bool) -> String {
+    // With several local memory sizes, each row starts with its own.
+    let local = |text: String| if with_local { format!("{text:>10} ") } else { String::new() };
+    let mut out = local("local".into());
+    out += &format!(
         "{:<10} {:<13} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>9} {:>10} {:>12}\n",
         "prefetch",
         "replace",
@@ -27,6 +31,7 @@ pub fn format_table(results: &[SimResult]) -> String {
         "modeled ms"
     );
     for r in results {
+        out += &local(r.local_pages.to_string());
         out += &format!(
             "{:<10} {:<13} {:>10} {:>10} {:>10} {:>10} {:>7.1}% {:>7.1}% {:>8} {:>9} {:>10} {:>12.3}\n",
             r.prefetch,
