@@ -101,7 +101,7 @@ pub fn facts_from(root: &Path) -> MachineFacts {
     MachineFacts {
         // The machine's CPUs; `facts` narrows this to the ones this process may use.
         cpus: cpuinfo_processors(&cpuinfo),
-        memory_bytes: read("proc/meminfo").and_then(|m| meminfo_total(&m)),
+        memory_bytes: read("proc/meminfo").and_then(|m| meminfo_bytes(&m, "MemTotal")),
         virtual_machine: cpuinfo_has_flag(&cpuinfo, "hypervisor"),
         cpuidle_driver: trimmed("sys/devices/system/cpu/cpuidle/current_driver"),
         guest_halt_poll_ns: number("sys/module/haltpoll/parameters/guest_halt_poll_ns"),
@@ -125,8 +125,9 @@ fn cpuinfo_processors(cpuinfo: &str) -> usize {
     cpuinfo.lines().filter(|l| l.starts_with("processor")).count()
 }
 
-fn meminfo_total(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+/// A /proc/meminfo field (`MemTotal`, `MemAvailable`) in bytes.
+pub(crate) fn meminfo_bytes(meminfo: &str, key: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.strip_prefix(key).is_some_and(|rest| rest.starts_with(':')))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }

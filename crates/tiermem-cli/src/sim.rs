@@ -97,7 +97,8 @@ pub struct SimArgs {
     #[arg(long)]
     pub bench: bool,
     /// Simulations (policy pairs, at each --local size) run at once, each with its own
-    /// simulator state (default: one per CPU; 1 with --bench, so each speed is one core's).
+    /// simulator state (default: one per CPU, fewer if their state would take more than half
+    /// the available memory; 1 with --bench, so each speed is one core's).
     #[arg(long)]
     pub jobs: Option<usize>,
 }
@@ -131,6 +132,8 @@ fn parse_llc(text: &str) -> Result<Option<(u64, usize)>> {
 const MAX_LLC_BYTES: u64 = 1 << 30;
 /// Largest synthetic footprint in pages (1 TiB of memory): the simulator keeps state per page.
 const MAX_SYNTHETIC_PAGES: u64 = 1 << 28;
+/// Largest local memory in pages (1 TiB).
+const MAX_LOCAL_PAGES: usize = 1 << 28;
 
 fn parse_local(text: &str, footprint: usize) -> Result<usize> {
     let pages = if let Some(p) = text.strip_suffix('%') {
@@ -146,6 +149,11 @@ fn parse_local(text: &str, footprint: usize) -> Result<usize> {
         return Err(Error::invalid(format!(
             "--local {text} gives 0 pages of local memory (footprint {footprint} pages)"
         )));
+    }
+    // The replacement policies size their tables by the local memory: a typo of a few digits
+    // would ask for more memory than the machine has, and abort.
+    if pages > MAX_LOCAL_PAGES {
+        return Err(Error::invalid(format!("--local {text}: at most {MAX_LOCAL_PAGES} pages (1 TiB)")));
     }
     Ok(pages)
 }
@@ -167,8 +175,10 @@ fn parse_synthetic(text: &str) -> Result<(Synthetic, u64, u64)> {
     Ok((kind, accesses, footprint))
 }
 
-fn progress_bar(len: u64, label: String) -> indicatif::ProgressBar {
-    // Short runs need no bar; indicatif hides it by itself when stderr is not a terminal.
+/// A bar for a simulation of `len` events, drawn among `bars`. Short runs get none (a bar
+/// added to `bars` would be drawn, hidden or not); indicatif hides them all by itself when
+/// stderr is not a terminal.
+fn progress_bar(bars: &indicatif::MultiProgress, len: u64, label: String) -> indicatif::ProgressBar {
     if len < 20_000_000 {
         return indicatif::ProgressBar::hidden();
     }
@@ -178,7 +188,7 @@ fn progress_bar(len: u64, label: String) -> indicatif::ProgressBar {
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     bar.set_message(label);
-    bar
+    bars.add(bar)
 }
 
 /// Run `tiermem sim`.
@@ -314,7 +324,29 @@ pub fn run(args: &SimArgs) -> Result<()> {
     // Every pair at each size, size by size.
     let runs: Vec<(usize, &str, &str)> =
         sizes.iter().flat_map(|&local| pairs.iter().map(move |&(p, r)| (local, p, r))).collect();
-    let jobs = jobs(args.jobs, args.bench, runs.len())?;
+    let mut jobs = jobs(args.jobs, args.bench, runs.len())?;
+    if args.jobs.is_none() && jobs > 1 {
+        // Each simulation at once holds its own state: as many as half the available memory
+        // takes (the rest is the trace's and the system's).
+        let accesses = trace.as_ref().map_or_else(|| synthetic.map_or(0, |(_, a, _)| a), |t| t.events.len() as u64);
+        let belady = replacements.iter().any(|r| r == "belady");
+        let largest = sizes.iter().copied().max().unwrap_or(1);
+        let need = simulation_bytes(footprint as u64, largest as u64, belady.then_some(accesses));
+        let available = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|m| crate::machine::meminfo_bytes(&m, "MemAvailable"));
+        if let Some(available) = available {
+            let fit = jobs_that_fit(jobs, need, available);
+            if fit < jobs {
+                eprintln!(
+                    "tiermem sim: note: {fit} simulation(s) at once, not {jobs}: each needs about {} MiB and {} MiB are available (--jobs overrides)",
+                    need >> 20,
+                    available >> 20
+                );
+                jobs = fit;
+            }
+        }
+    }
     let bars = indicatif::MultiProgress::new();
     let several = sizes.len() > 1;
     let run_one = |&(local_pages, prefetch, replace): &(usize, &str, &str)| -> Result<Row> {
@@ -335,7 +367,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
         let started = Instant::now();
         let result = match (&trace, synthetic) {
             (Some(t), _) => {
-                let bar = bars.add(progress_bar(t.events.len() as u64, label));
+                let bar = progress_bar(&bars, t.events.len() as u64, label);
                 let r = tiermem_sim::simulate(&t.events, &config, &mut |done| bar.set_position(done));
                 bar.finish_and_clear();
                 r?
@@ -345,8 +377,8 @@ pub fn run(args: &SimArgs) -> Result<()> {
                 tiermem_sim::simulate(&events, &config, &mut |_| {})?
             }
             (None, Some((kind, accesses, footprint))) => {
-                let bar = bars.add(progress_bar(accesses, label));
                 let mut sim = Simulator::new(config)?;
+                let bar = progress_bar(&bars, accesses, label);
                 let mut generator = SyntheticGen::new(kind, footprint);
                 let mut left = accesses;
                 while left > 0 {
@@ -371,7 +403,8 @@ pub fn run(args: &SimArgs) -> Result<()> {
         let out = serde_json::json!({
             "trace": label,
             "footprint_pages": footprint,
-            "local_pages": if several { serde_json::json!(sizes) } else { serde_json::json!(sizes[0]) },
+            // An array whenever several sizes were asked for, even if they came to one.
+            "local_pages": if args.local.len() > 1 { serde_json::json!(sizes) } else { serde_json::json!(sizes[0]) },
             "raw_accesses": trace.as_ref().map(|t| t.raw_accesses),
             "monitor": monitor,
             "hits": hits,
@@ -423,6 +456,20 @@ fn jobs(asked: Option<usize>, bench: bool, runs: usize) -> Result<usize> {
         );
     }
     Ok(jobs)
+}
+
+/// How many of `jobs` simulations needing `need` bytes each fit in half of `available` (at
+/// least one).
+fn jobs_that_fit(jobs: usize, need: u64, available: u64) -> usize {
+    let fit = (available / 2) / need.max(1);
+    (fit.max(1)).min(jobs as u64) as usize
+}
+
+/// About the memory one simulation holds: a byte of state and an arrival time per page of the
+/// footprint, the replacement policy's list nodes (16 bytes, up to three per local page), and
+/// for the offline optimum (`belady_accesses`) its copy of the trace and its next-use tables.
+fn simulation_bytes(footprint_pages: u64, local_pages: u64, belady_accesses: Option<u64>) -> u64 {
+    footprint_pages.saturating_mul(9) + local_pages.saturating_mul(48) + belady_accesses.unwrap_or(0).saturating_mul(40)
 }
 
 /// Run every simulation, `jobs` at a time, and give their rows in `runs`' order. Each is
@@ -537,5 +584,17 @@ mod tests {
         assert_eq!(jobs(None, true, 9).unwrap(), 1);
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         assert_eq!(jobs(None, false, 64).unwrap(), cpus.min(64));
+    }
+
+    #[test]
+    fn simulations_at_once_fit_in_half_the_available_memory() {
+        let gib = 1u64 << 30;
+        assert_eq!(jobs_that_fit(8, gib, 10 * gib), 5);
+        assert_eq!(jobs_that_fit(2, gib, 10 * gib), 2, "never more than asked");
+        assert_eq!(jobs_that_fit(4, 20 * gib, 10 * gib), 1, "one runs whatever it needs");
+        // 100 M accesses of the optimum over a million pages at half of them: about 4 GiB.
+        let need = simulation_bytes(1 << 20, 1 << 19, Some(100_000_000));
+        assert!((3 * gib..5 * gib).contains(&need), "{need}");
+        assert!(simulation_bytes(1 << 20, 1 << 19, None) < gib / 8);
     }
 }

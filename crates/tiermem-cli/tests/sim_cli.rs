@@ -77,6 +77,7 @@ fn bad_input_fails_with_a_message_naming_the_problem() {
         (vec!["sim", good_path, "--llc", "64GiB:16"], "at most 1024 MiB".into()),
         (vec!["sim", "--synthetic", "random:10:1000000000000"], "at most 268435456 pages".into()),
         (vec!["sim", good_path, "--jobs", "0"], "--jobs 0".into()),
+        (vec!["sim", good_path, "--local", "300000000"], "at most 268435456 pages".into()),
     ];
     for (args, needle) in cases {
         let out = tiermem(&args);
@@ -229,6 +230,8 @@ fn several_local_sizes_give_each_pair_at_each_size_in_one_call() {
         assert!(faults.windows(2).all(|w| w[1] <= w[0]), "{policy}: {faults:?}");
         assert!(faults[0] > faults[3], "{policy}: more memory, fewer faults: {faults:?}");
     }
+    // Several sizes asked for give an array, even when they come to one.
+    assert_eq!(json("25%,375")["local_pages"], serde_json::json!([375]));
     let table = tiermem(&["sim", path, "--local", "100,750", "--prefetch", "none", "--replace", "lru"]);
     let text = String::from_utf8_lossy(&table.stdout);
     assert!(text.contains("local memory 100 pages (7%), 750 pages (50%)"), "{text}");
