@@ -331,21 +331,8 @@ pub fn run(args: &SimArgs) -> Result<()> {
         let accesses = trace.as_ref().map_or_else(|| synthetic.map_or(0, |(_, a, _)| a), |t| t.events.len() as u64);
         let belady = replacements.iter().any(|r| r == "belady");
         let largest = sizes.iter().copied().max().unwrap_or(1);
-        let need = simulation_bytes(footprint as u64, largest as u64, belady.then_some(accesses));
-        let available = std::fs::read_to_string("/proc/meminfo")
-            .ok()
-            .and_then(|m| crate::machine::meminfo_bytes(&m, "MemAvailable"));
-        if let Some(available) = available {
-            let fit = jobs_that_fit(jobs, need, available);
-            if fit < jobs {
-                eprintln!(
-                    "tiermem sim: note: {fit} simulation(s) at once, not {jobs}: each needs about {} MiB and {} MiB are available (--jobs overrides)",
-                    need >> 20,
-                    available >> 20
-                );
-                jobs = fit;
-            }
-        }
+        jobs =
+            fewer_to_fit_memory(jobs, simulation_bytes(footprint as u64, largest as u64, belady.then_some(accesses)));
     }
     let bars = indicatif::MultiProgress::new();
     let several = sizes.len() > 1;
@@ -456,6 +443,23 @@ fn jobs(asked: Option<usize>, bench: bool, runs: usize) -> Result<usize> {
         );
     }
     Ok(jobs)
+}
+
+/// `jobs`, or fewer (with a note) if that many simulations needing `need` bytes each would take
+/// more than half the memory /proc/meminfo says is available.
+fn fewer_to_fit_memory(jobs: usize, need: u64) -> usize {
+    let available =
+        std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| crate::machine::meminfo_bytes(&m, "MemAvailable"));
+    let Some(available) = available else { return jobs };
+    let fit = jobs_that_fit(jobs, need, available);
+    if fit < jobs {
+        eprintln!(
+            "tiermem sim: note: {fit} simulation(s) at once, not {jobs}: each needs about {} MiB and {} MiB are available (--jobs overrides)",
+            need >> 20,
+            available >> 20
+        );
+    }
+    fit
 }
 
 /// How many of `jobs` simulations needing `need` bytes each fit in half of `available` (at
