@@ -184,7 +184,13 @@ fn progress_bar(bars: &indicatif::MultiProgress, len: u64, label: String) -> ind
     }
     let bar = indicatif::ProgressBar::new(len);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{msg:28} [{bar:40}] {percent}% {per_sec}")
+        indicatif::ProgressStyle::with_template("{msg:28} [{bar:40}] {percent:>3}% {rate} {eta}")
+            .map(|style| {
+                // Events a second in millions: indicatif's own rate prints every digit.
+                style.with_key("rate", |state: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                    let _ = write!(w, "{:.1} M/s", state.per_sec() / 1e6);
+                })
+            })
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     bar.set_message(label);
