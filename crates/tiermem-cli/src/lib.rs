@@ -4,3 +4,4 @@ pub mod bench;
 pub mod machine;
 pub mod run;
 pub mod sim;
+pub mod trace_info;

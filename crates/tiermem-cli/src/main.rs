@@ -504,6 +504,8 @@ enum TraceCommand {
     /// Run a program as `tiermem run` does and record every fault and write fault of each
     /// managed process in the simulator's binary trace format.
     Record(Box<TraceRecordArgs>),
+    /// Say what a trace holds: events by kind, footprint, how its accesses follow each other.
+    Info(tiermem_cli::trace_info::TraceInfoArgs),
 }
 
 #[derive(Debug, Args)]
@@ -664,6 +666,7 @@ fn main() -> ExitCode {
         Command::Trace(TraceArgs { command: TraceCommand::Record(args) }) => {
             trace_record(args).map(|never| match never {})
         }
+        Command::Trace(TraceArgs { command: TraceCommand::Info(args) }) => tiermem_cli::trace_info::run(args),
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,

@@ -197,15 +197,17 @@ fn progress_bar(bars: &indicatif::MultiProgress, len: u64, label: String) -> ind
     bars.add(bar)
 }
 
+/// How byte-address traces become page events: `--llc`, `--threshold`, `--instructions`.
+pub(crate) fn line_options(llc: &str, threshold: u32, instructions: bool) -> Result<LineOptions> {
+    if !(1..=64).contains(&threshold) {
+        return Err(Error::invalid(format!("--threshold {threshold} must be in 1..=64 (a page has 64 cache lines)")));
+    }
+    Ok(LineOptions { llc: parse_llc(llc)?, threshold, instructions })
+}
+
 /// Run `tiermem sim`.
 pub fn run(args: &SimArgs) -> Result<()> {
-    if !(1..=64).contains(&args.threshold) {
-        return Err(Error::invalid(format!(
-            "--threshold {} must be in 1..=64 (a page has 64 cache lines)",
-            args.threshold
-        )));
-    }
-    let lines = LineOptions { llc: parse_llc(&args.llc)?, threshold: args.threshold, instructions: args.instructions };
+    let lines = line_options(&args.llc, args.threshold, args.instructions)?;
     let latency = Latency {
         access_ns: args.access_ns,
         cached_access_ns: args.cached_access_ns,

@@ -237,3 +237,47 @@ fn several_local_sizes_give_each_pair_at_each_size_in_one_call() {
     assert!(text.contains("local memory 100 pages (7%), 750 pages (50%)"), "{text}");
     assert!(text.lines().any(|l| l.trim_start().starts_with("750 none")), "{text}");
 }
+
+/// `tiermem trace info` says what a trace holds, as text and as JSON, from any format the
+/// simulator reads, and refuses bad input as the simulator does.
+#[test]
+fn trace_info_summarizes_a_trace() {
+    // Pages 0..100 in order, then 0..100 again written, then page 7 three times.
+    let text: String =
+        (0..100).map(|p| format!("{p}\n")).chain((0..100).map(|p| format!("{p} w\n"))).collect::<String>()
+            + "7\n7\n7\n";
+    let f = text_file(&text);
+    let path = f.path().to_str().unwrap();
+    let out = tiermem(&["trace", "info", path, "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let s = &json["summary"];
+    assert_eq!((s["events"].as_u64(), s["reads"].as_u64(), s["writes"].as_u64()), (Some(203), Some(103), Some(100)));
+    assert_eq!(
+        (s["footprint_pages"].as_u64(), s["lowest_page"].as_u64(), s["highest_page"].as_u64()),
+        (Some(100), Some(0), Some(99))
+    );
+    // 99 + 99 steps to the next page, 99 → 0 and 99 → 7 elsewhere, 7 → 7 twice.
+    assert_eq!(
+        (s["next_page"].as_u64(), s["elsewhere"].as_u64(), s["same_page"].as_u64()),
+        (Some(198), Some(2), Some(2))
+    );
+    let out = tiermem(&["trace", "info", path]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("footprint 100 pages (0.4 MiB)"), "{text}");
+    // 198 of the 202 accesses after the first.
+    assert!(text.contains("next page 98.0%, same page 1.0%, page before 0.0%, elsewhere 1.0%"), "{text}");
+    for (args, needle) in [
+        (vec!["trace", "info", "/nonexistent/trace"], "/nonexistent/trace"),
+        (vec!["trace", "info", path, "--threshold", "0"], "1..=64"),
+        (vec!["trace", "info", path, "--format", "csv"], "csv"),
+    ] {
+        let out = tiermem(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(needle),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

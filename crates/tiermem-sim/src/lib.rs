@@ -4,9 +4,11 @@
 //! write-backs and a modeled run time.
 
 pub mod sim;
+pub mod summary;
 pub mod trace;
 
 pub use sim::{footprint, simulate, HitInfo, Latency, MonitorInput, SimConfig, SimResult, Simulator};
+pub use summary::{summarize, TraceSummary};
 pub use trace::{load, Event, EventKind, Format, LineOptions, Synthetic, SyntheticGen, Trace};
 
 /// A plain-text table of results, one row per policy pair (and local memory size, shown in a

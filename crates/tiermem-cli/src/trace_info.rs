@@ -1,0 +1,114 @@
+//! `tiermem trace info`: what a trace holds (events by kind, footprint, how its accesses follow
+//! each other), before choosing what to simulate.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use tiermem_sim::trace::Format;
+use tiermem_sim::TraceSummary;
+use tiermem_sys::Result;
+
+/// Arguments of `tiermem trace info`.
+#[derive(Debug, Args)]
+pub struct TraceInfoArgs {
+    /// Trace file, in any format `tiermem sim` reads (`-`: standard input, with --format).
+    pub trace: PathBuf,
+    /// Trace format: auto, binary, lackey, pages.
+    #[arg(long, default_value = "auto")]
+    pub format: String,
+    /// LLC in front of memory for byte-address traces, SIZE:WAYS, or `none` (as `tiermem sim`).
+    #[arg(long, default_value = "1MiB:16")]
+    pub llc: String,
+    /// Reads before the hot-page table reports a page (1..=64), for byte-address traces.
+    #[arg(long, default_value_t = 8)]
+    pub threshold: u32,
+    /// Count lackey instruction fetches as reads.
+    #[arg(long)]
+    pub instructions: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Run `tiermem trace info`.
+pub fn run(args: &TraceInfoArgs) -> Result<()> {
+    let lines = crate::sim::line_options(&args.llc, args.threshold, args.instructions)?;
+    let trace = tiermem_sim::load(&args.trace, args.format.parse::<Format>()?, &lines)?;
+    let summary = tiermem_sim::summarize(&trace.events);
+    if args.json {
+        let out = serde_json::json!({
+            "trace": args.trace.display().to_string(),
+            "raw_accesses": trace.raw_accesses,
+            "summary": summary,
+        });
+        println!("{out}");
+        return Ok(());
+    }
+    print!("{}", describe(&args.trace.display().to_string(), trace.raw_accesses, &summary));
+    Ok(())
+}
+
+/// The summary as a few lines of text.
+fn describe(name: &str, raw_accesses: u64, s: &TraceSummary) -> String {
+    let share = |n: u64, of: u64| if of == 0 { 0.0 } else { n as f64 * 100.0 / of as f64 };
+    let mut out = format!(
+        "{name}: {} events: {} reads, {} writes, {} reports, {} cache hits in compute events\n",
+        s.events, s.reads, s.writes, s.reports, s.cached_accesses
+    );
+    if raw_accesses > 0 {
+        out += &format!("  from {raw_accesses} byte-level accesses through the LLC filter\n");
+    }
+    match (s.lowest_page, s.highest_page) {
+        (Some(lo), Some(hi)) => {
+            out += &format!(
+                "  footprint {} pages ({:.1} MiB), pages {lo:#x}..={hi:#x}; {} used once ({:.1}%); {:.1} accesses a page\n",
+                s.footprint_pages,
+                s.footprint_pages as f64 / 256.0,
+                s.pages_used_once,
+                share(s.pages_used_once, s.footprint_pages),
+                s.accesses() as f64 / s.footprint_pages as f64
+            );
+            let after_first = s.accesses().saturating_sub(1);
+            out += &format!(
+                "  each access against the one before: next page {:.1}%, same page {:.1}%, page before {:.1}%, elsewhere {:.1}%\n",
+                share(s.next_page, after_first),
+                share(s.same_page, after_first),
+                share(s.previous_page, after_first),
+                share(s.elsewhere, after_first)
+            );
+        }
+        _ => out += "  no page is read or written\n",
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_description_gives_shares_of_the_accesses_after_the_first() {
+        let s = TraceSummary {
+            events: 5,
+            reads: 4,
+            writes: 1,
+            footprint_pages: 4,
+            lowest_page: Some(1),
+            highest_page: Some(9),
+            pages_used_once: 3,
+            next_page: 2,
+            same_page: 1,
+            elsewhere: 1,
+            ..TraceSummary::default()
+        };
+        let text = describe("t", 0, &s);
+        assert!(text.contains("5 events: 4 reads, 1 writes"), "{text}");
+        assert!(
+            text.contains("footprint 4 pages (0.0 MiB), pages 0x1..=0x9; 3 used once (75.0%); 1.2 accesses a page"),
+            "{text}"
+        );
+        assert!(text.contains("next page 50.0%, same page 25.0%, page before 0.0%, elsewhere 25.0%"), "{text}");
+        assert!(!text.contains("byte-level"), "{text}");
+        assert!(describe("t", 0, &TraceSummary::default()).contains("no page is read or written"));
+    }
+}
