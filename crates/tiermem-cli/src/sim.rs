@@ -38,15 +38,8 @@ pub struct SimArgs {
     /// seq-adaptive, seq-protect, belady (offline optimal).
     #[arg(long, value_delimiter = ',', default_value = "clock")]
     pub replace: Vec<String>,
-    /// LLC in front of memory for byte-address traces, SIZE:WAYS, or `none`.
-    #[arg(long, default_value = "1MiB:16")]
-    pub llc: String,
-    /// Reads before the hot-page table reports a page (1..=64).
-    #[arg(long, default_value_t = 8)]
-    pub threshold: u32,
-    /// Count lackey instruction fetches as reads.
-    #[arg(long)]
-    pub instructions: bool,
+    #[command(flatten)]
+    pub lines: LineArgs,
     /// Monitor input for prefetchers: auto (the trace's reports if it has any, else every page
     /// change), none (faults only, as the engine without a monitor), reports, accesses.
     #[arg(long, default_value = "auto")]
@@ -197,17 +190,36 @@ fn progress_bar(bars: &indicatif::MultiProgress, len: u64, label: String) -> ind
     bars.add(bar)
 }
 
-/// How byte-address traces become page events: `--llc`, `--threshold`, `--instructions`.
-pub(crate) fn line_options(llc: &str, threshold: u32, instructions: bool) -> Result<LineOptions> {
-    if !(1..=64).contains(&threshold) {
-        return Err(Error::invalid(format!("--threshold {threshold} must be in 1..=64 (a page has 64 cache lines)")));
+/// How byte-address traces (lackey, binary with byte addresses) become page events.
+#[derive(Debug, Args)]
+pub struct LineArgs {
+    /// LLC in front of memory for byte-address traces, SIZE:WAYS, or `none`.
+    #[arg(long, default_value = "1MiB:16")]
+    pub llc: String,
+    /// Reads before the hot-page table reports a page (1..=64).
+    #[arg(long, default_value_t = 8)]
+    pub threshold: u32,
+    /// Count lackey instruction fetches as reads.
+    #[arg(long)]
+    pub instructions: bool,
+}
+
+impl LineArgs {
+    /// The options, checked.
+    pub(crate) fn options(&self) -> Result<LineOptions> {
+        let threshold = self.threshold;
+        if !(1..=64).contains(&threshold) {
+            return Err(Error::invalid(format!(
+                "--threshold {threshold} must be in 1..=64 (a page has 64 cache lines)"
+            )));
+        }
+        Ok(LineOptions { llc: parse_llc(&self.llc)?, threshold, instructions: self.instructions })
     }
-    Ok(LineOptions { llc: parse_llc(llc)?, threshold, instructions })
 }
 
 /// Run `tiermem sim`.
 pub fn run(args: &SimArgs) -> Result<()> {
-    let lines = line_options(&args.llc, args.threshold, args.instructions)?;
+    let lines = args.lines.options()?;
     let latency = Latency {
         access_ns: args.access_ns,
         cached_access_ns: args.cached_access_ns,

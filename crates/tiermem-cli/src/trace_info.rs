@@ -16,15 +16,8 @@ pub struct TraceInfoArgs {
     /// Trace format: auto, binary, lackey, pages.
     #[arg(long, default_value = "auto")]
     pub format: String,
-    /// LLC in front of memory for byte-address traces, SIZE:WAYS, or `none` (as `tiermem sim`).
-    #[arg(long, default_value = "1MiB:16")]
-    pub llc: String,
-    /// Reads before the hot-page table reports a page (1..=64), for byte-address traces.
-    #[arg(long, default_value_t = 8)]
-    pub threshold: u32,
-    /// Count lackey instruction fetches as reads.
-    #[arg(long)]
-    pub instructions: bool,
+    #[command(flatten)]
+    pub lines: crate::sim::LineArgs,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -32,7 +25,7 @@ pub struct TraceInfoArgs {
 
 /// Run `tiermem trace info`.
 pub fn run(args: &TraceInfoArgs) -> Result<()> {
-    let lines = crate::sim::line_options(&args.llc, args.threshold, args.instructions)?;
+    let lines = args.lines.options()?;
     let trace = tiermem_sim::load(&args.trace, args.format.parse::<Format>()?, &lines)?;
     let summary = tiermem_sim::summarize(&trace.events);
     if args.json {
