@@ -128,7 +128,7 @@ const MAX_SYNTHETIC_PAGES: u64 = 1 << 28;
 /// Largest local memory in pages (1 TiB).
 const MAX_LOCAL_PAGES: usize = 1 << 28;
 
-fn parse_local(text: &str, footprint: usize) -> Result<usize> {
+pub(crate) fn parse_local(text: &str, footprint: usize) -> Result<usize> {
     let pages = if let Some(p) = text.strip_suffix('%') {
         let p: f64 = p.trim().parse().map_err(|_| Error::invalid(format!("--local '{text}' is not a percentage")))?;
         if !(p > 0.0 && p <= 100.0) {

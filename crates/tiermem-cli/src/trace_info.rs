@@ -18,6 +18,10 @@ pub struct TraceInfoArgs {
     pub format: String,
     #[command(flatten)]
     pub lines: crate::sim::LineArgs,
+    /// Also LRU's faults at these memory sizes (pages or % of the footprint, comma-separated),
+    /// all from one pass over the trace (stack distances), without simulating each.
+    #[arg(long, value_delimiter = ',')]
+    pub lru: Vec<String>,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -28,17 +32,51 @@ pub fn run(args: &TraceInfoArgs) -> Result<()> {
     let lines = args.lines.options()?;
     let trace = tiermem_sim::load(&args.trace, args.format.parse::<Format>()?, &lines)?;
     let summary = tiermem_sim::summarize(&trace.events);
+    let footprint = summary.footprint_pages as usize;
+    let sizes = args.lru.iter().map(|text| crate::sim::parse_local(text, footprint)).collect::<Result<Vec<_>>>()?;
+    let curve = (!sizes.is_empty()).then(|| tiermem_sim::LruCurve::measure(&trace.events));
+    let lru: Vec<LruPoint> = curve.map_or_else(Vec::new, |curve| {
+        sizes
+            .iter()
+            .map(|&pages| {
+                let faults = curve.faults(pages);
+                LruPoint {
+                    local_pages: pages,
+                    faults,
+                    faults_per_access: faults as f64 / summary.accesses().max(1) as f64,
+                }
+            })
+            .collect()
+    });
     if args.json {
         let out = serde_json::json!({
             "trace": args.trace.display().to_string(),
             "raw_accesses": trace.raw_accesses,
             "summary": summary,
+            "lru": lru,
         });
         println!("{out}");
         return Ok(());
     }
     print!("{}", describe(&args.trace.display().to_string(), trace.raw_accesses, &summary));
+    for p in &lru {
+        println!(
+            "  LRU at {} pages ({:.0}%): {} faults, {:.4} an access",
+            p.local_pages,
+            p.local_pages as f64 * 100.0 / footprint.max(1) as f64,
+            p.faults,
+            p.faults_per_access
+        );
+    }
     Ok(())
+}
+
+/// LRU's faults at one memory size.
+#[derive(Debug, serde::Serialize)]
+struct LruPoint {
+    local_pages: usize,
+    faults: u64,
+    faults_per_access: f64,
 }
 
 /// The summary as a few lines of text.

@@ -267,7 +267,30 @@ fn trace_info_summarizes_a_trace() {
     assert!(text.contains("footprint 100 pages (0.4 MiB)"), "{text}");
     // 198 of the 202 accesses after the first.
     assert!(text.contains("next page 98.0%, same page 1.0%, page before 0.0%, elsewhere 1.0%"), "{text}");
+    // LRU's faults at several sizes from one pass: those of the simulator's LRU.
+    let out = tiermem(&["trace", "info", path, "--lru", "10,50%,99,100", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lru: Vec<(u64, u64)> = json["lru"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["local_pages"].as_u64().unwrap(), p["faults"].as_u64().unwrap()))
+        .collect();
+    let out = tiermem(&["sim", path, "--local", "10,50%,99,100", "--prefetch", "none", "--replace", "lru", "--json"]);
+    let sim: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let simulated: Vec<(u64, u64)> = sim["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["local_pages"].as_u64().unwrap(), r["faults"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(lru, simulated);
+    // Two passes over 100 pages fault on every page below 100 pages of memory, then page 7 once
+    // more unless it is among the 99 kept; at 100 pages only the first pass faults.
+    assert_eq!(lru, [(10, 201), (50, 201), (99, 200), (100, 100)]);
     for (args, needle) in [
+        (vec!["trace", "info", path, "--lru", "0"], "0 pages of local memory"),
         (vec!["trace", "info", "/nonexistent/trace"], "/nonexistent/trace"),
         (vec!["trace", "info", path, "--threshold", "0"], "1..=64"),
         (vec!["trace", "info", path, "--format", "csv"], "csv"),

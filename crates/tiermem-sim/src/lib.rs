@@ -8,7 +8,7 @@ pub mod summary;
 pub mod trace;
 
 pub use sim::{footprint, simulate, HitInfo, Latency, MonitorInput, SimConfig, SimResult, Simulator};
-pub use summary::{summarize, TraceSummary};
+pub use summary::{summarize, LruCurve, TraceSummary};
 pub use trace::{load, Event, EventKind, Format, LineOptions, Synthetic, SyntheticGen, Trace};
 
 /// A plain-text table of results, one row per policy pair (and local memory size, shown in a

@@ -170,7 +170,7 @@ const CHUNK: usize = 1 << CHUNK_SHIFT;
 
 /// A multiply-shift hasher for page numbers (the default SipHash costs more than the lookup).
 #[derive(Default)]
-struct PageHasher(u64);
+pub(crate) struct PageHasher(u64);
 
 impl Hasher for PageHasher {
     fn finish(&self) -> u64 {
@@ -186,7 +186,7 @@ impl Hasher for PageHasher {
     }
 }
 
-type FastMap<V> = HashMap<u64, V, BuildHasherDefault<PageHasher>>;
+pub(crate) type FastMap<V> = HashMap<u64, V, BuildHasherDefault<PageHasher>>;
 
 /// Chunk lookups remembered, direct-mapped by chunk number.
 const RECENT: usize = 1024;

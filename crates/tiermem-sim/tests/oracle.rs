@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 
 use proptest::prelude::*;
 use tiermem_sim::trace::event;
-use tiermem_sim::{simulate, EventKind, HitInfo, Latency, MonitorInput, SimConfig, SimResult};
+use tiermem_sim::{simulate, EventKind, HitInfo, Latency, LruCurve, MonitorInput, SimConfig, SimResult};
 
 fn config(prefetch: &str, replace: &str, local_pages: usize) -> SimConfig {
     SimConfig {
@@ -114,6 +114,28 @@ proptest! {
     }
 
     #[test]
+    fn the_one_pass_lru_curve_is_lru_at_every_size(
+        (pages, _) in prop_oneof![random(), adversarial()],
+        writes in proptest::collection::vec(any::<bool>(), 600),
+    ) {
+        let events: Vec<u64> = pages
+            .iter()
+            .zip(writes.iter().cycle())
+            .map(|(&p, &w)| event(p, if w { EventKind::Write } else { EventKind::Read }))
+            // Reports and compute events between the accesses change nothing.
+            .flat_map(|e| [e, event(3, EventKind::Report), event(5, EventKind::Compute)])
+            .collect();
+        let curve = LruCurve::measure(&events);
+        for cap in [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 300] {
+            prop_assert_eq!(curve.faults(cap), brute_lru(&pages, cap), "{} pages", cap);
+        }
+        // And the simulator's own LRU, at a few sizes.
+        for cap in [2, 9, 40] {
+            prop_assert_eq!(curve.faults(cap), run(&pages, "none", "lru", cap).faults, "{} pages", cap);
+        }
+    }
+
+    #[test]
     fn belady_is_the_brute_force_minimum_and_no_online_policy_beats_it(
         (pages, cap) in prop_oneof![random(), adversarial()]
     ) {
@@ -179,4 +201,29 @@ fn dirty_evictions_are_written_back_and_clean_ones_are_not() {
     let r = simulate(&events, &config("none", "fifo", 4), &mut |_| {}).unwrap();
     // Pages 0..=5 are evicted; 0, 2, 4 were written.
     assert_eq!((r.evictions, r.writebacks), (6, 3));
+}
+
+/// A trace long enough that the one-pass curve renumbers its times several times (its tree
+/// starts with 4,096 slots) is still LRU's at every size.
+#[test]
+fn the_one_pass_lru_curve_stays_exact_across_renumberings() {
+    let mut x = 12345u64;
+    let pages: Vec<u64> = (0..40_000)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // A random walk over 300 pages with a sequential sweep every so often.
+            if i % 1000 < 100 {
+                (i % 1000) as u64
+            } else {
+                x % 300
+            }
+        })
+        .collect();
+    let events: Vec<u64> = pages.iter().map(|&p| event(p, EventKind::Read)).collect();
+    let curve = LruCurve::measure(&events);
+    for cap in [1, 7, 50, 150, 299, 300, 400] {
+        assert_eq!(curve.faults(cap), brute_lru(&pages, cap), "{cap} pages");
+    }
 }
