@@ -75,41 +75,11 @@ pub fn summarize(events: &[Event]) -> TraceSummary {
     s
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::trace::event;
-
-    #[test]
-    fn counts_kinds_footprint_and_how_accesses_follow_each_other() {
-        let e = |page, kind| event(page, kind);
-        let events = [
-            e(10, EventKind::Read),
-            e(11, EventKind::Read),
-            e(11, EventKind::Write),
-            e(12, EventKind::Report),
-            e(40, EventKind::Compute),
-            e(10, EventKind::Read),
-            e(9, EventKind::Read),
-            e(500, EventKind::Write),
-        ];
-        let s = summarize(&events);
-        assert_eq!((s.events, s.reads, s.writes, s.reports, s.cached_accesses), (8, 4, 2, 1, 40));
-        assert_eq!(s.accesses(), 6);
-        // Pages 9, 10, 11, 500; 9 and 500 used once.
-        assert_eq!((s.footprint_pages, s.pages_used_once), (4, 2));
-        assert_eq!((s.lowest_page, s.highest_page), (Some(9), Some(500)));
-        // 10→11 next, 11→11 same, 11→10 previous, 10→9 previous, 9→500 elsewhere; reports and
-        // compute events are not accesses and break nothing.
-        assert_eq!((s.next_page, s.same_page, s.previous_page, s.elsewhere), (1, 1, 2, 1));
-        assert_eq!(summarize(&[]), TraceSummary::default());
-    }
-}
-
 /// LRU's faults at every memory size at once, from one pass over the accesses (Mattson's stack
 /// distances): an access hits in an LRU memory of `c` pages exactly when fewer than `c` other
 /// pages were used since the page's last use. The distances are counted with a Fenwick tree
-/// over access times that marks each page's latest use: O(accesses × log accesses).
+/// over time that marks each page's latest use, its times renumbered whenever they run out so
+/// that it stays a few times the footprint: O(accesses × log footprint).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LruCurve {
     /// First uses (a fault at any size).
@@ -225,9 +195,34 @@ impl Fenwick {
 }
 
 #[cfg(test)]
-mod curve_tests {
+mod tests {
     use super::*;
     use crate::trace::event;
+
+    #[test]
+    fn counts_kinds_footprint_and_how_accesses_follow_each_other() {
+        let e = |page, kind| event(page, kind);
+        let events = [
+            e(10, EventKind::Read),
+            e(11, EventKind::Read),
+            e(11, EventKind::Write),
+            e(12, EventKind::Report),
+            e(40, EventKind::Compute),
+            e(10, EventKind::Read),
+            e(9, EventKind::Read),
+            e(500, EventKind::Write),
+        ];
+        let s = summarize(&events);
+        assert_eq!((s.events, s.reads, s.writes, s.reports, s.cached_accesses), (8, 4, 2, 1, 40));
+        assert_eq!(s.accesses(), 6);
+        // Pages 9, 10, 11, 500; 9 and 500 used once.
+        assert_eq!((s.footprint_pages, s.pages_used_once), (4, 2));
+        assert_eq!((s.lowest_page, s.highest_page), (Some(9), Some(500)));
+        // 10→11 next, 11→11 same, 11→10 previous, 10→9 previous, 9→500 elsewhere; reports and
+        // compute events are not accesses and break nothing.
+        assert_eq!((s.next_page, s.same_page, s.previous_page, s.elsewhere), (1, 1, 2, 1));
+        assert_eq!(summarize(&[]), TraceSummary::default());
+    }
 
     #[test]
     fn a_loop_larger_than_memory_misses_everywhere_below_its_size() {
