@@ -270,22 +270,16 @@ fn trace_info_summarizes_a_trace() {
     // LRU's faults at several sizes from one pass: those of the simulator's LRU.
     let out = tiermem(&["trace", "info", path, "--lru", "10,50%,99,100", "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // (local pages, faults) of each row of a JSON list.
+    let faults_by_size = |rows: &serde_json::Value| -> Vec<(u64, u64)> {
+        let row = |r: &serde_json::Value| (r["local_pages"].as_u64().unwrap(), r["faults"].as_u64().unwrap());
+        rows.as_array().unwrap().iter().map(row).collect()
+    };
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let lru: Vec<(u64, u64)> = json["lru"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| (p["local_pages"].as_u64().unwrap(), p["faults"].as_u64().unwrap()))
-        .collect();
+    let lru = faults_by_size(&json["lru"]);
     let out = tiermem(&["sim", path, "--local", "10,50%,99,100", "--prefetch", "none", "--replace", "lru", "--json"]);
     let sim: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let simulated: Vec<(u64, u64)> = sim["results"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| (r["local_pages"].as_u64().unwrap(), r["faults"].as_u64().unwrap()))
-        .collect();
-    assert_eq!(lru, simulated);
+    assert_eq!(lru, faults_by_size(&sim["results"]));
     // Two passes over 100 pages fault on every page below 100 pages of memory, then page 7 once
     // more unless it is among the 99 kept; at 100 pages only the first pass faults.
     assert_eq!(lru, [(10, 201), (50, 201), (99, 200), (100, 100)]);
