@@ -41,6 +41,46 @@ pub struct DamonRegion {
     pub age: u32,
 }
 
+/// The kernel's map of physical memory.
+const IOMEM: &str = "/proc/iomem";
+/// RAM ranges smaller than this (the 640 KiB below 1 MiB on a PC) are left out of DAMON's.
+const MIN_RAM_RANGE: u64 = 1 << 20;
+
+/// The top-level "System RAM" ranges of `/proc/iomem` text, as [start, end) physical
+/// addresses, in address order; ranges under [`MIN_RAM_RANGE`] are left out. The file shows
+/// zeros to a reader without CAP_SYS_ADMIN, which is refused.
+fn system_ram(iomem: &str) -> Result<Vec<(u64, u64)>> {
+    let mut ranges = Vec::new();
+    for line in iomem.lines() {
+        // Nested resources are indented; only top-level ones are RAM ranges.
+        if line.starts_with(' ') {
+            continue;
+        }
+        let Some((span, name)) = line.split_once(" : ") else { continue };
+        if name.trim() != "System RAM" {
+            continue;
+        }
+        let Some((first, last)) = span.split_once('-') else { continue };
+        let (Ok(first), Ok(last)) = (u64::from_str_radix(first.trim(), 16), u64::from_str_radix(last.trim(), 16))
+        else {
+            continue;
+        };
+        if last > first && last - first + 1 >= MIN_RAM_RANGE {
+            ranges.push((first, last + 1));
+        }
+    }
+    if ranges.is_empty() {
+        return Err(Error::new(
+            ErrorKind::Permission,
+            format!(
+                "{IOMEM} shows no System RAM range of 1 MiB or more (its addresses read as zero without CAP_SYS_ADMIN)"
+            ),
+        ));
+    }
+    ranges.sort_unstable();
+    Ok(ranges)
+}
+
 /// A running kdamond this process created; stopped and removed on drop.
 #[derive(Debug)]
 pub struct DamonPaddr {
@@ -86,8 +126,23 @@ impl DamonPaddr {
         write(&attrs.join("sample_us"), &sample.as_micros().to_string())?;
         write(&attrs.join("aggr_us"), &aggregate.as_micros().to_string())?;
         write(&ctx.join("targets/nr_targets"), "1")?;
+        // A paddr target without regions monitors nothing (kernel 6.18 picks none itself): give
+        // it the machine's RAM.
+        let ram = system_ram(&read(Path::new(IOMEM))?)?;
+        let regions = ctx.join("targets/0/regions");
+        write(&regions.join("nr_regions"), &ram.len().to_string())?;
+        for (i, (start, end)) in ram.iter().enumerate() {
+            write(&regions.join(format!("{i}/start")), &start.to_string())?;
+            write(&regions.join(format!("{i}/end")), &end.to_string())?;
+        }
         write(&ctx.join("schemes/nr_schemes"), "1")?;
         write(&ctx.join("schemes/0/action"), "stat")?;
+        // A new scheme's access pattern has every maximum at 0 (kernel 6.18), which matches no
+        // region: open every bound.
+        let pattern = ctx.join("schemes/0/access_pattern");
+        write(&pattern.join("sz/max"), &u64::MAX.to_string())?;
+        write(&pattern.join("nr_accesses/max"), &u32::MAX.to_string())?;
+        write(&pattern.join("age/max"), &u32::MAX.to_string())?;
         write(&me.kdamond.join("state"), "on")?;
         Ok(me)
     }
@@ -527,6 +582,23 @@ mod tests {
         assert!(!regions.is_empty(), "DAMON reported no region");
         assert!(regions.iter().all(|r| r.start < r.end));
         assert!(regions.iter().any(|r| r.nr_accesses > 0), "some memory was accessed");
+    }
+
+    #[test]
+    fn system_ram_is_the_top_level_ram_ranges_of_iomem() {
+        let iomem = "00000000-00000fff : Reserved
+00001000-0009fbff : System RAM
+000a0000-000bffff : PCI Bus 0000:00
+00100000-bfffffff : System RAM
+  01000000-01ffffff : Kernel code
+  02000000-02ffffff : System RAM
+c0000000-febfffff : PCI Bus 0000:00
+100000000-63fffffff : System RAM
+";
+        assert_eq!(system_ram(iomem).unwrap(), vec![(0x10_0000, 0xc000_0000), (0x1_0000_0000, 0x6_4000_0000)]);
+        let hidden = "00000000-00000000 : System RAM\n00000000-00000000 : System RAM\n";
+        assert_eq!(system_ram(hidden).unwrap_err().kind(), ErrorKind::Permission);
+        assert_eq!(system_ram("").unwrap_err().kind(), ErrorKind::Permission);
     }
 
     #[test]
