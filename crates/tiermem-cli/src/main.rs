@@ -54,6 +54,9 @@ enum BenchCommand {
     Micro(MicroArgs),
     /// The application benchmarks (quicksort, k-means, PageRank, Linpack, MLP, IS) against Linux swap.
     Apps(apps::AppsArgs),
+    /// `tiermem sim` beside libCacheSim on one trace: LRU and FIFO faults checked equal, speeds
+    /// side by side (bench/tiermem_bench/sim_anchor.py; `--help` lists its options).
+    SimAnchor(apps::AppsArgs),
     /// Internal: run a program in a fresh memory cgroup (for `bench apps`).
     #[command(hide = true)]
     LimitedRun(apps::LimitedRunArgs),
@@ -656,7 +659,12 @@ fn main() -> ExitCode {
         Command::Profile(args) => profile_command(args).map(|never| match never {}),
         Command::Probe(args) => probe(args),
         Command::Bench(BenchArgs { command: BenchCommand::Micro(args) }) => bench_micro(args),
-        Command::Bench(BenchArgs { command: BenchCommand::Apps(args) }) => Err(apps::exec_harness(args)),
+        Command::Bench(BenchArgs { command: BenchCommand::Apps(args) }) => {
+            Err(apps::exec_harness(apps::APPS_MODULE, args))
+        }
+        Command::Bench(BenchArgs { command: BenchCommand::SimAnchor(args) }) => {
+            Err(apps::exec_harness(apps::SIM_ANCHOR_MODULE, args))
+        }
         Command::Bench(BenchArgs { command: BenchCommand::LimitedRun(args) }) => {
             apps::limited_run(args).and_then(|report| apps::write_report(&report, args.result.as_deref()))
         }

@@ -153,3 +153,36 @@ fn bench_apps_starts_the_python_harness() {
         assert!(text.contains(option), "no {option} in: {text}");
     }
 }
+
+#[test]
+fn bench_sim_anchor_checks_this_binary_s_simulator_against_libcachesim() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("anchor.json");
+    let json_arg = json.to_str().unwrap();
+    let out = tiermem(&[
+        "bench",
+        "sim-anchor",
+        "--synthetic",
+        "random:30000:600",
+        "--local",
+        "40%",
+        "--no-stream",
+        "--json",
+        json_arg,
+    ]);
+    let (text, errors) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() && (errors.contains("No module named") || errors.contains("is not installed")) {
+        eprintln!("SKIPPED: the harness's Python packages (libcachesim) are not installed");
+        return;
+    }
+    assert!(out.status.success(), "{errors}");
+    // This binary was the one measured (the harness hears of it through TIERMEM_BIN), and its
+    // LRU and FIFO agree with libCacheSim's to the fault.
+    for policy in ["lru ", "fifo "] {
+        assert!(text.lines().any(|l| l.starts_with(policy)), "no {policy}row in: {text}");
+    }
+    assert!(!text.contains("DIFFER"), "{text}");
+    let result: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let measured = std::fs::canonicalize(result["tiermem"].as_str().unwrap()).unwrap();
+    assert_eq!(measured, std::fs::canonicalize(env!("CARGO_BIN_EXE_tiermem")).unwrap());
+}

@@ -46,8 +46,14 @@ pub fn bench_dir() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench"))
 }
 
-/// Replace this process with the Python harness. Returns only on failure to start it.
-pub fn exec_harness(args: &AppsArgs) -> Error {
+/// The harness's module for `tiermem bench apps`.
+pub const APPS_MODULE: &str = "tiermem_bench";
+/// The module for `tiermem bench sim-anchor`: `tiermem sim` beside libCacheSim.
+pub const SIM_ANCHOR_MODULE: &str = "tiermem_bench.sim_anchor";
+
+/// Replace this process with `python3 -m MODULE ARGS` from the harness's package. Returns only
+/// on failure to start it.
+pub fn exec_harness(module: &str, args: &AppsArgs) -> Error {
     let dir = bench_dir();
     if !dir.join("tiermem_bench").is_dir() {
         return Error::new(
@@ -65,7 +71,7 @@ pub fn exec_harness(args: &AppsArgs) -> Error {
         python_path.push(existing);
     }
     let mut command = Command::new(&python);
-    command.arg("-m").arg("tiermem_bench").args(&args.args).env("PYTHONPATH", python_path);
+    command.arg("-m").arg(module).args(&args.args).env("PYTHONPATH", python_path);
     if let Ok(exe) = std::env::current_exe() {
         command.env(BIN_ENV, exe);
     }
