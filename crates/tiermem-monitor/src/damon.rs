@@ -81,6 +81,37 @@ fn system_ram(iomem: &str) -> Result<Vec<(u64, u64)>> {
     Ok(ranges)
 }
 
+/// The physical address ranges of the given page frames, for [`DamonPaddr::watch`]: runs of
+/// adjacent frames, the largest `most` of them (DAMON takes at most its maximum number of
+/// regions, 1,000 by default), in address order.
+pub fn frame_ranges(frames: &[u64], most: usize) -> Vec<(u64, u64)> {
+    let mut frames = frames.to_vec();
+    frames.sort_unstable();
+    frames.dedup();
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for pfn in frames {
+        match runs.last_mut() {
+            Some(run) if run.1 == pfn => run.1 += 1,
+            _ => runs.push((pfn, pfn + 1)),
+        }
+    }
+    runs.sort_by_key(|&(a, b)| (std::cmp::Reverse(b - a), a));
+    runs.truncate(most);
+    let page = tiermem_sys::PAGE_SIZE as u64;
+    let mut ranges: Vec<(u64, u64)> = runs.into_iter().map(|(a, b)| (a * page, b * page)).collect();
+    ranges.sort_unstable();
+    ranges
+}
+
+/// Physical address ranges DAMON accepts: some, each non-empty, in address order, not
+/// overlapping.
+fn check_ranges(ranges: &[(u64, u64)]) -> Result<()> {
+    if ranges.is_empty() || ranges.iter().any(|&(a, b)| a >= b) || ranges.windows(2).any(|w| w[0].1 > w[1].0) {
+        return Err(Error::invalid("DAMON ranges must be non-empty, in address order and not overlapping"));
+    }
+    Ok(())
+}
+
 /// A running kdamond this process created; stopped and removed on drop.
 #[derive(Debug)]
 pub struct DamonPaddr {
@@ -101,8 +132,18 @@ fn read(path: &Path) -> Result<String> {
 }
 
 impl DamonPaddr {
-    /// Start monitoring physical memory with the given sampling and aggregation intervals.
+    /// Start monitoring the machine's RAM with the given sampling and aggregation intervals.
     pub fn start(sample: Duration, aggregate: Duration) -> Result<Self> {
+        let ram = system_ram(&read(Path::new(IOMEM))?)?;
+        Self::start_over(sample, aggregate, &ram)
+    }
+
+    /// Start monitoring the given physical address ranges ([start, end), in address order, not
+    /// overlapping). Each sample checks one page per region, so a few busy megabytes among
+    /// gigabytes of idle RAM are found only by chance: a caller that knows where its frames lie
+    /// can watch just those.
+    pub fn start_over(sample: Duration, aggregate: Duration, ranges: &[(u64, u64)]) -> Result<Self> {
+        check_ranges(ranges)?;
         let admin = Path::new(ADMIN);
         if !admin.exists() {
             return Err(Error::new(
@@ -126,15 +167,8 @@ impl DamonPaddr {
         write(&attrs.join("sample_us"), &sample.as_micros().to_string())?;
         write(&attrs.join("aggr_us"), &aggregate.as_micros().to_string())?;
         write(&ctx.join("targets/nr_targets"), "1")?;
-        // A paddr target without regions monitors nothing (kernel 6.18 picks none itself): give
-        // it the machine's RAM.
-        let ram = system_ram(&read(Path::new(IOMEM))?)?;
-        let regions = ctx.join("targets/0/regions");
-        write(&regions.join("nr_regions"), &ram.len().to_string())?;
-        for (i, (start, end)) in ram.iter().enumerate() {
-            write(&regions.join(format!("{i}/start")), &start.to_string())?;
-            write(&regions.join(format!("{i}/end")), &end.to_string())?;
-        }
+        // A paddr target without regions monitors nothing (kernel 6.18 picks none itself).
+        me.write_ranges(ranges)?;
         write(&ctx.join("schemes/nr_schemes"), "1")?;
         write(&ctx.join("schemes/0/action"), "stat")?;
         // A new scheme's access pattern has every maximum at 0 (kernel 6.18), which matches no
@@ -145,6 +179,25 @@ impl DamonPaddr {
         write(&pattern.join("age/max"), &u32::MAX.to_string())?;
         write(&me.kdamond.join("state"), "on")?;
         Ok(me)
+    }
+
+    /// Watch other physical address ranges from now on (as [`DamonPaddr::start_over`] takes
+    /// them), committed to the running kdamond.
+    pub fn watch(&self, ranges: &[(u64, u64)]) -> Result<()> {
+        check_ranges(ranges)?;
+        self.write_ranges(ranges)?;
+        write(&self.kdamond.join("state"), "commit")
+    }
+
+    fn write_ranges(&self, ranges: &[(u64, u64)]) -> Result<()> {
+        let regions = self.kdamond.join("contexts/0/targets/0/regions");
+        write(&regions.join("nr_regions"), &ranges.len().to_string())?;
+        // (The kernel checks the regions when they are committed, not at each write.)
+        for (i, (start, end)) in ranges.iter().enumerate() {
+            write(&regions.join(format!("{i}/start")), &start.to_string())?;
+            write(&regions.join(format!("{i}/end")), &end.to_string())?;
+        }
+        Ok(())
     }
 
     /// The regions as of the last aggregation window.
@@ -561,17 +614,44 @@ impl Drop for DamonEvents {
 mod tests {
     use super::*;
 
+    /// The frames of `data`'s pages (from /proc/self/pagemap).
+    fn frames_of(data: &[u8]) -> Vec<u64> {
+        use std::os::unix::fs::FileExt;
+        let pagemap = fs::File::open("/proc/self/pagemap").unwrap();
+        let (first, end) = (data.as_ptr() as u64 / 4096, (data.as_ptr() as u64 + data.len() as u64) / 4096);
+        let mut bytes = vec![0u8; (end - first) as usize * 8];
+        pagemap.read_exact_at(&mut bytes, first * 8).unwrap();
+        bytes.chunks_exact(8).filter_map(|e| tiermem_sys::pagemap::present_frame(e.try_into().unwrap())).collect()
+    }
+
+    #[test]
+    fn frame_ranges_are_the_largest_runs_of_adjacent_frames_in_address_order() {
+        let frames = [9, 3, 4, 5, 20, 21, 10, 4, 40];
+        assert_eq!(
+            frame_ranges(&frames, 10),
+            vec![(3 * 4096, 6 * 4096), (9 * 4096, 11 * 4096), (20 * 4096, 22 * 4096), (40 * 4096, 41 * 4096)]
+        );
+        assert_eq!(frame_ranges(&frames, 2), vec![(3 * 4096, 6 * 4096), (9 * 4096, 11 * 4096)]);
+        assert!(frame_ranges(&[], 5).is_empty());
+    }
+
     #[test]
     fn paddr_regions_show_accesses_when_damon_is_ours_to_use() {
-        let damon = match DamonPaddr::start(Duration::from_millis(5), Duration::from_millis(100)) {
+        // 64 MiB kept busy while DAMON samples, watched where its frames are: over all of a
+        // mostly idle machine's RAM a sample would rarely land on one of them.
+        let mut data = vec![1u8; 64 << 20];
+        let ranges = frame_ranges(&frames_of(&data), 500);
+        if ranges.is_empty() {
+            println!("SKIPPED: DAMON paddr: /proc/self/pagemap shows no frame numbers (needs CAP_SYS_ADMIN)");
+            return;
+        }
+        let damon = match DamonPaddr::start_over(Duration::from_millis(5), Duration::from_millis(100), &ranges) {
             Ok(d) => d,
             Err(e) => {
                 println!("SKIPPED: DAMON paddr unavailable: {e}");
                 return;
             }
         };
-        // Keep 64 MiB busy while DAMON samples.
-        let mut data = vec![1u8; 64 << 20];
         let deadline = std::time::Instant::now() + Duration::from_millis(600);
         while std::time::Instant::now() < deadline {
             for i in (0..data.len()).step_by(4096) {
@@ -580,6 +660,8 @@ mod tests {
         }
         let regions = damon.regions().unwrap();
         assert!(!regions.is_empty(), "DAMON reported no region");
+        let (lowest, highest) = (ranges[0].0, ranges[ranges.len() - 1].1);
+        assert!(regions.iter().all(|r| lowest <= r.start && r.end <= highest), "regions within the ranges given");
         assert!(regions.iter().all(|r| r.start < r.end));
         assert!(regions.iter().any(|r| r.nr_accesses > 0), "some memory was accessed");
     }
@@ -599,6 +681,12 @@ c0000000-febfffff : PCI Bus 0000:00
         let hidden = "00000000-00000000 : System RAM\n00000000-00000000 : System RAM\n";
         assert_eq!(system_ram(hidden).unwrap_err().kind(), ErrorKind::Permission);
         assert_eq!(system_ram("").unwrap_err().kind(), ErrorKind::Permission);
+        // Ranges that DAMON would refuse are refused before anything is written.
+        let tick = Duration::from_millis(5);
+        for bad in [&[][..], &[(8192, 4096)], &[(0, 8192), (4096, 12288)]] {
+            let e = DamonPaddr::start_over(tick, tick * 20, bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidInput, "{bad:?}");
+        }
     }
 
     #[test]
