@@ -1,5 +1,6 @@
-"""tiermem's simulator beside libCacheSim, the anchor of issue 5's throughput figure: the same
-trace through libCacheSim's LRU and FIFO and through `tiermem sim`'s, in one run on one machine.
+"""tiermem's simulator beside libCacheSim, the reference its throughput target is set against:
+the same trace through libCacheSim's LRU and FIFO and through `tiermem sim`'s, in one run on one
+machine.
 
 The fault counts must agree exactly (an independent implementation of the same two policies;
 a difference fails the run), and the speeds are measured side by side, so their ratio holds on
