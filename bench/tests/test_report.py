@@ -337,3 +337,30 @@ def test_the_ab_option_reads_runs_files_and_rejects_bad_input(tmp_path, capsys):
         refused(["--compare", str(base), "--to", str(path)], message)
     (tmp_path / "afile").write_text("")
     refused(["--compare", str(base), "--to", str(new), "--out", str(tmp_path / "afile" / "sub")], "cannot write")
+
+
+def test_table_splits_each_point_into_the_timed_work_and_the_rest():
+    runs = make_runs()
+    # What each workload's Timer measured: the rest of the run (start, imports, exit) is
+    # 0.5 s everywhere but tiermem-file at 20%, whose exit took 1.2 s.
+    for run in runs:
+        if run["status"] == "ok":
+            run["work_s"] = run["wall_s"] - (1.2 if (run["system"], run["ratio"]) == ("tiermem-file", 20) else 0.5)
+    text = report.format_tables(runs, ["linux-swap", "tiermem-file", "tiermem-mem"], [100, 20])
+    assert "Where the time goes" in text
+    rows = text.split("Where the time goes")[1].splitlines()
+    row = lambda name: next(line for line in rows if line.startswith(f"  sortw {name} ")).split()[2:]
+    assert row("linux-swap") == ["0.7/0.5", "3.5/0.5"]  # the OOM-killed run timed nothing
+    assert row("tiermem-file") == ["0.6/0.5", "0.8/1.2"]
+    # On the timed part alone tiermem-file is 3.5 / 0.8 = 4.38x Linux swap at 20% (2.00x spawn
+    # to exit); gap closed (3.5 - 0.8) / (3.5 - 1.0) = 108%.
+    split = text.split("on the timed part alone")[1]
+    assert "4.38x" in split and "108%" in split
+    assert "2.00x" in text.split("Where the time goes")[0], "the result stays spawn to exit"
+
+
+def test_without_timed_work_there_is_no_split():
+    text = report.format_tables(make_runs(), ["linux-swap", "tiermem-file", "tiermem-mem"], [100, 20])
+    assert "Where the time goes" not in text
+    assert report.outside_work({"wall_s": 2.0, "work_s": None}) is None
+    assert report.outside_work({"wall_s": 2.0, "work_s": 2.5}) == 0.0

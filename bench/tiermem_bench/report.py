@@ -109,6 +109,60 @@ def engine_faults(run: dict) -> int | None:
     return sum(p.get("count", 0) for p in paths if p.get("path") in FAULT_PATHS)
 
 
+# Cells of the work/outside table: room for "123.4/123.4" (seconds).
+SPLIT_WIDTH = 13
+
+
+def outside_work(run: dict) -> float | None:
+    """Seconds of a run outside the workload's own timed part (`work_s`, what its Timer
+    measured: reading its input and computing): starting the program, an interpreter's
+    imports, and its exit. None when the workload timed nothing."""
+    wall, work = run.get("wall_s"), run.get("work_s")
+    if not isinstance(wall, (int, float)) or not isinstance(work, (int, float)):
+        return None
+    return max(0.0, wall - work)
+
+
+def _work_section(runs: list[dict], systems: list[str], ratios: list[int], label: int) -> list[str]:
+    """Where the time goes: per point, the median seconds of the workload's timed part and of
+    the rest of the run (start, imports, exit), and the speed-up over Linux swap and the gap
+    closed on the timed part alone. An explanation of the figures above, which are spawn to exit
+    and stay the result: an interpreter's start and exit are part of what a user waits for.
+    Empty when no run timed its work."""
+    timed = [r for r in runs if isinstance(r.get("work_s"), (int, float)) and r.get("status") == "ok"]
+    if not timed:
+        return []
+    found = {}
+    for run in timed:
+        if run.get("ratio") is not None:
+            found.setdefault((run["workload"], run["system"], run["ratio"]), []).append(
+                (run["work_s"], outside_work(run)))
+    lines = ["Where the time goes: seconds in the workload's timed part / outside it (the program's start, "
+             "imports and exit), median of the successful runs",
+             f"{'':<{label + 2}}" + "".join(f"{str(r) + '%':>{SPLIT_WIDTH}}" for r in ratios)]
+    lines.extend(_rows_per_point(found, systems, ratios, lambda pairs: (
+        f"{stats.median([w for w, _ in pairs]):.1f}/{stats.median([o for _, o in pairs]):.1f}"),
+        SPLIT_WIDTH, label))
+    lines.append("")
+    # The failed runs count as failures here too; a successful run that timed nothing is left out.
+    summary = stats.summarise([r for r in runs if r["status"] != "ok" or isinstance(r.get("work_s"), (int, float))],
+                              "work_s")
+    table = stats.speedup_table(summary, systems, ratios) if stats.SWAP in systems else {}
+    if table:
+        lines.append("Speed-up over Linux swap on the timed part alone (geometric mean over the workloads where "
+                     "both completed; not the result, which is spawn to exit)")
+        lines.append(f"{'':<32}" + "".join(f"{str(r) + '%':>9}" for r in ratios) + f"{'avg':>9}")
+        for system, row in table.items():
+            lines.append(f"  {system:<30}" + "".join(f"{_fmt(row[r], '{:.2f}x'):>9}" for r in ratios)
+                         + f"{_fmt(row['avg'], '{:.2f}x'):>9}")
+        if stats.FILE in systems and stats.IDEAL in systems:
+            gap = stats.gap_closed(stats.normalised(summary), ratios)
+            lines.append(f"  {'gap closed by tiermem-file':<30}" + "".join(f"{_fmt(gap[r], '{:.0%}'):>9}" for r in ratios)
+                         + f"{_fmt(gap['avg'], '{:.0%}'):>9}")
+        lines.append("")
+    return lines
+
+
 def _medians(runs: list[dict], value) -> dict:
     """(workload, system, ratio) -> median of `value(run)` over the successful limited runs
     where it is not None."""
@@ -288,6 +342,7 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
         lines.append(f"{'':<{label + 2}}" + "".join(f"{str(r) + '%':>{TRAFFIC_WIDTH}}" for r in ratios))
         lines.extend(traffic)
         lines.append("")
+    lines.extend(_work_section(runs, systems, ratios, label))
     failures = stats.failure_table(summary)
     lines.append("Failed runs" if failures else "Failed runs: none")
     for workload, system, ratio, failed, total, statuses in failures:
