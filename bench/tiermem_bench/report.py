@@ -147,20 +147,30 @@ def _work_section(runs: list[dict], systems: list[str], ratios: list[int], label
     # The failed runs count as failures here too; a successful run that timed nothing is left out.
     summary = stats.summarise([r for r in runs if r["status"] != "ok" or isinstance(r.get("work_s"), (int, float))],
                               "work_s")
-    table = stats.speedup_table(summary, systems, ratios) if stats.SWAP in systems else {}
-    if table:
-        lines.append("Speed-up over Linux swap on the timed part alone (geometric mean over the workloads where "
-                     "both completed; not the result, which is spawn to exit)")
-        lines.append(f"{'':<32}" + "".join(f"{str(r) + '%':>9}" for r in ratios) + f"{'avg':>9}")
-        for system, row in table.items():
-            lines.append(f"  {system:<30}" + "".join(f"{_fmt(row[r], '{:.2f}x'):>9}" for r in ratios)
-                         + f"{_fmt(row['avg'], '{:.2f}x'):>9}")
+    speedup = _speedup_lines(summary, systems, ratios, "Speed-up over Linux swap on the timed part alone (geometric "
+                             "mean over the workloads where both completed; not the result, which is spawn to exit)")
+    if speedup:
+        lines.extend(speedup)
         if stats.FILE in systems and stats.IDEAL in systems:
-            gap = stats.gap_closed(stats.normalised(summary), ratios)
-            lines.append(f"  {'gap closed by tiermem-file':<30}" + "".join(f"{_fmt(gap[r], '{:.0%}'):>9}" for r in ratios)
-                         + f"{_fmt(gap['avg'], '{:.0%}'):>9}")
+            lines.append(_ratio_row("gap closed by tiermem-file", stats.gap_closed(stats.normalised(summary), ratios),
+                                    ratios, "{:.0%}"))
         lines.append("")
     return lines
+
+
+def _ratio_row(name: str, row: dict, ratios: list[int], spec: str) -> str:
+    """A row of a per-ratio summary: `name`, then row[ratio] for each ratio and row["avg"]."""
+    return f"  {name:<30}" + "".join(f"{_fmt(row[r], spec):>9}" for r in [*ratios, "avg"])
+
+
+def _speedup_lines(summary: dict, systems: list[str], ratios: list[int], title: str) -> list[str]:
+    """`title`, a header and each system's speed-up over Linux swap per ratio and on average;
+    empty without Linux swap in the run (nothing to divide by)."""
+    table = stats.speedup_table(summary, systems, ratios) if stats.SWAP in systems else {}
+    if not table:
+        return []
+    return [title, f"{'':<32}" + "".join(f"{str(r) + '%':>9}" for r in ratios) + f"{'avg':>9}"] + [
+        _ratio_row(system, row, ratios, "{:.2f}x") for system, row in table.items()]
 
 
 def _medians(runs: list[dict], value) -> dict:
@@ -296,16 +306,10 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
             lines.append(f"  {system:<30}" + "".join(f"{c:>12}" for c in cells))
         lines.append("")
 
-    # (Without Linux swap in the run there is nothing to divide by.)
-    table = stats.speedup_table(summary, systems, ratios) if stats.SWAP in systems else {}
-    if table:
-        lines.append("Speed-up over Linux swap (Linux swap time / system time; geometric mean over the workloads "
-                     "where both completed)")
-        lines.append(f"{'':<32}" + "".join(f"{str(r) + '%':>9}" for r in ratios) + f"{'avg':>9}")
-        for system, row in table.items():
-            lines.append(f"  {system:<30}" + "".join(f"{_fmt(row[r], '{:.2f}x'):>9}" for r in ratios)
-                         + f"{_fmt(row['avg'], '{:.2f}x'):>9}")
-        lines.append("")
+    speedup = _speedup_lines(summary, systems, ratios, "Speed-up over Linux swap (Linux swap time / system time; "
+                             "geometric mean over the workloads where both completed)")
+    if speedup:
+        lines.extend(speedup + [""])
     spread = stats.spread_table(summary, systems, ratios)
     if any(m is not None for row in spread.values() for m, _ in row.values()):
         lines.append("Run-to-run spread (slowest / fastest successful run of a point; median over the workloads, "
@@ -321,8 +325,7 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
         gap = stats.gap_closed(norm, ratios)
         lines.append("Share of the gap between Linux swap and the ideal (tiermem-mem) closed by tiermem-file")
         lines.append(f"{'':<32}" + "".join(f"{str(r) + '%':>9}" for r in ratios) + f"{'avg':>9}")
-        lines.append(f"  {'tiermem-file':<30}" + "".join(f"{_fmt(gap[r], '{:.0%}'):>9}" for r in ratios)
-                     + f"{_fmt(gap['avg'], '{:.0%}'):>9}")
+        lines.append(_ratio_row("tiermem-file", gap, ratios, "{:.0%}"))
         lines.append("")
     lines.extend(_variants_section(runs, summary, systems, ratios))
     # Rows named by workload and system: as wide as the longest pair (the §4.4 variants' names
