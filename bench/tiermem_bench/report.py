@@ -118,9 +118,14 @@ def outside_work(run: dict) -> float | None:
     measured: reading its input and computing): starting the program, an interpreter's
     imports, and its exit. None when the workload timed nothing."""
     wall, work = run.get("wall_s"), run.get("work_s")
-    if not isinstance(wall, (int, float)) or not isinstance(work, (int, float)):
+    if not isinstance(wall, (int, float)) or not _timed(run):
         return None
     return max(0.0, wall - work)
+
+
+def _timed(run: dict) -> bool:
+    """Whether the workload reported its timed part."""
+    return isinstance(run.get("work_s"), (int, float))
 
 
 def _work_section(runs: list[dict], systems: list[str], ratios: list[int], label: int) -> list[str]:
@@ -129,7 +134,7 @@ def _work_section(runs: list[dict], systems: list[str], ratios: list[int], label
     closed on the timed part alone. An explanation of the figures above, which are spawn to exit
     and stay the result: an interpreter's start and exit are part of what a user waits for.
     Empty when no run timed its work."""
-    timed = [r for r in runs if isinstance(r.get("work_s"), (int, float)) and r.get("status") == "ok"]
+    timed = [r for r in runs if _timed(r) and r.get("status") == "ok"]
     if not timed:
         return []
     found = {}
@@ -145,8 +150,7 @@ def _work_section(runs: list[dict], systems: list[str], ratios: list[int], label
         SPLIT_WIDTH, label))
     lines.append("")
     # The failed runs count as failures here too; a successful run that timed nothing is left out.
-    summary = stats.summarise([r for r in runs if r["status"] != "ok" or isinstance(r.get("work_s"), (int, float))],
-                              "work_s")
+    summary = stats.summarise([r for r in runs if r["status"] != "ok" or _timed(r)], "work_s")
     speedup = _speedup_lines(summary, systems, ratios, "Speed-up over Linux swap on the timed part alone (geometric "
                              "mean over the workloads where both completed; not the result, which is spawn to exit)")
     if speedup:
@@ -163,13 +167,18 @@ def _ratio_row(name: str, row: dict, ratios: list[int], spec: str) -> str:
     return f"  {name:<30}" + "".join(f"{_fmt(row[r], spec):>9}" for r in [*ratios, "avg"])
 
 
+def _ratio_header(ratios: list[int]) -> str:
+    """The header of a per-ratio summary whose rows are [`_ratio_row`]s."""
+    return f"{'':<32}" + "".join(f"{str(r) + '%':>9}" for r in ratios) + f"{'avg':>9}"
+
+
 def _speedup_lines(summary: dict, systems: list[str], ratios: list[int], title: str) -> list[str]:
     """`title`, a header and each system's speed-up over Linux swap per ratio and on average;
     empty without Linux swap in the run (nothing to divide by)."""
     table = stats.speedup_table(summary, systems, ratios) if stats.SWAP in systems else {}
     if not table:
         return []
-    return [title, f"{'':<32}" + "".join(f"{str(r) + '%':>9}" for r in ratios) + f"{'avg':>9}"] + [
+    return [title, _ratio_header(ratios)] + [
         _ratio_row(system, row, ratios, "{:.2f}x") for system, row in table.items()]
 
 
@@ -324,7 +333,7 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
     if stats.FILE in systems and stats.IDEAL in systems and stats.SWAP in systems:
         gap = stats.gap_closed(norm, ratios)
         lines.append("Share of the gap between Linux swap and the ideal (tiermem-mem) closed by tiermem-file")
-        lines.append(f"{'':<32}" + "".join(f"{str(r) + '%':>9}" for r in ratios) + f"{'avg':>9}")
+        lines.append(_ratio_header(ratios))
         lines.append(_ratio_row("tiermem-file", gap, ratios, "{:.0%}"))
         lines.append("")
     lines.extend(_variants_section(runs, summary, systems, ratios))
