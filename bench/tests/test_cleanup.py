@@ -187,3 +187,20 @@ def test_the_matrix_stops_cleanly_on_a_signal(tiermem_root, tmp_path, sig, ignor
     doc = json.loads((out / "runs.json").read_text())
     assert doc["meta"]["interrupted"] is True
     assert [r["system"] for r in doc["runs"]][:1] == ["unlimited"]
+
+
+def test_only_the_directories_the_harness_made_for_its_scratch_are_removed(tmp_path):
+    from tiermem_bench.cli import make_dirs, remove_made
+    users = tmp_path / "users"
+    users.mkdir()
+    scratch = users / "made" / "scratch"
+    made = make_dirs(scratch)
+    assert made == [users / "made", scratch] and scratch.is_dir()
+    remove_made(made)
+    assert users.is_dir() and not (users / "made").exists(), "the user's directory stays, the made ones go"
+    # A directory the run left something in stays, and so does everything outside it.
+    made = make_dirs(scratch)
+    (users / "made" / "kept.txt").write_text("a result")
+    remove_made(made)
+    assert not scratch.exists() and (users / "made" / "kept.txt").exists()
+    assert make_dirs(users) == [], "nothing made when it all exists"

@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="output directory (default target/bench-apps/<timestamp>)")
     p.add_argument("--dir", type=Path,
                    help="directory for the swap file and tiermem's device file (same file system for both; "
-                        "default: <out>/scratch)")
+                        "default: <out>/scratch); made if missing, and what the harness made is removed "
+                        "afterwards when empty")
     p.add_argument("--cache", type=Path, help="where the compiled drivers and the workloads' input files are kept "
                                               "(up to about 10 GB at --scale full; default target/bench-apps/cache)")
     p.add_argument("--tiermem", help="the tiermem binary (default: the one that started this, $TIERMEM_BIN)")
@@ -312,6 +313,27 @@ class Matrix:
                     self.record(self.one(system, workload, ratio, repeat, footprint, expected, timeout))
 
 
+def make_dirs(path: Path) -> list[Path]:
+    """Create `path` and whichever of its parents are missing; return the directories created,
+    outermost first, so that the harness can remove exactly those afterwards."""
+    made = []
+    for directory in reversed([path, *path.parents]):
+        if not directory.exists():
+            directory.mkdir()
+            made.append(directory)
+    return made
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the directories `make_dirs` created, innermost first, while they are empty: a user's
+    own directory, or one the run left something in, stays."""
+    for directory in reversed(made):
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+
+
 def probe_device(tiermem: str, directory: Path, machine: bool = False) -> dict:
     """`tiermem probe --latency --json` in `directory`: the device's own 4 KiB read latency
     (this VM's disk drifts by up to 10x between days, and every paging figure scales with it),
@@ -492,7 +514,7 @@ def main(argv=None) -> int:
     out = (args.out or REPO_DIR / "target" / "bench-apps" / stamp).resolve()
     out.mkdir(parents=True, exist_ok=True)
     scratch = (args.dir or out / "scratch").resolve()
-    scratch.mkdir(parents=True, exist_ok=True)
+    made_for_scratch = make_dirs(scratch)
     cache = (args.cache or REPO_DIR / "target" / "bench-apps" / "cache").resolve()
     workloads = [WORKLOADS[n] for n in workload_names]
     system_names = [s.name for s in systems]
@@ -535,10 +557,7 @@ def main(argv=None) -> int:
         if not interrupted:
             meta["device_read_latency_us"]["after"] = probe_device(tiermem, scratch).get("device_read_latency_us")
         text = finish(out, matrix.runs, meta, system_names, ratios, not args.no_plot)
-        try:
-            scratch.rmdir()
-        except OSError:
-            pass
+        remove_made(made_for_scratch)
     print(text, end="")
     for name, why in skipped_systems.items():
         print(f"not measured: {name} ({why})")
