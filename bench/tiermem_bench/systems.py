@@ -73,6 +73,10 @@ SYSTEMS: dict[str, System] = {
         # algebra walking rows of a column-major matrix).
         System("tiermem-file-stride", "tiermem", "tiermem run, file device, ondemand readahead plus strided streams",
                ("--prefetch", "stride")),
+        # ondemand plus a replayed history of misses (loops over scattered pages: an
+        # interpreter's final collections, an iterative solver's gathers).
+        System("tiermem-file-temporal", "tiermem", "tiermem run, file device, ondemand readahead plus a replayed miss history",
+               ("--prefetch", "temporal")),
         # CLOCK (FIFO with a second chance), the default before seq-adaptive.
         System("tiermem-file-clock", "tiermem", "tiermem run, file device, clock replacement",
                ("--replace", "clock")),

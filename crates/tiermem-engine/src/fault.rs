@@ -22,7 +22,7 @@ use crate::config::{IoMode, ReclaimMode};
 use crate::engine::Shared;
 use crate::io::{reap_background, reap_background_for, tag, Op};
 use crate::page::{Kind, PageState};
-use crate::policy::{FaultInfo, PageList};
+use crate::policy::{split_page_id, FaultInfo, PageList};
 use crate::region::{RegionInner, RegionTable};
 use crate::stats::{Path, Stats};
 
@@ -193,7 +193,7 @@ fn resolve(
                         write,
                         hit: true,
                     };
-                    issue_prefetches(shared, region, &info, None);
+                    issue_prefetches(shared, regions, region, &info, None);
                 }
                 return Outcome::Resolved;
             }
@@ -214,7 +214,7 @@ fn resolve(
                     write,
                     hit: true,
                 };
-                issue_prefetches(shared, region, &info, None);
+                issue_prefetches(shared, regions, region, &info, None);
                 return Outcome::Resolved;
             }
             Kind::Incoming => {
@@ -272,7 +272,7 @@ fn resolve(
                     write,
                     hit: true,
                 };
-                issue_prefetches(shared, region, &info, None);
+                issue_prefetches(shared, regions, region, &info, None);
                 return Outcome::Resolved;
             }
             Kind::Evicted if needs_room && state.writing() => {
@@ -592,7 +592,7 @@ fn read_critical(
     lane.push(Request::Read { slot, buf }, critical_tag).map_err(|_| Errno::IO)?;
     submit_retrying(shared, &mut **lane)?;
     let poll_only = shared.config.io_mode == IoMode::PollOnly;
-    let requests = issue_prefetches(shared, region, info, poll_only.then_some(&mut **lane));
+    let requests = issue_prefetches(shared, regions, region, info, poll_only.then_some(&mut **lane));
     let on_lane = if poll_only { requests } else { 0 };
     let mut critical_ok = None;
     let mut lane_prefetches = [crate::io::Done { tag: 0, ok: false }; PageList::CAPACITY];
@@ -628,16 +628,43 @@ fn read_critical(
 /// the completion-driven prefetch queue.
 fn issue_prefetches(
     shared: &Shared,
+    regions: &RegionTable,
     region: &RegionInner,
     info: &FaultInfo,
-    lane: Option<&mut dyn tiermem_device::IoQueue>,
+    mut lane: Option<&mut dyn tiermem_device::IoQueue>,
 ) -> usize {
     if region.is_closing() {
         return 0;
     }
     let mut wanted = PageList::default();
     shared.prefetcher.on_fault(info, &mut wanted);
-    read_ahead(shared, region, wanted.as_slice(), lane).requests
+    if !shared.prefetcher.spans_regions() {
+        return read_ahead(shared, region, wanted.as_slice(), lane).requests;
+    }
+    // Page ids of any region: each run of one region's pages is read as a list of its own.
+    let mut requests = 0;
+    let mut rest = wanted.as_slice();
+    while let Some(&first) = rest.first() {
+        let (index, _) = split_page_id(first);
+        let len = rest.iter().position(|&id| split_page_id(id).0 != index).unwrap_or(rest.len());
+        let mut pages = PageList::default();
+        rest[..len].iter().for_each(|&id| {
+            pages.push(split_page_id(id).1);
+        });
+        rest = &rest[len..];
+        match regions.get(index) {
+            Some(r) if !r.is_closing() => {
+                // A reborrow for this call (the trait object's lifetime shortened with it).
+                let this_lane: Option<&mut dyn tiermem_device::IoQueue> = match lane {
+                    Some(ref mut q) => Some(&mut **q),
+                    None => None,
+                };
+                requests += read_ahead(shared, r, pages.as_slice(), this_lane).requests;
+            }
+            _ => {}
+        }
+    }
+    requests
 }
 
 /// What [`read_ahead`] queued.

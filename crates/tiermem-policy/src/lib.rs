@@ -8,7 +8,8 @@
 //! `leap` (majority trend over a delta history), `stream` (the co-designed remote memory paper's
 //! §3.2 stream training table), `ondemand` (sequential windows ramping up to 64 pages, after
 //! Linux's file readahead, following several forward or backward streams per region), `stride`
-//! (`ondemand` that also follows streams a fixed number of pages apart). Replacement: `fifo`,
+//! (`ondemand` that also follows streams a fixed number of pages apart), `temporal` (`ondemand`
+//! that also replays a history of misses, for loops over scattered pages). Replacement: `fifo`,
 //! `clock`, `lru`, `stream-first` (§3.1), `seq`, `seq-adaptive`, `seq-protect`, and
 //! the offline reference `belady`, which needs the future and so is built from a trace
 //! ([`replace::Belady::from_trace`]), never by name.
@@ -24,7 +25,7 @@ use std::sync::Arc;
 
 pub use tiermem_sys::{Error, ErrorKind, Result};
 
-use crate::prefetch::{Fastswap, Leap, NoPrefetch, Ondemand, Readahead, StreamPrefetcher};
+use crate::prefetch::{Fastswap, Leap, NoPrefetch, Ondemand, Readahead, StreamPrefetcher, Temporal};
 use crate::replace::{Clock, Lru, StreamFirst};
 use crate::stream::{StreamConfig, StreamTable};
 
@@ -111,7 +112,8 @@ pub struct FaultInfo {
 pub trait Prefetcher: Send + Sync + std::fmt::Debug {
     /// Name as given on the command line.
     fn name(&self) -> &'static str;
-    /// A fault happened; push page indices (same region) worth reading now into `out`.
+    /// A fault happened; push page indices (same region; page ids if
+    /// [`Prefetcher::spans_regions`]) worth reading now into `out`.
     fn on_fault(&self, fault: &FaultInfo, out: &mut PageList);
     /// The access monitor saw `page` of `region` (holding `region_pages` pages) being used,
     /// without a fault: a hot-page report, a hint, a traced access. Push pages (same region)
@@ -119,6 +121,13 @@ pub trait Prefetcher: Send + Sync + std::fmt::Debug {
     /// learn from faults only and ignore it.
     fn on_report(&self, region: u32, page: u64, region_pages: u64, out: &mut PageList) {
         let _ = (region, page, region_pages, out);
+    }
+    /// Whether the lists [`Prefetcher::on_fault`] fills hold page ids ([`page_id`]) of any
+    /// region instead of page indices of the faulting one (its `on_report` lists stay within
+    /// the reported page's region). A history of misses spans regions: an interpreter's heap
+    /// is several.
+    fn spans_regions(&self) -> bool {
+        false
     }
     /// [`Prefetcher::on_fault`] for a caller with exclusive use of the policy and of everything
     /// it shares (the simulator): same result, without taking locks where the policy can avoid
@@ -167,7 +176,7 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
 }
 
 /// Names accepted by [`prefetcher_by_name`].
-pub const PREFETCHERS: &[&str] = &["none", "readahead", "fastswap", "leap", "stream", "ondemand", "stride"];
+pub const PREFETCHERS: &[&str] = &["none", "readahead", "fastswap", "leap", "stream", "ondemand", "stride", "temporal"];
 /// Names accepted by [`replacement_by_name`].
 pub const REPLACEMENTS: &[&str] = &["clock", "fifo", "lru", "stream-first", "seq", "seq-adaptive", "seq-protect"];
 /// Replacement policies that exist only offline (they read the future from a trace).
@@ -215,6 +224,7 @@ pub fn build_policies(
         "leap" => Box::new(Leap::new()),
         "ondemand" => Box::new(Ondemand::new(PageList::CAPACITY as u64)),
         "stride" => Box::new(Ondemand::with_strides(PageList::CAPACITY as u64)),
+        "temporal" => Box::new(Temporal::new()),
         _ => {
             Box::new(StreamPrefetcher::new(table.clone().unwrap_or_else(|| Arc::new(StreamTable::new(options.stream)))))
         }

@@ -6,6 +6,7 @@ mod none;
 mod ondemand;
 mod readahead;
 mod stream;
+mod temporal;
 
 pub use fastswap::Fastswap;
 pub use leap::Leap;
@@ -14,6 +15,7 @@ pub use ondemand::Ondemand;
 pub use readahead::Readahead;
 pub use stream::StreamPrefetcher;
 pub(crate) use stream::SWAP_PAGES;
+pub use temporal::Temporal;
 
 /// Per-region state slots a prefetcher keeps: regions share a slot when their numbers agree
 /// modulo this, which only blurs their histories, never breaks correctness.
