@@ -364,3 +364,26 @@ def test_without_timed_work_there_is_no_split():
     assert "Where the time goes" not in text
     assert report.outside_work({"wall_s": 2.0, "work_s": None}) is None
     assert report.outside_work({"wall_s": 2.0, "work_s": 2.5}) == 0.0
+
+
+def test_table_says_what_running_the_matrix_cost():
+    runs = make_runs()
+    for run in runs:
+        run["wall_s"] *= 10
+    text = report.format_tables(runs, ["linux-swap", "tiermem-file", "tiermem-mem"], [100, 20])
+    rows = text.split("Time spent running")[1].splitlines()
+    row = lambda name: next(line for line in rows if line.startswith(f"  {name} ")).split()[1:]
+    assert row("unlimited") == ["-", "-", "10"]
+    # The OOM-killed run at 20% cost its 5 s too.
+    assert row("linux-swap") == ["12", "45", "57"]
+    assert row("tiermem-file") == ["11", "20", "31"]
+    assert row("tiermem-mem") == ["10", "15", "25"]
+    assert "all runs: 123 s, of which the baselines (unlimited, linux-swap, tiermem-mem) 92 s" in text
+
+
+def test_time_spent_leaves_out_the_baselines_a_run_did_not_have():
+    runs = [r for r in make_runs() if r["system"] in ("unlimited", "tiermem-file")]
+    for run in runs:
+        run["wall_s"] *= 10
+    text = report.format_tables(runs, ["tiermem-file"], [100, 20])
+    assert "all runs: 41 s, of which the baselines (unlimited) 10 s" in text

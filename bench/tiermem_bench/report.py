@@ -162,6 +162,36 @@ def _work_section(runs: list[dict], systems: list[str], ratios: list[int], label
     return lines
 
 
+def _time_spent_section(runs: list[dict], systems: list[str], ratios: list[int]) -> list[str]:
+    """What running the matrix cost: seconds of wall time summed over every run (failed ones
+    too, which cost their time as well) per system and ratio, a total per system, and how much
+    of it the baselines took, the unlimited reference, Linux swap and the ideal, which a matrix
+    has to run whatever tiermem-file takes. Empty without runs that took time."""
+    spent: dict[tuple[str, int | None], float] = {}
+    for run in runs:
+        wall = run.get("wall_s")
+        if isinstance(wall, (int, float)):
+            key = (run["system"], run.get("ratio"))
+            spent[key] = spent.get(key, 0.0) + wall
+    if not spent:
+        return []
+    lines = ["Time spent running: seconds of wall time summed over the runs (failed ones too) per system and ratio",
+             f"{'':<32}" + "".join(f"{str(r) + '%':>9}" for r in ratios) + f"{'total':>9}"]
+    totals = {}
+    for system in [UNLIMITED, *systems]:
+        cells = [spent.get((system, r)) for r in ratios] if system != UNLIMITED else [None] * len(ratios)
+        totals[system] = sum(v for (s, _), v in spent.items() if s == system)
+        if totals[system] or system != UNLIMITED:
+            lines.append(f"  {system:<30}" + "".join(f"{_fmt(c, '{:.0f}'):>9}" for c in cells)
+                         + f"{totals[system]:>9.0f}")
+    baselines = [s for s in (UNLIMITED, stats.SWAP, stats.IDEAL) if s == UNLIMITED or s in systems]
+    everything = sum(spent.values())
+    lines.append(f"  all runs: {everything:.0f} s, of which the baselines ({', '.join(baselines)}) "
+                 f"{sum(totals.get(s, 0.0) for s in baselines):.0f} s")
+    lines.append("")
+    return lines
+
+
 def _ratio_row(name: str, row: dict, ratios: list[int], spec: str) -> str:
     """A row of a per-ratio summary: `name`, then row[ratio] for each ratio and row["avg"]."""
     return f"  {name:<30}" + "".join(f"{_fmt(row[r], spec):>9}" for r in [*ratios, "avg"])
@@ -355,6 +385,7 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
         lines.extend(traffic)
         lines.append("")
     lines.extend(_work_section(runs, systems, ratios, label))
+    lines.extend(_time_spent_section(runs, systems, ratios))
     failures = stats.failure_table(summary)
     lines.append("Failed runs" if failures else "Failed runs: none")
     for workload, system, ratio, failed, total, statuses in failures:
