@@ -2142,15 +2142,23 @@ fn under_the_oom_guard_a_burst_smaller_than_the_ballast_costs_no_budget_cut() {
     // The page cache stays warm, as for the benchmark's runs: the program's code read in during
     // the run would be growth of its own, on top of the burst.
     let burst = Burst { kib: "512", fault_mode: "sigbus", cold_cache: false, reference: &reference.stdout };
-    for attempt in 0..3 {
+    // A run counts when the burst was the one time the cgroup ran out (one release). A run that
+    // released the ballast again took it back in between (after a calm second), so it also ran
+    // out after the burst, next to a budget fitted with the ballast as its margin; a cut there
+    // says nothing of the burst (seen on 2026-12-03: 2 releases and a cut in 1 of 10 runs), and
+    // it is tried again.
+    for attempt in 0..5 {
         let (rescues, releases, _) =
             burst_under_the_oom_guard(name, &scratch, &burst, &bin_arg, &limit_arg, &device, attempt);
-        assert_eq!(rescues, 0, "{name}: the budget was cut for a burst the ballast covers");
-        if releases > 0 {
+        assert!(releases > 0 || rescues == 0, "{name}: the budget was cut without the ballast released first");
+        if releases == 1 {
+            assert_eq!(rescues, 0, "{name}: the budget was cut for a burst the ballast covers");
             return;
         }
     }
-    panic!("{name}: in three runs the burst never ran the cgroup out of memory: the test no longer tests the ballast");
+    panic!(
+        "{name}: in five runs the burst was never the one time the cgroup ran out of memory: the test no longer tests the ballast"
+    );
 }
 
 /// One burst run of [`UNMANAGED_BURST`]: its size, the fault mode, whether the page cache is
