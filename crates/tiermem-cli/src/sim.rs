@@ -83,6 +83,11 @@ pub struct SimArgs {
     /// Pages the stream prefetcher reads per trained page.
     #[arg(long, default_value_t = 1)]
     pub stream_depth: usize,
+    /// Read a newly found stream this many strides ahead, one stride further per page it
+    /// walks, up to --stream-distance, the strides in between too (0: the paper's fixed
+    /// distance).
+    #[arg(long, default_value_t = 0)]
+    pub stream_ramp: u64,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -243,6 +248,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
     let mut options = tiermem_policy::PolicyOptions::default();
     options.stream.distance = args.stream_distance;
     options.stream.depth = args.stream_depth;
+    options.stream.ramp = args.stream_ramp;
     options.stream.validate()?;
     // A policy named twice is compared once.
     let distinct = |names: &[String]| {

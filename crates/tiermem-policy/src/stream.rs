@@ -17,6 +17,8 @@ use crate::{lock, owned};
 pub const MAX_ENTRIES: usize = 256;
 /// Most pages an entry can be built to remember.
 pub const MAX_HISTORY: usize = 16;
+/// Most strides a ramping stream reads for one trained page (catching up after its end jumped).
+pub const MAX_RAMP_BURST: u64 = 16;
 
 /// The stream table's parameters; the defaults are the paper's.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -32,11 +34,17 @@ pub struct StreamConfig {
     pub distance: u64,
     /// Pages prefetched per trained page: `end + (i + k) × stride` for k in 0..depth (paper: 1).
     pub depth: usize,
+    /// 0: the paper's fixed distance. Otherwise a newly detected stream is read `ramp` strides
+    /// ahead, one stride further for every page it walks on, up to `distance`, and the strides
+    /// in between are read too (at most [`MAX_RAMP_BURST`] a page): a stream that ends early
+    /// leaves fewer unused pages behind, one that goes on is soon read as far ahead as the
+    /// paper's. Not the paper's (an addition; `tiermem sim --stream-ramp`).
+    pub ramp: u64,
 }
 
 impl Default for StreamConfig {
     fn default() -> Self {
-        Self { entries: 64, history: 5, join_distance: 64, distance: 100, depth: 1 }
+        Self { entries: 64, history: 5, join_distance: 64, distance: 100, depth: 1, ramp: 0 }
     }
 }
 
@@ -70,6 +78,18 @@ pub struct Stream {
     pub end: u64,
     /// Most frequent distance between adjacent pages.
     pub stride: i64,
+    /// The pages to prefetch are `end + k × stride` for k in `ahead.0..=ahead.1` (none when
+    /// the first is larger): `i..=i + depth - 1` with the paper's fixed distance.
+    pub ahead: (u64, u64),
+}
+
+impl Stream {
+    /// The stream of `end` and `stride` as the paper prefetches it: `config.depth` pages from
+    /// `config.distance` strides ahead.
+    pub fn fixed(end: u64, stride: i64, config: &StreamConfig) -> Self {
+        let last = config.distance.saturating_add(config.depth.max(1) as u64 - 1);
+        Self { end, stride, ahead: (config.distance, last) }
+    }
 }
 
 /// One training entry. Everything a lookup or a classification reads (`used`, `owner`,
@@ -89,7 +109,11 @@ struct Entry {
     hi: u64,
     /// Detected stride (0 = no stream yet).
     stride: i64,
+    /// With a ramp: the farthest page read ahead for the stream so far, and how many pages
+    /// the stream has walked since its stride was found.
+    front: u64,
     owner: u32,
+    run: u32,
     /// Neighbours in the LRU list.
     prev: u16,
     next: u16,
@@ -104,7 +128,9 @@ const FREE: Entry = Entry {
     lo: 0,
     hi: 0,
     stride: 0,
+    front: 0,
     owner: 0,
+    run: 0,
     prev: NONE,
     next: NONE,
     len: 0,
@@ -234,6 +260,7 @@ impl StreamTable {
             depth: config.depth.clamp(1, crate::PageList::CAPACITY),
             join_distance: config.join_distance.max(1),
             distance: config.distance.max(1),
+            ramp: config.ramp,
         };
         let mut entries = Entries {
             clock: 0,
@@ -353,6 +380,7 @@ impl StreamTable {
         // `lo` and `hi` are kept only while the entry has a stride: nothing else reads them.
         let hull = |e: &Entry| (e.stride != 0).then_some((e.lo >> shift, e.hi >> shift));
         let hull_before = hull(e);
+        let stride_before = e.stride;
         let was_full = len == history;
         let delta = page.wrapping_sub(e.pages[len - 1]) as i64;
         // Slide the window when full: the oldest page leaves. The whole array moves (a fixed-size
@@ -411,10 +439,38 @@ impl StreamTable {
                 s.count_hull(owner, lo, hi, 1);
             }
         }
-        if len < history {
+        if len < history || stride == 0 {
             return None;
         }
-        (stride != 0).then_some(Stream { end: page, stride })
+        if config.ramp == 0 {
+            return Some(Stream::fixed(page, stride, config));
+        }
+        Some(Self::ramp(config, &mut s.e[i], page, stride, was_full && stride_before == stride))
+    }
+
+    /// The strides to read for a ramping stream that has just walked to `end` (see
+    /// [`StreamConfig::ramp`]); `walking_on` when it had this stride before.
+    fn ramp(config: &StreamConfig, e: &mut Entry, end: u64, stride: i64, walking_on: bool) -> Stream {
+        if walking_on {
+            e.run = e.run.saturating_add(1);
+        } else {
+            e.run = 0;
+            e.front = end;
+        }
+        let reach = config.ramp.saturating_add(u64::from(e.run)).min(config.distance);
+        let last = reach.saturating_add(config.depth as u64 - 1);
+        // Strides already read ahead of `end` (the front may lie behind a stream that jumped).
+        let gap = e.front.wrapping_sub(end) as i64;
+        let done =
+            if gap != 0 && gap.signum() == stride.signum() { gap.unsigned_abs() / stride.unsigned_abs() } else { 0 };
+        let first = done + 1;
+        let last = last.min(first.saturating_add(MAX_RAMP_BURST - 1));
+        if first <= last {
+            // Where the last read lands (wrapped past the page space, the next training finds
+            // it behind the stream and starts over from the end; such targets are never read).
+            e.front = end.wrapping_add((last as i64).wrapping_mul(stride) as u64);
+        }
+        Stream { end, stride, ahead: (first, last) }
     }
 
     /// Whether `page` of `owner` is part of a detected stream the program has already walked:
@@ -466,20 +522,22 @@ impl StreamTable {
 
     /// Push the pages to prefetch for `stream` (clipped to `0..region_pages`) into `out`.
     pub fn prefetch_targets(&self, stream: Stream, region_pages: u64, out: &mut crate::PageList) {
-        for k in 0..self.config.depth as u64 {
+        let (first, last) = stream.ahead;
+        // A half-open count, not `first..=last`: an inclusive range costs a check per step.
+        let count = last.checked_sub(first).map_or(0, |n| n.saturating_add(1));
+        for k in (0..count).map(|n| first + n) {
             // A distance or stride so large that the target leaves the page space is past any
             // region (computed unchecked, `--stream-distance 18446744073709551615` wrapped round
             // to one page behind the stream).
-            let ahead = self.config.distance.checked_add(k).and_then(|d| i64::try_from(d).ok());
+            let ahead = i64::try_from(k).ok();
             let Some(target) =
                 ahead.and_then(|d| d.checked_mul(stream.stride)).and_then(|a| (stream.end as i64).checked_add(a))
             else {
                 break;
             };
-            if target < 0 || target as u64 >= region_pages {
+            if target < 0 || target as u64 >= region_pages || !out.push(target as u64) {
                 break;
             }
-            out.push(target as u64);
         }
     }
 }
@@ -649,7 +707,7 @@ mod tests {
                 return None;
             }
             e.3 = Self::stride(&e.2);
-            (e.3 != 0).then_some(Stream { end: page, stride: e.3 })
+            (e.3 != 0).then_some(Stream::fixed(page, e.3, config))
         }
 
         /// The most frequent non-zero adjacent difference, ties to the most recent, if seen twice.
@@ -719,7 +777,7 @@ mod tests {
             assert_eq!(table.train(2, 5000 + 3 * p), None);
         }
         let stream = table.train(2, 8).expect("a stream");
-        assert_eq!(stream, Stream { end: 8, stride: 2 });
+        assert_eq!(stream, Stream { end: 8, stride: 2, ahead: (100, 100) });
         let mut out = crate::PageList::default();
         table.prefetch_targets(stream, u64::MAX, &mut out);
         assert_eq!(out.as_slice(), &[208]);
@@ -742,9 +800,10 @@ mod tests {
         for p in [1, 2, 3, 4] {
             assert_eq!(table.train(1, p), None, "page {p}");
         }
-        assert_eq!(table.train(1, 5), Some(Stream { end: 5, stride: 1 }));
+        let paper = StreamConfig::default();
+        assert_eq!(table.train(1, 5), Some(Stream::fixed(5, 1, &paper)));
         // That took the entry of 1000 (the LRU one), so the 200.. stream is still there.
-        assert_eq!(table.train(1, 208), Some(Stream { end: 208, stride: 2 }));
+        assert_eq!(table.train(1, 208), Some(Stream::fixed(208, 2, &paper)));
     }
 
     #[test]
@@ -753,21 +812,23 @@ mod tests {
         for p in [500, 497, 494, 491] {
             table.train(9, p);
         }
-        assert_eq!(table.train(9, 488), Some(Stream { end: 488, stride: -3 }));
+        let paper = StreamConfig::default();
+        assert_eq!(table.train(9, 488), Some(Stream::fixed(488, -3, &paper)));
         let mut out = crate::PageList::default();
-        table.prefetch_targets(Stream { end: 488, stride: -3 }, 1 << 20, &mut out);
+        table.prefetch_targets(Stream::fixed(488, -3, &paper), 1 << 20, &mut out);
         assert_eq!(out.as_slice(), &[188]);
         out.clear();
-        table.prefetch_targets(Stream { end: 200, stride: -3 }, 1 << 20, &mut out);
+        table.prefetch_targets(Stream::fixed(200, -3, &paper), 1 << 20, &mut out);
         assert!(out.is_empty(), "never below page 0");
         // Distances that leave the page space prefetch nothing (they wrapped round to pages
         // behind the stream).
         for distance in [u64::MAX, 1 << 63, (1 << 62) + 1] {
-            let far = StreamTable::new(StreamConfig { distance, depth: 3, ..StreamConfig::default() });
+            let config = StreamConfig { distance, depth: 3, ..StreamConfig::default() };
+            let far = StreamTable::new(config);
             out.clear();
-            far.prefetch_targets(Stream { end: 488, stride: 2 }, 1 << 40, &mut out);
+            far.prefetch_targets(Stream::fixed(488, 2, &config), 1 << 40, &mut out);
             assert!(out.is_empty(), "distance {distance}: {:?}", out.as_slice());
-            far.prefetch_targets(Stream { end: 488, stride: -3 }, 1 << 40, &mut out);
+            far.prefetch_targets(Stream::fixed(488, -3, &config), 1 << 40, &mut out);
             assert!(out.is_empty(), "distance {distance}, backwards: {:?}", out.as_slice());
         }
         let noisy = StreamTable::new(StreamConfig::default());
@@ -775,5 +836,80 @@ mod tests {
             noisy.train(1, p);
         }
         assert_eq!(noisy.train(1, 20), None, "all distances differ: no stride");
+    }
+
+    fn targets(table: &StreamTable, owner: u32, page: u64) -> Vec<u64> {
+        let mut out = crate::PageList::default();
+        if let Some(stream) = table.train(owner, page) {
+            table.prefetch_targets(stream, 1 << 20, &mut out);
+        }
+        out.as_slice().to_vec()
+    }
+
+    #[test]
+    fn a_ramp_reads_closer_first_and_fills_in_as_the_stream_goes_on() {
+        let table = StreamTable::new(StreamConfig { ramp: 4, distance: 10, ..StreamConfig::default() });
+        for p in 100..104 {
+            assert!(targets(&table, 1, p).is_empty());
+        }
+        // Found at its fifth page: 4 strides ahead, and the strides before them.
+        assert_eq!(targets(&table, 1, 104), [105, 106, 107, 108]);
+        // One stride further per page walked: two new pages a page while ramping up.
+        assert_eq!(targets(&table, 1, 105), [109, 110]);
+        assert_eq!(targets(&table, 1, 106), [111, 112]);
+        for p in 107..=110 {
+            assert_eq!(targets(&table, 1, p), [2 * p - 101, 2 * p - 100]);
+        }
+        // At the distance (10 strides): one page a page, as the paper's.
+        assert_eq!(targets(&table, 1, 111), [121]);
+        assert_eq!(targets(&table, 1, 112), [122]);
+        // The newest page again teaches nothing; a jump ahead along the stream (the stride
+        // stays the most frequent) reads only the strides not read yet.
+        assert!(targets(&table, 1, 112).is_empty());
+        assert_eq!(targets(&table, 1, 115), [123, 124, 125]);
+
+        // Descending, stride 3: the same ramp mirrored.
+        let down = StreamTable::new(StreamConfig { ramp: 2, distance: 3, ..StreamConfig::default() });
+        for p in [500, 497, 494, 491] {
+            assert!(targets(&down, 7, p).is_empty());
+        }
+        assert_eq!(targets(&down, 7, 488), [485, 482]);
+        assert_eq!(targets(&down, 7, 485), [479, 476]);
+        assert_eq!(targets(&down, 7, 482), [473], "at the distance of 3 strides");
+    }
+
+    proptest! {
+        /// Along one stream, a ramp reads every stride step from the end where it was found to
+        /// its final front exactly once, and never more than the distance past the last page
+        /// walked (the paper's fixed distance leaves `distance` strides of unused pages too,
+        /// but with gaps before them).
+        #[test]
+        fn a_ramp_reads_each_page_of_a_stream_once(
+            stride in prop_oneof![1i64..6, -5i64..0],
+            // At most one burst's worth, so the read reaches the full ramp at once.
+            ramp in 1u64..=MAX_RAMP_BURST,
+            extra in 0u64..160,
+            walk in 5usize..400,
+        ) {
+            let distance = ramp + extra;
+            let table = StreamTable::new(StreamConfig { ramp, distance, ..StreamConfig::default() });
+            let start = 1u64 << 19;
+            let page = |k: usize| start.wrapping_add((k as i64 * stride) as u64);
+            let mut read = Vec::new();
+            for k in 0..walk {
+                read.extend(targets(&table, 3, page(k)));
+            }
+            // Found at its fifth page (k = 4), the stream is read from the next step on, up to
+            // the reach its last page gave.
+            let reach = (ramp + (walk - 5) as u64).min(distance) as usize;
+            let expected: Vec<u64> = (5..walk + reach).map(page).collect();
+            let mut sorted = read.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            prop_assert_eq!(sorted.len(), read.len(), "a page read twice: {:?}", read);
+            let mut expected_sorted = expected.clone();
+            expected_sorted.sort_unstable();
+            prop_assert_eq!(sorted, expected_sorted);
+        }
     }
 }
