@@ -27,6 +27,7 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
         join_distance: *u.choose(&[1, 2, 63, 64, 65, 1 << 20, 1 << 63, u64::MAX])?,
         distance: *u.choose(&[1, 2, 100, 1 << 30, 1 << 62, u64::MAX])?,
         depth: u.int_in_range(1..=PageList::CAPACITY)?,
+        ramp: *u.choose(&[0, 1, 4, 100, 1 << 40, u64::MAX])?,
     };
     if stream.validate().is_err() {
         return Ok(());
