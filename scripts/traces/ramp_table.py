@@ -14,17 +14,19 @@ import math
 import sys
 from pathlib import Path
 
+from table import load as load_json  # a clear exit for a missing or broken results file
+
 PROGRAMS = ["quicksort", "kmeans", "pagerank", "intsort", "linpack", "mlp", "random"]
 VARIANTS = ["d100", "d32", "d8", "r4"]
 FIELDS = ("accuracy", "coverage", "faults", "prefetch_issued", "unused_prefetches", "late_prefetches", "modeled_ns")
 
 
-def load(directory: Path) -> dict:
+def collect(directory: Path) -> dict:
     table = {}
     for name in PROGRAMS:
         rows = {}
         for variant in VARIANTS:
-            runs = json.loads((directory / f"{name}.{variant}.json").read_text())
+            runs = load_json(directory / f"{name}.{variant}.json")
             for r in runs["results"]:
                 key = f"{r['prefetch']}/{r['replace']}"
                 if r["prefetch"] != "fastswap":
@@ -36,7 +38,7 @@ def load(directory: Path) -> dict:
 
 def main() -> None:
     directory, out = Path(sys.argv[1]), Path(sys.argv[2])
-    table = load(directory)
+    table = collect(directory)
     out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
 
     def cell(r: dict) -> str:
