@@ -33,9 +33,9 @@ pub(crate) enum Outcome {
     Resolved,
     /// The address is in no managed region.
     NotOurs,
-    /// The page is being, or has been, mapped over by the program (MAP_FIXED): the faulting
-    /// access is to be made again, and finds the program's mapping (or, if that failed, faults
-    /// here once more).
+    /// The page is being, or has been, mapped over or unmapped by the program: the faulting
+    /// access is to be made again, and finds what is there now (or, if a MAP_FIXED failed,
+    /// faults here once more).
     Retry,
     /// The device could not deliver the page.
     Failed(Errno),
@@ -169,7 +169,7 @@ fn resolve(
                     locked.set(state.with_dirty(true).with_referenced(true));
                     // Clearing protection also wakes a thread waiting on this write.
                     if let Err(e) = unprotect_for_write(shared, region, index) {
-                        return Outcome::Failed(e);
+                        return outcome_of_copy_error(e);
                     }
                     drop(locked);
                     Stats::add(&shared.stats.counters.wp_faults, 1);
@@ -350,6 +350,10 @@ fn unprotect_for_write(shared: &Shared, region: &RegionInner, index: u64) -> Res
     // Resident and not being written back (a write-back in flight ends by marking the page
     // clean, which must not happen to a page made writable here).
     let run = lock_run_around(region, index, block.min(ZERO_FILL_AROUND as u64), |i| {
+        // A page the program mapped over is not registered: a run reaching it fails (ENOENT).
+        if region.mapping.is_foreign(i as usize * PAGE_SIZE) {
+            return None;
+        }
         let mut page = region.pages[i as usize].try_lock()?;
         let state = page.state();
         (state.kind() == Kind::Resident && !state.writing()).then(|| {
@@ -539,11 +543,16 @@ fn map_pages_waiting(
 /// How many times a copy refused for want of memory is retried, 0.5 ms apart (two seconds).
 const NOMEM_RETRIES: u32 = 4000;
 
+/// What a failed UFFDIO_COPY or UFFDIO_WRITEPROTECT of the faulting page means for the fault.
+/// EEXIST: the page is there already. ENOENT: no registered mapping holds the page any more (for
+/// one page it means nothing else); the program mapped over it or unmapped it after the fault was
+/// read, which in handler-thread mode can be a fault message read after a prefetch completion had
+/// already mapped the page and woken the thread. The access, made again, meets what is there now.
 fn outcome_of_copy_error(e: Errno) -> Outcome {
-    if e == Errno::EXIST {
-        Outcome::Resolved
-    } else {
-        Outcome::Failed(e)
+    match e {
+        Errno::EXIST => Outcome::Resolved,
+        Errno::NOENT => Outcome::Retry,
+        other => Outcome::Failed(other),
     }
 }
 

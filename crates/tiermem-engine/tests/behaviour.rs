@@ -196,6 +196,47 @@ fn system_calls_on_evicted_memory_work_in_sigbus_mode_after_prepare() {
     assert!(now == &pattern[..]);
 }
 
+/// A page the program mapped over without the engine knowing (in a real run: between the
+/// reading of a stale fault message and its handling) is not the engine's to fill: the copy there
+/// finds no registered mapping (ENOENT), and the fault is given back to be made again instead of
+/// failing as if the device could not deliver it (which raised SIGBUS in a healthy program).
+#[test]
+fn a_fault_on_a_page_mapped_over_behind_the_engines_back_is_not_an_io_failure() {
+    let _serial = serial();
+    if features_or_skip("a_fault_on_a_page_mapped_over_behind_the_engines_back_is_not_an_io_failure").is_none() {
+        return;
+    }
+    for mode in [FaultMode::HandlerThread, FaultMode::Sigbus] {
+        let engine = engine(Arc::new(MemDevice::new(16 << 20).unwrap()), 256, |c| c.fault_mode = mode);
+        let region = engine.create_region(16 * 4096).unwrap();
+        let page = region.as_ptr().wrapping_add(3 * 4096);
+        // SAFETY: page 3 of the region, replaced by a mapping this test owns; nothing else in
+        // the test touches that page, and the region's drop unmaps it along with the rest.
+        let over = unsafe {
+            libc::mmap(
+                page.cast(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        assert_eq!(over, page.cast(), "{mode:?}: mmap over page 3");
+        // The untouched neighbours are filled; page 3, the other mapping's, is refused as not the
+        // region's, not as a device failure.
+        let Err(err) = engine.prepare_kernel_access(region.as_ptr(), 8 * 4096, false) else {
+            panic!("{mode:?}: page 3, another mapping's, was pinned as the region's");
+        };
+        assert_eq!(err.kind(), tiermem_sys::ErrorKind::InvalidInput, "{mode:?}: {err}");
+        assert_eq!(engine.stats().io_errors, 0, "{mode:?}");
+        // SAFETY: the program's own mapping at page 3, readable and writable.
+        unsafe { page.write_volatile(7) };
+        // SAFETY: as above.
+        assert_eq!(unsafe { page.read_volatile() }, 7);
+    }
+}
+
 #[test]
 fn system_calls_on_evicted_kernel_regions_work_in_sigbus_mode_unprepared() {
     let _serial = serial();
