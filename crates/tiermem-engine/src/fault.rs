@@ -350,10 +350,6 @@ fn unprotect_for_write(shared: &Shared, region: &RegionInner, index: u64) -> Res
     // Resident and not being written back (a write-back in flight ends by marking the page
     // clean, which must not happen to a page made writable here).
     let run = lock_run_around(region, index, block.min(ZERO_FILL_AROUND as u64), |i| {
-        // A page the program mapped over is not registered: a run reaching it fails (ENOENT).
-        if region.mapping.is_foreign(i as usize * PAGE_SIZE) {
-            return None;
-        }
         let mut page = region.pages[i as usize].try_lock()?;
         let state = page.state();
         (state.kind() == Kind::Resident && !state.writing()).then(|| {
@@ -386,7 +382,8 @@ struct RunAround<'a> {
 
 /// Lock the pages next to `index` within its aligned window of `window` pages (a power of two,
 /// at most [`ZERO_FILL_AROUND`]), below it then above, each side as far as `claim` takes the
-/// next page. Page `index` itself is the caller's: its slot stays empty.
+/// next page. Page `index` itself is the caller's: its slot stays empty. A run stops at a page
+/// the program mapped over: that page is not registered, so one call over the run would fail.
 fn lock_run_around<'a>(
     region: &'a RegionInner,
     index: u64,
@@ -396,6 +393,7 @@ fn lock_run_around<'a>(
     let start = index & !(window - 1);
     let end = (start + window).min(region.page_count());
     let mut run = RunAround { start, lo: index, hi: index + 1, locks: std::array::from_fn(|_| None) };
+    let mut claim = |page: u64| if region.mapping.is_foreign(page as usize * PAGE_SIZE) { None } else { claim(page) };
     while run.lo > start {
         let Some(page) = claim(run.lo - 1) else { break };
         run.lo -= 1;
@@ -425,8 +423,7 @@ fn zero_fill_around(
 ) -> Result<(), Errno> {
     let mut run = lock_run_around(region, index, ZERO_FILL_AROUND as u64, |page| {
         let cell = region.pages.get(page as usize)?;
-        // A page the program mapped over is another mapping's: a copy there would fail.
-        if cell.peek().kind() != Kind::Untouched || region.mapping.is_foreign(page as usize * PAGE_SIZE) {
+        if cell.peek().kind() != Kind::Untouched {
             return None;
         }
         let locked = cell.try_lock()?;
