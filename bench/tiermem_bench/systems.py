@@ -77,6 +77,12 @@ SYSTEMS: dict[str, System] = {
         # interpreter's final collections, an iterative solver's gathers).
         System("tiermem-file-temporal", "tiermem", "tiermem run, file device, ondemand readahead plus a replayed miss history",
                ("--prefetch", "temporal")),
+        # The co-designed remote-memory paper's comparison, live: Fastswap's next 7 pages on
+        # every miss, and the paper's stream prefetcher (which reads those 7 too).
+        System("tiermem-file-fastswap", "tiermem", "tiermem run, file device, fastswap prefetching (next 7 pages)",
+               ("--prefetch", "fastswap")),
+        System("tiermem-file-stream", "tiermem", "tiermem run, file device, the paper's stream prefetcher",
+               ("--prefetch", "stream")),
         # CLOCK (FIFO with a second chance), the default before seq-adaptive.
         System("tiermem-file-clock", "tiermem", "tiermem run, file device, clock replacement",
                ("--replace", "clock")),
@@ -127,6 +133,10 @@ SYSTEMS: dict[str, System] = {
                ("--defer-hits", "on")),
         System("tiermem-file-runs", "tiermem", "tiermem run, file device, contiguous prefetches and write-backs merged",
                ("--read-runs", "on", "--write-runs", "on")),
+        # The prefetcher's lists read whole however few of the sampled prefetched pages are used
+        # (the engine's default caps them then: docs/policies.md, the prefetch governor).
+        System("tiermem-file-ungoverned", "tiermem", "tiermem run, file device, prefetch governor off",
+               ("--prefetch-governor", "off")),
     ]
 }
 BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and reference output)")

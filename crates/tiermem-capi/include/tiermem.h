@@ -63,6 +63,8 @@ const char *tiermem_last_error(void);
  *   reclaim_mode=background|on-fault-path
  *   prefetch=NAME         prefetcher (default ondemand)
  *   replace=NAME          replacement policy (default seq-protect)
+ *   prefetch_governor=on|off  cap the pages each prefetcher call reads while few sampled
+ *                         prefetched pages are used (default on)
  *   watermark=FRACTION    background reclaim starts at this share of the limit, in (0, 1]
  *                         (default 0.7): it writes cold dirty pages back from there
  *   evict_watermark=FRACTION  background reclaim drops pages from this share (default 0.98)

@@ -16,6 +16,7 @@ pub const KEYS: &[&str] = &[
     "reclaim_mode",
     "prefetch",
     "replace",
+    "prefetch_governor",
     "watermark",
     "evict_watermark",
     "io_buffers",
@@ -53,6 +54,7 @@ fn apply(config: &mut EngineConfig, key: &str, value: &str) -> Result<()> {
         "reclaim_mode" => config.reclaim_mode = value.parse()?,
         "prefetch" => config.prefetch = value.to_string(),
         "replace" => config.replace = value.to_string(),
+        "prefetch_governor" => config.prefetch_governor = tiermem_engine::settings::on_off(value)?,
         "watermark" => config.watermark = number(value)?,
         "evict_watermark" => config.evict_watermark = number(value)?,
         "io_buffers" => config.io_buffers = number(value)?,
@@ -124,6 +126,8 @@ mod tests {
         assert_eq!(o.device_size, 1 << 30);
         assert_eq!(o.config.fault_mode, FaultMode::HandlerThread);
         assert_eq!(o.config.io_mode, IoMode::Hybrid);
+        assert!(o.config.prefetch_governor);
+        assert!(!parse("prefetch_governor=off").unwrap().config.prefetch_governor);
         let o = parse(" limit = 1MiB , fault_mode=sigbus, io_mode=poll-only,").unwrap();
         assert_eq!(o.device_size, 4 << 20);
         assert_eq!(o.config.fault_mode, FaultMode::Sigbus);

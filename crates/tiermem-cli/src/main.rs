@@ -398,6 +398,10 @@ struct RunArgs {
     /// Replacement policy.
     #[arg(long, env = "TIERMEM_REPLACE")]
     replace: Option<String>,
+    /// on | off: cap the pages each prefetcher call reads while few of the sampled prefetched
+    /// pages are used [default: on].
+    #[arg(long, env = "TIERMEM_PREFETCH_GOVERNOR")]
+    prefetch_governor: Option<String>,
     /// Fraction of the budget that wakes background reclaim; from there it writes cold pages
     /// back ahead of eviction [default: 0.7].
     #[arg(long, env = "TIERMEM_WATERMARK")]
@@ -578,6 +582,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_DEVICE_SIZE", &args.device_size),
         ("TIERMEM_PREFETCH", &args.prefetch),
         ("TIERMEM_REPLACE", &args.replace),
+        ("TIERMEM_PREFETCH_GOVERNOR", &args.prefetch_governor),
         ("TIERMEM_WATERMARK", &args.watermark),
         ("TIERMEM_EVICT_WATERMARK", &args.evict_watermark),
         ("TIERMEM_FAULT_MODE", &args.fault_mode),

@@ -110,6 +110,10 @@ pub struct EngineConfig {
     pub prefetch: String,
     /// Replacement policy name (see [`crate::policy::replacement_by_name`]).
     pub replace: String,
+    /// Cap the pages each prefetcher call may read while the sampled share of prefetched pages
+    /// the program uses is low, so a prefetcher guessing badly cannot evict the working set
+    /// for its guesses (see `prefetch_governor`).
+    pub prefetch_governor: bool,
     /// 4 KiB I/O buffers shared by all queues.
     pub io_buffers: u32,
     /// Pages of the victim tier (0: none): evicted pages keep a copy in DRAM, unmapped, until
@@ -177,6 +181,7 @@ impl Default for EngineConfig {
             // come back soon on their own kept (a Redis server and NPB IS at 20%: 26% faster
             // than seq-adaptive; docs/policies.md).
             replace: "seq-protect".into(),
+            prefetch_governor: true,
             io_buffers: 1024,
             victim_pages: 0,
             queue_depth: 128,

@@ -104,6 +104,8 @@ pub(crate) struct Shared {
     pub(crate) trace: Option<crate::trace_sink::TraceSink>,
     /// Which prefetched pages wait for a fault, to measure accuracy (see `prefetch_sample`).
     pub(crate) prefetch_sampler: crate::prefetch_sample::PrefetchSampler,
+    /// The cap on pages per prefetcher call, from the samples (see `prefetch_governor`).
+    pub(crate) prefetch_governor: crate::prefetch_governor::PrefetchGovernor,
     /// Evicted pages kept in DRAM a while (see [`crate::victim`]).
     pub(crate) victims: crate::victim::VictimTier,
     /// Reports from sources off the fault path, for the monitor thread (see [`crate::monitor`]).
@@ -446,6 +448,7 @@ impl Engine {
             reserved_pages: AtomicU64::new(0),
             pins: std::sync::Mutex::new(Vec::new()),
             prefetch_sampler: crate::prefetch_sample::PrefetchSampler::new(config.io_buffers as usize),
+            prefetch_governor: crate::prefetch_governor::PrefetchGovernor::new(config.prefetch_governor),
             victims: crate::victim::VictimTier::new(config.victim_pages as usize),
             monitor: crate::monitor::LiveMonitor::new(config.hot_threshold)?,
             damon_fd: std::sync::atomic::AtomicI32::new(

@@ -27,6 +27,7 @@ pub mod policy;
 pub use tiermem_policy::prefetch;
 /// The replacement policies (from `tiermem-policy`).
 pub use tiermem_policy::replace;
+mod prefetch_governor;
 mod prefetch_sample;
 mod reclaim;
 mod region;

@@ -56,6 +56,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_DEVICE_SIZE", "device capacity in bytes"),
     ("TIERMEM_PREFETCH", "prefetcher name"),
     ("TIERMEM_REPLACE", "replacement policy name"),
+    (
+        "TIERMEM_PREFETCH_GOVERNOR",
+        "on | off: cap each prefetcher call's pages while few sampled prefetches are used (default on)",
+    ),
     ("TIERMEM_WATERMARK", "fraction of the budget that wakes background reclaim (it cleans from there), in (0, 1]"),
     ("TIERMEM_EVICT_WATERMARK", "fraction of the budget from which background reclaim drops pages, in (0, 1]"),
     ("TIERMEM_FAULT_MODE", "sigbus | thread (default sigbus: faults served on the faulting thread)"),
@@ -198,6 +202,7 @@ impl RunSettings {
                 }
                 "TIERMEM_PREFETCH" => s.engine.prefetch = value.to_string(),
                 "TIERMEM_REPLACE" => s.engine.replace = value.to_string(),
+                "TIERMEM_PREFETCH_GOVERNOR" => s.engine.prefetch_governor = on_off(value).map_err(named)?,
                 "TIERMEM_WATERMARK" => {
                     s.engine.watermark =
                         value.trim().parse().map_err(|_| named(Error::invalid("not a number (example: 0.7)")))?;
@@ -291,6 +296,7 @@ impl RunSettings {
             ("TIERMEM_DEVICE", self.device.to_string()),
             ("TIERMEM_PREFETCH", e.prefetch.clone()),
             ("TIERMEM_REPLACE", e.replace.clone()),
+            ("TIERMEM_PREFETCH_GOVERNOR", if e.prefetch_governor { "on" } else { "off" }.to_string()),
             ("TIERMEM_WATERMARK", e.watermark.to_string()),
             ("TIERMEM_EVICT_WATERMARK", e.evict_watermark.to_string()),
             ("TIERMEM_FAULT_MODE", e.fault_mode.to_string()),
@@ -436,6 +442,7 @@ mod tests {
             ("TIERMEM_REUSE_FREED", "off"),
             ("TIERMEM_WRITE_RUNS", "on"),
             ("TIERMEM_READ_RUNS", "on"),
+            ("TIERMEM_PREFETCH_GOVERNOR", "off"),
             ("TIERMEM_CGROUP", "guard"),
             ("TIERMEM_VICTIM_TIER", "25%"),
             ("PATH", "/bin"),
@@ -456,6 +463,8 @@ mod tests {
         assert!(!s.reuse_freed && !again.reuse_freed);
         assert!(s.engine.write_runs && again.engine.write_runs);
         assert!(s.engine.read_runs && again.engine.read_runs);
+        assert!(!s.engine.prefetch_governor && !again.engine.prefetch_governor);
+        assert!(RunSettings::default().engine.prefetch_governor, "on by default");
         assert!(s.respect_cgroup && s.oom_guard && again.respect_cgroup && again.oom_guard);
         assert_eq!(again.footprint, s.footprint);
         assert_eq!(u64::from(s.engine.victim_pages), s.engine.limit_bytes / 4 / 4096);

@@ -67,6 +67,8 @@ pub struct Counters {
     pub prefetch_sample_used: AtomicU64,
     /// Samples still untouched when their wait ended.
     pub prefetch_sample_unused: AtomicU64,
+    /// Pages prefetchers asked for that the prefetch governor cut (see `prefetch_governor`).
+    pub prefetch_cut: AtomicU64,
     /// Faults served from a write-back buffer still in flight.
     pub writeback_hits: AtomicU64,
     /// Pages zero-filled.
@@ -227,6 +229,7 @@ impl Stats {
             prefetch_sampled: sampled,
             prefetch_sample_used: used,
             prefetch_sample_unused: unused,
+            prefetch_cut: l(&c.prefetch_cut),
             writeback_hits: l(&c.writeback_hits),
             zero_fills: l(&c.zero_fills),
             wp_faults: l(&c.wp_faults),
@@ -308,6 +311,9 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub prefetch_sample_unused: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub prefetch_cut: u64,
     /// See [`Counters`].
     pub writeback_hits: u64,
     /// See [`Counters`].
@@ -440,6 +446,10 @@ impl StatsSnapshot {
             },
             pct(self.prefetched_share)
         );
+        if self.prefetch_cut > 0 {
+            let _ =
+                writeln!(s, "                {} pages cut by the prefetch governor (too few used)", self.prefetch_cut);
+        }
         let _ = writeln!(
             s,
             "eviction        {} pages: {} written, {} clean (no write), {} zero; {} on faulting threads",
@@ -558,6 +568,7 @@ impl StatsSnapshot {
         self.prefetch_sampled += other.prefetch_sampled;
         self.prefetch_sample_used += other.prefetch_sample_used;
         self.prefetch_sample_unused += other.prefetch_sample_unused;
+        self.prefetch_cut += other.prefetch_cut;
         self.writeback_hits += other.writeback_hits;
         self.zero_fills += other.zero_fills;
         self.wp_faults += other.wp_faults;

@@ -147,6 +147,82 @@ fn a_scattered_loop_over_two_regions_is_read_ahead_by_temporal_from_its_second_l
     );
 }
 
+/// Reads pages of a region 4x a 1,024-page budget with `fastswap` (the next 7 pages on every
+/// miss), `reads` at a time, in order or at random. Returns the engine's counters after each
+/// of `phases` such rounds.
+fn fastswap_reads(governor: bool, random: bool, reads: usize, phases: usize) -> Vec<tiermem_engine::StatsSnapshot> {
+    let budget = 1024u64;
+    let pages = (budget * 4) as usize;
+    let device = devices(pages as u64 * 4096 * 2).remove(0).1;
+    let engine = engine(device, budget, |c| {
+        c.prefetch = "fastswap".into();
+        c.prefetch_governor = governor;
+    });
+    let region = engine.create_region(pages * 4096).unwrap();
+    let base = region.as_ptr() as usize;
+    for page in 0..pages {
+        // SAFETY: the page lies inside the region, which outlives the loop.
+        unsafe { ((base + page * 4096) as *mut u64).write_volatile(page as u64 + 1) };
+    }
+    let mut rng = Rng(0x5eed);
+    let mut after = Vec::new();
+    for phase in 0..phases {
+        for k in 0..reads {
+            let page = if random { (rng.next() >> 8) as usize % pages } else { (phase * reads + k) % pages };
+            // SAFETY: as above.
+            let got = unsafe { ((base + page * 4096) as *const u64).read_volatile() };
+            assert_eq!(got, page as u64 + 1, "page {page} read wrong data");
+        }
+        after.push(engine.stats());
+    }
+    after
+}
+
+#[test]
+fn the_prefetch_governor_cuts_a_prefetcher_that_guesses_wrong_and_leaves_one_that_guesses_right() {
+    let _serial = serial();
+    if features_or_skip("the_prefetch_governor_cuts_a_prefetcher_that_guesses_wrong_and_leaves_one_that_guesses_right")
+        .is_none()
+    {
+        return;
+    }
+    // At random over 4x the budget, the next 7 pages of a miss are almost never read before
+    // they are evicted again. Judged on the second half: the cap takes a few thousand
+    // prefetches to come down from 64 pages a call to 1.
+    let later = |s: &[tiermem_engine::StatsSnapshot]| {
+        let issued = s[1].prefetch_issued - s[0].prefetch_issued;
+        let misses = s[1].critical_reads - s[0].critical_reads;
+        (issued, misses, issued as f64 / misses.max(1) as f64)
+    };
+    let free = fastswap_reads(false, true, 15_000, 2);
+    let governed = fastswap_reads(true, true, 15_000, 2);
+    let ((free_issued, free_misses, free_rate), (issued, misses, rate)) = (later(&free), later(&governed));
+    eprintln!(
+        "random, second half: ungoverned {free_issued} prefetches for {free_misses} critical reads ({free_rate:.2} a \
+         miss); governed {issued} for {misses} ({rate:.2}), {} list entries cut in all",
+        governed[1].prefetch_cut
+    );
+    assert_eq!(free[1].prefetch_cut, 0, "the governor is off");
+    assert!(governed[1].prefetch_cut > 0, "nothing cut from a prefetcher guessing wrong");
+    // A cap of one page a call: at most one prefetch per miss (a rare prefetch hit asks too).
+    assert!(rate <= 1.05, "the governor's cap did not come down to a page a call: {rate:.2} prefetches a miss");
+    assert!(
+        rate * 1.2 < free_rate,
+        "the governor cut few prefetches: {rate:.2} a miss against {free_rate:.2} without it"
+    );
+    // In order, the next 7 pages are what the program reads next: nothing to cut.
+    let sequential = fastswap_reads(true, false, 4 * 4 * 1024, 1).remove(0);
+    eprintln!(
+        "sequential: {} prefetches for {} critical reads, samples used {} of {}",
+        sequential.prefetch_issued,
+        sequential.critical_reads,
+        sequential.prefetch_sample_used,
+        sequential.prefetch_sample_used + sequential.prefetch_sample_unused
+    );
+    assert!(sequential.prefetch_sample_used >= 16, "too few samples to judge by");
+    assert_eq!(sequential.prefetch_cut, 0, "the governor cut a prefetcher that guesses right");
+}
+
 #[test]
 fn belady_is_refused_live_as_offline_only() {
     let cfg = EngineConfig { replace: "belady".into(), ..EngineConfig::default() };

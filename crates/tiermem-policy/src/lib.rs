@@ -91,6 +91,11 @@ impl PageList {
     pub fn clear(&mut self) {
         self.len = 0;
     }
+
+    /// Keep the first `len` pages (all of them if there are fewer).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
 }
 
 /// What a prefetcher learns about one fault.
