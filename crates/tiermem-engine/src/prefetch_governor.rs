@@ -4,7 +4,8 @@
 //! replacement cannot tell a prefetched page nobody wants from the program's working set. A
 //! prefetcher that guesses badly (the next 7 pages on every miss of a blocked LU solve: 14–19%
 //! used) then evicts the working set to make room for its guesses, each eviction brings
-//! another miss, and each miss another 7 guesses: 30x slower than reading nothing ahead.
+//! another miss, and each miss another 7 guesses: 18x slower than `ondemand` on a small
+//! Linpack at 20 MiB (docs/policies.md, *The prefetch governor*).
 //!
 //! The governor caps how many pages one prefetcher call may ask for. It judges by the
 //! prefetch samples (see [`crate::prefetch_sample`]): after every [`WINDOW`] samples ended

@@ -67,7 +67,8 @@ pub struct Counters {
     pub prefetch_sample_used: AtomicU64,
     /// Samples still untouched when their wait ended.
     pub prefetch_sample_unused: AtomicU64,
-    /// Pages prefetchers asked for that the prefetch governor cut (see `prefetch_governor`).
+    /// Entries of prefetchers' lists the prefetch governor cut (see `prefetch_governor`); some
+    /// would have been skipped as resident or in flight.
     pub prefetch_cut: AtomicU64,
     /// Faults served from a write-back buffer still in flight.
     pub writeback_hits: AtomicU64,
@@ -447,8 +448,11 @@ impl StatsSnapshot {
             pct(self.prefetched_share)
         );
         if self.prefetch_cut > 0 {
-            let _ =
-                writeln!(s, "                {} pages cut by the prefetch governor (too few used)", self.prefetch_cut);
+            let _ = writeln!(
+                s,
+                "                {} pages asked for cut by the prefetch governor (too few sampled prefetches used)",
+                self.prefetch_cut
+            );
         }
         let _ = writeln!(
             s,
