@@ -684,6 +684,12 @@ impl Engine {
         self.shared.stats.snapshot()
     }
 
+    /// Pages one prefetcher call may read now (the prefetch governor's cap; the most a list
+    /// holds when the governor is off or has cut nothing).
+    pub fn prefetch_cap(&self) -> usize {
+        self.shared.prefetch_governor.cap()
+    }
+
     /// What the device counted.
     pub fn device_counters(&self) -> tiermem_device::CounterSnapshot {
         self.shared.device.counters().snapshot()

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use tiermem_engine::policy::{PREFETCHERS, REPLACEMENTS};
+use tiermem_engine::policy::{PageList, PREFETCHERS, REPLACEMENTS};
 use tiermem_engine::EngineConfig;
 
 const LIMIT_PAGES: u64 = 64;
@@ -148,9 +148,9 @@ fn a_scattered_loop_over_two_regions_is_read_ahead_by_temporal_from_its_second_l
 }
 
 /// Reads pages of a region 4x a 1,024-page budget with `fastswap` (the next 7 pages on every
-/// miss), `reads` at a time, in order or at random. Returns the engine's counters after each
-/// of `phases` such rounds.
-fn fastswap_reads(governor: bool, random: bool, reads: usize, phases: usize) -> Vec<tiermem_engine::StatsSnapshot> {
+/// miss), `reads` per phase, each phase at random (true) or in order (false). Returns the
+/// engine's counters after each phase.
+fn fastswap_reads(governor: bool, phases: &[bool], reads: usize) -> Vec<(tiermem_engine::StatsSnapshot, usize)> {
     let budget = 1024u64;
     let pages = (budget * 4) as usize;
     let device = devices(pages as u64 * 4096 * 2).remove(0).1;
@@ -166,14 +166,14 @@ fn fastswap_reads(governor: bool, random: bool, reads: usize, phases: usize) -> 
     }
     let mut rng = Rng(0x5eed);
     let mut after = Vec::new();
-    for phase in 0..phases {
+    for &random in phases {
         for k in 0..reads {
-            let page = if random { (rng.next() >> 8) as usize % pages } else { (phase * reads + k) % pages };
+            let page = if random { (rng.next() >> 8) as usize % pages } else { k % pages };
             // SAFETY: as above.
             let got = unsafe { ((base + page * 4096) as *const u64).read_volatile() };
             assert_eq!(got, page as u64 + 1, "page {page} read wrong data");
         }
-        after.push(engine.stats());
+        after.push((engine.stats(), engine.prefetch_cap()));
     }
     after
 }
@@ -189,21 +189,23 @@ fn the_prefetch_governor_cuts_a_prefetcher_that_guesses_wrong_and_leaves_one_tha
     // At random over 4x the budget, the next 7 pages of a miss are almost never read before
     // they are evicted again. Judged on the second half: the cap takes a few thousand
     // prefetches to come down from 64 pages a call to 1.
-    let later = |s: &[tiermem_engine::StatsSnapshot]| {
-        let issued = s[1].prefetch_issued - s[0].prefetch_issued;
-        let misses = s[1].critical_reads - s[0].critical_reads;
+    let later = |s: &[(tiermem_engine::StatsSnapshot, usize)]| {
+        let issued = s[1].0.prefetch_issued - s[0].0.prefetch_issued;
+        let misses = s[1].0.critical_reads - s[0].0.critical_reads;
         (issued, misses, issued as f64 / misses.max(1) as f64)
     };
-    let free = fastswap_reads(false, true, 15_000, 2);
-    let governed = fastswap_reads(true, true, 15_000, 2);
+    let free = fastswap_reads(false, &[true, true], 15_000);
+    let governed = fastswap_reads(true, &[true, true], 15_000);
     let ((free_issued, free_misses, free_rate), (issued, misses, rate)) = (later(&free), later(&governed));
     eprintln!(
         "random, second half: ungoverned {free_issued} prefetches for {free_misses} critical reads ({free_rate:.2} a \
-         miss); governed {issued} for {misses} ({rate:.2}), {} list entries cut in all",
-        governed[1].prefetch_cut
+         miss); governed {issued} for {misses} ({rate:.2}), {} list entries cut in all, cap {} pages",
+        governed[1].0.prefetch_cut, governed[1].1
     );
-    assert_eq!(free[1].prefetch_cut, 0, "the governor is off");
-    assert!(governed[1].prefetch_cut > 0, "nothing cut from a prefetcher guessing wrong");
+    assert_eq!(free[1].0.prefetch_cut, 0, "the governor is off");
+    assert_eq!(free[1].1, PageList::CAPACITY, "the governor is off");
+    assert!(governed[1].0.prefetch_cut > 0, "nothing cut from a prefetcher guessing wrong");
+    assert!(governed[1].1 <= 2, "the cap stayed at {} pages a call", governed[1].1);
     // A cap of one page a call: at most one prefetch per miss (a rare prefetch hit asks too).
     assert!(rate <= 1.05, "the governor's cap did not come down to a page a call: {rate:.2} prefetches a miss");
     assert!(
@@ -211,7 +213,7 @@ fn the_prefetch_governor_cuts_a_prefetcher_that_guesses_wrong_and_leaves_one_tha
         "the governor cut few prefetches: {rate:.2} a miss against {free_rate:.2} without it"
     );
     // In order, the next 7 pages are what the program reads next: nothing to cut.
-    let sequential = fastswap_reads(true, false, 4 * 4 * 1024, 1).remove(0);
+    let (sequential, cap) = fastswap_reads(true, &[false], 4 * 4 * 1024).remove(0);
     eprintln!(
         "sequential: {} prefetches for {} critical reads, samples used {} of {}",
         sequential.prefetch_issued,
@@ -221,6 +223,24 @@ fn the_prefetch_governor_cuts_a_prefetcher_that_guesses_wrong_and_leaves_one_tha
     );
     assert!(sequential.prefetch_sample_used >= 16, "too few samples to judge by");
     assert_eq!(sequential.prefetch_cut, 0, "the governor cut a prefetcher that guesses right");
+    assert_eq!(cap, PageList::CAPACITY);
+}
+
+#[test]
+fn the_prefetch_governor_lifts_its_cap_once_the_guesses_come_right_again() {
+    let _serial = serial();
+    if features_or_skip("the_prefetch_governor_lifts_its_cap_once_the_guesses_come_right_again").is_none() {
+        return;
+    }
+    // Random reads bring the cap down to a page or two a call; then passes in order, where the
+    // next 7 pages are right: used samples double the cap back to a whole list.
+    let after = fastswap_reads(true, &[true, true, false, false, false, false], 16_384);
+    let caps: Vec<usize> = after.iter().map(|(_, cap)| *cap).collect();
+    let samples: Vec<(u64, u64)> =
+        after.iter().map(|(s, _)| (s.prefetch_sample_used, s.prefetch_sample_unused)).collect();
+    eprintln!("cap after each phase {caps:?}; samples (used, unused) {samples:?}");
+    assert!(caps[1] <= 2, "the random phase did not bring the cap down: {caps:?}");
+    assert_eq!(caps[5], PageList::CAPACITY, "the cap stayed down after the guesses came right: {caps:?}");
 }
 
 #[test]
