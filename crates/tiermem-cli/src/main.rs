@@ -100,6 +100,10 @@ struct MicroArgs {
     /// tiermem's replacement policy (default: the engine's).
     #[arg(long, env = "TIERMEM_REPLACE")]
     replace: Option<String>,
+    /// on | off: tiermem caps each prefetcher call's pages while few sampled prefetches are used
+    /// (default on).
+    #[arg(long, env = "TIERMEM_PREFETCH_GOVERNOR")]
+    prefetch_governor: Option<String>,
     /// How tiermem notices writes: auto, sync-wp, async-wp, none.
     #[arg(long, default_value = "auto", env = "TIERMEM_DIRTY_TRACKING")]
     dirty_tracking: String,
@@ -192,6 +196,7 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
     };
     base.read_runs = on_off("--read-runs", &args.read_runs, base.read_runs)?;
     base.write_runs = on_off("--write-runs", &args.write_runs, base.write_runs)?;
+    base.prefetch_governor = on_off("--prefetch-governor", &args.prefetch_governor, base.prefetch_governor)?;
     // Bad policy names fail here, before any system runs.
     tiermem_engine::policy::build_policies(&base.prefetch, &base.replace, 1, &Default::default())?;
     let mut rows = Vec::new();

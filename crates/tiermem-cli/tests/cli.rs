@@ -22,6 +22,7 @@ fn bad_micro_arguments_fail_with_a_message() {
         (&["bench", "micro", "--system", "zswap"], "zswap"),
         (&["bench", "micro", "--size-mb", "lots"], "lots"),
         (&["bench", "micro", "--read-runs", "yes"], "--read-runs 'yes': expected on or off"),
+        (&["bench", "micro", "--prefetch-governor", "yes"], "--prefetch-governor 'yes': expected on or off"),
         (&["frobnicate"], "frobnicate"),
     ];
     for (args, needle) in cases {

@@ -1643,6 +1643,8 @@ fn bad_options_fail_before_the_program_starts() {
         (&["--limit", "40%"], &[], "tiermem profile"),
         (&["--limit", "1G", "--fault-mode", "telepathy"], &[], "telepathy"),
         (&["--limit", "1G", "--prefetch", "oracle"], &[], "oracle"),
+        (&["--limit", "1G", "--prefetch-governor", "maybe"], &[], "--prefetch-governor=maybe: expected on or off"),
+        (&["--limit", "1G"], &[("TIERMEM_PREFETCH_GOVERNOR", "maybe")], "TIERMEM_PREFETCH_GOVERNOR=maybe"),
         (&["--limit", "1G", "--watermark", "2"], &[], "watermark"),
         (&["--limit", "1G", "--device", "floppy"], &[], "floppy"),
         (&["--limit", "1G", "--device", "file:/proc/tiermem-cannot-be-here"], &[], "/proc/tiermem-cannot-be-here"),
