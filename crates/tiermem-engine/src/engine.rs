@@ -255,6 +255,21 @@ impl Shared {
         self.wake_reclaim();
     }
 
+    /// A prefetch sample's wait ended, `used` by the program or not: counted, and judged by the
+    /// prefetch governor.
+    pub(crate) fn prefetch_sample_ended(&self, used: bool) {
+        let counter =
+            if used { &self.stats.counters.prefetch_sample_used } else { &self.stats.counters.prefetch_sample_unused };
+        Stats::add(counter, 1);
+        self.prefetch_governor.sample_ended(used);
+    }
+
+    /// Cut a prefetcher's list to what the prefetch governor allows now, counting the cut.
+    pub(crate) fn govern_prefetches(&self, wanted: &mut crate::policy::PageList) {
+        let cut = self.prefetch_governor.cut(wanted);
+        Stats::add(&self.stats.counters.prefetch_cut, cut as u64);
+    }
+
     /// Give back the buffer a prefetched page holds: a prefetch sample's, or a copy in the victim
     /// tier (which then counts the page out).
     pub(crate) fn release_prefetched(&self, state: crate::page::PageState) {

@@ -263,8 +263,7 @@ fn resolve(
                 shared.replacement.on_insert(id);
                 Stats::add(&shared.stats.counters.prefetch_hits, 1);
                 // Only prefetch samples wait in their buffers (see `prefetch_sample`).
-                Stats::add(&shared.stats.counters.prefetch_sample_used, 1);
-                shared.prefetch_governor.sample_ended(true);
+                shared.prefetch_sample_ended(true);
                 shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
                 let info = FaultInfo {
                     region: region.index,
@@ -645,8 +644,7 @@ fn issue_prefetches(
     }
     let mut wanted = PageList::default();
     shared.prefetcher.on_fault(info, &mut wanted);
-    let cut = shared.prefetch_governor.cut(&mut wanted);
-    Stats::add(&shared.stats.counters.prefetch_cut, cut as u64);
+    shared.govern_prefetches(&mut wanted);
     if !shared.prefetcher.spans_regions() {
         return read_ahead(shared, region, wanted.as_slice(), lane).requests;
     }

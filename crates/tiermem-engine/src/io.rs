@@ -392,8 +392,7 @@ fn end_sample(shared: &Shared, regions: &RegionTable, id: u64) {
         locked.set(state.with_kind(Kind::Evicted));
         drop(locked);
         shared.arena.release(state.buf());
-        Stats::add(&shared.stats.counters.prefetch_sample_unused, 1);
-        shared.prefetch_governor.sample_ended(false);
+        shared.prefetch_sample_ended(false);
     }
 }
 

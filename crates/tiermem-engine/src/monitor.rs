@@ -265,8 +265,7 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
             }
             let mut wanted = PageList::default();
             shared.prefetcher.on_report(index, page, region.page_count(), &mut wanted);
-            let cut = shared.prefetch_governor.cut(&mut wanted);
-            Stats::add(&shared.stats.counters.prefetch_cut, cut as u64);
+            shared.govern_prefetches(&mut wanted);
             // Read like will-need pages: room made first (right after a program filled its
             // budget there is none, and a plain prefetch would find none and read nothing),
             // busy pages retried.
