@@ -123,6 +123,13 @@ SYSTEMS: dict[str, System] = {
         System("tiermem-mem-sync-wp-around", "tiermem",
                "tiermem run, mem device (the ideal), sync write-protect with write fault-around of 16 pages",
                ("--dirty-tracking", "sync-wp", "--write-fault-around", "16"), device="mem"),
+        # Async-WP eviction as before 2026-12-04: victims moved out with UFFDIO_MOVE, one call
+        # and one TLB flush per run of contiguous pages, instead of held in a pipe and dropped
+        # a batch per call.
+        System("tiermem-file-move", "tiermem", "tiermem run, file device, victims moved out run by run (no page pipe)",
+               ("--evict-pipe", "off")),
+        System("tiermem-mem-move", "tiermem", "tiermem run, mem device (the ideal), victims moved out run by run",
+               ("--evict-pipe", "off"), device="mem"),
         # Prefetched pages that sit in consecutive slots read as one request (up to 32 pages);
         # with write runs too, contiguous dirty pages also land in consecutive slots.
         System("tiermem-file-read-runs", "tiermem", "tiermem run, file device, contiguous prefetches merged",

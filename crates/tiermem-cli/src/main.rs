@@ -462,6 +462,11 @@ struct RunArgs {
     /// to 32 pages to consecutive slots [default: off].
     #[arg(long, env = "TIERMEM_WRITE_RUNS")]
     write_runs: Option<String>,
+    /// on | off: under async write protection, hold a batch of victims in a pipe and drop them
+    /// with one call, one TLB flush for the batch, instead of moving them out run by run with
+    /// UFFDIO_MOVE [default: on].
+    #[arg(long, env = "TIERMEM_EVICT_PIPE")]
+    evict_pipe: Option<String>,
     /// on | off: read the prefetcher's pages that sit in consecutive slots as one request of
     /// up to 32 pages [default: off].
     #[arg(long, env = "TIERMEM_READ_RUNS")]
@@ -598,6 +603,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_VICTIM_TIER", &args.victim_tier),
         ("TIERMEM_QUEUE_DEPTH", &args.queue_depth),
         ("TIERMEM_WRITE_RUNS", &args.write_runs),
+        ("TIERMEM_EVICT_PIPE", &args.evict_pipe),
         ("TIERMEM_READ_RUNS", &args.read_runs),
         ("TIERMEM_DEFER_HITS", &args.defer_hits),
         ("TIERMEM_RECLAIM_MODE", &args.reclaim_mode),

@@ -11,12 +11,19 @@
 //! since it came in. A write may still land between the scan and the move, so such a page is
 //! dropped without a device write only if its contents hash as what its slot holds (xxh3, set
 //! whenever the slot is written); otherwise it is written like a dirty page.
+//!
+//! Where the kernel drops a batch of scattered pages with one TLB flush, the first areas also
+//! have a [`PagePipe`]: eviction then holds the victims in the pipe by reference, drops them all
+//! with one call and reads their final contents from the pipe into the area's scratch pages
+//! (see [`crate::reclaim`]), instead of one UFFDIO_MOVE, and one flush, per run of contiguous
+//! victims.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use tiermem_sys::mem::Mapping;
+use tiermem_sys::page_pipe::PagePipe;
 use tiermem_sys::pagemap::{category, PageRegion, Pagemap, ScanQuery};
-use tiermem_sys::uffd::{RegisterMode, Uffd};
+use tiermem_sys::uffd::{Features, RegisterMode, Uffd};
 use tiermem_sys::{Result, PAGE_SIZE};
 
 use crate::policy::PageList;
@@ -28,6 +35,9 @@ const SENTINELS: usize = 1;
 /// Staging areas: threads evicting at the same time (reclaim, direct reclaim by faulting
 /// threads) each need one.
 const AREAS: usize = 8;
+/// Areas with a page pipe: the reclaim thread's and one faulting thread's at a time, the usual
+/// evictors (each pipe is two descriptors in the program's table). The rest move pages.
+const PIPED_AREAS: usize = 2;
 
 /// The staging areas and the pagemap handle used for async-WP eviction.
 #[derive(Debug)]
@@ -40,6 +50,15 @@ pub(crate) struct Capture {
 struct Area {
     mapping: Mapping,
     busy: AtomicBool,
+    held: Option<Held>,
+}
+
+/// A page pipe and the scratch pages its pages are read into.
+#[derive(Debug)]
+pub(crate) struct Held {
+    pipe: PagePipe,
+    /// AREA_PAGES pages, populated when made: reading into them never needs memory.
+    scratch: Mapping,
 }
 
 /// A staging area held by one evicting thread; empty again when dropped.
@@ -64,9 +83,21 @@ impl Capture {
     /// allocated; under a full cgroup the reclaim thread then waited in the kernel's reclaim
     /// for memory only its own eviction could free, and the OOM guard gave up after 2 s (the
     /// OOM-guard test's rare failure, docs/running-programs.md).
-    pub(crate) fn new(uffd: &Uffd) -> Result<Self> {
+    ///
+    /// Page pipes (`pipes_wanted`: [`crate::EngineConfig::evict_pipe`]) only where taking a page into one cannot wait for the engine: a page that is
+    /// unexpectedly missing faults inside vmsplice, which a SIGBUS-mode or user-mode-only
+    /// userfaultfd fails at once (EFAULT) and a handler-thread one would hand to a thread that
+    /// waits for the page lock this eviction holds.
+    pub(crate) fn new(uffd: &Uffd, pipes_wanted: bool) -> Result<Self> {
+        let pipes = if !pipes_wanted {
+            0
+        } else if uffd.features().contains(Features::SIGBUS) || !uffd.handles_kernel_faults() {
+            PIPED_AREAS
+        } else {
+            0
+        };
         let mut areas = Vec::with_capacity(AREAS);
-        for _ in 0..AREAS {
+        for k in 0..AREAS {
             let mapping = Mapping::anonymous((AREA_PAGES + 2 * SENTINELS) * PAGE_SIZE, false)?;
             // SAFETY: the range is the mapping just created and owned here.
             let _ = unsafe {
@@ -84,7 +115,8 @@ impl Capture {
             // out). Page tables do not follow the split this makes, so they still hold them.
             let staging = mapping.as_ptr().wrapping_add(SENTINELS * PAGE_SIZE);
             uffd.register(staging, AREA_PAGES * PAGE_SIZE, RegisterMode { missing: true, write_protect: true })?;
-            areas.push(Area { mapping, busy: AtomicBool::new(false) });
+            let held = if k < pipes { Held::new() } else { None };
+            areas.push(Area { mapping, busy: AtomicBool::new(false), held });
         }
         Ok(Self { areas: areas.into_boxed_slice(), pagemap: Pagemap::open_self()? })
     }
@@ -141,10 +173,62 @@ impl Capture {
     }
 }
 
+impl Held {
+    /// A pipe and its scratch pages; None (tracing why) where either cannot be had.
+    fn new() -> Option<Self> {
+        let made =
+            PagePipe::new(AREA_PAGES).and_then(|pipe| Ok((pipe, Mapping::anonymous(AREA_PAGES * PAGE_SIZE, true)?)));
+        match made {
+            Ok((pipe, scratch)) => Some(Self { pipe, scratch }),
+            Err(e) => {
+                tracing::debug!("eviction moves pages one run at a time: no page pipe ({e})");
+                None
+            }
+        }
+    }
+
+    /// Scratch page `k`.
+    pub(crate) fn scratch_page(&self, k: usize) -> *mut u8 {
+        self.scratch.as_ptr().wrapping_add(k * PAGE_SIZE)
+    }
+
+    /// Take references to the pages `ranges` name (see [`PagePipe::hold`]); all or nothing:
+    /// false, with the pipe empty again, where any was not taken.
+    pub(crate) fn hold(&self, ranges: &[libc::iovec]) -> bool {
+        let want: usize = ranges.iter().map(|r| r.iov_len).sum();
+        if self.pipe.hold(ranges) == want {
+            return true;
+        }
+        // SAFETY: the scratch pages are this area's, held by the caller, and hold nothing yet.
+        let scratch = unsafe { std::slice::from_raw_parts_mut(self.scratch.as_ptr(), AREA_PAGES * PAGE_SIZE) };
+        self.pipe.clear(scratch);
+        false
+    }
+
+    /// Read the first `count` held pages into scratch pages 0..count. False if fewer came.
+    pub(crate) fn take(&self, count: usize) -> bool {
+        let mut into = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; AREA_PAGES];
+        for (k, iov) in into.iter_mut().enumerate().take(count) {
+            *iov = libc::iovec { iov_base: self.scratch_page(k).cast(), iov_len: PAGE_SIZE };
+        }
+        self.pipe.take(&into[..count]) == count * PAGE_SIZE
+    }
+}
+
 impl Staging<'_> {
+    /// The area's page pipe, if it has one.
+    pub(crate) fn held(&self) -> Option<&Held> {
+        self.area.held.as_ref()
+    }
+
     /// Address of staging page `k` (after the first sentinel).
     pub(crate) fn page(&self, k: usize) -> *mut u8 {
         self.area.mapping.as_ptr().wrapping_add((SENTINELS + k) * PAGE_SIZE)
+    }
+
+    /// Whether pages were moved here (its drop then empties it).
+    pub(crate) fn is_used(&self) -> bool {
+        self.used_pages > 0
     }
 
     /// Note that pages up to `k` (exclusive) may hold moved pages, to empty them on drop.

@@ -140,6 +140,10 @@ pub struct EngineConfig {
     /// Write address-contiguous dirty pages of a reclaim batch as one request of up to 32 pages
     /// to consecutive slots, instead of one request per page (the paper merges nothing).
     pub write_runs: bool,
+    /// Async WP eviction through a page pipe where the fault mode allows it: a batch of
+    /// scattered victims is held in a pipe, dropped with one call (one TLB flush) and read back,
+    /// instead of one UFFDIO_MOVE, and one flush, per run of contiguous victims.
+    pub evict_pipe: bool,
     /// Read a prefetcher's pages that sit in consecutive slots as one request of up to 32
     /// pages, instead of one request per page (the faulting page is still read alone, first).
     pub read_runs: bool,
@@ -190,6 +194,7 @@ impl Default for EngineConfig {
             handler_spin_us: 0,
             write_fault_around: 1,
             write_runs: false,
+            evict_pipe: true,
             read_runs: false,
             defer_prefetch_hits: false,
             hot_threshold: tiermem_monitor::hot_table::DEFAULT_THRESHOLD,

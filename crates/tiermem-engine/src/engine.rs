@@ -412,10 +412,10 @@ impl Engine {
                  run as root, or set the sysctl vm.unprivileged_userfaultfd=1",
             ));
         }
-        let capture = if async_wp { Some(crate::capture::Capture::new(&uffd)?) } else { None };
+        let capture = if async_wp { Some(crate::capture::Capture::new(&uffd, config.evict_pipe)?) } else { None };
         let threaded = if config.fault_mode == FaultMode::Sigbus && kernel_faults {
             let uffd = Uffd::open(Features(wanted.0 & !Features::SIGBUS.0), true)?;
-            let capture = if async_wp { Some(crate::capture::Capture::new(&uffd)?) } else { None };
+            let capture = if async_wp { Some(crate::capture::Capture::new(&uffd, config.evict_pipe)?) } else { None };
             Some((uffd, capture))
         } else {
             None

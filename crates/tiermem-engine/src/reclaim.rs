@@ -229,12 +229,14 @@ fn settle_unwritten_around(shared: &Shared, victims: &mut [Option<Victim<'_>>], 
     }
 }
 
-/// Async WP: take `victims` (all on the userfaultfd of `capture`'s staging areas) out with
-/// UFFDIO_MOVE, queue the writes of the written ones, and put back those that stay.
+/// Async WP: take `victims` (all on the userfaultfd of `capture`'s staging areas) out through a
+/// page pipe or with UFFDIO_MOVE, queue the writes of the written ones, and put back those that stay.
 fn capture_out(shared: &Shared, capture: &crate::capture::Capture, victims: &mut [Option<Victim<'_>>]) {
     let mut staging = capture.claim();
     let mut unmoved = [None; PageList::CAPACITY];
-    move_out(shared, capture, &mut staging, victims, &mut unmoved);
+    if !splice_out(shared, capture, &staging, victims) {
+        move_out(shared, capture, &mut staging, victims, &mut unmoved);
+    }
     queue_writes(shared, victims, true);
     put_back_failed(shared, victims);
     if unmoved.iter().any(Option::is_some) && shared.protection_guarded.load(Ordering::Acquire) {
@@ -242,7 +244,9 @@ fn capture_out(shared: &Shared, capture: &crate::capture::Capture, victims: &mut
     }
     // Dropping `staging` empties it (one MADV_DONTNEED): every page moved there is copied or
     // clean.
-    Stats::add(&shared.stats.counters.unmap_calls, 1);
+    if staging.is_used() {
+        Stats::add(&shared.stats.counters.unmap_calls, 1);
+    }
 }
 
 /// Lock the proposed victims that can be evicted now, sorted by page; busy ones go back to the
@@ -676,32 +680,106 @@ fn move_out(
     }
     for (k, slot) in victims.iter_mut().enumerate() {
         let Some(v) = slot.as_mut() else { continue };
-        let state = v.page.state();
         if !moved[k] {
             release(shared, v.buf.take());
-            v.next = Some(state);
+            v.next = Some(v.page.state());
             unmoved[k] = Some(written[k]);
             continue;
         }
-        let page = staging.page(k);
-        v.staged = Some(page as usize);
-        // SAFETY: the page was moved to this staging page, which only this thread touches.
-        let bytes = unsafe { std::slice::from_raw_parts(page.cast_const(), PAGE_SIZE) };
-        let clean = slot_holds(v, state, written[k], bytes);
-        if clean {
-            release(shared, v.buf.take());
-            // SAFETY: see [`source`]: the staging page is this thread's alone.
-            v.next = Some(clean_leaving(shared, state, unsafe { source(v) }));
-            continue;
-        }
-        if v.buf.is_none() {
-            v.buf = shared.arena.alloc();
-        }
-        if v.buf.is_none() {
-            // No buffer to write it from: it goes back (see put_back_failed).
-            v.next = Some(state.with_dirty(true));
+        judge_taken(shared, v, staging.page(k), written[k]);
+    }
+}
+
+/// Async WP: decide what a victim taken out of the program's reach needs, its contents now at
+/// `page` (a staging or scratch page only this thread touches), `written` what the page tables
+/// said: clean (decided here), or a write (a buffer, left undecided for [`queue_writes`]).
+fn judge_taken(shared: &Shared, v: &mut Victim<'_>, page: *mut u8, written: bool) {
+    let state = v.page.state();
+    v.staged = Some(page as usize);
+    // SAFETY: see [`source`]: the page is this thread's alone.
+    let bytes = unsafe { source(v) };
+    if slot_holds(v, state, written, bytes) {
+        release(shared, v.buf.take());
+        v.next = Some(clean_leaving(shared, state, bytes));
+        return;
+    }
+    if v.buf.is_none() {
+        v.buf = shared.arena.alloc();
+    }
+    if v.buf.is_none() {
+        // No buffer to write it from: it goes back (see put_back_failed).
+        v.next = Some(state.with_dirty(true));
+    }
+}
+
+/// Async WP, one TLB flush for the whole batch: hold every victim's page in the staging area's
+/// page pipe (references, not copies), drop them all with one call, then read from the pipe
+/// each page as it was when dropped, every earlier write included, into the area's scratch
+/// pages, which the checks and writes read from. A victim whose drop failed stays resident.
+/// Returns false, having changed nothing, where this cannot be done (no pipe, batched drops
+/// refused here, a page the pipe would not take): the caller moves the pages instead.
+fn splice_out(
+    shared: &Shared,
+    capture: &crate::capture::Capture,
+    staging: &crate::capture::Staging<'_>,
+    victims: &mut [Option<Victim<'_>>],
+) -> bool {
+    let Some(held) = staging.held() else { return false };
+    if tiermem_sys::mem::batched_discard_refused() {
+        return false;
+    }
+    // Each victim's place in the pipe, and the pages in that order.
+    let mut place = [usize::MAX; PageList::CAPACITY];
+    let mut pages = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; PageList::CAPACITY];
+    let mut count = 0;
+    for (k, v) in victims.iter().enumerate() {
+        if let Some(v) = v {
+            place[k] = count;
+            pages[count] = libc::iovec { iov_base: v.region.page_addr(v.index).cast(), iov_len: PAGE_SIZE };
+            count += 1;
         }
     }
+    if count == 0 {
+        return true;
+    }
+    // Written since they came in, asked before they are held: a write after this is caught by
+    // the hash comparison.
+    let mut written = [false; PageList::CAPACITY];
+    let mut i = 0;
+    while i < victims.len() {
+        let j = run_end(victims, i, |_| true);
+        if let Some(v) = victims[i].as_ref() {
+            capture.find_written(v.region.page_addr(v.index) as usize, &mut written[i..j]);
+        }
+        i = j;
+    }
+    if !held.hold(&pages[..count]) {
+        return false;
+    }
+    discard_runs(
+        shared,
+        victims,
+        |v| v.next.is_none(),
+        |v, dropped| {
+            if !dropped {
+                release(shared, v.buf.take());
+                v.next = Some(v.page.state());
+            }
+        },
+    );
+    // Every held page is read, dropped or not, so the pipe is empty for the next batch.
+    if !held.take(count) {
+        // The pipe held these pages a moment ago; only a broken kernel loses them. The dropped
+        // pages' contents are gone with it: stop rather than return wrong data later.
+        tracing::error!("pages held for eviction could not be read back");
+        std::process::abort();
+    }
+    for (k, slot) in victims.iter_mut().enumerate() {
+        let Some(v) = slot.as_mut().filter(|v| v.next.is_none()) else { continue };
+        judge_taken(shared, v, held.scratch_page(place[k]), written[k]);
+    }
+    Stats::add(&shared.stats.counters.spliced_evictions, count as u64);
+    true
 }
 
 /// Eviction under sync WP and cleaning (either WP), which read victims in place: where the

@@ -95,6 +95,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "on | off: also feed the access monitor from DAMON's physical-memory monitoring (a running paddr kdamond, or one started when none exists; needs root) (default off)",
     ),
     ("TIERMEM_WRITE_RUNS", "on | off: write contiguous dirty pages as one request of up to 32 pages (default off)"),
+    ("TIERMEM_EVICT_PIPE", "on | off: async-wp eviction holds a batch of victims in a pipe and drops them with one TLB flush, instead of moving them run by run (default on)"),
     ("TIERMEM_READ_RUNS", "on | off: read prefetched pages in consecutive slots as one request of up to 32 pages (default off)"),
     ("TIERMEM_DEFER_HITS", "on | off: thread fault mode: a fault on a page being prefetched sleeps until it lands instead of the handler spinning (default off)"),
     ("TIERMEM_DIRTY_TRACKING", "auto | sync-wp | none"),
@@ -240,6 +241,7 @@ impl RunSettings {
                 "TIERMEM_SINGLE_THREAD_STDIO" => s.single_thread_stdio = on_off(value).map_err(named)?,
                 "TIERMEM_REUSE_FREED" => s.reuse_freed = on_off(value).map_err(named)?,
                 "TIERMEM_WRITE_RUNS" => s.engine.write_runs = on_off(value).map_err(named)?,
+                "TIERMEM_EVICT_PIPE" => s.engine.evict_pipe = on_off(value).map_err(named)?,
                 "TIERMEM_DAMON" => s.engine.damon = on_off(value).map_err(named)?,
                 "TIERMEM_READ_RUNS" => s.engine.read_runs = on_off(value).map_err(named)?,
                 "TIERMEM_DEFER_HITS" => s.engine.defer_prefetch_hits = on_off(value).map_err(named)?,
@@ -306,6 +308,7 @@ impl RunSettings {
             ("TIERMEM_QUEUE_DEPTH", e.queue_depth.to_string()),
             ("TIERMEM_HANDLER_SPIN_US", e.handler_spin_us.to_string()),
             ("TIERMEM_WRITE_RUNS", if e.write_runs { "on" } else { "off" }.to_string()),
+            ("TIERMEM_EVICT_PIPE", if e.evict_pipe { "on" } else { "off" }.to_string()),
             ("TIERMEM_READ_RUNS", if e.read_runs { "on" } else { "off" }.to_string()),
             ("TIERMEM_DEFER_HITS", if e.defer_prefetch_hits { "on" } else { "off" }.to_string()),
             ("TIERMEM_VICTIM_TIER", (u64::from(e.victim_pages) * tiermem_sys::PAGE_SIZE as u64).to_string()),
@@ -441,6 +444,7 @@ mod tests {
             ("TIERMEM_SINGLE_THREAD_STDIO", "off"),
             ("TIERMEM_REUSE_FREED", "off"),
             ("TIERMEM_WRITE_RUNS", "on"),
+            ("TIERMEM_EVICT_PIPE", "off"),
             ("TIERMEM_READ_RUNS", "on"),
             ("TIERMEM_PREFETCH_GOVERNOR", "off"),
             ("TIERMEM_CGROUP", "guard"),
@@ -462,6 +466,8 @@ mod tests {
         assert!(!s.single_thread_stdio && !again.single_thread_stdio);
         assert!(!s.reuse_freed && !again.reuse_freed);
         assert!(s.engine.write_runs && again.engine.write_runs);
+        assert!(!s.engine.evict_pipe && !again.engine.evict_pipe);
+        assert!(RunSettings::default().engine.evict_pipe, "on by default");
         assert!(s.engine.read_runs && again.engine.read_runs);
         assert!(!s.engine.prefetch_governor && !again.engine.prefetch_governor);
         assert!(RunSettings::default().engine.prefetch_governor, "on by default");

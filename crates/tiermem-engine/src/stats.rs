@@ -97,6 +97,9 @@ pub struct Counters {
     /// 2-core test VM, whatever the run's length up to 64 pages), so evictions per call says
     /// how much of that reclaim shares.
     pub unmap_calls: AtomicU64,
+    /// Victims taken out through a page pipe (async WP: one drop and one TLB flush for a whole
+    /// batch of scattered pages) rather than moved run by run.
+    pub spliced_evictions: AtomicU64,
     /// Page copies the kernel refused for want of memory in the cgroup (ENOMEM: its OOM killer
     /// is off, see the preload's OOM guard), retried after the budget shrank.
     pub memory_waits: AtomicU64,
@@ -242,6 +245,7 @@ impl Stats {
             direct_reclaims: l(&c.direct_reclaims),
             reclaim_wakeups: l(&c.reclaim_wakeups),
             unmap_calls: l(&c.unmap_calls),
+            spliced_evictions: l(&c.spliced_evictions),
             memory_waits: l(&c.memory_waits),
             io_errors: l(&c.io_errors),
             dropped_outside: l(&c.dropped_outside),
@@ -339,6 +343,9 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub unmap_calls: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub spliced_evictions: u64,
     /// See [`Counters`].
     #[serde(default)]
     pub memory_waits: u64,
@@ -488,6 +495,13 @@ impl StatsSnapshot {
                 self.evictions as f64 / self.unmap_calls as f64
             );
         }
+        if self.spliced_evictions > 0 {
+            let _ = writeln!(
+                s,
+                "                {} of the evictions through a page pipe, a batch a call",
+                self.spliced_evictions
+            );
+        }
         if self.writes_seen_in_page_tables > 0 {
             let _ = writeln!(
                 s,
@@ -584,6 +598,7 @@ impl StatsSnapshot {
         self.direct_reclaims += other.direct_reclaims;
         self.reclaim_wakeups += other.reclaim_wakeups;
         self.unmap_calls += other.unmap_calls;
+        self.spliced_evictions += other.spliced_evictions;
         self.memory_waits += other.memory_waits;
         self.io_errors += other.io_errors;
         self.dropped_outside += other.dropped_outside;

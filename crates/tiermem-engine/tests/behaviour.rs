@@ -95,6 +95,68 @@ fn eviction_changes_page_tables_once_per_run_of_contiguous_pages() {
     }
 }
 
+/// Under async write protection in sigbus mode, scattered victims (pages touched in random
+/// order) leave through the page pipe, a whole reclaim batch per page-table call, where moving
+/// them took a call, and a TLB flush, per page; every value still reads back.
+#[test]
+fn scattered_victims_leave_a_batch_per_page_table_call() {
+    let _serial = serial();
+    let test = "scattered_victims_leave_a_batch_per_page_table_call";
+    let Some(f) = features_or_skip(test) else { return };
+    if !(f.sigbus && f.wp_async && f.move_pages && f.pagemap_scan) {
+        eprintln!("SKIPPED {test}: kernel lacks SIGBUS, WP_ASYNC, MOVE or PAGEMAP_SCAN");
+        return;
+    }
+    let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
+        c.dirty_tracking = DirtyTracking::AsyncWriteProtect;
+        c.fault_mode = FaultMode::Sigbus;
+    });
+    let pages = 1024;
+    let region = engine.create_region(pages * 4096).unwrap();
+    let words = region.as_ptr().cast::<u64>();
+    let mut order: Vec<usize> = (0..pages).collect();
+    let mut rng = common::Rng(0x5eed);
+    for pass in 0..3u64 {
+        for i in (1..pages).rev() {
+            order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+        }
+        for &p in &order {
+            // SAFETY: page `p` of the region, one u64 at its start.
+            unsafe {
+                let w = words.add(p * 512);
+                if pass == 0 {
+                    w.write_volatile(p as u64 + 1);
+                } else {
+                    assert_eq!(w.read_volatile(), p as u64 + 1, "page {p}, pass {pass}");
+                }
+            }
+        }
+    }
+    let stats = engine.stats();
+    eprintln!(
+        "{} evictions, {} through the page pipe, {} page-table calls",
+        stats.evictions, stats.spliced_evictions, stats.unmap_calls
+    );
+    if stats.spliced_evictions == 0 && tiermem_sys::mem::batched_discard_refused() {
+        eprintln!("SKIPPED {test}: this kernel drops no batch of ranges in one call (process_madvise on itself)");
+        return;
+    }
+    assert!(stats.evictions >= 2000, "three passes over 4x the budget must evict");
+    assert!(
+        stats.spliced_evictions * 10 >= stats.evictions * 9,
+        "scattered victims were moved, not taken through the pipe: {} of {}",
+        stats.spliced_evictions,
+        stats.evictions
+    );
+    assert!(
+        stats.evictions >= 3 * stats.unmap_calls,
+        "scattered victims were dropped page by page: {} evictions, {} calls",
+        stats.evictions,
+        stats.unmap_calls
+    );
+    assert!(stats.summary().contains("through a page pipe"), "{}", stats.summary());
+}
+
 /// Fill `pages` pages with a pattern, then push them out by touching a second region.
 fn evicted_pattern(engine: &Engine, pages: usize) -> (tiermem_engine::Region, Vec<u8>) {
     fill_and_evict(engine, engine.create_region(pages * 4096).unwrap())

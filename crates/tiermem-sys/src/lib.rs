@@ -8,6 +8,7 @@ pub mod error;
 pub mod guarded_fd;
 pub mod mem;
 pub mod messages;
+pub mod page_pipe;
 pub mod pagemap;
 pub mod probe;
 pub mod uffd;

@@ -259,6 +259,12 @@ static BATCHED_DISCARD_REFUSED: AtomicBool = AtomicBool::new(false);
 /// memory, also right after a fork, with no descriptor to open or inherit.
 const PIDFD_SELF_THREAD: libc::c_int = -10000;
 
+/// Whether [`discard_all`] was found not to work here (it then returns false at once): callers
+/// with a cheaper way for one range at a time pick that instead.
+pub fn batched_discard_refused() -> bool {
+    BATCHED_DISCARD_REFUSED.load(Ordering::Relaxed)
+}
+
 /// Drop the pages of every range with one system call, so one TLB flush covers them all:
 /// MADV_DONTNEED through `process_madvise` on the calling process, which recent kernels accept
 /// and flush once per call for (measured on 6.18). A flush reaches every other CPU running the
