@@ -53,9 +53,12 @@ impl PagePipe {
         if ranges.is_empty() {
             return 0;
         }
+        // The system call itself, not libc's wrapper: inside `tiermem run` the preload's
+        // wrappers of I/O calls come first, and this runs in the SIGBUS handler too.
         // SAFETY: the iovecs are valid for reading for the call (the kernel only takes
         // references to the pages they name); the descriptor is this pipe's write end.
-        let n = unsafe { libc::vmsplice(self.write.as_raw_fd(), ranges.as_ptr(), ranges.len(), 0) };
+        let n =
+            unsafe { libc::syscall(libc::SYS_vmsplice, self.write.as_raw_fd(), ranges.as_ptr(), ranges.len(), 0u32) };
         n.max(0) as usize
     }
 
@@ -74,8 +77,9 @@ impl PagePipe {
             rest[0].iov_base = rest[0].iov_base.wrapping_byte_add(skip);
             rest[0].iov_len -= skip;
             // SAFETY: the iovecs name writable buffers (the caller's contract); the descriptor is
-            // this pipe's read end.
-            let n = unsafe { libc::readv(self.read.as_raw_fd(), rest.as_ptr(), count as libc::c_int) };
+            // this pipe's read end. The system call, not the preload's `readv` (see `hold`).
+            let n =
+                unsafe { libc::syscall(libc::SYS_readv, self.read.as_raw_fd(), rest.as_ptr(), count as libc::c_int) };
             if n <= 0 {
                 if n < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                     continue;
