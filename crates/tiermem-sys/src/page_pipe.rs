@@ -9,9 +9,9 @@
 //! where UFFDIO_MOVE, the other way to take a page atomically, flushes once per run of
 //! contiguous pages.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
-use rustix::pipe::PipeFlags;
+use rustix::pipe::{IoSliceRaw, PipeFlags, SpliceFlags};
 
 use crate::guarded_fd::Guarded;
 use crate::{Error, ErrorKind, Result, ResultExt, PAGE_SIZE};
@@ -53,13 +53,15 @@ impl PagePipe {
         if ranges.is_empty() {
             return 0;
         }
-        // The system call itself, not libc's wrapper: inside `tiermem run` the preload's
-        // wrappers of I/O calls come first, and this runs in the SIGBUS handler too.
-        // SAFETY: the iovecs are valid for reading for the call (the kernel only takes
-        // references to the pages they name); the descriptor is this pipe's write end.
-        let n =
-            unsafe { libc::syscall(libc::SYS_vmsplice, self.write.as_raw_fd(), ranges.as_ptr(), ranges.len(), 0u32) };
-        n.max(0) as usize
+        // SAFETY: IoSliceRaw is documented ABI-compatible with iovec (a transparent wrapper), so
+        // the slice reinterpreted names the same ranges for the same lifetime.
+        let slices = unsafe { std::slice::from_raw_parts(ranges.as_ptr().cast::<IoSliceRaw<'_>>(), ranges.len()) };
+        // rustix's raw system call, not libc's: inside `tiermem run` the preload's wrappers of
+        // I/O calls (and of syscall() itself) come first, and take locks that the program may
+        // hold while this runs (in the reclaim thread, or in the SIGBUS handler).
+        // SAFETY: the ranges are valid for reading for the call (the kernel takes references
+        // to the pages they name, which outlive nothing of ours).
+        unsafe { rustix::pipe::vmsplice(&*self.write, slices, SpliceFlags::empty()) }.unwrap_or(0)
     }
 
     /// Read the next `pages.len()` pages the pipe holds into `pages` (each PAGE_SIZE writable
@@ -70,23 +72,23 @@ impl PagePipe {
         while done < want {
             // Resume after what was read: skip whole buffers, then part of one.
             let first = done / PAGE_SIZE;
+            let skip = done % PAGE_SIZE;
             let mut rest = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 64];
             let count = (pages.len() - first).min(rest.len());
             rest[..count].copy_from_slice(&pages[first..first + count]);
-            let skip = done % PAGE_SIZE;
             rest[0].iov_base = rest[0].iov_base.wrapping_byte_add(skip);
             rest[0].iov_len -= skip;
-            // SAFETY: the iovecs name writable buffers (the caller's contract); the descriptor is
-            // this pipe's read end. The system call, not the preload's `readv` (see `hold`).
-            let n =
-                unsafe { libc::syscall(libc::SYS_readv, self.read.as_raw_fd(), rest.as_ptr(), count as libc::c_int) };
-            if n <= 0 {
-                if n < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                    continue;
-                }
-                break;
+            // SAFETY: std's IoSliceMut is documented ABI-compatible with iovec on Unix; the
+            // iovecs name writable buffers the caller gives for this call alone.
+            let bufs =
+                unsafe { std::slice::from_raw_parts_mut(rest.as_mut_ptr().cast::<std::io::IoSliceMut<'_>>(), count) };
+            // rustix's raw system call, past the preload's `readv` (see `hold`).
+            match rustix::io::readv(&*self.read, bufs) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(_) => break,
             }
-            done += n as usize;
         }
         done
     }
