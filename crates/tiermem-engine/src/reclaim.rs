@@ -382,14 +382,7 @@ pub(crate) fn clean_batch(shared: &Shared, regions: &RegionTable, max: usize) ->
     // fault) written since they were last protected.
     let mut written = [false; PageList::CAPACITY];
     if let Some(capture) = &shared.capture {
-        let mut i = 0;
-        while i < victims.len() {
-            let j = run_end(victims, i, |_| true);
-            if let Some(v) = victims[i].as_ref() {
-                capture.find_written(v.region.page_addr(v.index) as usize, &mut written[i..j]);
-            }
-            i = j;
-        }
+        find_written_victims(capture, victims, &mut written);
     }
     for (k, v) in victims.iter_mut().enumerate() {
         let Some(v) = v.as_mut() else { continue };
@@ -449,6 +442,23 @@ pub(crate) fn clean_batch(shared: &Shared, regions: &RegionTable, max: usize) ->
     }
     shared.cleaned_pages.store(cleaned.len() as u64, Ordering::Relaxed);
     listed
+}
+
+/// Async WP: mark in `written` (by victim) the victims the program wrote since they were last
+/// protected, one page-table scan per run of contiguous victims.
+fn find_written_victims(
+    capture: &crate::capture::Capture,
+    victims: &[Option<Victim<'_>>],
+    written: &mut [bool; PageList::CAPACITY],
+) {
+    let mut i = 0;
+    while i < victims.len() {
+        let j = run_end(victims, i, |_| true);
+        if let Some(v) = victims[i].as_ref() {
+            capture.find_written(v.region.page_addr(v.index) as usize, &mut written[i..j]);
+        }
+        i = j;
+    }
 }
 
 /// Lock one proposed victim. `Err(true)`: busy, try later; `Err(false)`: not resident any more.
@@ -745,14 +755,7 @@ fn splice_out(
     // Written since they came in, asked before they are held: a write after this is caught by
     // the hash comparison.
     let mut written = [false; PageList::CAPACITY];
-    let mut i = 0;
-    while i < victims.len() {
-        let j = run_end(victims, i, |_| true);
-        if let Some(v) = victims[i].as_ref() {
-            capture.find_written(v.region.page_addr(v.index) as usize, &mut written[i..j]);
-        }
-        i = j;
-    }
+    find_written_victims(capture, victims, &mut written);
     if !held.hold(&pages[..count]) {
         return false;
     }
