@@ -84,10 +84,11 @@ impl Capture {
     /// for memory only its own eviction could free, and the OOM guard gave up after 2 s (the
     /// OOM-guard test's rare failure, docs/running-programs.md).
     ///
-    /// Page pipes (`pipes_wanted`: [`crate::EngineConfig::evict_pipe`]) only where taking a page into one cannot wait for the engine: a page that is
-    /// unexpectedly missing faults inside vmsplice, which a SIGBUS-mode or user-mode-only
-    /// userfaultfd fails at once (EFAULT) and a handler-thread one would hand to a thread that
-    /// waits for the page lock this eviction holds.
+    /// Page pipes (`pipes_wanted`: [`crate::EngineConfig::evict_pipe`]) only where taking a
+    /// page into one cannot wait for the engine: a page that is unexpectedly missing faults
+    /// inside vmsplice, which a SIGBUS-mode or user-mode-only userfaultfd fails at once (EFAULT)
+    /// and a handler-thread one would hand to a thread that waits for the page lock this
+    /// eviction holds.
     pub(crate) fn new(uffd: &Uffd, pipes_wanted: bool) -> Result<Self> {
         let pipes = if !pipes_wanted {
             0

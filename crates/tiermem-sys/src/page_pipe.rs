@@ -59,8 +59,8 @@ impl PagePipe {
         // rustix's raw system call, not libc's: inside `tiermem run` the preload's wrappers of
         // I/O calls (and of syscall() itself) come first, and take locks that the program may
         // hold while this runs (in the reclaim thread, or in the SIGBUS handler).
-        // SAFETY: the ranges are valid for reading for the call (the kernel takes references
-        // to the pages they name, which outlive nothing of ours).
+        // SAFETY: the ranges name mapped memory, readable for the call; the kernel only takes
+        // references to the pages, which keep them alive as long as the pipe holds them.
         unsafe { rustix::pipe::vmsplice(&*self.write, slices, SpliceFlags::empty()) }.unwrap_or(0)
     }
 
