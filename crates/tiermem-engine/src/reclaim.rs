@@ -777,11 +777,14 @@ fn splice_out(
         tracing::error!("pages held for eviction could not be read back");
         std::process::abort();
     }
+    // Those whose drop failed stay resident (decided above) and are not counted.
+    let mut taken = 0;
     for (k, slot) in victims.iter_mut().enumerate() {
         let Some(v) = slot.as_mut().filter(|v| v.next.is_none()) else { continue };
         judge_taken(shared, v, held.scratch_page(place[k]), written[k]);
+        taken += 1;
     }
-    Stats::add(&shared.stats.counters.spliced_evictions, count as u64);
+    Stats::add(&shared.stats.counters.spliced_evictions, taken);
     true
 }
 
