@@ -339,8 +339,18 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
     // eat the room it pages into; `io_buffers` is the most it gets. (A 16th, at least 64, was
     // slower: docs/running-programs.md, *I/O buffers*. A floor of 128 left will-need advice over 8 MiB reading
     // only half of it ahead, `madvise_willneed_on_managed_memory_reads_the_pages_ahead`.)
+    //
+    // Below a 16 MiB budget that floor, the page pipes' scratch pages and the OOM guard's
+    // ballast would be most of the cgroup (the tiny scale's quicksort at 20%, a 6.2 MiB limit:
+    // 5.4 MiB held by tiermem and the program's runtime left the budget nothing, and the run
+    // was killed or crawled), so each shrinks with the budget there (see [`SMALL_BUDGET_PAGES`]).
     let most = config.io_buffers;
-    config.io_buffers = u32::try_from(config.limit_pages() / 64).unwrap_or(u32::MAX).clamp(most.min(256), most);
+    let floor = (config.limit_pages() / 16).clamp(64, 256) as u32;
+    config.io_buffers = u32::try_from(config.limit_pages() / 64).unwrap_or(u32::MAX).clamp(most.min(floor), most);
+    if config.limit_pages() < SMALL_BUDGET_PAGES {
+        // Evicted pages go out by UFFDIO_MOVE instead: no 512 KiB of scratch pages held.
+        config.evict_pipe = false;
+    }
     if let Some(dir) = &settings.trace_dir {
         config.trace_path = Some(dir.join(format!("{}.trace", std::process::id())));
     }
@@ -869,7 +879,16 @@ fn fit_budget_to_look(engine: &Engine, cgroup: &CgroupRoom, configured: u64, mar
 /// Room kept free for growth between two looks: a 50th of the room, at least 1 MiB
 /// (proportional, so a small cgroup still leaves the engine most of its room).
 fn base_margin(engine: &Engine, cgroup: &CgroupRoom, configured: u64) -> u64 {
-    (local_room(engine, cgroup, configured) / 50).max(1 << 20)
+    let room = local_room(engine, cgroup, configured);
+    (room / 50).max(small_share(room, 1 << 20))
+}
+
+/// Budgets (4 KiB pages) below which tiermem's fixed memory shrinks with the budget: 16 MiB.
+const SMALL_BUDGET_PAGES: u64 = 4096;
+
+/// `bytes`, or a 16th of `room` if that is less: what a fixed margin may take of a small room.
+fn small_share(room: u64, bytes: u64) -> u64 {
+    bytes.min(room / 16)
 }
 
 /// The memory the cgroup leaves the program: its limit, or for a device that keeps evicted
@@ -889,7 +908,7 @@ fn local_room(engine: &Engine, cgroup: &CgroupRoom, configured: u64) -> u64 {
 /// the guard the kernel pauses the program instead. The guard's ballast, held as the margin, is
 /// released at once, and the next look fits the budget to what grew. If the cgroup runs out
 /// again before the ballast is back, or cannot be read meanwhile, the budget is cut to a step
-/// (a 16th of the room, at least 2 MiB) below what is resident, without reading anything
+/// (a 16th of the room, at least 2 MiB or an 8th of a smaller room) below what is resident, without reading anything
 /// (reading cgroup files needs memory the cgroup does not have), and that step stays as extra margin, shrinking
 /// by a 256th per look (about half in 3.5 s), so a program that bursts again finds the room
 /// free. If the budget is already at its floor, tiermem has nothing left to give: the guard
@@ -1006,7 +1025,7 @@ fn say_where_threads_wait() {
     }
 }
 
-/// Cut the budget to a step (a 16th of the room, at least 2 MiB) below what is resident,
+/// Cut the budget to a step (a 16th of the room, at least 2 MiB or an 8th) below what is resident,
 /// without reading anything, and keep the step as extra margin (see [`watch_cgroup`]); with the
 /// budget at its floor, turn the guard's OOM killer back on instead.
 fn cut_budget_a_step(
@@ -1017,7 +1036,7 @@ fn cut_budget_a_step(
     extra_margin: &mut u64,
 ) {
     let room = local_room(engine, cgroup, configured);
-    let step = (room / 16).max(2 << 20);
+    let step = (room / 16).max((2 << 20).min(room / 8));
     let page = tiermem_sys::PAGE_SIZE as u64;
     let (limit, resident) = (engine.limit_pages() * page, engine.resident_pages() * page);
     if resident > limit {
