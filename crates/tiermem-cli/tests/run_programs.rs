@@ -2483,7 +2483,7 @@ fn run_in_cgroup_watched(
 /// its budget cuts), it held with the program's runtime nearly all of the 6.2 MiB: the budget fell
 /// to 64 KiB (sigbus mode) or 344 KiB (thread mode), this sort took 38–59 s against 2, and the
 /// quicksort crawled for 300 s or was killed by SIGBUS when a page copy stayed refused. Now the
-/// budget keeps about 2 MiB (1.4 MiB after one of the guard's cuts) and the program completes
+/// budget keeps about 2 MiB (1.0–1.4 MiB after one of the guard's cuts) and the program completes
 /// with its own output, in both fault modes, and also with a `--limit` larger than the cgroup
 /// (which sized tables by it before, and kept 0.5–0.6 MiB).
 #[test]
@@ -2548,7 +2548,7 @@ fn a_cgroup_a_fifth_of_a_small_footprint_still_runs_the_program() {
         // Each was 1 MiB, a sixth of the cgroup, before; now a 16th, in whole pages.
         let share = (limit / 16).next_multiple_of(4096);
         assert!(buffers <= share && ballast <= share, "{name} ({case}): {buffers} and {ballast} bytes");
-        // 64 KiB (sigbus) and 344 KiB (thread) before; 2 MiB without a budget cut, 1 MiB after one.
+        // 64 KiB (sigbus) and 344 KiB (thread) before; 2 MiB without a budget cut, 1.0–1.4 after one.
         assert!(
             lowest >= limit / 16,
             "{name} ({case}): the budget fell to {} KiB of a {limit}-byte cgroup",
