@@ -727,15 +727,22 @@ impl RunOutcome {
             Ending::Signaled(sig) => format!("was killed by signal {sig}"),
         };
         let _ = writeln!(s, "tiermem: the program {ending} after {:.2} s", self.elapsed.as_secs_f64());
-        let budget = self.settings.engine.limit_bytes;
+        // The processes' engines start from the cgroup's limit where `--limit` was larger.
+        let asked = self.settings.engine.limit_bytes;
+        let budget = self.processes.iter().filter_map(|p| p["limit_bytes"].as_u64()).min().unwrap_or(asked).min(asked);
         let lowest = self.processes.iter().filter_map(|p| p["lowest_budget_bytes"].as_u64()).min();
         let file_room = self.processes.iter().filter_map(|p| p["peak_file_room_bytes"].as_u64()).max().unwrap_or(0);
         // Every process of the run watches the same cgroup, so each saw the same refaults.
         let file_refaults = self.processes.iter().filter_map(|p| p["file_refaults"].as_u64()).max().unwrap_or(0);
         let _ = writeln!(
             s,
-            "budget          {:.1} MiB{}  device {}  fault mode {}  dirty tracking {}  prefetch {}  replace {}",
+            "budget          {:.1} MiB{}{}  device {}  fault mode {}  dirty tracking {}  prefetch {}  replace {}",
             mib(budget),
+            if budget < asked {
+                format!(" (the cgroup's limit; --limit {:.1} MiB)", mib(asked))
+            } else {
+                String::new()
+            },
             lowest
                 .filter(|&l| l < budget)
                 .map(|l| {

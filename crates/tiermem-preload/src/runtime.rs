@@ -344,6 +344,7 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
     // ballast would be most of the cgroup (the tiny scale's quicksort at 20%, a 6.2 MiB limit:
     // 5.4 MiB held by tiermem and the program's runtime left the budget nothing, and the run
     // was killed or crawled), so each shrinks with the budget there (see [`SMALL_BUDGET_PAGES`]).
+    //
     // A budget above the cgroup's limit could never be reached (it is fitted into the cgroup's
     // room below), and the tables sized by it would take room from it (a `--limit 64MiB` run
     // in a 6.2 MiB cgroup: 0.7 MiB more heap than with the cgroup's limit).
@@ -884,8 +885,9 @@ fn fit_budget_to_look(engine: &Engine, cgroup: &CgroupRoom, configured: u64, mar
     LOWEST_BUDGET.fetch_min(budget, Ordering::Relaxed);
 }
 
-/// Room kept free for growth between two looks: a 50th of the room, at least 1 MiB
-/// (proportional, so a small cgroup still leaves the engine most of its room).
+/// Room kept free for growth between two looks: a 50th of the room, at least 1 MiB, or a 16th
+/// of a room under 16 MiB (proportional, so a small cgroup still leaves the engine most of its
+/// room).
 fn base_margin(engine: &Engine, cgroup: &CgroupRoom, configured: u64) -> u64 {
     let room = local_room(engine, cgroup, configured);
     (room / 50).max(small_share(room, 1 << 20))
