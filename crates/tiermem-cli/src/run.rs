@@ -734,11 +734,13 @@ impl RunOutcome {
         let file_room = self.processes.iter().filter_map(|p| p["peak_file_room_bytes"].as_u64()).max().unwrap_or(0);
         // Every process of the run watches the same cgroup, so each saw the same refaults.
         let file_refaults = self.processes.iter().filter_map(|p| p["file_refaults"].as_u64()).max().unwrap_or(0);
+        let fault_refaults = self.processes.iter().filter_map(|p| p["file_fault_refaults"].as_u64()).max().unwrap_or(0);
         let _ = writeln!(
             s,
             "budget          {:.1} MiB{}{}  device {}  fault mode {}  dirty tracking {}  prefetch {}  replace {}",
             mib(budget),
-            if budget < asked {
+            // Said only when it shows: a --limit the kernel rounded down to pages is the same.
+            if format!("{:.1}", mib(budget)) != format!("{:.1}", mib(asked)) {
                 format!(" (the cgroup's limit; --limit {:.1} MiB)", mib(asked))
             } else {
                 String::new()
@@ -748,7 +750,8 @@ impl RunOutcome {
                 .map(|l| {
                     let files = (file_room > 0).then(|| {
                         format!(
-                            "; up to {:.1} MiB left to the program's file pages after {file_refaults} refaults",
+                            "; up to {:.1} MiB left to the program's file pages after {file_refaults} refaults, \
+                             {fault_refaults} of them read back by page faults",
                             mib(file_room)
                         )
                     });

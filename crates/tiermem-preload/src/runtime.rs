@@ -48,9 +48,11 @@ static LOWEST_BUDGET: AtomicU64 = AtomicU64::new(u64::MAX);
 static OOM_RESCUES: AtomicU64 = AtomicU64::new(0);
 /// Times it ran out while the guard held its ballast, whose release was room enough.
 static BALLAST_RELEASES: AtomicU64 = AtomicU64::new(0);
-/// Refaults of the cgroup's file pages seen while following it (see [`FileRoom`]), and the most
-/// room kept for its file pages because of them.
+/// Refaults of the cgroup's file pages seen while following it (see [`FileRoom`]), how many of
+/// them page faults could have read back, and the most room kept for its file pages because of
+/// them.
 static FILE_REFAULTS: AtomicU64 = AtomicU64::new(0);
+static FILE_FAULT_REFAULTS: AtomicU64 = AtomicU64::new(0);
 static PEAK_FILE_ROOM: AtomicU64 = AtomicU64::new(0);
 /// Bytes of the OOM guard's ballast (0 without the guard).
 static BALLAST_BYTES: AtomicU64 = AtomicU64::new(0);
@@ -771,12 +773,19 @@ struct StatKeys {
     /// Shared memory (shmem, tmpfs, memfd): in the page cache's count, but not droppable.
     shmem: &'static str,
     refaults: &'static str,
+    /// Page faults that read from a file (or swap, which a cgroup without swap has none of).
+    major_faults: &'static str,
 }
 
 /// v1 (`total_` counts this cgroup and those below it, as its usage does).
-static V1_KEYS: StatKeys =
-    StatKeys { cache: "total_cache ", shmem: "total_shmem ", refaults: "total_workingset_refault_file " };
-static V2_KEYS: StatKeys = StatKeys { cache: "file ", shmem: "shmem ", refaults: "workingset_refault_file " };
+static V1_KEYS: StatKeys = StatKeys {
+    cache: "total_cache ",
+    shmem: "total_shmem ",
+    refaults: "total_workingset_refault_file ",
+    major_faults: "total_pgmajfault ",
+};
+static V2_KEYS: StatKeys =
+    StatKeys { cache: "file ", shmem: "shmem ", refaults: "workingset_refault_file ", major_faults: "pgmajfault " };
 
 /// See [`CgroupRoom::look`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -785,6 +794,7 @@ struct CgroupLook {
     /// The page cache the kernel may drop (shared memory left out).
     droppable: u64,
     file_refaults: Option<u64>,
+    major_faults: Option<u64>,
 }
 
 impl CgroupLook {
@@ -798,7 +808,12 @@ impl CgroupLook {
         let field = |key: &str| stat.lines().find_map(|l| l.strip_prefix(key)?.trim().parse::<u64>().ok());
         let cache = field(keys.cache)?;
         let droppable = cache.saturating_sub(field(keys.shmem).unwrap_or(0));
-        Some(Self { charged: usage.saturating_sub(droppable), droppable, file_refaults: field(keys.refaults) })
+        Some(Self {
+            charged: usage.saturating_sub(droppable),
+            droppable,
+            file_refaults: field(keys.refaults),
+            major_faults: field(keys.major_faults),
+        })
     }
 }
 
@@ -807,8 +822,15 @@ impl CgroupLook {
 /// memory too; the kernel then evicts the program's own code, which comes back from disk on
 /// every use (a Redis server at 20% of its footprint whose code was first read inside its
 /// cgroup: 340,000 major faults and 400 s instead of 23). Every refault the cgroup reports (a
-/// file page read back soon after the kernel evicted it) adds its page, at most half the
-/// cgroup's room.
+/// file page read back soon after the kernel evicted it) adds room by the reads it cost, at
+/// most half the cgroup's room: a page for each refault a major fault read (one read each), and
+/// a page per [`READ_AROUND_PAGES`] of the others, which came in as many to a request (the
+/// kernel's read-around of a faulting page's neighbours, the readahead of `read` calls as a
+/// program reads its input again). A page of the budget spares up to a read of the program's
+/// memory too, so the two sides win room at the same price. Counting every refault as a page,
+/// k-means at 40% of its footprint (a 102 MiB cgroup) after `drop_caches` left 51 MiB to the
+/// page cache after 45,000 refaults (its input file, Python's modules) with 760 major faults,
+/// and took 18–20 s; 11–12.5 s counting reads (docs/running-programs.md).
 ///
 /// A look without refaults gives back a 1024th (about 14 s to halve), and at once whatever the
 /// page cache does not fill: room the file pages leave empty protects nothing. Refaults come in
@@ -823,28 +845,56 @@ impl CgroupLook {
 struct FileRoom {
     /// The cgroup's refault count at the last look.
     seen: Option<u64>,
+    /// Its count of major faults at the last look.
+    seen_major: Option<u64>,
+    /// Refaults read back in batches not yet counted (under [`READ_AROUND_PAGES`]).
+    batch_carry: u64,
     bytes: u64,
 }
 
+/// Pages one read of the page cache brings in when it reads ahead: the kernel's read-around of a
+/// faulting page and a `read` call's readahead, `read_ahead_kb`'s default of 128 KiB.
+const READ_AROUND_PAGES: u64 = 32;
+
+/// The cgroup's counts a [`FileRoom`] follows, from one look.
+#[derive(Debug, Clone, Copy, Default)]
+struct FileCounts {
+    refaults: Option<u64>,
+    major_faults: Option<u64>,
+}
+
 impl FileRoom {
-    /// Update from a look's refault count and droppable page cache; returns the room to keep.
+    /// Update from a look's counts and droppable page cache; returns the room to keep.
     /// While the engine is still evicting down to a budget already cut (`catching_up`),
     /// refaults are the cut not having taken effect yet, not a sign that more room is needed:
     /// they are not counted again.
-    fn update(&mut self, refaults: Option<u64>, cache: u64, cap: u64, catching_up: bool) -> u64 {
-        let new = match (refaults, self.seen) {
-            (Some(now), Some(before)) => now.saturating_sub(before),
-            _ => 0,
+    fn update(&mut self, counts: FileCounts, cache: u64, cap: u64, catching_up: bool) -> u64 {
+        let since = |now: Option<u64>, before: Option<u64>| match (now, before) {
+            (Some(now), Some(before)) => Some(now.saturating_sub(before)),
+            _ => None,
         };
-        if refaults.is_some() {
-            self.seen = refaults;
+        let new = since(counts.refaults, self.seen).unwrap_or(0);
+        let new_major = since(counts.major_faults, self.seen_major);
+        if counts.refaults.is_some() {
+            self.seen = counts.refaults;
+        }
+        if counts.major_faults.is_some() {
+            self.seen_major = counts.major_faults;
         }
         if catching_up {
             return self.bytes;
         }
-        if new > 0 {
-            self.bytes = (self.bytes + new * tiermem_sys::PAGE_SIZE as u64).min(cap);
-            FILE_REFAULTS.fetch_add(new, Ordering::Relaxed);
+        // Without a count of major faults (never seen on a kernel with refault counts) every
+        // refault counts as a read of its own.
+        let by_faults = new_major.map_or(new, |major| new.min(major));
+        self.batch_carry += new - by_faults;
+        let batched = self.batch_carry / READ_AROUND_PAGES;
+        self.batch_carry %= READ_AROUND_PAGES;
+        FILE_REFAULTS.fetch_add(new, Ordering::Relaxed);
+        FILE_FAULT_REFAULTS.fetch_add(by_faults, Ordering::Relaxed);
+        let pages = by_faults + batched;
+        if pages > 0 {
+            self.bytes = (self.bytes + pages * tiermem_sys::PAGE_SIZE as u64).min(cap);
             PEAK_FILE_ROOM.fetch_max(self.bytes, Ordering::Relaxed);
         } else {
             self.bytes -= self.bytes / 1024;
@@ -1009,7 +1059,8 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
         if let Some(look) = cgroup.look() {
             let catching_up = engine.resident_pages() > engine.limit_pages();
             let cap = local_room(engine, &cgroup, configured) / 2;
-            let files = file_room.update(look.file_refaults, look.droppable, cap, catching_up);
+            let counts = FileCounts { refaults: look.file_refaults, major_faults: look.major_faults };
+            let files = file_room.update(counts, look.droppable, cap, catching_up);
             fit_budget_to_look(engine, &cgroup, configured, margin + extra_margin + files, look);
         } else if out_since.is_some() {
             // The cgroup could not be read while it is out of memory (reading it needs memory
@@ -1225,6 +1276,7 @@ extern "C" fn at_exit() {
         "oom_ballast_releases": BALLAST_RELEASES.load(Ordering::Relaxed),
         "forks_refused": FORKS_REFUSED.load(Ordering::Relaxed),
         "file_refaults": FILE_REFAULTS.load(Ordering::Relaxed),
+        "file_fault_refaults": FILE_FAULT_REFAULTS.load(Ordering::Relaxed),
         "peak_file_room_bytes": PEAK_FILE_ROOM.load(Ordering::Relaxed),
         "fault_mode": engine.config().fault_mode.to_string(),
         "dirty_tracking": engine.dirty_tracking(),
@@ -1314,17 +1366,22 @@ mod tests {
         }
     }
 
-    use super::{room_for_fork, CgroupLook, FileRoom};
+    use super::{room_for_fork, CgroupLook, FileCounts, FileRoom, READ_AROUND_PAGES};
 
     const PAGE: u64 = tiermem_sys::PAGE_SIZE as u64;
 
     #[test]
     fn a_fork_s_room_is_judged_by_the_resident_pages_when_the_cgroup_cannot_be_read() {
         const MIB: u64 = 1 << 20;
-        let look = CgroupLook { charged: 30 * MIB, droppable: 4 * MIB, file_refaults: None };
+        let look = CgroupLook { charged: 30 * MIB, droppable: 4 * MIB, file_refaults: None, major_faults: None };
         assert_eq!(room_for_fork(48 * MIB, Some(look), 20 * MIB, MIB), 17 * MIB, "limit less charged and margin");
         assert_eq!(room_for_fork(48 * MIB, None, 40 * MIB, MIB), 7 * MIB, "unreadable: the resident pages count");
         assert_eq!(room_for_fork(48 * MIB, None, 48 * MIB, MIB), 0, "no room, never a wrap-around");
+    }
+
+    /// Counts where every refault came with a major fault of its own (code read back page by page).
+    fn faults(refaults: u64) -> FileCounts {
+        FileCounts { refaults: Some(refaults), major_faults: Some(refaults) }
     }
 
     #[test]
@@ -1332,42 +1389,76 @@ mod tests {
         // A page cache larger than any room here: only the decay and the cap act.
         let full = 1 << 40;
         let mut room = FileRoom::default();
-        assert_eq!(room.update(Some(500), full, 1 << 30, false), 0, "the first look only learns the count");
-        assert_eq!(room.update(Some(600), full, 1 << 30, false), 100 * PAGE);
-        assert_eq!(room.update(Some(600), full, 1 << 30, true), 100 * PAGE, "catching up: kept as it is");
-        assert_eq!(room.update(Some(700), full, 1 << 30, true), 100 * PAGE, "refaults while catching up do not count");
+        assert_eq!(room.update(faults(500), full, 1 << 30, false), 0, "the first look only learns the count");
+        assert_eq!(room.update(faults(600), full, 1 << 30, false), 100 * PAGE);
+        assert_eq!(room.update(faults(600), full, 1 << 30, true), 100 * PAGE, "catching up: kept as it is");
         assert_eq!(
-            room.update(Some(700), full, 1 << 30, false),
+            room.update(faults(700), full, 1 << 30, true),
+            100 * PAGE,
+            "refaults while catching up do not count"
+        );
+        assert_eq!(
+            room.update(faults(700), full, 1 << 30, false),
             100 * PAGE - 100 * PAGE / 1024,
             "a calm look gives some back"
         );
-        assert_eq!(room.update(Some(1_000_000), full, 64 * PAGE, false), 64 * PAGE, "never more than the cap");
+        assert_eq!(room.update(faults(1_000_000), full, 64 * PAGE, false), 64 * PAGE, "never more than the cap");
         let mut calm = 64 * PAGE;
         for _ in 0..1024 * 14 / 10 {
-            calm = room.update(Some(1_000_000), full, 64 * PAGE, false);
+            calm = room.update(faults(1_000_000), full, 64 * PAGE, false);
         }
         assert!(calm < 64 * PAGE / 3 && calm > 64 * PAGE / 8, "about halved every 14 s of 20 ms looks: {calm}");
-        assert_eq!(FileRoom::default().update(None, full, 1 << 30, false), 0, "a kernel that counts no refaults");
+        assert_eq!(
+            FileRoom::default().update(FileCounts::default(), full, 1 << 30, false),
+            0,
+            "a kernel that counts no refaults"
+        );
     }
 
     #[test]
     fn file_room_the_page_cache_leaves_empty_goes_back_at_the_first_calm_look() {
         let mut room = FileRoom::default();
-        room.update(Some(0), 0, 1 << 30, false);
+        room.update(faults(0), 0, 1 << 30, false);
         // A burst of refaults while the program starts, with little in the cache at that look:
         // refaults count in full, whatever the cache holds.
-        assert_eq!(room.update(Some(3000), 10 * PAGE, 1 << 30, false), 3000 * PAGE);
+        assert_eq!(room.update(faults(3000), 10 * PAGE, 1 << 30, false), 3000 * PAGE);
         // Calm, and the cache holds 600 pages: the rest of the room protects nothing.
-        assert_eq!(room.update(Some(3000), 600 * PAGE, 1 << 30, false), 600 * PAGE);
+        assert_eq!(room.update(faults(3000), 600 * PAGE, 1 << 30, false), 600 * PAGE);
         // The cache shrinks further without refaults (the kernel dropped pages nobody used).
-        assert_eq!(room.update(Some(3000), 200 * PAGE, 1 << 30, false), 200 * PAGE);
+        assert_eq!(room.update(faults(3000), 200 * PAGE, 1 << 30, false), 200 * PAGE);
         // The program needs some back: they return as refaults and win their room again.
-        assert_eq!(room.update(Some(3050), 200 * PAGE, 1 << 30, false), 250 * PAGE);
+        assert_eq!(room.update(faults(3050), 200 * PAGE, 1 << 30, false), 250 * PAGE);
         // A cache that grows does not grow the room: only refaults do.
-        let grown = room.update(Some(3050), 4000 * PAGE, 1 << 30, false);
+        let grown = room.update(faults(3050), 4000 * PAGE, 1 << 30, false);
         assert_eq!(grown, 250 * PAGE - 250 * PAGE / 1024);
         // Catching up keeps the room as it is, even above the cache.
-        assert_eq!(room.update(Some(3050), 0, 1 << 30, true), grown);
+        assert_eq!(room.update(faults(3050), 0, 1 << 30, true), grown);
+    }
+
+    #[test]
+    fn file_room_grows_by_a_page_a_major_fault_and_a_page_a_read_around_of_other_refaults() {
+        let full = 1 << 40;
+        let counts = |refaults, major_faults| FileCounts { refaults: Some(refaults), major_faults: Some(major_faults) };
+        let mut room = FileRoom::default();
+        assert_eq!(room.update(counts(0, 0), full, 1 << 30, false), 0);
+        // 3,200 refaults and no major fault: a program reading its input file again.
+        assert_eq!(room.update(counts(3200, 0), full, 1 << 30, false), 3200 / READ_AROUND_PAGES * PAGE);
+        // 10 major faults that read 340 refaulted pages around them: 10, and 330 by the dozen
+        // (10 pages, 10 carried over).
+        assert_eq!(room.update(counts(3540, 10), full, 1 << 30, false), 120 * PAGE);
+        // The carried 10 and 22 more make another page.
+        assert_eq!(room.update(counts(3562, 10), full, 1 << 30, false), 121 * PAGE);
+        // Major faults that were not refaults (code read for the first time) count for nothing.
+        assert_eq!(room.update(counts(3567, 30), full, 1 << 30, false), 126 * PAGE);
+        // A few batched refaults that make no page yet: a calm look, the room decays.
+        assert_eq!(room.update(counts(3570, 30), full, 1 << 30, false), 126 * PAGE - 126 * PAGE / 1024);
+        // A kernel without a count of major faults: every refault counts as a read.
+        let mut room = FileRoom::default();
+        room.update(FileCounts { refaults: Some(0), major_faults: None }, full, 1 << 30, false);
+        assert_eq!(
+            room.update(FileCounts { refaults: Some(500), major_faults: None }, full, 1 << 30, false),
+            500 * PAGE
+        );
     }
 
     use super::{V1_KEYS, V2_KEYS};
@@ -1378,22 +1469,29 @@ mod tests {
         // `total_` ones the look reads after them; 30 MiB of page cache of which 16 MiB shmem.
         let v1 = "cache 1\nrss 2\nshmem 3\nmapped_file 4\nworkingset_refault_file 5\n\
                   total_cache 31457280\ntotal_rss 8388608\ntotal_shmem 16777216\n\
-                  total_mapped_file 2097152\ntotal_workingset_refault_file 77\n";
+                  total_mapped_file 2097152\ntotal_workingset_refault_file 77\npgmajfault 6\n\
+                  total_pgmajfault 12\n";
         let look = CgroupLook::from_stat(40 << 20, v1, &V1_KEYS).unwrap();
         assert_eq!(
             look,
-            CgroupLook { charged: 26 << 20, droppable: 14 << 20, file_refaults: Some(77) },
+            CgroupLook { charged: 26 << 20, droppable: 14 << 20, file_refaults: Some(77), major_faults: Some(12) },
             "40 MiB used, 14 MiB droppable"
         );
         // v2: `file` is the page cache (shmem in it); `file_mapped` and the like must not be
         // taken for it.
         let v2 = "anon 8388608\nfile_mapped 2097152\nfile 31457280\nfile_dirty 0\nshmem 16777216\n\
-                  workingset_refault_file 9\n";
+                  workingset_refault_file 9\npgmajfault 3\n";
         let look = CgroupLook::from_stat(40 << 20, v2, &V2_KEYS).unwrap();
-        assert_eq!(look, CgroupLook { charged: 26 << 20, droppable: 14 << 20, file_refaults: Some(9) });
+        assert_eq!(
+            look,
+            CgroupLook { charged: 26 << 20, droppable: 14 << 20, file_refaults: Some(9), major_faults: Some(3) }
+        );
         // A kernel without a shmem count: all of the page cache is droppable, as before.
         let look = CgroupLook::from_stat(40 << 20, "total_cache 31457280\n", &V1_KEYS).unwrap();
-        assert_eq!(look, CgroupLook { charged: 10 << 20, droppable: 30 << 20, file_refaults: None });
+        assert_eq!(
+            look,
+            CgroupLook { charged: 10 << 20, droppable: 30 << 20, file_refaults: None, major_faults: None }
+        );
         assert_eq!(CgroupLook::from_stat(40 << 20, "total_rss 5\n", &V1_KEYS), None, "no page cache count, no look");
         // Counts that disagree for a moment (read one after the other) never underflow.
         let look = CgroupLook::from_stat(1 << 20, "total_cache 4194304\ntotal_shmem 8388608\n", &V1_KEYS).unwrap();
