@@ -7,7 +7,7 @@
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use tiermem_policy::{PolicyOptions, PREFETCHERS, REPLACEMENTS};
-use tiermem_sim::{simulate, HitInfo, Latency, MonitorInput, SimConfig};
+use tiermem_sim::{simulate, FirstTouch, HitInfo, Latency, MonitorInput, SimConfig};
 
 fuzz_target!(|data: &[u8]| {
     let _ = run(&mut Unstructured::new(data));
@@ -32,6 +32,7 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
         hits: *u.choose(&[HitInfo::Full, HitInfo::Engine])?,
         clean_ahead: *u.choose(&[0.0, 0.01, 0.3, 0.99, 1.0, -0.5, f64::NAN])?,
         clean_queue: *u.choose(&[0, 1, 64])?,
+        first_touch: *u.choose(&[FirstTouch::Miss, FirstTouch::ZeroFill])?,
     };
     // Pages in a few clusters across the whole page space, every kind of event.
     let bases = [0u64, 1 << 20, (1 << 40) - 64];
@@ -44,7 +45,7 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
     let Ok(result) = simulate(&events, &config, &mut |_| {}) else { return Ok(()) };
     let accesses = events.iter().filter(|&&e| e & 3 < 2).count() as u64;
     assert_eq!(result.accesses, accesses);
-    assert!(result.faults <= accesses);
+    assert!(result.faults + result.zero_fills <= accesses);
     assert!(result.prefetch_hits <= result.prefetch_issued);
     assert!(result.modeled_ns >= 0.0, "modeled time {}", result.modeled_ns);
     Ok(())

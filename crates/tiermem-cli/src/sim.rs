@@ -6,7 +6,7 @@ use std::time::Instant;
 use clap::Args;
 use tiermem_engine::config::parse_size;
 use tiermem_sim::trace::{Format, LineOptions, Synthetic, SyntheticGen};
-use tiermem_sim::{format_table, HitInfo, Latency, MonitorInput, SimConfig, SimResult, Simulator};
+use tiermem_sim::{format_table, FirstTouch, HitInfo, Latency, MonitorInput, SimConfig, SimResult, Simulator};
 use tiermem_sys::{Error, Result};
 
 /// Arguments of `tiermem sim`.
@@ -59,6 +59,12 @@ pub struct SimArgs {
     /// the live runs best, docs/policies.md).
     #[arg(long, default_value_t = 0)]
     pub clean_queue: usize,
+    /// A page's first touch: miss (a device read like any miss, and any page may be read
+    /// ahead: a cache simulator's compulsory miss, as libCacheSim counts it) or zero-fill (as
+    /// tiermem's engine: a page never touched has nothing on the device, so its first touch is
+    /// a zero-filled page without a read, not counted in faults, and no prefetcher reads it).
+    #[arg(long, default_value = "miss")]
+    pub first_touch: String,
     /// CPU time per trace event, ns.
     #[arg(long, default_value_t = Latency::default().access_ns)]
     pub access_ns: f64,
@@ -281,6 +287,11 @@ pub fn run(args: &SimArgs) -> Result<()> {
     if args.clean_queue > 0 && args.clean_ahead == 0.0 {
         return Err(Error::invalid("--clean-queue limits cleaning ahead: give --clean-ahead too"));
     }
+    let first_touch = match args.first_touch.as_str() {
+        "miss" => FirstTouch::Miss,
+        "zero-fill" => FirstTouch::ZeroFill,
+        other => return Err(Error::invalid(format!("--first-touch '{other}': expected miss or zero-fill"))),
+    };
     // None: auto (the trace's reports if it has any, else every page change).
     let monitor = match args.monitor.as_str() {
         "auto" => None,
@@ -376,6 +387,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
             hits,
             clean_ahead: args.clean_ahead,
             clean_queue: args.clean_queue,
+            first_touch,
         };
         let started = Instant::now();
         let result = match (&trace, synthetic) {
@@ -423,6 +435,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
             "hits": hits,
             "clean_ahead": args.clean_ahead,
             "clean_queue": args.clean_queue,
+            "first_touch": first_touch,
             "latency": latency,
             "results": rows,
         });
@@ -431,10 +444,15 @@ pub fn run(args: &SimArgs) -> Result<()> {
     }
     let share = |pages: usize| format!("{pages} pages ({:.0}%)", pages as f64 * 100.0 / footprint.max(1) as f64);
     println!(
-        "trace {label}: footprint {footprint} pages, local memory {}, monitor input {monitor:?}, hits {hits:?}, clean-ahead {}{}",
+        "trace {label}: footprint {footprint} pages, local memory {}, monitor input {monitor:?}, hits {hits:?}, clean-ahead {}{}{}",
         sizes.iter().map(|&p| share(p)).collect::<Vec<_>>().join(", "),
         args.clean_ahead,
-        if args.clean_queue > 0 { format!(" (at most {} write-backs in flight)", args.clean_queue) } else { String::new() }
+        if args.clean_queue > 0 { format!(" (at most {} write-backs in flight)", args.clean_queue) } else { String::new() },
+        // Every page's first touch is one zero fill, whatever the policies: the same in every row.
+        match (first_touch, rows.first()) {
+            (FirstTouch::ZeroFill, Some(r)) => format!(", first touches zero-filled ({} pages, not in faults)", r.result.zero_fills),
+            _ => String::new(),
+        }
     );
     let results: Vec<SimResult> = rows.iter().map(|r| r.result.clone()).collect();
     print!("{}", format_table(&results, several));

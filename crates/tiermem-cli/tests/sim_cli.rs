@@ -67,6 +67,7 @@ fn bad_input_fails_with_a_message_naming_the_problem() {
         (vec!["sim", "-"], "needs --format".into()),
         (vec!["sim", gzip_path], format!("{gzip_path}: compressed with gzip, which tiermem does not read")),
         (vec!["sim", good_path, "--hits", "some"], "--hits 'some': expected full or engine".into()),
+        (vec!["sim", good_path, "--first-touch", "free"], "--first-touch 'free': expected miss or zero-fill".into()),
         (vec!["sim", good_path, "--clean-ahead", "1"], "--clean-ahead 1: a share at least 0 and below 1".into()),
         (
             vec!["sim", good_path, "--clean-queue", "64"],
@@ -152,6 +153,34 @@ fn the_stored_quick_scale_sort_trace_replays_to_its_stored_results() {
     // What the docs say of it: the stream prefetcher is over 90% accurate with over 95% coverage.
     let stream = results.iter().find(|r| r["prefetch"] == "stream" && r["replace"] == "clock").unwrap();
     assert!(stream["accuracy"].as_f64().unwrap() > 0.9 && stream["coverage"].as_f64().unwrap() > 0.95, "{stream}");
+}
+
+/// `--first-touch zero-fill` (docs/policies.md, *First touches as the engine serves them*): on
+/// the stored sort trace every page's first touch is a zero fill, not a fault, nothing is read
+/// ahead of the array's first writing, and what the stream prefetcher reads is then nearly all
+/// used; without prefetching the misses only split.
+#[test]
+fn zero_filled_first_touches_leave_the_sort_s_prefetches_nearly_all_used() {
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/figures/policies/quick/quicksort-quick.tmtrace.xz");
+    let run = |prefetch: &str, first_touch: &str| {
+        let args = ["sim", trace, "--local", "50%", "--replace", "clock", "--monitor", "accesses", "--json"];
+        let out = tiermem(&[&args[..], &["--prefetch", prefetch, "--first-touch", first_touch][..]].concat());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["first_touch"], if first_touch == "miss" { "Miss" } else { "ZeroFill" });
+        (v["footprint_pages"].as_u64().unwrap(), v["results"][0].clone())
+    };
+    let (footprint, none_miss) = run("none", "miss");
+    let (_, none_zero) = run("none", "zero-fill");
+    assert_eq!(none_zero["zero_fills"].as_u64(), Some(footprint));
+    assert_eq!(none_miss["zero_fills"].as_u64(), Some(0));
+    let total = none_zero["faults"].as_u64().unwrap() + footprint;
+    assert_eq!(Some(total), none_miss["faults"].as_u64());
+    let (_, stream_miss) = run("stream", "miss");
+    let (_, stream_zero) = run("stream", "zero-fill");
+    let accuracy = |r: &serde_json::Value| r["accuracy"].as_f64().unwrap();
+    assert!(accuracy(&stream_zero) > 0.99 && accuracy(&stream_miss) < 0.95, "{stream_zero} against {stream_miss}");
+    assert!(stream_zero["prefetch_issued"].as_u64() < stream_miss["prefetch_issued"].as_u64());
 }
 
 /// `--stream-ramp` (docs/policies.md, *A ramp instead of a fixed distance*): on the stored sort

@@ -7,7 +7,7 @@ pub mod sim;
 pub mod summary;
 pub mod trace;
 
-pub use sim::{footprint, simulate, HitInfo, Latency, MonitorInput, SimConfig, SimResult, Simulator};
+pub use sim::{footprint, simulate, FirstTouch, HitInfo, Latency, MonitorInput, SimConfig, SimResult, Simulator};
 pub use summary::{summarize, LruCurve, TraceSummary};
 pub use trace::{load, Event, EventKind, Format, LineOptions, Synthetic, SyntheticGen, Trace};
 

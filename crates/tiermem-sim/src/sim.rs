@@ -89,6 +89,20 @@ pub enum HitInfo {
     Engine,
 }
 
+/// What a page's first touch is (a page no access has touched before).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum FirstTouch {
+    /// A miss like any other: read from the device, and any page may be read ahead. A cache
+    /// simulator's compulsory miss (libCacheSim's model, and the brute-force references').
+    Miss,
+    /// What a paging system does: a page nobody has touched has nothing on the device, so its
+    /// first touch is a zero-filled page (counted in `zero_fills`, costing `fault_ns` and no
+    /// read, heard by no prefetcher, as the engine's zero-fill fault) and no prefetcher can read
+    /// it ahead. `faults` then counts device reads only, and coverage the misses prefetching
+    /// could have covered.
+    ZeroFill,
+}
+
 /// One simulation's setup.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
@@ -119,6 +133,8 @@ pub struct SimConfig {
     /// latency from its start, and when the list runs dry while cleaning is held back, an
     /// eviction takes the policy's next victim directly, written back on its way out if dirty.
     pub clean_queue: usize,
+    /// What a first touch costs, and whether a never-touched page can be read ahead.
+    pub first_touch: FirstTouch,
 }
 
 /// What a simulation measured.
@@ -134,8 +150,11 @@ pub struct SimResult {
     pub accesses: u64,
     /// Report events given to the prefetcher.
     pub reports: u64,
-    /// Faults on pages not resident and not prefetched (demand reads).
+    /// Faults on pages not resident and not prefetched (demand reads; with
+    /// [`FirstTouch::ZeroFill`] not the first touches, which are `zero_fills`).
     pub faults: u64,
+    /// First touches served as zero-filled pages, without a read ([`FirstTouch::ZeroFill`]).
+    pub zero_fills: u64,
     /// Pages read ahead of demand.
     pub prefetch_issued: u64,
     /// First touches of prefetched pages.
@@ -152,7 +171,7 @@ pub struct SimResult {
     pub writebacks: u64,
     /// prefetch_hits / prefetch_issued.
     pub accuracy: f64,
-    /// prefetch_hits / (prefetch_hits + faults).
+    /// prefetch_hits / (prefetch_hits + faults) (first touches served as zero fills are not misses).
     pub coverage: f64,
     /// Modeled run time.
     pub modeled_ns: f64,
@@ -164,6 +183,7 @@ const PREFETCHED: u8 = 2; // resident, read ahead, not touched yet
 const REFERENCED: u8 = 4;
 const DIRTY: u8 = 8;
 const CLEANED: u8 = 16; // resident, on the cleaned list (out of the policy)
+const TOUCHED: u8 = 32; // touched before, so the device holds it (kept through evictions; ZeroFill only)
 
 const CHUNK_SHIFT: u32 = 12;
 const CHUNK: usize = 1 << CHUNK_SHIFT;
@@ -353,6 +373,8 @@ pub struct Simulator {
     /// When the write-backs still in flight complete, oldest first (kept only with a
     /// [`SimConfig::clean_queue`] limit).
     writes_in_flight: std::collections::VecDeque<f64>,
+    /// TOUCHED with [`FirstTouch::ZeroFill`] (set on every page brought in), else 0.
+    touched_bit: u8,
 }
 
 /// Refuse settings no simulation can run with.
@@ -426,6 +448,7 @@ impl Simulator {
             cleaned: std::collections::VecDeque::new(),
             clean_target,
             writes_in_flight: std::collections::VecDeque::new(),
+            touched_bit: if config.first_touch == FirstTouch::ZeroFill { TOUCHED } else { 0 },
             config,
         }
     }
@@ -461,7 +484,7 @@ impl Simulator {
             let cell = self.pages.cell(page);
             let s = cell.get();
             if s & RESIDENT != 0 {
-                cell.set(0);
+                cell.set(s & TOUCHED);
                 self.evicted(s);
             }
         }
@@ -507,7 +530,7 @@ impl Simulator {
                 self.policy_mru = u64::MAX;
                 continue;
             }
-            cell.set(0);
+            cell.set(s & TOUCHED);
             self.result.cleaned_evictions += 1;
             self.evicted(s);
         }
@@ -592,12 +615,14 @@ impl Simulator {
         self.policy_mru = u64::MAX;
         for k in 0..self.wanted.len() {
             let page = self.wanted.as_slice()[k];
-            if self.pages.cell(page).get() & RESIDENT != 0 {
+            let s = self.pages.cell(page).get();
+            // With ZeroFill a page never touched has nothing on the device to read.
+            if s & RESIDENT != 0 || s & TOUCHED < self.touched_bit {
                 continue;
             }
             self.make_room();
             let arrival = self.device_read();
-            self.pages.cell(page).set(RESIDENT | PREFETCHED);
+            self.pages.cell(page).set(RESIDENT | PREFETCHED | self.touched_bit);
             *self.pages.arrival(page) = arrival;
             self.untouched_prefetches += 1;
             self.resident += 1;
@@ -695,11 +720,23 @@ impl Simulator {
             }
             return;
         }
+        if s & TOUCHED < self.touched_bit {
+            // A first touch under ZeroFill: a zero-filled page, no read, and no prefetcher hears
+            // it (the engine's zero-fill fault issues none).
+            self.result.zero_fills += 1;
+            self.make_room();
+            self.now += self.config.latency.fault_ns;
+            self.pages.cell(page).set(RESIDENT | TOUCHED | dirty);
+            self.resident += 1;
+            self.policies.on_insert(page);
+            self.policy_mru = u64::MAX;
+            return;
+        }
         self.result.faults += 1;
         self.make_room();
         let arrival = self.device_read();
         self.now = arrival + self.config.latency.fault_ns;
-        self.pages.cell(page).set(RESIDENT | dirty);
+        self.pages.cell(page).set(RESIDENT | self.touched_bit | dirty);
         self.resident += 1;
         self.policies.on_insert(page);
         self.policy_mru = u64::MAX;
@@ -797,6 +834,7 @@ mod tests {
             hits: HitInfo::Full,
             clean_ahead: 0.0,
             clean_queue: 0,
+            first_touch: FirstTouch::Miss,
         };
         let mut sim = Simulator::new(config).unwrap();
         // The default decides per policy; `false` forces every call through.
@@ -822,6 +860,7 @@ mod tests {
             hits,
             clean_ahead: 0.0,
             clean_queue: 0,
+            first_touch: FirstTouch::Miss,
         };
         let full = simulate(&events, &config(HitInfo::Full), &mut |_| {}).unwrap();
         let engine = simulate(&events, &config(HitInfo::Engine), &mut |_| {}).unwrap();
@@ -843,6 +882,7 @@ mod tests {
             hits: HitInfo::Full,
             clean_ahead: 0.0,
             clean_queue: 0,
+            first_touch: FirstTouch::Miss,
         };
         let mut sim = Simulator::new(config).unwrap();
         let referenced = |sim: &mut Simulator, page| sim.pages.cell(page).get() & REFERENCED != 0;
@@ -874,6 +914,7 @@ mod tests {
             hits,
             clean_ahead: 0.0,
             clean_queue: 0,
+            first_touch: FirstTouch::Miss,
         };
         let mut sim = Simulator::new(config(HitInfo::Engine)).unwrap();
         let referenced = |sim: &mut Simulator, page| sim.pages.cell(page).get() & REFERENCED != 0;
@@ -928,6 +969,7 @@ mod tests {
             hits: HitInfo::Engine,
             clean_ahead: 0.3,
             clean_queue: 0,
+            first_touch: FirstTouch::Miss,
         };
         let mut sim = Simulator::new(config.clone()).unwrap();
         for page in 0..10 {
@@ -990,6 +1032,7 @@ mod tests {
             hits: HitInfo::Full,
             clean_ahead: 0.3,
             clean_queue,
+            first_touch: FirstTouch::Miss,
         };
         let run = |clean_queue| {
             let mut sim = Simulator::new(config(clean_queue)).unwrap();
@@ -1068,6 +1111,7 @@ mod tests {
             hits: HitInfo::Full,
             clean_ahead: 0.0,
             clean_queue: 0,
+            first_touch: FirstTouch::Miss,
         };
         let mut sim = if exclusive {
             Simulator::new(config).unwrap()

@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 
 use proptest::prelude::*;
 use tiermem_sim::trace::event;
-use tiermem_sim::{simulate, EventKind, HitInfo, Latency, LruCurve, MonitorInput, SimConfig, SimResult};
+use tiermem_sim::{simulate, EventKind, FirstTouch, HitInfo, Latency, LruCurve, MonitorInput, SimConfig, SimResult};
 
 fn config(prefetch: &str, replace: &str, local_pages: usize) -> SimConfig {
     SimConfig {
@@ -17,6 +17,7 @@ fn config(prefetch: &str, replace: &str, local_pages: usize) -> SimConfig {
         hits: HitInfo::Full,
         clean_ahead: 0.0,
         clean_queue: 0,
+        first_touch: FirstTouch::Miss,
     }
 }
 
@@ -136,6 +137,24 @@ proptest! {
     }
 
     #[test]
+    fn zero_filled_first_touches_only_split_the_misses_without_prefetching(
+        (pages, cap) in prop_oneof![random(), adversarial()]
+    ) {
+        // Which pages are resident does not depend on what a first touch costs: each miss is
+        // either a device read or a first touch, and every distinct page is first touched once.
+        let distinct = pages.iter().collect::<std::collections::HashSet<_>>().len() as u64;
+        for policy in ["fifo", "lru", "clock", "belady"] {
+            let events: Vec<u64> = pages.iter().map(|&p| event(p, EventKind::Read)).collect();
+            let miss = simulate(&events, &config("none", policy, cap), &mut |_| {}).unwrap();
+            let zero = simulate(&events, &zero_fill(config("none", policy, cap)), &mut |_| {}).unwrap();
+            prop_assert_eq!(zero.zero_fills, distinct, "{}", policy);
+            prop_assert_eq!(zero.faults + zero.zero_fills, miss.faults, "{}", policy);
+            prop_assert_eq!(miss.zero_fills, 0);
+            prop_assert_eq!(zero.evictions, miss.evictions, "{}", policy);
+        }
+    }
+
+    #[test]
     fn belady_is_the_brute_force_minimum_and_no_online_policy_beats_it(
         (pages, cap) in prop_oneof![random(), adversarial()]
     ) {
@@ -180,6 +199,37 @@ fn stream_prefetching_covers_a_sequential_scan_accurately() {
         .collect();
     let r = simulate(&random, &cfg, &mut |_| {}).unwrap();
     assert!(r.accuracy < 0.3, "{r:?}");
+}
+
+fn zero_fill(config: SimConfig) -> SimConfig {
+    SimConfig { first_touch: FirstTouch::ZeroFill, ..config }
+}
+
+#[test]
+fn a_page_never_touched_is_zero_filled_and_never_read_ahead() {
+    // Two ascending passes over 2,000 pages through 500: the first pass writes pages nobody
+    // touched (nothing on the device), the second reads them back.
+    let events: Vec<u64> =
+        (0..2000).map(|p| event(p, EventKind::Write)).chain((0..2000).map(|p| event(p, EventKind::Read))).collect();
+    for prefetch in ["fastswap", "readahead", "stream", "ondemand"] {
+        let mut cfg = zero_fill(config(prefetch, "clock", 500));
+        cfg.monitor = MonitorInput::Accesses;
+        let first_pass = simulate(&events[..2000], &cfg, &mut |_| {}).unwrap();
+        assert_eq!((first_pass.zero_fills, first_pass.faults), (2000, 0), "{prefetch}: {first_pass:?}");
+        assert_eq!(first_pass.prefetch_issued, 0, "{prefetch}: nothing to read ahead of a first touch");
+        // A zero fill costs the fault's software time and no read.
+        let per_access = cfg.latency.access_ns + cfg.latency.fault_ns;
+        assert_eq!(first_pass.modeled_ns, 2000.0 * per_access, "{prefetch}");
+        let both = simulate(&events, &cfg, &mut |_| {}).unwrap();
+        assert_eq!(both.zero_fills, 2000, "{prefetch}");
+        assert!(both.prefetch_hits > 1000, "{prefetch}: the second pass is read ahead: {both:?}");
+        assert!(both.accuracy > 0.95, "{prefetch}: {both:?}");
+        // As a cache simulator counts it, the first pass is 2,000 misses and is read ahead too.
+        let mut miss = config(prefetch, "clock", 500);
+        miss.monitor = MonitorInput::Accesses;
+        let cache = simulate(&events[..2000], &miss, &mut |_| {}).unwrap();
+        assert!(cache.prefetch_issued > 1000 && cache.zero_fills == 0, "{prefetch}: {cache:?}");
+    }
 }
 
 #[test]
