@@ -304,7 +304,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
     let (trace, synthetic, label) = match (&args.trace, &args.synthetic) {
         (Some(path), None) => {
             let t = tiermem_sim::load(path, args.format.parse::<Format>()?, &lines)?;
-            if let Some(note) = fault_trace_note(path) {
+            if let Some(note) = fault_trace_note(path, first_touch) {
                 eprintln!("tiermem sim: note: {note}");
             }
             (Some(t), None, path.display().to_string())
@@ -564,7 +564,7 @@ fn run_all<T: Sync>(runs: &[T], jobs: usize, run_one: &(dyn Fn(&T) -> Result<Row
 /// (which would have kept other pages), finds hits the run never had and counts fewer faults
 /// than the run, or a live run under that policy, would take. Replayed with the run's own
 /// policies at or a little below the pages it kept resident, it reproduces the run's faults.
-fn fault_trace_note(trace: &std::path::Path) -> Option<String> {
+fn fault_trace_note(trace: &std::path::Path, first_touch: FirstTouch) -> Option<String> {
     let about: serde_json::Value =
         serde_json::from_slice(&std::fs::read(crate::run::sidecar_path(trace)).ok()?).ok()?;
     if about["kind"].as_str() != Some(crate::run::FAULT_TRACE_KIND) {
@@ -580,10 +580,17 @@ fn fault_trace_note(trace: &std::path::Path) -> Option<String> {
          not every access: pages that run kept resident never appear. Replayed with that run's \
          policies and --local {replay} (95% of its budget) or less it takes about the run's \
          faults again; with more local memory, or with other policies, the simulator counts fewer \
-         faults than a live run would take (docs/policies.md, \"Replaying recorded fault traces\")",
+         faults than a live run would take (docs/policies.md, \"Replaying recorded fault traces\"){}",
         trace.display(),
         about["replace"].as_str().unwrap_or("?"),
         about["prefetch"].as_str().unwrap_or("?"),
+        // The run's critical faults are device reads; its first touches were zero fills.
+        if first_touch == FirstTouch::Miss {
+            ". Each page's first touch counts as a device read here, where the engine zero-filled it \
+             (--first-touch zero-fill counts as the engine did)"
+        } else {
+            ""
+        }
     ))
 }
 

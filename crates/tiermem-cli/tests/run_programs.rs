@@ -1914,6 +1914,8 @@ fn a_recorded_fault_trace_replays_to_the_faults_of_its_run() {
         "replayed at 90% of the budget: {faults} faults against the run's {records}"
     );
     assert!(note.contains("holds the faults of one live run") && note.contains("--replace fifo"), "{note}");
+    // The run's first touches were zero fills: the note says how to replay them as such.
+    assert!(note.contains("--first-touch zero-fill"), "{note}");
 }
 
 /// Whether a test that runs `tiermem run` in a memory cgroup can: userfaultfd, root and a
