@@ -61,8 +61,9 @@ pub struct SimArgs {
     pub clean_queue: usize,
     /// A page's first touch: miss (a device read like any miss, and any page may be read
     /// ahead: a cache simulator's compulsory miss, as libCacheSim counts it) or zero-fill (as
-    /// tiermem's engine: a page never touched has nothing on the device, so its first touch is
-    /// a zero-filled page without a read, not counted in faults, and no prefetcher reads it).
+    /// tiermem's engine: a page never written has nothing on the device, so a miss on it, its
+    /// first touch or one after its unwritten page was dropped, is a zero-filled page without a
+    /// read, counted apart from faults, and no prefetcher reads it).
     #[arg(long, default_value = "miss")]
     pub first_touch: String,
     /// CPU time per trace event, ns.
@@ -448,11 +449,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
         sizes.iter().map(|&p| share(p)).collect::<Vec<_>>().join(", "),
         args.clean_ahead,
         if args.clean_queue > 0 { format!(" (at most {} write-backs in flight)", args.clean_queue) } else { String::new() },
-        // Every page's first touch is one zero fill, whatever the policies: the same in every row.
-        match (first_touch, rows.first()) {
-            (FirstTouch::ZeroFill, Some(r)) => format!(", first touches zero-filled ({} pages, not in faults)", r.result.zero_fills),
-            _ => String::new(),
-        }
+        if first_touch == FirstTouch::ZeroFill { ", pages never written zero-filled (not in faults)" } else { "" }
     );
     let results: Vec<SimResult> = rows.iter().map(|r| r.result.clone()).collect();
     print!("{}", format_table(&results, several));

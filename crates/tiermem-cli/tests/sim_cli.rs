@@ -172,9 +172,10 @@ fn zero_filled_first_touches_leave_the_sort_s_prefetches_nearly_all_used() {
     };
     let (footprint, none_miss) = run("none", "miss");
     let (_, none_zero) = run("none", "zero-fill");
-    assert_eq!(none_zero["zero_fills"].as_u64(), Some(footprint));
+    let zero_fills = none_zero["zero_fills"].as_u64().unwrap();
+    assert!(zero_fills >= footprint, "{zero_fills} zero fills for {footprint} pages");
     assert_eq!(none_miss["zero_fills"].as_u64(), Some(0));
-    let total = none_zero["faults"].as_u64().unwrap() + footprint;
+    let total = none_zero["faults"].as_u64().unwrap() + zero_fills;
     assert_eq!(Some(total), none_miss["faults"].as_u64());
     let (_, stream_miss) = run("stream", "miss");
     let (_, stream_zero) = run("stream", "zero-fill");

@@ -16,13 +16,17 @@ pub use trace::{load, Event, EventKind, Format, LineOptions, Synthetic, Syntheti
 pub fn format_table(results: &[SimResult], with_local: bool) -> String {
     // With several local memory sizes, each row starts with its own.
     let local = |text: String| if with_local { format!("{text:>10} ") } else { String::new() };
+    // Zero fills only where pages never written were served as such (`FirstTouch::ZeroFill`).
+    let zero_fills = results.iter().any(|r| r.zero_fills > 0);
+    let zeros = |text: String| if zero_fills { format!(" {text:>10}") } else { String::new() };
     let mut out = local("local".into());
     out += &format!(
-        "{:<10} {:<13} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>9} {:>10} {:>12}\n",
+        "{:<10} {:<13} {:>10} {:>10}{} {:>10} {:>10} {:>8} {:>8} {:>8} {:>9} {:>10} {:>12}\n",
         "prefetch",
         "replace",
         "accesses",
         "faults",
+        zeros("zero fills".into()),
         "issued",
         "hits",
         "accuracy",
@@ -35,11 +39,12 @@ pub fn format_table(results: &[SimResult], with_local: bool) -> String {
     for r in results {
         out += &local(r.local_pages.to_string());
         out += &format!(
-            "{:<10} {:<13} {:>10} {:>10} {:>10} {:>10} {:>7.1}% {:>7.1}% {:>8} {:>9} {:>10} {:>12.3}\n",
+            "{:<10} {:<13} {:>10} {:>10}{} {:>10} {:>10} {:>7.1}% {:>7.1}% {:>8} {:>9} {:>10} {:>12.3}\n",
             r.prefetch,
             r.replace,
             r.accesses,
             r.faults,
+            zeros(r.zero_fills.to_string()),
             r.prefetch_issued,
             r.prefetch_hits,
             r.accuracy * 100.0,

@@ -89,17 +89,19 @@ pub enum HitInfo {
     Engine,
 }
 
-/// What a page's first touch is (a page no access has touched before).
+/// What a miss on a page that holds no data is: its first touch, or, in a paging system, any
+/// touch after its page was dropped unwritten.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum FirstTouch {
     /// A miss like any other: read from the device, and any page may be read ahead. A cache
     /// simulator's compulsory miss (libCacheSim's model, and the brute-force references').
     Miss,
-    /// What a paging system does: a page nobody has touched has nothing on the device, so its
-    /// first touch is a zero-filled page (counted in `zero_fills`, costing `fault_ns` and no
-    /// read, heard by no prefetcher, as the engine's zero-fill fault) and no prefetcher can read
-    /// it ahead. `faults` then counts device reads only, and coverage the misses prefetching
-    /// could have covered.
+    /// What a paging system does: a page nobody has written has nothing on the device, so a
+    /// miss on it (its first touch, or a touch after its unwritten page was dropped) is a
+    /// zero-filled page (counted in `zero_fills`, costing `fault_ns` and no read, heard by no
+    /// prefetcher, as the engine's zero-fill fault) and no prefetcher can read it ahead.
+    /// `faults` then counts device reads only, and coverage the misses prefetching could have
+    /// covered.
     ZeroFill,
 }
 
@@ -153,7 +155,8 @@ pub struct SimResult {
     /// Faults on pages not resident and not prefetched (demand reads; with
     /// [`FirstTouch::ZeroFill`] not the first touches, which are `zero_fills`).
     pub faults: u64,
-    /// First touches served as zero-filled pages, without a read ([`FirstTouch::ZeroFill`]).
+    /// Misses on pages never written, served as zero-filled pages without a read
+    /// ([`FirstTouch::ZeroFill`]).
     pub zero_fills: u64,
     /// Pages read ahead of demand.
     pub prefetch_issued: u64,
@@ -171,7 +174,7 @@ pub struct SimResult {
     pub writebacks: u64,
     /// prefetch_hits / prefetch_issued.
     pub accuracy: f64,
-    /// prefetch_hits / (prefetch_hits + faults) (first touches served as zero fills are not misses).
+    /// prefetch_hits / (prefetch_hits + faults) (zero fills are not misses).
     pub coverage: f64,
     /// Modeled run time.
     pub modeled_ns: f64,
@@ -183,7 +186,7 @@ const PREFETCHED: u8 = 2; // resident, read ahead, not touched yet
 const REFERENCED: u8 = 4;
 const DIRTY: u8 = 8;
 const CLEANED: u8 = 16; // resident, on the cleaned list (out of the policy)
-const TOUCHED: u8 = 32; // touched before, so the device holds it (kept through evictions; ZeroFill only)
+const WRITTEN: u8 = 32; // written, so the device holds its data (kept through evictions; ZeroFill only)
 
 const CHUNK_SHIFT: u32 = 12;
 const CHUNK: usize = 1 << CHUNK_SHIFT;
@@ -373,8 +376,8 @@ pub struct Simulator {
     /// When the write-backs still in flight complete, oldest first (kept only with a
     /// [`SimConfig::clean_queue`] limit).
     writes_in_flight: std::collections::VecDeque<f64>,
-    /// TOUCHED with [`FirstTouch::ZeroFill`] (set on every page brought in), else 0.
-    touched_bit: u8,
+    /// WRITTEN with [`FirstTouch::ZeroFill`] (set by every write), else 0.
+    written_bit: u8,
 }
 
 /// Refuse settings no simulation can run with.
@@ -448,7 +451,7 @@ impl Simulator {
             cleaned: std::collections::VecDeque::new(),
             clean_target,
             writes_in_flight: std::collections::VecDeque::new(),
-            touched_bit: if config.first_touch == FirstTouch::ZeroFill { TOUCHED } else { 0 },
+            written_bit: if config.first_touch == FirstTouch::ZeroFill { WRITTEN } else { 0 },
             config,
         }
     }
@@ -484,7 +487,7 @@ impl Simulator {
             let cell = self.pages.cell(page);
             let s = cell.get();
             if s & RESIDENT != 0 {
-                cell.set(s & TOUCHED);
+                cell.set(s & WRITTEN);
                 self.evicted(s);
             }
         }
@@ -530,7 +533,7 @@ impl Simulator {
                 self.policy_mru = u64::MAX;
                 continue;
             }
-            cell.set(s & TOUCHED);
+            cell.set(s & WRITTEN);
             self.result.cleaned_evictions += 1;
             self.evicted(s);
         }
@@ -616,13 +619,13 @@ impl Simulator {
         for k in 0..self.wanted.len() {
             let page = self.wanted.as_slice()[k];
             let s = self.pages.cell(page).get();
-            // With ZeroFill a page never touched has nothing on the device to read.
-            if s & RESIDENT != 0 || s & TOUCHED < self.touched_bit {
+            // With ZeroFill a page never written has nothing on the device to read.
+            if s & RESIDENT != 0 || s & WRITTEN < self.written_bit {
                 continue;
             }
             self.make_room();
             let arrival = self.device_read();
-            self.pages.cell(page).set(RESIDENT | PREFETCHED | self.touched_bit);
+            self.pages.cell(page).set(RESIDENT | PREFETCHED | self.written_bit);
             *self.pages.arrival(page) = arrival;
             self.untouched_prefetches += 1;
             self.resident += 1;
@@ -672,7 +675,8 @@ impl Simulator {
         self.last_page = page;
         self.result.accesses += 1;
         let write = kind == EventKind::Write;
-        let dirty = if write { DIRTY } else { 0 };
+        // A write also marks the page as holding data from now on (with ZeroFill).
+        let dirty = if write { DIRTY | self.written_bit } else { 0 };
         let cell = self.pages.cell(page);
         let s = cell.get();
         if page == self.policy_mru
@@ -720,13 +724,14 @@ impl Simulator {
             }
             return;
         }
-        if s & TOUCHED < self.touched_bit {
-            // A first touch under ZeroFill: a zero-filled page, no read, and no prefetcher hears
-            // it (the engine's zero-fill fault issues none).
+        if s & WRITTEN < self.written_bit {
+            // Under ZeroFill a page never written holds nothing on the device: a zero-filled
+            // page, no read, and no prefetcher hears it (the engine's zero-fill fault issues
+            // none; it drops such a page unwritten, so this holds after its eviction too).
             self.result.zero_fills += 1;
             self.make_room();
             self.now += self.config.latency.fault_ns;
-            self.pages.cell(page).set(RESIDENT | TOUCHED | dirty);
+            self.pages.cell(page).set(RESIDENT | dirty);
             self.resident += 1;
             self.policies.on_insert(page);
             self.policy_mru = u64::MAX;
@@ -736,7 +741,7 @@ impl Simulator {
         self.make_room();
         let arrival = self.device_read();
         self.now = arrival + self.config.latency.fault_ns;
-        self.pages.cell(page).set(RESIDENT | self.touched_bit | dirty);
+        self.pages.cell(page).set(RESIDENT | self.written_bit | dirty);
         self.resident += 1;
         self.policies.on_insert(page);
         self.policy_mru = u64::MAX;
