@@ -125,8 +125,9 @@ def run_libcachesim(trace: Path, policy: str, local_pages: int) -> dict:
 def run_tiermem(binary: str, trace: Path, local: str, prefetch: str, replace: str) -> dict:
     """One pair through `tiermem sim --bench --json`: its result row, with the trace's footprint
     and accesses a second over the process's whole wall time (loading the trace included)."""
+    # libCacheSim counts every first touch as a miss: so must the replay it is checked against.
     command = [binary, "sim", str(trace), "--local", local, "--prefetch", prefetch, "--replace", replace,
-               "--bench", "--json"]
+               "--first-touch", "miss", "--bench", "--json"]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - start
