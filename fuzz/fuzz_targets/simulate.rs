@@ -39,8 +39,14 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
     let mut events = Vec::new();
     while !u.is_empty() && events.len() < 4096 {
         let page = u.choose(&bases)? + u.int_in_range(0..=63u64)?;
-        let kind = u.int_in_range(0..=3u64)?;
-        events.push(page << 2 | kind);
+        let kind = u.int_in_range(0..=4u64)?;
+        if kind == 4 {
+            // A discard of a few pages (or of none, which a trace file may not hold).
+            let pages = u.int_in_range(0..=80u64)?;
+            events.extend(tiermem_sim::trace::discard_records(page, pages));
+        } else {
+            events.push(page << 2 | kind);
+        }
     }
     let Ok(result) = simulate(&events, &config, &mut |_| {}) else { return Ok(()) };
     let accesses = events.iter().filter(|&&e| e & 3 < 2).count() as u64;

@@ -89,6 +89,9 @@ fn describe(name: &str, raw_accesses: u64, s: &TraceSummary) -> String {
     if raw_accesses > 0 {
         out += &format!("  from {raw_accesses} byte-level accesses through the LLC filter\n");
     }
+    if s.discarded_pages > 0 {
+        out += &format!("  {} pages given back by the program (discard records)\n", s.discarded_pages);
+    }
     match (s.lowest_page, s.highest_page) {
         (Some(lo), Some(hi)) => {
             out += &format!(

@@ -43,7 +43,16 @@ impl Region {
             Ok(())
         })?;
         self.inner.mapping.hand_over(offset, len);
+        self.trace_discard(offset, len);
         Ok(())
+    }
+
+    /// Tell the trace, if one is recorded, that `[offset, offset + len)` holds nothing now.
+    fn trace_discard(&self, offset: usize, len: usize) {
+        if let Some(trace) = &self.shared.trace {
+            let first = self.inner.page_addr((offset / PAGE_SIZE) as u64) as usize / PAGE_SIZE;
+            trace.discard(first as u64, (len / PAGE_SIZE) as u64);
+        }
     }
 
     /// `[offset, offset + len)`, handed over before, is this region's again: the caller
@@ -80,7 +89,9 @@ impl Region {
             }
             forget_page(shared, page);
             Ok(())
-        })
+        })?;
+        self.trace_discard(offset, len);
+        Ok(())
     }
 
     fn check_range(&self, offset: usize, len: usize) -> Result<()> {

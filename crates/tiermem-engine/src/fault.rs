@@ -160,6 +160,9 @@ fn resolve(
                 crate::discard::forget_page(shared, &mut locked);
                 drop(locked);
                 Stats::add(&shared.stats.counters.dropped_outside, 1);
+                if let Some(trace) = &shared.trace {
+                    trace.discard((page_addr as usize / PAGE_SIZE) as u64, 1);
+                }
             }
             Kind::Resident => {
                 give_back(needs_room, staging);

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use tiermem_monitor::trace_format::{record, BinaryWriter, RecordKind};
+use tiermem_monitor::trace_format::{discard_records, record, BinaryWriter, RecordKind};
 use tiermem_sys::{Error, Result};
 
 /// Marks a slot holding a record (records use at most 62 bits).
@@ -92,6 +92,14 @@ impl TraceSink {
     /// simulator gives the prefetcher (`--monitor reports`) without touching residency.
     pub(crate) fn report(&self, page: u64) {
         self.push(record(page, RecordKind::Report));
+    }
+
+    /// Record that the program gave back `pages` pages from virtual page `first`: they hold
+    /// nothing afterwards (discard records, one per half million pages).
+    pub(crate) fn discard(&self, first: u64, pages: u64) {
+        for word in discard_records(first, pages) {
+            self.push(word);
+        }
     }
 
     #[inline]

@@ -283,7 +283,11 @@ fn the_trace_sink_records_every_fault_in_the_binary_format() {
         }
         drop(region);
     }
-    let records = trace_records(&path);
+    let mut records = trace_records(&path);
+    // The region's end is the last record: a discard of all its pages (they hold nothing now).
+    let last = records.pop().expect("records");
+    assert_eq!(last & 3, 3, "a compute-kind record");
+    assert_eq!(tiermem_monitor::trace_format::split_discard(last >> 2), Some((first_page, pages as u64)));
     // Records hold virtual page numbers.
     let index = |r: u64| (r >> 2).wrapping_sub(first_page);
     assert!(records.iter().all(|&r| index(r) < pages as u64 && r & 3 < 2), "pages of the region, reads/writes");

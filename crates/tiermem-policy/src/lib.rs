@@ -164,6 +164,14 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
     /// the preload's OOM guard, whose reclaim thread stalled on the first touch of a policy
     /// queue while the cgroup was out of memory). Policies that set nothing aside do nothing.
     fn reserve_now(&self) {}
+    /// `page` left memory without being picked (the program gave it back): forget it. Policies
+    /// whose stale entries do no harm keep them (a caller skips a victim it no longer holds);
+    /// those with a bounded table of pages remove it, so stale entries never fill the table.
+    fn on_remove(&self, _page: PageId) {}
+    /// [`Replacement::on_remove`] for an exclusive caller; see [`Replacement::on_insert_mut`].
+    fn on_remove_mut(&mut self, page: PageId) {
+        self.on_remove(page);
+    }
     /// [`Replacement::on_insert`] for a caller with exclusive use of the policy and of everything
     /// it shares (the simulator): same result, without taking locks where the policy can avoid
     /// them. Must not allocate either.
@@ -312,6 +320,39 @@ mod tests {
         assert!(e.contains("offline-only"), "{e}");
         let e = prefetcher_by_name("oracle").unwrap_err().to_string();
         assert!(e.contains("unknown prefetcher 'oracle'") && e.contains("stream"), "{e}");
+    }
+
+    #[test]
+    fn pages_given_back_never_crowd_out_the_ones_that_came_after() {
+        // A program that maps, fills and frees memory at fresh addresses, round after round:
+        // far more pages given back than any policy's table holds.
+        for name in REPLACEMENTS {
+            let mut policy = replacement_by_name(name, 4).unwrap();
+            for round in 0..100u64 {
+                for page in round * 4..round * 4 + 4 {
+                    policy.on_insert_mut(page);
+                }
+                for page in round * 4..round * 4 + 4 {
+                    policy.on_remove_mut(page);
+                }
+            }
+            let fresh: Vec<u64> = (10_000..10_004).collect();
+            for &page in &fresh {
+                policy.on_insert_mut(page);
+            }
+            // A caller skips victims it no longer holds; every page it does hold is found.
+            let mut found = Vec::new();
+            for _ in 0..1000 {
+                let mut out = PageList::default();
+                policy.pick_victims_mut(4, &|_| false, &mut out);
+                if out.is_empty() {
+                    break;
+                }
+                found.extend(out.as_slice().iter().copied().filter(|p| fresh.contains(p)));
+            }
+            found.sort_unstable();
+            assert_eq!(found, fresh, "{name}");
+        }
     }
 
     #[test]

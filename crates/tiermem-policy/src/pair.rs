@@ -49,6 +49,11 @@ impl StreamPair {
         self.groups.insert_mut(page);
     }
 
+    /// [`crate::Replacement::on_remove`].
+    pub fn on_remove(&mut self, page: PageId) {
+        self.groups.remove_mut(page);
+    }
+
     /// [`crate::Replacement::on_access`].
     pub fn on_access(&mut self, page: PageId) {
         let (owner, index) = split_page_id(page);

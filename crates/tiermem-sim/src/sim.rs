@@ -28,7 +28,7 @@ use serde::Serialize;
 use tiermem_policy::{FaultInfo, PageList, PolicyOptions, Prefetcher, Replacement, StreamPair};
 use tiermem_sys::{Error, Result};
 
-use crate::trace::{split_event, Event, EventKind};
+use crate::trace::{split_discard, split_event, Event, EventKind};
 
 /// Device and CPU costs, in nanoseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -168,6 +168,8 @@ pub struct SimResult {
     pub unused_prefetches: u64,
     /// Pages evicted.
     pub evictions: u64,
+    /// Resident pages the program gave back (discard records): they left without an eviction.
+    pub discarded: u64,
     /// Of them, pages dropped from the cleaned list (cleaned ahead, no write at eviction).
     pub cleaned_evictions: u64,
     /// Dirty pages written back on eviction.
@@ -323,6 +325,14 @@ impl Policies {
         match self {
             Policies::Pair { prefetcher, .. } => prefetcher.on_report_mut(0, page, REGION_PAGES, out),
             Policies::Stream(pair) => pair.on_report(0, page, REGION_PAGES, out),
+        }
+    }
+
+    #[inline]
+    fn on_remove(&mut self, page: u64) {
+        match self {
+            Policies::Pair { replacement, .. } => replacement.on_remove_mut(page),
+            Policies::Stream(pair) => pair.on_remove(page),
         }
     }
 
@@ -654,12 +664,47 @@ impl Simulator {
         }
     }
 
+    /// The program gave `pages` pages from `first` back (a discard record): each leaves local
+    /// memory without a write-back, and holds nothing afterwards (its next touch is a zero fill
+    /// under [`FirstTouch::ZeroFill`], a miss as any under `Miss`).
+    fn discard(&mut self, first: u64, pages: u64) {
+        let end = first.saturating_add(pages);
+        let mut page = first;
+        while page < end {
+            let Some(cell) = self.pages.existing(page) else {
+                // No page of this chunk was ever used: skip the chunk.
+                page = ((page >> CHUNK_SHIFT) + 1) << CHUNK_SHIFT;
+                continue;
+            };
+            let s = cell.get();
+            cell.set(0);
+            if s & RESIDENT != 0 {
+                self.resident -= 1;
+                self.result.discarded += 1;
+                if s & PREFETCHED != 0 {
+                    self.untouched_prefetches -= 1;
+                    self.result.unused_prefetches += 1;
+                }
+                // A page on the cleaned list is out of the policy already; the list skips it.
+                if s & CLEANED == 0 {
+                    self.policies.on_remove(page);
+                }
+            }
+            page += 1;
+        }
+        self.last_page = u64::MAX;
+        self.policy_mru = u64::MAX;
+    }
+
     /// Replay one event.
     #[inline]
     pub fn step(&mut self, e: Event) {
         let (page, kind) = split_event(e);
         if kind == EventKind::Compute {
-            self.now += self.config.latency.cached_access_ns * page as f64;
+            match split_discard(page) {
+                Some((first, pages)) => self.discard(first, pages),
+                None => self.now += self.config.latency.cached_access_ns * page as f64,
+            }
             return;
         }
         self.now += self.config.latency.access_ns;

@@ -16,6 +16,8 @@ pub struct TraceSummary {
     pub reports: u64,
     /// Accesses that stayed in the caches, summed over the compute events that carry them.
     pub cached_accesses: u64,
+    /// Pages the program gave back (discard records), summed over the records.
+    pub discarded_pages: u64,
     /// Distinct pages read or written, and the lowest and highest of them.
     pub footprint_pages: u64,
     pub lowest_page: Option<u64>,
@@ -52,7 +54,10 @@ pub fn summarize(events: &[Event]) -> TraceSummary {
                 continue;
             }
             EventKind::Compute => {
-                s.cached_accesses += page;
+                match crate::trace::split_discard(page) {
+                    Some((_, pages)) => s.discarded_pages += pages,
+                    None => s.cached_accesses += page,
+                }
                 continue;
             }
         }
@@ -90,7 +95,7 @@ pub struct LruCurve {
 
 impl LruCurve {
     /// Measure the curve of `events` (reads and writes; reports and compute events are not
-    /// accesses).
+    /// accesses, and discards do not count: the curve is a cache's, every first touch a miss).
     pub fn measure(events: &[Event]) -> Self {
         let pages = events
             .iter()

@@ -14,7 +14,7 @@ use tiermem_monitor::hot_table::HotPageTable;
 use tiermem_monitor::llc::LlcFilter;
 use tiermem_sys::{Error, ErrorKind, Result};
 
-pub use tiermem_monitor::trace_format::{BinaryWriter, MAGIC, VERSION};
+pub use tiermem_monitor::trace_format::{discard_records, split_discard, BinaryWriter, MAGIC, OLDEST_VERSION, VERSION};
 /// Page size the simulator models.
 pub const PAGE_SHIFT: u32 = 12;
 /// Largest page number a trace may hold (page ids carry a region above bit 40; traces use 0).
@@ -374,8 +374,11 @@ fn read_binary(path: &Path, file: Box<dyn Read>, options: &LineOptions) -> Resul
         return Err(Error::invalid(format!("{}: not a tiermem binary trace (bad magic)", path.display())));
     }
     let version = u32::from_le_bytes(header[8..12].try_into().unwrap_or_default());
-    if version != VERSION {
-        return Err(Error::invalid(format!("{}: binary trace version {version}, expected {VERSION}", path.display())));
+    if !(OLDEST_VERSION..=VERSION).contains(&version) {
+        return Err(Error::invalid(format!(
+            "{}: binary trace version {version}, expected {OLDEST_VERSION} to {VERSION}",
+            path.display()
+        )));
     }
     let unit = u32::from_le_bytes(header[12..16].try_into().unwrap_or_default());
     let count = u64::from_le_bytes(header[16..24].try_into().unwrap_or_default());
@@ -416,6 +419,23 @@ fn read_binary(path: &Path, file: Box<dyn Read>, options: &LineOptions) -> Resul
                         "{}: record {n}: page {value:#x} above 2^40 - 1",
                         path.display()
                     )));
+                }
+                if kind == 3 {
+                    match split_discard(value) {
+                        Some(_) if version < 2 => {
+                            return Err(Error::invalid(format!(
+                                "{}: record {n}: a discard in a version {version} trace",
+                                path.display()
+                            )));
+                        }
+                        Some((_, 0)) => {
+                            return Err(Error::invalid(format!(
+                                "{}: record {n}: a discard of no pages",
+                                path.display()
+                            )));
+                        }
+                        _ => {}
+                    }
                 }
                 events.push(v);
             }
@@ -652,6 +672,32 @@ mod tests {
         assert!(load(f.path(), Format::Binary, &LineOptions::default()).unwrap_err().to_string().contains("truncated"));
         let g = file("TMTRACE");
         assert!(load(g.path(), Format::Binary, &LineOptions::default()).is_err());
+    }
+
+    /// Version 2 adds discard records; a version 1 file may not hold one, and versions past 2
+    /// are refused.
+    #[test]
+    fn discards_load_from_version_2_only() {
+        use tiermem_monitor::trace_format::{discard_records, header, RecordKind};
+        let body: Vec<u8> = [event(5, RecordKind::Write)]
+            .into_iter()
+            .chain(discard_records(5, 3))
+            .chain([event(5, RecordKind::Read)])
+            .flat_map(u64::to_le_bytes)
+            .collect();
+        let with_version = |version: u32| {
+            let mut bytes = header(false, 3).to_vec();
+            bytes[8..12].copy_from_slice(&version.to_le_bytes());
+            bytes.extend_from_slice(&body);
+            file_of(&bytes)
+        };
+        let t = load(with_version(2).path(), Format::Binary, &LineOptions::default()).unwrap();
+        assert_eq!(t.events.len(), 3);
+        assert_eq!(split_discard(t.events[1] >> 2), Some((5, 3)));
+        for (version, needle) in [(1, "a discard in a version 1 trace"), (3, "version 3, expected 1 to 2")] {
+            let e = load(with_version(version).path(), Format::Binary, &LineOptions::default()).unwrap_err();
+            assert!(e.to_string().contains(needle), "{e}");
+        }
     }
 
     fn xz(bytes: &[u8]) -> Vec<u8> {

@@ -245,6 +245,37 @@ fn a_page_never_written_is_zero_filled_and_never_read_ahead() {
     assert_eq!((r.zero_fills, r.faults, r.prefetch_issued), (4000, 0, 0), "{r:?}");
 }
 
+/// A program that writes pages and gives them back (munmap, MADV_DONTNEED; the engine records
+/// a discard): they leave local memory without a write-back, and hold nothing afterwards.
+#[test]
+fn discarded_pages_free_local_memory_and_hold_nothing() {
+    use tiermem_sim::trace::discard_records;
+    let writes = |from: u64| (from..from + 100).map(|p| event(p, EventKind::Write));
+    // Write 100 pages into 100 of local memory, give them back, write 100 fresh ones, and
+    // read the first 100 again.
+    let events: Vec<u64> = writes(0)
+        .chain(discard_records(0, 100))
+        .chain(writes(1000))
+        .chain((0..100).map(|p| event(p, EventKind::Read)))
+        .collect();
+    for replace in ["fifo", "lru", "clock", "stream-first", "seq-protect", "belady"] {
+        let zero = simulate(&events, &zero_fill(config("none", replace, 100)), &mut |_| {}).unwrap();
+        assert_eq!(zero.discarded, 100, "{replace}");
+        // Written back: the fresh pages the re-reads evict, none of those given back.
+        assert_eq!(zero.writebacks, 100, "{replace}: {zero:?}");
+        // The fresh pages found room without an eviction; reading the given-back pages again
+        // maps zeros, with no device read.
+        assert_eq!((zero.faults, zero.zero_fills, zero.evictions), (0, 300, 100), "{replace}: {zero:?}");
+        let miss = simulate(&events, &config("none", replace, 100), &mut |_| {}).unwrap();
+        assert_eq!((miss.faults, miss.evictions, miss.discarded), (300, 100, 100), "{replace}: {miss:?}");
+    }
+    // A discard of pages never used, or of a range far larger than anything used, is harmless.
+    let mut wide: Vec<u64> = discard_records(0, 1 << 30).collect();
+    wide.extend(writes(0));
+    let r = simulate(&wide, &zero_fill(config("fastswap", "lru", 100)), &mut |_| {}).unwrap();
+    assert_eq!((r.zero_fills, r.discarded), (100, 0));
+}
+
 #[test]
 fn bad_setups_are_clear_errors() {
     let events = vec![event(1, EventKind::Read)];

@@ -70,6 +70,11 @@ impl Replacement for Belady {
         self.advance(page);
     }
 
+    fn on_remove(&self, page: PageId) {
+        // Its heap entry is skipped when popped.
+        lock(&self.state).current.remove(&page);
+    }
+
     fn pick_victims(&self, max: usize, _is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
         let mut s = lock(&self.state);
         while out.len() < max.min(PageList::CAPACITY) {

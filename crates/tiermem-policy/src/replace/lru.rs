@@ -49,8 +49,16 @@ impl Replacement for Lru {
         pick_lru(&mut lock(&self.lists), 0, max, second_chance, is_referenced, out);
     }
 
+    fn on_remove(&self, page: PageId) {
+        lock(&self.lists).remove(page);
+    }
+
     fn on_insert_mut(&mut self, page: PageId) {
         owned(&mut self.lists).touch(page, 0);
+    }
+
+    fn on_remove_mut(&mut self, page: PageId) {
+        owned(&mut self.lists).remove(page);
     }
 
     fn on_access_mut(&mut self, page: PageId) {

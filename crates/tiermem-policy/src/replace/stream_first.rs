@@ -68,6 +68,14 @@ impl Groups {
         owned(&mut self.lists).touch(page, UNTOUCHED);
     }
 
+    fn remove(&self, page: PageId) {
+        lock(&self.lists).remove(page);
+    }
+
+    pub(crate) fn remove_mut(&mut self, page: PageId) {
+        owned(&mut self.lists).remove(page);
+    }
+
     pub(crate) fn access_mut(&mut self, page: PageId, in_stream: bool) {
         *self.informed.get_mut() = true;
         owned(&mut self.lists).move_if_present(page, group(in_stream));
@@ -135,8 +143,16 @@ impl Replacement for StreamFirst {
         self.groups.pick_victims(max, is_referenced, out);
     }
 
+    fn on_remove(&self, page: PageId) {
+        self.groups.remove(page);
+    }
+
     fn on_insert_mut(&mut self, page: PageId) {
         self.groups.insert_mut(page);
+    }
+
+    fn on_remove_mut(&mut self, page: PageId) {
+        self.groups.remove_mut(page);
     }
 
     fn on_access_mut(&mut self, page: PageId) {
