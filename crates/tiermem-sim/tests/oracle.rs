@@ -95,6 +95,15 @@ fn adversarial() -> impl Strategy<Value = (Vec<u64>, usize)> {
     })
 }
 
+/// Reads and writes of `pages`, a write where `writes` (repeated) says so.
+fn accesses(pages: &[u64], writes: &[bool]) -> Vec<u64> {
+    pages
+        .iter()
+        .zip(writes.iter().cycle())
+        .map(|(&p, &w)| event(p, if w { EventKind::Write } else { EventKind::Read }))
+        .collect()
+}
+
 fn random() -> impl Strategy<Value = (Vec<u64>, usize)> {
     (1usize..20, 2u64..64).prop_flat_map(|(cap, range)| (proptest::collection::vec(0..range, 1..600), Just(cap)))
 }
@@ -119,10 +128,8 @@ proptest! {
         (pages, _) in prop_oneof![random(), adversarial()],
         writes in proptest::collection::vec(any::<bool>(), 600),
     ) {
-        let events: Vec<u64> = pages
-            .iter()
-            .zip(writes.iter().cycle())
-            .map(|(&p, &w)| event(p, if w { EventKind::Write } else { EventKind::Read }))
+        let events: Vec<u64> = accesses(&pages, &writes)
+            .into_iter()
             // Reports and compute events between the accesses change nothing.
             .flat_map(|e| [e, event(3, EventKind::Report), event(5, EventKind::Compute)])
             .collect();
@@ -144,11 +151,7 @@ proptest! {
         // Which pages are resident does not depend on what a miss on a page never written
         // costs: each miss is either a device read or a zero fill, and each distinct page's first
         // touch is a zero fill.
-        let events: Vec<u64> = pages
-            .iter()
-            .zip(writes.iter().cycle())
-            .map(|(&p, &w)| event(p, if w { EventKind::Write } else { EventKind::Read }))
-            .collect();
+        let events = accesses(&pages, &writes);
         let distinct = pages.iter().collect::<std::collections::HashSet<_>>().len() as u64;
         for policy in ["fifo", "lru", "clock", "belady"] {
             let miss = simulate(&events, &config("none", policy, cap), &mut |_| {}).unwrap();
