@@ -15,6 +15,10 @@
 //! - an access to any other page is a fault: room is made (one victim at a time, from the
 //!   replacement policy, dirty victims written back), the page is read and waited for, the
 //!   policy hears `on_insert`, and the prefetcher's `on_fault` pages are read asynchronously.
+//!   With [`FirstTouch::ZeroFill`] a page never written is a zero fill instead: no read, no
+//!   prefetcher hears it, and no prefetcher may read such a page ahead;
+//! - a discard (the program gave pages back) drops them from local memory without a
+//!   write-back, and the replacement policy hears `on_remove`.
 //!
 //! Time: every access or report event costs `access_ns`, a compute event `cached_access_ns` per
 //! access it stands for; a fault adds the device read (queued behind earlier
@@ -135,7 +139,7 @@ pub struct SimConfig {
     /// latency from its start, and when the list runs dry while cleaning is held back, an
     /// eviction takes the policy's next victim directly, written back on its way out if dirty.
     pub clean_queue: usize,
-    /// What a first touch costs, and whether a never-touched page can be read ahead.
+    /// What a miss on a page never written costs, and whether such a page can be read ahead.
     pub first_touch: FirstTouch,
 }
 
@@ -153,7 +157,7 @@ pub struct SimResult {
     /// Report events given to the prefetcher.
     pub reports: u64,
     /// Faults on pages not resident and not prefetched (demand reads; with
-    /// [`FirstTouch::ZeroFill`] not the first touches, which are `zero_fills`).
+    /// [`FirstTouch::ZeroFill`] not the misses on pages never written, which are `zero_fills`).
     pub faults: u64,
     /// Misses on pages never written, served as zero-filled pages without a read
     /// ([`FirstTouch::ZeroFill`]).
