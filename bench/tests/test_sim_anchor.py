@@ -9,8 +9,8 @@ from conftest import find_tiermem
 from tiermem_bench import sim_anchor
 
 
-def write_tmtrace(path, records, unit=0, magic=b"TMTRACE\0"):
-    header = magic + (1).to_bytes(4, "little") + unit.to_bytes(4, "little") + len(records).to_bytes(8, "little")
+def write_tmtrace(path, records, unit=0, magic=b"TMTRACE\0", version=1):
+    header = magic + version.to_bytes(4, "little") + unit.to_bytes(4, "little") + len(records).to_bytes(8, "little")
     path.write_bytes(header + b"".join(r.to_bytes(8, "little") for r in records))
 
 
@@ -44,6 +44,23 @@ def test_other_files_are_refused_with_the_reason(tmp_path):
     cut.write_bytes(cut.read_bytes()[:-3])
     with pytest.raises(sim_anchor.AnchorError, match="truncated"):
         sim_anchor.read_header(cut)
+    future = tmp_path / "v3.tmtrace"
+    write_tmtrace(future, [5 << 2], version=3)
+    with pytest.raises(sim_anchor.AnchorError, match="version 3"):
+        sim_anchor.read_header(future)
+
+
+def test_a_trace_with_discards_is_refused_and_one_without_converts(tmp_path):
+    pytest.importorskip("numpy")
+    # Version 2: pages 5..8 given back between two reads (docs/trace-format.md).
+    discard = (sim_anchor.DISCARD | 4 << 40 | 5) << 2 | 3
+    trace = tmp_path / "d.tmtrace"
+    write_tmtrace(trace, [5 << 2, discard, 5 << 2], version=2)
+    with pytest.raises(sim_anchor.AnchorError, match="discards"):
+        sim_anchor.convert(trace, tmp_path / "d.og", progress=False)
+    plain = tmp_path / "p.tmtrace"
+    write_tmtrace(plain, [5 << 2, 100 << 2 | 3, 6 << 2 | 1], version=2)
+    assert sim_anchor.convert(plain, tmp_path / "p.og", progress=False) == 2
 
 
 def test_bad_arguments_exit_with_usage(tmp_path, capsys):

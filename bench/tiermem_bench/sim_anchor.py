@@ -57,6 +57,10 @@ def oracle_general_dtype():
     return np.dtype([("time", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
 
 
+# Set in a compute record's value, it is a discard (format version 2).
+DISCARD = 1 << 59
+
+
 def read_header(path: Path) -> int:
     """The record count of an uncompressed page-number tmtrace; anything else is refused (see
     `as_page_tmtrace`, which has the simulator convert it)."""
@@ -66,8 +70,8 @@ def read_header(path: Path) -> int:
         raise AnchorError(f"{path} is not an uncompressed tiermem binary trace")
     version = int.from_bytes(head[8:12], "little")
     unit = int.from_bytes(head[12:16], "little")
-    if version != 1:
-        raise AnchorError(f"{path}: trace format version {version}, this script reads version 1")
+    if version not in (1, 2):
+        raise AnchorError(f"{path}: trace format version {version}, this script reads versions 1 and 2")
     if unit != 0:
         raise AnchorError(f"{path} holds byte addresses; its page events come from the simulator")
     size = path.stat().st_size - HEADER_BYTES
@@ -94,6 +98,11 @@ def convert(tmtrace: Path, out: Path, progress: bool = True) -> int:
         for start in range(0, total, CHUNK_RECORDS):
             chunk = np.asarray(records[start:start + CHUNK_RECORDS])
             kinds = chunk & 3
+            # A discard (docs/trace-format.md) drops pages from the simulator's memory; libCacheSim
+            # has no such request, so the two would not replay the same trace.
+            if np.any((kinds == 3) & ((chunk >> 2) & DISCARD != 0)):
+                raise AnchorError(f"{tmtrace} holds discards (pages the program gave back), which "
+                                  "libCacheSim cannot replay")
             pages = chunk[(kinds == ACCESS_KINDS[0]) | (kinds == ACCESS_KINDS[1])] >> 2
             rec = np.empty(len(pages), dtype=dtype)
             rec["time"] = np.arange(written, written + len(pages), dtype=np.uint64).astype(np.uint32)
