@@ -48,7 +48,7 @@ impl Region {
     }
 
     /// Tell the trace, if one is recorded, that `[offset, offset + len)` holds nothing now.
-    fn trace_discard(&self, offset: usize, len: usize) {
+    pub(crate) fn trace_discard(&self, offset: usize, len: usize) {
         if let Some(trace) = &self.shared.trace {
             let first = self.inner.page_addr((offset / PAGE_SIZE) as u64) as usize / PAGE_SIZE;
             trace.discard(first as u64, (len / PAGE_SIZE) as u64);

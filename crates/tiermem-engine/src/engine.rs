@@ -918,9 +918,7 @@ impl Drop for Region {
         let own_parts = self.inner.mapping.own_parts();
         for &(offset, len) in &own_parts {
             let _ = self.shared.uffd_of(&self.inner).unregister(base.wrapping_add(offset), len);
-            if let Some(trace) = &self.shared.trace {
-                trace.discard((base as usize + offset) as u64 / PAGE_SIZE as u64, (len / PAGE_SIZE) as u64);
-            }
+            self.trace_discard(offset, len);
         }
         // Give the pages back to the kernel before they leave the resident count: the cgroup
         // watch reads the count against the cgroup's usage, and pages still charged to the

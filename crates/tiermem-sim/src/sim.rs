@@ -639,7 +639,7 @@ impl Simulator {
             }
             self.make_room();
             let arrival = self.device_read();
-            self.pages.cell(page).set(RESIDENT | PREFETCHED | self.written_bit);
+            self.pages.cell(page).set(RESIDENT | PREFETCHED | (s & WRITTEN));
             *self.pages.arrival(page) = arrival;
             self.untouched_prefetches += 1;
             self.resident += 1;
@@ -773,27 +773,25 @@ impl Simulator {
             }
             return;
         }
-        if s & WRITTEN < self.written_bit {
-            // Under ZeroFill a page never written holds nothing on the device: a zero-filled
-            // page, no read, and no prefetcher hears it (the engine's zero-fill fault issues
-            // none; it drops such a page unwritten, so this holds after its eviction too).
-            self.result.zero_fills += 1;
-            self.make_room();
-            self.now += self.config.latency.fault_ns;
-            self.pages.cell(page).set(RESIDENT | dirty);
-            self.resident += 1;
-            self.policies.on_insert(page);
-            self.policy_mru = u64::MAX;
-            return;
-        }
-        self.result.faults += 1;
+        // Under ZeroFill a page never written holds nothing on the device: a zero-filled page,
+        // no read (the engine drops such a page unwritten, so this holds after its eviction too).
+        let zero_fill = s & WRITTEN < self.written_bit;
         self.make_room();
-        let arrival = self.device_read();
-        self.now = arrival + self.config.latency.fault_ns;
-        self.pages.cell(page).set(RESIDENT | self.written_bit | dirty);
+        if zero_fill {
+            self.result.zero_fills += 1;
+            self.now += self.config.latency.fault_ns;
+        } else {
+            self.result.faults += 1;
+            self.now = self.device_read() + self.config.latency.fault_ns;
+        }
+        self.pages.cell(page).set(RESIDENT | (s & WRITTEN) | dirty);
         self.resident += 1;
         self.policies.on_insert(page);
         self.policy_mru = u64::MAX;
+        if zero_fill {
+            // The engine's zero-fill fault issues no prefetch: no prefetcher hears it.
+            return;
+        }
         let info = FaultInfo { region: 0, page, region_pages: REGION_PAGES, write, hit: false };
         self.policies.on_fault(&info, &mut self.wanted);
         if !self.wanted.is_empty() {
