@@ -485,7 +485,10 @@ struct RunArgs {
     /// (cgroup v1): also turn the cgroup's OOM killer off while the program runs, so a sudden
     /// burst of memory tiermem does not manage pauses the program while tiermem shrinks its
     /// budget, instead of killing it (the killer is back on when the program ends, and at once
-    /// if tiermem has nothing left to give).
+    /// if tiermem has nothing left to give). With on or guard, `tiermem run` started in a v1
+    /// cgroup that sets a memory limit moves itself to the parent cgroup and runs the program
+    /// in the limited one, so the limit holds the program and the engine inside it, not the
+    /// launcher.
     #[arg(long, env = "TIERMEM_CGROUP")]
     cgroup: Option<String>,
     /// on | off: serve allocations below the threshold from a managed heap [default: on].

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use tiermem_engine::stats::StatsSnapshot;
 use tiermem_engine::RunSettings;
+use tiermem_sys::cgroup::V1_MEMORY_ROOT;
 use tiermem_sys::probe::KernelFeatures;
 use tiermem_sys::{Error, ErrorKind, Result};
 
@@ -424,9 +425,9 @@ fn check_device(settings: &RunSettings) -> Result<()> {
     }
 }
 
-/// This process's v1 memory cgroup's `memory.oom_control` and whether its OOM killer is off.
-fn own_v1_oom_control() -> Option<(PathBuf, bool)> {
-    let path = own_v1_oom_control_path()?;
+/// A v1 memory cgroup's `memory.oom_control` and whether its OOM killer is off.
+fn v1_oom_control(dir: &Path) -> Option<(PathBuf, bool)> {
+    let path = dir.join("memory.oom_control");
     let off = oom_killer_off(&path)?;
     Some((path, off))
 }
@@ -437,18 +438,48 @@ fn oom_killer_off(path: &Path) -> Option<bool> {
     Some(text.lines().find_map(|l| l.strip_prefix("oom_kill_disable "))?.trim() == "1")
 }
 
-/// memory.oom_control of this process's v1 memory cgroup.
-fn own_v1_oom_control_path() -> Option<PathBuf> {
+/// This process's v1 memory cgroup's directory.
+fn own_v1_memory_dir() -> Option<PathBuf> {
     let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let path = cgroups.lines().find_map(|line| {
+    cgroups.lines().find_map(|line| {
         let mut fields = line.splitn(3, ':');
         let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
         controllers
             .split(',')
             .any(|c| c == "memory")
-            .then(|| Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/')).join("memory.oom_control"))
-    })?;
-    Some(path)
+            .then(|| Path::new(V1_MEMORY_ROOT).join(path.trim_start_matches('/')))
+    })
+}
+
+/// The limited v1 memory cgroup `tiermem run` was started in and has left for its parent, so
+/// that the limit holds the program (with the engine inside it) and not the launcher, which only
+/// waits: its heap, stacks and page tables (about 0.8 MiB) came out of the program's room before,
+/// and the backstop's wake-ups faulted the launcher's code back into a full cgroup, where on a
+/// 6.2 MiB limit those refaults made a 2 s sort take 16 s and once starved it of pages for 2 s.
+/// `bench limited-run` starts Linux swap's program the same way, from outside its cgroup.
+struct LeftCgroup {
+    dir: PathBuf,
+    /// `cgroup.procs` of `dir`, for the program to join between fork and exec.
+    procs: std::ffi::CString,
+}
+
+/// Leave this process's v1 memory cgroup for its parent if the cgroup sets a limit of its own;
+/// None (staying, as a cgroup v2 leaf must) when it does not or the move is refused.
+fn leave_limited_v1_cgroup() -> Option<LeftCgroup> {
+    let dir = own_v1_memory_dir()?;
+    let parent = dir.parent().filter(|p| p.starts_with(V1_MEMORY_ROOT))?;
+    let limit: u64 = std::fs::read_to_string(dir.join("memory.limit_in_bytes")).ok()?.trim().parse().ok()?;
+    let parent_limit: u64 = std::fs::read_to_string(parent.join("memory.limit_in_bytes")).ok()?.trim().parse().ok()?;
+    if limit >= parent_limit {
+        return None;
+    }
+    let procs = std::ffi::CString::new(dir.join("cgroup.procs").into_os_string().into_encoded_bytes()).ok()?;
+    std::fs::write(parent.join("cgroup.procs"), std::process::id().to_string()).ok()?;
+    // What the launcher's heap held before the move stays charged to the limited cgroup until
+    // it is given back: give back what is free now.
+    // SAFETY: malloc_trim has no preconditions; it only returns free heap memory to the kernel.
+    unsafe { libc::malloc_trim(0) };
+    Some(LeftCgroup { dir, procs })
 }
 
 /// How long the cgroup may stay out of memory, without a break `tiermem run` sees, before it
@@ -603,6 +634,7 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         ));
     }
     let shim = locate_shim()?;
+    let left_cgroup = if settings.respect_cgroup { leave_limited_v1_cgroup() } else { None };
     let tmp = std::env::temp_dir();
     remove_stale_stats_dirs(&tmp);
     let stats_dir = tempfile::Builder::new()
@@ -623,7 +655,8 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     };
     let vars = settings.to_vars();
     // The shim's OOM guard turns the cgroup's OOM killer off; put back what was there.
-    let oom_control = settings.oom_guard.then(own_v1_oom_control).flatten();
+    let program_cgroup = left_cgroup.as_ref().map(|c| c.dir.clone()).or_else(own_v1_memory_dir);
+    let oom_control = program_cgroup.filter(|_| settings.oom_guard).and_then(|dir| v1_oom_control(&dir));
     let static_program = program.first().and_then(|p| resolve_program(p)).is_some_and(|p| statically_linked(&p));
     if static_program {
         eprintln!(
@@ -658,6 +691,16 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
             command.env(k, v);
         }
         command.env("LD_PRELOAD", &preload);
+        if let Some(cgroup) = &left_cgroup {
+            let procs = cgroup.procs.clone();
+            // SAFETY: the hook runs between fork and exec and only makes raw system calls
+            // without allocating (see `join_cgroup_in_child`).
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(command, move || {
+                    crate::bench::linux_swap::join_cgroup_in_child(&procs)
+                })
+            };
+        }
     });
     drop(backstop);
     if settings.engine.damon {

@@ -2481,6 +2481,54 @@ fn run_in_cgroup_watched(
     (out, took, watchdog.join().expect("the watchdog thread"))
 }
 
+/// `tiermem run` started in a limited v1 memory cgroup runs the program there and waits from the
+/// parent cgroup, so the limit holds the program and not the launcher; with `--cgroup off` it
+/// changes nothing and stays.
+#[test]
+fn the_launcher_leaves_a_limited_cgroup_to_the_program() {
+    let name = "the_launcher_leaves_a_limited_cgroup_to_the_program";
+    if !oom_guard_test_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let memory_cgroup = |text: &str| -> String {
+        text.lines()
+            .find_map(|l| l.split_once(":memory:").map(|(_, path)| path.to_string()))
+            .unwrap_or_else(|| panic!("{name}: no memory cgroup in {text}"))
+    };
+    for (mode, launcher_leaves) in [("on", true), ("guard", true), ("off", false)] {
+        let cgroup = tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", 256 << 20, None)
+            .expect("memory cgroup");
+        let limited = format!("/{}", cgroup.path().file_name().unwrap().to_string_lossy());
+        // The program prints its own cgroup, then its parent's: the launcher's.
+        let mut run = scratch.command(&[
+            "run",
+            "--limit",
+            "64MiB",
+            "--cgroup",
+            mode,
+            "--quiet",
+            "--",
+            "sh",
+            "-c",
+            "cat /proc/self/cgroup; echo --; cat /proc/$PPID/cgroup",
+        ]);
+        let (out, took, watchdog_fired) = run_in_cgroup_watched(&cgroup, &mut run, Duration::from_secs(60));
+        cgroup.close().expect("removing the cgroup");
+        let out = out.expect("tiermem run");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !watchdog_fired && out.status.success(),
+            "{name} ({mode}) after {took:?}: {stdout} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let (program, launcher) = stdout.split_once("--").expect("both cgroups printed");
+        assert_eq!(memory_cgroup(program), limited, "{name} ({mode}): the program runs in the limited cgroup");
+        let expected = if launcher_leaves { "/" } else { limited.as_str() };
+        assert_eq!(memory_cgroup(launcher), expected, "{name} ({mode}): where the launcher waits");
+    }
+}
+
 /// A cgroup a fifth of a small program's footprint: a 32 MB std::sort under 6.2 MiB, the size of
 /// the tiny scale's quicksort at 20% (Linux swap ran that in 2 s). Before tiermem's fixed memory
 /// shrank with the budget (I/O buffers, the page pipes' scratch pages, the OOM guard's ballast and

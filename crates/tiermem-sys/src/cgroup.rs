@@ -3,7 +3,7 @@
 use std::path::Path;
 
 /// Where cgroup v1 mounts its memory controller.
-const V1_MEMORY_ROOT: &str = "/sys/fs/cgroup/memory";
+pub const V1_MEMORY_ROOT: &str = "/sys/fs/cgroup/memory";
 
 /// Move the calling thread, alone, to the parent of its v1 memory cgroup `dir`.
 ///
