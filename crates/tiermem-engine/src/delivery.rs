@@ -67,7 +67,7 @@ pub(crate) fn handler_thread(shared: &Shared, uffd: &Uffd, lane: usize, idle: Fa
                         // over: let it retry and find out.
                         let _ = uffd.wake((addr & !(PAGE_SIZE - 1)) as *mut u8, PAGE_SIZE);
                     }
-                    Outcome::Failed(e) => fail_faulting_thread(addr, tid, e),
+                    Outcome::Failed(e) => fail_faulting_thread(shared, addr, tid, e),
                 }
             }
             Ok(Some(_)) => {}
@@ -86,8 +86,8 @@ pub(crate) fn handler_thread(shared: &Shared, uffd: &Uffd, lane: usize, idle: Fa
 /// The page cannot be delivered. Like the kernel after a swap-in I/O error, kill the faulting
 /// thread with SIGBUS rather than hand it wrong data.
 #[allow(clippy::multiple_unsafe_ops_per_block)] // one signal sent one of two ways
-fn fail_faulting_thread(addr: usize, tid: u32, e: Errno) {
-    report_failure(addr, e);
+fn fail_faulting_thread(shared: &Shared, addr: usize, tid: u32, e: Errno) {
+    report_failure(shared, addr, e);
     let pid = rustix::process::getpid().as_raw_nonzero().get();
     // SAFETY: plain signal delivery to a thread of this process.
     unsafe {
@@ -99,13 +99,18 @@ fn fail_faulting_thread(addr: usize, tid: u32, e: Errno) {
     }
 }
 
-/// Write a message to stderr without allocating (usable in a signal handler).
-fn report_failure(addr: usize, e: Errno) {
-    let mut msg = [0u8; 160];
+/// Write a message to stderr without allocating (usable in a signal handler). With the budget
+/// and what the engine held of it: a copy refused for want of memory with the budget at its
+/// floor means the rest of the cgroup was full of memory tiermem does not manage.
+fn report_failure(shared: &Shared, addr: usize, e: Errno) {
+    let mut msg = [0u8; 240];
     let mut w = Writer { buf: &mut msg, len: 0 };
+    let (resident, budget) = (shared.resident() * 4, shared.limit_pages() * 4);
     let _ = std::fmt::Write::write_fmt(
         &mut w,
-        format_args!("tiermem: cannot bring in page at {addr:#x}: {e}; raising SIGBUS\n"),
+        format_args!(
+            "tiermem: cannot bring in page at {addr:#x}: {e} ({resident} KiB of managed pages in memory, budget {budget} KiB); raising SIGBUS\n"
+        ),
     );
     let len = w.len;
     tiermem_sys::messages::write(&msg[..len]);
@@ -170,7 +175,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *
                 return;
             }
             Outcome::NotOurs => {}
-            Outcome::Failed(e) => report_failure(addr, e),
+            Outcome::Failed(e) => report_failure(shared, addr, e),
         }
     }
     chain_to_previous(sig, info, context);

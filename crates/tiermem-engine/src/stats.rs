@@ -101,7 +101,8 @@ pub struct Counters {
     /// batch of scattered pages) rather than moved run by run.
     pub spliced_evictions: AtomicU64,
     /// Page copies the kernel refused for want of memory in the cgroup (ENOMEM: its OOM killer
-    /// is off, see the preload's OOM guard), retried after the budget shrank.
+    /// is off, see the preload's OOM guard), retried after the budget shrank; one still refused
+    /// counts again every 20 ms.
     pub memory_waits: AtomicU64,
     /// Device errors seen.
     pub io_errors: AtomicU64,
@@ -480,7 +481,7 @@ impl StatsSnapshot {
         if self.memory_waits > 0 {
             let _ = writeln!(
                 s,
-                "memory waits    {} page copies refused by the full cgroup, retried after making room",
+                "memory waits    {} page copies refused by the full cgroup (again for each 20 ms one stayed refused), retried after making room",
                 self.memory_waits
             );
         }
