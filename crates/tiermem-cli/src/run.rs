@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tiermem_engine::stats::StatsSnapshot;
 use tiermem_engine::RunSettings;
-use tiermem_sys::cgroup::V1_MEMORY_ROOT;
+use tiermem_sys::cgroup;
 use tiermem_sys::probe::KernelFeatures;
 use tiermem_sys::{Error, ErrorKind, Result};
 
@@ -438,19 +438,6 @@ fn oom_killer_off(path: &Path) -> Option<bool> {
     Some(text.lines().find_map(|l| l.strip_prefix("oom_kill_disable "))?.trim() == "1")
 }
 
-/// This process's v1 memory cgroup's directory.
-fn own_v1_memory_dir() -> Option<PathBuf> {
-    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    cgroups.lines().find_map(|line| {
-        let mut fields = line.splitn(3, ':');
-        let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
-        controllers
-            .split(',')
-            .any(|c| c == "memory")
-            .then(|| Path::new(V1_MEMORY_ROOT).join(path.trim_start_matches('/')))
-    })
-}
-
 /// The limited v1 memory cgroup `tiermem run` was started in and has left for its parent, so
 /// that the limit holds the program (with the engine inside it) and not the launcher, which only
 /// waits: its heap, stacks and page tables (about 0.8 MiB) came out of the program's room before,
@@ -466,15 +453,15 @@ struct LeftCgroup {
 /// Leave this process's v1 memory cgroup for its parent if the cgroup sets a limit of its own;
 /// None (staying, as a cgroup v2 leaf must) when it does not or the move is refused.
 fn leave_limited_v1_cgroup() -> Option<LeftCgroup> {
-    let dir = own_v1_memory_dir()?;
-    let parent = dir.parent().filter(|p| p.starts_with(V1_MEMORY_ROOT))?;
-    let limit: u64 = std::fs::read_to_string(dir.join("memory.limit_in_bytes")).ok()?.trim().parse().ok()?;
-    let parent_limit: u64 = std::fs::read_to_string(parent.join("memory.limit_in_bytes")).ok()?.trim().parse().ok()?;
-    if limit >= parent_limit {
+    let dir = cgroup::own_v1_memory_dir()?;
+    let limit_of = |d: &Path| -> Option<u64> {
+        std::fs::read_to_string(d.join("memory.limit_in_bytes")).ok()?.trim().parse().ok()
+    };
+    if limit_of(&dir)? >= limit_of(cgroup::v1_parent(&dir)?)? {
         return None;
     }
     let procs = std::ffi::CString::new(dir.join("cgroup.procs").into_os_string().into_encoded_bytes()).ok()?;
-    std::fs::write(parent.join("cgroup.procs"), std::process::id().to_string()).ok()?;
+    cgroup::move_process_to_parent_v1(&dir).ok()?;
     // What the launcher's heap held before the move stays charged to the limited cgroup until
     // it is given back: give back what is free now.
     // SAFETY: malloc_trim has no preconditions; it only returns free heap memory to the kernel.
@@ -655,7 +642,7 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     };
     let vars = settings.to_vars();
     // The shim's OOM guard turns the cgroup's OOM killer off; put back what was there.
-    let program_cgroup = left_cgroup.as_ref().map(|c| c.dir.clone()).or_else(own_v1_memory_dir);
+    let program_cgroup = left_cgroup.as_ref().map(|c| c.dir.clone()).or_else(cgroup::own_v1_memory_dir);
     let oom_control = program_cgroup.filter(|_| settings.oom_guard).and_then(|dir| v1_oom_control(&dir));
     let static_program = program.first().and_then(|p| resolve_program(p)).is_some_and(|p| statically_linked(&p));
     if static_program {

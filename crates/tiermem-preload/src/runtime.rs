@@ -718,25 +718,24 @@ pub struct CgroupRoom {
 impl CgroupRoom {
     /// Our memory cgroup (v2 unified or v1 memory controller) if it sets a limit.
     pub fn of_self() -> Option<Self> {
+        if let Some(dir) = tiermem_sys::cgroup::own_v1_memory_dir() {
+            let limit = read_number(&dir.join("memory.limit_in_bytes"))?;
+            // No memsw file: swap is not accounted, so not limited either.
+            let memsw = read_number(&dir.join("memory.memsw.limit_in_bytes"));
+            return (limit < 1 << 60).then(|| Self {
+                limit,
+                usage: dir.join("memory.usage_in_bytes"),
+                stat: dir.join("memory.stat"),
+                keys: &V1_KEYS,
+                no_swap: memsw.is_some_and(|memsw| memsw <= limit),
+                v1_dir: Some(dir.clone()),
+            });
+        }
         let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
         for line in cgroups.lines() {
             let mut fields = line.splitn(3, ':');
             let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
             let path = path.trim_start_matches('/');
-            if controllers.split(',').any(|c| c == "memory") {
-                let dir = std::path::Path::new("/sys/fs/cgroup/memory").join(path);
-                let limit = read_number(&dir.join("memory.limit_in_bytes"))?;
-                // No memsw file: swap is not accounted, so not limited either.
-                let memsw = read_number(&dir.join("memory.memsw.limit_in_bytes"));
-                return (limit < 1 << 60).then(|| Self {
-                    limit,
-                    usage: dir.join("memory.usage_in_bytes"),
-                    stat: dir.join("memory.stat"),
-                    keys: &V1_KEYS,
-                    no_swap: memsw.is_some_and(|memsw| memsw <= limit),
-                    v1_dir: Some(dir.clone()),
-                });
-            }
             if controllers.is_empty() {
                 let dir = std::path::Path::new("/sys/fs/cgroup").join(path);
                 if let Some(limit) = read_number(&dir.join("memory.max")) {

@@ -5,6 +5,30 @@ use std::path::Path;
 /// Where cgroup v1 mounts its memory controller.
 pub const V1_MEMORY_ROOT: &str = "/sys/fs/cgroup/memory";
 
+/// This process's v1 memory cgroup's directory (None without a v1 memory controller).
+pub fn own_v1_memory_dir() -> Option<std::path::PathBuf> {
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    cgroups.lines().find_map(|line| {
+        let mut fields = line.splitn(3, ':');
+        let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+        controllers
+            .split(',')
+            .any(|c| c == "memory")
+            .then(|| Path::new(V1_MEMORY_ROOT).join(path.trim_start_matches('/')))
+    })
+}
+
+/// The parent of v1 memory cgroup `dir`, if it has one in the hierarchy.
+pub fn v1_parent(dir: &Path) -> Option<&Path> {
+    dir.parent().filter(|p| p.starts_with(V1_MEMORY_ROOT))
+}
+
+/// Move this whole process (every thread) to the parent of its v1 memory cgroup `dir`.
+pub fn move_process_to_parent_v1(dir: &Path) -> Result<(), String> {
+    let procs = v1_parent(dir).ok_or("it has no parent")?.join("cgroup.procs");
+    std::fs::write(&procs, std::process::id().to_string()).map_err(|e| format!("cannot write {}: {e}", procs.display()))
+}
+
 /// Move the calling thread, alone, to the parent of its v1 memory cgroup `dir`.
 ///
 /// For a thread that watches a full cgroup: the kernel charges the kernel memory a thread
@@ -13,8 +37,7 @@ pub const V1_MEMORY_ROOT: &str = "/sys/fs/cgroup/memory";
 /// Only that kernel memory moves out: the thread's stack and heap belong to its process,
 /// which v1 charges to the cgroup of the process's main thread. v2 moves whole processes only.
 pub fn move_thread_to_parent_v1(dir: &Path) -> Result<(), String> {
-    let parent = dir.parent().filter(|p| p.starts_with(V1_MEMORY_ROOT)).ok_or("it has no parent")?;
-    let tasks = parent.join("tasks");
+    let tasks = v1_parent(dir).ok_or("it has no parent")?.join("tasks");
     std::fs::write(&tasks, rustix::thread::gettid().as_raw_nonzero().to_string())
         .map_err(|e| format!("cannot write {}: {e}", tasks.display()))
 }
