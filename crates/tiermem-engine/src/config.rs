@@ -52,7 +52,8 @@ pub enum ReclaimMode {
     /// drops pages from the evict watermark on); faulting threads reclaim only at the hard limit.
     Background,
     /// Faulting threads reclaim whenever residency passes the watermark (the Linux behaviour the
-    /// paper moves off the fault path).
+    /// paper moves off the fault path). The reclaim thread only drops what a cut of the budget
+    /// leaves above the limit, which no fault may come to do.
     OnFaultPath,
 }
 

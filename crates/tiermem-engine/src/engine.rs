@@ -179,11 +179,25 @@ impl Shared {
         resident.saturating_sub(self.watermark_pages())
     }
 
+    /// Where the reclaim thread starts dropping pages: the evict watermark in background mode.
+    /// In on-fault-path mode the faulting threads do all the reclaim the design asks for, and
+    /// the thread only drops what a cut of the budget (the OOM guard's, a shrinking cgroup's)
+    /// left above the limit: the program may then be paused in the kernel, waiting for memory
+    /// with no fault to reclaim on.
+    pub(crate) fn drop_threshold(&self) -> u64 {
+        match self.config.reclaim_mode {
+            ReclaimMode::Background => self.evict_pages(),
+            ReclaimMode::OnFaultPath => self.limit_pages(),
+        }
+    }
+
     /// Whether residency `resident` gives the reclaim thread work: dropping pages past the
-    /// evict watermark, or cleaning past the watermark while too few pages are cleaned.
+    /// [drop threshold](Shared::drop_threshold), or (background mode) cleaning past the
+    /// watermark while too few pages are cleaned.
     pub(crate) fn reclaim_wanted(&self, resident: u64) -> bool {
-        resident > self.evict_pages()
-            || (resident > self.watermark_pages()
+        resident > self.drop_threshold()
+            || (self.config.reclaim_mode == ReclaimMode::Background
+                && resident > self.watermark_pages()
                 && !self.clean_stalled.load(Ordering::Relaxed)
                 && self.cleaned_pages.load(Ordering::Relaxed) < self.clean_target(resident))
     }
@@ -493,10 +507,9 @@ impl Engine {
             let s = shared.clone();
             threads.push(spawn("tiermem-damon", Box::new(move || crate::damon::damon_thread(&s)))?);
         }
-        if shared.config.reclaim_mode == ReclaimMode::Background {
-            let s = shared.clone();
-            threads.push(spawn("tiermem-reclaim", Box::new(move || crate::reclaim::reclaim_thread(&s)))?);
-        }
+        // In on-fault-path mode too, for budget cuts only (see `Shared::drop_threshold`).
+        let s = shared.clone();
+        threads.push(spawn("tiermem-reclaim", Box::new(move || crate::reclaim::reclaim_thread(&s)))?);
         match shared.config.fault_mode {
             FaultMode::HandlerThread => {
                 for i in 0..shared.config.handler_threads {
@@ -823,7 +836,12 @@ impl Engine {
                 config.watermark * 100.0,
                 config.evict_watermark.max(config.watermark) * 100.0
             ),
-            ReclaimMode::OnFaultPath => format!("on the fault path from {:.0}%", config.watermark * 100.0),
+            ReclaimMode::OnFaultPath => {
+                format!(
+                    "on the fault path from {:.0}% (a thread drops only what a budget cut leaves over)",
+                    config.watermark * 100.0
+                )
+            }
         };
         format!(
             "device {}; fault mode {}; dirty tracking {}; I/O {} ({}); reclaim {} of {} MiB; prefetch {}; replace {}",

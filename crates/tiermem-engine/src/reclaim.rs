@@ -1133,9 +1133,9 @@ pub(crate) fn reclaim_thread(shared: &Shared) {
         }
         shared.reclaim_asleep.store(false, Ordering::SeqCst);
         let regions = shared.regions();
-        if shared.resident() > shared.evict_pages() {
+        if shared.resident() > shared.drop_threshold() {
             Stats::add(&shared.stats.counters.reclaim_wakeups, 1);
-            let target = shared.evict_pages().saturating_sub(batch as u64 / 2);
+            let target = shared.drop_threshold().saturating_sub(batch as u64 / 2);
             let mut idle_rounds = 0;
             while shared.resident() > target && !shared.shutdown.load(Ordering::Acquire) {
                 let evicted = evict_batch(shared, &regions, batch, Path::Reclaim);
