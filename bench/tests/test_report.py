@@ -387,3 +387,21 @@ def test_time_spent_leaves_out_the_baselines_a_run_did_not_have():
         run["wall_s"] *= 10
     text = report.format_tables(runs, ["tiermem-file"], [100, 20])
     assert "all runs: 41 s, of which the baselines (unlimited) 10 s" in text
+
+
+def test_a_single_ratio_is_drawn_as_bars_with_failures_kept(tmp_path):
+    from tiermem_bench import plot
+
+    runs = [r for r in make_runs() if r["ratio"] in (None, 20)]
+    # Every Linux swap run at 20% failed in a second workload: its bar is None, not dropped.
+    for r in [dict(r) for r in runs]:
+        r["workload"] = "other"
+        if r["system"] == "linux-swap":
+            r["status"] = "oom"
+        runs.append(r)
+    summary = stats.summarise(runs)
+    points = plot.bars(summary, stats.normalised(summary), ["other", "sortw"], ["linux-swap", "tiermem-file"], 20)
+    assert points == [("other", "linux-swap", None), ("other", "tiermem-file", 2.0),
+                      ("sortw", "linux-swap", 4.0), ("sortw", "tiermem-file", 2.0)]
+    data = plot.plot(runs, ["linux-swap", "tiermem-file", "tiermem-mem"], [20], tmp_path / "b.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

@@ -1,6 +1,7 @@
 """The figure in the paper's style (Ultraswap Fig. 8): one panel per workload, local-memory ratio
 on the x axis from 100% down to 20%, execution time normalised to the unlimited run, one line per
-system; a failed point (every run failed) is drawn as an x at the top of the panel."""
+system; a failed point (every run failed) is drawn as an x at the top of the panel. With a single
+ratio there is no line to draw: one bar chart instead, a group of bars per workload."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def plot(runs: list[dict], systems: list[str], ratios: list[int], path: Path, ti
     summary = stats.summarise(runs)
     norm = stats.normalised(summary)
     workloads = sorted({r["workload"] for r in runs})
+    if len(ratios) == 1:
+        return _bars(plt, bars(summary, norm, workloads, systems, ratios[0]), workloads, systems, ratios[0], path,
+                     title)
     columns = min(3, max(1, len(workloads)))
     rows = (len(workloads) + columns - 1) // columns
     fig, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.2 * rows), squeeze=False)
@@ -54,6 +58,47 @@ def plot(runs: list[dict], systems: list[str], ratios: list[int], path: Path, ti
     if title:
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.06, 1, 0.97 if title else 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def bars(summary: dict, norm: dict, workloads: list[str], systems: list[str], ratio: int) -> list[tuple]:
+    """[(workload, system, normalised time or None when every run failed)] for the points run at
+    `ratio`, workloads in order, systems in order within each."""
+    return [(w, s, norm.get((w, s, ratio))) for w in workloads for s in systems if (w, s, ratio) in summary]
+
+
+def _bars(plt, points: list[tuple], workloads: list[str], systems: list[str], ratio: int, path: Path,
+          title: str) -> Path:
+    shown = [s for s in systems if any(p[1] == s for p in points)]
+    width = 0.8 / max(1, len(shown))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(workloads) + 2), 4.2))
+    top = max([v for _, _, v in points if v is not None] + [1.0])
+    for k, system in enumerate(shown):
+        offset = (k - (len(shown) - 1) / 2) * width
+        mine = {w: v for w, s, v in points if s == system}
+        xs = [i + offset for i, w in enumerate(workloads) if w in mine and mine[w] is not None]
+        ys = [mine[w] for w in workloads if w in mine and mine[w] is not None]
+        container = ax.bar(xs, ys, width, label=system)
+        ax.bar_label(container, fmt="%.2f", fontsize=7, padding=1)
+        failed = [i + offset for i, w in enumerate(workloads) if w in mine and mine[w] is None]
+        if failed:
+            color = container.patches[0].get_facecolor() if container.patches else None
+            ax.plot(failed, [top * 1.05] * len(failed), linestyle="none", marker="x", markersize=9, color=color)
+            for x in failed:
+                ax.annotate("failed", (x, top * 1.05), textcoords="offset points", xytext=(0, 6), ha="center",
+                            fontsize=7)
+    ax.set_xticks(range(len(workloads)))
+    ax.set_xticklabels(workloads)
+    ax.set_ylabel(f"execution time at {ratio}% of the footprint\n(normalised to the unlimited run)")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_ylim(0, top * 1.18)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(frameon=False, ncol=min(len(shown), 6) or 1, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
