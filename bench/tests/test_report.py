@@ -224,6 +224,32 @@ def test_several_runs_files_merge_with_a_workload_measured_again_replacing_its_r
     assert cli.main(["--report-only", str(first), str(second), "--no-plot"]) == 2
 
 
+def test_a_system_measured_again_replaces_only_its_own_runs(tmp_path):
+    from tiermem_bench import cli
+
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    matrix = _document(["sortw", "kmw"], {"sortw": 2.0, "kmw": 3.0}, "t1")
+    for run in [dict(r) for r in matrix["runs"] if r["system"] == "tiermem-file"]:
+        run["system"], run["wall_s"] = "tiermem-poll-only", 9.0
+        matrix["runs"].append(run)
+    matrix["meta"]["systems"] = ["tiermem-file", "tiermem-poll-only"]
+    first.write_text(json.dumps(matrix))
+    again = _document(["sortw", "kmw"], {"sortw": 4.0, "kmw": 6.0}, "t2")
+    for run in again["runs"]:
+        if run["system"] == "tiermem-file":
+            run["system"] = "tiermem-poll-only"
+    again["meta"]["systems"] = ["tiermem-poll-only"]
+    second.write_text(json.dumps(again))
+    out = tmp_path / "merged"
+    assert cli.main(["--report-only", str(first), str(second), "--out", str(out), "--no-plot"]) == 0
+    merged = json.loads((out / "runs.json").read_text())
+    walls = {(r["workload"], r["system"]): r["wall_s"] for r in merged["runs"]}
+    assert len(merged["runs"]) == 6, "poll-only's and the reference's first runs replaced, tiermem-file's kept"
+    assert walls[("sortw", "tiermem-file")] == 2.0 and walls[("kmw", "tiermem-file")] == 3.0
+    assert walls[("sortw", "tiermem-poll-only")] == 4.0 and walls[("kmw", "tiermem-poll-only")] == 6.0
+    assert merged["meta"]["systems"] == ["tiermem-file", "tiermem-poll-only"]
+
+
 def test_report_only_refuses_a_damaged_runs_file_with_a_message(tmp_path, capsys):
     from tiermem_bench import cli
 
