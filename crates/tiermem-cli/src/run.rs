@@ -683,9 +683,7 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
             // SAFETY: the hook runs between fork and exec and only makes raw system calls
             // without allocating (see `join_cgroup_in_child`).
             unsafe {
-                std::os::unix::process::CommandExt::pre_exec(command, move || {
-                    crate::bench::linux_swap::join_cgroup_in_child(&procs)
-                })
+                std::os::unix::process::CommandExt::pre_exec(command, move || cgroup::join_cgroup_in_child(&procs))
             };
         }
     });

@@ -3,7 +3,7 @@
 use std::path::Path;
 
 /// Where cgroup v1 mounts its memory controller.
-pub const V1_MEMORY_ROOT: &str = "/sys/fs/cgroup/memory";
+const V1_MEMORY_ROOT: &str = "/sys/fs/cgroup/memory";
 
 /// This process's v1 memory cgroup's directory (None without a v1 memory controller).
 pub fn own_v1_memory_dir() -> Option<std::path::PathBuf> {
@@ -27,6 +27,29 @@ pub fn v1_parent(dir: &Path) -> Option<&Path> {
 pub fn move_process_to_parent_v1(dir: &Path) -> Result<(), String> {
     let procs = v1_parent(dir).ok_or("it has no parent")?.join("cgroup.procs");
     std::fs::write(&procs, std::process::id().to_string()).map_err(|e| format!("cannot write {}: {e}", procs.display()))
+}
+
+/// Write this process's pid to `procs_file` (a cgroup's `cgroup.procs`), without allocating:
+/// for a child between fork and exec, joining the cgroup its program is to run in.
+pub fn join_cgroup_in_child(procs_file: &std::ffi::CStr) -> std::io::Result<()> {
+    let mut digits = [0u8; 20];
+    let mut pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (pid % 10) as u8;
+        pid /= 10;
+        if pid == 0 {
+            break;
+        }
+    }
+    let file = rustix::fs::open(
+        procs_file,
+        rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?;
+    rustix::io::write(&file, &digits[start..])?;
+    Ok(())
 }
 
 /// Move the calling thread, alone, to the parent of its v1 memory cgroup `dir`.

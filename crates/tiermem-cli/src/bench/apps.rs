@@ -16,7 +16,8 @@ use clap::Args;
 use serde::{Deserialize, Serialize};
 use tiermem_sys::{Error, ErrorKind, Result};
 
-use super::linux_swap::{join_cgroup_in_child, CgroupVersion, MemCgroup, SwapFile};
+use super::linux_swap::{CgroupVersion, MemCgroup, SwapFile};
+use tiermem_sys::cgroup::join_cgroup_in_child;
 
 /// A cgroup limit that never binds (1 PiB): the unlimited runs still get a cgroup, for its peak
 /// usage counter and so that stray children can be found and killed.

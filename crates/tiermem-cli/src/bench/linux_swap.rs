@@ -6,7 +6,7 @@
 //! needs no external binary; its layout is the kernel's `union swap_header` (include/linux/swap.h).
 
 use std::collections::BTreeMap;
-use std::ffi::{CStr, CString};
+use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
@@ -17,7 +17,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use rustix::fs::{FallocateFlags, Mode, OFlags};
+use rustix::fs::FallocateFlags;
 use serde::{Deserialize, Serialize};
 use tiermem_sys::{Error, ErrorKind, Result};
 
@@ -720,30 +720,12 @@ pub fn run_in_cgroup(cgroup: &MemCgroup, command: &mut Command) -> Result<Output
     // allowed: it calls getpid, open, write and close through rustix (raw system calls), formats
     // into a stack buffer and allocates nothing (io::Error from an errno does not allocate).
     unsafe {
-        command.pre_exec(move || join_cgroup_in_child(&procs_file));
+        command.pre_exec(move || tiermem_sys::cgroup::join_cgroup_in_child(&procs_file));
     }
     let program = command.get_program().to_string_lossy().into_owned();
     command
         .output()
         .map_err(|e| Error::os(e, format!("running {program} in memory cgroup {}", cgroup.path().display())))
-}
-
-/// Write this process's pid to `procs_file`, without allocating (runs between fork and exec).
-pub(crate) fn join_cgroup_in_child(procs_file: &CStr) -> io::Result<()> {
-    let mut digits = [0u8; 20];
-    let mut pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
-    let mut start = digits.len();
-    loop {
-        start -= 1;
-        digits[start] = b'0' + (pid % 10) as u8;
-        pid /= 10;
-        if pid == 0 {
-            break;
-        }
-    }
-    let file = rustix::fs::open(procs_file, OFlags::WRONLY | OFlags::CLOEXEC, Mode::empty())?;
-    rustix::io::write(&file, &digits[start..])?;
-    Ok(())
 }
 
 #[cfg(test)]
