@@ -77,6 +77,10 @@ SYSTEMS: dict[str, System] = {
         # interpreter's final collections, an iterative solver's gathers).
         System("tiermem-file-temporal", "tiermem", "tiermem run, file device, ondemand readahead plus a replayed miss history",
                ("--prefetch", "temporal")),
+        # ondemand plus the same element of parallel arrays (a gather through an index over
+        # several arrays of one length: igraph's PageRank conversion).
+        System("tiermem-file-sibling", "tiermem", "tiermem run, file device, ondemand readahead plus parallel arrays' siblings",
+               ("--prefetch", "sibling")),
         # The co-designed remote-memory paper's comparison, live: Fastswap's next 7 pages on
         # every miss, and the paper's stream prefetcher (which reads those 7 too).
         System("tiermem-file-fastswap", "tiermem", "tiermem run, file device, fastswap prefetching (next 7 pages)",

@@ -106,7 +106,10 @@ pub(crate) fn handle_fault(
         // and regions stay distinct page ranges (a page id would put the region above bit 40).
         trace.record((region.page_addr(index) as usize / PAGE_SIZE) as u64, write);
     }
-    let outcome = resolve(shared, &regions, region, index, write, missing, lane_hint, asleep_in_kernel);
+    // Where in the page the access fell (exact for a SIGBUS; a userfaultfd message gives the
+    // page): prefetchers that relate misses to one another by address use it.
+    let offset = (addr % PAGE_SIZE) as u16;
+    let outcome = resolve(shared, &regions, region, index, offset, write, missing, lane_hint, asleep_in_kernel);
     if matches!(outcome, Outcome::Resolved) {
         // Shown to the monitor once the page is in: a hot report it sends makes the monitor
         // thread want the page, which must find it resident (its referenced bit), not still
@@ -123,6 +126,7 @@ fn resolve(
     regions: &RegionTable,
     region: &RegionInner,
     index: u64,
+    offset: u16,
     write: bool,
     missing: bool,
     lane_hint: usize,
@@ -190,6 +194,7 @@ fn resolve(
                     // The program caught up with a prefetch in flight: the moment to read
                     // further ahead (a prefetch hit, as for a page found in the prefetch cache).
                     let info = FaultInfo {
+                        offset,
                         region: region.index,
                         page: index,
                         region_pages: region.page_count(),
@@ -211,6 +216,7 @@ fn resolve(
                 Stats::add(&shared.stats.counters.prefetch_hits, 1);
                 Stats::add(&shared.stats.counters.deferred_hits, 1);
                 let info = FaultInfo {
+                    offset,
                     region: region.index,
                     page: index,
                     region_pages: region.page_count(),
@@ -269,6 +275,7 @@ fn resolve(
                 shared.prefetch_sample_ended(true);
                 shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
                 let info = FaultInfo {
+                    offset,
                     region: region.index,
                     page: index,
                     region_pages: region.page_count(),
@@ -296,6 +303,7 @@ fn resolve(
                 let buf = staging.unwrap_or_default();
                 let slot = state.slot().unwrap_or_default();
                 let info = FaultInfo {
+                    offset,
                     region: region.index,
                     page: index,
                     region_pages: region.page_count(),

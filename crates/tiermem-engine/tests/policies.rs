@@ -147,6 +147,67 @@ fn a_scattered_loop_over_two_regions_is_read_ahead_by_temporal_from_its_second_l
     );
 }
 
+/// A gather through a scattered index over two parallel arrays, each in its own region (a
+/// structure of arrays): under `ondemand` both pages of an element miss one after the other;
+/// `sibling` learns that the second lies at the first's index in the other region and reads it
+/// with the first.
+#[test]
+fn a_gather_over_two_parallel_arrays_is_read_in_pairs_by_sibling() {
+    let _serial = serial();
+    if features_or_skip("a_gather_over_two_parallel_arrays_is_read_in_pairs_by_sibling").is_none() {
+        return;
+    }
+    let (budget, per_region) = (1024u64, 8192usize);
+    // Neighbours in the gather are ~900 pages apart: no sequential window follows it.
+    let order: Vec<usize> = (0..per_region).map(|i| i * 907 % per_region).collect();
+    let mut critical = Vec::new();
+    for prefetch in ["ondemand", "sibling"] {
+        let device = devices(2 * per_region as u64 * 4096 * 2).remove(0).1;
+        let engine = engine(device, budget, |c| c.prefetch = prefetch.into());
+        let arrays =
+            [engine.create_region(per_region * 4096).unwrap(), engine.create_region(per_region * 4096).unwrap()];
+        let addr = |a: usize, i: usize| arrays[a].as_ptr() as usize + i * 4096;
+        for i in 0..per_region {
+            for a in 0..2 {
+                // SAFETY: addr(a, i) is a page inside array a's region, which outlives the loop.
+                unsafe { (addr(a, i) as *mut u64).write_volatile((a * per_region + i) as u64 + 1) };
+            }
+        }
+        let before = engine.stats().critical_reads;
+        let mut sum = 0;
+        for &i in &order {
+            for a in 0..2 {
+                // The whole page, as a program using the element's neighbours would: a program
+                // doing nothing between faults would outrun any prefetch.
+                sum += (0..512)
+                    .map(|w| {
+                        // SAFETY: as above; w < 512 words of the page.
+                        unsafe { (addr(a, i) as *const u64).add(w).read_volatile() }
+                    })
+                    .sum::<u64>();
+            }
+        }
+        assert_eq!(sum, (1..=2 * per_region as u64).sum::<u64>(), "{prefetch}: the gather read wrong data");
+        let s = engine.stats();
+        let reads = s.critical_reads - before;
+        eprintln!(
+            "{prefetch}: {reads} critical reads for {} pages gathered, {} prefetched",
+            2 * per_region,
+            s.prefetch_issued
+        );
+        critical.push(reads);
+    }
+    let gathered = 2 * per_region as u64;
+    // With the budget an eighth of the pages, nearly every page misses under ondemand.
+    assert!(critical[0] > gathered * 8 / 10, "ondemand read the gather ahead: {critical:?} of {gathered}");
+    // The second page of each element read with the first: up to half the critical reads go.
+    // Asked: a fifth fewer at least, which reading nothing ahead cannot give.
+    assert!(
+        critical[1] * 5 < critical[0] * 4,
+        "sibling read little of the gather in pairs: {critical:?} of {gathered}"
+    );
+}
+
 /// Reads pages of a region 4x a 1,024-page budget with `fastswap` (the next 7 pages on every
 /// miss), `reads` per phase, each phase at random (true) or in order (false). Returns the
 /// engine's counters after each phase.

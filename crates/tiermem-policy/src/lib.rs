@@ -9,7 +9,9 @@
 //! §3.2 stream training table), `ondemand` (sequential windows ramping up to 64 pages, after
 //! Linux's file readahead, following several forward or backward streams per region), `stride`
 //! (`ondemand` that also follows streams a fixed number of pages apart), `temporal` (`ondemand`
-//! that also replays a history of misses, for loops over scattered pages). Replacement: `fifo`,
+//! that also replays a history of misses, for loops over scattered pages), `sibling` (`ondemand`
+//! that also reads the same element of parallel arrays: learned distances between misses).
+//! Replacement: `fifo`,
 //! `clock`, `lru`, `stream-first` (§3.1), `seq`, `seq-adaptive`, `seq-protect`, and
 //! the offline reference `belady`, which needs the future and so is built from a trace
 //! ([`replace::Belady::from_trace`]), never by name.
@@ -25,7 +27,7 @@ use std::sync::Arc;
 
 pub use tiermem_sys::{Error, ErrorKind, Result};
 
-use crate::prefetch::{Fastswap, Leap, NoPrefetch, Ondemand, Readahead, StreamPrefetcher, Temporal};
+use crate::prefetch::{Fastswap, Leap, NoPrefetch, Ondemand, Readahead, Sibling, StreamPrefetcher, Temporal};
 use crate::replace::{Clock, Lru, StreamFirst};
 use crate::stream::{StreamConfig, StreamTable};
 
@@ -111,6 +113,10 @@ pub struct FaultInfo {
     pub write: bool,
     /// The page was already on its way or waiting in the prefetch cache (a prefetch hit).
     pub hit: bool,
+    /// The byte within the page the faulting access touched, where the fault tells (a SIGBUS
+    /// carries the exact address); 0 where it does not (a userfaultfd message gives the page,
+    /// a page-level trace only pages).
+    pub offset: u16,
 }
 
 /// Chooses pages to read ahead of demand.
@@ -189,7 +195,8 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
 }
 
 /// Names accepted by [`prefetcher_by_name`].
-pub const PREFETCHERS: &[&str] = &["none", "readahead", "fastswap", "leap", "stream", "ondemand", "stride", "temporal"];
+pub const PREFETCHERS: &[&str] =
+    &["none", "readahead", "fastswap", "leap", "stream", "ondemand", "stride", "temporal", "sibling"];
 /// Names accepted by [`replacement_by_name`].
 pub const REPLACEMENTS: &[&str] = &["clock", "fifo", "lru", "stream-first", "seq", "seq-adaptive", "seq-protect"];
 /// Replacement policies that exist only offline (they read the future from a trace).
@@ -238,6 +245,7 @@ pub fn build_policies(
         "ondemand" => Box::new(Ondemand::new(PageList::CAPACITY as u64)),
         "stride" => Box::new(Ondemand::with_strides(PageList::CAPACITY as u64)),
         "temporal" => Box::new(Temporal::new()),
+        "sibling" => Box::new(Sibling::new()),
         _ => {
             Box::new(StreamPrefetcher::new(table.clone().unwrap_or_else(|| Arc::new(StreamTable::new(options.stream)))))
         }

@@ -765,7 +765,7 @@ impl Simulator {
                     self.now = arrival;
                 }
                 self.now += self.config.latency.hit_ns;
-                let info = FaultInfo { region: 0, page, region_pages: REGION_PAGES, write, hit: true };
+                let info = FaultInfo { offset: 0, region: 0, page, region_pages: REGION_PAGES, write, hit: true };
                 self.policies.on_fault(&info, &mut self.wanted);
                 if !self.wanted.is_empty() {
                     self.issue_wanted();
@@ -792,7 +792,7 @@ impl Simulator {
             // The engine's zero-fill fault issues no prefetch: no prefetcher hears it.
             return;
         }
-        let info = FaultInfo { region: 0, page, region_pages: REGION_PAGES, write, hit: false };
+        let info = FaultInfo { offset: 0, region: 0, page, region_pages: REGION_PAGES, write, hit: false };
         self.policies.on_fault(&info, &mut self.wanted);
         if !self.wanted.is_empty() {
             self.issue_wanted();

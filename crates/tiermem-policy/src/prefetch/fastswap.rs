@@ -37,13 +37,19 @@ mod tests {
     fn the_next_seven_pages_clipped_at_the_region_end() {
         let f = Fastswap::new(7);
         let mut out = PageList::default();
-        f.on_fault(&FaultInfo { region: 0, page: 10, region_pages: 100, write: false, hit: false }, &mut out);
+        f.on_fault(
+            &FaultInfo { offset: 0, region: 0, page: 10, region_pages: 100, write: false, hit: false },
+            &mut out,
+        );
         assert_eq!(out.as_slice(), &[11, 12, 13, 14, 15, 16, 17]);
         out.clear();
-        f.on_fault(&FaultInfo { region: 0, page: 97, region_pages: 100, write: false, hit: false }, &mut out);
+        f.on_fault(
+            &FaultInfo { offset: 0, region: 0, page: 97, region_pages: 100, write: false, hit: false },
+            &mut out,
+        );
         assert_eq!(out.as_slice(), &[98, 99]);
         out.clear();
-        f.on_fault(&FaultInfo { region: 0, page: 10, region_pages: 100, write: false, hit: true }, &mut out);
+        f.on_fault(&FaultInfo { offset: 0, region: 0, page: 10, region_pages: 100, write: false, hit: true }, &mut out);
         assert!(out.is_empty());
     }
 }

@@ -169,7 +169,10 @@ mod tests {
 
     fn miss(leap: &Leap, page: u64) -> Vec<u64> {
         let mut out = PageList::default();
-        leap.on_fault(&FaultInfo { region: 0, page, region_pages: 10_000, write: false, hit: false }, &mut out);
+        leap.on_fault(
+            &FaultInfo { offset: 0, region: 0, page, region_pages: 10_000, write: false, hit: false },
+            &mut out,
+        );
         out.as_slice().to_vec()
     }
 
@@ -192,7 +195,7 @@ mod tests {
         let mut hit = PageList::default();
         for _ in 0..3 {
             leap.on_fault(
-                &FaultInfo { region: 0, page: 4945, region_pages: 10_000, write: false, hit: true },
+                &FaultInfo { offset: 0, region: 0, page: 4945, region_pages: 10_000, write: false, hit: true },
                 &mut hit,
             );
         }
@@ -207,10 +210,16 @@ mod tests {
         let ra = Readahead::new(3);
         for p in [10, 900, 33, 4000, 77, 2500, 5, 1234, 666, 3000, 42, 7777] {
             let mut o = PageList::default();
-            ra.on_fault(&FaultInfo { region: 0, page: p, region_pages: 10_000, write: false, hit: false }, &mut o);
+            ra.on_fault(
+                &FaultInfo { offset: 0, region: 0, page: p, region_pages: 10_000, write: false, hit: false },
+                &mut o,
+            );
         }
         let mut expect = PageList::default();
-        ra.on_fault(&FaultInfo { region: 0, page: 7778, region_pages: 10_000, write: false, hit: false }, &mut expect);
+        ra.on_fault(
+            &FaultInfo { offset: 0, region: 0, page: 7778, region_pages: 10_000, write: false, hit: false },
+            &mut expect,
+        );
         assert_eq!(miss(&jumble, 7778), expect.as_slice().to_vec());
     }
 }

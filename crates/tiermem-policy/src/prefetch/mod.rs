@@ -5,6 +5,7 @@ mod leap;
 mod none;
 mod ondemand;
 mod readahead;
+mod sibling;
 mod stream;
 mod temporal;
 
@@ -13,6 +14,7 @@ pub use leap::Leap;
 pub use none::NoPrefetch;
 pub use ondemand::Ondemand;
 pub use readahead::Readahead;
+pub use sibling::Sibling;
 pub use stream::StreamPrefetcher;
 pub(crate) use stream::SWAP_PAGES;
 pub use temporal::Temporal;

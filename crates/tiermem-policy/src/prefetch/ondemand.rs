@@ -262,7 +262,7 @@ mod tests {
 
     fn call_in(p: &Ondemand, page: u64, hit: bool, region_pages: u64) -> Vec<u64> {
         let mut out = PageList::default();
-        p.on_fault(&FaultInfo { region: 0, page, region_pages, write: false, hit }, &mut out);
+        p.on_fault(&FaultInfo { offset: 0, region: 0, page, region_pages, write: false, hit }, &mut out);
         out.as_slice().to_vec()
     }
 
@@ -390,7 +390,10 @@ mod tests {
         let mut out = PageList::default();
         for page in [100, 200, 300] {
             out.clear();
-            p.on_fault(&FaultInfo { region: 0, page, region_pages: 650, write: false, hit: false }, &mut out);
+            p.on_fault(
+                &FaultInfo { offset: 0, region: 0, page, region_pages: 650, write: false, hit: false },
+                &mut out,
+            );
         }
         assert_eq!(out.as_slice(), &[400, 500, 600]);
     }
@@ -409,11 +412,17 @@ mod tests {
         let mut out = PageList::default();
         for page in [96, 97] {
             out.clear();
-            p.on_fault(&FaultInfo { region: 0, page, region_pages: 100, write: false, hit: false }, &mut out);
+            p.on_fault(
+                &FaultInfo { offset: 0, region: 0, page, region_pages: 100, write: false, hit: false },
+                &mut out,
+            );
         }
         assert_eq!(out.as_slice(), &[98, 99]);
         out.clear();
-        p.on_fault(&FaultInfo { region: 0, page: 99, region_pages: 100, write: false, hit: false }, &mut out);
+        p.on_fault(
+            &FaultInfo { offset: 0, region: 0, page: 99, region_pages: 100, write: false, hit: false },
+            &mut out,
+        );
         assert!(out.is_empty());
     }
 }

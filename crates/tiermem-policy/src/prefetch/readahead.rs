@@ -97,7 +97,7 @@ mod tests {
     use super::*;
 
     fn fault(page: u64, hit: bool) -> FaultInfo {
-        FaultInfo { region: 0, page, region_pages: 1000, write: false, hit }
+        FaultInfo { offset: 0, region: 0, page, region_pages: 1000, write: false, hit }
     }
 
     fn run(ra: &Readahead, page: u64) -> Vec<u64> {

@@ -62,7 +62,10 @@ mod tests {
         p.on_report(2, 8, 1 << 20, &mut out);
         assert_eq!(out.as_slice(), &[208, 210], "depth 2: i = 100 and 101");
         out.clear();
-        p.on_fault(&FaultInfo { region: 2, page: 10, region_pages: 1 << 20, write: false, hit: false }, &mut out);
+        p.on_fault(
+            &FaultInfo { offset: 0, region: 2, page: 10, region_pages: 1 << 20, write: false, hit: false },
+            &mut out,
+        );
         assert_eq!(out.as_slice(), &[11, 12, 13, 14, 15, 16, 17, 210, 212]);
     }
 }

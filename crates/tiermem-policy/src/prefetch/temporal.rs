@@ -244,7 +244,7 @@ mod tests {
     /// A fault on `page` of region 1; the pages it reads, all of region 1.
     fn miss(p: &Temporal, page: u64, hit: bool) -> Vec<u64> {
         let mut out = PageList::default();
-        p.on_fault(&FaultInfo { region: 1, page, region_pages: 1 << 30, write: false, hit }, &mut out);
+        p.on_fault(&FaultInfo { offset: 0, region: 1, page, region_pages: 1 << 30, write: false, hit }, &mut out);
         out.as_slice()
             .iter()
             .map(|&id| {
@@ -307,7 +307,7 @@ mod tests {
             let (region, page) = at(k);
             let mut out = PageList::default();
             p.on_fault(
-                &FaultInfo { region: region as u32, page, region_pages: 1 << 30, write: false, hit: false },
+                &FaultInfo { offset: 0, region: region as u32, page, region_pages: 1 << 30, write: false, hit: false },
                 &mut out,
             );
             out.as_slice().to_vec()
