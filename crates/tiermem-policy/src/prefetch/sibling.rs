@@ -44,9 +44,9 @@ const ZONES: usize = 4096;
 /// Distances a zone keeps counts for.
 pub const SLOTS: usize = 4;
 /// Faults after a miss whose distance from it is learned.
-pub const LOOKBACK: usize = 3;
+pub const LOOKBACK: usize = 2;
 /// Score from which a distance is read ahead.
-pub const CONFIDENT: u8 = 8;
+pub const CONFIDENT: u8 = 12;
 const MAX_SCORE: u8 = 15;
 /// Distances below this many pages are sequential: `ondemand`'s.
 pub const NEAR: u64 = 64;
