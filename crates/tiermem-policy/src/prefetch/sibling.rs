@@ -25,8 +25,9 @@ use crate::{lock, owned, page_id, FaultInfo, PageId, PageList, Prefetcher};
 ///   takes a free counter or wears the weakest down, so one-off distances (the rest of a random
 ///   gather) never build up. Scores halve every [`AGE_FAULTS`] faults, so a pattern that ends
 ///   fades.
-/// - A fault reads the page at each distance its zone scored at least [`CONFIDENT`] for, then
-///   `ondemand`'s window. Not the siblings' own siblings too: on PageRank at 20% (distances in
+/// - A fault that `ondemand` reads a window for gets that window (a sequential stream; arrays
+///   walked in lockstep are several); any other reads the page at each distance its zone
+///   scored at least [`CONFIDENT`] for. Not the siblings' own siblings too: on PageRank at 20% (distances in
 ///   pages then) that read a third more (1.83 M pages against 1.38 M) for no fewer misses.
 /// - Distances shorter than [`NEAR`] pages are left to `ondemand`.
 /// - Hits on pages still on their way count as faults: once the siblings are read ahead they
@@ -202,14 +203,17 @@ impl Table {
     }
 }
 
-/// One fault: the siblings first (one page each, and likely), then `ondemand`'s window (its own
-/// hook), which may fill the list.
+/// One fault: `ondemand`'s window (its own hook) if it has one, else the siblings. A fault
+/// `ondemand` reads ahead of is part of a sequential stream; arrays walked in lockstep are each
+/// such a stream, and their siblings would only come ahead of the windows.
 fn advance(table: &mut Table, fault: &FaultInfo, out: &mut PageList, sequential: impl FnOnce(&mut PageList)) {
     let at = At { id: page_id(fault.region, fault.page), offset: fault.offset % PAGE_BYTES as u16 };
     table.learn(at);
-    table.predict(at, out);
     let mut window = PageList::default();
     sequential(&mut window);
+    if window.is_empty() {
+        table.predict(at, out);
+    }
     for &page in window.as_slice() {
         out.push(page_id(fault.region, page));
     }
@@ -269,17 +273,16 @@ mod tests {
             let [a, c, b] = group(scattered(k, LEN));
             let read = fault(&p, 0, a);
             if k >= 1_000 {
-                // Learned by now: both siblings of a, then `ondemand`'s window if two groups
-                // happened to lie next to each other, and nothing else.
-                let (siblings, window) = read.split_at(2.min(read.len()));
-                assert_eq!(siblings, [page_id(0, c), page_id(0, b)], "group {k}");
-                assert!(window.iter().all(|&w| w.abs_diff(a) <= 64), "group {k}: {window:?}");
-                predicted += 1;
+                // Learned by now: both siblings of a, unless two groups happened to lie next to
+                // each other and `ondemand` read a window instead.
+                let window = !read.is_empty() && read.iter().all(|&w| w.abs_diff(a) <= 64);
+                assert!(window || read == [page_id(0, c), page_id(0, b)], "group {k}: {read:?}");
+                predicted += usize::from(!window);
             }
             fault(&p, 0, c);
             fault(&p, 0, b);
         }
-        assert_eq!(predicted, 1_000);
+        assert!(predicted > 950, "{predicted} of 1000 groups had their siblings read");
     }
 
     #[test]
@@ -299,17 +302,21 @@ mod tests {
             );
             out.as_slice().to_vec()
         };
+        let mut exact = 0;
         for k in 0..3_000 {
-            // 64 pages of elements.
-            let element = scattered(k, 64 * 4096 / 8);
+            // A zone of elements (1,024 pages).
+            let element = scattered(k, ZONE_PAGES * 4096 / 8);
             let read = fault_at(8 * element);
             fault_at(B + 8 * element);
             if k >= 1_000 {
-                let siblings: Vec<PageId> =
-                    read.into_iter().filter(|&r| r.abs_diff(8 * element / 4096) >= NEAR).collect();
-                assert_eq!(siblings, vec![(B + 8 * element) / 4096], "element {element}: one read, the right page");
+                // The sibling, unless `ondemand` read a window (scattered elements
+                // sometimes look sequential).
+                let window = !read.is_empty() && read.iter().all(|&r| r.abs_diff(8 * element / 4096) <= 64);
+                assert!(window || read == [(B + 8 * element) / 4096], "element {element}: {read:?}");
+                exact += usize::from(!window);
             }
         }
+        assert!(exact > 1_800, "{exact} of 2000 elements had their sibling read");
     }
 
     #[test]
