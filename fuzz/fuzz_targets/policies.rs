@@ -11,7 +11,9 @@ use std::collections::HashSet;
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 use tiermem_policy::stream::StreamConfig;
-use tiermem_policy::{build_policies, page_id, FaultInfo, PageList, PolicyOptions, PREFETCHERS, REPLACEMENTS};
+use tiermem_policy::{
+    build_policies, page_id, split_page_id, FaultInfo, PageList, PolicyOptions, PREFETCHERS, REPLACEMENTS,
+};
 
 fuzz_target!(|data: &[u8]| {
     let _ = run(&mut Unstructured::new(data));
@@ -54,10 +56,21 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
         };
         match u.int_in_range(0..=5u8)? {
             0 | 1 => {
-                let fault = FaultInfo { region, page, region_pages, write: u.arbitrary()?, hit: u.arbitrary()? };
+                let fault = FaultInfo {
+                    region,
+                    page,
+                    region_pages,
+                    write: u.arbitrary()?,
+                    hit: u.arbitrary()?,
+                    offset: u.int_in_range(0..=4095)?,
+                };
                 out.clear();
                 pair.prefetcher.on_fault(&fault, &mut out);
-                check_prefetches(&out, region_pages, prefetch);
+                if pair.prefetcher.spans_regions() {
+                    check_page_ids(&out, region, region_pages, prefetch);
+                } else {
+                    check_prefetches(&out, region_pages, prefetch);
+                }
             }
             2 => {
                 out.clear();
@@ -102,6 +115,15 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
         last = (region, page);
     }
     Ok(())
+}
+
+/// Page ids of any region (the engine skips regions it does not have), but never past the end
+/// of the faulting one.
+fn check_page_ids(out: &PageList, region: u32, region_pages: u64, prefetch: &str) {
+    for &id in out.as_slice() {
+        let (r, p) = split_page_id(id);
+        assert!(r != region || p < region_pages, "{prefetch}: prefetch of page {p} in a region of {region_pages} pages");
+    }
 }
 
 fn check_prefetches(out: &PageList, region_pages: u64, prefetch: &str) {

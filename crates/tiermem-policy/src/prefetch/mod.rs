@@ -8,6 +8,7 @@ mod readahead;
 mod sibling;
 mod stream;
 mod temporal;
+mod with_ondemand;
 
 pub use fastswap::Fastswap;
 pub use leap::Leap;

@@ -1,7 +1,5 @@
-use std::sync::Mutex;
-
-use super::Ondemand;
-use crate::{lock, owned, page_id, FaultInfo, PageId, PageList, Prefetcher};
+use super::with_ondemand::{OnTopOfOndemand, WithOndemand};
+use crate::{page_id, split_page_id, FaultInfo, PageId, PageList};
 
 /// `ondemand` plus the pages of parallel arrays: a miss on `a[i]` predicts misses on `b[i]` and
 /// `c[i]` when the program has been missing those together, each a fixed distance away.
@@ -32,11 +30,7 @@ use crate::{lock, owned, page_id, FaultInfo, PageId, PageList, Prefetcher};
 /// - Distances shorter than [`NEAR`] pages are left to `ondemand`.
 /// - Hits on pages still on their way count as faults: once the siblings are read ahead they
 ///   show up that way (or not at all, and the scores fade until misses teach them again).
-#[derive(Debug)]
-pub struct Sibling {
-    sequential: Ondemand,
-    state: Mutex<Table>,
-}
+pub type Sibling = WithOndemand<Table>;
 
 /// Pages a zone covers (4 MiB).
 pub const ZONE_PAGES: u64 = 1 << 10;
@@ -103,8 +97,9 @@ impl At {
 const UNUSED: Zone =
     Zone { tag: u64::MAX, round: 0, distances: [Distance { pages: 0, bytes: 0 }; SLOTS], scores: [0; SLOTS] };
 
+/// `sibling`'s zones and the last faults.
 #[derive(Debug)]
-struct Table {
+pub struct Table {
     zones: Box<[Zone]>,
     /// The last faults, newest first.
     recent: [At; LOOKBACK],
@@ -122,7 +117,7 @@ impl Sibling {
     /// the fault path.
     pub fn new() -> Self {
         let table = Table { zones: vec![UNUSED; ZONES].into_boxed_slice(), recent: [At::NONE; LOOKBACK], faults: 0 };
-        Self { sequential: Ondemand::new(PageList::CAPACITY as u64), state: Mutex::new(table) }
+        Self::with_table(table)
     }
 }
 
@@ -184,65 +179,47 @@ impl Table {
 
     /// Distances the zone of `at` is confident of.
     fn confident(&mut self, at: At) -> [Option<Distance>; SLOTS] {
-        let mut out = [None; SLOTS];
-        if let Some(z) = self.zone(at, false) {
-            for s in 0..SLOTS {
-                if z.scores[s] >= CONFIDENT {
-                    out[s] = Some(z.distances[s]);
-                }
+        let Some(z) = self.zone(at, false) else { return [None; SLOTS] };
+        std::array::from_fn(|s| (z.scores[s] >= CONFIDENT).then_some(z.distances[s]))
+    }
+
+    /// Push the pages of the siblings of `at` into `out` (page ids), none past the end of the
+    /// faulting region (of `region_pages`; other regions' ends are the engine's to check).
+    fn predict(&mut self, at: At, region_pages: u64, out: &mut PageList) {
+        for distance in self.confident(at).into_iter().flatten() {
+            let sibling = at.page_at(distance);
+            let (region, page) = split_page_id(sibling);
+            if region != split_page_id(at.id).0 || page < region_pages {
+                out.push(sibling);
             }
         }
-        out
     }
+}
 
-    /// Push the pages of the siblings of `at` into `out` (page ids).
-    fn predict(&mut self, at: At, out: &mut PageList) {
-        for distance in self.confident(at).into_iter().flatten() {
-            out.push(at.page_at(distance));
+impl OnTopOfOndemand for Table {
+    const NAME: &'static str = "sibling";
+
+    /// One fault: `ondemand`'s window if it has one, else the siblings. A fault `ondemand`
+    /// reads ahead of is part of a sequential stream; arrays walked in lockstep are each such
+    /// a stream, and their siblings would only come ahead of the windows.
+    fn advance(&mut self, fault: &FaultInfo, out: &mut PageList, sequential: impl FnOnce(&mut PageList)) {
+        let at = At { id: page_id(fault.region, fault.page), offset: fault.offset % PAGE_BYTES as u16 };
+        self.learn(at);
+        let mut window = PageList::default();
+        sequential(&mut window);
+        if window.is_empty() {
+            self.predict(at, fault.region_pages, out);
         }
-    }
-}
-
-/// One fault: `ondemand`'s window (its own hook) if it has one, else the siblings. A fault
-/// `ondemand` reads ahead of is part of a sequential stream; arrays walked in lockstep are each
-/// such a stream, and their siblings would only come ahead of the windows.
-fn advance(table: &mut Table, fault: &FaultInfo, out: &mut PageList, sequential: impl FnOnce(&mut PageList)) {
-    let at = At { id: page_id(fault.region, fault.page), offset: fault.offset % PAGE_BYTES as u16 };
-    table.learn(at);
-    let mut window = PageList::default();
-    sequential(&mut window);
-    if window.is_empty() {
-        table.predict(at, out);
-    }
-    for &page in window.as_slice() {
-        out.push(page_id(fault.region, page));
-    }
-}
-
-impl Prefetcher for Sibling {
-    fn name(&self) -> &'static str {
-        "sibling"
-    }
-
-    fn on_fault(&self, fault: &FaultInfo, out: &mut PageList) {
-        // Lock order: the table, then `ondemand`'s state, always.
-        advance(&mut lock(&self.state), fault, out, |out| self.sequential.on_fault(fault, out));
-    }
-
-    fn spans_regions(&self) -> bool {
-        true
-    }
-
-    fn on_fault_mut(&mut self, fault: &FaultInfo, out: &mut PageList) {
-        let Self { sequential, state } = self;
-        advance(owned(state), fault, out, |out| sequential.on_fault_mut(fault, out));
+        for &page in window.as_slice() {
+            out.push(page_id(fault.region, page));
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::split_page_id;
+    use crate::Prefetcher;
 
     fn fault(p: &Sibling, region: u32, page: u64) -> Vec<PageId> {
         let mut out = PageList::default();
@@ -332,6 +309,29 @@ mod tests {
     }
 
     #[test]
+    fn no_sibling_is_read_past_the_end_of_the_faulting_region() {
+        // Two arrays of 400 pages in a region of 1,000: page i and page i + 500.
+        let p = Sibling::new();
+        let fault_in = |page: u64| {
+            let mut out = PageList::default();
+            p.on_fault(
+                &FaultInfo { offset: 0, region: 0, page, region_pages: 1_000, write: false, hit: false },
+                &mut out,
+            );
+            out.as_slice().to_vec()
+        };
+        for k in 0..500 {
+            let i = scattered(k, 400);
+            fault_in(i);
+            fault_in(i + 500);
+        }
+        assert_eq!(fault_in(123), vec![623], "learned");
+        // The zone holds both arrays, so a fault in the second learns nothing else, but 700 + 500
+        // lies past the region's last page (999).
+        assert!(fault_in(700).is_empty());
+    }
+
+    #[test]
     fn a_random_gather_with_no_siblings_reads_nothing() {
         let p = Sibling::new();
         for k in 0..20_000 {
@@ -367,7 +367,7 @@ mod tests {
         for page in 1_002..1_400 {
             fault(&p, 2, page);
         }
-        let t = lock(&p.state);
+        let t = p.table();
         assert!(t.zones.iter().all(|z| z.scores.iter().all(|&s| s == 0)), "no distance learned");
     }
 }

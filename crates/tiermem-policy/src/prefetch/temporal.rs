@@ -1,7 +1,5 @@
-use std::sync::Mutex;
-
-use super::Ondemand;
-use crate::{lock, owned, page_id, FaultInfo, PageId, PageList, Prefetcher};
+use super::with_ondemand::{OnTopOfOndemand, WithOndemand};
+use crate::{page_id, FaultInfo, PageId, PageList};
 
 /// `ondemand` plus a history of misses that it replays: a program that misses the same pages in
 /// the same order again, without any address pattern, gets them read ahead the second time.
@@ -28,11 +26,7 @@ use crate::{lock, owned, page_id, FaultInfo, PageId, PageList, Prefetcher};
 ///   their misses do not crowd the history.
 /// - It names pages by page id, of any region ([`Prefetcher::spans_regions`]): an interpreter's
 ///   heap is several regions, and its loops cross them.
-#[derive(Debug)]
-pub struct Temporal {
-    sequential: Ondemand,
-    state: Mutex<History>,
-}
+pub type Temporal = WithOndemand<History>;
 
 /// Misses the ring keeps: 4x the 17k-page loop of k-means' exit at 20%; 512 KiB.
 pub const HISTORY: usize = 1 << 16;
@@ -57,8 +51,9 @@ const CONFIRM: u32 = 4;
 const SLACK: u32 = 16;
 const EMPTY: PageId = PageId::MAX;
 
+/// `temporal`'s ring of misses and the streams it follows along it.
 #[derive(Debug)]
-struct History {
+pub struct History {
     pages: Box<[PageId]>,
     /// Page hash → its newest position (valid only if the ring still holds the page there).
     index: Box<[u32]>,
@@ -109,7 +104,7 @@ impl Temporal {
             repeats: 0,
             clock: 0,
         };
-        Self { sequential: Ondemand::new(PageList::CAPACITY as u64), state: Mutex::new(history) }
+        Self::with_table(history)
     }
 }
 
@@ -188,58 +183,43 @@ impl History {
     }
 }
 
-/// One fault through the history; `sequential` is `ondemand`'s own hook.
-fn advance(history: &mut History, fault: &FaultInfo, out: &mut PageList, sequential: impl FnOnce(&mut PageList)) {
-    history.clock += 1;
-    let id = page_id(fault.region, fault.page);
-    let before = history.find(id);
-    if let Some(pos) = before {
-        if history.follow(pos, out) {
+impl OnTopOfOndemand for History {
+    const NAME: &'static str = "temporal";
+
+    /// One fault through the history.
+    fn advance(&mut self, fault: &FaultInfo, out: &mut PageList, sequential: impl FnOnce(&mut PageList)) {
+        self.clock += 1;
+        let id = page_id(fault.region, fault.page);
+        let before = self.find(id);
+        if let Some(pos) = before {
+            if self.follow(pos, out) {
+                return;
+            }
+        }
+        let mut window = PageList::default();
+        sequential(&mut window);
+        for &page in window.as_slice() {
+            out.push(page_id(fault.region, page));
+        }
+        if fault.hit {
+            // A page some window read: that window's business.
             return;
         }
-    }
-    let mut window = PageList::default();
-    sequential(&mut window);
-    for &page in window.as_slice() {
-        out.push(page_id(fault.region, page));
-    }
-    if fault.hit {
-        // A page some window read: that window's business.
-        return;
-    }
-    if !window.is_empty() {
-        // A sequential stream has it: recorded, but no second guess on top.
-        history.append(id);
-        history.pending = None;
-        history.repeats = 0;
-        return;
-    }
-    history.record(id, before, out);
-}
-
-impl Prefetcher for Temporal {
-    fn name(&self) -> &'static str {
-        "temporal"
-    }
-
-    fn on_fault(&self, fault: &FaultInfo, out: &mut PageList) {
-        // Lock order: the history, then `ondemand`'s state, always.
-        advance(&mut lock(&self.state), fault, out, |out| self.sequential.on_fault(fault, out));
-    }
-
-    fn spans_regions(&self) -> bool {
-        true
-    }
-
-    fn on_fault_mut(&mut self, fault: &FaultInfo, out: &mut PageList) {
-        let Self { sequential, state } = self;
-        advance(owned(state), fault, out, |out| sequential.on_fault_mut(fault, out));
+        if !window.is_empty() {
+            // A sequential stream has it: recorded, but no second guess on top.
+            self.append(id);
+            self.pending = None;
+            self.repeats = 0;
+            return;
+        }
+        self.record(id, before, out);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Prefetcher;
 
     /// A fault on `page` of region 1; the pages it reads, all of region 1.
     fn miss(p: &Temporal, page: u64, hit: bool) -> Vec<u64> {
