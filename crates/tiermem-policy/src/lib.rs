@@ -11,10 +11,9 @@
 //! (`ondemand` that also follows streams a fixed number of pages apart), `temporal` (`ondemand`
 //! that also replays a history of misses, for loops over scattered pages), `sibling` (`ondemand`
 //! that also reads the same element of parallel arrays: learned distances between misses).
-//! Replacement: `fifo`,
-//! `clock`, `lru`, `stream-first` (§3.1), `seq`, `seq-adaptive`, `seq-protect`, and
-//! the offline reference `belady`, which needs the future and so is built from a trace
-//! ([`replace::Belady::from_trace`]), never by name.
+//! Replacement: `fifo`, `clock`, `lru`, `stream-first` (§3.1), `seq`, `seq-adaptive`,
+//! `seq-protect`, and the offline reference `belady`, which needs the future and so is built
+//! from a trace ([`replace::Belady::from_trace`]), never by name.
 
 mod pair;
 pub mod prefetch;
