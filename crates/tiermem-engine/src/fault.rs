@@ -136,6 +136,15 @@ fn resolve(
     let page_addr = region.page_addr(index);
     let id = region.id(index);
     let started = Instant::now();
+    // What the prefetcher hears of this fault: a hit on a page already on its way, or a miss.
+    let fault_info = |hit: bool| FaultInfo {
+        offset,
+        region: region.index,
+        page: index,
+        region_pages: region.page_count(),
+        write,
+        hit,
+    };
     let mut waited_on_prefetch = false;
     loop {
         let peek = cell.peek();
@@ -193,14 +202,7 @@ fn resolve(
                 if waited_on_prefetch {
                     // The program caught up with a prefetch in flight: the moment to read
                     // further ahead (a prefetch hit, as for a page found in the prefetch cache).
-                    let info = FaultInfo {
-                        offset,
-                        region: region.index,
-                        page: index,
-                        region_pages: region.page_count(),
-                        write,
-                        hit: true,
-                    };
+                    let info = fault_info(true);
                     issue_prefetches(shared, regions, region, &info, None);
                 }
                 return Outcome::Resolved;
@@ -215,14 +217,7 @@ fn resolve(
                 give_back(needs_room, staging);
                 Stats::add(&shared.stats.counters.prefetch_hits, 1);
                 Stats::add(&shared.stats.counters.deferred_hits, 1);
-                let info = FaultInfo {
-                    offset,
-                    region: region.index,
-                    page: index,
-                    region_pages: region.page_count(),
-                    write,
-                    hit: true,
-                };
+                let info = fault_info(true);
                 issue_prefetches(shared, regions, region, &info, None);
                 return Outcome::Resolved;
             }
@@ -274,14 +269,7 @@ fn resolve(
                 // Only prefetch samples wait in their buffers (see `prefetch_sample`).
                 shared.prefetch_sample_ended(true);
                 shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
-                let info = FaultInfo {
-                    offset,
-                    region: region.index,
-                    page: index,
-                    region_pages: region.page_count(),
-                    write,
-                    hit: true,
-                };
+                let info = fault_info(true);
                 issue_prefetches(shared, regions, region, &info, None);
                 return Outcome::Resolved;
             }
@@ -302,14 +290,7 @@ fn resolve(
             Kind::Evicted if needs_room && staging.is_some() => {
                 let buf = staging.unwrap_or_default();
                 let slot = state.slot().unwrap_or_default();
-                let info = FaultInfo {
-                    offset,
-                    region: region.index,
-                    page: index,
-                    region_pages: region.page_count(),
-                    write,
-                    hit: false,
-                };
+                let info = fault_info(false);
                 if let Err(e) = read_critical(shared, regions, region, id, slot, buf, &info, lane_hint) {
                     give_back(true, Some(buf));
                     Stats::add(&shared.stats.counters.io_errors, 1);
