@@ -71,25 +71,7 @@ pub fn set_errno(value: i32) {
     unsafe { *errno = value };
 }
 
-/// `n` in decimal, written into the end of `buf`: for messages where allocating is not safe
-/// (a signal handler, a fork handler).
-pub fn decimal(n: i64, buf: &mut [u8; 20]) -> &str {
-    let mut at = buf.len();
-    let mut v = n.unsigned_abs();
-    loop {
-        at -= 1;
-        buf[at] = b'0' + (v % 10) as u8;
-        v /= 10;
-        if v == 0 {
-            break;
-        }
-    }
-    if n < 0 {
-        at -= 1;
-        buf[at] = b'-';
-    }
-    std::str::from_utf8(&buf[at..]).unwrap_or("?")
-}
+pub use tiermem_sys::messages::decimal;
 
 /// This thread's errno.
 pub fn errno() -> i32 {
@@ -1373,13 +1355,6 @@ pub fn count_allocation(len: usize) {
 
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn numbers_print_in_decimal_without_allocating() {
-        for n in [0i64, 7, 512, -1, i64::MAX, i64::MIN] {
-            assert_eq!(super::decimal(n, &mut [0; 20]), n.to_string());
-        }
-    }
-
     use super::{room_for_fork, CgroupLook, FileCounts, FileRoom, READ_AROUND_PAGES};
 
     const PAGE: u64 = tiermem_sys::PAGE_SIZE as u64;

@@ -33,22 +33,13 @@ pub fn move_process_to_parent_v1(dir: &Path) -> Result<(), String> {
 /// for a child between fork and exec, joining the cgroup its program is to run in.
 pub fn join_cgroup_in_child(procs_file: &std::ffi::CStr) -> std::io::Result<()> {
     let mut digits = [0u8; 20];
-    let mut pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
-    let mut start = digits.len();
-    loop {
-        start -= 1;
-        digits[start] = b'0' + (pid % 10) as u8;
-        pid /= 10;
-        if pid == 0 {
-            break;
-        }
-    }
+    let pid = crate::messages::decimal(i64::from(rustix::process::getpid().as_raw_nonzero().get()), &mut digits);
     let file = rustix::fs::open(
         procs_file,
         rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC,
         rustix::fs::Mode::empty(),
     )?;
-    rustix::io::write(&file, &digits[start..])?;
+    rustix::io::write(&file, pid.as_bytes())?;
     Ok(())
 }
 

@@ -60,8 +60,35 @@ pub fn write(mut bytes: &[u8]) {
     }
 }
 
+/// `n` in decimal, written into the end of `buf`: for messages where allocating is not safe
+/// (a signal handler, a fork handler, a child between fork and exec).
+pub fn decimal(n: i64, buf: &mut [u8; 20]) -> &str {
+    let mut at = buf.len();
+    let mut v = n.unsigned_abs();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    if n < 0 {
+        at -= 1;
+        buf[at] = b'-';
+    }
+    std::str::from_utf8(&buf[at..]).unwrap_or("?")
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn numbers_print_in_decimal_without_allocating() {
+        for n in [0i64, 7, 512, -1, i64::MAX, i64::MIN] {
+            assert_eq!(super::decimal(n, &mut [0; 20]), n.to_string());
+        }
+    }
+
     #[test]
     fn messages_go_to_the_kept_copy_of_stderr() {
         super::keep_stderr();
