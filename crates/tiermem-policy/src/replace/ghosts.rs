@@ -14,6 +14,11 @@
 //! closest to expiring anyway), and a page whose hash matches another's set and tag (a chance of
 //! about one in a million per lookup) is taken for it. Either only changes whether one page-in
 //! counts as a short refault.
+//!
+//! The table comes from a zeroed allocation and so costs nothing until evictions write to it:
+//! it is sized for the budget (16 bytes per entry, 1.6 entries per page of budget: about 0.6%
+//! of it), which a program that stays under its limit never reaches. A caller that needs it in
+//! place up front (the engine under the preload's OOM guard) calls [`Ghosts::make_resident`].
 
 /// Words per set: one 64-byte cache line.
 const WAYS: usize = 8;
@@ -21,14 +26,13 @@ const WAYS: usize = 8;
 const STAMP_BITS: u32 = 40;
 const STAMP_MASK: u64 = (1 << STAMP_BITS) - 1;
 
-#[derive(Debug, Clone, Copy, Default)]
-#[repr(C, align(64))]
-struct Set([u64; WAYS]);
-
 /// A table of the last `keep` evicted pages; see the module docs.
 #[derive(Debug)]
 pub(crate) struct Ghosts {
-    sets: Vec<Set>,
+    /// The sets, `WAYS` words each, from `first` on (the first word on a cache-line boundary).
+    words: Vec<u64>,
+    first: usize,
+    sets: usize,
     /// Entries are kept for this many evictions.
     keep: u64,
 }
@@ -65,22 +69,43 @@ impl Ghosts {
         let keep = keep.max(1);
         // Twice the entries kept: eight ways at half load rarely overflow.
         let sets = (2 * keep).div_ceil(WAYS).max(1);
-        // Written out here, not left to a zeroed allocation's untouched pages: the memory is in
-        // place before the cgroup can fill up (see `Replacement::reserve_now`).
-        Self { sets: vec![Set::default(); sets], keep: keep as u64 }
+        // Zeroed words (untouched pages of a fresh mapping for any size that matters), one set
+        // more than needed so that the sets can start on a cache line: an allocation of plain
+        // words is only 16-byte aligned, and asking for 64 would have the allocator zero it by
+        // hand, page by page.
+        let words = vec![0u64; (sets + 1) * WAYS];
+        let first = words.as_ptr().align_offset(WAYS * std::mem::size_of::<u64>()).min(WAYS);
+        Self { words, first, sets, keep: keep as u64 }
+    }
+
+    /// Write to every memory page of the table now rather than as evictions reach it, keeping
+    /// what it holds.
+    pub(crate) fn make_resident(&mut self) {
+        const PAGE_WORDS: usize = 4096 / std::mem::size_of::<u64>();
+        for word in self.words.iter_mut().step_by(PAGE_WORDS) {
+            // Stored back as read: a write the compiler cannot drop as a no-op.
+            *word = std::hint::black_box(*word);
+        }
+    }
+
+    /// The eight words of set `set`.
+    #[inline]
+    fn ways(&mut self, set: usize) -> &mut [u64; WAYS] {
+        let start = self.first + set * WAYS;
+        (&mut self.words[start..start + WAYS]).try_into().expect("a set is WAYS words")
     }
 
     /// Bytes of the table.
     #[cfg(test)]
     pub(crate) fn bytes(&self) -> usize {
-        self.sets.len() * std::mem::size_of::<Set>()
+        self.words.len() * std::mem::size_of::<u64>()
     }
 
     /// Remember that `page` was evicted as eviction number `now` (counted up by one per eviction).
     pub(crate) fn insert(&mut self, page: u64, now: u64) {
-        let (set, tag) = locate(page, self.sets.len());
+        let (set, tag) = locate(page, self.sets);
         let keep = self.keep;
-        let ways = &mut self.sets[set].0;
+        let ways = self.ways(set);
         // The page's own entry, else a free or expired word, else the oldest.
         let own = ways.iter().position(|&w| w & !STAMP_MASK == tag && live(w, now, keep));
         let slot = own.unwrap_or_else(|| {
@@ -93,9 +118,9 @@ impl Ghosts {
     /// Forget `page` and return how many evictions ago it was evicted, as of eviction number
     /// `now`, if that was within the last `keep`.
     pub(crate) fn take(&mut self, page: u64, now: u64) -> Option<u64> {
-        let (set, tag) = locate(page, self.sets.len());
+        let (set, tag) = locate(page, self.sets);
         let keep = self.keep;
-        let ways = &mut self.sets[set].0;
+        let ways = self.ways(set);
         let i = ways.iter().position(|&w| w & !STAMP_MASK == tag && live(w, now, keep))?;
         let evicted_ago = age(ways[i], now);
         ways[i] = 0;
@@ -105,7 +130,7 @@ impl Ghosts {
     /// Live entries (for tests).
     #[cfg(test)]
     fn len(&self, now: u64) -> usize {
-        self.sets.iter().flat_map(|s| s.0).filter(|&w| live(w, now, self.keep)).count()
+        self.words.iter().filter(|&&w| live(w, now, self.keep)).count()
     }
 }
 
@@ -156,23 +181,37 @@ mod tests {
         assert!(stale < 10, "{stale} expired entries still found");
     }
 
-    /// The table is written when it is made (the OOM guard needs the policy's memory in place
-    /// before the cgroup fills up, not faulted in on the reclaim path).
-    #[test]
-    fn the_table_is_resident_from_the_start() {
-        let g = Ghosts::new(2 << 20);
-        // The table's own pages, by /proc/self/pagemap (bit 63: present), not the process's
-        // resident total, which other tests running at the same time move both ways.
-        let start = g.sets.as_ptr() as u64;
-        let (first, last) = (start / 4096, (start + g.bytes() as u64 - 1) / 4096);
+    /// Of the table's memory pages, how many are resident (by /proc/self/pagemap, bit 63:
+    /// present; not the process's resident total, which other tests running at the same time
+    /// move both ways).
+    fn resident_pages(g: &Ghosts) -> (usize, usize) {
         use std::io::{Read, Seek};
+        let start = g.words.as_ptr() as u64;
+        let (first, last) = (start / 4096, (start + g.bytes() as u64 - 1) / 4096);
         let mut file = std::fs::File::open("/proc/self/pagemap").expect("pagemap");
         file.seek(std::io::SeekFrom::Start(first * 8)).expect("seek");
         let mut entries = vec![0u8; ((last - first + 1) * 8) as usize];
         file.read_exact(&mut entries).expect("read pagemap");
-        let pages = entries.chunks_exact(8).count();
         let present = entries.chunks_exact(8).filter(|e| e[7] & 0x80 != 0).count();
+        (present, entries.len() / 8)
+    }
+
+    /// A fresh table costs no memory until it is written: sized for a 16 GiB budget it is 107
+    /// MB, which a program that never reaches its limit should not pay. Made resident (for the
+    /// OOM guard, which needs the policy's memory in place before the cgroup fills up, not
+    /// faulted in on the reclaim path), every page is there, and what it held still is.
+    #[test]
+    fn the_table_takes_memory_as_it_is_written_or_when_made_resident() {
+        // 64 MiB of table: a fresh mapping whatever glibc's mmap threshold has grown to.
+        let mut g = Ghosts::new(4 << 20);
+        assert_eq!((g.words.as_ptr() as usize + g.first * 8) % 64, 0, "sets start on a cache line");
+        let (present, pages) = resident_pages(&g);
+        assert!(present * 10 < pages, "{present} of a fresh table's {pages} pages are resident");
+        g.insert(12_345, 7);
+        g.make_resident();
+        let (present, pages) = resident_pages(&g);
         assert_eq!(present, pages, "{present} of the table's {pages} pages are resident");
+        assert_eq!(g.take(12_345, 9), Some(2), "an entry made before is kept");
     }
 
     #[test]

@@ -103,7 +103,8 @@ impl Refaults {
         let window = window_of(capacity);
         Self {
             evicted: 0,
-            // A fixed table: it never grows (new memory, touched on the reclaim path).
+            // A fixed table: it never grows (no allocation on the reclaim path; its pages are
+            // touched there unless `reserve_now` made them resident).
             ghosts: Ghosts::new(horizon + window),
             horizon: horizon as u64,
             window: window as u64,
@@ -326,7 +327,9 @@ impl Replacement for Seq {
         touch_capacity(&mut state.recent, (0, 0));
         touch_capacity(&mut state.older, 0);
         touch_capacity(&mut state.protected, 0);
-        // (The refault table is written when it is made.)
+        if let Some(r) = &mut state.refaults {
+            r.ghosts.make_resident();
+        }
     }
 
     fn name(&self) -> &'static str {
