@@ -2609,6 +2609,60 @@ fn a_cgroup_a_fifth_of_a_small_footprint_still_runs_the_program() {
     }
 }
 
+/// In a large cgroup the OOM guard's ballast (the margin the budget keeps free, held) stops at
+/// 64 MiB: it was a 50th of the cgroup, 164 MiB of 8 GiB that no program could use. The cgroup
+/// is never filled here (a small sort), so this only costs its limit in address space.
+#[test]
+fn in_a_large_cgroup_the_oom_guard_s_ballast_stops_at_64_mib() {
+    let name = "in_a_large_cgroup_the_oom_guard_s_ballast_stops_at_64_mib";
+    if !oom_guard_test_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, STD_SORT, "std_sort", name) else { return };
+    let bin = bin.display().to_string();
+    let n = "1000000";
+    let reference = Command::new(&bin).arg(n).output().expect("the program alone");
+    assert!(reference.status.success());
+    let limit: u64 = 8 << 30;
+    let limit_arg = limit.to_string();
+    let device = format!("file:{}", scratch.path().display());
+    let stats = scratch.path().join("large.json");
+    let stats_arg = stats.display().to_string();
+    let cgroup = tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", limit, Some(0))
+        .expect("memory cgroup");
+    let mut run = scratch.command(&[
+        "run",
+        "--cgroup",
+        "guard",
+        "--limit",
+        &limit_arg,
+        "--device",
+        &device,
+        "--stats-json",
+        &stats_arg,
+        "--",
+        &bin,
+        n,
+    ]);
+    let (out, took, watchdog_fired) = run_in_cgroup_watched(&cgroup, &mut run, Duration::from_secs(120));
+    cgroup.close().expect("removing the cgroup");
+    let out = out.expect("tiermem run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!watchdog_fired, "{name}: still running after {took:?}, killed: {stderr}");
+    assert!(out.status.success(), "{name}: {stderr}");
+    assert_eq!(out.stdout, reference.stdout, "{name}: same output as the program alone");
+    let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let process = &stats["processes"][0];
+    let bytes = |key: &str| process[key].as_u64().unwrap_or_else(|| panic!("{name}: no {key} in {process}"));
+    let (ballast, lowest) = (bytes("guard_ballast_bytes"), bytes("lowest_budget_bytes"));
+    eprintln!("{name}: ballast {} MiB, lowest budget {} MiB of {}", ballast >> 20, lowest >> 20, limit >> 20);
+    assert_eq!(ballast, 64 << 20, "{name}: the ballast in an 8 GiB cgroup");
+    // What else the budget leaves: the I/O buffers, the policy's tables (made resident under the
+    // guard, about 1.2% of the budget), the program. Before, the ballast alone took 2%.
+    assert!(lowest >= limit - limit / 40, "{name}: the budget fell to {} MiB", lowest >> 20);
+}
+
 /// Fills a managed array larger than the budget, then queues N MiB on a Unix socket pair (its
 /// buffers forced large, the writer non-blocking) before reading them back: the kernel charges
 /// the queued buffers to the cgroup, which tiermem keeps nearly full of managed pages.

@@ -367,7 +367,7 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
             let configured = engine.config().limit_bytes;
             fit_budget_to_cgroup(engine, &cgroup, configured, base_margin(engine, &cgroup, configured));
             let guard = if settings.oom_guard {
-                match OomGuard::arm(&cgroup, base_margin(engine, &cgroup, configured)) {
+                match OomGuard::arm(&cgroup, kept_margin(engine, &cgroup, configured, true)) {
                     Ok(guard) => {
                         engine.keep_metadata_resident();
                         if let Err(why) = crate::reserve::arm(ENGINE_RESERVE_BYTES) {
@@ -939,6 +939,22 @@ fn base_margin(engine: &Engine, cgroup: &CgroupRoom, configured: u64) -> u64 {
     (room / 50).max(small_share(room, 1 << 20))
 }
 
+/// Most the margin may take under the OOM guard, which holds it as its ballast: a burst larger
+/// than this is what the guard's pause and budget cut are for. A 50th of a large cgroup was
+/// memory no program could use (327 MiB of a 16 GiB cgroup); without the guard a burst past the
+/// margin is an OOM kill, so there it stays a 50th.
+const GUARDED_MARGIN_CAP: u64 = 64 << 20;
+
+/// [`base_margin`], capped at [`GUARDED_MARGIN_CAP`] under the OOM guard.
+fn kept_margin(engine: &Engine, cgroup: &CgroupRoom, configured: u64, guarded: bool) -> u64 {
+    let base = base_margin(engine, cgroup, configured);
+    if guarded {
+        base.min(GUARDED_MARGIN_CAP)
+    } else {
+        base
+    }
+}
+
 /// Budgets (4 KiB pages) below which tiermem's fixed memory shrinks with the budget: 16 MiB.
 const SMALL_BUDGET_PAGES: u64 = 4096;
 
@@ -1051,7 +1067,7 @@ fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guard: Option<O
             }
             g.ballast_held()
         });
-        let margin = if ballast_held { 0 } else { base_margin(engine, &cgroup, configured) };
+        let margin = if ballast_held { 0 } else { kept_margin(engine, &cgroup, configured, guard.is_some()) };
         if let Some(look) = cgroup.look() {
             let catching_up = engine.resident_pages() > engine.limit_pages();
             let cap = local_room(engine, &cgroup, configured) / 2;
