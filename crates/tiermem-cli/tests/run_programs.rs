@@ -2529,6 +2529,62 @@ fn the_launcher_leaves_a_limited_cgroup_to_the_program() {
     }
 }
 
+/// For a test of the OOM guard on [`STD_SORT`]: its scratch directory, the sort built, and its
+/// output for `n` numbers without tiermem; None (said) where the guard cannot be tested.
+fn sort_for_the_oom_guard_or_skip(name: &str, n: &str) -> Option<(Scratch, String, Vec<u8>)> {
+    if !oom_guard_test_or_skip(name) {
+        return None;
+    }
+    let scratch = Scratch::new();
+    let bin = build_cpp(&scratch, STD_SORT, "std_sort", name)?.display().to_string();
+    let reference = Command::new(&bin).arg(n).output().expect("the program alone");
+    assert!(reference.status.success());
+    Some((scratch, bin, reference.stdout))
+}
+
+/// Runs `bin n` under `tiermem run --cgroup guard --fault-mode MODE --limit BUDGET` in a fresh
+/// no-swap cgroup of `limit` bytes, checks it completes with `expected` as its output, and
+/// returns its process statistics and how long it took.
+fn guarded_run_in_a_cgroup(
+    name: &str,
+    scratch: &Scratch,
+    (bin, n, expected): (&str, &str, &[u8]),
+    limit: u64,
+    mode: &str,
+    budget_arg: &str,
+) -> (serde_json::Value, Duration) {
+    let cgroup = tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", limit, Some(0))
+        .expect("memory cgroup");
+    let device = format!("file:{}", scratch.path().display());
+    let stats = scratch.path().join(format!("guarded-{mode}-{limit}-{budget_arg}.json"));
+    let stats_arg = stats.display().to_string();
+    let mut run = scratch.command(&[
+        "run",
+        "--fault-mode",
+        mode,
+        "--cgroup",
+        "guard",
+        "--limit",
+        budget_arg,
+        "--device",
+        &device,
+        "--stats-json",
+        &stats_arg,
+        "--",
+        bin,
+        n,
+    ]);
+    let (out, took, watchdog_fired) = run_in_cgroup_watched(&cgroup, &mut run, Duration::from_secs(120));
+    cgroup.close().expect("removing the cgroup");
+    let out = out.expect("tiermem run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!watchdog_fired, "{name}: still running after {took:?}, killed: {stderr}");
+    assert!(out.status.success(), "{name}: {stderr}");
+    assert_eq!(out.stdout, expected, "{name}: same output as the program alone");
+    let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    (stats["processes"][0].clone(), took)
+}
+
 /// A cgroup a fifth of a small program's footprint: a 32 MB std::sort under 6.2 MiB, the size of
 /// the tiny scale's quicksort at 20% (Linux swap ran that in 2 s). Before tiermem's fixed memory
 /// shrank with the budget (I/O buffers, the page pipes' scratch pages, the OOM guard's ballast and
@@ -2541,51 +2597,17 @@ fn the_launcher_leaves_a_limited_cgroup_to_the_program() {
 #[test]
 fn a_cgroup_a_fifth_of_a_small_footprint_still_runs_the_program() {
     let name = "a_cgroup_a_fifth_of_a_small_footprint_still_runs_the_program";
-    if !oom_guard_test_or_skip(name) {
-        return;
-    }
-    let scratch = Scratch::new();
-    let Some(bin) = build_cpp(&scratch, STD_SORT, "std_sort", name) else { return };
-    let bin = bin.display().to_string();
     let n = "8000000";
-    let reference = Command::new(&bin).arg(n).output().expect("the program alone");
-    assert!(reference.status.success());
+    let Some((scratch, bin, expected)) = sort_for_the_oom_guard_or_skip(name, n) else { return };
     let limit: u64 = 6_496_256;
     let limit_arg = limit.to_string();
-    let device = format!("file:{}", scratch.path().display());
     // The budget as large as the cgroup, as the benchmark gives it, and a larger one, which
     // tiermem fits into the cgroup by itself.
     for (mode, budget_arg) in [("sigbus", limit_arg.as_str()), ("thread", limit_arg.as_str()), ("sigbus", "64MiB")] {
-        let cgroup = tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", limit, Some(0))
-            .expect("memory cgroup");
         let case = format!("{mode}, --limit {budget_arg}");
-        let stats = scratch.path().join(format!("small-{mode}-{budget_arg}.json"));
-        let stats_arg = stats.display().to_string();
-        let mut run = scratch.command(&[
-            "run",
-            "--fault-mode",
-            mode,
-            "--cgroup",
-            "guard",
-            "--limit",
-            budget_arg,
-            "--device",
-            &device,
-            "--stats-json",
-            &stats_arg,
-            "--",
-            &bin,
-            n,
-        ]);
-        let (out, took, watchdog_fired) = run_in_cgroup_watched(&cgroup, &mut run, Duration::from_secs(120));
-        cgroup.close().expect("removing the cgroup");
-        let out = out.expect("tiermem run");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!watchdog_fired, "{name} ({case}): still running after {took:?}, killed: {stderr}");
-        assert!(out.status.success(), "{name} ({case}): {stderr}");
-        assert_eq!(out.stdout, reference.stdout, "{name} ({case}): same output as the program alone");
-        let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
-        let process = &stats["processes"][0];
+        let program = (bin.as_str(), n, expected.as_slice());
+        let (process, took) =
+            guarded_run_in_a_cgroup(&format!("{name} ({case})"), &scratch, program, limit, mode, budget_arg);
         let bytes =
             |key: &str| process[key].as_u64().unwrap_or_else(|| panic!("{name} ({case}): no {key} in {process}"));
         let (lowest, buffers, ballast) =
@@ -2615,45 +2637,11 @@ fn a_cgroup_a_fifth_of_a_small_footprint_still_runs_the_program() {
 #[test]
 fn in_a_large_cgroup_the_oom_guard_s_ballast_stops_at_64_mib() {
     let name = "in_a_large_cgroup_the_oom_guard_s_ballast_stops_at_64_mib";
-    if !oom_guard_test_or_skip(name) {
-        return;
-    }
-    let scratch = Scratch::new();
-    let Some(bin) = build_cpp(&scratch, STD_SORT, "std_sort", name) else { return };
-    let bin = bin.display().to_string();
     let n = "1000000";
-    let reference = Command::new(&bin).arg(n).output().expect("the program alone");
-    assert!(reference.status.success());
+    let Some((scratch, bin, expected)) = sort_for_the_oom_guard_or_skip(name, n) else { return };
     let limit: u64 = 8 << 30;
-    let limit_arg = limit.to_string();
-    let device = format!("file:{}", scratch.path().display());
-    let stats = scratch.path().join("large.json");
-    let stats_arg = stats.display().to_string();
-    let cgroup = tiermem_cli::bench::linux_swap::MemCgroup::create_with_swap_limit("tiermem-test", limit, Some(0))
-        .expect("memory cgroup");
-    let mut run = scratch.command(&[
-        "run",
-        "--cgroup",
-        "guard",
-        "--limit",
-        &limit_arg,
-        "--device",
-        &device,
-        "--stats-json",
-        &stats_arg,
-        "--",
-        &bin,
-        n,
-    ]);
-    let (out, took, watchdog_fired) = run_in_cgroup_watched(&cgroup, &mut run, Duration::from_secs(120));
-    cgroup.close().expect("removing the cgroup");
-    let out = out.expect("tiermem run");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!watchdog_fired, "{name}: still running after {took:?}, killed: {stderr}");
-    assert!(out.status.success(), "{name}: {stderr}");
-    assert_eq!(out.stdout, reference.stdout, "{name}: same output as the program alone");
-    let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
-    let process = &stats["processes"][0];
+    let program = (bin.as_str(), n, expected.as_slice());
+    let (process, _) = guarded_run_in_a_cgroup(name, &scratch, program, limit, "sigbus", &limit.to_string());
     let bytes = |key: &str| process[key].as_u64().unwrap_or_else(|| panic!("{name}: no {key} in {process}"));
     let (ballast, lowest) = (bytes("guard_ballast_bytes"), bytes("lowest_budget_bytes"));
     eprintln!("{name}: ballast {} MiB, lowest budget {} MiB of {}", ballast >> 20, lowest >> 20, limit >> 20);
