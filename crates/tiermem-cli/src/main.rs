@@ -94,16 +94,8 @@ struct MicroArgs {
     /// How tiermem takes faults.
     #[arg(long, default_value = "sigbus", env = "TIERMEM_FAULT_MODE")]
     fault_mode: String,
-    /// tiermem's prefetcher (default: the engine's).
-    #[arg(long, env = "TIERMEM_PREFETCH")]
-    prefetch: Option<String>,
-    /// tiermem's replacement policy (default: the engine's).
-    #[arg(long, env = "TIERMEM_REPLACE")]
-    replace: Option<String>,
-    /// on | off: tiermem caps each prefetcher call's pages while few sampled prefetches are used
-    /// (default on).
-    #[arg(long, env = "TIERMEM_PREFETCH_GOVERNOR")]
-    prefetch_governor: Option<String>,
+    #[command(flatten)]
+    policy: PolicyArgs,
     /// How tiermem notices writes: auto, sync-wp, async-wp, none.
     #[arg(long, default_value = "auto", env = "TIERMEM_DIRTY_TRACKING")]
     dirty_tracking: String,
@@ -125,6 +117,21 @@ struct MicroArgs {
     /// Print the full result as JSON instead of the summary.
     #[arg(long)]
     json: bool,
+}
+
+/// The engine's policies, as `tiermem run` and `tiermem bench micro` take them.
+#[derive(Debug, Args)]
+struct PolicyArgs {
+    /// Prefetcher [default: the engine's].
+    #[arg(long, env = "TIERMEM_PREFETCH")]
+    prefetch: Option<String>,
+    /// Replacement policy [default: the engine's].
+    #[arg(long, env = "TIERMEM_REPLACE")]
+    replace: Option<String>,
+    /// on | off: cap the pages each prefetcher call reads while few of the sampled prefetched
+    /// pages are used [default: on].
+    #[arg(long, env = "TIERMEM_PREFETCH_GOVERNOR")]
+    prefetch_governor: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -183,10 +190,10 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
         dirty_tracking: args.dirty_tracking.parse()?,
         ..EngineConfig::default()
     };
-    if let Some(p) = &args.prefetch {
+    if let Some(p) = &args.policy.prefetch {
         base.prefetch = p.clone();
     }
-    if let Some(r) = &args.replace {
+    if let Some(r) = &args.policy.replace {
         base.replace = r.clone();
     }
     let on_off = |flag: &str, value: &Option<String>, default: bool| match value.as_deref() {
@@ -196,7 +203,7 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
     };
     base.read_runs = on_off("--read-runs", &args.read_runs, base.read_runs)?;
     base.write_runs = on_off("--write-runs", &args.write_runs, base.write_runs)?;
-    base.prefetch_governor = on_off("--prefetch-governor", &args.prefetch_governor, base.prefetch_governor)?;
+    base.prefetch_governor = on_off("--prefetch-governor", &args.policy.prefetch_governor, base.prefetch_governor)?;
     // Bad policy names fail here, before any system runs.
     tiermem_engine::policy::build_policies(&base.prefetch, &base.replace, 1, &Default::default())?;
     let mut rows = Vec::new();
@@ -397,16 +404,8 @@ struct RunArgs {
     /// Device capacity (default: twice the footprint, else the machine's memory).
     #[arg(long, env = "TIERMEM_DEVICE_SIZE")]
     device_size: Option<String>,
-    /// Prefetcher.
-    #[arg(long, env = "TIERMEM_PREFETCH")]
-    prefetch: Option<String>,
-    /// Replacement policy.
-    #[arg(long, env = "TIERMEM_REPLACE")]
-    replace: Option<String>,
-    /// on | off: cap the pages each prefetcher call reads while few of the sampled prefetched
-    /// pages are used [default: on].
-    #[arg(long, env = "TIERMEM_PREFETCH_GOVERNOR")]
-    prefetch_governor: Option<String>,
+    #[command(flatten)]
+    policy: PolicyArgs,
     /// Fraction of the budget that wakes background reclaim; from there it writes cold pages
     /// back ahead of eviction [default: 0.7].
     #[arg(long, env = "TIERMEM_WATERMARK")]
@@ -593,9 +592,9 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_FOOTPRINT", &args.footprint),
         ("TIERMEM_DEVICE", &args.device),
         ("TIERMEM_DEVICE_SIZE", &args.device_size),
-        ("TIERMEM_PREFETCH", &args.prefetch),
-        ("TIERMEM_REPLACE", &args.replace),
-        ("TIERMEM_PREFETCH_GOVERNOR", &args.prefetch_governor),
+        ("TIERMEM_PREFETCH", &args.policy.prefetch),
+        ("TIERMEM_REPLACE", &args.policy.replace),
+        ("TIERMEM_PREFETCH_GOVERNOR", &args.policy.prefetch_governor),
         ("TIERMEM_WATERMARK", &args.watermark),
         ("TIERMEM_EVICT_WATERMARK", &args.evict_watermark),
         ("TIERMEM_FAULT_MODE", &args.fault_mode),
