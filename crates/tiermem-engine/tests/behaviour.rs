@@ -157,6 +157,48 @@ fn scattered_victims_leave_a_batch_per_page_table_call() {
     assert!(stats.summary().contains("through a page pipe"), "{}", stats.summary());
 }
 
+/// A handler thread's userfaultfd takes no page pipe: a page unexpectedly missing would make
+/// `vmsplice` wait for the handler thread, which waits for the page lock this eviction holds.
+/// Its victims are moved out (UFFDIO_MOVE) and every value reads back. (The pipe was taken for
+/// every descriptor while the handshake's offer stood for the features a descriptor has.)
+#[test]
+fn a_handler_thread_s_victims_are_moved_not_taken_through_a_page_pipe() {
+    let _serial = serial();
+    let test = "a_handler_thread_s_victims_are_moved_not_taken_through_a_page_pipe";
+    let Some(f) = features_or_skip(test) else { return };
+    if !(f.wp_async && f.move_pages && f.pagemap_scan && f.kernel_faults) {
+        eprintln!("SKIPPED {test}: kernel lacks WP_ASYNC, MOVE or PAGEMAP_SCAN, or faults in the kernel are not ours");
+        return;
+    }
+    let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
+        c.dirty_tracking = DirtyTracking::AsyncWriteProtect;
+        c.fault_mode = FaultMode::HandlerThread;
+    });
+    let pages = 1024;
+    let region = engine.create_region(pages * 4096).unwrap();
+    let words = region.as_ptr().cast::<u64>();
+    for pass in 0..3u64 {
+        for p in 0..pages {
+            // SAFETY: page `p` of the region, one u64 at its start.
+            unsafe {
+                let w = words.add(p * 512);
+                if pass == 0 {
+                    w.write_volatile(p as u64 + 1);
+                } else {
+                    assert_eq!(w.read_volatile(), p as u64 + 1, "page {p}, pass {pass}");
+                }
+            }
+        }
+    }
+    let stats = engine.stats();
+    assert!(stats.evictions >= 2000, "three passes over 4x the budget must evict: {}", stats.evictions);
+    assert_eq!(
+        stats.spliced_evictions, 0,
+        "{} of {} evictions went through a page pipe",
+        stats.spliced_evictions, stats.evictions
+    );
+}
+
 /// Fill `pages` pages with a pattern, then push them out by touching a second region.
 fn evicted_pattern(engine: &Engine, pages: usize) -> (tiermem_engine::Region, Vec<u8>) {
     fill_and_evict(engine, engine.create_region(pages * 4096).unwrap())

@@ -45,7 +45,7 @@ impl KernelFeatures {
         let offered = match Uffd::open(Features::default(), false) {
             Ok(uffd) => {
                 f.kernel_faults = uffd.handles_kernel_faults();
-                uffd.features()
+                uffd.offered_features()
             }
             Err(e) => {
                 f.error = Some(e.to_string());

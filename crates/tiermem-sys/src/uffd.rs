@@ -114,7 +114,10 @@ pub enum Event {
 #[derive(Debug)]
 pub struct Uffd {
     fd: crate::guarded_fd::Guarded<OwnedFd>,
+    /// What was asked for (and so is on: the handshake refuses what it cannot give).
     features: Features,
+    /// What the handshake reported: every feature the kernel offers, not what is on.
+    offered: Features,
     /// Opened with UFFD_USER_MODE_ONLY: faults taken inside the kernel are not delivered.
     user_mode_only: bool,
 }
@@ -205,7 +208,9 @@ impl Uffd {
                 ),
             )
         })?;
-        Ok(Self { fd: crate::guarded_fd::Guarded::new(fd), features: Features(api.features), user_mode_only })
+        // The kernel answers with every feature it offers, whatever was asked for, and turns on
+        // only those asked for: the answer is not what this descriptor does.
+        Ok(Self { fd: crate::guarded_fd::Guarded::new(fd), features, offered: Features(api.features), user_mode_only })
     }
 
     /// Whether faults taken inside the kernel (a system call reading or writing a missing page)
@@ -224,9 +229,14 @@ impl Uffd {
         Ok(Features(api.features))
     }
 
-    /// The features this descriptor was opened with.
+    /// The features this descriptor was opened with (on for it).
     pub fn features(&self) -> Features {
         self.features
+    }
+
+    /// Every feature the kernel offered in this descriptor's handshake (on or not).
+    pub fn offered_features(&self) -> Features {
+        self.offered
     }
 
     /// Watch `[addr, addr+len)`. Returns the bitmask of `_UFFDIO_*` ioctls allowed on the range.
@@ -398,5 +408,36 @@ impl Uffd {
 impl AsFd for Uffd {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The handshake answers with every feature the kernel offers, whatever was asked for; a
+    /// descriptor reports what it was opened with, and the offer apart. (The engine keeps its
+    /// page pipe to SIGBUS-mode descriptors by `features()`, and took every descriptor for one
+    /// while it returned the offer.)
+    #[test]
+    fn a_descriptor_s_features_are_those_asked_for_and_the_offer_is_kept_apart() {
+        let test = "a_descriptor_s_features_are_those_asked_for_and_the_offer_is_kept_apart";
+        let offered = match Uffd::supported_features() {
+            Ok(offered) => offered,
+            Err(e) => {
+                eprintln!("SKIPPED {test}: userfaultfd unavailable: {e}");
+                return;
+            }
+        };
+        if !offered.contains(Features::SIGBUS) {
+            eprintln!("SKIPPED {test}: this kernel offers no UFFD_FEATURE_SIGBUS");
+            return;
+        }
+        let plain = Uffd::open(Features::default(), false).expect("a userfaultfd asking for nothing");
+        assert!(!plain.features().contains(Features::SIGBUS), "asked for nothing, reports {:#x}", plain.features().0);
+        assert_eq!(plain.offered_features().0, offered.0, "the offer is the kernel's");
+        let sigbus = Uffd::open(Features::SIGBUS, false).expect("a userfaultfd asking for SIGBUS");
+        assert_eq!(sigbus.features().0, Features::SIGBUS.0);
+        assert_eq!(sigbus.offered_features().0, offered.0);
     }
 }
