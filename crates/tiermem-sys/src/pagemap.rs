@@ -71,6 +71,16 @@ pub fn present_frame(entry: [u8; 8]) -> Option<u64> {
     (entry >> 63 == 1).then_some(entry & ((1 << 55) - 1))
 }
 
+/// Whether a /proc/PID/pagemap entry holds a page: present, or swapped out and not a marker
+/// (see [`Pagemap::is_mapped`]).
+fn entry_holds_data(entry: u64) -> bool {
+    const PRESENT: u64 = 1 << 63;
+    const SWAPPED: u64 = 1 << 62;
+    // Bit 57: the entry is uffd-wp write-protected; bit 58: a guard region (Linux >= 6.14).
+    const MARKER_BITS: u64 = (1 << 57) | (1 << 58);
+    entry & PRESENT != 0 || (entry & SWAPPED != 0 && entry & MARKER_BITS == 0)
+}
+
 impl Pagemap {
     /// Open this process's pagemap.
     pub fn open_self() -> Result<Self> {
@@ -112,16 +122,21 @@ impl Pagemap {
 
     /// Whether the page at `addr` is mapped (in memory or swapped out by the kernel), from its
     /// /proc/self/pagemap entry: works without PAGEMAP_SCAN and is safe in a signal handler.
+    ///
+    /// The kernel reports every non-empty entry that is not present as swapped, markers
+    /// included: a write-protect marker (left by write-protecting a page that is not there, with
+    /// WP_UNPOPULATED, which WP_ASYNC turns on) or a guard region holds no data and reads as
+    /// not mapped here. A page swapped out with write protection has the same bits as such a
+    /// marker (the entry's swap type, which would tell them apart, is shown to root only) and
+    /// also reads as not mapped: a missing-page fault never comes from a swapped page.
     pub fn is_mapped(&self, addr: usize) -> Result<bool, Errno> {
-        const PRESENT: u64 = 1 << 63;
-        const SWAPPED: u64 = 1 << 62;
         let mut entry = [0u8; 8];
         let offset = (addr / PAGE_SIZE * size_of::<u64>()) as u64;
         let n = rustix::io::pread(&self.file, &mut entry, offset)?;
         if n != entry.len() {
             return Err(Errno::IO);
         }
-        Ok(u64::from_ne_bytes(entry) & (PRESENT | SWAPPED) != 0)
+        Ok(entry_holds_data(u64::from_ne_bytes(entry)))
     }
 
     /// Whether any page of `[start, end)` holds data: present in memory or swapped out.
@@ -180,5 +195,49 @@ mod tests {
         assert_eq!(any(0, 8), Ok(true));
         assert_eq!(any(5, 6), Ok(true));
         assert_eq!((any(0, 5), any(6, 8)), (Ok(false), Ok(false)));
+    }
+
+    /// Write-protecting a page that is not there leaves a marker (WP_UNPOPULATED, which WP_ASYNC
+    /// turns on), which the kernel's pagemap reports as swapped: it holds no data, and the engine
+    /// took it for a page someone else had mapped and woke the faulting thread into the same
+    /// fault forever.
+    #[test]
+    fn a_write_protect_marker_on_a_page_that_is_not_there_is_not_mapped() {
+        use crate::uffd::{Features, RegisterMode, Uffd};
+        let test = "a_write_protect_marker_on_a_page_that_is_not_there_is_not_mapped";
+        let uffd = match Uffd::open(Features(Features::WP_ASYNC.0 | Features::WP_UNPOPULATED.0), true) {
+            Ok(uffd) => uffd,
+            Err(e) => {
+                eprintln!("SKIPPED {test}: no userfaultfd with WP_ASYNC and WP_UNPOPULATED here: {e}");
+                return;
+            }
+        };
+        let map = Mapping::anonymous(4 * PAGE_SIZE, false).unwrap();
+        let base = map.as_ptr();
+        for k in 0..4 {
+            let byte = base.wrapping_add(k * PAGE_SIZE);
+            // SAFETY: a byte of page k of the 4-page mapping above, owned here.
+            unsafe { byte.write(1) };
+        }
+        let third = base.wrapping_add(2 * PAGE_SIZE);
+        // SAFETY: page 2 of the mapping, dropped before the range is registered.
+        unsafe { rustix::mm::madvise(third.cast(), PAGE_SIZE, rustix::mm::Advice::LinuxDontNeed) }.unwrap();
+        uffd.register(base, 4 * PAGE_SIZE, RegisterMode { missing: true, write_protect: true }).unwrap();
+        uffd.write_protect(base, 4 * PAGE_SIZE, true, false).unwrap();
+        let pagemap = Pagemap::open_self().unwrap();
+        let raw = |k: usize| {
+            let mut entry = [0u8; 8];
+            let offset = ((base as usize + k * PAGE_SIZE) / PAGE_SIZE * size_of::<u64>()) as u64;
+            rustix::io::pread(&pagemap.file, &mut entry, offset).unwrap();
+            u64::from_ne_bytes(entry)
+        };
+        if raw(2) & (1 << 62) == 0 {
+            eprintln!("SKIPPED {test}: this kernel left no marker (entry {:#x})", raw(2));
+            return;
+        }
+        let mapped = |k: usize| pagemap.is_mapped(base as usize + k * PAGE_SIZE).unwrap();
+        assert!(!mapped(2), "the marker on the dropped page (entry {:#x}) counts as a page", raw(2));
+        assert!(mapped(1) && mapped(3), "the written pages around it are mapped");
+        uffd.unregister(base, 4 * PAGE_SIZE).unwrap();
     }
 }
