@@ -165,6 +165,18 @@ fn resolve(
         let state = locked.state();
         let protect = !write && shared.write_protect;
         match state.kind() {
+            Kind::Resident if missing && state.writing() && !is_mapped(shared, page_addr) => {
+                // Dropped behind the engine's back (below) while a write-back of it is in
+                // flight: its completion needs the page, unlocked, and its buffer and slot as
+                // the state names them. Forgotten before, the slot was freed under the write and
+                // the completion released whatever buffer the new state named.
+                drop(locked);
+                give_back(needs_room, staging);
+                if reap_background(shared, regions) == 0 {
+                    std::thread::yield_now();
+                }
+                continue;
+            }
             Kind::Resident if missing && !is_mapped(shared, page_addr) => {
                 // Counted resident, yet the kernel has no page: the program dropped it with a
                 // madvise the engine did not see. Re-fault, and lose the page as the kernel
@@ -291,10 +303,10 @@ fn resolve(
                 let buf = staging.unwrap_or_default();
                 let slot = state.slot().unwrap_or_default();
                 let info = fault_info(false);
-                if let Err(e) = read_critical(shared, regions, region, id, slot, buf, &info, lane_hint) {
-                    give_back(true, Some(buf));
+                if let Err(failed) = read_critical(shared, regions, region, id, slot, buf, &info, lane_hint) {
+                    give_back(true, (!failed.buffer_in_use).then_some(buf));
                     Stats::add(&shared.stats.counters.io_errors, 1);
-                    return Outcome::Failed(e);
+                    return Outcome::Failed(failed.errno);
                 }
                 if let Err(e) = map_page(shared, region, page_addr, shared.arena.ptr(buf), protect) {
                     give_back(true, Some(buf));
@@ -423,24 +435,35 @@ fn zero_fill_around(
     });
     run.locks[(index - run.start) as usize] = Some(first);
     let len = (run.hi - run.lo) as usize;
-    let result = map_pages(shared, region, region.page_addr(run.lo), shared.zero_page.as_ptr(), len, protect);
+    let copied = map_pages(shared, region, region.page_addr(run.lo), shared.zero_page.as_ptr(), len, protect);
+    // A copy that failed part-way (refused memory for two seconds, a run split by the program)
+    // has mapped some pages: those are resident whatever the error, or the engine would take
+    // them for untouched, never evict them, and fault forever on a write to one it protected.
+    let all = copied.is_ok();
+    let mapped = |at: u64| all || surely_mapped(shared, region.page_addr(at));
+    let result = if mapped(index) { Ok(()) } else { copied };
+    let mut filled = 0;
     for (k, slot) in run.locks.iter_mut().enumerate() {
         let Some(mut page) = slot.take() else { continue };
         let at = run.start + k as u64;
-        if result.is_ok() {
+        if mapped(at) {
             page.set(PageState::UNTOUCHED.with_kind(Kind::Resident).with_dirty(!protect));
             drop(page);
             shared.replacement.on_insert(region.id(at));
+            filled += 1;
         } else if at != index {
             // Only the extra pages' room is given back here; the caller owns the faulting one's.
             drop(page);
             shared.release_resident();
         }
     }
-    if result.is_ok() {
-        Stats::add(&shared.stats.counters.zero_fills, len as u64);
-    }
+    Stats::add(&shared.stats.counters.zero_fills, filled);
     result
+}
+
+/// Whether the kernel has a page at `addr`, known for sure (no pagemap, or a failed read: no).
+fn surely_mapped(shared: &Shared, addr: *mut u8) -> bool {
+    shared.pagemap.as_ref().is_some_and(|p| p.is_mapped(addr as usize).unwrap_or(false))
 }
 
 /// Map `count` pages of `src` at `dst` with UFFDIO_COPY, retrying while the address space is
@@ -591,12 +614,16 @@ fn read_critical(
     buf: BufId,
     info: &FaultInfo,
     lane_hint: usize,
-) -> Result<(), Errno> {
+) -> Result<(), CriticalReadFailed> {
     let critical_tag = tag(Op::Critical, id);
     let mut lane = shared.queues.lane(lane_hint);
     let submitted = Instant::now();
-    lane.push(Request::Read { slot, buf }, critical_tag).map_err(|_| Errno::IO)?;
-    submit_retrying(shared, &mut **lane)?;
+    lane.push(Request::Read { slot, buf }, critical_tag)
+        .map_err(|_| CriticalReadFailed { errno: Errno::IO, buffer_in_use: false })?;
+    // From here the request is the device's: pushed, it goes out with the lane's next submit
+    // and lands in `buf` whenever that completes, so on any failure the buffer stays the read's.
+    let lost = |errno| CriticalReadFailed { errno, buffer_in_use: true };
+    submit_retrying(shared, &mut **lane).map_err(lost)?;
     let poll_only = shared.config.io_mode == IoMode::PollOnly;
     let requests = issue_prefetches(shared, regions, region, info, poll_only.then_some(&mut **lane));
     let on_lane = if poll_only { requests } else { 0 };
@@ -606,18 +633,23 @@ fn read_critical(
     let want = 1 + on_lane;
     let mut seen = 0;
     while seen < want {
+        let mut stale = 0;
         let got = lane
             .wait(want - seen, &mut |c| {
                 if c.tag == critical_tag {
                     critical_ok = Some(c.result.is_ok());
                     shared.stats.record(Path::CriticalRead, submitted.elapsed().as_nanos() as u64);
+                } else if crate::io::is_critical(c.tag) {
+                    // An earlier fault's critical read on this lane, given up on (below): not
+                    // one this wait is for. Its buffer stayed with it and is not given back.
+                    stale += 1;
                 } else if n < lane_prefetches.len() {
                     lane_prefetches[n] = crate::io::Done { tag: c.tag, ok: c.result.is_ok() };
                     n += 1;
                 }
             })
-            .map_err(|_| Errno::IO)?;
-        seen += got;
+            .map_err(|_| lost(Errno::IO))?;
+        seen += got - stale;
     }
     drop(lane);
     if n > 0 {
@@ -625,8 +657,18 @@ fn read_critical(
     }
     match critical_ok {
         Some(true) => Ok(()),
-        _ => Err(Errno::IO),
+        // Completed, so the buffer is free again.
+        _ => Err(CriticalReadFailed { errno: Errno::IO, buffer_in_use: false }),
     }
+}
+
+/// A critical read that failed; `buffer_in_use` when the request may still be queued or in
+/// flight, so its buffer must not be given back (it is left to the read: a lost 4 KiB buffer,
+/// where reusing it would let the device write into someone else's page).
+#[derive(Debug, Clone, Copy)]
+struct CriticalReadFailed {
+    errno: Errno,
+    buffer_in_use: bool,
 }
 
 /// Ask the prefetcher and start reading its pages. With `lane`, the reads go there (poll-only

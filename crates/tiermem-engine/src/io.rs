@@ -46,6 +46,11 @@ pub(crate) fn tag(op: Op, page: PageId) -> u64 {
     ((op as u64) << OP_SHIFT) | page
 }
 
+/// Whether `tag` names a critical read.
+pub(crate) fn is_critical(tag: u64) -> bool {
+    matches!(untag(tag).0, Some(Op::Critical))
+}
+
 fn untag(tag: u64) -> (Option<Op>, PageId) {
     let op = match tag >> OP_SHIFT {
         1 => Some(Op::Critical),
