@@ -164,6 +164,12 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
             shared.replacement.on_insert(v.id);
             continue;
         }
+        if next.kind() == Kind::Untouched {
+            // Left as zeros: the slot that held an older version is no longer needed.
+            if let Some(slot) = page.state().slot() {
+                shared.slots.free(slot);
+            }
+        }
         match (next.kind(), next.writing()) {
             (Kind::Untouched, _) => Stats::add(&shared.stats.counters.zero_drops, 1),
             (_, false) => Stats::add(&shared.stats.counters.clean_drops, 1),
@@ -971,10 +977,8 @@ fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>], leave: bool
                 v.next = Some(state);
                 continue;
             }
-            // Zeros need no slot: the page becomes untouched again.
-            if let Some(slot) = state.slot() {
-                shared.slots.free(slot);
-            }
+            // Zeros need no slot: the page becomes untouched again, and its slot is freed once
+            // the page is dropped (a failed drop keeps the page, and the slot its state names).
             v.next = Some(PageState::UNTOUCHED);
             continue;
         }
