@@ -38,6 +38,10 @@ pub(crate) struct VictimTier {
     order: Mutex<VecDeque<(PageId, BufId)>>,
 }
 
+/// Callers of [`VictimTier::entered`] at one time the queue's capacity allows for beyond its
+/// bound: the completion thread, the reclaim thread and faulting threads reclaiming directly.
+const CONCURRENT_ENTRIES: usize = 64;
+
 impl VictimTier {
     /// A tier of at most `capacity` pages (0: none).
     pub(crate) fn new(capacity: usize) -> Self {
@@ -45,7 +49,10 @@ impl VictimTier {
         // never grows (growing allocates, which the SIGBUS handler and, under the OOM guard,
         // the engine's threads must not).
         let queue_max = if capacity == 0 { 0 } else { 2 * capacity + 1 };
-        Self { capacity, queue_max, held: AtomicI64::new(0), order: Mutex::new(VecDeque::with_capacity(queue_max)) }
+        // Threads that entered a page at the same moment may each push one past `queue_max`
+        // (a page tried and put back as well): room for that many too.
+        let room = if capacity == 0 { 0 } else { queue_max + CONCURRENT_ENTRIES };
+        Self { capacity, queue_max, held: AtomicI64::new(0), order: Mutex::new(VecDeque::with_capacity(room)) }
     }
 
     /// Whether evicted pages are kept at all.
@@ -64,16 +71,18 @@ impl VictimTier {
         self.held.fetch_add(1, Ordering::Relaxed);
         Stats::add(&shared.stats.counters.victim_kept, 1);
         let lock = || self.order.lock().unwrap_or_else(|e| e.into_inner());
-        let full = lock().len() >= self.queue_max;
-        if full {
-            // Mostly stale entries, then: the oldest goes whatever it is (a page still held
-            // with it keeps its buffer until it is faulted back or its region goes).
-            let oldest = lock().pop_front();
-            if let Some((old, b)) = oldest {
-                self.leave(shared, regions, old, b);
-            }
+        // Checked and pushed under one lock, so two callers cannot both find room for one.
+        let oldest = {
+            let mut order = lock();
+            // Full: mostly stale entries, then: the oldest goes whatever it is (a page still
+            // held with it keeps its buffer until it is faulted back or its region goes).
+            let oldest = if order.len() >= self.queue_max { order.pop_front() } else { None };
+            order.push_back((id, buf));
+            oldest
+        };
+        if let Some((old, b)) = oldest {
+            self.leave(shared, regions, old, b);
         }
-        lock().push_back((id, buf));
         // Bounded: a page locked by someone else goes to the back and is tried again later.
         for _ in 0..self.queue_max {
             if self.held.load(Ordering::Relaxed) <= self.capacity as i64 {
