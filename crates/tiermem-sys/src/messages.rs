@@ -42,20 +42,23 @@ pub fn keep_stderr() {
 }
 
 /// Write all of `bytes` to the message descriptor (async-signal-safe: write(2) only).
+///
+/// The system call itself (rustix's raw one), not libc's `write`: inside the preload shim that
+/// symbol is the shim's own wrapper, which may take the shim's registry lock to check the
+/// buffer, and messages are said with that lock held (a bad free, a failed unmap).
 pub fn write(mut bytes: &[u8]) {
     let fd = MESSAGE_FD.load(Ordering::Acquire);
     if fd != 2 && identity(fd) != Some((KEPT_DEV.load(Ordering::Acquire), KEPT_INO.load(Ordering::Acquire))) {
         return; // the copy is gone, and the number may be the program's now: say nothing
     }
+    // SAFETY: the number is only borrowed for the calls below; a descriptor closed meanwhile
+    // makes them fail with EBADF, nothing worse.
+    let fd = unsafe { rustix::fd::BorrowedFd::borrow_raw(fd) };
     while !bytes.is_empty() {
-        // SAFETY: writing from a valid slice to a descriptor; an invalid one gives EBADF.
-        let n = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
-        if n > 0 {
-            bytes = &bytes[n as usize..];
-        } else if n < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-            continue;
-        } else {
-            break;
+        match rustix::io::write(fd, bytes) {
+            Ok(n) if n > 0 => bytes = &bytes[n..],
+            Err(rustix::io::Errno::INTR) => continue,
+            _ => break,
         }
     }
 }
