@@ -3239,6 +3239,40 @@ fn the_program_goes_with_a_killed_tiermem_run_and_gets_its_user_signals() {
 /// A mapping placed with MAP_FIXED over part of a managed one is the program's new memory: the
 /// engine must forget the old pages there, not page the new ones as its own (85–98% of the new
 /// mapping's words came back wrong before).
+/// A signal handler installed with every signal in its mask (sigfillset, a common pattern) reads
+/// managed pages that were evicted: in sigbus mode the handler must not run with SIGBUS
+/// blocked, or the kernel kills the process at the first evicted page it touches. The handler's
+/// mask loses SIGBUS on the way in, as sigprocmask's does.
+const HANDLER_MASK: &str = r#"
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+static uint64_t* words;
+static const size_t count = (48u << 20) / 8;
+static volatile uint64_t seen;
+static void on_usr1(int) { uint64_t s = 0; for (size_t i = 0; i < count; i += 512) s += words[i]; seen = s; }
+int main() {
+    words = (uint64_t*)malloc(count * 8);
+    for (size_t i = 0; i < count; ++i) words[i] = i;
+    struct sigaction sa = {};
+    sa.sa_handler = on_usr1;
+    sigfillset(&sa.sa_mask);
+    if (sigaction(SIGUSR1, &sa, nullptr) != 0) return 2;
+    raise(SIGUSR1);
+    uint64_t expect = 0;
+    for (size_t i = 0; i < count; i += 512) expect += i;
+    printf("%d\n", seen == expect);
+    return 0;
+}
+"#;
+
+#[test]
+fn a_handler_whose_mask_blocks_every_signal_still_reads_evicted_memory() {
+    let name = "a_handler_whose_mask_blocks_every_signal_still_reads_evicted_memory";
+    same_output_in_both_fault_modes(name, HANDLER_MASK, "1\n", "the handler's sum of evicted pages");
+}
+
 const MAP_FIXED_OVER: &str = r#"
 #include <cstdint>
 #include <cstdio>

@@ -1,6 +1,7 @@
 //! In sigbus fault mode the engine's SIGBUS handler must stay installed and SIGBUS must never be
 //! blocked (a blocked fault signal kills the process). A program's own SIGBUS handler becomes the
-//! one the engine chains to for faults that are not its own; masks lose SIGBUS on the way in.
+//! one the engine chains to for faults that are not its own; masks lose SIGBUS on the way in,
+//! the masks of signal handlers (`sa_mask`) too.
 
 use crate::alloc::real;
 use crate::runtime;
@@ -23,8 +24,22 @@ pub unsafe extern "C" fn sigaction(sig: i32, act: *const libc::sigaction, old: *
             return 0;
         }
     }
+    // A handler of any signal runs with its own mask added: one that blocks SIGBUS (sigfillset,
+    // a common pattern) would be killed by the kernel at the first evicted page it touched.
+    let mut copy: libc::sigaction;
+    // SAFETY: act is null or valid (the caller's contract).
+    let act = match unsafe { act.as_ref() } {
+        // SAFETY: the mask of a valid action.
+        Some(a) if runtime::sigbus_mode() && unsafe { libc::sigismember(&a.sa_mask, libc::SIGBUS) } == 1 => {
+            copy = *a;
+            // SAFETY: copy's mask is a valid sigset.
+            unsafe { libc::sigdelset(&mut copy.sa_mask, libc::SIGBUS) };
+            &copy as *const libc::sigaction
+        }
+        _ => act,
+    };
     let real = real!("sigaction", SigactionFn);
-    // SAFETY: the caller's own call.
+    // SAFETY: the caller's own call, with SIGBUS left out of the handler's mask.
     unsafe { real(sig, act, old) }
 }
 
