@@ -3273,6 +3273,37 @@ fn a_handler_whose_mask_blocks_every_signal_still_reads_evicted_memory() {
     same_output_in_both_fault_modes(name, HANDLER_MASK, "1\n", "the handler's sum of evicted pages");
 }
 
+/// A freed allocation the program had made read-only is not handed out again as it is: a new
+/// allocation is writable (glibc unmaps a large block, and the next one is a fresh mapping).
+/// Before, the recycled region kept PROT_READ and the first write to the new block was a
+/// SIGSEGV.
+const REUSE_AFTER_MPROTECT: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sys/mman.h>
+int main() {
+    const size_t n = 3u << 19;  // 1.5 MiB: managed, and small enough to be kept for reuse
+    char* p = (char*)malloc(n);
+    memset(p, 1, n);
+    if (mprotect(p, n, PROT_READ) != 0) return 2;
+    free(p);
+    char* q = (char*)malloc(n);
+    memset(q, 2, n);
+    long sum = 0;
+    for (size_t i = 0; i < n; i += 4096) sum += q[i];
+    free(q);
+    printf("%ld\n", sum);
+    return 0;
+}
+"#;
+
+#[test]
+fn a_freed_block_the_program_made_read_only_is_not_handed_out_again_read_only() {
+    let name = "a_freed_block_the_program_made_read_only_is_not_handed_out_again_read_only";
+    same_output_in_both_fault_modes(name, REUSE_AFTER_MPROTECT, "768\n", "the sum of the new block's pages");
+}
+
 const MAP_FIXED_OVER: &str = r#"
 #include <cstdint>
 #include <cstdio>

@@ -912,6 +912,14 @@ fn change_protection(addr: usize, len: usize, kernel_call: impl FnOnce() -> libc
         kernel_call()
     };
     let errno = runtime::errno();
+    {
+        let mut table = registry::lock();
+        for base in registry::overlapping(&table, addr, len.max(1)) {
+            if let Some(entry) = table.get_mut(&base) {
+                entry.protection_changed = true;
+            }
+        }
+    }
     crate::io::sys!(
         libc::SYS_rt_sigprocmask,
         libc::SIG_SETMASK,

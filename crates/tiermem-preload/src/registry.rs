@@ -43,6 +43,9 @@ pub struct Entry {
     /// MADV_WIPEONFORK/KEEPONFORK and MADV_DONTFORK/DOFORK. The kernel applies them to the
     /// mapping; a forked child's copy of evicted pages must follow them too.
     pub fork_advice: Vec<(usize, usize, i32)>,
+    /// The program changed the protection of some of it (mprotect): freed, it is not handed
+    /// out again, since a new allocation must be readable and writable.
+    pub protection_changed: bool,
 }
 
 impl Entry {
@@ -57,6 +60,7 @@ impl Entry {
             handed_over: Vec::new(),
             reserved: Vec::new(),
             fork_advice: Vec::new(),
+            protection_changed: false,
         }
     }
 

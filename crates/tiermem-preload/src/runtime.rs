@@ -665,14 +665,16 @@ pub fn release(entry: registry::Entry) {
     } else {
         crate::lock::forget(entry.base(), entry.base() + entry.len());
         LIVE_MANAGED_BYTES.fetch_sub(entry.len() as u64, Ordering::Relaxed);
-        // A region with fork advice keeps the kernel's flags on its mapping: not for another
-        // allocation, which would not know of them.
+        // A region with fork advice keeps the kernel's flags on its mapping, and one the program
+        // changed the protection of keeps that: not for another allocation, which would not
+        // know of them.
         let reusable = entry.origin == registry::Origin::Malloc
             && entry.user == entry.base()
             && entry.unmapped.is_empty()
             && entry.handed_over.is_empty()
             && entry.reserved.is_empty()
-            && entry.fork_advice.is_empty();
+            && entry.fork_advice.is_empty()
+            && !entry.protection_changed;
         match ENGINE.get() {
             Some(engine) if reusable && reuse_freed() => crate::recycle::keep(engine, entry.region),
             _ => drop(entry),
