@@ -70,6 +70,12 @@ pub fn holds(addr: usize) -> bool {
 }
 
 /// Drop every kept region (before fork, so the child does not copy garbage).
+/// The kept regions' lock, held by the forking thread across fork (after [`clear`]): a child
+/// forked while another thread held it would wait for it forever in its next free.
+pub fn lock_for_fork() -> std::sync::MutexGuard<'static, Vec<Region>> {
+    KEPT.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 pub fn clear() {
     let all = std::mem::take(&mut *KEPT.lock().unwrap_or_else(|e| e.into_inner()));
     drop(all);

@@ -440,6 +440,7 @@ fn machine_memory() -> u64 {
 struct ForkState {
     _heap: crate::heap::HeapGuard,
     _table: std::sync::MutexGuard<'static, std::collections::BTreeMap<usize, registry::Entry>>,
+    _kept: std::sync::MutexGuard<'static, Vec<tiermem_engine::Region>>,
     hold: ForkHold,
     done_read: Guarded<std::os::fd::OwnedFd>,
     done_write: Guarded<std::os::fd::OwnedFd>,
@@ -569,8 +570,10 @@ pub(crate) extern "C" fn before_fork() {
     // Lock order: the small heap, the registry, then the engine's regions (as allocation does).
     let heap = crate::heap::lock_for_fork();
     let table = registry::lock();
+    // After the registry: a thread holding the kept regions' lock never waits for the registry.
+    let kept = crate::recycle::lock_for_fork();
     let hold = engine.hold_for_fork();
-    *fork_state() = Some(ForkState { _heap: heap, _table: table, hold, done_read, done_write });
+    *fork_state() = Some(ForkState { _heap: heap, _table: table, _kept: kept, hold, done_read, done_write });
     FORK_OWNER.store(this_thread(), Ordering::Release);
 }
 
@@ -614,21 +617,24 @@ fn with_descriptor_room<T>(wanted: u64, make: impl FnOnce() -> T) -> T {
 
 pub(crate) extern "C" fn after_fork_in_parent() {
     let Some(state) = take_own_fork_state() else { return };
-    let ForkState { _heap, _table, hold, done_read, done_write } = state;
+    let ForkState { _heap, _table, _kept, hold, done_read, done_write } = state;
     drop(done_write);
     // Wait until the child has copied what it needs from our device: until then our slots must
     // not change. EOF (the child wrote its byte and closed, or died) ends the wait.
     let mut byte = [0u8; 1];
     while let Err(rustix::io::Errno::INTR) = rustix::io::read(&done_read, &mut byte) {}
     drop(hold);
+    drop(_kept);
     drop(_table);
 }
 
 pub(crate) extern "C" fn after_fork_in_child() {
     let Some(state) = take_own_fork_state() else { return };
-    let ForkState { _heap, _table, hold, done_read, done_write } = state;
+    let ForkState { _heap, _table, _kept, hold, done_read, done_write } = state;
     drop(done_read);
     FORKED_CHILD.store(true, Ordering::Release);
+    // Emptied before the fork, and the only thread now is this one.
+    drop(_kept);
     crate::reserve::after_fork_in_child();
     // The child's heap blocks are plain memory now: they can be freed, but no new ones come.
     crate::heap::disable();
