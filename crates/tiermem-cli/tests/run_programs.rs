@@ -3304,6 +3304,26 @@ fn a_freed_block_the_program_made_read_only_is_not_handed_out_again_read_only() 
     same_output_in_both_fault_modes(name, REUSE_AFTER_MPROTECT, "768\n", "the sum of the new block's pages");
 }
 
+/// munmap with a length of 0 fails with EINVAL, as the kernel's does, also on memory tiermem
+/// does not manage (it returned 0 there).
+const MUNMAP_ZERO: &str = r#"
+#include <cerrno>
+#include <cstdio>
+#include <sys/mman.h>
+int main() {
+    void* p = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    errno = 0;
+    int rc = munmap(p, 0);
+    printf("%d %d\n", rc, errno == EINVAL);
+    return 0;
+}
+"#;
+
+#[test]
+fn munmap_of_zero_bytes_fails_with_einval() {
+    same_output_in_both_fault_modes("munmap_of_zero_bytes_fails_with_einval", MUNMAP_ZERO, "-1 1\n", "rc, EINVAL");
+}
+
 const MAP_FIXED_OVER: &str = r#"
 #include <cstdint>
 #include <cstdio>

@@ -379,7 +379,13 @@ fn kernel_munmap(start: usize, end: usize) -> i32 {
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
     let start = addr as usize;
     if !registry::may_overlap(start, len) {
-        return kernel_munmap(start, start.saturating_add(len.next_multiple_of(PAGE_SIZE)));
+        // The kernel's own checks for memory that is not managed: a length of 0, or one that
+        // rounds past the end of the address space, is EINVAL there.
+        let rc = crate::io::sys!(libc::SYS_munmap, start, len) as i32;
+        if rc == 0 {
+            forget_kept(start, start.saturating_add(len.checked_next_multiple_of(PAGE_SIZE).unwrap_or(usize::MAX)));
+        }
+        return rc;
     }
     if !start.is_multiple_of(PAGE_SIZE) || len == 0 {
         runtime::set_errno(libc::EINVAL);

@@ -209,7 +209,13 @@ impl Uffd {
             )
         })?;
         // The kernel answers with every feature it offers, whatever was asked for, and turns on
-        // only those asked for: the answer is not what this descriptor does.
+        // only those asked for: the answer is not what this descriptor does. WP_ASYNC also
+        // turns on WP_UNPOPULATED, which it relies on.
+        let features = if features.contains(Features::WP_ASYNC) {
+            Features(features.0 | Features::WP_UNPOPULATED.0)
+        } else {
+            features
+        };
         Ok(Self { fd: crate::guarded_fd::Guarded::new(fd), features, offered: Features(api.features), user_mode_only })
     }
 
@@ -271,8 +277,9 @@ impl Uffd {
     /// Atomically fill the missing pages `[dst, dst+len)` with a copy of `src` and wake threads
     /// waiting on them (unless `dont_wake`). `write_protect` installs them write-protected.
     /// `EEXIST` means another thread mapped the page first. On failure, the bytes copied before
-    /// it come with the error: the kernel fills page by page, in order, and a multi-page copy
-    /// can stop part-way (EAGAIN, or the error of the page it stopped at).
+    /// it come with the error: the kernel fills page by page, in order, and a copy that stops
+    /// part-way fails with EAGAIN whatever stopped it; the error of the page it stopped at
+    /// (EEXIST, ENOMEM, ...) comes when the rest is tried again, with nothing copied.
     ///
     /// # Safety
     /// `src` must be readable for `len` bytes; `dst` must lie in a range registered here.
@@ -340,7 +347,8 @@ impl Uffd {
 
     /// Move the pages at `[src, src+len)` to the holes at `[dst, dst+len)` without copying.
     /// Needs [`Features::MOVE`]. Returns the bytes moved; on failure, the bytes moved before it
-    /// with the error (the kernel moves page by page, in order).
+    /// with the error (the kernel moves page by page, in order; a move that stops part-way fails
+    /// with EAGAIN, as [`Uffd::copy`] does).
     ///
     /// # Safety
     /// Both ranges must be private anonymous memory of this process; `dst` must be registered here.
