@@ -3324,6 +3324,42 @@ fn munmap_of_zero_bytes_fails_with_einval() {
     same_output_in_both_fault_modes("munmap_of_zero_bytes_fails_with_einval", MUNMAP_ZERO, "-1 1\n", "rc, EINVAL");
 }
 
+/// A datagram larger than the pieces tiermem holds resident per call (256 KiB) sent from and
+/// received into managed buffers stays one datagram: sigbus mode split send and write into
+/// pieces (several datagrams) and cut recv and read at the first piece (the rest lost). Also
+/// through write and read.
+const BIG_DATAGRAM: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sys/socket.h>
+#include <unistd.h>
+int main() {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_DGRAM, 0, sv) != 0) return 2;
+    int size = 1 << 20;
+    setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &size, sizeof size);
+    setsockopt(sv[1], SOL_SOCKET, SO_RCVBUF, &size, sizeof size);
+    const size_t n = 300 << 10;
+    unsigned char* out = (unsigned char*)malloc(2 << 20);  // managed: above the threshold
+    unsigned char* in = (unsigned char*)malloc(2 << 20);
+    for (size_t i = 0; i < n; ++i) out[i] = (unsigned char)(i * 7);
+    long sent = send(sv[0], out, n, 0);
+    memset(in, 0, n);
+    long got = recv(sv[1], in, 2 << 20, 0);
+    long sent2 = write(sv[0], out, n);
+    long got2 = read(sv[1], in + n, 2 << 20);
+    printf("%ld %ld %ld %ld %d %d\n", sent, got, sent2, got2, memcmp(in, out, n) == 0, memcmp(in + n, out, n) == 0);
+    return 0;
+}
+"#;
+
+#[test]
+fn a_datagram_larger_than_a_resident_piece_stays_one_datagram() {
+    let name = "a_datagram_larger_than_a_resident_piece_stays_one_datagram";
+    same_output_in_both_fault_modes(name, BIG_DATAGRAM, "307200 307200 307200 307200 1 1\n", "sent, received, equal");
+}
+
 const MAP_FIXED_OVER: &str = r#"
 #include <cstdint>
 #include <cstdio>

@@ -107,6 +107,54 @@ fn in_resident_pieces(
     done as isize
 }
 
+/// Whether `fd` is a socket that keeps message boundaries (datagram, sequenced packets, raw): a
+/// call on it moves one message, which pieces would split (a send) or cut short (a receive).
+fn keeps_messages(fd: i32) -> bool {
+    socket_type(fd).is_some_and(|kind| kind != libc::SOCK_STREAM)
+}
+
+/// The type of socket `fd` is (SOCK_STREAM, SOCK_DGRAM, ...), None for anything else.
+pub(crate) fn socket_type(fd: i32) -> Option<libc::c_int> {
+    let mut kind: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `kind`; anything but a socket fails.
+    let ok = unsafe {
+        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, (&mut kind as *mut libc::c_int).cast(), &mut len)
+    };
+    (ok == 0).then_some(kind)
+}
+
+/// `op(buf, len)` once, with every managed stretch of the buffer held resident for the call:
+/// for a socket that keeps message boundaries (see [`keeps_messages`]).
+fn in_one_call(
+    buf: *mut c_void,
+    len: usize,
+    kernel_writes: bool,
+    op: impl FnOnce(*mut c_void, usize) -> isize,
+) -> isize {
+    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
+    let Some(engine) = runtime::running_engine() else { return op(buf, len) };
+    let mut pins = Vec::new();
+    crate::messages::hold(engine, &mut pins, buf, len, kernel_writes, None, &mut 0);
+    op(buf, len)
+}
+
+/// [`in_resident_pieces`], or [`in_one_call`] on a socket that keeps message boundaries.
+fn on_descriptor(
+    fd: i32,
+    buf: *mut c_void,
+    len: usize,
+    kernel_writes: bool,
+    whole: bool,
+    op: impl FnMut(*mut c_void, usize) -> isize,
+) -> isize {
+    if keeps_messages(fd) {
+        in_one_call(buf, len, kernel_writes, op)
+    } else {
+        in_resident_pieces(buf, len, kernel_writes, whole, op)
+    }
+}
+
 /// The C library's `syscall`, found past this library's own (which sends the calls wrapped here
 /// to their wrappers, see [`crate::syscall`]).
 pub(crate) type SyscallFn = unsafe extern "C" fn(libc::c_long, ...) -> libc::c_long;
@@ -132,7 +180,7 @@ pub unsafe extern "C" fn read(fd: i32, buf: *mut c_void, len: usize) -> isize {
     if !needs_wrapping(buf, len) {
         return sys!(libc::SYS_read, fd, buf, len);
     }
-    in_resident_pieces(buf, len, true, is_regular_file(fd), |p, n| sys!(libc::SYS_read, fd, p, n))
+    on_descriptor(fd, buf, len, true, is_regular_file(fd), |p, n| sys!(libc::SYS_read, fd, p, n))
 }
 
 /// # Safety
@@ -143,7 +191,7 @@ pub unsafe extern "C" fn write(fd: i32, buf: *const c_void, len: usize) -> isize
         if !needs_wrapping(buf, len) {
             return sys!(libc::SYS_write, fd, buf, len);
         }
-        in_resident_pieces(buf.cast_mut(), len, false, true, |p, n| sys!(libc::SYS_write, fd, p, n))
+        on_descriptor(fd, buf.cast_mut(), len, false, true, |p, n| sys!(libc::SYS_write, fd, p, n))
     })
 }
 
@@ -204,7 +252,7 @@ pub unsafe extern "C" fn recvfrom(
     if !needs_wrapping(buf, len) {
         return sys!(libc::SYS_recvfrom, fd, buf, len, flags, from, from_len);
     }
-    in_resident_pieces(buf, len, true, false, |p, n| sys!(libc::SYS_recvfrom, fd, p, n, flags, from, from_len))
+    on_descriptor(fd, buf, len, true, false, |p, n| sys!(libc::SYS_recvfrom, fd, p, n, flags, from, from_len))
 }
 
 /// # Safety
@@ -230,7 +278,7 @@ pub unsafe extern "C" fn sendto(
         if !needs_wrapping(buf, len) {
             return sys!(libc::SYS_sendto, fd, buf, len, flags, to, to_len);
         }
-        in_resident_pieces(buf.cast_mut(), len, false, true, |p, n| sys!(libc::SYS_sendto, fd, p, n, flags, to, to_len))
+        on_descriptor(fd, buf.cast_mut(), len, false, true, |p, n| sys!(libc::SYS_sendto, fd, p, n, flags, to, to_len))
     })
 }
 

@@ -14,13 +14,7 @@ use crate::io::{any_needs_wrapping, budget_piece, iovecs, needs_wrapping, stretc
 use crate::runtime;
 
 fn is_stream_socket(fd: i32) -> bool {
-    let mut kind: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `kind`.
-    let ok = unsafe {
-        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, (&mut kind as *mut libc::c_int).cast(), &mut len)
-    };
-    ok == 0 && kind == libc::SOCK_STREAM
+    crate::io::socket_type(fd) == Some(libc::SOCK_STREAM)
 }
 
 /// Pins held for one call, and the buffer list cut to what they cover.
