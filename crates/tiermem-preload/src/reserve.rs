@@ -66,6 +66,10 @@ pub fn arm(len: usize) -> Result<(), String> {
 
 /// The size class of a request, if the reserve serves it.
 fn class_of(size: usize, align: usize) -> Option<usize> {
+    // Blocks are aligned to their size up to a page only: a larger alignment goes elsewhere.
+    if align > tiermem_sys::PAGE_SIZE {
+        return None;
+    }
     let block = size.max(align).max(1 << MIN_SHIFT).next_power_of_two();
     let shift = block.trailing_zeros();
     (shift <= MAX_SHIFT).then(|| (shift - MIN_SHIFT) as usize)
@@ -253,5 +257,8 @@ mod tests {
         assert_eq!(class_of(1 << 16, 8), Some(CLASSES - 1));
         assert_eq!(class_of((1 << 16) + 1, 8), None);
         assert_eq!(block_size(100, 8), Some(128));
+        // Blocks are aligned to at most a page: a larger alignment is not served here.
+        assert_eq!(class_of(4096, 4096), Some(8));
+        assert_eq!(class_of(16, 8192), None);
     }
 }
