@@ -921,9 +921,18 @@ fn move_one(shared: &Shared, uffd: &tiermem_sys::uffd::Uffd, dst: *mut u8, src: 
             Ok(_) => return true,
             Err((_, rustix::io::Errno::BUSY)) if !made_ours => {
                 made_ours = true;
+                // The write below needs the page writable, and kept so while it runs: a page the
+                // program made read-only (or changes now) stays where it is instead of killing
+                // this thread with a SIGSEGV.
+                let Ok(_no_change) = shared.protection.try_read() else { return false };
+                // (Unknown without PROCMAP_QUERY, Linux < 6.11: written as before.)
+                if page_prot(src as usize).is_some_and(|prot| prot & libc::PROT_WRITE == 0) {
+                    return false;
+                }
                 // SAFETY: `src` is a resident, page-aligned (so u64-aligned) page of a region,
-                // locked by this thread and mapped; the program may write it meanwhile, which
-                // the compare-exchange below never undoes.
+                // locked by this thread, mapped and (as far as the kernel says) writable, its
+                // protection held unchanged; the program may write it meanwhile, which the
+                // compare-exchange below never undoes.
                 let word = unsafe { &*src.cast::<std::sync::atomic::AtomicU64>() };
                 // Write the first word back unchanged, which makes the kernel give this process
                 // its own copy (a copy-on-write break). A compare-exchange, not `fetch_or(0)`:
