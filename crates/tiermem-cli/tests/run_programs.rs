@@ -3360,6 +3360,34 @@ fn a_datagram_larger_than_a_resident_piece_stays_one_datagram() {
     same_output_in_both_fault_modes(name, BIG_DATAGRAM, "307200 307200 307200 307200 1 1\n", "sent, received, equal");
 }
 
+/// MADV_REMOVE is for shared memory: on managed memory, private and anonymous, it fails with
+/// EINVAL and drops nothing, as the kernel's does (it returned 0 and dropped the pages).
+const MADV_REMOVE_PRIVATE: &str = r#"
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sys/mman.h>
+int main() {
+    const size_t n = 2u << 20;
+    unsigned char* p = (unsigned char*)aligned_alloc(4096, n);
+    memset(p, 7, n);
+    errno = 0;
+    int rc = madvise(p, n, MADV_REMOVE);
+    int e = errno;
+    long kept = 0;
+    for (size_t i = 0; i < n; i += 4096) kept += p[i] == 7;
+    printf("%d %d %ld\n", rc, e == EINVAL, kept);
+    return 0;
+}
+"#;
+
+#[test]
+fn madv_remove_on_managed_memory_fails_with_einval_and_drops_nothing() {
+    let name = "madv_remove_on_managed_memory_fails_with_einval_and_drops_nothing";
+    same_output_in_both_fault_modes(name, MADV_REMOVE_PRIVATE, "-1 1 512\n", "rc, EINVAL, pages kept");
+}
+
 const MAP_FIXED_OVER: &str = r#"
 #include <cstdint>
 #include <cstdio>

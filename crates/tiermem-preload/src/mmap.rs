@@ -856,20 +856,23 @@ fn take_back_all(start: usize, end: usize) {
 }
 
 /// Apply `managed` to the managed parts of `[start, end)` (as offset and length in their
-/// region) and the kernel's madvise with `advice` to the parts between them. False, doing
+/// region) and the kernel's madvise with `advice` to the parts between them. None, doing
 /// nothing, when no part is managed or in a forked child (whose memory the engine does not
-/// serve): the caller then passes the whole call to the kernel.
+/// serve): the caller then passes the whole call to the kernel. Otherwise madvise's result: 0,
+/// or -1 with the errno of the first part the kernel refused (the other parts advised still,
+/// as the kernel goes on past a refused mapping).
 fn advise_managed(
     start: usize,
     end: usize,
     advice: i32,
     managed: impl Fn(&tiermem_engine::Region, usize, usize) -> tiermem_engine::Result<()>,
-) -> bool {
+) -> Option<i32> {
     let table = registry::lock();
     let segments = registry::segments(&table, start, end);
     if segments.iter().all(|&(_, _, base)| base.is_none()) || runtime::in_forked_child() {
-        return false;
+        return None;
     }
+    let mut refused = None;
     for (from, to, managed_by) in segments {
         match managed_by {
             Some(base) => {
@@ -879,11 +882,19 @@ fn advise_managed(
             }
             // The caller's own advice on memory that is not managed.
             None => {
-                crate::io::sys!(libc::SYS_madvise, from, to - from, advice);
+                if crate::io::sys!(libc::SYS_madvise, from, to - from, advice) != 0 && refused.is_none() {
+                    refused = Some(runtime::errno());
+                }
             }
         }
     }
-    true
+    Some(match refused {
+        Some(errno) => {
+            runtime::set_errno(errno);
+            -1
+        }
+        None => 0,
+    })
 }
 
 /// A protection change of managed memory waits while reclaim copies out pages the program made
@@ -1088,11 +1099,21 @@ fn madvise_call(addr: *mut c_void, len: usize, advice: i32) -> i32 {
                 runtime::set_errno(libc::EINVAL);
                 return -1;
             }
+            // Managed memory is private and anonymous, which MADV_REMOVE (shared memory only)
+            // refuses, as the kernel would, doing nothing.
+            libc::MADV_REMOVE if !runtime::in_forked_child() => {
+                let table = registry::lock();
+                if registry::segments(&table, start, end).iter().any(|&(_, _, base)| base.is_some()) {
+                    runtime::set_errno(libc::EINVAL);
+                    return -1;
+                }
+            }
             // "These pages may be dropped and read as zeros": tell the engine.
-            libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_REMOVE | libc::MADV_DONTNEED_LOCKED
-                if advise_managed(start, end, advice, |region, offset, len| region.discard(offset, len)) =>
-            {
-                return 0;
+            libc::MADV_DONTNEED | libc::MADV_FREE | libc::MADV_DONTNEED_LOCKED => {
+                if let Some(rc) = advise_managed(start, end, advice, |region, offset, len| region.discard(offset, len))
+                {
+                    return rc;
+                }
             }
             // Fork advice: the kernel applies it to the mapping (below); the region remembers
             // it too, so a forked child's copy of evicted pages leaves those pages out.
@@ -1127,8 +1148,10 @@ fn madvise_call(addr: *mut c_void, len: usize, advice: i32) -> i32 {
                     libc::MADV_SEQUENTIAL => Advice::Sequential,
                     _ => Advice::Cold,
                 };
-                if advise_managed(start, end, advice, |region, offset, len| region.advise(offset, len, hint)) {
-                    return 0;
+                if let Some(rc) =
+                    advise_managed(start, end, advice, |region, offset, len| region.advise(offset, len, hint))
+                {
+                    return rc;
                 }
             }
             _ => {}
