@@ -458,7 +458,9 @@ fn extend(file: &File, path: &Path, from: u64, to: u64, zero_fill: bool) -> Resu
 fn write_zeros(file: &File, path: &Path, from: u64, to: u64) -> Result<()> {
     const CHUNK: usize = 1 << 20;
     let zeros = tiermem_sys::mem::Mapping::anonymous(CHUNK, false)?;
-    let mut at = from;
+    // From the page holding `from`: O_DIRECT writes at page offsets only (an existing file whose
+    // size is not a multiple of a page ends mid-page; what it holds there is zeros, checked).
+    let mut at = from / PAGE_SIZE as u64 * PAGE_SIZE as u64;
     while at < to {
         let len = (to - at).min(CHUNK as u64) as usize;
         // SAFETY: the mapping is CHUNK readable bytes, len <= CHUNK; page-aligned for O_DIRECT.
@@ -861,19 +863,31 @@ impl IoQueue for FileQueue {
 
     /// Submits what is queued, then waits for `min` completions as the wait mode says. `min`
     /// beyond what is in flight is capped: those requests can never finish.
+    ///
+    /// A failure after completions were handed out returns those (Ok): the caller has them and
+    /// must process them; it learns of the failure when it waits again.
     fn wait(&mut self, min: usize, on_done: &mut dyn FnMut(Completion)) -> Result<usize> {
         let target = min.min(self.in_flight());
         let mut handed = self.drain(usize::MAX, on_done);
         let spin = self.wait_mode == WaitMode::SpinOnCompletionRing;
+        let failed = |handed: usize, e: Error| if handed > 0 { Ok(handed) } else { Err(e) };
         if spin || handed >= target {
-            self.submit()?;
+            if let Err(e) = self.submit() {
+                return failed(handed, e);
+            }
         }
         while handed < target {
             if spin {
+                if !self.ring.submission().is_empty() {
+                    // A submission the kernel took only part of (it could not allocate a
+                    // request: a full memory cgroup) left entries on the ring, and nothing
+                    // else submits them while this thread spins for their completions.
+                    let _ = self.submit();
+                }
                 // The completion is posted by task work that interrupts this thread; no syscall.
                 std::hint::spin_loop();
-            } else {
-                self.enter_and_wait(target - handed)?;
+            } else if let Err(e) = self.enter_and_wait(target - handed) {
+                return failed(handed, e);
             }
             handed += self.drain(usize::MAX, on_done);
         }
@@ -893,8 +907,19 @@ impl Drop for FileQueue {
     fn drop(&mut self) {
         while self.ledger.in_flight() > 0 {
             if self.enter_and_wait(1).is_err() {
-                // The ring is broken; closing it still cancels or finishes its requests.
-                break;
+                // Submitting what is still queued was refused: the requests already submitted
+                // must still finish before the ring and the buffers they use go (entries never
+                // submitted the kernel never saw).
+                let submitted = self.ledger.in_flight() - self.ring.submission().len();
+                // SAFETY: no argument pointer is passed; the flags ask only to wait for
+                // completions, submitting nothing.
+                let waited = submitted > 0
+                    && unsafe { self.ring.submitter().enter::<libc::sigset_t>(0, 1, ENTER_GETEVENTS, None) }.is_ok();
+                if !waited {
+                    // Nothing submitted is left, or the ring is broken; closing it still
+                    // cancels or finishes its requests.
+                    break;
+                }
             }
             self.drain(usize::MAX, &mut |_| {});
         }

@@ -632,28 +632,43 @@ fn read_critical(
     let mut n = 0;
     let want = 1 + on_lane;
     let mut seen = 0;
+    let mut failed = None;
     while seen < want {
         let mut stale = 0;
-        let got = lane
-            .wait(want - seen, &mut |c| {
-                if c.tag == critical_tag {
-                    critical_ok = Some(c.result.is_ok());
-                    shared.stats.record(Path::CriticalRead, submitted.elapsed().as_nanos() as u64);
-                } else if crate::io::is_critical(c.tag) {
-                    // An earlier fault's critical read on this lane, given up on (below): not
-                    // one this wait is for. Its buffer stayed with it and is not given back.
-                    stale += 1;
-                } else if n < lane_prefetches.len() {
-                    lane_prefetches[n] = crate::io::Done { tag: c.tag, ok: c.result.is_ok() };
-                    n += 1;
-                }
-            })
-            .map_err(|_| lost(Errno::IO))?;
-        seen += got - stale;
+        let waited = lane.wait(want - seen, &mut |c| {
+            if c.tag == critical_tag {
+                critical_ok = Some(c.result.is_ok());
+                shared.stats.record(Path::CriticalRead, submitted.elapsed().as_nanos() as u64);
+            } else if crate::io::is_critical(c.tag) {
+                // An earlier fault's critical read on this lane, given up on (below): not
+                // one this wait is for. Its buffer stayed with it and is not given back.
+                stale += 1;
+            } else if n < lane_prefetches.len() {
+                lane_prefetches[n] = crate::io::Done { tag: c.tag, ok: c.result.is_ok() };
+                n += 1;
+            }
+        });
+        match waited {
+            Ok(got) => seen += got - stale,
+            Err(_) => {
+                failed = Some(lost(Errno::IO));
+                break;
+            }
+        }
     }
     drop(lane);
+    // Prefetches completed on the lane are installed even when the wait then failed: left
+    // unprocessed, their pages would stay incoming, and a fault on one wait for ever.
     if n > 0 {
         crate::io::process_all(shared, regions, &lane_prefetches[..n]);
+    }
+    if let Some(failed) = failed {
+        // The critical read may have completed before the failure: then its buffer is free.
+        return match critical_ok {
+            Some(true) => Ok(()),
+            Some(false) => Err(CriticalReadFailed { errno: Errno::IO, buffer_in_use: false }),
+            None => Err(failed),
+        };
     }
     match critical_ok {
         Some(true) => Ok(()),

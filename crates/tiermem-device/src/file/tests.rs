@@ -592,3 +592,18 @@ fn a_created_file_is_allocated_and_an_extended_one_written() {
     drop(FileDevice::open(&existing, Some(256 * SLOT_BYTES)).unwrap());
     assert!(has_data(&existing), "the extended file was not written");
 }
+
+/// An existing file whose size is not a multiple of a page (made with `truncate -s 10000`,
+/// holding nothing) is extended with zeros from the page it ends in: O_DIRECT writes at page
+/// offsets only, and the first write at byte 10,000 failed with EINVAL.
+#[test]
+fn an_existing_file_ending_mid_page_is_extended() {
+    let dir = scratch();
+    let path = dir.path().join("device");
+    std::fs::File::create(&path).unwrap().set_len(10_000).unwrap();
+    let device = FileDevice::open(&path, Some(16 * SLOT_BYTES)).unwrap();
+    assert_eq!(device.capacity_slots(), 16);
+    let mut model = PageModel::new();
+    RoundTrip::new(QueueKind::Completion, 8, 100, 11, 0..16).run(&device, &mut model);
+    model.verify_all(&device, QueueKind::Completion);
+}
