@@ -305,7 +305,14 @@ class Matrix:
             self.progress.write(f"{workload.name}: no successful unlimited run, so no footprint or reference "
                                 f"output; its {skipped} limited runs were not started")
             return
-        footprint = max(r.peak_bytes for r in ok if r.peak_bytes)
+        peaks = [r.peak_bytes for r in ok if r.peak_bytes]
+        if not peaks:
+            skipped = len(self.ratios) * len(self.systems) * repeats
+            self.progress.update(skipped)
+            self.progress.write(f"{workload.name}: its unlimited runs report no peak memory, so no footprint; "
+                                f"its {skipped} limited runs were not started")
+            return
+        footprint = max(peaks)
         base_time = stats.median(r.wall_s for r in ok)
         timeout = max(self.args.min_timeout, self.args.timeout_factor * base_time)
         self.progress.write(f"{workload.name}: footprint {footprint / MIB:.0f} MiB, unlimited {base_time:.2f} s")

@@ -578,10 +578,10 @@ fn trace_record(args: &TraceRecordArgs) -> Result<std::convert::Infallible> {
     let (outcome, written) = tiermem_cli::run::record_trace(settings, &args.run.program, &args.output)?;
     report_outcome(&args.run, &outcome)?;
     if written.is_empty() {
-        eprintln!("tiermem: no trace: the program made no allocation above the threshold");
+        tiermem_cli::say("tiermem: no trace: the program made no allocation above the threshold");
     }
     for path in &written {
-        eprintln!("tiermem: trace written to {}", path.display());
+        tiermem_cli::say(&format!("tiermem: trace written to {}", path.display()));
     }
     tiermem_cli::run::exit_like(outcome.ending)
 }

@@ -322,6 +322,34 @@ impl ForwardSignals {
     }
 }
 
+/// SIGINT, SIGTERM, SIGHUP and SIGQUIT ignored until dropped, then as they were.
+struct IgnoreSignals {
+    previous: [(libc::c_int, libc::sigaction); 4],
+}
+
+impl IgnoreSignals {
+    fn new() -> Self {
+        let previous = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT].map(|sig| {
+            // SAFETY: all-zero is a valid sigaction (empty mask, no flags), filled in before use.
+            let (mut ignore, mut previous): (libc::sigaction, libc::sigaction) = unsafe { std::mem::zeroed() };
+            ignore.sa_sigaction = libc::SIG_IGN;
+            // SAFETY: installing SIG_IGN, a valid disposition, keeping the previous one.
+            unsafe { libc::sigaction(sig, &ignore, &mut previous) };
+            (sig, previous)
+        });
+        Self { previous }
+    }
+}
+
+impl Drop for IgnoreSignals {
+    fn drop(&mut self) {
+        for (sig, previous) in &self.previous {
+            // SAFETY: restoring the disposition read when this was made.
+            unsafe { libc::sigaction(*sig, previous, std::ptr::null_mut()) };
+        }
+    }
+}
+
 impl Drop for ForwardSignals {
     fn drop(&mut self) {
         for (sig, previous) in &self.previous {
@@ -688,6 +716,9 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         }
     });
     drop(backstop);
+    // The program has ended: a Ctrl-C or SIGTERM now must not cut short what is put back below
+    // (the OOM killer of a guarded cgroup, DAMON, tracefs, the device file).
+    let cleaning_up = IgnoreSignals::new();
     if settings.engine.damon {
         drop(own_kdamond);
         // Those of processes that were killed or exec'ed before their exit could remove them.
@@ -701,9 +732,11 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     // arm) need not hear about it.
     if let Some((path, killer_was_off)) = oom_control.filter(|(path, was)| oom_killer_off(path) != Some(*was)) {
         if let Err(e) = std::fs::write(&path, if killer_was_off { "1" } else { "0" }) {
-            eprintln!("tiermem: cannot restore the OOM killer setting in {}: {e}", path.display());
+            crate::say(&format!("tiermem: cannot restore the OOM killer setting in {}: {e}", path.display()));
         }
     }
+    // Before any exit: one passing on the program's signal raises it here.
+    drop(cleaning_up);
     let (ending, elapsed, peak_rss_bytes) = ending?;
     let mut processes = Vec::new();
     if let Ok(entries) = std::fs::read_dir(stats_dir.path()) {
@@ -917,7 +950,9 @@ pub fn record_trace(settings: RunSettings, program: &[OsString], output: &Path) 
     recorded.retain(|(pid, path)| {
         let empty = std::fs::metadata(path).map_or(true, |m| m.len() == 0);
         if empty {
-            eprintln!("tiermem: process {pid} ended before its trace was written (killed?); no trace for it");
+            crate::say(&format!(
+                "tiermem: process {pid} ended before its trace was written (killed?); no trace for it"
+            ));
         }
         !empty
     });

@@ -122,7 +122,9 @@ pub struct LimitedRunReport {
     pub timed_out: bool,
     /// The cgroup's limit in bytes (null: unlimited).
     pub limit_bytes: Option<u64>,
-    /// Highest memory use of the cgroup (v1 max_usage_in_bytes, v2 memory.peak).
+    /// Highest memory use of the cgroup (v1 max_usage_in_bytes, v2 memory.peak); where the cgroup
+    /// does not keep one (v2 before Linux 5.19), the largest resident set of the program and
+    /// the descendants it waited for (wait4's ru_maxrss).
     pub peak_bytes: Option<u64>,
     /// OOM kills in the cgroup.
     pub oom_kills: Option<u64>,
@@ -206,7 +208,7 @@ pub fn limited_run(args: &LimitedRunArgs) -> Result<LimitedRunReport> {
         signal: status.and_then(|s| s.signal()),
         timed_out,
         limit_bytes: args.limit,
-        peak_bytes: cgroup.peak_bytes().ok(),
+        peak_bytes: cgroup.peak_bytes().ok().or(cpu.map(|c| c.max_rss_bytes)),
         oom_kills: cgroup.oom_kills(),
         major_faults: cgroup.memory_stat().ok().and_then(|stat| stat.get("pgmajfault").copied()),
         swap_in_bytes: swapped.map(|(i, _)| i),
@@ -280,11 +282,13 @@ impl Drop for RunTempDir {
     }
 }
 
-/// CPU time of a reaped program (with the descendants it reaped), in seconds.
+/// CPU time of a reaped program (with the descendants it reaped), in seconds, and the largest
+/// resident set among them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct CpuTimes {
     user_s: f64,
     sys_s: f64,
+    max_rss_bytes: u64,
 }
 
 /// How a program run by [`spawn_and_wait`] ended.
@@ -309,7 +313,12 @@ fn wait_with_usage(pid: libc::pid_t) -> std::io::Result<(ExitStatus, CpuTimes)> 
         // unreaped child, which nothing else waits for.
         let reaped = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
         if reaped == pid {
-            let cpu = CpuTimes { user_s: seconds(usage.ru_utime), sys_s: seconds(usage.ru_stime) };
+            let cpu = CpuTimes {
+                user_s: seconds(usage.ru_utime),
+                sys_s: seconds(usage.ru_stime),
+                // Kilobytes on Linux.
+                max_rss_bytes: u64::try_from(usage.ru_maxrss).unwrap_or(0) * 1024,
+            };
             return Ok((ExitStatus::from_raw(status), cpu));
         }
         let error = std::io::Error::last_os_error();

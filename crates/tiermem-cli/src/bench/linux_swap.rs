@@ -328,16 +328,28 @@ fn swap_header(page_size: usize, pages: u32) -> Vec<u8> {
     header
 }
 
+/// swapoff(2), tried again when a signal interrupted it: the kernel gives up bringing the
+/// area's pages back with EINTR whenever a signal is pending (a Ctrl-C during a run's last
+/// swapoff), and the swap file would stay active, the top-priority area, until a later run.
 fn swapoff(path: &Path) -> io::Result<()> {
     let path = CString::new(path.as_os_str().as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: swapoff(2) takes a NUL-terminated path, which `path` is, and does not retain it.
-    let rc = unsafe { libc::syscall(libc::SYS_swapoff, path.as_ptr()) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
+    let mut interrupted = 0;
+    loop {
+        // SAFETY: swapoff(2) takes a NUL-terminated path, which `path` is, and does not retain it.
+        let rc = unsafe { libc::syscall(libc::SYS_swapoff, path.as_ptr()) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let error = io::Error::last_os_error();
+        if error.raw_os_error() != Some(libc::EINTR) || interrupted == SWAPOFF_INTERRUPTIONS {
+            return Err(error);
+        }
+        interrupted += 1;
     }
 }
+
+/// Interruptions of one swapoff tried again before giving up (each is a signal handled).
+const SWAPOFF_INTERRUPTIONS: u32 = 100;
 
 fn teardown_swap_file(path: &Path) -> Result<()> {
     match swapoff(path) {
