@@ -132,24 +132,32 @@ def run_helper(argv: list[str], result_file: Path, env: dict | None = None,
 def run_once(record: RunRecord, argv: list[str], *, result_file: Path, expected: str | None,
              env: dict | None = None, stats_file: Path | None = None,
              cleanup_paths: tuple = (), preexec_fn=None) -> RunRecord:
-    """Run `argv` (a helper command line) and classify it into `record`."""
+    """Run `argv` (a helper command line) and classify it into `record`. The statistics file is
+    removed afterwards whatever happens (an interrupted run would leave it in the scratch
+    directory, which could then not be removed)."""
     try:
-        report, stdout, stderr, code = run_helper(argv, result_file, env=env, preexec_fn=preexec_fn)
-    finally:
-        for path in cleanup_paths:
+        try:
+            report, stdout, stderr, code = run_helper(argv, result_file, env=env, preexec_fn=preexec_fn)
+        finally:
+            for path in cleanup_paths:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        record.stderr_tail = stderr[-2000:]
+        if report is None:
+            tail = stderr.strip().splitlines()[-1:] or [f"helper exit code {code}"]
+            record.reason = tail[0][:500]
+        classify(record, report, stdout, expected)
+        if stats_file is not None and stats_file.exists():
             try:
-                os.unlink(path)
+                record.tiermem_stats = json.loads(stats_file.read_text())
+            except (OSError, json.JSONDecodeError):
+                record.tiermem_stats = None
+        return record
+    finally:
+        if stats_file is not None:
+            try:
+                stats_file.unlink()
             except FileNotFoundError:
                 pass
-    record.stderr_tail = stderr[-2000:]
-    if report is None:
-        tail = stderr.strip().splitlines()[-1:] or [f"helper exit code {code}"]
-        record.reason = tail[0][:500]
-    classify(record, report, stdout, expected)
-    if stats_file is not None and stats_file.exists():
-        try:
-            record.tiermem_stats = json.loads(stats_file.read_text())
-        except (OSError, json.JSONDecodeError):
-            record.tiermem_stats = None
-        stats_file.unlink()
-    return record

@@ -581,7 +581,10 @@ fn probe_kernel_poll(file: &File, path: &Path) -> std::result::Result<(), String
     let (mut ring, fixed) = build_ring(file, path, &arena, 1, true).map_err(|e| e.to_string())?;
     let read = entry_for(Request::Read { slot: 0, buf: 0 }, &arena, fixed);
     // SAFETY: the entry reads into the arena's one buffer, registered with this ring; `ring` is
-    // declared after `arena`, so it is dropped (waiting out the request) before the arena.
+    // declared after `arena`, so it is dropped before the arena. Dropping it does not wait for
+    // the request (on the error paths below it may still be in flight), but the buffer's pages
+    // stay pinned by the kernel until the request is done, so unmapping the arena frees
+    // nothing the read still writes to.
     unsafe { ring.submission().push(&read) }.map_err(|_| "the probe ring's submission queue is full".to_string())?;
     loop {
         match ring.submit_and_wait(1) {

@@ -120,9 +120,13 @@ impl Request {
     pub fn describe(&self) -> String {
         match *self {
             Request::Read { slot, .. } => format!("reading slot {slot}"),
-            Request::ReadRun { slot, pages, .. } => format!("reading slots {slot}..{}", slot + u64::from(pages)),
+            Request::ReadRun { slot, pages, .. } => {
+                format!("reading slots {slot}..{}", slot.saturating_add(u64::from(pages)))
+            }
             Request::Write { slot, .. } => format!("writing slot {slot}"),
-            Request::WriteRun { slot, pages, .. } => format!("writing slots {slot}..{}", slot + u64::from(pages)),
+            Request::WriteRun { slot, pages, .. } => {
+                format!("writing slots {slot}..{}", slot.saturating_add(u64::from(pages)))
+            }
         }
     }
 }
