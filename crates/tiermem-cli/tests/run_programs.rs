@@ -3388,6 +3388,49 @@ fn madv_remove_on_managed_memory_fails_with_einval_and_drops_nothing() {
     same_output_in_both_fault_modes(name, MADV_REMOVE_PRIVATE, "-1 1 512\n", "rc, EINVAL, pages kept");
 }
 
+/// A file mapped with MAP_FIXED over part of managed memory and read past its end raises the
+/// program's own SIGBUS, which reaches the program's handler: in sigbus mode the engine took it
+/// for a fault on a page being handed over, retried the access, and the program spun forever.
+const SIGBUS_PAST_EOF: &str = r#"
+#include <csetjmp>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+static sigjmp_buf back;
+static void on_bus(int) { siglongjmp(back, 1); }
+int main() {
+    unsigned char* a = (unsigned char*)mmap(nullptr, 8u << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    a[0] = 1;
+    char name[] = "/tmp/tiermem-sigbus-XXXXXX";
+    int fd = mkstemp(name);
+    unlink(name);
+    if (fd < 0 || ftruncate(fd, 4096) != 0) return 2;
+    // Two pages of a one-page file: the second is past its end.
+    unsigned char* f = (unsigned char*)mmap(a + (4u << 20), 8192, PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0);
+    if (f != a + (4u << 20)) return 3;
+    struct sigaction sa = {};
+    sa.sa_handler = on_bus;
+    sigaction(SIGBUS, &sa, nullptr);
+    if (sigsetjmp(back, 1) == 0) {
+        volatile unsigned char c = f[4096];
+        (void)c;
+        printf("read\n");
+    } else {
+        printf("caught\n");
+    }
+    return 0;
+}
+"#;
+
+#[test]
+fn a_sigbus_of_the_program_s_own_mapping_over_managed_memory_reaches_its_handler() {
+    let name = "a_sigbus_of_the_program_s_own_mapping_over_managed_memory_reaches_its_handler";
+    same_output_in_both_fault_modes(name, SIGBUS_PAST_EOF, "caught\n", "the program's SIGBUS handler ran");
+}
+
 const MAP_FIXED_OVER: &str = r#"
 #include <cstdint>
 #include <cstdio>

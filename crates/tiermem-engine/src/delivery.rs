@@ -109,7 +109,10 @@ fn report_failure(shared: &Shared, addr: usize, e: Errno) {
     let _ = std::fmt::Write::write_fmt(
         &mut w,
         format_args!(
-            "tiermem: cannot bring in page at {addr:#x}: {e} ({resident} KiB of managed pages in memory, budget {budget} KiB); raising SIGBUS\n"
+            "tiermem: cannot bring in page at {addr:#x}: errno {} ({resident} KiB of managed pages in memory, budget {budget} KiB); raising SIGBUS\n",
+            // The number: an errno's text comes through std's io::Error, which allocates, and
+            // this runs in the SIGBUS handler, maybe over code holding malloc's lock.
+            e.raw_os_error()
         ),
     );
     let len = w.len;

@@ -98,7 +98,14 @@ pub(crate) fn handle_fault(
     let regions = shared.regions();
     let Some(region) = regions.find(addr) else { return Outcome::NotOurs };
     let index = region.page_index(addr);
-    if region.mapping.is_foreign(index as usize * PAGE_SIZE) {
+    let offset_in_region = index as usize * PAGE_SIZE;
+    if region.mapping.is_foreign(offset_in_region) {
+        // Being replaced by a mapping of the program's: the access, made again, meets it. Once
+        // it is in place a fault there is the program's own (a file read past its end): the
+        // same page faulting again right after a retry is not ours, or it would loop forever.
+        if region.mapping.is_handed_over(offset_in_region) && faulted_again_after_retry(addr) {
+            return Outcome::NotOurs;
+        }
         return Outcome::Retry;
     }
     if let Some(trace) = &shared.trace {
@@ -117,6 +124,21 @@ pub(crate) fn handle_fault(
         shared.monitor.fault(&shared.stats, region.index, index, write);
     }
     outcome
+}
+
+/// Whether this thread's last fault on a handed-over page was at the page of `addr` and was
+/// retried: then this one is the program's (it is forgotten, so a third goes back to a retry).
+/// A thread-local of plain data, safe in the SIGBUS handler.
+fn faulted_again_after_retry(addr: usize) -> bool {
+    thread_local! {
+        static LAST_RETRIED: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+    }
+    let page = addr / PAGE_SIZE;
+    LAST_RETRIED.with(|last| {
+        let again = last.get() == page;
+        last.set(if again { usize::MAX } else { page });
+        again
+    })
 }
 
 /// Bring page `index` of `region` in (or unprotect it) for [`handle_fault`].

@@ -353,7 +353,7 @@ fn flush(shared: &Shared, regions: &RegionTable, pending: &mut Pending) {
 fn still_to_read(region: &RegionInner, pages: &PageList) -> PageList {
     let mut left = PageList::default();
     for &page in pages.as_slice() {
-        if to_read(region.pages[page as usize].peek()) {
+        if region.pages.get(page as usize).is_some_and(|cell| to_read(cell.peek())) {
             left.push(page);
         }
     }
@@ -366,6 +366,11 @@ fn retry_waiting(shared: &Shared, regions: &RegionTable, pending: &mut Pending) 
     pending.waiting.retain_mut(|w| {
         let Some(region) = regions.get(w.region).filter(|r| !r.is_closing()) else { return false };
         if w.since.elapsed() > BUSY_PATIENCE || shared.shutdown.load(Ordering::Acquire) {
+            return false;
+        }
+        // The slot may hold another region by now (the one set aside was freed and its slot
+        // reused), maybe a smaller one: its pages are not these.
+        if w.pages.as_slice().iter().any(|&p| p >= region.page_count()) {
             return false;
         }
         read_evicted(shared, regions, region, w.pages.as_slice());
@@ -405,7 +410,7 @@ fn read_evicted(shared: &Shared, regions: &RegionTable, region: &RegionInner, pa
 /// Wait (at most 20 ms) until none of `pages` is still being read.
 fn await_landing(region: &RegionInner, pages: &[u64]) {
     let start = std::time::Instant::now();
-    while pages.iter().any(|&p| region.pages[p as usize].peek().kind() == Kind::Incoming)
+    while pages.iter().any(|&p| region.pages.get(p as usize).is_some_and(|cell| cell.peek().kind() == Kind::Incoming))
         && start.elapsed() < Duration::from_millis(20)
     {
         std::thread::sleep(Duration::from_micros(20));

@@ -209,6 +209,12 @@ impl Mapping {
         }
     }
 
+    /// Whether the page at `offset` has been handed over (see [`Mapping::hand_over`]): the
+    /// program's own mapping is there now, not one being put in place.
+    pub fn is_handed_over(&self, offset: usize) -> bool {
+        self.handed_over.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|&(a, b)| (a..b).contains(&offset))
+    }
+
     /// Whether the page at `offset` is not this mapping's to fill: handed over, or taken back
     /// and reserved PROT_NONE (neither is registered with userfaultfd any more).
     pub fn is_foreign(&self, offset: usize) -> bool {
