@@ -56,7 +56,9 @@ fn set_last_error(message: impl Into<String>) {
     let mut bytes = message.into().into_bytes();
     bytes.retain(|&b| b != 0);
     let text = CString::new(bytes).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = text);
+    // try_with: during thread exit (a C destructor calling in) the slot may be gone already,
+    // and a panic here would cross into C.
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = text);
 }
 
 /// Run `body`, turning an error or a panic into `on_error` plus a last-error message.
@@ -90,8 +92,9 @@ fn non_null<T>(ptr: *const T, name: &str) -> Result<(), String> {
 /// See `tiermem.h`.
 #[no_mangle]
 pub extern "C" fn tiermem_last_error() -> *const c_char {
-    // The pointer stays valid until this thread's message is next replaced.
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    // The pointer stays valid until this thread's message is next replaced; during thread exit,
+    // when the slot may be gone, an empty message.
+    LAST_ERROR.try_with(|e| e.borrow().as_ptr()).unwrap_or(c"".as_ptr())
 }
 
 /// See `tiermem.h`.
@@ -332,12 +335,14 @@ pub unsafe extern "C" fn tiermem_engine_describe(engine: *const EngineHandle, bu
         let bytes = text.as_bytes();
         let full = c_int::try_from(bytes.len()).map_err(|_| "description too long".to_string())?;
         if len > 0 {
-            // SAFETY: `buf` is non-NULL (checked above since len > 0) and has `len` writable
-            // bytes per the caller; nothing else in this function refers to them.
-            let dst = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), len) };
             let n = bytes.len().min(len - 1);
-            dst[..n].copy_from_slice(&bytes[..n]);
-            dst[n] = 0;
+            let end = buf.wrapping_add(n);
+            // SAFETY: `buf` is non-NULL (checked above since len > 0) and has `len` writable
+            // bytes per the caller, maybe uninitialised (so written through the pointer, never
+            // made a slice); `n < len` bytes are copied from `bytes`, which is ours.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.cast::<u8>(), n) };
+            // SAFETY: byte `n < len` of the caller's buffer.
+            unsafe { end.write(0) };
         }
         Ok(full)
     })

@@ -220,6 +220,17 @@ impl EngineConfig {
                 16 * PAGE_SIZE
             )));
         }
+        // Resident memory cannot exceed the machine's, and the policy tables sized for the budget
+        // (about 1% of it) would be a single allocation the kernel refuses, which aborts the
+        // process (a C caller's too, with no error to return).
+        let machine = machine_memory_bytes();
+        if machine > 0 && self.limit_bytes > machine {
+            return Err(Error::invalid(format!(
+                "limit {} bytes is more than this machine's memory ({machine} bytes): the budget is memory the \
+                 program's pages are kept resident in",
+                self.limit_bytes
+            )));
+        }
         if !(self.watermark > 0.0 && self.watermark <= 1.0) {
             return Err(Error::invalid(format!("watermark {} must be in (0, 1]", self.watermark)));
         }
@@ -264,6 +275,12 @@ impl EngineConfig {
         crate::policy::build_policies(&self.prefetch, &self.replace, 1, &crate::policy::PolicyOptions::default())?;
         Ok(())
     }
+}
+
+/// The machine's physical memory in bytes (0 when it cannot be read).
+fn machine_memory_bytes() -> u64 {
+    let info = rustix::system::sysinfo();
+    (info.totalram as u64).saturating_mul(u64::from(info.mem_unit).max(1))
 }
 
 /// Largest size [`parse_size`] accepts: 1 EiB.
@@ -373,6 +390,9 @@ mod tests {
         assert!(cfg.validate().unwrap_err().to_string().contains("evict watermark"));
         let cfg = EngineConfig { limit_bytes: 4096, ..EngineConfig::default() };
         assert!(cfg.validate().unwrap_err().to_string().contains("too small"));
+        // A budget no machine has (the C API took it, and aborted on the policy's tables).
+        let cfg = EngineConfig { limit_bytes: MAX_SIZE, ..EngineConfig::default() };
+        assert!(cfg.validate().unwrap_err().to_string().contains("machine's memory"));
         let cfg = EngineConfig { prefetch: "magic".into(), ..EngineConfig::default() };
         assert!(cfg.validate().unwrap_err().to_string().contains("magic"));
         assert!("bogus".parse::<IoMode>().unwrap_err().to_string().contains("poll-only"));

@@ -116,6 +116,9 @@ fn check_ranges(ranges: &[(u64, u64)]) -> Result<()> {
 #[derive(Debug)]
 pub struct DamonPaddr {
     kdamond: PathBuf,
+    /// This object turned the kdamond on (only then is it this object's to turn off: another
+    /// process's, started between our check and ours, must not be stopped by our failed start).
+    started: bool,
 }
 
 fn write(path: &Path, value: &str) -> Result<()> {
@@ -159,7 +162,7 @@ impl DamonPaddr {
             ));
         }
         write(&admin.join("kdamonds/nr_kdamonds"), "1")?;
-        let me = Self { kdamond: admin.join("kdamonds/0") };
+        let mut me = Self { kdamond: admin.join("kdamonds/0"), started: false };
         let ctx = me.kdamond.join("contexts/0");
         write(&me.kdamond.join("contexts/nr_contexts"), "1")?;
         write(&ctx.join("operations"), "paddr")?;
@@ -178,6 +181,7 @@ impl DamonPaddr {
         write(&pattern.join("nr_accesses/max"), &u32::MAX.to_string())?;
         write(&pattern.join("age/max"), &u32::MAX.to_string())?;
         write(&me.kdamond.join("state"), "on")?;
+        me.started = true;
         Ok(me)
     }
 
@@ -230,7 +234,10 @@ impl DamonPaddr {
 
 impl Drop for DamonPaddr {
     fn drop(&mut self) {
-        let _ = fs::write(self.kdamond.join("state"), "off");
+        if self.started {
+            let _ = fs::write(self.kdamond.join("state"), "off");
+        }
+        // Refused (EBUSY) while any kdamond runs: then the directories stay for their owner.
         let _ = fs::write(Path::new(ADMIN).join("kdamonds/nr_kdamonds"), "0");
     }
 }

@@ -55,8 +55,9 @@ pub fn summarize(events: &[Event]) -> TraceSummary {
             }
             EventKind::Compute => {
                 match crate::trace::split_discard(page) {
-                    Some((_, pages)) => s.discarded_pages += pages,
-                    None => s.cached_accesses += page,
+                    Some((_, pages)) => s.discarded_pages = s.discarded_pages.saturating_add(pages),
+                    // Saturating: a hostile trace's counts would otherwise overflow.
+                    None => s.cached_accesses = s.cached_accesses.saturating_add(page),
                 }
                 continue;
             }

@@ -44,6 +44,8 @@ int main(void) {
     expect_bad_options("bogus_key=1", "bogus_key");
     expect_bad_options("limit=1MiB,fault_mode=magic", "fault_mode");
     expect_bad_options("watermark=2", "watermark");
+    /* A budget larger than any machine: an error, not an abort on the policy's tables. */
+    expect_bad_options("limit=1000PiB,device=mem,device_size=8MiB", "machine's memory");
     CHECK(tiermem_engine_new(NULL) == NULL);
     CHECK(strstr(tiermem_last_error(), "NULL") != NULL);
     CHECK(tiermem_region_new(NULL, PAGE) == NULL);
