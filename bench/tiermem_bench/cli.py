@@ -299,18 +299,13 @@ class Matrix:
                 rec.status, rec.reason = (OK, "") if rec.digest == expected else (WRONG, "unlimited runs disagree")
             self.record(rec)
         ok = [r for r in baseline if r.status == OK]
-        if not ok:
-            skipped = len(self.ratios) * len(self.systems) * repeats
-            self.progress.update(skipped)
-            self.progress.write(f"{workload.name}: no successful unlimited run, so no footprint or reference "
-                                f"output; its {skipped} limited runs were not started")
-            return
         peaks = [r.peak_bytes for r in ok if r.peak_bytes]
         if not peaks:
+            why = ("no successful unlimited run, so no footprint or reference output" if not ok
+                   else "its unlimited runs report no peak memory, so no footprint")
             skipped = len(self.ratios) * len(self.systems) * repeats
             self.progress.update(skipped)
-            self.progress.write(f"{workload.name}: its unlimited runs report no peak memory, so no footprint; "
-                                f"its {skipped} limited runs were not started")
+            self.progress.write(f"{workload.name}: {why}; its {skipped} limited runs were not started")
             return
         footprint = max(peaks)
         base_time = stats.median(r.wall_s for r in ok)

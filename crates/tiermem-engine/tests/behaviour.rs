@@ -95,21 +95,13 @@ fn eviction_changes_page_tables_once_per_run_of_contiguous_pages() {
     }
 }
 
-/// Under async write protection in sigbus mode, scattered victims (pages touched in random
-/// order) leave through the page pipe, a whole reclaim batch per page-table call, where moving
-/// them took a call, and a TLB flush, per page; every value still reads back.
-#[test]
-fn scattered_victims_leave_a_batch_per_page_table_call() {
-    let _serial = serial();
-    let test = "scattered_victims_leave_a_batch_per_page_table_call";
-    let Some(f) = features_or_skip(test) else { return };
-    if !(f.sigbus && f.wp_async && f.move_pages && f.pagemap_scan) {
-        eprintln!("SKIPPED {test}: kernel lacks SIGBUS, WP_ASYNC, MOVE or PAGEMAP_SCAN");
-        return;
-    }
+/// An engine in `fault_mode` with async write protection and a 256-page budget that has had
+/// three passes over 1024 pages in random order: written, then read back twice (every value
+/// checked). Its statistics tell how the victims left.
+fn scattered_passes(fault_mode: FaultMode) -> tiermem_engine::Engine {
     let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
         c.dirty_tracking = DirtyTracking::AsyncWriteProtect;
-        c.fault_mode = FaultMode::Sigbus;
+        c.fault_mode = fault_mode;
     });
     let pages = 1024;
     let region = engine.create_region(pages * 4096).unwrap();
@@ -132,6 +124,23 @@ fn scattered_victims_leave_a_batch_per_page_table_call() {
             }
         }
     }
+    drop(region);
+    engine
+}
+
+/// Under async write protection in sigbus mode, scattered victims (pages touched in random
+/// order) leave through the page pipe, a whole reclaim batch per page-table call, where moving
+/// them took a call, and a TLB flush, per page; every value still reads back.
+#[test]
+fn scattered_victims_leave_a_batch_per_page_table_call() {
+    let _serial = serial();
+    let test = "scattered_victims_leave_a_batch_per_page_table_call";
+    let Some(f) = features_or_skip(test) else { return };
+    if !(f.sigbus && f.wp_async && f.move_pages && f.pagemap_scan) {
+        eprintln!("SKIPPED {test}: kernel lacks SIGBUS, WP_ASYNC, MOVE or PAGEMAP_SCAN");
+        return;
+    }
+    let engine = scattered_passes(FaultMode::Sigbus);
     let stats = engine.stats();
     eprintln!(
         "{} evictions, {} through the page pipe, {} page-table calls",
@@ -170,26 +179,7 @@ fn a_handler_thread_s_victims_are_moved_not_taken_through_a_page_pipe() {
         eprintln!("SKIPPED {test}: kernel lacks WP_ASYNC, MOVE or PAGEMAP_SCAN, or faults in the kernel are not ours");
         return;
     }
-    let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
-        c.dirty_tracking = DirtyTracking::AsyncWriteProtect;
-        c.fault_mode = FaultMode::HandlerThread;
-    });
-    let pages = 1024;
-    let region = engine.create_region(pages * 4096).unwrap();
-    let words = region.as_ptr().cast::<u64>();
-    for pass in 0..3u64 {
-        for p in 0..pages {
-            // SAFETY: page `p` of the region, one u64 at its start.
-            unsafe {
-                let w = words.add(p * 512);
-                if pass == 0 {
-                    w.write_volatile(p as u64 + 1);
-                } else {
-                    assert_eq!(w.read_volatile(), p as u64 + 1, "page {p}, pass {pass}");
-                }
-            }
-        }
-    }
+    let engine = scattered_passes(FaultMode::HandlerThread);
     let stats = engine.stats();
     assert!(stats.evictions >= 2000, "three passes over 4x the budget must evict: {}", stats.evictions);
     assert_eq!(
