@@ -220,17 +220,6 @@ impl EngineConfig {
                 16 * PAGE_SIZE
             )));
         }
-        // Resident memory cannot exceed the machine's, and the policy tables sized for the budget
-        // (about 1% of it) would be a single allocation the kernel refuses, which aborts the
-        // process (a C caller's too, with no error to return).
-        let machine = machine_memory_bytes();
-        if machine > 0 && self.limit_bytes > machine {
-            return Err(Error::invalid(format!(
-                "limit {} bytes is more than this machine's memory ({machine} bytes): the budget is memory the \
-                 program's pages are kept resident in",
-                self.limit_bytes
-            )));
-        }
         if !(self.watermark > 0.0 && self.watermark <= 1.0) {
             return Err(Error::invalid(format!("watermark {} must be in (0, 1]", self.watermark)));
         }
@@ -273,6 +262,17 @@ impl EngineConfig {
         // The table states its own range.
         tiermem_monitor::hot_table::HotPageTable::new(self.hot_threshold)?;
         crate::policy::build_policies(&self.prefetch, &self.replace, 1, &crate::policy::PolicyOptions::default())?;
+        // Last, after the fields that name their own errors. Resident memory cannot exceed the machine's, and the policy tables sized for the budget
+        // (about 1% of it) would be a single allocation the kernel refuses, which aborts the
+        // process (a C caller's too, with no error to return).
+        let machine = machine_memory_bytes();
+        if machine > 0 && self.limit_bytes > machine {
+            return Err(Error::invalid(format!(
+                "limit {} bytes is more than this machine's memory ({machine} bytes): the budget is memory the \
+                 program's pages are kept resident in",
+                self.limit_bytes
+            )));
+        }
         Ok(())
     }
 }
