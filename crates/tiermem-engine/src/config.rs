@@ -262,9 +262,10 @@ impl EngineConfig {
         // The table states its own range.
         tiermem_monitor::hot_table::HotPageTable::new(self.hot_threshold)?;
         crate::policy::build_policies(&self.prefetch, &self.replace, 1, &crate::policy::PolicyOptions::default())?;
-        // Last, after the fields that name their own errors. Resident memory cannot exceed the machine's, and the policy tables sized for the budget
-        // (about 1% of it) would be a single allocation the kernel refuses, which aborts the
-        // process (a C caller's too, with no error to return).
+        // Last, after the fields that name their own errors. Resident memory cannot exceed the
+        // machine's, and the policy tables sized for the budget (about 1% of it) would be a
+        // single allocation the kernel refuses, which aborts the process (a C caller's too,
+        // with no error to return).
         let machine = machine_memory_bytes();
         if machine > 0 && self.limit_bytes > machine {
             return Err(Error::invalid(format!(
