@@ -76,6 +76,10 @@ pub fn parse(text: &str) -> Result<Options> {
     let mut device = DeviceSpec::Mem;
     let mut device_size = None;
     let mut seen: Vec<&str> = Vec::new();
+    // The first value found wrong with the options before it, kept to name its key if the
+    // whole set is refused too (a later option may be what makes it right: io_buffers=16 after
+    // a victim tier too large for the default 1024 buffers).
+    let mut first_refused = None;
     for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let Some((key, value)) = item.split_once('=') else {
             return Err(Error::invalid(format!("option `{item}` has no value: expected key=value")));
@@ -93,14 +97,19 @@ pub fn parse(text: &str) -> Result<Options> {
             "device" => device = DeviceSpec::parse(value).map_err(named)?,
             "device_size" => device_size = Some(parse_size(value).map_err(named)?),
             _ => {
-                // Check the value alone against the defaults, so the message names this key.
-                let mut probe = EngineConfig::default();
-                apply(&mut probe, key, value).and_then(|()| probe.validate()).map_err(named)?;
-                apply(&mut config, key, value)?;
+                // A value that does not parse is wrong whatever follows.
+                let mut probe = config.clone();
+                apply(&mut probe, key, value).map_err(named)?;
+                if let Err(e) = probe.validate() {
+                    first_refused.get_or_insert(named(e));
+                }
+                config = probe;
             }
         }
     }
-    config.validate()?;
+    if let Err(e) = config.validate() {
+        return Err(first_refused.unwrap_or(e));
+    }
     let page = PAGE_SIZE as u64;
     let device_size = match device_size {
         Some(0) => return Err(Error::invalid("option `device_size`: must be greater than zero")),
@@ -132,6 +141,14 @@ mod tests {
         assert_eq!(o.device_size, 4 << 20);
         assert_eq!(o.config.fault_mode, FaultMode::Sigbus);
         assert_eq!(parse("device_size=5000").unwrap().device_size, 8192);
+        // Values checked together: a victim tier too large for the default 1024 I/O buffers fits
+        // with 16, in either order (each was refused alone against the defaults).
+        for text in ["io_buffers=16,victim_pages=1048000", "victim_pages=1048000,io_buffers=16"] {
+            let o = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!((o.config.io_buffers, o.config.victim_pages), (16, 1_048_000), "{text}");
+        }
+        let message = parse("victim_pages=1048000").unwrap_err().to_string();
+        assert!(message.contains("victim_pages"), "{message}");
     }
 
     #[test]

@@ -181,6 +181,10 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *
             Outcome::Failed(e) => report_failure(shared, addr, e),
         }
     }
+    // The program's handler (or the default action) sees errno as the interrupted code left it,
+    // whatever the engine's calls above did to it.
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = saved_errno };
     chain_to_previous(sig, info, context);
 }
 
