@@ -291,72 +291,74 @@ extern "C" fn forward_to_program(sig: libc::c_int, info: *mut libc::siginfo_t, _
 /// running without it, and its statistics directory behind). A signal sent to the whole process
 /// group reaches the program twice, once from us (a terminal's hangup excepted). Restored on drop.
 struct ForwardSignals {
-    previous: [(libc::c_int, libc::sigaction); 6],
+    _actions: SignalActions<6>,
 }
 
 impl ForwardSignals {
     fn new(program: libc::pid_t) -> Self {
         PROGRAM_PID.store(program, std::sync::atomic::Ordering::Relaxed);
         let forward = forward_to_program as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void);
-        let set = |sig, handler: libc::sighandler_t, flags| {
-            // SAFETY: all-zero is a valid sigaction (empty mask) that is filled in before use.
-            let (mut action, mut previous): (libc::sigaction, libc::sigaction) = unsafe { std::mem::zeroed() };
-            action.sa_sigaction = handler;
-            action.sa_flags = flags;
-            // SAFETY: emptying a sigset_t we own.
-            unsafe { libc::sigemptyset(&mut action.sa_mask) };
-            // SAFETY: setting the disposition of a valid signal in this process, saving the old
-            // one, restored on drop. The handler only calls kill(2).
-            unsafe { libc::sigaction(sig, &action, &mut previous) };
-            (sig, previous)
-        };
-        let previous = [
-            set(libc::SIGINT, libc::SIG_IGN, 0),
-            set(libc::SIGQUIT, libc::SIG_IGN, 0),
-            set(libc::SIGTERM, forward as libc::sighandler_t, libc::SA_SIGINFO | libc::SA_RESTART),
-            set(libc::SIGHUP, forward as libc::sighandler_t, libc::SA_SIGINFO | libc::SA_RESTART),
-            set(libc::SIGUSR1, forward as libc::sighandler_t, libc::SA_SIGINFO | libc::SA_RESTART),
-            set(libc::SIGUSR2, forward as libc::sighandler_t, libc::SA_SIGINFO | libc::SA_RESTART),
-        ];
-        Self { previous }
+        let forward = (forward as libc::sighandler_t, libc::SA_SIGINFO | libc::SA_RESTART);
+        let ignore = (libc::SIG_IGN, 0);
+        // The handler only calls kill(2).
+        let _actions = SignalActions::set([
+            (libc::SIGINT, ignore),
+            (libc::SIGQUIT, ignore),
+            (libc::SIGTERM, forward),
+            (libc::SIGHUP, forward),
+            (libc::SIGUSR1, forward),
+            (libc::SIGUSR2, forward),
+        ]);
+        Self { _actions }
+    }
+}
+
+impl Drop for ForwardSignals {
+    fn drop(&mut self) {
+        // The dispositions go back when `_actions` drops, right after.
+        PROGRAM_PID.store(0, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
 /// SIGINT, SIGTERM, SIGHUP and SIGQUIT ignored until dropped, then as they were.
-struct IgnoreSignals {
-    previous: [(libc::c_int, libc::sigaction); 4],
+fn ignore_signals() -> SignalActions<4> {
+    let ignore = (libc::SIG_IGN, 0);
+    SignalActions::set([
+        (libc::SIGINT, ignore),
+        (libc::SIGTERM, ignore),
+        (libc::SIGHUP, ignore),
+        (libc::SIGQUIT, ignore),
+    ])
 }
 
-impl IgnoreSignals {
-    fn new() -> Self {
-        let previous = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT].map(|sig| {
-            // SAFETY: all-zero is a valid sigaction (empty mask, no flags), filled in before use.
-            let (mut ignore, mut previous): (libc::sigaction, libc::sigaction) = unsafe { std::mem::zeroed() };
-            ignore.sa_sigaction = libc::SIG_IGN;
-            // SAFETY: installing SIG_IGN, a valid disposition, keeping the previous one.
-            unsafe { libc::sigaction(sig, &ignore, &mut previous) };
+/// Signal dispositions (handler, flags) set for `N` signals, each put back as it was when this
+/// is dropped.
+struct SignalActions<const N: usize> {
+    previous: [(libc::c_int, libc::sigaction); N],
+}
+
+impl<const N: usize> SignalActions<N> {
+    fn set(actions: [(libc::c_int, (libc::sighandler_t, libc::c_int)); N]) -> Self {
+        let previous = actions.map(|(sig, (handler, flags))| {
+            // SAFETY: all-zero is a valid sigaction (empty mask) that is filled in before use.
+            let (mut action, mut previous): (libc::sigaction, libc::sigaction) = unsafe { std::mem::zeroed() };
+            action.sa_sigaction = handler;
+            action.sa_flags = flags;
+            // SAFETY: setting the disposition of a valid signal in this process to SIG_IGN or a
+            // handler the caller vouches for, saving the old one, restored on drop.
+            unsafe { libc::sigaction(sig, &action, &mut previous) };
             (sig, previous)
         });
         Self { previous }
     }
 }
 
-impl Drop for IgnoreSignals {
+impl<const N: usize> Drop for SignalActions<N> {
     fn drop(&mut self) {
         for (sig, previous) in &self.previous {
-            // SAFETY: restoring the disposition read when this was made.
+            // SAFETY: restoring a disposition saved in `set`.
             unsafe { libc::sigaction(*sig, previous, std::ptr::null_mut()) };
         }
-    }
-}
-
-impl Drop for ForwardSignals {
-    fn drop(&mut self) {
-        for (sig, previous) in &self.previous {
-            // SAFETY: restoring a disposition saved in new().
-            unsafe { libc::sigaction(*sig, previous, std::ptr::null_mut()) };
-        }
-        PROGRAM_PID.store(0, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -718,7 +720,7 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     drop(backstop);
     // The program has ended: a Ctrl-C or SIGTERM now must not cut short what is put back below
     // (the OOM killer of a guarded cgroup, DAMON, tracefs, the device file).
-    let cleaning_up = IgnoreSignals::new();
+    let cleaning_up = ignore_signals();
     if settings.engine.damon {
         drop(own_kdamond);
         // Those of processes that were killed or exec'ed before their exit could remove them.
