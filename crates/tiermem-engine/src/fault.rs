@@ -187,19 +187,17 @@ fn resolve(
         let state = locked.state();
         let protect = !write && shared.write_protect;
         match state.kind() {
-            Kind::Resident if missing && state.writing() && !is_mapped(shared, page_addr) => {
-                // Dropped behind the engine's back (below) while a write-back of it is in
-                // flight: its completion needs the page, unlocked, and its buffer and slot as
-                // the state names them. Forgotten before, the slot was freed under the write and
-                // the completion released whatever buffer the new state named.
-                drop(locked);
-                give_back(needs_room, staging);
-                if reap_background(shared, regions) == 0 {
-                    std::thread::yield_now();
-                }
-                continue;
-            }
             Kind::Resident if missing && !is_mapped(shared, page_addr) => {
+                if state.writing() {
+                    // A write-back of it is in flight: its completion needs the page, unlocked,
+                    // and its buffer and slot as the state names them; forgotten once it is done.
+                    drop(locked);
+                    give_back(needs_room, staging);
+                    if reap_background(shared, regions) == 0 {
+                        std::thread::yield_now();
+                    }
+                    continue;
+                }
                 // Counted resident, yet the kernel has no page: the program dropped it with a
                 // madvise the engine did not see. Re-fault, and lose the page as the kernel
                 // would (zeros), rather than wake the thread into the same fault forever.
@@ -654,7 +652,7 @@ fn read_critical(
     let mut n = 0;
     let want = 1 + on_lane;
     let mut seen = 0;
-    let mut failed = None;
+    let mut wait_failed = false;
     while seen < want {
         let mut stale = 0;
         let waited = lane.wait(want - seen, &mut |c| {
@@ -673,7 +671,7 @@ fn read_critical(
         match waited {
             Ok(got) => seen += got - stale,
             Err(_) => {
-                failed = Some(lost(Errno::IO));
+                wait_failed = true;
                 break;
             }
         }
@@ -684,18 +682,12 @@ fn read_critical(
     if n > 0 {
         crate::io::process_all(shared, regions, &lane_prefetches[..n]);
     }
-    if let Some(failed) = failed {
-        // The critical read may have completed before the failure: then its buffer is free.
-        return match critical_ok {
-            Some(true) => Ok(()),
-            Some(false) => Err(CriticalReadFailed { errno: Errno::IO, buffer_in_use: false }),
-            None => Err(failed),
-        };
-    }
     match critical_ok {
+        // Completed (maybe before a failed wait): the buffer is the caller's again.
         Some(true) => Ok(()),
-        // Completed, so the buffer is free again.
-        _ => Err(CriticalReadFailed { errno: Errno::IO, buffer_in_use: false }),
+        Some(false) => Err(CriticalReadFailed { errno: Errno::IO, buffer_in_use: false }),
+        // Not seen to complete: after a failed wait it may still be in flight.
+        None => Err(CriticalReadFailed { errno: Errno::IO, buffer_in_use: wait_failed }),
     }
 }
 
