@@ -31,7 +31,7 @@ pub(crate) const GROW_FROM: u32 = 10;
 pub(crate) struct PrefetchGovernor {
     enabled: bool,
     cap: AtomicUsize,
-    /// Used samples in the high 32 bits, ended samples in the low 32: one atomic add per
+    /// Used samples in the high 32 bits, ended samples in the low 32: one atomic update per
     /// sample, no lock (samples end on faulting threads too, inside the SIGBUS handler).
     window: AtomicU64,
 }
@@ -61,14 +61,19 @@ impl PrefetchGovernor {
             return;
         }
         let add = (u64::from(used) << 32) | 1;
-        let now = self.window.fetch_add(add, Ordering::Relaxed) + add;
-        // Exactly one thread sees the count reach a window; samples ending meanwhile stay
-        // counted for the next one.
-        if now as u32 != WINDOW {
+        // The sample that fills a window empties it in the same atomic step, so exactly one
+        // thread judges each window and the count never runs past one (emptying it in a
+        // second step let a thread preempted between the two leave it past the window for
+        // good, judged never again).
+        let filled = |window: u64| (window + add) as u32 >= WINDOW;
+        let before = self
+            .window
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| Some(if filled(w) { 0 } else { w + add }))
+            .unwrap_or_else(|w| w);
+        if !filled(before) {
             return;
         }
-        self.window.fetch_sub(now, Ordering::Relaxed);
-        let used = (now >> 32) as u32;
+        let used = ((before + add) >> 32) as u32;
         let cap = self.cap();
         let next = if used < CUT_BELOW {
             (cap / 2).max(1)
@@ -120,6 +125,31 @@ mod tests {
         assert_eq!(g.cap(), PageList::CAPACITY);
         g.sample_ended(false);
         assert_eq!(g.cap(), PageList::CAPACITY / 2);
+    }
+
+    #[test]
+    fn samples_ended_on_many_threads_at_once_are_all_judged() {
+        // A thread that saw its sample fill the window used to take the window's count back
+        // only afterwards: preempted in between while others went on, it left the count past
+        // the window for good, and the cap never moved again.
+        let g = PrefetchGovernor::new(true);
+        let per_thread = 50_000u64;
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let g = &g;
+                s.spawn(move || {
+                    for k in 0..per_thread {
+                        g.sample_ended((k + t) % 5 == 0);
+                        if k % 64 == 0 {
+                            std::thread::yield_now();
+                        }
+                    }
+                });
+            }
+        });
+        let left = g.window.load(Ordering::Relaxed) as u32;
+        assert_eq!(u64::from(left), 4 * per_thread % u64::from(WINDOW), "samples not judged");
+        assert_eq!(g.cap(), 1, "a fifth of the samples used: every window cuts");
     }
 
     #[test]
