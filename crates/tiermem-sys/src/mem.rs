@@ -257,9 +257,13 @@ impl Drop for Mapping {
     }
 }
 
-/// Set once `process_madvise` refused to drop ranges here: from then on [`discard_all`] leaves
+/// Set once `process_madvise` was found not to work here: from then on [`discard_all`] leaves
 /// it to the caller at once.
 static BATCHED_DISCARD_REFUSED: AtomicBool = AtomicBool::new(false);
+
+/// Set once `process_madvise` worked here: from then on a refusal is about the ranges given
+/// (mlocked memory answers EINVAL), not the call.
+static BATCHED_DISCARD_WORKS: AtomicBool = AtomicBool::new(false);
 
 /// The calling thread, as a pidfd (PIDFD_SELF_THREAD, recent kernels only): its process's
 /// memory, also right after a fork, with no descriptor to open or inherit.
@@ -302,15 +306,38 @@ pub unsafe fn discard_all(ranges: &[libc::iovec]) -> bool {
         )
     };
     if done < 0 {
-        // Not supported here (EBADF: no PIDFD_SELF; EINVAL: advice refused; ENOSYS, EPERM): do not
-        // ask again. Other errors (ENOMEM for an unmapped range) leave it to the caller.
+        // Possibly not supported here (EBADF: no PIDFD_SELF; EINVAL: advice refused; ENOSYS,
+        // EPERM); but EINVAL is also the answer for a range the advice cannot apply to (mlocked,
+        // VM_PFNMAP), so only a call with no range at all failing too says the call itself is
+        // refused: then do not ask again. Other errors (ENOMEM for an unmapped range) and
+        // refused ranges leave it to the caller, this time.
         let errno = std::io::Error::last_os_error().raw_os_error();
-        if matches!(errno, Some(libc::EBADF | libc::EINVAL | libc::ENOSYS | libc::EPERM)) {
+        if matches!(errno, Some(libc::EBADF | libc::EINVAL | libc::ENOSYS | libc::EPERM))
+            && !BATCHED_DISCARD_WORKS.load(Ordering::Relaxed)
+            && !discard_none()
+        {
             BATCHED_DISCARD_REFUSED.store(true, Ordering::Relaxed);
         }
         return false;
     }
+    if !BATCHED_DISCARD_WORKS.load(Ordering::Relaxed) {
+        BATCHED_DISCARD_WORKS.store(true, Ordering::Relaxed);
+    }
     done as usize == total
+}
+
+/// `process_madvise(MADV_DONTNEED)` on the calling process with one empty range: whether the
+/// kernel takes the call at all, apart from any range. Async-signal-safe.
+fn discard_none() -> bool {
+    let empty = [libc::iovec { iov_base: std::ptr::NonNull::<u8>::dangling().as_ptr().cast(), iov_len: 0 }];
+    // SAFETY: one iovec of no bytes: nothing is read through it and no page is dropped.
+    let done = unsafe {
+        libc::syscall(libc::SYS_process_madvise, PIDFD_SELF_THREAD, empty.as_ptr(), 1, libc::MADV_DONTNEED, 0u32)
+    };
+    if done == 0 {
+        BATCHED_DISCARD_WORKS.store(true, Ordering::Relaxed);
+    }
+    done == 0
 }
 
 /// Drop the pages of `[addr, addr+len)` so the next access faults again (MADV_DONTNEED).
@@ -524,5 +551,38 @@ mod tests {
         assert_eq!(first_bytes, [7, 0, 7, 0, 0, 7, 7, 0]);
         // SAFETY: an empty list touches nothing.
         assert!(unsafe { discard_all(&[]) });
+    }
+
+    #[test]
+    fn a_range_the_kernel_refuses_to_drop_leaves_batched_discards_on() {
+        if !discard_none() {
+            eprintln!("SKIPPED a_range_the_kernel_refuses_to_drop_leaves_batched_discards_on: process_madvise(MADV_DONTNEED) on oneself is not available on this kernel");
+            return;
+        }
+        let map = Mapping::anonymous(2 * PAGE_SIZE, false).unwrap();
+        let base = map.as_ptr();
+        // SAFETY: the mapping's first page, owned here; locked until the mapping goes.
+        if unsafe { libc::mlock(base.cast(), PAGE_SIZE) } != 0 {
+            eprintln!(
+                "SKIPPED a_range_the_kernel_refuses_to_drop_leaves_batched_discards_on: mlock: {}",
+                std::io::Error::last_os_error()
+            );
+            return;
+        }
+        // SAFETY: the mapping's two pages, writable.
+        unsafe { std::ptr::write_bytes(base, 7, 2 * PAGE_SIZE) };
+        let page = |p: usize| libc::iovec {
+            // SAFETY: inside the mapping.
+            iov_base: unsafe { base.add(p * PAGE_SIZE) }.cast(),
+            iov_len: PAGE_SIZE,
+        };
+        // SAFETY: pages of the mapping above, whose contents nobody needs.
+        assert!(!unsafe { discard_all(&[page(0)]) }, "MADV_DONTNEED dropped an mlocked page");
+        assert!(!batched_discard_refused(), "one locked range turned batched discards off for good");
+        // SAFETY: as above.
+        assert!(unsafe { discard_all(&[page(1)]) });
+        // SAFETY: the mapping's two pages, readable.
+        let (first, second) = unsafe { (*base, *base.add(PAGE_SIZE)) };
+        assert_eq!((first, second), (7, 0), "the locked page kept, the other dropped");
     }
 }
