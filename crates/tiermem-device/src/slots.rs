@@ -68,9 +68,16 @@ impl SlotAllocator {
                 let bit = (!bits).trailing_zeros();
                 match word.compare_exchange_weak(bits, bits | (1 << bit), Ordering::AcqRel, Ordering::Relaxed) {
                     Ok(_) => {
-                        if w > start {
-                            // Words start..w were full when looked at.
-                            let _ = self.lowest.compare_exchange(start, w, Ordering::Relaxed, Ordering::Relaxed);
+                        if w > start
+                            && self.lowest.compare_exchange(start, w, Ordering::SeqCst, Ordering::Relaxed).is_ok()
+                        {
+                            // Words start..w were full when looked at, but a slot freed there
+                            // since found the hint still at `start` and left it: look again
+                            // (after the raise, so such a free either shows here or lowers
+                            // the raised hint itself).
+                            if let Some(freed) = (start..w).find(|&v| self.words[v].load(Ordering::SeqCst) != !0u64) {
+                                self.lowest.fetch_min(freed, Ordering::SeqCst);
+                            }
                         }
                         self.used.fetch_add(1, Ordering::Relaxed);
                         return Some(w as u64 * 64 + u64::from(bit));
@@ -124,10 +131,12 @@ impl SlotAllocator {
     pub fn free(&self, slot: Slot) {
         assert!(slot < self.capacity, "slot {slot} out of range");
         let mask = 1u64 << (slot % 64);
-        let prev = self.words[(slot / 64) as usize].fetch_and(!mask, Ordering::AcqRel);
+        // Sequentially consistent with `alloc`'s raise of the hint and its look back: one of the
+        // two sees the other.
+        let prev = self.words[(slot / 64) as usize].fetch_and(!mask, Ordering::SeqCst);
         assert!(prev & mask != 0, "slot {slot} freed twice");
         self.used.fetch_sub(1, Ordering::Relaxed);
-        self.lowest.fetch_min((slot / 64) as usize, Ordering::Relaxed);
+        self.lowest.fetch_min((slot / 64) as usize, Ordering::SeqCst);
     }
 }
 
@@ -160,6 +169,35 @@ mod tests {
         assert_eq!(slots.alloc(), Some(5_000));
         slots.free(3);
         assert_eq!(slots.alloc(), Some(3));
+    }
+
+    #[test]
+    fn the_hint_never_passes_a_free_slot_with_allocs_and_frees_racing() {
+        // An alloc that found words full and raised the hint past them could do so just after
+        // a free there had found the hint low enough to leave alone: that slot then came back
+        // only once every slot above it was taken.
+        let slots = SlotAllocator::new(64 * 64);
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let slots = &slots;
+                s.spawn(move || {
+                    let mut held = Vec::new();
+                    for k in 0..20_000u64 {
+                        if held.len() < 200 && (k * 7 + t) % 3 != 0 {
+                            held.push(slots.alloc().unwrap());
+                        } else if let Some(slot) = held.pop() {
+                            slots.free(slot);
+                        }
+                    }
+                    for slot in held {
+                        slots.free(slot);
+                    }
+                });
+            }
+        });
+        assert_eq!(slots.used(), 0);
+        assert_eq!(slots.lowest.load(Ordering::Relaxed), 0, "the hint left above free slots");
+        assert_eq!(slots.alloc(), Some(0));
     }
 
     #[test]
