@@ -3431,6 +3431,61 @@ fn a_sigbus_of_the_program_s_own_mapping_over_managed_memory_reaches_its_handler
     same_output_in_both_fault_modes(name, SIGBUS_PAST_EOF, "caught\n", "the program's SIGBUS handler ran");
 }
 
+/// A SIGBUS handler of the program's chained to in sigbus mode runs as the kernel would run it:
+/// with its own sa_mask blocked (not the engine handler's), and a one-shot (SA_RESETHAND)
+/// handler leaves the default action behind. The engine's handler used to call it with its own
+/// mask and SIGBUS blocked, and kept calling a one-shot handler.
+const SIGBUS_HANDLER_FLAGS: &str = r#"
+#include <csetjmp>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
+static sigjmp_buf back;
+static int usr1, usr2, bus;
+static void on_bus(int) {
+    sigset_t now;
+    pthread_sigmask(SIG_BLOCK, nullptr, &now);
+    usr1 = sigismember(&now, SIGUSR1);
+    usr2 = sigismember(&now, SIGUSR2);
+    bus = sigismember(&now, SIGBUS);
+    siglongjmp(back, 1);
+}
+int main() {
+    unsigned char* a = (unsigned char*)mmap(nullptr, 8u << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    a[0] = 1;
+    FILE* file = tmpfile();
+    if (!file || ftruncate(fileno(file), 4096) != 0) return 2;
+    // Two pages of a one-page file: the second is past its end.
+    unsigned char* f = (unsigned char*)mmap(nullptr, 8192, PROT_READ, MAP_SHARED, fileno(file), 0);
+    if (f == MAP_FAILED) return 3;
+    struct sigaction sa = {};
+    sa.sa_handler = on_bus;
+    sa.sa_flags = SA_NODEFER | SA_RESETHAND;
+    sigemptyset(&sa.sa_mask);
+    sigaddset(&sa.sa_mask, SIGUSR2);
+    sigaction(SIGBUS, &sa, nullptr);
+    if (sigsetjmp(back, 1) == 0) {
+        volatile unsigned char c = f[4096];
+        (void)c;
+        printf("read\n");
+        return 4;
+    }
+    struct sigaction after = {};
+    sigaction(SIGBUS, nullptr, &after);
+    printf("usr1 %d usr2 %d bus %d reset %d\n", usr1, usr2, bus, after.sa_handler == SIG_DFL);
+    return 0;
+}
+"#;
+
+#[test]
+fn a_chained_sigbus_handler_gets_its_own_mask_and_a_one_shot_one_is_reset() {
+    let name = "a_chained_sigbus_handler_gets_its_own_mask_and_a_one_shot_one_is_reset";
+    same_output_in_both_fault_modes(name, SIGBUS_HANDLER_FLAGS, "usr1 0 usr2 1 bus 0 reset 1\n", "mask and one-shot");
+}
+
 const MAP_FIXED_OVER: &str = r#"
 #include <cstdint>
 #include <cstdio>

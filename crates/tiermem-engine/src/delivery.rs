@@ -141,6 +141,9 @@ pub(crate) fn wake_handler_threads(shared: &Shared) {
 static SIGBUS_ENGINE: AtomicPtr<Shared> = AtomicPtr::new(std::ptr::null_mut());
 /// The SIGBUS action in place before ours, to chain to for faults that are not ours.
 static PREVIOUS_ACTION: AtomicPtr<libc::sigaction> = AtomicPtr::new(std::ptr::null_mut());
+/// The default action, for PREVIOUS_ACTION once a one-shot (SA_RESETHAND) handler has run.
+// SAFETY: a zeroed sigaction is SIG_DFL with an empty mask and no flags.
+static RESET_TO_DEFAULT: libc::sigaction = unsafe { std::mem::zeroed() };
 
 thread_local! {
     static LANE_HINT: std::cell::Cell<u32> = const { std::cell::Cell::new(u32::MAX) };
@@ -228,10 +231,40 @@ fn chain_to_previous(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut
         }
         return;
     }
+    // SAFETY: non-null and not a default or ignore action: a leaked sigaction saved at install
+    // time or put there by `replace_chained_sigbus_action`, never freed while installed.
+    let action = unsafe { &*prev };
+    if action.sa_flags & libc::SA_RESETHAND != 0 {
+        // The kernel puts the default action back as it delivers to a one-shot handler; a
+        // replacement made meanwhile stays.
+        let reset = std::ptr::addr_of!(RESET_TO_DEFAULT).cast_mut();
+        let _ = PREVIOUS_ACTION.compare_exchange(prev, reset, Ordering::AcqRel, Ordering::Acquire);
+    }
+    // The handler runs with the signals blocked the kernel would have blocked had it been
+    // delivered to directly (the interrupted code's and its sa_mask), not with this handler's:
+    // a handler that leaves by longjmp keeps that mask. Except SIGBUS itself, even without
+    // SA_NODEFER: the handler may touch evicted memory like any code of the program's (the
+    // preload keeps SIGBUS out of every handler's mask for the same reason).
+    // SAFETY: the kernel passes the interrupted context, whose signal mask it restores when
+    // this handler returns.
+    let interrupted = unsafe { &(*(context as *const libc::ucontext_t)).uc_sigmask };
+    // SAFETY: a zeroed sigset_t is a valid set to initialise.
+    let mut mask: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: sigemptyset, sigismember, sigaddset and pthread_sigmask are async-signal-safe and
+    // get valid sets (glibc refuses its own two internal signals, as pthread_sigmask drops them).
+    unsafe {
+        libc::sigemptyset(&mut mask);
+        for s in (1..=64).filter(|&s| s != libc::SIGBUS) {
+            if libc::sigismember(interrupted, s) == 1 || libc::sigismember(&action.sa_mask, s) == 1 {
+                libc::sigaddset(&mut mask, s);
+            }
+        }
+        libc::pthread_sigmask(libc::SIG_SETMASK, &mask, std::ptr::null_mut());
+    }
     // SAFETY: the previous handler was installed by this process for this signal; it is called
     // with the arguments its flags ask for.
     unsafe {
-        if (*prev).sa_flags & libc::SA_SIGINFO != 0 {
+        if action.sa_flags & libc::SA_SIGINFO != 0 {
             let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) = std::mem::transmute(handler);
             f(sig, info, context);
         } else {
@@ -255,8 +288,16 @@ pub(crate) fn install_sigbus(shared: &std::sync::Arc<Shared>) -> Result<()> {
     // No SA_ONSTACK: the alternate stacks runtimes install (Rust's is a few KiB, for stack
     // overflow reports) are far too small for resolving a fault, which may evict a batch.
     action.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
-    // SAFETY: sa_mask is a valid sigset_t to initialise.
-    unsafe { libc::sigemptyset(&mut action.sa_mask) };
+    // Other signals wait while a fault is resolved: a handler of the program's run in the middle
+    // of it that touched evicted memory would raise SIGBUS while it is blocked, which kills.
+    // Faults the handler itself could raise stay deliverable (blocked, they would kill too).
+    // SAFETY: sa_mask is a valid sigset_t to fill; the signals named are valid.
+    unsafe {
+        libc::sigfillset(&mut action.sa_mask);
+        for synchronous in [libc::SIGSEGV, libc::SIGILL, libc::SIGFPE, libc::SIGTRAP, libc::SIGSYS] {
+            libc::sigdelset(&mut action.sa_mask, synchronous);
+        }
+    }
     let previous = Box::into_raw(Box::new(
         // SAFETY: zeroed sigaction, filled in by the kernel below.
         unsafe { std::mem::zeroed::<libc::sigaction>() },
@@ -268,7 +309,7 @@ pub(crate) fn install_sigbus(shared: &std::sync::Arc<Shared>) -> Result<()> {
         return Err(Error::os(std::io::Error::last_os_error(), "installing the SIGBUS handler"));
     }
     let old = PREVIOUS_ACTION.swap(previous, Ordering::AcqRel);
-    if !old.is_null() {
+    if !old.is_null() && !std::ptr::eq(old, &RESET_TO_DEFAULT) {
         // SAFETY: allocated by Box::into_raw in an earlier install; no handler can be using it,
         // since a handler only reads PREVIOUS_ACTION while our handler is installed and the old
         // value was replaced before.
