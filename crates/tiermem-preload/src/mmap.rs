@@ -901,9 +901,14 @@ fn advise_managed(
 /// read-only or inaccessible (see `Engine::protection_change`), so none becomes writable between
 /// the copy and the drop. Everything else goes to the kernel as it is.
 fn change_protection(addr: usize, len: usize, kernel_call: impl FnOnce() -> libc::c_long) -> i32 {
-    let managed = registry::may_overlap(addr, len.max(1))
-        && !runtime::in_forked_child()
-        && !registry::overlapping(&registry::lock(), addr, len.max(1)).is_empty();
+    let end = addr.saturating_add(len.max(1));
+    // The registry's regions, and the small heap's chunks (regions outside it: a page of a block
+    // the program protects).
+    let managed = !runtime::in_forked_child()
+        && ((registry::may_overlap(addr, len.max(1))
+            && !registry::overlapping(&registry::lock(), addr, len.max(1)).is_empty())
+            || crate::heap::contains(addr)
+            || crate::heap::first_chunk_start_in(addr, end).is_some());
     let Some(engine) = runtime::running_engine().filter(|_| managed) else { return kernel_call() as i32 };
     // No signal handler may run while the change is held: one touching evicted memory would
     // wait for reclaim, which waits for the change to end.
