@@ -3486,6 +3486,51 @@ fn a_chained_sigbus_handler_gets_its_own_mask_and_a_one_shot_one_is_reset() {
     same_output_in_both_fault_modes(name, SIGBUS_HANDLER_FLAGS, "usr1 0 usr2 1 bus 0 reset 1\n", "mask and one-shot");
 }
 
+/// mremap shrinking a mapping of the program's own (below the threshold) with an old length
+/// that runs on into managed memory: the kernel unmaps the tail, managed part and all. The
+/// engine used to keep that part's pages as its own and, once a small mapping of the
+/// program's took their place, evicted its pages (128 of 128 read back as zeros).
+const MREMAP_SHRINK_INTO_MANAGED: &str = r#"
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <sys/mman.h>
+int main(void) {
+    size_t big = 64u << 20, cut = 8u << 20;
+    unsigned char* m = (unsigned char*)mmap(NULL, big, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS, -1, 0);
+    for (size_t i = 0; i < big; i += 4096) m[i] = (unsigned char)(i >> 12);
+    for (size_t i = 0; i < cut; i += 4096) m[i] = (unsigned char)(i >> 12);  // resident again
+    unsigned char* u = (unsigned char*)mmap(m - 4096, 4096, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_FIXED_NOREPLACE, -1, 0);
+    if (u != m - 4096) { printf("no adjacent page\n"); return 1; }
+    u[0] = 7;
+    if (mremap(u, 4096 + cut, 4096, 0) != u) { printf("shrink: %s\n", strerror(errno)); return 1; }
+    // A mapping of the program's own, where the tail was if that is free.
+    size_t small = 512u << 10;  // below tiermem's threshold: the kernel's
+    unsigned char* other = (unsigned char*)mmap(m, small, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS, -1, 0);
+    if (other == MAP_FAILED) return 1;
+    memset(other, 5, small);
+    size_t bad = 0;
+    for (int round = 0; round < 2; round++)
+        for (size_t i = cut; i < big; i += 4096) bad += m[i] != (unsigned char)(i >> 12);
+    // The rest of the big mapping goes; the new one must stay as written.
+    munmap(m + cut, big - cut);
+    for (size_t i = 0; i < small; i += 4096) bad += other[i] != 5;
+    printf("%zu bad, u[0] %d\n", bad, u[0]);
+    return 0;
+}
+"#;
+
+#[test]
+fn mremap_shrinking_into_managed_memory_leaves_a_mapping_made_there_alone() {
+    let name = "mremap_shrinking_into_managed_memory_leaves_a_mapping_made_there_alone";
+    same_output_in_both_fault_modes(
+        name,
+        MREMAP_SHRINK_INTO_MANAGED,
+        "0 bad, u[0] 7\n",
+        "pages of the new mapping lost",
+    );
+}
+
 const MAP_FIXED_OVER: &str = r#"
 #include <cstdint>
 #include <cstdio>

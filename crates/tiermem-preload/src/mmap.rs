@@ -559,6 +559,9 @@ pub unsafe extern "C" fn mremap(
             return old;
         }
     }
+    if let Some(result) = shrink_into_managed(start, old_len, new_len, flags) {
+        return result;
+    }
     // The program's own mapping, possibly one inside a managed region (what it leaves there is
     // reserved again, see `take_back`), possibly moved onto managed memory (which it replaces,
     // as MAP_FIXED does).
@@ -579,6 +582,35 @@ pub unsafe extern "C" fn mremap(
         take_back_all(left_from, old_end);
     }
     syscall_result(moved)
+}
+
+/// mremap shrinking a mapping that is not managed with an old length that runs on into managed
+/// memory: the kernel's shrink unmaps whatever lies in the tail it drops, as munmap does, so
+/// the tail goes through munmap here. Left to the kernel, the engine kept those pages as its
+/// own and, once the program mapped something new there, evicted that mapping's pages (read
+/// back as zeros). None when the call is not such a shrink.
+fn shrink_into_managed(start: usize, old_len: usize, new_len: usize, flags: i32) -> Option<*mut c_void> {
+    let rounded = |len: usize| len.checked_next_multiple_of(PAGE_SIZE).filter(|&l| l != 0);
+    let (old_end, new_end) = (rounded(old_len)?, rounded(new_len)?);
+    let end = start.checked_add(old_end)?;
+    let tail = start + new_end;
+    if flags & (libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP) != 0
+        || !start.is_multiple_of(PAGE_SIZE)
+        || new_end >= old_end
+        || !registry::may_overlap(tail, end - tail)
+        || !registry::segments(&registry::lock(), tail, end).iter().any(|&(_, _, managed)| managed.is_some())
+    {
+        return None;
+    }
+    // The kernel's check first: the mapping at the start must exist (mincore: ENOMEM if not).
+    let mut resident = 0u8;
+    if crate::io::sys!(libc::SYS_mincore, start, 1usize, &mut resident as *mut u8) != 0 {
+        runtime::set_errno(libc::EFAULT);
+        return Some(libc::MAP_FAILED);
+    }
+    // SAFETY: the tail the program's own mremap would have unmapped, page-aligned.
+    let rc = unsafe { munmap(tail as *mut c_void, end - tail) };
+    Some(if rc == 0 { start as *mut c_void } else { libc::MAP_FAILED })
 }
 
 /// A page-aligned range of a managed mmap region: `len` bytes from `start`, `offset` bytes into
