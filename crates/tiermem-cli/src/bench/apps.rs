@@ -346,6 +346,10 @@ fn spawn_and_wait(cgroup: &MemCgroup, command: &mut Command, timeout: Option<Dur
     // neither waits nor kills).
     let child = command.spawn().map_err(|e| Error::os(e, format!("starting {program} in its cgroup")))?;
     let pid = child.id();
+    // The process itself, for the kill at the timeout: by then the waiter may have reaped it
+    // and its pid be another process's. Opened before the waiter starts, so it cannot miss.
+    let pidfd = rustix::process::Pid::from_raw(pid as i32)
+        .and_then(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok());
     let (sender, receiver) = mpsc::channel();
     let waiter = std::thread::spawn(move || {
         let ended = wait_with_usage(pid as libc::pid_t);
@@ -363,8 +367,14 @@ fn spawn_and_wait(cgroup: &MemCgroup, command: &mut Command, timeout: Option<Dur
         }
         None => {
             let wall = start.elapsed();
-            if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+            match &pidfd {
+                Some(pidfd) => _ = rustix::process::pidfd_send_signal(pidfd, rustix::process::Signal::KILL),
+                // No pidfd (Linux < 5.3): the pid, unreaped unless the program ended just now.
+                None => {
+                    if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+                        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                    }
+                }
             }
             let ended = waiter.join().ok().and(receiver.recv().ok()).and_then(|(ended, _)| ended.ok());
             Ok(Waited { status: None, wall, timed_out: true, cpu: ended.map(|(_, cpu)| cpu) })
