@@ -276,6 +276,9 @@ fn chain_to_previous(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut
 
 pub(crate) fn install_sigbus(shared: &std::sync::Arc<Shared>) -> Result<()> {
     let ptr = std::sync::Arc::as_ptr(shared) as *mut Shared;
+    // What the chained action is before the engine is published: from then on a sigaction of
+    // the program's (through the preload) replaces it instead of reaching the kernel.
+    let chained_before = PREVIOUS_ACTION.load(Ordering::Acquire);
     if SIGBUS_ENGINE.compare_exchange(std::ptr::null_mut(), ptr, Ordering::AcqRel, Ordering::Acquire).is_err() {
         return Err(Error::new(
             ErrorKind::InvalidInput,
@@ -308,12 +311,17 @@ pub(crate) fn install_sigbus(shared: &std::sync::Arc<Shared>) -> Result<()> {
         SIGBUS_ENGINE.store(std::ptr::null_mut(), Ordering::Release);
         return Err(Error::os(std::io::Error::last_os_error(), "installing the SIGBUS handler"));
     }
-    let old = PREVIOUS_ACTION.swap(previous, Ordering::AcqRel);
-    if !old.is_null() && !std::ptr::eq(old, &RESET_TO_DEFAULT) {
-        // SAFETY: allocated by Box::into_raw in an earlier install; no handler can be using it,
-        // since a handler only reads PREVIOUS_ACTION while our handler is installed and the old
-        // value was replaced before.
-        drop(unsafe { Box::from_raw(old) });
+    match PREVIOUS_ACTION.compare_exchange(chained_before, previous, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(old) if !old.is_null() && !std::ptr::eq(old, &RESET_TO_DEFAULT) => {
+            // SAFETY: allocated by Box::into_raw in an earlier install; no handler can be using
+            // it, since a handler only reads PREVIOUS_ACTION while our handler is installed and
+            // the old value was replaced before.
+            drop(unsafe { Box::from_raw(old) });
+        }
+        Ok(_) => {}
+        // The program set its action while ours went in: its action is the later one.
+        // SAFETY: allocated above and never published.
+        Err(_) => drop(unsafe { Box::from_raw(previous) }),
     }
     Ok(())
 }
