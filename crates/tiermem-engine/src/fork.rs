@@ -143,7 +143,7 @@ impl OpenedPart {
                 return false;
             }
             Err(_) => {
-                // Unknown (no PROCMAP_QUERY, or no descriptor left): mincore says whether
+                // Unknown (no descriptor left to read /proc/self/maps): mincore says whether
                 // anything is mapped there (ENOMEM: no), and the page is then taken as the
                 // engine made it, writable.
                 let mut resident = 0u8;

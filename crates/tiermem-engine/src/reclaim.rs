@@ -606,7 +606,7 @@ fn slot_holds(v: &Victim<'_>, state: PageState, written: bool, bytes: &[u8]) -> 
             .is_some_and(|h| h.load(Ordering::Relaxed) == crate::capture::page_hash(bytes))
 }
 
-/// The protection of the kernel mapping holding `addr`, if it can be asked (PROCMAP_QUERY).
+/// The protection of the kernel mapping holding `addr`, if /proc/self/maps can be read.
 fn page_prot(addr: usize) -> Option<i32> {
     let mut vma = [tiermem_sys::mem::Vma::default(); 1];
     match tiermem_sys::mem::vmas(addr, addr + PAGE_SIZE, &mut vma) {
@@ -925,7 +925,7 @@ fn move_one(shared: &Shared, uffd: &tiermem_sys::uffd::Uffd, dst: *mut u8, src: 
                 // program made read-only (or changes now) stays where it is instead of killing
                 // this thread with a SIGSEGV.
                 let Ok(_no_change) = shared.protection.try_read() else { return false };
-                // (Unknown without PROCMAP_QUERY, Linux < 6.11: written as before.)
+                // (Unknown when /proc/self/maps cannot be read: written as before.)
                 if page_prot(src as usize).is_some_and(|prot| prot & libc::PROT_WRITE == 0) {
                     return false;
                 }

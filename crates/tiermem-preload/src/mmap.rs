@@ -750,7 +750,8 @@ const MAX_PARTS: usize = 16;
 
 /// How the kernel maps a range of managed memory: the parts the program split it into with
 /// mprotect or fork advice, each with its protection, clipped to the range. Unknown (no
-/// PROCMAP_QUERY, Linux < 6.11) reads as one read-write part, which is what the engine made.
+/// descriptor left to read /proc/self/maps) reads as one read-write part, which is what the
+/// engine made.
 struct KernelParts {
     parts: [tiermem_sys::mem::Vma; MAX_PARTS],
     n: usize,
@@ -1020,7 +1021,7 @@ fn commit_managed(start: usize, len: usize, prot: i32) -> Option<i32> {
         return None;
     }
     // Asked before any lock is taken (a signal handler's mprotect of memory that is not a
-    // reservation must not wait on the registry). Needs PROCMAP_QUERY (Linux >= 6.11).
+    // reservation must not wait on the registry).
     let mut vma = [tiermem_sys::mem::Vma::default(); 2];
     let reserved = matches!(tiermem_sys::mem::vmas(start, end, &mut vma), Ok(1))
         && vma[0].start <= start

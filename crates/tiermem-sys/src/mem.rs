@@ -1,6 +1,6 @@
 //! Anonymous memory mappings and the madvise calls the engine needs.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -374,8 +374,9 @@ const PROCMAP_QUERY: u32 = (3 << 30)
 
 /// The kernel's mappings that overlap `[start, end)`, in address order, written to `out`;
 /// returns how many (a full `out` may mean more follow). Asks PROCMAP_QUERY (Linux >= 6.11)
-/// on /proc/self/maps, one mapping per call, so nothing is allocated or parsed: safe to call
-/// with the preload's locks held. Err: the query is not available here, or failed.
+/// on /proc/self/maps, one mapping per call, or on older kernels reads the file's text into a
+/// buffer on the stack: nothing is allocated, so it is safe to call with the preload's locks
+/// held. Err: /proc/self/maps could not be opened or read (no descriptor left).
 pub fn vmas(start: usize, end: usize, out: &mut [Vma]) -> std::result::Result<usize, Errno> {
     use linux_raw_sys::general as uapi;
     let maps = rustix::fs::open(
@@ -398,6 +399,8 @@ pub fn vmas(start: usize, end: usize, out: &mut [Vma]) -> std::result::Result<us
             match std::io::Error::last_os_error().raw_os_error() {
                 // No mapping at or after `at`.
                 Some(libc::ENOENT) => break,
+                // No PROCMAP_QUERY (Linux < 6.11): the same from the file's text.
+                Some(libc::ENOTTY | libc::EINVAL) if n == 0 => return vmas_from_text(&maps, start, end, out),
                 e => return Err(Errno::from_raw_os_error(e.unwrap_or(libc::EIO))),
             }
         }
@@ -416,6 +419,68 @@ pub fn vmas(start: usize, end: usize, out: &mut [Vma]) -> std::result::Result<us
         at = vma_end;
     }
     Ok(n)
+}
+
+/// [`vmas`] from the text of /proc/self/maps (`maps`, opened and not read yet), for kernels
+/// without PROCMAP_QUERY: read a buffer at a time and parsed as it comes, nothing allocated.
+fn vmas_from_text(maps: impl AsFd, start: usize, end: usize, out: &mut [Vma]) -> std::result::Result<usize, Errno> {
+    let mut buf = [0u8; 4096];
+    let (mut filled, mut n) = (0, 0);
+    // A mapping's line: false once the list has what was asked for.
+    let mut take = |line: &[u8]| match parse_maps_line(line) {
+        Some(vma) if vma.start >= end || n == out.len() => false,
+        Some(vma) if vma.end > start => {
+            out[n] = vma;
+            n += 1;
+            true
+        }
+        _ => true,
+    };
+    // In a line longer than the buffer whose start (every field but the path) was taken.
+    let mut skipping = false;
+    loop {
+        let read = rustix::io::read(&maps, &mut buf[filled..])?;
+        filled += read;
+        let mut at = 0;
+        while at < filled {
+            let (line, next, long) = match buf[at..filled].iter().position(|&b| b == b'\n') {
+                Some(i) => (&buf[at..at + i], at + i + 1, false),
+                None if read == 0 => (&buf[at..filled], filled, false),
+                None if at == 0 && filled == buf.len() => (&buf[..filled], filled, true),
+                None => break,
+            };
+            if !std::mem::replace(&mut skipping, long) && !take(line) {
+                return Ok(n);
+            }
+            at = next;
+        }
+        if read == 0 {
+            return Ok(n);
+        }
+        buf.copy_within(at..filled, 0);
+        filled -= at;
+    }
+}
+
+/// One line of /proc/PID/maps: `start-end perms offset major:minor inode [path]` (numbers in
+/// hex but the inode); None if it is not one.
+fn parse_maps_line(line: &[u8]) -> Option<Vma> {
+    let mut fields = line.split(|&b| b == b' ').filter(|f| !f.is_empty());
+    let hex = |f: &[u8]| usize::from_str_radix(std::str::from_utf8(f).ok()?, 16).ok();
+    let range = fields.next()?;
+    let dash = range.iter().position(|&b| b == b'-')?;
+    let (vma_start, vma_end) = (hex(&range[..dash])?, hex(&range[dash + 1..])?);
+    let perms = fields.next()?;
+    if perms.len() < 4 {
+        return None;
+    }
+    let bit = |i: usize, c: u8, prot: i32| if perms[i] == c { prot } else { 0 };
+    let prot = bit(0, b'r', libc::PROT_READ) | bit(1, b'w', libc::PROT_WRITE) | bit(2, b'x', libc::PROT_EXEC);
+    let _offset = fields.next()?;
+    let dev = fields.next()?;
+    let inode = std::str::from_utf8(fields.next()?).ok()?.parse::<u64>().ok()?;
+    let file = inode != 0 || dev.iter().any(|&b| b != b'0' && b != b':');
+    Some(Vma { start: vma_start, end: vma_end, prot, shared: perms[3] == b's', file })
 }
 
 #[cfg(test)]
@@ -527,6 +592,64 @@ mod tests {
             // SAFETY: the mappings made above, unused now.
             unsafe { mm::munmap(addr as *mut libc::c_void, PAGE_SIZE) }.unwrap();
         }
+    }
+
+    #[test]
+    fn the_maps_text_lists_what_procmap_query_lists() {
+        let map = Mapping::anonymous(4 * PAGE_SIZE, false).unwrap();
+        let base = map.as_ptr() as usize;
+        // SAFETY: pages of the mapping above, owned here.
+        unsafe { mm::mprotect((base + PAGE_SIZE) as *mut libc::c_void, PAGE_SIZE, mm::MprotectFlags::READ) }.unwrap();
+        let exe = std::fs::File::open("/proc/self/exe").unwrap();
+        // SAFETY: a new read-only private mapping of a file, unmapped with `text` below.
+        let text =
+            unsafe { mm::mmap(std::ptr::null_mut(), PAGE_SIZE, mm::ProtFlags::READ, mm::MapFlags::SHARED, &exe, 0) }
+                .unwrap() as usize;
+        let maps = || std::fs::File::open("/proc/self/maps").unwrap();
+        for (start, end) in [(base, base + 4 * PAGE_SIZE), (base + PAGE_SIZE, base + 2 * PAGE_SIZE), (text, text + 1)] {
+            let (mut queried, mut parsed) = ([Vma::default(); 4], [Vma::default(); 4]);
+            let Ok(q) = vmas(start, end, &mut queried) else {
+                eprintln!("SKIPPED the_maps_text_lists_what_procmap_query_lists: PROCMAP_QUERY (Linux >= 6.11) is not available to compare with");
+                break;
+            };
+            let p = vmas_from_text(maps(), start, end, &mut parsed).unwrap();
+            assert_eq!(parsed[..p], queried[..q], "[{start:#x}, {end:#x})");
+        }
+        assert!(vmas_from_text(maps(), text, text + 1, &mut [Vma::default(); 1]) == Ok(1));
+        // SAFETY: the mapping made above, unused now.
+        unsafe { mm::munmap(text as *mut libc::c_void, PAGE_SIZE) }.unwrap();
+    }
+
+    #[test]
+    fn the_maps_text_parser_takes_long_paths_and_a_last_line_without_newline() {
+        let long = "x".repeat(10_000);
+        let lines = format!(
+            "1000-3000 r-xp 00000000 08:01 1234 /bin/{long}\n\
+             5000-6000 rw-p 00000000 00:00 0 \n\
+             6000-8000 ---s 00000000 00:05 77 /dev/zero (deleted)\n\
+             9000-a000 rw-p 00000000 00:00 0"
+        );
+        let mut file = std::fs::File::from(rustix::fs::memfd_create("maps", rustix::fs::MemfdFlags::CLOEXEC).unwrap());
+        std::io::Write::write_all(&mut file, lines.as_bytes()).unwrap();
+        let all = |start, end| {
+            std::io::Seek::rewind(&mut &file).unwrap();
+            let mut out = [Vma::default(); 8];
+            let n = vmas_from_text(&file, start, end, &mut out).unwrap();
+            out[..n].iter().map(|v| (v.start, v.end, v.prot, v.shared, v.file)).collect::<Vec<_>>()
+        };
+        let rw = libc::PROT_READ | libc::PROT_WRITE;
+        assert_eq!(
+            all(0, usize::MAX),
+            [
+                (0x1000, 0x3000, libc::PROT_READ | libc::PROT_EXEC, false, true),
+                (0x5000, 0x6000, rw, false, false),
+                (0x6000, 0x8000, 0, true, true),
+                (0x9000, 0xa000, rw, false, false),
+            ]
+        );
+        assert_eq!(all(0x2fff, 0x5001).len(), 2);
+        assert_eq!(all(0x3000, 0x5000), []);
+        assert_eq!(all(0x9fff, 0xa000).len(), 1);
     }
 
     #[test]
