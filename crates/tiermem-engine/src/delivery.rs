@@ -294,12 +294,11 @@ pub(crate) fn install_sigbus(shared: &std::sync::Arc<Shared>) -> Result<()> {
     // Other signals wait while a fault is resolved: a handler of the program's run in the middle
     // of it that touched evicted memory would raise SIGBUS while it is blocked, which kills.
     // Faults the handler itself could raise stay deliverable (blocked, they would kill too).
-    // SAFETY: sa_mask is a valid sigset_t to fill; the signals named are valid.
-    unsafe {
-        libc::sigfillset(&mut action.sa_mask);
-        for synchronous in [libc::SIGSEGV, libc::SIGILL, libc::SIGFPE, libc::SIGTRAP, libc::SIGSYS] {
-            libc::sigdelset(&mut action.sa_mask, synchronous);
-        }
+    // SAFETY: sa_mask is a valid sigset_t to fill.
+    unsafe { libc::sigfillset(&mut action.sa_mask) };
+    for synchronous in [libc::SIGSEGV, libc::SIGILL, libc::SIGFPE, libc::SIGTRAP, libc::SIGSYS] {
+        // SAFETY: as above; the signal is a valid one.
+        unsafe { libc::sigdelset(&mut action.sa_mask, synchronous) };
     }
     let previous = Box::into_raw(Box::new(
         // SAFETY: zeroed sigaction, filled in by the kernel below.
