@@ -202,8 +202,21 @@ struct KernelSigaction {
 
 #[allow(clippy::multiple_unsafe_ops_per_block)] // calling the saved handler is one FFI act
 fn chain_to_previous(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut libc::c_void) {
-    let prev = PREVIOUS_ACTION.load(Ordering::Acquire);
-    // SAFETY: prev is null or points to a leaked sigaction saved at install time.
+    let prev = loop {
+        let prev = PREVIOUS_ACTION.load(Ordering::Acquire);
+        // SAFETY: prev is null or points to a leaked, never freed sigaction.
+        if prev.is_null() || unsafe { (*prev).sa_flags } & libc::SA_RESETHAND == 0 {
+            break prev;
+        }
+        // A one-shot handler: the kernel puts the default action back as it delivers to it,
+        // so it runs for one delivery, the one whose thread takes it out here; a thread that
+        // finds it gone (or replaced meanwhile) takes what is there now.
+        let reset = std::ptr::addr_of!(RESET_TO_DEFAULT).cast_mut();
+        if PREVIOUS_ACTION.compare_exchange(prev, reset, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            break prev;
+        }
+    };
+    // SAFETY: prev is null or points to a leaked, never freed sigaction.
     let handler = if prev.is_null() { libc::SIG_DFL } else { unsafe { (*prev).sa_sigaction } };
     if handler == libc::SIG_DFL || handler == libc::SIG_IGN {
         // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
@@ -231,36 +244,30 @@ fn chain_to_previous(sig: libc::c_int, info: *mut libc::siginfo_t, context: *mut
         }
         return;
     }
-    // SAFETY: non-null and not a default or ignore action: a leaked sigaction saved at install
-    // time or put there by `replace_chained_sigbus_action`, never freed while installed.
+    // SAFETY: non-null and not a default or ignore action: a leaked, never freed sigaction
+    // saved at install time or put there by `replace_chained_sigbus_action`.
     let action = unsafe { &*prev };
-    if action.sa_flags & libc::SA_RESETHAND != 0 {
-        // The kernel puts the default action back as it delivers to a one-shot handler; a
-        // replacement made meanwhile stays.
-        let reset = std::ptr::addr_of!(RESET_TO_DEFAULT).cast_mut();
-        let _ = PREVIOUS_ACTION.compare_exchange(prev, reset, Ordering::AcqRel, Ordering::Acquire);
-    }
     // The handler runs with the signals blocked the kernel would have blocked had it been
     // delivered to directly (the interrupted code's and its sa_mask), not with this handler's:
     // a handler that leaves by longjmp keeps that mask. Except SIGBUS itself, even without
     // SA_NODEFER: the handler may touch evicted memory like any code of the program's (the
-    // preload keeps SIGBUS out of every handler's mask for the same reason).
-    // SAFETY: the kernel passes the interrupted context, whose signal mask it restores when
-    // this handler returns.
-    let interrupted = unsafe { &(*(context as *const libc::ucontext_t)).uc_sigmask };
-    // SAFETY: a zeroed sigset_t is a valid set to initialise.
-    let mut mask: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: sigemptyset, sigismember, sigaddset and pthread_sigmask are async-signal-safe and
-    // get valid sets (glibc refuses its own two internal signals, as pthread_sigmask drops them).
-    unsafe {
-        libc::sigemptyset(&mut mask);
-        for s in (1..=64).filter(|&s| s != libc::SIGBUS) {
-            if libc::sigismember(interrupted, s) == 1 || libc::sigismember(&action.sa_mask, s) == 1 {
-                libc::sigaddset(&mut mask, s);
-            }
-        }
-        libc::pthread_sigmask(libc::SIG_SETMASK, &mask, std::ptr::null_mut());
-    }
+    // preload keeps SIGBUS out of every handler's mask for the same reason). As the kernel's
+    // 64-bit masks, set by the raw system call: glibc's calls would drop its own internal
+    // signals, and in a program under the preload `pthread_sigmask` is the shim's wrapper,
+    // which may look up the real one (dlsym) on its first call.
+    // SAFETY: the kernel passes the interrupted context; it wrote the interrupted mask as the
+    // first 8 bytes of `uc_sigmask` (restored when this handler returns), and the first word of
+    // glibc's sigset_t holds signals 1 to 64 as the kernel's mask does.
+    let (interrupted, own) = unsafe {
+        let uc = context as *const libc::ucontext_t;
+        (
+            std::ptr::read_unaligned(std::ptr::addr_of!((*uc).uc_sigmask).cast::<u64>()),
+            std::ptr::read_unaligned(std::ptr::addr_of!(action.sa_mask).cast::<u64>()),
+        )
+    };
+    let mask: u64 = (interrupted | own) & !(1u64 << (libc::SIGBUS - 1));
+    // SAFETY: rt_sigprocmask with a valid 8-byte kernel mask and no old mask asked for.
+    unsafe { libc::syscall(libc::SYS_rt_sigprocmask, libc::SIG_SETMASK, &mask, std::ptr::null_mut::<u64>(), 8) };
     // SAFETY: the previous handler was installed by this process for this signal; it is called
     // with the arguments its flags ask for.
     unsafe {
@@ -310,17 +317,13 @@ pub(crate) fn install_sigbus(shared: &std::sync::Arc<Shared>) -> Result<()> {
         SIGBUS_ENGINE.store(std::ptr::null_mut(), Ordering::Release);
         return Err(Error::os(std::io::Error::last_os_error(), "installing the SIGBUS handler"));
     }
-    match PREVIOUS_ACTION.compare_exchange(chained_before, previous, Ordering::AcqRel, Ordering::Acquire) {
-        Ok(old) if !old.is_null() && !std::ptr::eq(old, &RESET_TO_DEFAULT) => {
-            // SAFETY: allocated by Box::into_raw in an earlier install; no handler can be using
-            // it, since a handler only reads PREVIOUS_ACTION while our handler is installed and
-            // the old value was replaced before.
-            drop(unsafe { Box::from_raw(old) });
-        }
-        Ok(_) => {}
+    // The action replaced is leaked, never freed, as every one stored there is: a handler that
+    // started under an engine before may still be reading it, and so may a concurrent
+    // `replace_chained_sigbus_action` (one small box per install).
+    if PREVIOUS_ACTION.compare_exchange(chained_before, previous, Ordering::AcqRel, Ordering::Acquire).is_err() {
         // The program set its action while ours went in: its action is the later one.
         // SAFETY: allocated above and never published.
-        Err(_) => drop(unsafe { Box::from_raw(previous) }),
+        drop(unsafe { Box::from_raw(previous) });
     }
     Ok(())
 }
