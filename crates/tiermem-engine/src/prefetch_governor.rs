@@ -74,15 +74,17 @@ impl PrefetchGovernor {
             return;
         }
         let used = ((before + add) >> 32) as u32;
-        let cap = self.cap();
-        let next = if used < CUT_BELOW {
-            (cap / 2).max(1)
-        } else if used >= GROW_FROM {
-            (cap * 2).min(PageList::CAPACITY)
-        } else {
-            cap
-        };
-        self.cap.store(next, Ordering::Relaxed);
+        // One update (a judgement of the window before, on another thread, may still be
+        // landing).
+        let _ = self.cap.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |cap| {
+            Some(if used < CUT_BELOW {
+                (cap / 2).max(1)
+            } else if used >= GROW_FROM {
+                (cap * 2).min(PageList::CAPACITY)
+            } else {
+                cap
+            })
+        });
     }
 }
 
