@@ -3497,11 +3497,13 @@ const MREMAP_SHRINK_INTO_MANAGED: &str = r#"
 #include <sys/mman.h>
 int main(void) {
     size_t big = 64u << 20, cut = 8u << 20;
-    unsigned char* m = (unsigned char*)mmap(NULL, big, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS, -1, 0);
+    // A page of the program's own right below a managed mapping: both placed in a reservation.
+    unsigned char* r = (unsigned char*)mmap(NULL, big + 4096, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE, -1, 0);
+    unsigned char* u = (unsigned char*)mmap(r, 4096, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_FIXED, -1, 0);
+    unsigned char* m = (unsigned char*)mmap(r + 4096, big, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_FIXED, -1, 0);
+    if (r == MAP_FAILED || u != r || m != r + 4096) { printf("placement failed\n"); return 1; }
     for (size_t i = 0; i < big; i += 4096) m[i] = (unsigned char)(i >> 12);
     for (size_t i = 0; i < cut; i += 4096) m[i] = (unsigned char)(i >> 12);  // resident again
-    unsigned char* u = (unsigned char*)mmap(m - 4096, 4096, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_FIXED_NOREPLACE, -1, 0);
-    if (u != m - 4096) { printf("no adjacent page\n"); return 1; }
     u[0] = 7;
     if (mremap(u, 4096 + cut, 4096, 0) != u) { printf("shrink: %s\n", strerror(errno)); return 1; }
     // A mapping of the program's own, where the tail was if that is free.

@@ -594,7 +594,8 @@ fn shrink_into_managed(start: usize, old_len: usize, new_len: usize, flags: i32)
     let (old_end, new_end) = (rounded(old_len)?, rounded(new_len)?);
     let end = start.checked_add(old_end)?;
     let tail = start + new_end;
-    if flags & (libc::MREMAP_FIXED | libc::MREMAP_DONTUNMAP) != 0
+    // Any flag but MREMAP_MAYMOVE: moves, and flags the kernel refuses, are the kernel's.
+    if flags & !libc::MREMAP_MAYMOVE != 0
         || !start.is_multiple_of(PAGE_SIZE)
         || new_end >= old_end
         || !registry::may_overlap(tail, end - tail)
@@ -604,7 +605,9 @@ fn shrink_into_managed(start: usize, old_len: usize, new_len: usize, flags: i32)
     }
     // The kernel's check first: the mapping at the start must exist (mincore: ENOMEM if not).
     let mut resident = 0u8;
-    if crate::io::sys!(libc::SYS_mincore, start, 1usize, &mut resident as *mut u8) != 0 {
+    if crate::io::sys!(libc::SYS_mincore, start, 1usize, &mut resident as *mut u8) != 0
+        && runtime::errno() == libc::ENOMEM
+    {
         runtime::set_errno(libc::EFAULT);
         return Some(libc::MAP_FAILED);
     }
@@ -937,12 +940,15 @@ fn change_protection(addr: usize, len: usize, kernel_call: impl FnOnce() -> libc
     let end = addr.saturating_add(len.max(1));
     // The registry's regions, and the small heap's chunks (regions outside it: a page of a block
     // the program protects).
-    let managed = !runtime::in_forked_child()
-        && ((registry::may_overlap(addr, len.max(1))
-            && !registry::overlapping(&registry::lock(), addr, len.max(1)).is_empty())
-            || crate::heap::contains(addr)
-            || crate::heap::first_chunk_start_in(addr, end).is_some());
-    let Some(engine) = runtime::running_engine().filter(|_| managed) else { return kernel_call() as i32 };
+    let child = runtime::in_forked_child();
+    let in_registry = !child
+        && registry::may_overlap(addr, len.max(1))
+        && !registry::overlapping(&registry::lock(), addr, len.max(1)).is_empty();
+    // (The heap's bounds are atomics: a handler's mprotect there takes no lock of the shim's.)
+    let in_heap = !child && (crate::heap::contains(addr) || crate::heap::first_chunk_start_in(addr, end).is_some());
+    let Some(engine) = runtime::running_engine().filter(|_| in_registry || in_heap) else {
+        return kernel_call() as i32;
+    };
     // No signal handler may run while the change is held: one touching evicted memory would
     // wait for reclaim, which waits for the change to end.
     // SAFETY: sigset_t is plain data, valid all zeros.
@@ -967,7 +973,7 @@ fn change_protection(addr: usize, len: usize, kernel_call: impl FnOnce() -> libc
         kernel_call()
     };
     let errno = runtime::errno();
-    {
+    if in_registry {
         let mut table = registry::lock();
         for base in registry::overlapping(&table, addr, len.max(1)) {
             if let Some(entry) = table.get_mut(&base) {
