@@ -400,7 +400,16 @@ pub fn vmas(start: usize, end: usize, out: &mut [Vma]) -> std::result::Result<us
                 // No mapping at or after `at`.
                 Some(libc::ENOENT) => break,
                 // No PROCMAP_QUERY (Linux < 6.11): the same from the file's text.
-                Some(libc::ENOTTY | libc::EINVAL) if n == 0 => return vmas_from_text(&maps, start, end, out),
+                Some(libc::ENOTTY | libc::EINVAL) if n == 0 => {
+                    // This thread's view: /proc/self/maps of a process whose main thread has
+                    // ended reads as empty.
+                    let text = rustix::fs::open(
+                        "/proc/thread-self/maps",
+                        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+                        rustix::fs::Mode::empty(),
+                    )?;
+                    return vmas_from_text(&text, start, end, out);
+                }
                 e => return Err(Errno::from_raw_os_error(e.unwrap_or(libc::EIO))),
             }
         }
@@ -421,10 +430,12 @@ pub fn vmas(start: usize, end: usize, out: &mut [Vma]) -> std::result::Result<us
     Ok(n)
 }
 
-/// [`vmas`] from the text of /proc/self/maps (`maps`, opened and not read yet), for kernels
+/// [`vmas`] from the text of a maps file (`maps`, opened and not read yet), for kernels
 /// without PROCMAP_QUERY: read a buffer at a time and parsed as it comes, nothing allocated.
 fn vmas_from_text(maps: impl AsFd, start: usize, end: usize, out: &mut [Vma]) -> std::result::Result<usize, Errno> {
-    let mut buf = [0u8; 4096];
+    // Every field before the path fits in about 100 bytes; the stack may be a signal
+    // handler's small alternate one.
+    let mut buf = [0u8; 512];
     let (mut filled, mut n) = (0, 0);
     // A mapping's line: false once the list has what was asked for.
     let mut take = |line: &[u8]| match parse_maps_line(line) {
@@ -439,7 +450,11 @@ fn vmas_from_text(maps: impl AsFd, start: usize, end: usize, out: &mut [Vma]) ->
     // In a line longer than the buffer whose start (every field but the path) was taken.
     let mut skipping = false;
     loop {
-        let read = rustix::io::read(&maps, &mut buf[filled..])?;
+        let read = match rustix::io::read(&maps, &mut buf[filled..]) {
+            Ok(read) => read,
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(e),
+        };
         filled += read;
         let mut at = 0;
         while at < filled {
