@@ -1011,9 +1011,10 @@ pub fn exit_like(ending: Ending) -> ! {
             // No core of our own: the program's (if it dumped one) is the one that matters, and
             // a second would replace it where the core pattern names cores by program or not at
             // all. The parent still sees the signal.
-            let no_core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-            // SAFETY: a valid rlimit for the call to read.
-            unsafe { libc::setrlimit(libc::RLIMIT_CORE, &no_core) };
+            // Not dumpable: that holds for a core pattern piping to a handler too, where the
+            // kernel ignores the core size limit.
+            // SAFETY: PR_SET_DUMPABLE takes an integer and no pointer.
+            unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
             // SAFETY: the default disposition for the signal the program died of...
             unsafe { libc::signal(sig, libc::SIG_DFL) };
             // SAFETY: ...then that signal, so our parent sees the same ending.
