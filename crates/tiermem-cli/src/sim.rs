@@ -177,6 +177,14 @@ fn parse_synthetic(text: &str) -> Result<(Synthetic, u64, u64)> {
             "--synthetic '{text}': a footprint of at most {MAX_SYNTHETIC_PAGES} pages (1 TiB)"
         )));
     }
+    // The generator spreads its streams over at least this many pages; a smaller footprint
+    // would be touched beyond and local memory sized from the wrong count.
+    if footprint < tiermem_sim::trace::MIN_SYNTHETIC_PAGES {
+        return Err(Error::invalid(format!(
+            "--synthetic '{text}': a footprint of at least {} pages",
+            tiermem_sim::trace::MIN_SYNTHETIC_PAGES
+        )));
+    }
     Ok((kind, accesses, footprint))
 }
 

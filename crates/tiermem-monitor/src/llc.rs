@@ -32,12 +32,13 @@ const INVALID: u64 = u64::MAX;
 impl LlcFilter {
     /// A cache of `bytes` (a power of two times `ways` lines) with `ways` ways.
     pub fn new(bytes: u64, ways: usize) -> Result<Self> {
-        if ways == 0 || bytes == 0 || !bytes.is_multiple_of(LINE * ways as u64) {
+        let way_bytes = u64::try_from(ways).ok().and_then(|w| w.checked_mul(LINE));
+        if ways == 0 || bytes == 0 || way_bytes.is_none_or(|w| !bytes.is_multiple_of(w)) {
             return Err(Error::invalid(format!(
                 "LLC of {bytes} bytes and {ways} ways: size must be a positive multiple of ways × 64 bytes"
             )));
         }
-        let sets = bytes / (LINE * ways as u64);
+        let sets = bytes / (LINE * ways as u64); // (no overflow: checked above)
         if !sets.is_power_of_two() {
             return Err(Error::invalid(format!(
                 "LLC of {bytes} bytes and {ways} ways has {sets} sets; the number of sets must be a power of two"

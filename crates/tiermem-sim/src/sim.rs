@@ -632,6 +632,12 @@ impl Simulator {
         self.policy_mru = u64::MAX;
         for k in 0..self.wanted.len() {
             let page = self.wanted.as_slice()[k];
+            // Outside the trace's one region (a prefetcher's guess in another region, as
+            // `sibling` makes of a distance that runs below page 0): the engine drops such ids,
+            // there being no such region.
+            if page >= REGION_PAGES {
+                continue;
+            }
             let s = self.pages.cell(page).get();
             // With ZeroFill a page never written has nothing on the device to read.
             if s & RESIDENT != 0 || s & WRITTEN < self.written_bit {

@@ -341,11 +341,12 @@ fn read_lackey(path: &Path, file: Box<dyn Read>, options: &LineOptions) -> Resul
         if size > 4096 {
             return Err(bad_line(path, i + 1, &line, "size above 4096 bytes"));
         }
-        if (addr >> PAGE_SHIFT) > MAX_PAGE {
+        // An access straddling a line boundary touches both lines. (Checked first, the address
+        // cannot overflow here; the last byte too must lie in a page the binary format holds.)
+        let last = if (addr >> PAGE_SHIFT) > MAX_PAGE { u64::MAX } else { addr + size.max(1) - 1 };
+        if (last >> PAGE_SHIFT) > MAX_PAGE {
             return Err(bad_line(path, i + 1, &line, "address above 2^52"));
         }
-        // An access straddling a line boundary touches both lines.
-        let last = addr + size.max(1) - 1;
         let lines = [addr, last];
         let touched = if last / 64 != addr / 64 { &lines[..] } else { &lines[..1] };
         for &a in touched {
@@ -537,10 +538,13 @@ fn advance(cursor: u64, step: u64, footprint: u64) -> u64 {
     }
 }
 
+/// The smallest footprint a synthetic trace spreads over (a smaller one is raised to it).
+pub const MIN_SYNTHETIC_PAGES: u64 = 16;
+
 impl SyntheticGen {
-    /// A generator of `kind` over pages `0..footprint`.
+    /// A generator of `kind` over pages `0..footprint` (at least [`MIN_SYNTHETIC_PAGES`]).
     pub fn new(kind: Synthetic, footprint: u64) -> Self {
-        let footprint = footprint.max(16);
+        let footprint = footprint.max(MIN_SYNTHETIC_PAGES);
         let cursor = std::array::from_fn(|k| footprint / 8 * k as u64);
         let (whole, tenth) = (Divisor::new(footprint), Divisor::new((footprint / 10).max(1)));
         Self { kind, footprint, whole, tenth, rng: 0x9E37_79B9_7F4A_7C15, cursor, n: 0 }
