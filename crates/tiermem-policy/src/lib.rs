@@ -169,9 +169,11 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
     /// the preload's OOM guard, whose reclaim thread stalled on the first touch of a policy
     /// queue while the cgroup was out of memory). Policies that set nothing aside do nothing.
     fn reserve_now(&self) {}
-    /// `page` left memory without being picked (the program gave it back): forget it. Policies
-    /// whose stale entries do no harm keep them (a caller skips a victim it no longer holds);
-    /// those with a bounded table of pages remove it, so stale entries never fill the table.
+    /// `page` left memory without being picked (the program gave it back): forget it. List
+    /// policies remove its entry; queue policies note it and drop its stale entry when it comes
+    /// up, so the page, if it comes back, is not evicted by the old entry (a caller skips a
+    /// victim it no longer holds, but not one that came back). Call it only for a page the
+    /// policy holds an entry of (resident and not picked since).
     fn on_remove(&self, _page: PageId) {}
     /// [`Replacement::on_remove`] for an exclusive caller; see [`Replacement::on_insert_mut`].
     fn on_remove_mut(&mut self, page: PageId) {

@@ -123,6 +123,59 @@ proptest! {
         prop_assert_eq!(run(&pages, "none", "lru", cap).faults, brute_lru(&pages, cap));
     }
 
+    /// With pages given back in between (a discard record): the reference drops them from its
+    /// queue and list. FIFO used to keep a stale entry, which evicted the page soon after it
+    /// came back (found in the review of 2026-12-05).
+    #[test]
+    fn fifo_and_lru_match_brute_force_with_pages_given_back(
+        (pages, cap) in random(),
+        given_back in proptest::collection::vec(any::<bool>(), 600),
+    ) {
+        use tiermem_sim::trace::discard_records;
+        // After each access, maybe give back the page accessed two steps before.
+        let mut events = Vec::new();
+        let mut reference: Vec<Option<u64>> = Vec::new();
+        for (k, &p) in pages.iter().enumerate() {
+            events.push(event(p, EventKind::Read));
+            reference.push(Some(p));
+            if k >= 2 && given_back[k] {
+                events.extend(discard_records(pages[k - 2], 1));
+                reference.push(Some(u64::MAX - pages[k - 2]));
+            }
+        }
+        // The references: an access is Some(page); a give-back is encoded as u64::MAX - page.
+        let is_give_back = |x: u64| x > u64::MAX / 2;
+        let (mut fifo, mut fifo_faults) = (VecDeque::new(), 0u64);
+        let (mut lru, mut lru_faults) = (Vec::new(), 0u64);
+        for x in reference.into_iter().flatten() {
+            if is_give_back(x) {
+                let page = u64::MAX - x;
+                fifo.retain(|&q| q != page);
+                lru.retain(|&q| q != page);
+                continue;
+            }
+            if !fifo.contains(&x) {
+                fifo_faults += 1;
+                if fifo.len() == cap {
+                    fifo.pop_front();
+                }
+                fifo.push_back(x);
+            }
+            if let Some(i) = lru.iter().position(|&q| q == x) {
+                lru.remove(i);
+            } else {
+                lru_faults += 1;
+                if lru.len() == cap {
+                    lru.remove(0);
+                }
+            }
+            lru.push(x);
+        }
+        let sim = |replace| simulate(&events, &config("none", replace, cap), &mut |_| {}).unwrap().faults;
+        prop_assert_eq!(sim("fifo"), fifo_faults);
+        prop_assert_eq!(sim("lru"), lru_faults);
+    }
+
     #[test]
     fn the_one_pass_lru_curve_is_lru_at_every_size(
         (pages, _) in prop_oneof![random(), adversarial()],

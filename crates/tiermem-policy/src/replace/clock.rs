@@ -1,6 +1,7 @@
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
+use super::removed::Removed;
 use crate::{owned, PageId, PageList, Replacement};
 
 /// FIFO order with an optional second chance for referenced pages (CLOCK), the kernel-like
@@ -8,19 +9,39 @@ use crate::{owned, PageId, PageList, Replacement};
 /// the page while resident (a write to a clean page, a prefetch hit).
 #[derive(Debug)]
 pub struct Clock {
-    queue: Mutex<VecDeque<PageId>>,
+    queue: Mutex<Queue>,
     second_chance: bool,
+}
+
+/// The pages in insertion order, and those of them given back (see [`Removed`]).
+#[derive(Debug)]
+struct Queue {
+    pages: VecDeque<PageId>,
+    removed: Removed,
 }
 
 impl Clock {
     /// A policy expecting about `capacity` resident pages; `second_chance` false gives FIFO.
     pub fn new(capacity: usize, second_chance: bool) -> Self {
-        Self { queue: Mutex::new(VecDeque::with_capacity(capacity)), second_chance }
+        let queue = Queue { pages: VecDeque::with_capacity(capacity), removed: Removed::new(capacity * 2) };
+        Self { queue: Mutex::new(queue), second_chance }
     }
 
-    fn queue(&self) -> std::sync::MutexGuard<'_, VecDeque<PageId>> {
+    fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
         // A panic while holding this lock leaves a valid queue; keep going.
         self.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl Queue {
+    fn note_removed(&mut self, page: PageId) {
+        let pages = &mut self.pages;
+        self.removed.note(page, |removed| pages.retain(|&p| !removed.take(p)));
+    }
+
+    fn pick(&mut self, second_chance: bool, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        let pages = &mut self.pages;
+        self.removed.pick_live(max, out, |out| pick(pages, second_chance, max, is_referenced, out));
     }
 }
 
@@ -34,7 +55,15 @@ impl Replacement for Clock {
     }
 
     fn on_insert(&self, page: PageId) {
-        self.queue().push_back(page);
+        self.queue().pages.push_back(page);
+    }
+
+    fn on_remove(&self, page: PageId) {
+        self.queue().note_removed(page);
+    }
+
+    fn on_remove_mut(&mut self, page: PageId) {
+        owned(&mut self.queue).note_removed(page);
     }
 
     fn on_access(&self, _page: PageId) {
@@ -42,21 +71,22 @@ impl Replacement for Clock {
     }
 
     fn reserve_now(&self) {
-        super::seq::touch_capacity(&mut self.queue(), 0);
+        super::seq::touch_capacity(&mut self.queue().pages, 0);
     }
 
     fn pick_victims(&self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
-        pick(&mut self.queue(), self.second_chance, max, is_referenced, out);
+        self.queue().pick(self.second_chance, max, is_referenced, out);
     }
 
     fn on_insert_mut(&mut self, page: PageId) {
-        owned(&mut self.queue).push_back(page);
+        owned(&mut self.queue).pages.push_back(page);
     }
 
     fn on_access_mut(&mut self, _page: PageId) {}
 
     fn pick_victims_mut(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
-        pick(owned(&mut self.queue), self.second_chance, max, is_referenced, out);
+        let second_chance = self.second_chance;
+        owned(&mut self.queue).pick(second_chance, max, is_referenced, out);
     }
 }
 
@@ -100,5 +130,25 @@ mod tests {
         out.clear();
         clock.pick_victims(2, &|_| false, &mut out);
         assert_eq!(out.as_slice(), &[1, 3], "second chance used up");
+    }
+
+    #[test]
+    fn a_page_given_back_and_inserted_again_is_not_evicted_by_its_old_entries() {
+        for second_chance in [false, true] {
+            let fifo = Clock::new(8, second_chance);
+            (1..=3).for_each(|p| fifo.on_insert(p));
+            // Page 1 given back and faulted in again, twice: its newest entry is its only live one.
+            for _ in 0..2 {
+                fifo.on_remove(1);
+                fifo.on_insert(1);
+            }
+            fifo.on_insert(4);
+            let mut out = PageList::default();
+            fifo.pick_victims(2, &|_| false, &mut out);
+            assert_eq!(out.as_slice(), &[2, 3], "second chance {second_chance}: the old entries of 1 dropped");
+            out.clear();
+            fifo.pick_victims(3, &|_| false, &mut out);
+            assert_eq!(out.as_slice(), &[1, 4]);
+        }
     }
 }

@@ -5,6 +5,7 @@ mod clock;
 mod ghosts;
 mod lists;
 mod lru;
+mod removed;
 mod seq;
 mod stream_first;
 

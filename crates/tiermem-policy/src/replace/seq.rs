@@ -3,6 +3,7 @@ use std::sync::Mutex;
 
 use super::clock;
 use super::ghosts::Ghosts;
+use super::removed::Removed;
 use crate::{lock, owned, PageId, PageList, Replacement};
 
 /// Sequential runs followed at once (the two ends of a partition, interleaved arrays).
@@ -75,6 +76,8 @@ struct State {
     clock: u64,
     /// The adaptive variant's refault tracking, if this is it.
     refaults: Option<Refaults>,
+    /// Pages given back whose entries are still queued.
+    removed: Removed,
 }
 
 /// Pages recently proposed for eviction, to tell how soon they come back.
@@ -193,6 +196,7 @@ impl Seq {
                 runs: [(u64::MAX, u64::MAX, 0, 0); RUNS],
                 clock: 0,
                 refaults,
+                removed: Removed::new(capacity * 2),
             }),
             name,
         }
@@ -293,8 +297,29 @@ impl State {
     }
 
     fn pick(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
-        let max = max.min(PageList::CAPACITY);
         let first = out.as_slice().len();
+        // Taken out for the call (an empty table allocates nothing) and put back.
+        let mut removed = std::mem::take(&mut self.removed);
+        removed.pick_live(max, out, |out| self.pick_queued(max, is_referenced, out));
+        self.removed = removed;
+        if let Some(r) = &mut self.refaults {
+            out.as_slice()[first..].iter().for_each(|&page| r.evicting(page));
+        }
+    }
+
+    fn note_removed(&mut self, page: PageId) {
+        let State { others, recent, older, protected, removed, .. } = self;
+        removed.note(page, |removed| {
+            older.retain(|&p| !removed.take(p));
+            others.retain(|&p| !removed.take(p));
+            protected.retain(|&p| !removed.take(p));
+            recent.retain(|&(p, _)| !removed.take(p));
+        });
+    }
+
+    /// Victims from the queues, stale entries (see [`Removed`]) and all.
+    fn pick_queued(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        let max = max.min(PageList::CAPACITY);
         let most_recent_first = self.scan_order();
         while out.as_slice().len() < max {
             let next = if most_recent_first { self.older.pop_back() } else { self.older.pop_front() };
@@ -312,9 +337,6 @@ impl State {
         while out.as_slice().len() < max {
             let Some((page, _)) = self.recent.pop_front() else { break };
             out.push(page);
-        }
-        if let Some(r) = &mut self.refaults {
-            out.as_slice()[first..].iter().for_each(|&page| r.evicting(page));
         }
     }
 }
@@ -338,6 +360,14 @@ impl Replacement for Seq {
 
     fn on_insert(&self, page: PageId) {
         lock(&self.state).insert(page);
+    }
+
+    fn on_remove(&self, page: PageId) {
+        lock(&self.state).note_removed(page);
+    }
+
+    fn on_remove_mut(&mut self, page: PageId) {
+        owned(&mut self.state).note_removed(page);
     }
 
     fn on_access(&self, _page: PageId) {
