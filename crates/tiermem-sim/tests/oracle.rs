@@ -26,25 +26,55 @@ fn run(pages: &[u64], prefetch: &str, replace: &str, local_pages: usize) -> SimR
     simulate(&events, &config(prefetch, replace, local_pages), &mut |_| {}).unwrap()
 }
 
+/// An access of a page, or the program giving one back (a discard record).
+#[derive(Clone, Copy)]
+enum Op {
+    Access(u64),
+    GiveBack(u64),
+}
+
+fn accesses_only(pages: &[u64]) -> Vec<Op> {
+    pages.iter().map(|&p| Op::Access(p)).collect()
+}
+
 fn brute_fifo(pages: &[u64], cap: usize) -> u64 {
+    brute_fifo_ops(&accesses_only(pages), cap)
+}
+
+fn brute_fifo_ops(ops: &[Op], cap: usize) -> u64 {
     let mut q = VecDeque::new();
     let mut faults = 0;
-    for &p in pages {
-        if !q.contains(&p) {
-            faults += 1;
-            if q.len() == cap {
-                q.pop_front();
+    for &op in ops {
+        match op {
+            Op::GiveBack(p) => q.retain(|&x| x != p),
+            Op::Access(p) if !q.contains(&p) => {
+                faults += 1;
+                if q.len() == cap {
+                    q.pop_front();
+                }
+                q.push_back(p);
             }
-            q.push_back(p);
+            Op::Access(_) => {}
         }
     }
     faults
 }
 
 fn brute_lru(pages: &[u64], cap: usize) -> u64 {
+    brute_lru_ops(&accesses_only(pages), cap)
+}
+
+fn brute_lru_ops(ops: &[Op], cap: usize) -> u64 {
     let mut v: Vec<u64> = Vec::new(); // most recent last
     let mut faults = 0;
-    for &p in pages {
+    for &op in ops {
+        let p = match op {
+            Op::GiveBack(p) => {
+                v.retain(|&x| x != p);
+                continue;
+            }
+            Op::Access(p) => p,
+        };
         if let Some(i) = v.iter().position(|&x| x == p) {
             v.remove(i);
         } else {
@@ -134,46 +164,18 @@ proptest! {
         use tiermem_sim::trace::discard_records;
         // After each access, maybe give back the page accessed two steps before.
         let mut events = Vec::new();
-        let mut reference: Vec<Option<u64>> = Vec::new();
+        let mut ops = Vec::new();
         for (k, &p) in pages.iter().enumerate() {
             events.push(event(p, EventKind::Read));
-            reference.push(Some(p));
+            ops.push(Op::Access(p));
             if k >= 2 && given_back[k] {
                 events.extend(discard_records(pages[k - 2], 1));
-                reference.push(Some(u64::MAX - pages[k - 2]));
+                ops.push(Op::GiveBack(pages[k - 2]));
             }
-        }
-        // The references: an access is Some(page); a give-back is encoded as u64::MAX - page.
-        let is_give_back = |x: u64| x > u64::MAX / 2;
-        let (mut fifo, mut fifo_faults) = (VecDeque::new(), 0u64);
-        let (mut lru, mut lru_faults) = (Vec::new(), 0u64);
-        for x in reference.into_iter().flatten() {
-            if is_give_back(x) {
-                let page = u64::MAX - x;
-                fifo.retain(|&q| q != page);
-                lru.retain(|&q| q != page);
-                continue;
-            }
-            if !fifo.contains(&x) {
-                fifo_faults += 1;
-                if fifo.len() == cap {
-                    fifo.pop_front();
-                }
-                fifo.push_back(x);
-            }
-            if let Some(i) = lru.iter().position(|&q| q == x) {
-                lru.remove(i);
-            } else {
-                lru_faults += 1;
-                if lru.len() == cap {
-                    lru.remove(0);
-                }
-            }
-            lru.push(x);
         }
         let sim = |replace| simulate(&events, &config("none", replace, cap), &mut |_| {}).unwrap().faults;
-        prop_assert_eq!(sim("fifo"), fifo_faults);
-        prop_assert_eq!(sim("lru"), lru_faults);
+        prop_assert_eq!(sim("fifo"), brute_fifo_ops(&ops, cap));
+        prop_assert_eq!(sim("lru"), brute_lru_ops(&ops, cap));
     }
 
     #[test]
