@@ -40,8 +40,7 @@ impl Queue {
     }
 
     fn pick(&mut self, second_chance: bool, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
-        let pages = &mut self.pages;
-        self.removed.pick_live(max, out, |out| pick(pages, second_chance, max, is_referenced, out));
+        pick(&mut self.pages, &mut self.removed, second_chance, max, is_referenced, out);
     }
 }
 
@@ -90,8 +89,11 @@ impl Replacement for Clock {
     }
 }
 
+/// Victims from the front of `queue` until `out` holds `max`; the stale entries of pages given
+/// back (`removed`) go as they come up.
 pub(super) fn pick(
     queue: &mut VecDeque<PageId>,
+    removed: &mut Removed,
     second_chance: bool,
     max: usize,
     is_referenced: &dyn Fn(PageId) -> bool,
@@ -102,6 +104,9 @@ pub(super) fn pick(
     while out.as_slice().len() < max.min(PageList::CAPACITY) && budget > 0 {
         let Some(page) = queue.pop_front() else { break };
         budget -= 1;
+        if removed.take(page) {
+            continue;
+        }
         if second_chance && is_referenced(page) {
             queue.push_back(page);
         } else {
@@ -130,6 +135,25 @@ mod tests {
         out.clear();
         clock.pick_victims(2, &|_| false, &mut out);
         assert_eq!(out.as_slice(), &[1, 3], "second chance used up");
+    }
+
+    #[test]
+    fn an_old_entry_does_not_use_up_the_second_chance_of_a_page_that_came_back() {
+        let clock = Clock::new(8, true);
+        clock.on_insert(9);
+        clock.on_remove(9);
+        (1..=2).for_each(|p| clock.on_insert(p));
+        clock.on_insert(9);
+        // 9 came back and was touched: its bit is set until asked once.
+        let asked = std::cell::Cell::new(false);
+        let referenced = |p: PageId| p == 9 && !asked.replace(true);
+        let mut out = PageList::default();
+        clock.pick_victims(3, &referenced, &mut out);
+        assert_eq!(out.as_slice(), &[1, 2], "9 spared: its second chance, not its old entry's");
+        assert!(asked.get());
+        out.clear();
+        clock.pick_victims(3, &referenced, &mut out);
+        assert_eq!(out.as_slice(), &[9]);
     }
 
     #[test]

@@ -3,22 +3,25 @@
 //! A queue policy (FIFO, CLOCK, SEQ) keeps a page's entry when the program gives the page back
 //! (`Replacement::on_remove`): finding it among its queues would take a walk. A page given back
 //! and touched again then has two entries, and the old one, nearer the front, would evict the
-//! page soon after it came back (on a k-means fault trace, 17% of the write-backs). So the
-//! policy notes the pages given back here, and a victim found here is one such stale entry:
-//! dropped instead of proposed. The set is a fixed open-addressing table made when the policy
-//! is (no allocation on the paths that must not allocate); when it is full, the policy drops
-//! the stale entries from its queues in one pass and the table starts over.
+//! page soon after it came back. So the policy notes the pages given back here, and an entry
+//! it pops for a page found here is one such stale entry: dropped, before it is asked whether
+//! the page was referenced (which would use up the live page's bit). The table is made by the
+//! first page given back (the engine gives none to its policy: it costs nothing there); when
+//! it is half full, the policy drops the stale entries from its queues in one pass and the
+//! table starts over.
 
-use crate::{PageId, PageList};
+use crate::PageId;
 
-/// A free slot; slots hold page + 1, so a fresh table is zeroed memory the kernel maps only as
-/// it is written (no page id is `PageId::MAX`: the replacement lists' empty marker).
+/// A free slot; slots hold page + 1 (no page id is `PageId::MAX`: the replacement lists' empty
+/// marker).
 const EMPTY: PageId = 0;
-/// At most this many slots (8 MiB, written only as used).
+/// At most this many slots (12 MiB with the counts).
 const MAX_SLOTS: usize = 1 << 20;
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Removed {
+    /// Slots of the table once made: a power of two between 64 and [`MAX_SLOTS`].
+    size: usize,
     slots: Box<[PageId]>,
     /// Stale entries of each slot's page (a page given back again after it came back has one
     /// more).
@@ -27,10 +30,11 @@ pub(crate) struct Removed {
 }
 
 impl Removed {
-    /// A table for up to half of `capacity` pages (rounded up to a power of two, 64 to 2^20).
+    /// A table for up to half of `capacity` pages (rounded up to a power of two, 64 to 2^20),
+    /// made when the first page is noted.
     pub(crate) fn new(capacity: usize) -> Self {
-        let n = capacity.next_power_of_two().clamp(64, MAX_SLOTS);
-        Self { slots: vec![EMPTY; n].into_boxed_slice(), counts: vec![0; n].into_boxed_slice(), len: 0 }
+        let size = capacity.next_power_of_two().clamp(64, MAX_SLOTS);
+        Self { size, slots: Box::default(), counts: Box::default(), len: 0 }
     }
 
     /// `key`: a page + 1.
@@ -43,8 +47,12 @@ impl Removed {
     /// set is half full.
     fn insert(&mut self, page: PageId) -> bool {
         let page = page.wrapping_add(1);
-        if page == EMPTY || self.slots.is_empty() {
+        if page == EMPTY {
             return false;
+        }
+        if self.slots.is_empty() {
+            self.slots = vec![EMPTY; self.size].into_boxed_slice();
+            self.counts = vec![0; self.size].into_boxed_slice();
         }
         let mask = self.slots.len() - 1;
         let mut i = self.home(page);
@@ -69,11 +77,15 @@ impl Removed {
     /// [`Removed::take`], oldest first), and the table starts over: so the stale entries never
     /// outnumber what the table holds, whatever the program gives back between evictions.
     pub(crate) fn note(&mut self, page: PageId, purge: impl FnOnce(&mut Self)) {
-        if !self.insert(page) && page != PageId::MAX && !self.slots.is_empty() {
+        if !self.insert(page) && page != PageId::MAX {
             purge(self);
-            self.slots.fill(EMPTY);
-            self.counts.fill(0);
-            self.len = 0;
+            // Every noted page has its stale entries in the queues, so the purge took them
+            // all; anything left (a caller that broke the contract) is forgotten.
+            if self.len > 0 {
+                self.slots.fill(EMPTY);
+                self.counts.fill(0);
+                self.len = 0;
+            }
             self.insert(page);
         }
     }
@@ -115,31 +127,6 @@ impl Removed {
         self.counts[hole] = 0;
         self.len -= 1;
         true
-    }
-
-    /// Call `pick` to add victims to `out` until it holds `max` or `pick` finds no more,
-    /// dropping the stale entries it proposes (pages noted here).
-    pub(crate) fn pick_live(&mut self, max: usize, out: &mut PageList, mut pick: impl FnMut(&mut PageList)) {
-        let max = max.min(PageList::CAPACITY);
-        loop {
-            let before = out.len();
-            pick(out);
-            if self.len == 0 || out.len() == before {
-                return;
-            }
-            let mut live = PageList::default();
-            out.as_slice()[before..].iter().filter(|&&p| !self.take(p)).for_each(|&p| {
-                live.push(p);
-            });
-            let stale = out.len() - before - live.len();
-            out.truncate(before);
-            live.as_slice().iter().for_each(|&p| {
-                out.push(p);
-            });
-            if stale == 0 || out.len() >= max {
-                return;
-            }
-        }
     }
 }
 

@@ -296,12 +296,35 @@ impl State {
         }
     }
 
+    /// Victims, with the stale entries of pages given back dropped as they come up (see
+    /// [`Removed`]; which of a page's entries goes first depends on the queues it sits in, so a
+    /// page that came back may keep its old entry's place).
     fn pick(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+        let max = max.min(PageList::CAPACITY);
         let first = out.as_slice().len();
-        // Taken out for the call (an empty table allocates nothing) and put back.
-        let mut removed = std::mem::take(&mut self.removed);
-        removed.pick_live(max, out, |out| self.pick_queued(max, is_referenced, out));
-        self.removed = removed;
+        let most_recent_first = self.scan_order();
+        while out.as_slice().len() < max {
+            let next = if most_recent_first { self.older.pop_back() } else { self.older.pop_front() };
+            let Some(page) = next else { break };
+            if self.removed.take(page) {
+                continue;
+            }
+            if is_referenced(page) {
+                self.others.push_back(page);
+            } else {
+                out.push(page);
+            }
+        }
+        // (clock::pick fills `out` up to `max` in all.)
+        clock::pick(&mut self.others, &mut self.removed, true, max, is_referenced, out);
+        clock::pick(&mut self.protected, &mut self.removed, true, max, is_referenced, out);
+        // Nothing else left: the window goes too, oldest first.
+        while out.as_slice().len() < max {
+            let Some((page, _)) = self.recent.pop_front() else { break };
+            if !self.removed.take(page) {
+                out.push(page);
+            }
+        }
         if let Some(r) = &mut self.refaults {
             out.as_slice()[first..].iter().for_each(|&page| r.evicting(page));
         }
@@ -315,29 +338,6 @@ impl State {
             protected.retain(|&p| !removed.take(p));
             recent.retain(|&(p, _)| !removed.take(p));
         });
-    }
-
-    /// Victims from the queues, stale entries (see [`Removed`]) and all.
-    fn pick_queued(&mut self, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
-        let max = max.min(PageList::CAPACITY);
-        let most_recent_first = self.scan_order();
-        while out.as_slice().len() < max {
-            let next = if most_recent_first { self.older.pop_back() } else { self.older.pop_front() };
-            let Some(page) = next else { break };
-            if is_referenced(page) {
-                self.others.push_back(page);
-            } else {
-                out.push(page);
-            }
-        }
-        // (clock::pick fills `out` up to `max` in all.)
-        clock::pick(&mut self.others, true, max, is_referenced, out);
-        clock::pick(&mut self.protected, true, max, is_referenced, out);
-        // Nothing else left: the window goes too, oldest first.
-        while out.as_slice().len() < max {
-            let Some((page, _)) = self.recent.pop_front() else { break };
-            out.push(page);
-        }
     }
 }
 
