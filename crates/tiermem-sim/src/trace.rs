@@ -341,9 +341,9 @@ fn read_lackey(path: &Path, file: Box<dyn Read>, options: &LineOptions) -> Resul
         if size > 4096 {
             return Err(bad_line(path, i + 1, &line, "size above 4096 bytes"));
         }
-        // An access straddling a line boundary touches both lines. (Checked first, the address
-        // cannot overflow here; the last byte too must lie in a page the binary format holds.)
-        let last = if (addr >> PAGE_SHIFT) > MAX_PAGE { u64::MAX } else { addr + size.max(1) - 1 };
+        // An access straddling a line boundary touches both lines; its last byte too must lie
+        // in a page the binary format holds.
+        let last = addr.saturating_add(size.max(1) - 1);
         if (last >> PAGE_SHIFT) > MAX_PAGE {
             return Err(bad_line(path, i + 1, &line, "address above 2^52"));
         }

@@ -293,18 +293,8 @@ pub unsafe fn discard_all(ranges: &[libc::iovec]) -> bool {
         return false;
     }
     let total: usize = ranges.iter().map(|r| r.iov_len).sum();
-    // SAFETY: the iovecs are valid for reading for the call; dropping their pages is the
-    // caller's contract. No flags are defined.
-    let done = unsafe {
-        libc::syscall(
-            libc::SYS_process_madvise,
-            PIDFD_SELF_THREAD,
-            ranges.as_ptr(),
-            ranges.len(),
-            libc::MADV_DONTNEED,
-            0u32,
-        )
-    };
+    // SAFETY: dropping the ranges' pages is the caller's contract.
+    let done = unsafe { dontneed_by_process_madvise(ranges) };
     if done < 0 {
         // Possibly not supported here (EBADF: no PIDFD_SELF; EINVAL: advice refused; ENOSYS,
         // EPERM); but EINVAL is also the answer for a range the advice cannot apply to (mlocked,
@@ -330,14 +320,32 @@ pub unsafe fn discard_all(ranges: &[libc::iovec]) -> bool {
 /// kernel takes the call at all, apart from any range. Async-signal-safe.
 fn discard_none() -> bool {
     let empty = [libc::iovec { iov_base: std::ptr::NonNull::<u8>::dangling().as_ptr().cast(), iov_len: 0 }];
-    // SAFETY: one iovec of no bytes: nothing is read through it and no page is dropped.
-    let done = unsafe {
-        libc::syscall(libc::SYS_process_madvise, PIDFD_SELF_THREAD, empty.as_ptr(), 1, libc::MADV_DONTNEED, 0u32)
-    };
+    // SAFETY: one iovec of no bytes: no page is dropped.
+    let done = unsafe { dontneed_by_process_madvise(&empty) };
     if done == 0 {
         BATCHED_DISCARD_WORKS.store(true, Ordering::Relaxed);
     }
     done == 0
+}
+
+/// `process_madvise(MADV_DONTNEED)` of `ranges` on the calling process: the bytes dropped, or
+/// -1 with errno set. Async-signal-safe.
+///
+/// # Safety
+/// As [`discard`], for every range.
+unsafe fn dontneed_by_process_madvise(ranges: &[libc::iovec]) -> libc::c_long {
+    // SAFETY: the iovecs are valid for reading for the call; dropping their pages is the
+    // caller's contract. No flags are defined.
+    unsafe {
+        libc::syscall(
+            libc::SYS_process_madvise,
+            PIDFD_SELF_THREAD,
+            ranges.as_ptr(),
+            ranges.len(),
+            libc::MADV_DONTNEED,
+            0u32,
+        )
+    }
 }
 
 /// Drop the pages of `[addr, addr+len)` so the next access faults again (MADV_DONTNEED).
