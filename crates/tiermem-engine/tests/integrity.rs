@@ -489,12 +489,15 @@ fn the_victim_tier_keeps_every_write() {
 #[test]
 fn deferred_prefetch_hits_keep_every_page() {
     // Next-7 prefetching leaves many faults on pages still being read; with deferral their
-    // threads sleep until the completion maps the page (or wakes them to fault again).
+    // threads sleep until the completion maps the page (or wakes them to fault again). Not
+    // governed: on these random accesses the governor soon cuts next-7 to one page a fault,
+    // and the file device then left 0 to 24 faults a run to their completion (0 failed CI).
     check_that(
         "deferred prefetch hits",
         |c| {
             c.defer_prefetch_hits = true;
             c.prefetch = "fastswap".into();
+            c.prefetch_governor = false;
         },
         20_000,
         |out| (out.deferred_hits > 0).then_some(()).ok_or_else(|| "no fault was left to its completion".to_string()),
