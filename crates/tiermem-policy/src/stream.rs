@@ -320,12 +320,23 @@ impl StreamTable {
         for (chunk, firsts) in lows.enumerate() {
             let firsts: &[u16; LANES] = firsts.try_into().expect("chunks_exact gives LANES");
             let mut near = near_firsts(firsts, page, join);
-            while near != 0 {
-                let i = chunk * LANES + near.trailing_zeros() as usize;
-                near &= near - 1;
-                if s.e[i].used > best_used && matches(i) {
-                    best = i;
-                    best_used = s.e[i].used;
+            // Candidates two at a time without a branch on either: how many there are (mostly
+            // one or two on a random pattern) is unpredictable, and a mispredicted exit from a
+            // loop per candidate cost more than checking a missing second one. A missing
+            // candidate reads the chunk's first entry (any valid index) and is ruled out by
+            // `valid`.
+            loop {
+                for _ in 0..2 {
+                    let valid = near != 0;
+                    let i = chunk * LANES + (near.trailing_zeros() as usize & (LANES - 1));
+                    near &= near.wrapping_sub(1);
+                    let e = &s.e[i];
+                    let better = valid & (e.used > best_used) & (e.owner == owner) & (e.first.abs_diff(page) < join);
+                    best = std::hint::select_unpredictable(better, i, best);
+                    best_used = std::hint::select_unpredictable(better, e.used, best_used);
+                }
+                if near == 0 {
+                    break;
                 }
             }
         }
@@ -386,7 +397,11 @@ impl StreamTable {
         // Slide the window when full: the oldest page leaves. The whole array moves (a fixed-size
         // move, no memmove call); the tail beyond `len` is unused.
         let len = if was_full {
-            e.pages.copy_within(1.., 0);
+            if len <= 8 {
+                e.pages.copy_within(1..8, 0);
+            } else {
+                e.pages.copy_within(1.., 0);
+            }
             len
         } else {
             len + 1
