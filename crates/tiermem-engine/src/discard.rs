@@ -8,6 +8,7 @@ use tiermem_sys::{Error, Result, PAGE_SIZE};
 use crate::engine::{Region, Shared};
 use crate::io::reap_background;
 use crate::page::{Kind, LockedPage, PageState};
+use crate::policy::PageId;
 
 impl Region {
     /// `[offset, offset + len)` (page-aligned, inside the region) is about to be replaced by a
@@ -38,8 +39,9 @@ impl Region {
     /// them (no madvise: the memory there is the program's); dropping the region leaves that
     /// part alone.
     pub fn hand_over(&self, offset: usize, len: usize) -> Result<()> {
-        self.settle_each_page(offset, len, |shared, _, page| {
-            forget_page(shared, page);
+        let id = |index: u64| self.inner.id(index);
+        self.settle_each_page(offset, len, |shared, index, page| {
+            forget_page(shared, id(index), page);
             Ok(())
         })?;
         self.inner.mapping.hand_over(offset, len);
@@ -87,7 +89,7 @@ impl Region {
                 // SAFETY: the page is ours and locked; a racing access faults and waits.
                 unsafe { tiermem_sys::mem::discard(page_addr(index), PAGE_SIZE)? };
             }
-            forget_page(shared, page);
+            forget_page(shared, self.inner.id(index), page);
             Ok(())
         })?;
         self.trace_discard(offset, len);
@@ -140,7 +142,12 @@ impl Region {
 
 /// Forget a locked page as MADV_DONTNEED does: no memory, no slot, zeros on the next touch. A
 /// resident page's mapping must be gone already (dropped by the caller, or by the kernel).
-pub(crate) fn forget_page(shared: &Shared, page: &mut LockedPage<'_>) {
+///
+/// Its replacement policy entry goes too: a list policy removes it now; a queue policy's entry
+/// stays queued, marked stale on the page, and is dropped when it comes up (see
+/// `reclaim::lock_victim`): left as it was, it evicted the page soon after it came back,
+/// in the place of its first coming in.
+pub(crate) fn forget_page(shared: &Shared, id: PageId, page: &mut LockedPage<'_>) {
     let state = page.state();
     match state.kind() {
         Kind::Resident => shared.release_resident(),
@@ -150,5 +157,16 @@ pub(crate) fn forget_page(shared: &Shared, page: &mut LockedPage<'_>) {
     if let Some(slot) = state.slot() {
         shared.slots.free(slot);
     }
-    page.set(PageState::UNTOUCHED);
+    let mut stale = state.stale_entry();
+    if state.in_policy() {
+        if shared.replacement.one_entry_per_page() {
+            shared.replacement.on_remove(id);
+        } else {
+            // One mark for any number of stale entries: a page given back twice before its
+            // first stale entry came up keeps one unmarked, which only evicts it early (a mark
+            // without an entry behind it would drop the page's live entry and never evict it).
+            stale = true;
+        }
+    }
+    page.set(PageState::UNTOUCHED.with_stale_entry(stale));
 }

@@ -891,7 +891,7 @@ impl Region {
     /// A page whose write-back is still in flight keeps its contents. Returns the pages given up.
     pub fn forget_evicted(&self) -> u64 {
         let mut forgotten = 0;
-        for cell in self.inner.pages.iter() {
+        for (index, cell) in self.inner.pages.iter().enumerate() {
             // Evicted, or its copy waiting in the victim tier.
             let gone = |s: PageState| {
                 (s.kind() == Kind::Evicted && !s.writing()) || (s.kind() == Kind::Prefetched && s.victim())
@@ -901,7 +901,7 @@ impl Region {
             }
             let Some(mut page) = cell.try_lock() else { continue };
             if gone(page.state()) {
-                crate::discard::forget_page(&self.shared, &mut page);
+                crate::discard::forget_page(&self.shared, self.inner.id(index as u64), &mut page);
                 forgotten += 1;
             }
         }
@@ -928,6 +928,17 @@ impl Drop for Region {
             let mut table = self.shared.regions.write().unwrap_or_else(|e| e.into_inner());
             if self.inner.busy() {
                 continue;
+            }
+            // A list policy drops the region's entries now, while no fault or reclaim runs and
+            // before a new region can take its index (and ids): its lists are sized for the
+            // budget, and full of entries of closed regions they took no new page. A queue
+            // policy's entries are dropped as they come up.
+            if self.shared.replacement.one_entry_per_page() {
+                for (index, cell) in self.inner.pages.iter().enumerate() {
+                    if cell.peek().in_policy() {
+                        self.shared.replacement.on_remove(self.inner.id(index as u64));
+                    }
+                }
             }
             table.remove(self.inner.index);
             break;

@@ -202,7 +202,7 @@ fn resolve(
                 // madvise the engine did not see. Re-fault, and lose the page as the kernel
                 // would (zeros), rather than wake the thread into the same fault forever.
                 give_back(needs_room, staging);
-                crate::discard::forget_page(shared, &mut locked);
+                crate::discard::forget_page(shared, id, &mut locked);
                 drop(locked);
                 Stats::add(&shared.stats.counters.dropped_outside, 1);
                 if let Some(trace) = &shared.trace {
@@ -283,7 +283,9 @@ fn resolve(
                 if state.victim() {
                     // Back from the victim tier: a use of a page evicted not long ago, which
                     // replacement sees as the short refault it is.
-                    locked.set(state.with_kind(Kind::Resident).with_victim(false).with_dirty(!protect));
+                    locked.set(
+                        state.with_kind(Kind::Resident).with_victim(false).with_dirty(!protect).with_in_policy(true),
+                    );
                     drop(locked);
                     shared.release_prefetched(state);
                     shared.replacement.on_insert(id);
@@ -293,7 +295,9 @@ fn resolve(
                 }
                 // Its first use, not a reuse: not referenced, like the prefetched pages mapped
                 // at their completion (whose first touch the engine never sees).
-                locked.set(state.with_kind(Kind::Resident).with_dirty(!protect).with_referenced(false));
+                locked.set(
+                    state.with_kind(Kind::Resident).with_dirty(!protect).with_referenced(false).with_in_policy(true),
+                );
                 drop(locked);
                 shared.arena.release(buf);
                 shared.replacement.on_insert(id);
@@ -312,7 +316,7 @@ fn resolve(
                     return outcome_of_copy_error(e);
                 }
                 give_back(false, staging);
-                locked.set(state.with_kind(Kind::Resident).with_dirty(!protect));
+                locked.set(state.with_kind(Kind::Resident).with_dirty(!protect).with_in_policy(true));
                 drop(locked);
                 shared.replacement.on_insert(id);
                 Stats::add(&shared.stats.counters.writeback_hits, 1);
@@ -333,7 +337,7 @@ fn resolve(
                     return outcome_of_copy_error(e);
                 }
                 shared.arena.release(buf);
-                locked.set(state.with_kind(Kind::Resident).with_dirty(!protect));
+                locked.set(state.with_kind(Kind::Resident).with_dirty(!protect).with_in_policy(true));
                 drop(locked);
                 shared.replacement.on_insert(id);
                 Stats::add(&shared.stats.counters.critical_reads, 1);
@@ -467,7 +471,15 @@ fn zero_fill_around(
         let Some(mut page) = slot.take() else { continue };
         let at = run.start + k as u64;
         if mapped(at) {
-            page.set(PageState::UNTOUCHED.with_kind(Kind::Resident).with_dirty(!protect));
+            // A stale entry of the page's earlier life stays marked (see `discard::forget_page`).
+            let stale = page.state().stale_entry();
+            page.set(
+                PageState::UNTOUCHED
+                    .with_stale_entry(stale)
+                    .with_kind(Kind::Resident)
+                    .with_dirty(!protect)
+                    .with_in_policy(true),
+            );
             drop(page);
             shared.replacement.on_insert(region.id(at));
             filled += 1;
@@ -913,7 +925,7 @@ pub(crate) fn install_prefetched(shared: &Shared, region: &RegionInner, index: u
             shared.arena.release(buf);
             shared.replacement.on_insert(region.id(index));
             Stats::add(&shared.stats.counters.prefetch_installed, 1);
-            state.with_kind(Kind::Resident).with_dirty(!protect)
+            state.with_kind(Kind::Resident).with_dirty(!protect).with_in_policy(true)
         }
         Err(_) => {
             shared.release_resident();
@@ -941,7 +953,7 @@ pub(crate) fn recover_failed_writeback(
     match map_page(shared, region, region.page_addr(index), shared.arena.ptr(state.buf()), false) {
         Ok(()) | Err(Errno::EXIST) => {
             shared.replacement.on_insert(region.id(index));
-            state.with_kind(Kind::Resident)
+            state.with_kind(Kind::Resident).with_in_policy(true)
         }
         Err(e) => {
             // Nothing left to try: say so loudly rather than return wrong data later.

@@ -9,6 +9,8 @@
 //! - 7      referenced: touched since the replacement policy last looked (second chance)
 //! - 8      victim: prefetched kind only: evicted, its copy waiting in `buf` in the victim tier
 //! - 9      around: dirty only because write fault-around made it writable (maybe unwritten)
+//! - 10     in policy: resident, and its coming in was told to the replacement policy
+//! - 11     stale entry: given back while in the policy; one of its policy entries is stale
 //! - 12..32 buf: arena buffer of an in-flight read, a prefetched page, or an in-flight write
 //! - 32..64 slot
 //!
@@ -40,6 +42,8 @@ const WRITING: u64 = 1 << 6;
 const REFERENCED: u64 = 1 << 7;
 const VICTIM: u64 = 1 << 8;
 const AROUND: u64 = 1 << 9;
+const IN_POLICY: u64 = 1 << 10;
+const STALE_ENTRY: u64 = 1 << 11;
 const BUF_SHIFT: u32 = 12;
 const BUF_MASK: u64 = (1 << 20) - 1;
 const SLOT_SHIFT: u32 = 32;
@@ -88,6 +92,17 @@ impl PageState {
     pub fn around(self) -> bool {
         self.0 & AROUND != 0
     }
+    /// Resident, and its coming in was told to the replacement policy (`on_insert`): the
+    /// policy, the cleaned list or a reclaim batch holds an entry of it.
+    pub fn in_policy(self) -> bool {
+        self.0 & IN_POLICY != 0
+    }
+    /// Given back by the program while in the policy: one entry of it in a queue policy is
+    /// stale, and the first of its entries to come up as a victim is dropped instead of evicting
+    /// the page (which may have come back since). See `reclaim::lock_victim`.
+    pub fn stale_entry(self) -> bool {
+        self.0 & STALE_ENTRY != 0
+    }
     /// Held in the victim tier (kind prefetched): evicted, its copy kept in `buf`.
     pub fn victim(self) -> bool {
         self.0 & VICTIM != 0
@@ -123,6 +138,16 @@ impl PageState {
     #[must_use]
     pub fn with_referenced(self, referenced: bool) -> Self {
         Self(if referenced { self.0 | REFERENCED } else { self.0 & !REFERENCED })
+    }
+    /// Same state with the in-policy bit set or cleared.
+    #[must_use]
+    pub fn with_in_policy(self, in_policy: bool) -> Self {
+        Self(if in_policy { self.0 | IN_POLICY } else { self.0 & !IN_POLICY })
+    }
+    /// Same state with the stale-entry bit set or cleared.
+    #[must_use]
+    pub fn with_stale_entry(self, stale: bool) -> Self {
+        Self(if stale { self.0 | STALE_ENTRY } else { self.0 & !STALE_ENTRY })
     }
     /// Same state with the victim bit set or cleared.
     #[must_use]
@@ -181,6 +206,14 @@ impl PageCell {
     /// The state now (may change right after unless the caller holds the lock).
     pub fn peek(&self) -> PageState {
         PageState(self.0.load(Ordering::Acquire) & !LOCK)
+    }
+
+    /// The state now, and whether some thread holds the lock, from one load: a locked word's
+    /// state may be about to change (a completion that has told the policy of a page it is
+    /// mapping publishes it resident only when it unlocks).
+    pub fn peek_with_lock(&self) -> (PageState, bool) {
+        let word = self.0.load(Ordering::Acquire);
+        (PageState(word & !LOCK), word & LOCK != 0)
     }
 
     /// Whether some thread holds the lock now.

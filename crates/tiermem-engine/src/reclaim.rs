@@ -175,7 +175,13 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
             (_, false) => Stats::add(&shared.stats.counters.clean_drops, 1),
             (_, true) => {}
         }
-        page.set(next.with_referenced(false));
+        // Its entry was the one that came up: the page is out of the policy. A list policy may
+        // hold another (a page put on the cleaned list by a cold report keeps its list entry):
+        // taken out too, or it would outlive the page.
+        page.set(next.with_referenced(false).with_in_policy(false));
+        if shared.replacement.one_entry_per_page() {
+            shared.replacement.on_remove(v.id);
+        }
         drop(page);
         shared.release_resident();
         if next.kind() == Kind::Prefetched {
@@ -292,6 +298,11 @@ fn is_referenced(shared: &Shared, regions: &RegionTable, written: &WrittenPages<
     let Some(cell) = region.pages.get(i as usize) else { return false };
     let Some(mut locked) = cell.try_lock() else { return true };
     let state = locked.state();
+    if state.stale_entry() {
+        // The entry asked about may be the stale one: let it come up as a victim, where it is
+        // dropped (`lock_victim`), and keep the page's referenced bit for its live entry.
+        return false;
+    }
     if !state.referenced()
         && state.kind() == Kind::Resident
         && !state.dirty()
@@ -475,21 +486,38 @@ fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId) -> Res
         return Err(false);
     }
     let cell = region.pages.get(index as usize).ok_or(false)?;
-    let peek = cell.peek();
-    // A page the program is mapping over is about to leave the engine.
-    if peek.kind() != Kind::Resident || region.mapping.is_foreign(index as usize * PAGE_SIZE) {
-        return Err(false);
+    let (peek, locked) = cell.peek_with_lock();
+    // An entry of a page that is not resident is dropped, unless the page has a stale entry
+    // to account for (below). Dropping one never leaves a page without the entries it needs:
+    // the page, not resident, needed none when this entry was counted. Not on a locked word:
+    // a completion mapping the page has told the policy already (this may be that entry) and
+    // publishes it resident when it unlocks.
+    if peek.kind() != Kind::Resident && !peek.stale_entry() {
+        return Err(locked);
     }
-    if peek.writing() || shared.is_pinned(region.page_addr(index) as usize) {
+    let resident = peek.kind() == Kind::Resident;
+    // A resident page the program is mapping over is about to leave the engine, and its entry
+    // with it (`discard::forget_page`): until then the entry stays. (A page handed over
+    // already is not resident: its stale entry is dropped below.)
+    let foreign = resident && region.mapping.is_foreign(index as usize * PAGE_SIZE);
+    if peek.writing() || foreign || shared.is_pinned(region.page_addr(index) as usize) {
         return Err(true);
     }
     // Take the buffer before the lock: nobody waits for anything while holding a page lock.
-    let buf = if peek.dirty() { Some(shared.arena.alloc().ok_or(true)?) } else { None };
-    let Some(page) = cell.try_lock() else {
+    let buf = if peek.dirty() && !peek.stale_entry() { Some(shared.arena.alloc().ok_or(true)?) } else { None };
+    let Some(mut page) = cell.try_lock() else {
         release(shared, buf);
         return Err(true);
     };
     let state = page.state();
+    if state.stale_entry() {
+        // The first of the page's entries to come up since it was given back is the stale
+        // one (which one does not matter: they are alike), dropped; the page stays as it is.
+        page.set(state.with_stale_entry(false));
+        release(shared, buf);
+        Stats::add(&shared.stats.counters.stale_entries_dropped, 1);
+        return Err(false);
+    }
     let busy = state.writing() || (state.dirty() && buf.is_none());
     if state.kind() != Kind::Resident || busy {
         drop(page);

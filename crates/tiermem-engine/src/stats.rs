@@ -120,6 +120,9 @@ pub struct Counters {
     /// Writes to clean resident pages found in the page tables when replacement looked at the
     /// pages (async write protection, where such writes do not fault): each counted as a use.
     pub writes_seen_in_page_tables: AtomicU64,
+    /// Stale replacement entries dropped: entries of pages the program gave back while a queue
+    /// policy held them, which came up as victims (the page, back since or not, stays).
+    pub stale_entries_dropped: AtomicU64,
     /// Pages write fault-around made writable that reclaim found unwritten (their contents
     /// still hash as what their slot holds) and so did not write back.
     pub unwritten_around: AtomicU64,
@@ -255,6 +258,7 @@ impl Stats {
             hot_reports: l(&c.hot_reports),
             monitor_skipped_faults: l(&c.monitor_skipped_faults),
             writes_seen_in_page_tables: l(&c.writes_seen_in_page_tables),
+            stale_entries_dropped: l(&c.stale_entries_dropped),
             unwritten_around: l(&c.unwritten_around),
             monitor_read_ahead: l(&c.monitor_read_ahead),
             cold_listed: l(&c.cold_listed),
@@ -369,6 +373,9 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub writes_seen_in_page_tables: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub stale_entries_dropped: u64,
     /// See [`Counters`].
     #[serde(default)]
     pub unwritten_around: u64,
@@ -510,6 +517,13 @@ impl StatsSnapshot {
                 self.writes_seen_in_page_tables
             );
         }
+        if self.stale_entries_dropped > 0 {
+            let _ = writeln!(
+                s,
+                "stale entries   {} replacement entries of pages given back dropped when they came up",
+                self.stale_entries_dropped
+            );
+        }
         if self.unwritten_around > 0 {
             let _ = writeln!(
                 s,
@@ -608,6 +622,7 @@ impl StatsSnapshot {
         self.hot_reports += other.hot_reports;
         self.monitor_skipped_faults += other.monitor_skipped_faults;
         self.writes_seen_in_page_tables += other.writes_seen_in_page_tables;
+        self.stale_entries_dropped += other.stale_entries_dropped;
         self.unwritten_around += other.unwritten_around;
         self.monitor_read_ahead += other.monitor_read_ahead;
         self.cold_listed += other.cold_listed;

@@ -1092,3 +1092,174 @@ fn pages_evicted_a_moment_ago_come_back_from_the_victim_tier_without_a_device_re
         }
     }
 }
+
+/// Run `body` on its own thread and abort the test binary, instead of hanging the suite, if
+/// it takes longer than `limit` (an engine left with no page it can evict waits for room
+/// forever).
+fn within(limit: std::time::Duration, what: &str, body: impl FnOnce() + Send + 'static) {
+    let (done, finished) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        body();
+        let _ = done.send(());
+    });
+    match finished.recv_timeout(limit) {
+        Ok(()) => worker.join().expect("the body finished"),
+        // The body panicked: report its panic.
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            if let Err(panic) = worker.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            // The body cannot be stopped, and would spin next to the tests that follow.
+            eprintln!("{what}: still running after {limit:?}; aborting the test binary");
+            std::process::abort();
+        }
+    }
+}
+
+/// Under a queue policy a page the program gives back keeps its old entry, and comes back
+/// with a new one: the old entry, near the front, must not evict it. Pages 0..64 given back
+/// and written again outlive pages 64..128, which came in after their first life.
+#[test]
+fn a_page_given_back_and_taken_again_is_not_evicted_by_its_old_entry() {
+    let _serial = serial();
+    if features_or_skip("a_page_given_back_and_taken_again_is_not_evicted_by_its_old_entry").is_none() {
+        return;
+    }
+    let pagemap = tiermem_sys::pagemap::Pagemap::open_self().expect("pagemap");
+    for replace in ["fifo", "clock", "seq-protect"] {
+        let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
+            c.replace = replace.into();
+            c.prefetch = "none".into();
+            c.reclaim_batch = 4;
+            // Only the faulting thread evicts, at the full budget (see above).
+            c.watermark = 1.0;
+            c.evict_watermark = 1.0;
+        });
+        let region = engine.create_region(1024 * 4096).unwrap();
+        let base = region.as_ptr();
+        touch_all(base, 200, true);
+        region.discard(0, 64 * 4096).unwrap();
+        // Written again: resident with new entries, the newest in the queue.
+        touch_all(base, 64, true);
+        // 100 more pages: about 50 evictions.
+        touch_all(base.wrapping_add(200 * 4096), 100, true);
+        let present = |pages: std::ops::Range<usize>| {
+            pagemap.count_present(base as usize + pages.start * 4096, base as usize + pages.end * 4096).unwrap()
+        };
+        let (again, older) = (present(0..64), present(64..128));
+        let stats = engine.stats();
+        eprintln!(
+            "{replace}: resident after {} evictions ({} stale entries dropped): {again} of the 64 pages taken again, \
+             {older} of the 64 after them",
+            stats.evictions, stats.stale_entries_dropped
+        );
+        assert!(stats.evictions >= 40, "{replace}: the test needs evictions: {}", stats.summary());
+        assert!(stats.stale_entries_dropped > 0, "{replace}: no stale entry came up: {}", stats.summary());
+        assert_eq!(again, 64, "{replace}: pages taken again were evicted by their old entries");
+        assert!(older < 40, "{replace}: the pages that came in after their first life stayed ({older} of 64)");
+        // Everything read back as last written (`touch_all` counts from the base it is given).
+        for p in 0..300 {
+            // SAFETY: p < 1024, inside the region.
+            let got = unsafe { (base.add(p * 4096) as *const u64).read_volatile() };
+            assert_eq!(got, (p % 200) as u64 + 1, "{replace}: page {p}");
+        }
+    }
+}
+
+/// Pages the program maps over (handed over) leave a queue policy too: their stale entries are
+/// dropped as they come up, not put back for good.
+#[test]
+fn entries_of_pages_handed_over_to_a_mapping_of_the_program_s_are_dropped() {
+    let _serial = serial();
+    if features_or_skip("entries_of_pages_handed_over_to_a_mapping_of_the_program_s_are_dropped").is_none() {
+        return;
+    }
+    for replace in ["fifo", "seq-protect"] {
+        let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
+            c.replace = replace.into();
+            c.prefetch = "none".into();
+            c.watermark = 1.0;
+            c.evict_watermark = 1.0;
+        });
+        let region = engine.create_region(1024 * 4096).unwrap();
+        let base = region.as_ptr();
+        touch_all(base, 200, true);
+        region.prepare_hand_over(0, 64 * 4096).unwrap();
+        // SAFETY: pages 0..64 of the region, handed over to this mapping of the test's own;
+        // nothing else touches them, and the region's drop leaves them alone.
+        let over = unsafe {
+            libc::mmap(
+                base.cast(),
+                64 * 4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        assert_eq!(over, base.cast(), "{replace}: mmap over pages 0..64");
+        region.hand_over(0, 64 * 4096).unwrap();
+        // 600 more pages through a budget of 256: the queue turns over twice.
+        touch_all(base.wrapping_add(200 * 4096), 600, true);
+        let stats = engine.stats();
+        eprintln!("{replace}: {} evictions, {} stale entries dropped", stats.evictions, stats.stale_entries_dropped);
+        assert!(
+            stats.stale_entries_dropped >= 64,
+            "{replace}: the entries of the 64 pages handed over stayed: {}",
+            stats.summary()
+        );
+        // SAFETY: the test's own mapping over pages 0..64.
+        unsafe { libc::munmap(base.cast(), 64 * 4096) };
+    }
+}
+
+/// A list policy (`lru`, `stream-first`) holds one entry per page, in lists sized for the
+/// budget. Regions the program closes and pages it gives back leave it: entries of them left
+/// behind filled the lists, the next region's pages were not tracked, could never be evicted,
+/// and the engine waited for room forever once they filled the budget.
+#[test]
+fn list_policies_forget_closed_regions_and_given_back_pages() {
+    let _serial = serial();
+    if features_or_skip("list_policies_forget_closed_regions_and_given_back_pages").is_none() {
+        return;
+    }
+    for replace in ["lru", "stream-first"] {
+        within(std::time::Duration::from_secs(60), replace, move || {
+            let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
+                c.replace = replace.into();
+                c.prefetch = "none".into();
+                // No eviction before the budget is full: nothing clears the lists early.
+                c.watermark = 1.0;
+                c.evict_watermark = 1.0;
+            });
+            // A first touch fills its window of 64 pages. 10 windows in regions closed, 10
+            // given back, all at other ids (region index and page: a region made again reuses
+            // the index, and a page taken again its entry): 1280 entries left behind where
+            // the lists hold 2 x 256 + 64. The closed regions' pages lie past the final
+            // region's, which takes their index.
+            let kept = engine.create_region(640 * 4096).unwrap();
+            for k in 0..10 {
+                let region = engine.create_region(2048 * 4096).unwrap();
+                touch_all(region.as_ptr().wrapping_add((1024 + k * 64) * 4096), 1, true);
+                drop(region);
+            }
+            for k in 0..10 {
+                touch_all(kept.as_ptr().wrapping_add(k * 64 * 4096), 1, true);
+                kept.discard(k * 64 * 4096, 64 * 4096).unwrap();
+            }
+            let pages = 1024;
+            let region = engine.create_region(pages * 4096).unwrap();
+            let base = region.as_ptr();
+            touch_all(base, pages, true);
+            for p in 0..pages {
+                // SAFETY: p < pages, inside the region.
+                let got = unsafe { (base.add(p * 4096) as *const u64).read_volatile() };
+                assert_eq!(got, p as u64 + 1, "{replace}: page {p}");
+            }
+            eprintln!("{replace}: {}", engine.stats().summary());
+            drop(kept);
+        });
+    }
+}

@@ -175,6 +175,14 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
     /// victim it no longer holds, but not one that came back). Call it only for a page the
     /// policy holds an entry of (resident and not picked since).
     fn on_remove(&self, _page: PageId) {}
+    /// Whether the policy holds at most one entry per page: `on_insert` of a page it holds
+    /// moves that entry instead of adding one, and `on_remove` takes it out at once (the list
+    /// policies, `lru` and `stream-first`). A caller may then give pages back through
+    /// `on_remove` whatever their entry is doing; a queue policy (false) keeps a stale entry
+    /// for each page given back and taken again, which its caller has to account for.
+    fn one_entry_per_page(&self) -> bool {
+        false
+    }
     /// [`Replacement::on_remove`] for an exclusive caller; see [`Replacement::on_insert_mut`].
     fn on_remove_mut(&mut self, page: PageId) {
         self.on_remove(page);
@@ -329,6 +337,33 @@ mod tests {
         assert!(e.contains("offline-only"), "{e}");
         let e = prefetcher_by_name("oracle").unwrap_err().to_string();
         assert!(e.contains("unknown prefetcher 'oracle'") && e.contains("stream"), "{e}");
+    }
+
+    /// What `one_entry_per_page` promises the engine, policy by policy: a page inserted twice
+    /// comes up as a victim once (and not at all after `on_remove`) where it is true, twice
+    /// where it is false (a queue policy's second entry).
+    #[test]
+    fn one_entry_per_page_says_how_a_policy_keeps_a_page_inserted_twice() {
+        let victims = |policy: &dyn Replacement| {
+            let mut out = PageList::default();
+            policy.pick_victims(PageList::CAPACITY, &|_| false, &mut out);
+            out.as_slice().iter().filter(|&&p| p == 7).count()
+        };
+        for name in REPLACEMENTS {
+            let policy = replacement_by_name(name, 64).unwrap();
+            for page in [7, 3, 7] {
+                policy.on_insert(page);
+            }
+            let one = policy.one_entry_per_page();
+            assert_eq!(victims(&*policy), if one { 1 } else { 2 }, "{name}");
+            if one {
+                for page in [7, 3, 7] {
+                    policy.on_insert(page);
+                }
+                policy.on_remove(7);
+                assert_eq!(victims(&*policy), 0, "{name}: removed at once");
+            }
+        }
     }
 
     #[test]

@@ -53,6 +53,10 @@ impl Replacement for Lru {
         lock(&self.lists).remove(page);
     }
 
+    fn one_entry_per_page(&self) -> bool {
+        true
+    }
+
     fn on_insert_mut(&mut self, page: PageId) {
         owned(&mut self.lists).touch(page, 0);
     }

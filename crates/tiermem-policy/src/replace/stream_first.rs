@@ -147,6 +147,10 @@ impl Replacement for StreamFirst {
         self.groups.remove(page);
     }
 
+    fn one_entry_per_page(&self) -> bool {
+        true
+    }
+
     fn on_insert_mut(&mut self, page: PageId) {
         self.groups.insert_mut(page);
     }
