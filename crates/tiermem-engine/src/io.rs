@@ -385,12 +385,22 @@ fn single_buffer(shared: &Shared, buf: BufId) -> Option<BufId> {
 }
 
 /// A sample has waited long enough: if the program has not touched it, put it back to its slot
-/// and count it unused. A page locked by someone else is left alone and not counted (its state
-/// is changing: touched, discarded or forked), which biases nothing much for a sample in 64.
+/// and count it unused. A page locked by someone else is waited for a little: most holders
+/// only look (a write fault's neighbours, reclaim asking for the referenced bit), and a sample
+/// given up while one looked kept its buffer until the program touched the page. One still
+/// locked after that is left alone and not counted (its state is changing: touched,
+/// discarded or forked), which biases nothing much for a sample in 64.
 fn end_sample(shared: &Shared, regions: &RegionTable, id: u64) {
     let (region_index, index) = split_page_id(id);
     let Some(cell) = regions.get(region_index).and_then(|r| r.pages.get(index as usize)) else { return };
-    let Some(mut locked) = cell.try_lock() else { return };
+    let Some(mut locked) = (0..64).find_map(|attempt| {
+        if attempt > 0 {
+            std::thread::yield_now();
+        }
+        cell.try_lock()
+    }) else {
+        return;
+    };
     let state = locked.state();
     // A page of the victim tier is not a sample (the sample it was has ended).
     if state.kind() == Kind::Prefetched && !state.victim() {

@@ -509,6 +509,18 @@ fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId) -> Res
         release(shared, buf);
         return Err(true);
     };
+    // Again under the lock: a hand-over marks its pages foreign before it takes and lets go of
+    // each page's lock (`Region::prepare_hand_over`), and a pin is in place before the pinning
+    // fault takes the lock; a reclaimer whose first look came before either and whose lock
+    // after would otherwise evict a page that is the program's now (a page moved there by
+    // mremap read as zeros) or that a system call is about to use (EFAULT in sigbus mode).
+    if resident
+        && (region.mapping.is_foreign(index as usize * PAGE_SIZE) || shared.is_pinned(region.page_addr(index) as usize))
+    {
+        drop(page);
+        release(shared, buf);
+        return Err(true);
+    }
     let state = page.state();
     if state.stale_entry() {
         // The first of the page's entries to come up since it was given back is the stale

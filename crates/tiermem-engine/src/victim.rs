@@ -80,8 +80,12 @@ impl VictimTier {
             order.push_back((id, buf));
             oldest
         };
+        // A page locked by someone else goes to the back (dropped, its buffer stayed taken and
+        // counted in the tier for good).
         if let Some((old, b)) = oldest {
-            self.leave(shared, regions, old, b);
+            if !self.leave(shared, regions, old, b) {
+                lock().push_back((old, b));
+            }
         }
         // Bounded: a page locked by someone else goes to the back and is tried again later.
         for _ in 0..self.queue_max {
