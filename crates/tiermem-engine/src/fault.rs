@@ -328,9 +328,15 @@ fn resolve(
                 let slot = state.slot().unwrap_or_default();
                 let info = fault_info(false);
                 if let Err(failed) = read_critical(shared, regions, region, id, slot, buf, &info, lane_hint) {
-                    give_back(true, (!failed.buffer_in_use).then_some(buf));
                     Stats::add(&shared.stats.counters.io_errors, 1);
-                    return Outcome::Failed(failed.errno);
+                    // A read the device answered with an error (not one left in flight, whose
+                    // buffer is still the device's) is made again, plainly: a passing error (a
+                    // cancelled or interrupted request, EAGAIN from a polled ring) must not kill
+                    // a program whose page is safe on the device.
+                    if failed.buffer_in_use || !read_again(shared, slot, buf) {
+                        give_back(true, (!failed.buffer_in_use).then_some(buf));
+                        return Outcome::Failed(failed.errno);
+                    }
                 }
                 if let Err(e) = map_page(shared, region, page_addr, shared.arena.ptr(buf), protect) {
                     give_back(true, Some(buf));
@@ -703,6 +709,13 @@ fn read_critical(
     }
 }
 
+/// Read `slot` into `buf` with a plain blocking read, after the device's queue failed the
+/// critical read: a few tries (an interrupted or refused call is tried again). Whether it
+/// succeeded.
+fn read_again(shared: &Shared, slot: u64, buf: BufId) -> bool {
+    (0..3).any(|_| shared.device.read_slot_blocking(slot, shared.arena.bytes_mut(buf)).is_ok())
+}
+
 /// A critical read that failed; `buffer_in_use` when the request may still be queued or in
 /// flight, so its buffer must not be given back (it is left to the read: a lost 4 KiB buffer,
 /// where reusing it would let the device write into someone else's page).
@@ -937,13 +950,19 @@ pub(crate) fn install_prefetched(shared: &Shared, region: &RegionInner, index: u
 }
 
 /// A write-back failed. The buffer (still owned by the caller) holds the only copy: if the page
-/// is not resident, map it back, dirty; in every case forget the slot. Returns the new state.
+/// is not resident, map it back, dirty; in every case free the slot. Returns the new state.
 pub(crate) fn recover_failed_writeback(
     shared: &Shared,
     region: &RegionInner,
     index: u64,
     state: PageState,
 ) -> PageState {
+    // The slot goes back: no page names it any more (kept, it was lost for good, and a device
+    // that kept failing writes ran out of slots; a bad one is tried again by a later write,
+    // which fails and comes back here, never read before a write succeeded).
+    if let Some(slot) = state.slot() {
+        shared.slots.free(slot);
+    }
     let state = state.with_writing(false).with_slot(None).with_dirty(true);
     if state.kind() == Kind::Resident {
         return state;

@@ -1263,3 +1263,141 @@ fn list_policies_forget_closed_regions_and_given_back_pages() {
         });
     }
 }
+
+/// A device whose queues fail some requests: every `every`-th read on a polled queue (the
+/// faulting thread's critical reads) and every `every`-th write on a completion-driven one
+/// reports an I/O error (the data moved all the same, as a request failed by a timeout can).
+#[derive(Debug)]
+struct FlakyDevice {
+    inner: Arc<dyn tiermem_device::Device>,
+    every: u64,
+}
+
+#[derive(Debug)]
+struct FlakyQueue {
+    inner: Box<dyn tiermem_device::IoQueue>,
+    every: u64,
+    seen: u64,
+    /// Tags of the requests this queue will fail.
+    doomed: std::collections::HashSet<u64>,
+}
+
+impl tiermem_device::Device for FlakyDevice {
+    fn describe(&self) -> String {
+        format!("flaky {}", self.inner.describe())
+    }
+    fn capacity_slots(&self) -> u64 {
+        self.inner.capacity_slots()
+    }
+    fn open_queue(
+        &self,
+        kind: tiermem_device::QueueKind,
+        depth: u32,
+        arena: &Arc<tiermem_device::BufferArena>,
+    ) -> tiermem_device::Result<Box<dyn tiermem_device::IoQueue>> {
+        let inner = self.inner.open_queue(kind, depth, arena)?;
+        Ok(Box::new(FlakyQueue { inner, every: self.every, seen: 0, doomed: Default::default() }))
+    }
+    fn counters(&self) -> &tiermem_device::DeviceCounters {
+        self.inner.counters()
+    }
+    fn read_slot_blocking(&self, slot: u64, dst: &mut [u8]) -> tiermem_device::Result<()> {
+        self.inner.read_slot_blocking(slot, dst)
+    }
+}
+
+/// Fail the completion of `c` if its request was chosen.
+fn fail_if_doomed(
+    doomed: &mut std::collections::HashSet<u64>,
+    mut c: tiermem_device::Completion,
+) -> tiermem_device::Completion {
+    if doomed.remove(&c.tag) {
+        c.result = Err(tiermem_device::Error::new(tiermem_device::ErrorKind::Io, "injected failure"));
+    }
+    c
+}
+
+impl tiermem_device::IoQueue for FlakyQueue {
+    fn kind(&self) -> tiermem_device::QueueKind {
+        self.inner.kind()
+    }
+    fn wait_mode(&self) -> tiermem_device::WaitMode {
+        self.inner.wait_mode()
+    }
+    fn push(&mut self, request: tiermem_device::Request, tag: u64) -> tiermem_device::Result<()> {
+        self.inner.push(request, tag)?;
+        let polled = self.inner.kind() == tiermem_device::QueueKind::Polled;
+        let chosen = match request {
+            tiermem_device::Request::Read { .. } => polled,
+            tiermem_device::Request::Write { .. } => !polled,
+            _ => false,
+        };
+        if chosen {
+            self.seen += 1;
+            if self.seen.is_multiple_of(self.every) {
+                self.doomed.insert(tag);
+            }
+        }
+        Ok(())
+    }
+    fn submit(&mut self) -> tiermem_device::Result<usize> {
+        self.inner.submit()
+    }
+    fn reap(&mut self, max: usize, on_done: &mut dyn FnMut(tiermem_device::Completion)) -> usize {
+        let FlakyQueue { inner, doomed, .. } = self;
+        inner.reap(max, &mut |c| on_done(fail_if_doomed(doomed, c)))
+    }
+    fn wait(
+        &mut self,
+        min: usize,
+        on_done: &mut dyn FnMut(tiermem_device::Completion),
+    ) -> tiermem_device::Result<usize> {
+        let FlakyQueue { inner, doomed, .. } = self;
+        inner.wait(min, &mut |c| on_done(fail_if_doomed(doomed, c)))
+    }
+    fn in_flight(&self) -> usize {
+        self.inner.in_flight()
+    }
+    fn notify_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.inner.notify_fd()
+    }
+}
+
+/// A device that fails one critical read and one write-back in seven: nothing is lost and the
+/// program is not killed. A failed read is made again with a plain read; a failed write keeps
+/// the page in memory, dirty, and gives its slot back (kept, the slots ran out: the device here
+/// has room for the region once and a little more, and every page is written back several times).
+#[test]
+fn failed_reads_and_writes_of_the_device_lose_nothing_and_kill_nothing() {
+    let _serial = serial();
+    if features_or_skip("failed_reads_and_writes_of_the_device_lose_nothing_and_kill_nothing").is_none() {
+        return;
+    }
+    for mode in [FaultMode::Sigbus, FaultMode::HandlerThread] {
+        within(std::time::Duration::from_secs(60), "flaky device", move || {
+            let pages = 1024usize;
+            let inner: Arc<dyn tiermem_device::Device> = Arc::new(MemDevice::new((pages as u64 + 64) * 4096).unwrap());
+            let device = Arc::new(FlakyDevice { inner, every: 7 });
+            let engine = engine(device, 128, |c| {
+                c.fault_mode = mode;
+                c.prefetch = "none".into();
+            });
+            let region = engine.create_region(pages * 4096).unwrap();
+            let base = region.as_ptr();
+            for round in 0..4u64 {
+                for p in 0..pages {
+                    // SAFETY: p < pages, inside the region.
+                    unsafe { (base.add(p * 4096) as *mut u64).write_volatile(round * 10_000 + p as u64) };
+                }
+                for p in 0..pages {
+                    // SAFETY: as above.
+                    let got = unsafe { (base.add(p * 4096) as *const u64).read_volatile() };
+                    assert_eq!(got, round * 10_000 + p as u64, "{mode:?} round {round}: page {p}");
+                }
+            }
+            let stats = engine.stats();
+            eprintln!("{mode:?}: {} injected failures survived: {}", stats.io_errors, stats.summary());
+            assert!(stats.io_errors >= 100, "{mode:?}: the device failed too little to test: {}", stats.summary());
+        });
+    }
+}
