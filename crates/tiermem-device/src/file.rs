@@ -779,15 +779,31 @@ impl FileQueue {
     }
 
     /// Submit what is queued and sleep (or, on an IOPOLL ring, poll) until `want` completions are
-    /// on the ring. An interrupted wait returns early; callers loop.
+    /// on the ring. An interrupted wait returns early; callers loop. A submission the kernel
+    /// refuses (it takes request memory from the memory cgroup, refused while that is full)
+    /// does not stop the wait for the requests it took before: those are waited for, and the
+    /// refused entries stay on the ring for the next submission (a failed wait made a fault
+    /// whose read was already in flight fail).
     fn enter_and_wait(&mut self, want: usize) -> Result<()> {
-        match self.ring.submit_and_wait(want) {
-            Ok(_) => Ok(()),
-            Err(e) if e.raw_os_error() == Some(libc::EINTR) => Ok(()),
-            Err(e) => {
-                Err(Error::os(e, format!("waiting for io_uring completions on {}", self.ledger.shared.path.display())))
+        let error = match self.ring.submit_and_wait(want) {
+            Ok(_) => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => return Ok(()),
+            Err(e) => e,
+        };
+        let submitted = self.ledger.in_flight() - self.ring.submission().len();
+        let refused = matches!(error.raw_os_error(), Some(libc::EAGAIN | libc::ENOMEM | libc::EBUSY));
+        if refused && submitted > 0 {
+            // SAFETY: no argument pointer is passed; the flags ask only to wait for completions.
+            let waited = unsafe {
+                self.ring.submitter().enter::<libc::sigset_t>(0, want.min(submitted) as u32, ENTER_GETEVENTS, None)
+            };
+            match waited {
+                Ok(_) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => return Ok(()),
+                Err(_) => {}
             }
         }
+        Err(Error::os(error, format!("waiting for io_uring completions on {}", self.ledger.shared.path.display())))
     }
 }
 
