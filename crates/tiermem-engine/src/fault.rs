@@ -684,6 +684,10 @@ fn read_critical(
             } else if n < lane_prefetches.len() {
                 lane_prefetches[n] = crate::io::Done { tag: c.tag, ok: c.result.is_ok() };
                 n += 1;
+            } else {
+                // More than fit here (an earlier fault's left on the lane too): processed later,
+                // not dropped (a dropped one left its page incoming and its buffer taken).
+                shared.queues.defer(c);
             }
         });
         match waited {

@@ -249,6 +249,31 @@ fn reap_some(shared: &Shared, regions: &RegionTable, max: usize, wanted: Option<
             }
         });
     }
+    if shared.config.io_mode == IoMode::PollOnly {
+        // The lanes carry prefetches too in this mode, and only a critical read waits on a lane:
+        // prefetches a fault left behind (the kernel refused their submission, or they outlived
+        // the wait) would stay incoming until another fault took that lane, and a fault on one
+        // of those pages waited for ever. A lane nobody holds has no critical read waiting, so
+        // a critical completion found there is one given up on: nothing to do for it.
+        for lane in &shared.queues.lanes {
+            let Ok(mut q) = lane.try_lock() else { continue };
+            if q.in_flight() == 0 {
+                continue;
+            }
+            q.reap(max, &mut |c: Completion| {
+                if is_critical(c.tag) {
+                    return;
+                }
+                let done = Done { tag: c.tag, ok: c.result.is_ok() };
+                if n < batch.len() {
+                    batch[n] = done;
+                    n += 1;
+                } else {
+                    lock(&shared.queues.deferred).push(done);
+                }
+            });
+        }
+    }
     if let Some(at) = wanted.and_then(|page| batch[..n].iter().position(|d| d.tag == tag(Op::Prefetch, page))) {
         batch[..=at].rotate_right(1);
     }
