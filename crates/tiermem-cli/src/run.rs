@@ -197,21 +197,11 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     prepare(&mut command);
     // If tiermem is killed outright (SIGKILL: nothing to forward), the program goes with it
     // rather than run on, unmanaged by anyone and unreported.
-    let us = std::process::id() as libc::pid_t;
-    let tie_to_us = move || {
-        // SAFETY: prctl is async-signal-safe and changes only this child, between fork and exec.
-        if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // Killed between fork and the prctl: the signal will never come, so do not start.
-        // SAFETY: getppid is async-signal-safe.
-        if unsafe { libc::getppid() } != us {
-            return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-        }
-        Ok(())
+    let us = rustix::process::getpid();
+    // SAFETY: the hook makes raw system calls only (prctl, getppid), between fork and exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut command, move || tiermem_sys::child::die_with_parent(us))
     };
-    // SAFETY: the hook only calls prctl, which is safe between fork and exec.
-    unsafe { std::os::unix::process::CommandExt::pre_exec(&mut command, tie_to_us) };
     let started = Instant::now();
     let child = command.spawn().map_err(|e| {
         let kind = if e.kind() == std::io::ErrorKind::NotFound { ErrorKind::NotFound } else { ErrorKind::Io };

@@ -132,6 +132,18 @@ impl FileDevice {
     /// the file system's extent conversion, which is cheaper than writing the whole file up front
     /// when the device is sized for a program's worst case.
     pub fn create_temporary(dir: &Path, size: u64) -> Result<Self> {
+        Self::temporary(dir, size, false)
+    }
+
+    /// [`FileDevice::create_temporary`] with every slot written with zeros first, as a named
+    /// file [`FileDevice::open`] creates is: for a measurement, in which the first write of a
+    /// slot must not pay the file system's extent conversion. Unnamed from the start, so a
+    /// process killed during the fill leaves nothing (a named file made for it was left behind).
+    pub fn create_temporary_zeroed(dir: &Path, size: u64) -> Result<Self> {
+        Self::temporary(dir, size, true)
+    }
+
+    fn temporary(dir: &Path, size: u64, zero_fill: bool) -> Result<Self> {
         if size == 0 || size % SLOT_BYTES != 0 {
             return Err(Error::invalid(format!(
                 "device size of {size} bytes is not a non-zero multiple of {PAGE_SIZE} (one slot)"
@@ -154,7 +166,7 @@ impl FileDevice {
                 ),
                 _ => open_error(e, &dir.join("<temporary device file>")),
             })?;
-        Self::set_up(file, &dir.join("<temporary device file>"), Some(size), false)
+        Self::set_up(file, &dir.join("<temporary device file>"), Some(size), zero_fill)
     }
 
     fn set_up(file: File, path: &Path, size: Option<u64>, zero_fill: bool) -> Result<Self> {

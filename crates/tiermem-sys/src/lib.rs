@@ -4,6 +4,7 @@
 //! written in safe code wherever possible.
 
 pub mod cgroup;
+pub mod child;
 pub mod error;
 pub mod guarded_fd;
 pub mod mem;

@@ -183,15 +183,17 @@ pub fn limited_run(args: &LimitedRunArgs) -> Result<LimitedRunReport> {
         (Some(dir), Some(bytes)) => Some(SwapFile::create(dir, bytes)?),
         _ => None,
     };
+    let (program, rest) = args.command.split_first().ok_or_else(|| Error::invalid("no program given"))?;
+    // The program's temporary files (`tiermem run`'s statistics directory among them) go to a
+    // directory of this run, removed when it ends: a program killed at the timeout or by the OOM
+    // killer cannot remove its own. Made before the cgroup, so that it goes after it: on Ctrl-C
+    // the registry tears down newest first, and a directory removed while the program still
+    // ran (writing its statistics there as it ended) could be left behind.
+    let temp_dir = RunTempDir::create()?;
     let limit = args.limit.unwrap_or(UNLIMITED_BYTES);
     let cgroup =
         MemCgroup::create_with_swap_limit(&args.cgroup_prefix, limit, if args.no_swap { Some(0) } else { None })?;
 
-    let (program, rest) = args.command.split_first().ok_or_else(|| Error::invalid("no program given"))?;
-    // The program's temporary files (`tiermem run`'s statistics directory among them) go to a
-    // directory of this run, removed when it ends: a program killed at the timeout or by the OOM
-    // killer cannot remove its own.
-    let temp_dir = RunTempDir::create()?;
     let mut command = Command::new(program);
     command.args(rest).env("TMPDIR", &temp_dir.path);
     let swap_before = swap_pages();
@@ -335,10 +337,16 @@ fn spawn_and_wait(cgroup: &MemCgroup, command: &mut Command, timeout: Option<Dur
     let procs_file = std::ffi::CString::new(cgroup.procs_file().into_os_string().into_encoded_bytes())
         .map_err(|_| Error::invalid("cgroup path contains a NUL byte"))?;
     command.stdin(std::process::Stdio::null());
+    // The program goes when this process does, even killed outright: left running, it kept its
+    // cgroup and the swap file, which no later sweep takes from a live cgroup.
+    let us = rustix::process::getpid();
     // SAFETY: the hook runs between fork and exec and only makes raw system calls without
-    // allocating (see `join_cgroup_in_child`).
+    // allocating (see `die_with_parent` and `join_cgroup_in_child`).
     unsafe {
-        command.pre_exec(move || join_cgroup_in_child(&procs_file));
+        command.pre_exec(move || {
+            tiermem_sys::child::die_with_parent(us)?;
+            join_cgroup_in_child(&procs_file)
+        });
     }
     let program = command.get_program().to_string_lossy().into_owned();
     let start = Instant::now();

@@ -728,11 +728,17 @@ fn teardown_cgroup(dir: &Path, parent_procs: &Path) -> Result<()> {
 pub fn run_in_cgroup(cgroup: &MemCgroup, command: &mut Command) -> Result<Output> {
     let procs_file = path_cstring(&cgroup.procs_file())?;
     command.stdout(Stdio::piped());
+    let us = rustix::process::getpid();
     // SAFETY: the hook runs in the forked child before exec, where only async-signal-safe work is
-    // allowed: it calls getpid, open, write and close through rustix (raw system calls), formats
-    // into a stack buffer and allocates nothing (io::Error from an errno does not allocate).
+    // allowed: it calls prctl, getppid, getpid, open, write and close through rustix (raw system
+    // calls), formats into a stack buffer and allocates nothing (io::Error from an errno does not
+    // allocate).
     unsafe {
-        command.pre_exec(move || tiermem_sys::cgroup::join_cgroup_in_child(&procs_file));
+        command.pre_exec(move || {
+            // Killed with this process, even outright (see `bench::apps`).
+            tiermem_sys::child::die_with_parent(us)?;
+            tiermem_sys::cgroup::join_cgroup_in_child(&procs_file)
+        });
     }
     let program = command.get_program().to_string_lossy().into_owned();
     command

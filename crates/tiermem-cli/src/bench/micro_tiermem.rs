@@ -58,20 +58,13 @@ pub struct TiermemPoint {
     pub stats: StatsSnapshot,
 }
 
-/// Open the device a variant pages to: a file in `dir` (removed when the device closes) or DRAM.
+/// Open the device a variant pages to: an unnamed file in `dir`, written with zeros as the swap
+/// file is (gone with the device, or with the process however it ends), or DRAM.
 fn open_device(variant: Variant, dir: &Path, capacity: u64) -> Result<Arc<dyn Device>> {
     if variant == Variant::Mem {
         return DeviceSpec::Mem.open(capacity);
     }
-    let file = tempfile::Builder::new()
-        .prefix("tiermem-micro-")
-        .tempfile_in(dir)
-        .map_err(|e| Error::os(e, format!("creating a device file in {}", dir.display())))?;
-    let path = file.path().to_path_buf();
-    let device = DeviceSpec::File(path).open(capacity);
-    // The open device keeps the file; its name is not needed any more.
-    drop(file);
-    device
+    Ok(Arc::new(tiermem_device::FileDevice::create_temporary_zeroed(dir, capacity)?))
 }
 
 /// Run the array benchmark under tiermem: `size_mb` MiB managed with a `limit_mb` MiB budget.
