@@ -297,6 +297,29 @@ fn assert_no_leftovers(swap_dir: &Path) {
     assert!(cgroups.is_empty(), "cgroups left behind: {cgroups:?}");
 }
 
+/// A run killed before its swapon leaves a swap file nothing lists as active: the next run
+/// removes it from the swap directory if its owner is gone, and leaves a live owner's and
+/// other files alone.
+#[test]
+fn a_swap_file_of_a_dead_run_never_swapped_on_is_removed() {
+    skip_unless_privileged!();
+    let dir = swap_scratch_dir();
+    let mut child = Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let ours = std::process::id();
+    let file = |name: String| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, b"x").unwrap();
+        path
+    };
+    let stale = file(format!("tiermem-swap-{dead}-0.swap"));
+    let (live, other) = (file(format!("tiermem-swap-{ours}-0.swap")), file("mine.swap".into()));
+    tiermem_cli::bench::linux_swap::remove_stale_leftovers(Some(dir.path()));
+    assert!(!stale.exists(), "the dead run's file stayed");
+    assert!(live.exists() && other.exists(), "a live run's or a foreign file went");
+}
+
 /// What a killed run left (its swap file still on, its cgroup still there) is removed by the
 /// next run: names carry the owner's pid, and only a dead owner's leftovers go.
 #[test]
@@ -323,7 +346,7 @@ fn leftovers_of_a_dead_run_are_removed_and_a_live_one_s_are_kept() {
     }
     // This test's own resources (a live pid) must survive the sweep.
     let live = MemCgroup::create("tiermem-test", 64 * MIB).expect("memory cgroup");
-    tiermem_cli::bench::linux_swap::remove_stale_leftovers();
+    tiermem_cli::bench::linux_swap::remove_stale_leftovers(None);
     let swap_left = swap_is_active(&stale_swap);
     if swap_left {
         let _ = Command::new("swapoff").arg(&stale_swap).status();

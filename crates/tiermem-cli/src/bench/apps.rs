@@ -178,7 +178,7 @@ pub fn limited_run(args: &LimitedRunArgs) -> Result<LimitedRunReport> {
     args.validate()?;
     // The swap file is created first so that it is dropped last: the cgroup's tasks are dead and
     // their swap slots freed by the time swapoff runs.
-    super::linux_swap::remove_stale_leftovers();
+    super::linux_swap::remove_stale_leftovers(args.swap_dir.as_deref());
     let swap = match (&args.swap_dir, args.swap_bytes) {
         (Some(dir), Some(bytes)) => Some(SwapFile::create(dir, bytes)?),
         _ => None,

@@ -386,12 +386,13 @@ fn owner_pid(name: &str, prefix: &str) -> Option<u32> {
 
 /// Remove what a killed run (SIGKILL, a crash of the machine's OOM killer) could not: active swap
 /// files and memory cgroups tiermem made (`tiermem-swap-PID-SEQ.swap`, `tiermem-*-PID-SEQ`)
-/// whose process is gone. Each removal is reported on stderr; failures are reported and skipped.
+/// whose process is gone, and in `swap_dir` such swap files never swapped on (a run killed while
+/// it wrote one). Each removal is reported on stderr; failures are reported and skipped.
 ///
 /// A pid that is gone here may be alive in another PID namespace (a run in a container sharing
 /// the cgroup hierarchy and the swap list), so a cgroup that still has tasks is left alone, and
 /// so is a swap file whose pid still names such a cgroup.
-pub fn remove_stale_leftovers() {
+pub fn remove_stale_leftovers(swap_dir: Option<&Path>) {
     let root = memory_hierarchy().ok().map(|(_, root)| root);
     let tiermem_cgroups: Vec<(String, bool)> = root
         .as_ref()
@@ -406,7 +407,19 @@ pub fn remove_stale_leftovers() {
         })
         .collect();
     let busy_pid = |pid: u32| tiermem_cgroups.iter().any(|(name, busy)| *busy && owner_pid(name, "") == Some(pid));
-    for path in active_swap_paths().unwrap_or_default() {
+    let active = active_swap_paths().unwrap_or_default();
+    // Files in `swap_dir` not active: their run never got to swapon (the path compared as the
+    // kernel lists it, the directory's own spelling canonicalised).
+    let canonical = |p: &Path| p.canonicalize().unwrap_or_else(|_| p.to_path_buf());
+    let inactive = swap_dir
+        .and_then(|dir| std::fs::read_dir(dir).ok())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|e| e == "swap") && !active.contains(&canonical(path)));
+    let candidates: Vec<PathBuf> = active.iter().cloned().chain(inactive).collect();
+    for path in candidates {
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         if owner_pid(&name, "tiermem-swap-").is_some_and(|pid| process_gone(pid) && !busy_pid(pid)) {
             match teardown_swap_file(&path) {

@@ -90,7 +90,7 @@ pub fn linux_swap_point_with_worker(
     validate_micro_args(size_mb, limit_mb, swap_dir)?;
     // Declared before the cgroup so that it is dropped after it: the worker is gone and its swap
     // slots freed by the time swapoff runs.
-    super::linux_swap::remove_stale_leftovers();
+    super::linux_swap::remove_stale_leftovers(Some(swap_dir));
     let swap = SwapFile::create(swap_dir, size_mb * MIB * SWAP_FILE_SIZE_FACTOR)?;
     let cgroup = MemCgroup::create("tiermem-micro", limit_mb * MIB)?;
 
