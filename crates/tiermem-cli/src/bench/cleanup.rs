@@ -103,10 +103,13 @@ fn install_signal_handlers() -> Result<()> {
                 }
             }
             let signal = libc::c_int::from(signal_byte[0]);
-            eprintln!("tiermem: caught signal {signal}; removing swap files and cgroups before exiting");
             let mut registry = lock_registry();
             registry.shutting_down = true;
             teardown_all(&mut registry);
+            // Said after the teardown, not before: stderr may be a pipe nobody reads any more (a
+            // harness that has stopped listening), and a write to a full one would block the
+            // teardown until the harness kills this process outright.
+            eprintln!("tiermem: caught signal {signal}; removed swap files and cgroups before exiting");
             std::process::exit(128 + signal);
         })
         .map_err(|e| Error::os(e, "starting the cleanup thread"))?;
