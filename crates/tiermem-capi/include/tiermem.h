@@ -134,7 +134,9 @@ int tiermem_region_advise(tiermem_region *region, size_t offset, size_t len, int
 /*
  * Make [addr, addr + len) resident (and writable if `write` is non-zero) and keep it resident
  * until the pin is released, so that a system call (read(2), write(2), ...) can access it. The
- * range must lie inside one region of `engine` and cover at most half of the limit. Needed with
+ * range must lie inside one region of `engine` and cover at most half of the limit, and all pins
+ * held at once at most the limit less 16 pages (a pin past that fails: release one and try
+ * again; tiermem_last_error says so). Needed with
  * fault_mode=sigbus, where the kernel cannot resolve faults taken inside system calls (they fail
  * with EFAULT); harmless in the other modes.
  *

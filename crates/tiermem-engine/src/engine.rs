@@ -487,7 +487,12 @@ impl Engine {
             damon_stop: AtomicBool::new(false),
             config,
         });
-        let mut threads = Vec::new();
+        // Made before its threads: if one cannot start, or the SIGBUS handler cannot go in, the
+        // engine's drop stops and joins those already running (left running, they kept the
+        // whole engine alive for good, and every failed attempt added another set).
+        let mut engine = Self { shared, threads: Vec::new(), features };
+        let shared = engine.shared.clone();
+        let threads = &mut engine.threads;
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
                 .name(name.into())
@@ -542,7 +547,7 @@ impl Engine {
             fault_mode = %shared.config.fault_mode,
             "engine started"
         );
-        Ok(Self { shared, threads, features })
+        Ok(engine)
     }
 
     /// Create a managed region of `len` bytes (rounded up to whole pages).

@@ -987,6 +987,9 @@ pub(crate) fn recover_failed_writeback(
 }
 
 /// Pages held resident for a system call (see [`crate::Engine::prepare_kernel_access`]).
+/// Pages of the budget pins never take, for the faults that bring pinned pages in.
+const PIN_HEADROOM_PAGES: u64 = 16;
+
 #[derive(Debug)]
 pub struct PinGuard {
     shared: std::sync::Arc<Shared>,
@@ -995,7 +998,10 @@ pub struct PinGuard {
 
 pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize, write: bool) -> Result<PinGuard> {
     let start = addr & !(PAGE_SIZE - 1);
-    let end = (addr + len).div_ceil(PAGE_SIZE) * PAGE_SIZE;
+    let end = addr
+        .checked_add(len)
+        .and_then(|last| last.checked_next_multiple_of(PAGE_SIZE))
+        .ok_or_else(|| Error::invalid(format!("{len} bytes at {addr:#x} run past the end of the address space")))?;
     let pages = ((end - start) / PAGE_SIZE) as u64;
     if pages * 2 > shared.limit_pages() {
         return Err(Error::invalid(format!(
@@ -1009,7 +1015,23 @@ pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize
             return Err(Error::invalid(format!("range {start:#x}..{end:#x} is not inside one managed region")));
         }
     }
-    shared.pins.lock().unwrap_or_else(|e| e.into_inner()).push((start, end));
+    {
+        // Pins together leave room for the faults that bring their pages in (and everything
+        // else): pinned pages cannot be evicted, and with the budget full of them a fault
+        // waited for room forever (a caller holding two pins and asking for a third).
+        let mut pins = shared.pins.lock().unwrap_or_else(|e| e.into_inner());
+        let pinned: u64 = pins.iter().map(|&(s, e)| ((e - s) / PAGE_SIZE) as u64).sum();
+        if pinned + pages + PIN_HEADROOM_PAGES > shared.limit_pages() {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!(
+                    "cannot hold {pages} more pages resident for a system call: {pinned} are held already, under a budget of {} pages",
+                    shared.limit_pages()
+                ),
+            ));
+        }
+        pins.push((start, end));
+    }
     let guard = PinGuard { shared: shared.clone(), range: (start, end) };
     for page in (start..end).step_by(PAGE_SIZE) {
         loop {

@@ -1401,3 +1401,77 @@ fn failed_reads_and_writes_of_the_device_lose_nothing_and_kill_nothing() {
         });
     }
 }
+
+/// Pins together never take the whole budget: a caller holding two ranges resident and asking
+/// for a third is refused (Busy) while the faults to bring it in would find no room (it waited
+/// for room forever before); once a pin goes, the range is held again.
+#[test]
+fn pins_that_would_fill_the_budget_are_refused_not_waited_for() {
+    let _serial = serial();
+    if features_or_skip("pins_that_would_fill_the_budget_are_refused_not_waited_for").is_none() {
+        return;
+    }
+    within(std::time::Duration::from_secs(60), "pins", || {
+        let engine = engine(Arc::new(MemDevice::new(16 << 20).unwrap()), 64, |c| c.prefetch = "none".into());
+        let region = engine.create_region(512 * 4096).unwrap();
+        let base = region.as_ptr();
+        touch_all(base, 512, true);
+        let at = |page: usize| base.wrapping_add(page * 4096);
+        let first = engine.prepare_kernel_access(at(0), 24 * 4096, true).unwrap();
+        let _second = engine.prepare_kernel_access(at(100), 24 * 4096, false).unwrap();
+        let Err(e) = engine.prepare_kernel_access(at(200), 8 * 4096, false) else {
+            panic!("a third pin past the budget's room was granted");
+        };
+        assert_eq!(e.kind(), tiermem_sys::ErrorKind::Busy, "{e}");
+        drop(first);
+        let third = engine.prepare_kernel_access(at(200), 8 * 4096, false).unwrap();
+        drop(third);
+        // Every page as written.
+        for p in 0..512 {
+            // SAFETY: p < 512, inside the region.
+            let got = unsafe { (base.add(p * 4096) as *const u64).read_volatile() };
+            assert_eq!(got, p as u64 + 1, "page {p}");
+        }
+    });
+}
+
+/// An engine that cannot start (here: a second one in sigbus mode) leaves no thread behind: the
+/// threads it had started are stopped and joined (they ran for good, holding the whole failed
+/// engine, one set per attempt).
+#[test]
+fn an_engine_that_fails_to_start_leaves_no_thread_running() {
+    let _serial = serial();
+    if features_or_skip("an_engine_that_fails_to_start_leaves_no_thread_running").is_none() {
+        return;
+    }
+    let threads = || {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .flatten()
+            .filter(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("tiermem-")))
+            .count()
+    };
+    let config = |c: &mut EngineConfig| c.fault_mode = FaultMode::Sigbus;
+    let first = engine(Arc::new(MemDevice::new(16 << 20).unwrap()), 64, config);
+    // A thread names itself once it runs: count once the count has held for 200 ms (at most 5 s).
+    let settle = || {
+        let (started, mut last, mut steady) = (std::time::Instant::now(), threads(), 0);
+        while steady < 10 && started.elapsed() < std::time::Duration::from_secs(5) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let now = threads();
+            steady = if now == last { steady + 1 } else { 0 };
+            last = now;
+        }
+        last
+    };
+    let before = settle();
+    for _ in 0..3 {
+        let mut c = EngineConfig { limit_bytes: 64 * 4096, io_buffers: 256, ..EngineConfig::default() };
+        config(&mut c);
+        let second = Engine::new(c, Arc::new(MemDevice::new(16 << 20).unwrap()));
+        let e = second.expect_err("a second sigbus engine started");
+        assert!(e.to_string().contains("sigbus"), "{e}");
+    }
+    assert_eq!(settle(), before, "threads of the engines that failed to start are still running");
+    drop(first);
+}

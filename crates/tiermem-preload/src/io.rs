@@ -70,6 +70,33 @@ pub(crate) fn budget_piece(engine: &tiermem_engine::Engine) -> usize {
     (engine.limit_pages() as usize * PAGE_SIZE / 4).max(PAGE_SIZE)
 }
 
+/// Hold `[at, at+len)` resident for one system call. While other threads' calls hold so much
+/// of the budget that this one would leave no room (the engine says Busy), wait for theirs to
+/// end: each holds its pages only for its call. `holding`: this thread holds pins of its own
+/// meanwhile, so several such threads could wait for each other: then it waits two seconds
+/// at most before giving up as on any other failure (the program ends with a message).
+pub(crate) fn pin_for_call(
+    engine: &tiermem_engine::Engine,
+    at: usize,
+    len: usize,
+    kernel_writes: bool,
+    holding: bool,
+) -> tiermem_engine::PinGuard {
+    let started = std::time::Instant::now();
+    loop {
+        match engine.prepare_kernel_access(at as *const u8, len, kernel_writes) {
+            Ok(pin) => return pin,
+            Err(e)
+                if e.kind() == tiermem_sys::ErrorKind::Busy
+                    && !(holding && started.elapsed() > std::time::Duration::from_secs(2)) =>
+            {
+                std::thread::sleep(std::time::Duration::from_micros(200))
+            }
+            Err(e) => runtime::die(&["tiermem: cannot make a system call's buffer resident: ", &e.to_string()]),
+        }
+    }
+}
+
 /// Run `op(ptr, len)` over `[buf, buf+len)` in pieces, each held resident while the kernel copies
 /// to (`kernel_writes`) or from it. Stops at a short transfer, and after the first piece unless
 /// `whole`. Returns the bytes moved, or the first piece's error.
@@ -87,14 +114,7 @@ fn in_resident_pieces(
     while done < len {
         let at = buf as usize + done;
         let (piece, managed) = stretch(at, (len - done).min(CHUNK_BYTES).min(budget_piece));
-        let _pin = if managed {
-            match engine.prepare_kernel_access(at as *const u8, piece, kernel_writes) {
-                Ok(pin) => Some(pin),
-                Err(e) => runtime::die(&["tiermem: cannot make a system call's buffer resident: ", &e.to_string()]),
-            }
-        } else {
-            None
-        };
+        let _pin = if managed { Some(pin_for_call(engine, at, piece, kernel_writes, false)) } else { None };
         let n = op(at as *mut c_void, piece);
         if n < 0 {
             return if done > 0 { done as isize } else { n };

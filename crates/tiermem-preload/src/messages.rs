@@ -45,10 +45,7 @@ pub(crate) fn hold(
                     break;
                 }
             }
-            match engine.prepare_kernel_access(at as *const u8, piece, kernel_writes) {
-                Ok(guard) => pins.push(guard),
-                Err(e) => runtime::die(&["tiermem: cannot make a message's buffer resident: ", &e.to_string()]),
-            }
+            pins.push(crate::io::pin_for_call(engine, at, piece, kernel_writes, !pins.is_empty()));
             *held += piece;
         }
         done += piece;
