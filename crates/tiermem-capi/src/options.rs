@@ -79,7 +79,8 @@ pub fn parse(text: &str) -> Result<Options> {
     // The first value found wrong with the options before it, kept to name its key if the
     // whole set is refused too (a later option may be what makes it right: io_buffers=16 after
     // a victim tier too large for the default 1024 buffers).
-    let mut first_refused = None;
+    // (what the check said, the error naming the option that made it say so)
+    let mut refused: Vec<(String, Error)> = Vec::new();
     for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let Some((key, value)) = item.split_once('=') else {
             return Err(Error::invalid(format!("option `{item}` has no value: expected key=value")));
@@ -101,14 +102,18 @@ pub fn parse(text: &str) -> Result<Options> {
                 let mut probe = config.clone();
                 apply(&mut probe, key, value).map_err(named)?;
                 if let Err(e) = probe.validate() {
-                    first_refused.get_or_insert(named(e));
+                    refused.push((e.to_string(), named(e)));
                 }
                 config = probe;
             }
         }
     }
     if let Err(e) = config.validate() {
-        return Err(first_refused.unwrap_or(e));
+        // Named after the option that first made the check say what it says now: an earlier
+        // refusal that a later option put right is not the problem (`victim_pages` too large
+        // for the default buffers, then `io_buffers=16`, then `queue_depth=0`).
+        let said = e.to_string();
+        return Err(refused.into_iter().find(|(text, _)| *text == said).map_or(e, |(_, named)| named));
     }
     let page = PAGE_SIZE as u64;
     let device_size = match device_size {
@@ -149,6 +154,9 @@ mod tests {
         }
         let message = parse("victim_pages=1048000").unwrap_err().to_string();
         assert!(message.contains("victim_pages"), "{message}");
+        // Refused at the end for another option: that one is named, not the one put right.
+        let message = parse("victim_pages=1048000,io_buffers=16,queue_depth=0").unwrap_err().to_string();
+        assert!(message.contains("queue_depth") && !message.contains("victim_pages"), "{message}");
     }
 
     #[test]
