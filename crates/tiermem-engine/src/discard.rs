@@ -39,9 +39,8 @@ impl Region {
     /// them (no madvise: the memory there is the program's); dropping the region leaves that
     /// part alone.
     pub fn hand_over(&self, offset: usize, len: usize) -> Result<()> {
-        let id = |index: u64| self.inner.id(index);
         self.settle_each_page(offset, len, |shared, index, page| {
-            forget_page(shared, id(index), page);
+            forget_page(shared, self.inner.id(index), page);
             Ok(())
         })?;
         self.inner.mapping.hand_over(offset, len);

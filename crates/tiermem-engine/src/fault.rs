@@ -986,10 +986,10 @@ pub(crate) fn recover_failed_writeback(
     }
 }
 
-/// Pages held resident for a system call (see [`crate::Engine::prepare_kernel_access`]).
 /// Pages of the budget pins never take, for the faults that bring pinned pages in.
 const PIN_HEADROOM_PAGES: u64 = 16;
 
+/// Pages held resident for a system call (see [`crate::Engine::prepare_kernel_access`]).
 #[derive(Debug)]
 pub struct PinGuard {
     shared: std::sync::Arc<Shared>,
@@ -1020,7 +1020,7 @@ pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize
         // else): pinned pages cannot be evicted, and with the budget full of them a fault
         // waited for room forever (a caller holding two pins and asking for a third).
         let mut pins = shared.pins.lock().unwrap_or_else(|e| e.into_inner());
-        let pinned: u64 = pins.iter().map(|&(s, e)| ((e - s) / PAGE_SIZE) as u64).sum();
+        let pinned = pages_in(&pins);
         if pinned + pages + PIN_HEADROOM_PAGES > shared.limit_pages() {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -1059,8 +1059,7 @@ pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize
 impl Shared {
     /// Pages in pinned ranges (overlapping pins counted once each).
     pub(crate) fn pinned_pages(&self) -> u64 {
-        let pins = self.pins.lock().unwrap_or_else(|e| e.into_inner());
-        pins.iter().map(|&(s, e)| ((e - s) / PAGE_SIZE) as u64).sum()
+        pages_in(&self.pins.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Whether `addr` lies in a pinned range (a system call's buffer, or memory the program locked).
@@ -1068,6 +1067,11 @@ impl Shared {
         let pins = self.pins.lock().unwrap_or_else(|e| e.into_inner());
         pins.iter().any(|&(s, e)| addr >= s && addr < e)
     }
+}
+
+/// Pages in `pins` (overlapping pins counted once each).
+fn pages_in(pins: &[(usize, usize)]) -> u64 {
+    pins.iter().map(|&(s, e)| ((e - s) / PAGE_SIZE) as u64).sum()
 }
 
 impl Drop for PinGuard {

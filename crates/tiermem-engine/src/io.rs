@@ -232,6 +232,15 @@ pub(crate) fn reap_background_for(shared: &Shared, regions: &RegionTable, wanted
 fn reap_some(shared: &Shared, regions: &RegionTable, max: usize, wanted: Option<PageId>, wait: bool) -> usize {
     let mut batch = [Done { tag: 0, ok: false }; 64];
     let mut n = 0;
+    // Into the batch, or, out of room on the stack, kept for the next pass.
+    let keep = |batch: &mut [Done; 64], n: &mut usize, c: Completion| {
+        if *n < batch.len() {
+            batch[*n] = Done { tag: c.tag, ok: c.result.is_ok() };
+            *n += 1;
+        } else {
+            shared.queues.defer(c);
+        }
+    };
     for queue in [&shared.queues.prefetch, &shared.queues.writeback] {
         let mut q = if wait {
             lock(queue)
@@ -239,15 +248,7 @@ fn reap_some(shared: &Shared, regions: &RegionTable, max: usize, wanted: Option<
             let Ok(q) = queue.try_lock() else { continue };
             q
         };
-        q.reap(max, &mut |c: Completion| {
-            if n < batch.len() {
-                batch[n] = Done { tag: c.tag, ok: c.result.is_ok() };
-                n += 1;
-            } else {
-                // Out of room on the stack: keep it for the next pass.
-                lock(&shared.queues.deferred).push(Done { tag: c.tag, ok: c.result.is_ok() });
-            }
-        });
+        q.reap(max, &mut |c: Completion| keep(&mut batch, &mut n, c));
     }
     if shared.config.io_mode == IoMode::PollOnly {
         // The lanes carry prefetches too in this mode, and only a critical read waits on a lane:
@@ -261,15 +262,8 @@ fn reap_some(shared: &Shared, regions: &RegionTable, max: usize, wanted: Option<
                 continue;
             }
             q.reap(max, &mut |c: Completion| {
-                if is_critical(c.tag) {
-                    return;
-                }
-                let done = Done { tag: c.tag, ok: c.result.is_ok() };
-                if n < batch.len() {
-                    batch[n] = done;
-                    n += 1;
-                } else {
-                    lock(&shared.queues.deferred).push(done);
+                if !is_critical(c.tag) {
+                    keep(&mut batch, &mut n, c);
                 }
             });
         }

@@ -80,8 +80,8 @@ impl VictimTier {
             order.push_back((id, buf));
             oldest
         };
-        // A page locked by someone else goes to the back (dropped, its buffer stayed taken and
-        // counted in the tier for good).
+        // As below, a page locked by someone else goes to the back (forgotten, its buffer
+        // stayed taken and counted in the tier for good).
         if let Some((old, b)) = oldest {
             if !self.leave(shared, regions, old, b) {
                 lock().push_back((old, b));

@@ -17,7 +17,6 @@ use serde::{Deserialize, Serialize};
 use tiermem_sys::{Error, ErrorKind, Result};
 
 use super::linux_swap::{CgroupVersion, MemCgroup, SwapFile};
-use tiermem_sys::cgroup::join_cgroup_in_child;
 
 /// A cgroup limit that never binds (1 PiB): the unlimited runs still get a cgroup, for its peak
 /// usage counter and so that stray children can be found and killed.
@@ -334,20 +333,8 @@ fn wait_with_usage(pid: libc::pid_t) -> std::io::Result<(ExitStatus, CpuTimes)> 
 /// `timeout`. On timeout the program is killed (the cgroup teardown kills its children too) and the
 /// status is `None`.
 fn spawn_and_wait(cgroup: &MemCgroup, command: &mut Command, timeout: Option<Duration>) -> Result<Waited> {
-    let procs_file = std::ffi::CString::new(cgroup.procs_file().into_os_string().into_encoded_bytes())
-        .map_err(|_| Error::invalid("cgroup path contains a NUL byte"))?;
     command.stdin(std::process::Stdio::null());
-    // The program goes when this process does, even killed outright: left running, it kept its
-    // cgroup and the swap file, which no later sweep takes from a live cgroup.
-    let us = rustix::process::getpid();
-    // SAFETY: the hook runs between fork and exec and only makes raw system calls without
-    // allocating (see `die_with_parent` and `join_cgroup_in_child`).
-    unsafe {
-        command.pre_exec(move || {
-            tiermem_sys::child::die_with_parent(us)?;
-            join_cgroup_in_child(&procs_file)
-        });
-    }
+    super::linux_swap::start_inside(cgroup, command)?;
     let program = command.get_program().to_string_lossy().into_owned();
     let start = Instant::now();
     // The child is reaped by `wait_with_usage`, not through this handle (dropping a `Child`

@@ -733,14 +733,12 @@ fn teardown_cgroup(dir: &Path, parent_procs: &Path) -> Result<()> {
     }
 }
 
-/// Run `command` to completion inside `cgroup` and return its output (stdout captured; stderr as
-/// configured on `command`, captured by default).
-///
-/// The child joins the cgroup between fork and exec, so everything the new program allocates is
-/// charged to the cgroup. Adds a pre-exec hook to `command`; do not reuse it for another cgroup.
-pub fn run_in_cgroup(cgroup: &MemCgroup, command: &mut Command) -> Result<Output> {
+/// Have `command`'s child join `cgroup` between fork and exec (so everything the new program
+/// allocates is charged there) and die with this process, even killed outright: left running,
+/// a program kept its cgroup and the swap file, which no later sweep takes from a live cgroup.
+/// Adds a pre-exec hook to `command`.
+pub(crate) fn start_inside(cgroup: &MemCgroup, command: &mut Command) -> Result<()> {
     let procs_file = path_cstring(&cgroup.procs_file())?;
-    command.stdout(Stdio::piped());
     let us = rustix::process::getpid();
     // SAFETY: the hook runs in the forked child before exec, where only async-signal-safe work is
     // allowed: it calls prctl, getppid, getpid, open, write and close through rustix (raw system
@@ -748,11 +746,21 @@ pub fn run_in_cgroup(cgroup: &MemCgroup, command: &mut Command) -> Result<Output
     // allocate).
     unsafe {
         command.pre_exec(move || {
-            // Killed with this process, even outright (see `bench::apps`).
             tiermem_sys::child::die_with_parent(us)?;
             tiermem_sys::cgroup::join_cgroup_in_child(&procs_file)
         });
     }
+    Ok(())
+}
+
+/// Run `command` to completion inside `cgroup` and return its output (stdout captured; stderr as
+/// configured on `command`, captured by default).
+///
+/// The child joins the cgroup between fork and exec (see [`start_inside`]). Adds a pre-exec
+/// hook to `command`; do not reuse it for another cgroup.
+pub fn run_in_cgroup(cgroup: &MemCgroup, command: &mut Command) -> Result<Output> {
+    command.stdout(Stdio::piped());
+    start_inside(cgroup, command)?;
     let program = command.get_program().to_string_lossy().into_owned();
     command
         .output()
