@@ -447,7 +447,8 @@ impl Engine {
             trace,
             prefetcher: policies.prefetcher,
             replacement: policies.replacement,
-            slots: SlotAllocator::new(device.capacity_slots()),
+            // A page's state word holds a 32-bit slot: of a device past 16 TiB, the first 16 TiB.
+            slots: SlotAllocator::new(device.capacity_slots().min(crate::page::MAX_SLOT + 1)),
             device,
             arena,
             uffd,
@@ -623,6 +624,13 @@ impl Engine {
                 ),
             ));
         }
+        let tables = match crate::region::PageTables::new(pages as usize, self.shared.keeps_slot_hashes()) {
+            Ok(t) => t,
+            Err(e) => {
+                self.shared.reserved_pages.fetch_sub(pages, Ordering::AcqRel);
+                return Err(e);
+            }
+        };
         let built = map().and_then(|mapping| {
             // SAFETY: the range is the mapping just created (or handed over) and owned here.
             if let Err(e) = unsafe { register_base_pages(self.shared.uffd_for(threaded), mapping.as_ptr(), len) } {
@@ -646,7 +654,7 @@ impl Engine {
             .regions
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(|index| RegionInner::new(index, mapping, self.shared.keeps_slot_hashes(), threaded));
+            .insert(|index| RegionInner::new(index, mapping, tables, threaded));
         if self.shared.prefault_metadata.load(Ordering::Relaxed) {
             inner.touch_metadata();
         }

@@ -184,8 +184,10 @@ impl PageState {
     }
 }
 
-/// One page's atomic state word.
+/// One page's atomic state word. Transparent, and all-zero is its default: regions allocate
+/// their cells as zeroed memory.
 #[derive(Debug, Default)]
+#[repr(transparent)]
 pub struct PageCell(AtomicU64);
 
 /// Proof that the caller holds a page's lock; unlocking publishes a new state.

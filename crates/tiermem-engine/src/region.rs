@@ -27,10 +27,9 @@ pub(crate) struct RegionInner {
 }
 
 impl RegionInner {
-    pub(crate) fn new(index: u32, mapping: Mapping, with_hashes: bool, threaded: bool) -> Self {
-        let count = mapping.len() / PAGE_SIZE;
-        let pages = (0..count).map(|_| PageCell::default()).collect();
-        let slot_hashes = (0..if with_hashes { count } else { 0 }).map(|_| Default::default()).collect();
+    pub(crate) fn new(index: u32, mapping: Mapping, tables: PageTables, threaded: bool) -> Self {
+        debug_assert_eq!(tables.pages.len(), mapping.len() / PAGE_SIZE);
+        let PageTables { pages, slot_hashes } = tables;
         Self { index, mapping, pages, slot_hashes, closing: std::sync::atomic::AtomicBool::new(false), threaded }
     }
 
@@ -81,6 +80,61 @@ impl RegionInner {
     pub(crate) fn id(&self, index: u64) -> PageId {
         page_id(self.index, index)
     }
+}
+
+/// A region's per-page tables, made before its mapping so that a region too large for them
+/// fails before anything is mapped or registered.
+#[derive(Debug)]
+pub(crate) struct PageTables {
+    pages: Box<[PageCell]>,
+    slot_hashes: Box<[std::sync::atomic::AtomicU64]>,
+}
+
+impl PageTables {
+    /// Tables for `count` pages, from zeroed memory: they take memory only as pages are used (a
+    /// reservation of many GiB that the program touches sparsely costs what it touches), and
+    /// an allocation that fails is an error, not an abort.
+    pub(crate) fn new(count: usize, with_hashes: bool) -> crate::Result<Self> {
+        let too_large = || {
+            crate::Error::new(
+                crate::ErrorKind::NoSpace,
+                format!(
+                    "cannot allocate {} MiB of page state for a region of {} MiB",
+                    (count * if with_hashes { 16 } else { 8 }) >> 20,
+                    (count * PAGE_SIZE) >> 20
+                ),
+            )
+        };
+        // SAFETY: a PageCell and an AtomicU64 are a u64 each, for which all-zero bits are a
+        // valid value (a PageCell of zero is `PageCell::default()`, a page never touched).
+        let pages = unsafe { zeroed_slice::<PageCell>(count) }.ok_or_else(too_large)?;
+        // SAFETY: as above.
+        let slot_hashes = unsafe { zeroed_slice(if with_hashes { count } else { 0 }) }.ok_or_else(too_large)?;
+        Ok(Self { pages, slot_hashes })
+    }
+}
+
+/// `count` elements of zeroed memory, or `None` if the allocator has none to give. Large
+/// zeroed allocations come from fresh anonymous pages, which the kernel maps only when written.
+///
+/// # Safety
+/// All-zero bits must be a valid `T`.
+unsafe fn zeroed_slice<T>(count: usize) -> Option<Box<[T]>> {
+    let layout = std::alloc::Layout::array::<T>(count).ok()?;
+    if layout.size() == 0 {
+        // SAFETY: a dangling, aligned pointer is a valid empty or zero-sized slice, and Box
+        // never frees a zero-sized allocation.
+        return Some(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(std::ptr::NonNull::<T>::dangling().as_ptr(), count)) });
+    }
+    // SAFETY: the layout has a non-zero size.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: `ptr` is a live allocation of the global allocator with `layout`, the layout
+    // Box<[T]> of `count` elements frees with; its zeroed elements are valid (the caller's
+    // contract) and owned by nothing else.
+    Some(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, count)) })
 }
 
 /// All live regions, indexed by region slot. Lookups take a read lock that the caller holds for
