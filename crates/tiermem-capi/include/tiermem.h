@@ -120,12 +120,14 @@ void tiermem_region_free(tiermem_region *region);
 
 /*
  * Advise the engine about [offset, offset + len) of a region, as madvise(2) advises the
- * kernel. Returns at once; the engine's monitor thread acts on it:
+ * kernel. Returns at once; the engine's monitor thread acts on will-need and sequential advice:
  *  - TIERMEM_ADVICE_WILLNEED: the range's evicted pages are read ahead, evicting other pages
  *    first if the budget is full; at most half the budget per call.
  *  - TIERMEM_ADVICE_SEQUENTIAL: the prefetcher is told of the first pages (the "stream"
  *    prefetcher then reads ahead of the walk before it faults; the others learn from faults).
  *  - TIERMEM_ADVICE_COLD: the range's resident pages are the first evicted when room is needed.
+ *    Done by the calling thread: a look at each page of the range (about half a millisecond
+ *    per GiB), a lock of each resident one; the monitor thread has no part in it.
  * `offset` must be page-aligned and the range inside the region; len 0 does nothing.
  * Returns 0, or -1 for a NULL or freed region, a bad range or an unknown advice value.
  */

@@ -64,6 +64,13 @@ pub(crate) struct Shared {
     pub(crate) cleaned: std::sync::Mutex<std::collections::VecDeque<crate::policy::PageId>>,
     /// Length of `cleaned`, readable without its lock.
     pub(crate) cleaned_pages: AtomicU64,
+    /// Resident pages the program advised cold, newest first: evicted before the cleaned list
+    /// and the policy's choices. Hints only: each page keeps its policy entry, so the list may
+    /// lose its oldest entries (it holds at most the budget's pages; advising the same pages
+    /// over and over grew it without bound) and a page touched since is simply passed over.
+    pub(crate) cold: std::sync::Mutex<std::collections::VecDeque<crate::policy::PageId>>,
+    /// Length of `cold`, readable without its lock.
+    pub(crate) cold_pages: AtomicU64,
     /// The reclaim thread is about to sleep or sleeping: the next thread that finds work for it
     /// writes `reclaim_wake` (others need not, which saves a system call per fault).
     pub(crate) reclaim_asleep: AtomicBool,
@@ -153,6 +160,17 @@ impl Shared {
 
     /// Whether regions keep a hash of what each page's slot holds: async WP judges a moved page
     /// by it, and sync WP with write fault-around the neighbours it made writable.
+    /// Put `ids` (resident pages advised cold) at the front of the cold list, in order, and
+    /// drop the oldest entries past the budget's size.
+    pub(crate) fn list_cold(&self, ids: &[crate::policy::PageId]) {
+        let mut cold = self.cold.lock().unwrap_or_else(|e| e.into_inner());
+        ids.iter().rev().for_each(|&id| cold.push_front(id));
+        cold.truncate(self.limit_pages().max(1) as usize);
+        self.cold_pages.store(cold.len() as u64, Ordering::Relaxed);
+        drop(cold);
+        Stats::add(&self.stats.counters.cold_listed, ids.len() as u64);
+    }
+
     fn keeps_slot_hashes(&self) -> bool {
         self.capture.is_some() || (self.write_protect && self.config.write_fault_around > 1)
     }
@@ -462,6 +480,8 @@ impl Engine {
             evict_pages: AtomicU64::new(evict_pages),
             cleaned: std::sync::Mutex::new(std::collections::VecDeque::new()),
             cleaned_pages: AtomicU64::new(0),
+            cold: std::sync::Mutex::new(std::collections::VecDeque::new()),
+            cold_pages: AtomicU64::new(0),
             reclaim_asleep: AtomicBool::new(true),
             clean_stalled: AtomicBool::new(false),
             write_protect,
@@ -952,6 +972,12 @@ impl Drop for Region {
                         self.shared.replacement.on_remove(self.inner.id(index as u64));
                     }
                 }
+            }
+            // Its cold hints too, before a new region's pages could answer to them.
+            if self.shared.cold_pages.load(Ordering::Relaxed) > 0 {
+                let mut cold = self.shared.cold.lock().unwrap_or_else(|e| e.into_inner());
+                cold.retain(|&id| crate::policy::split_page_id(id).0 != self.inner.index);
+                self.shared.cold_pages.store(cold.len() as u64, Ordering::Relaxed);
             }
             table.remove(self.inner.index);
             break;

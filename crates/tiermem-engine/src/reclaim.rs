@@ -351,14 +351,26 @@ impl<'a> WrittenPages<'a> {
     }
 }
 
-/// Move up to `max` pages from the front of the cleaned list to `out`; a page touched since it
-/// was cleaned gets a second chance instead: back to the replacement policy.
+/// Move up to `max` pages from the front of the cold list, then of the cleaned list, to `out`.
+/// A cold page touched since the advice is passed over (it is still in the policy); a cleaned
+/// page touched since it was cleaned gets a second chance: back to the replacement policy.
 fn take_cleaned(shared: &Shared, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
+    let max = max.min(PageList::CAPACITY);
+    if shared.cold_pages.load(Ordering::Relaxed) > 0 {
+        let mut cold = shared.cold.lock().unwrap_or_else(|e| e.into_inner());
+        while out.len() < max {
+            let Some(id) = cold.pop_front() else { break };
+            if !is_referenced(id) {
+                out.push(id);
+            }
+        }
+        shared.cold_pages.store(cold.len() as u64, Ordering::Relaxed);
+    }
     if shared.cleaned_pages.load(Ordering::Relaxed) == 0 {
         return;
     }
     let mut cleaned = shared.cleaned.lock().unwrap_or_else(|e| e.into_inner());
-    while out.len() < max.min(PageList::CAPACITY) {
+    while out.len() < max {
         let Some(id) = cleaned.pop_front() else { break };
         if is_referenced(id) {
             shared.replacement.on_insert(id);

@@ -124,7 +124,9 @@ unsafe fn zeroed_slice<T>(count: usize) -> Option<Box<[T]>> {
     if layout.size() == 0 {
         // SAFETY: a dangling, aligned pointer is a valid empty or zero-sized slice, and Box
         // never frees a zero-sized allocation.
-        return Some(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(std::ptr::NonNull::<T>::dangling().as_ptr(), count)) });
+        return Some(unsafe {
+            Box::from_raw(std::ptr::slice_from_raw_parts_mut(std::ptr::NonNull::<T>::dangling().as_ptr(), count))
+        });
     }
     // SAFETY: the layout has a non-zero size.
     let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();

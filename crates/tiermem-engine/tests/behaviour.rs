@@ -1522,7 +1522,11 @@ fn a_huge_region_costs_only_the_state_of_pages_used_and_one_too_huge_is_refused(
     // overcommit its memory blindly refuses when it has less RAM and swap than that.
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
     let kib = |key: &str| -> u64 {
-        meminfo.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()).unwrap_or(0)
+        meminfo
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            .unwrap_or(0)
     };
     let overcommit = std::fs::read_to_string("/proc/sys/vm/overcommit_memory").unwrap_or_default();
     if overcommit.trim() == "1" || (kib("MemTotal:") + kib("SwapTotal:")) << 10 >= 32 << 30 {
