@@ -190,7 +190,17 @@ pub fn remember_footprint(store: &Path, program: &[OsString], footprint: u64) ->
 }
 
 /// Run `program` and wait for it, collecting the kernel's peak RSS; `prepare` adjusts the command.
-fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> Result<(Ending, Duration, u64)> {
+/// How [`spawn_and_wait`] leaves the program: its ending, its time, its peak resident set, and
+/// the signals `tiermem run` reacts to ignored from the moment the program ended, until the
+/// caller has cleaned up and drops this (the dispositions then go back as they were).
+struct Waited {
+    ending: Ending,
+    elapsed: Duration,
+    peak_rss_bytes: u64,
+    ignoring: SignalActions<6>,
+}
+
+fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> Result<Waited> {
     let (name, args) = program.split_first().ok_or_else(|| Error::invalid("no program given after --"))?;
     let mut command = Command::new(name);
     command.args(args);
@@ -198,10 +208,21 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     // If tiermem is killed outright (SIGKILL: nothing to forward), the program goes with it
     // rather than run on, unmanaged by anyone and unreported.
     let us = rustix::process::getpid();
-    // SAFETY: the hook makes raw system calls only (prctl, getppid), between fork and exec.
+    // The child inherits the signals blocked below; the program starts with them unblocked.
+    let unblocked = SignalMask::set_of(&HANDLED_SIGNALS);
+    // SAFETY: the hook makes raw system calls only (prctl, getppid, sigprocmask), between fork
+    // and exec, on a set made before the fork.
     unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut command, move || tiermem_sys::child::die_with_parent(us))
+        std::os::unix::process::CommandExt::pre_exec(&mut command, move || {
+            tiermem_sys::child::die_with_parent(us)?;
+            // A valid set; sigprocmask is async-signal-safe.
+            libc::sigprocmask(libc::SIG_UNBLOCK, &unblocked, std::ptr::null_mut());
+            Ok(())
+        })
     };
+    // Blocked until the forwarder is armed (the program, whose mask Command resets, may send
+    // or cause one at once); delivered, and passed on, right after.
+    let blocked = SignalMask::block(&HANDLED_SIGNALS);
     let started = Instant::now();
     let child = command.spawn().map_err(|e| {
         let kind = if e.kind() == std::io::ErrorKind::NotFound { ErrorKind::NotFound } else { ErrorKind::Io };
@@ -211,6 +232,7 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     // A SIGTERM or SIGHUP sent to us alone goes on to the program, which ends as it would.
     let pid = child.id() as libc::pid_t;
     let signals = ForwardSignals::new(pid);
+    SignalMask::unblock(&HANDLED_SIGNALS);
     // Wait without reaping first: until the program is reaped its pid cannot be reused, so the
     // forwarder never signals a stranger. Then disarm it, then reap (with the rusage).
     let retry = |what: &str, rc: libc::c_int| -> Result<bool> {
@@ -230,7 +252,11 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     while !retry("waiting for the program", unsafe {
         libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOWAIT)
     })? {}
-    drop(signals);
+    // Straight from forwarding to ignoring: a signal in between (a second Ctrl-C, a SIGTERM)
+    // would find the default disposition and end `tiermem run` before its cleanup.
+    let ignoring = signals.ignoring();
+    // The mask as the caller had it (blocked again under `tiermem run`: they are ignored now).
+    drop(blocked);
     let mut status = 0;
     // SAFETY: zeroed rusage is valid for wait4 to fill.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
@@ -243,7 +269,7 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
         (None, Some(sig)) => Ending::Signaled(sig),
         _ => Ending::Exited(1),
     };
-    Ok((ending, elapsed, usage.ru_maxrss as u64 * 1024))
+    Ok(Waited { ending, elapsed, peak_rss_bytes: usage.ru_maxrss as u64 * 1024, ignoring })
 }
 
 /// How a program that cannot be started is reported (the CLI exits 127 or 126 for it, as a
@@ -281,17 +307,33 @@ extern "C" fn forward_to_program(sig: libc::c_int, info: *mut libc::siginfo_t, _
 /// running without it, and its statistics directory behind). A signal sent to the whole process
 /// group reaches the program twice, once from us (a terminal's hangup excepted). Restored on drop.
 struct ForwardSignals {
-    _actions: SignalActions<6>,
+    actions: Option<SignalActions<6>>,
 }
 
+/// The signals [`ForwardSignals`] handles, and [`ignore_signals`] ignores.
+const HANDLED_SIGNALS: [libc::c_int; 6] =
+    [libc::SIGINT, libc::SIGQUIT, libc::SIGTERM, libc::SIGHUP, libc::SIGUSR1, libc::SIGUSR2];
+
 impl ForwardSignals {
+    /// Stop forwarding: every handled signal ignored from now on, until the returned
+    /// dispositions are dropped and put back what was there before [`ForwardSignals::new`].
+    fn ignoring(mut self) -> SignalActions<6> {
+        for sig in HANDLED_SIGNALS {
+            // SAFETY: SIG_IGN for a valid signal of this process; the previous disposition is
+            // the forwarder's, which `actions` replaces with the original one when dropped.
+            unsafe { libc::signal(sig, libc::SIG_IGN) };
+        }
+        PROGRAM_PID.store(0, std::sync::atomic::Ordering::Relaxed);
+        self.actions.take().expect("taken only here, once")
+    }
+
     fn new(program: libc::pid_t) -> Self {
         PROGRAM_PID.store(program, std::sync::atomic::Ordering::Relaxed);
         let forward = forward_to_program as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void);
         let forward = (forward as libc::sighandler_t, libc::SA_SIGINFO | libc::SA_RESTART);
         let ignore = (libc::SIG_IGN, 0);
-        // The handler only calls kill(2).
-        let _actions = SignalActions::set([
+        // The handler only calls kill(2). In the order of HANDLED_SIGNALS.
+        let actions = SignalActions::set([
             (libc::SIGINT, ignore),
             (libc::SIGQUIT, ignore),
             (libc::SIGTERM, forward),
@@ -299,26 +341,65 @@ impl ForwardSignals {
             (libc::SIGUSR1, forward),
             (libc::SIGUSR2, forward),
         ]);
-        Self { _actions }
+        Self { actions: Some(actions) }
     }
 }
 
 impl Drop for ForwardSignals {
     fn drop(&mut self) {
-        // The dispositions go back when `_actions` drops, right after.
+        // The dispositions go back when `actions` drops, right after.
         PROGRAM_PID.store(0, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
-/// SIGINT, SIGTERM, SIGHUP and SIGQUIT ignored until dropped, then as they were.
-fn ignore_signals() -> SignalActions<4> {
-    let ignore = (libc::SIG_IGN, 0);
-    SignalActions::set([
-        (libc::SIGINT, ignore),
-        (libc::SIGTERM, ignore),
-        (libc::SIGHUP, ignore),
-        (libc::SIGQUIT, ignore),
-    ])
+/// The signals `tiermem run` handles ignored until dropped, then as they were.
+fn ignore_signals() -> SignalActions<6> {
+    SignalActions::set(HANDLED_SIGNALS.map(|sig| (sig, (libc::SIG_IGN, 0))))
+}
+
+/// This thread's signal mask as it was before [`SignalMask::block`], put back when dropped.
+struct SignalMask {
+    previous: libc::sigset_t,
+}
+
+impl SignalMask {
+    fn set_of(signals: &[libc::c_int]) -> libc::sigset_t {
+        // SAFETY: an all-zero sigset_t is valid storage for sigemptyset to initialise.
+        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `set` is a valid sigset_t; the signals are valid signal numbers.
+        unsafe {
+            libc::sigemptyset(&mut set);
+            signals.iter().for_each(|&sig| {
+                libc::sigaddset(&mut set, sig);
+            });
+        }
+        set
+    }
+
+    /// Block `signals` in this thread (and threads it starts from now on).
+    fn block(signals: &[libc::c_int]) -> Self {
+        let set = Self::set_of(signals);
+        // SAFETY: as in `set_of`: valid storage for the previous mask.
+        let mut previous: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: valid set and out-pointer; changes only this thread's mask.
+        unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut previous) };
+        Self { previous }
+    }
+
+    /// Unblock `signals` in this thread now, whatever guards are held; pending ones are
+    /// delivered before this returns.
+    fn unblock(signals: &[libc::c_int]) {
+        let set = Self::set_of(signals);
+        // SAFETY: valid set; changes only this thread's mask.
+        unsafe { libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut()) };
+    }
+}
+
+impl Drop for SignalMask {
+    fn drop(&mut self) {
+        // SAFETY: restoring the mask saved in `block`; changes only this thread's mask.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.previous, std::ptr::null_mut()) };
+    }
 }
 
 /// Signal dispositions (handler, flags) set for `N` signals, each put back as it was when this
@@ -357,7 +438,7 @@ impl<const N: usize> Drop for SignalActions<N> {
 pub fn profile(program: &[OsString]) -> Result<(Ending, u64)> {
     // A store that cannot be updated is an error before the program runs, not after.
     read_profile_store(&profile_store())?;
-    let (ending, _, peak) = spawn_and_wait(program, |_| {})?;
+    let Waited { ending, peak_rss_bytes: peak, .. } = spawn_and_wait(program, |_| {})?;
     if ending == Ending::Exited(0) {
         remember_footprint(&profile_store(), program, peak)?;
     }
@@ -641,6 +722,12 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         ));
     }
     let shim = locate_shim()?;
+    // From before the first file or thread this run makes until it has cleaned up, the signals
+    // it handles are blocked except while they can be passed on to the program: one arriving
+    // before the program runs waits for it (and ends it) instead of ending `tiermem run` with
+    // its statistics directory, or a device file the program made, left behind. Threads
+    // started from here inherit the mask, so such signals only ever reach this thread.
+    let blocked = SignalMask::block(&HANDLED_SIGNALS);
     let left_cgroup = if settings.respect_cgroup { leave_limited_v1_cgroup() } else { None };
     let tmp = std::env::temp_dir();
     remove_stale_stats_dirs(&tmp);
@@ -693,7 +780,7 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     // Not where the killer was off before the run: whoever turned it off handles the cgroup's
     // OOM, and `tiermem run` puts that setting back.
     let backstop = oom_control.as_ref().filter(|(_, was_off)| !was_off).and_then(|(path, _)| OomBackstop::start(path));
-    let ending = spawn_and_wait(program, |command| {
+    let waited = spawn_and_wait(program, |command| {
         for (k, v) in &vars {
             command.env(k, v);
         }
@@ -707,10 +794,14 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
             };
         }
     });
-    drop(backstop);
     // The program has ended: a Ctrl-C or SIGTERM now must not cut short what is put back below
-    // (the OOM killer of a guarded cgroup, DAMON, tracefs, the device file).
-    let cleaning_up = ignore_signals();
+    // (the OOM killer of a guarded cgroup, DAMON, tracefs, the device file, the statistics
+    // directory). Ignored since the program ended, or from here if it could not be run.
+    let (ending, cleaning_up) = match waited {
+        Ok(w) => (Ok((w.ending, w.elapsed, w.peak_rss_bytes)), w.ignoring),
+        Err(e) => (Err(e), ignore_signals()),
+    };
+    drop(backstop);
     if settings.engine.damon {
         drop(own_kdamond);
         // Those of processes that were killed or exec'ed before their exit could remove them.
@@ -727,9 +818,6 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
             crate::say(&format!("tiermem: cannot restore the OOM killer setting in {}: {e}", path.display()));
         }
     }
-    // Before any exit: one passing on the program's signal raises it here.
-    drop(cleaning_up);
-    let (ending, elapsed, peak_rss_bytes) = ending?;
     let mut processes = Vec::new();
     if let Ok(entries) = std::fs::read_dir(stats_dir.path()) {
         for entry in entries.flatten() {
@@ -741,6 +829,13 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         }
     }
     processes.sort_by_key(|p| p["pid"].as_u64());
+    drop(_stats_dir_lock);
+    drop(stats_dir);
+    // Nothing is left to put back. Before any exit: one passing on the program's signal
+    // raises it here.
+    drop(blocked);
+    drop(cleaning_up);
+    let (ending, elapsed, peak_rss_bytes) = ending?;
     Ok(RunOutcome {
         ending,
         elapsed,

@@ -1755,6 +1755,74 @@ fn sigterm_to_tiermem_run_reaches_the_program_and_a_device_file_it_made_goes() {
     assert!(!device.exists(), "{name}: the device file the run created is still there");
 }
 
+/// Signals that keep coming after the program has ended (a second Ctrl-C, a supervisor's
+/// repeated SIGTERM) do not cut `tiermem run`'s cleanup short: from the moment the program
+/// ends until the device file it made and its statistics directory are gone, they are
+/// ignored. Before, the dispositions went back to the defaults when the program was reaped,
+/// and only later to "ignore": a SIGTERM in between ended the run with its files left. The
+/// program leaves behind a loop sending SIGTERM to `tiermem run` as fast as it can until it is
+/// gone (it may start before `tiermem run` has set up its forwarding: those are held until
+/// then and passed on); whether it ends by the program's status or by one of those signals
+/// after the cleanup, nothing may be left.
+#[test]
+fn signals_right_after_the_program_ends_do_not_leave_the_run_s_files_behind() {
+    let name = "signals_right_after_the_program_ends_do_not_leave_the_run_s_files_behind";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    use std::os::unix::process::ExitStatusExt;
+    for attempt in 0..5 {
+        let scratch = Scratch::new();
+        let device = scratch.path().join("made-by-the-run");
+        let device_arg = format!("file:{}", device.display());
+        let pid_file = scratch.path().join("tiermem-pid");
+        let stats = scratch.path().join("stats");
+        std::fs::create_dir(&stats).unwrap();
+        // The signaller runs without the shim: a managed process that outlives the run makes a
+        // named device file of its own once the run has removed the first (a known gap: the
+        // run waits for its program, not for the program's descendants).
+        // The program ends once the signals are coming; the signaller stops when `tiermem run`
+        // is gone (a zombie still takes signals: at most 1 M).
+        let sending = scratch.path().join("sending");
+        let script = format!(
+            "while [ ! -s {p} ]; do sleep 0.01; done; t=$(cat {p}); \
+             env -u LD_PRELOAD sh -c 'i=0; while [ $i -lt 1000000 ] && kill -TERM '$t' 2>/dev/null; do \
+             i=$((i+1)); [ $i -eq 100 ] && : > {s}; done' </dev/null >/dev/null 2>&1 & \
+             while [ ! -e {s} ]; do :; done; exit 0",
+            p = pid_file.display(),
+            s = sending.display()
+        );
+        let mut command = scratch.command(&[
+            "run",
+            "--limit",
+            "16MiB",
+            "--device",
+            &device_arg,
+            "--device-size",
+            "16MiB",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ]);
+        command.env("TMPDIR", &stats).stderr(Stdio::piped());
+        let child = command.spawn().unwrap();
+        std::fs::write(pid_file.with_extension("tmp"), child.id().to_string()).unwrap();
+        std::fs::rename(pid_file.with_extension("tmp"), &pid_file).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        eprintln!("{name} attempt {attempt}: tiermem run ended {:?}", out.status);
+        assert!(
+            out.status.code() == Some(0) || out.status.signal() == Some(libc::SIGTERM),
+            "{name}: {:?}: {err}",
+            out.status
+        );
+        let left: Vec<_> = std::fs::read_dir(&stats).unwrap().flatten().map(|e| e.path()).collect();
+        assert!(left.is_empty(), "{name} attempt {attempt}: left behind: {left:?}");
+        assert!(!device.exists(), "{name} attempt {attempt}: the device file the run created is still there: {err}");
+    }
+}
+
 /// A run killed before it could remove its statistics directory (SIGKILL, the OOM killer) leaves
 /// it behind; the next run removes it, and only those whose run is gone.
 #[test]
