@@ -210,16 +210,15 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     let us = rustix::process::getpid();
     // The child inherits the signals blocked below; the program starts with them unblocked.
     let unblocked = SignalMask::set_of(&HANDLED_SIGNALS);
-    // SAFETY: the hook makes raw system calls only (prctl, getppid, sigprocmask), between fork
-    // and exec, on a set made before the fork.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut command, move || {
-            tiermem_sys::child::die_with_parent(us)?;
-            // A valid set; sigprocmask is async-signal-safe.
-            libc::sigprocmask(libc::SIG_UNBLOCK, &unblocked, std::ptr::null_mut());
-            Ok(())
-        })
+    let hook = move || {
+        tiermem_sys::child::die_with_parent(us)?;
+        // SAFETY: a valid set made before the fork; sigprocmask is async-signal-safe.
+        unsafe { libc::sigprocmask(libc::SIG_UNBLOCK, &unblocked, std::ptr::null_mut()) };
+        Ok(())
     };
+    // SAFETY: the hook makes raw system calls only (prctl, getppid, sigprocmask), between fork
+    // and exec, and allocates nothing.
+    unsafe { std::os::unix::process::CommandExt::pre_exec(&mut command, hook) };
     // Blocked until the forwarder is armed (the program, whose mask Command resets, may send
     // or cause one at once); delivered, and passed on, right after.
     let blocked = SignalMask::block(&HANDLED_SIGNALS);
@@ -366,12 +365,11 @@ impl SignalMask {
     fn set_of(signals: &[libc::c_int]) -> libc::sigset_t {
         // SAFETY: an all-zero sigset_t is valid storage for sigemptyset to initialise.
         let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `set` is a valid sigset_t; the signals are valid signal numbers.
-        unsafe {
-            libc::sigemptyset(&mut set);
-            signals.iter().for_each(|&sig| {
-                libc::sigaddset(&mut set, sig);
-            });
+        // SAFETY: `set` is valid storage for a sigset_t.
+        unsafe { libc::sigemptyset(&mut set) };
+        for &sig in signals {
+            // SAFETY: `set` is an initialised sigset_t; `sig` is a valid signal number.
+            unsafe { libc::sigaddset(&mut set, sig) };
         }
         set
     }
