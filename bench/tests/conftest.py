@@ -71,12 +71,16 @@ def run_stopping_group(argv, timeout, **kwargs):
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
-APPS_CGROUP_PREFIX = "tiermem-apps-"
+# The cgroups of this test session's runs: the harness's prefix for them (the variable its
+# `systems.cgroup_prefix` reads) names this pytest process, so cleaning up after a test never
+# touches the cgroups of a benchmark or another test session running beside it.
+APPS_CGROUP_PREFIX = f"tiermem-apps-pytest{os.getpid()}"
+os.environ["TIERMEM_BENCH_CGROUP_PREFIX"] = APPS_CGROUP_PREFIX
 CGROUP_ROOTS = (Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup"))
 
 
 def apps_cgroup_paths(prefix=APPS_CGROUP_PREFIX):
-    """Memory cgroups the harness's helpers made (every prefix they use starts so)."""
+    """Memory cgroups this session's runs made (every prefix they use starts so)."""
     return {p for root in CGROUP_ROOTS if root.is_dir() for p in root.iterdir() if p.name.startswith(prefix)}
 
 
@@ -88,7 +92,7 @@ def swap_files(directory):
 
 def remove_leftovers(swap_dir, cgroups_before):
     """What a failed test may have left: swap files under `swap_dir` still on, and memory cgroups
-    of the harness made during the test (their tasks killed first)."""
+    this session's runs made during the test (their tasks killed first)."""
     for path in swap_files(swap_dir):
         subprocess.run(["swapoff", path], capture_output=True)
     for cgroup in apps_cgroup_paths() - cgroups_before:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import apps_cgroup_paths, stop_process, swap_files
+from conftest import APPS_CGROUP_PREFIX, apps_cgroup_paths, stop_process, swap_files
 from tiermem_bench import runner
 
 FAKE_HELPER = r"""
@@ -80,7 +80,7 @@ def test_helper_is_stopped_and_cleans_up_on_an_exception(tmp_path, monkeypatch, 
 
 
 def tiermem_cgroups():
-    return sorted(p.name for p in apps_cgroup_paths("tiermem-apps-pytest"))
+    return sorted(p.name for p in apps_cgroup_paths())
 
 
 def run_temp_dirs():
@@ -90,7 +90,7 @@ def run_temp_dirs():
 
 
 def real_helper_argv(tiermem, tmp_path):
-    return [tiermem, "bench", "limited-run", "--cgroup-prefix", "tiermem-apps-pytest", "--limit", str(64 << 20),
+    return [tiermem, "bench", "limited-run", "--cgroup-prefix", APPS_CGROUP_PREFIX, "--limit", str(64 << 20),
             "--swap-dir", str(tmp_path), "--swap-bytes", str(32 << 20), "--result", str(tmp_path / "r.json"), "--",
             sys.executable, "-c", "import os, time; open(%r, 'w').write(str(os.getpid())); time.sleep(60)"
             % str(tmp_path / "program.pid")]
@@ -136,7 +136,7 @@ def test_a_program_killed_at_the_timeout_leaves_no_temporary_files(tiermem_root,
     seen = tmp_path / "tmpdir.txt"
     script = ("import os, tempfile, time; d = tempfile.mkdtemp(prefix='tiermem-stats-'); "
               "open(os.path.join(d, 'x'), 'w').write('x'); open(%r, 'w').write(d); time.sleep(60)" % str(seen))
-    argv = [tiermem_root, "bench", "limited-run", "--cgroup-prefix", "tiermem-apps-pytest", "--timeout", "2",
+    argv = [tiermem_root, "bench", "limited-run", "--cgroup-prefix", APPS_CGROUP_PREFIX, "--timeout", "2",
             "--result", str(tmp_path / "r.json"), "--", sys.executable, "-c", script]
     subprocess.run(argv, check=True, capture_output=True, timeout=60)
     made = Path(seen.read_text())

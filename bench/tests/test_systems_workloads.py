@@ -57,6 +57,21 @@ def test_variants_pass_their_modes_and_the_ideal_uses_the_mem_device():
     assert int(helper[helper.index("--limit") + 1]) == (1 << 20) + 2 * (5 << 20) + (64 << 20)
 
 
+def test_cgroups_are_named_by_the_prefix_variable_which_must_be_a_tiermem_name(monkeypatch):
+    monkeypatch.setenv("TIERMEM_BENCH_CGROUP_PREFIX", "tiermem-apps-mine")
+    prefixes = {name: (argv := command(SYSTEMS[name]))[argv.index("--cgroup-prefix") + 1]
+                for name in ("linux-swap", "tiermem-file", "tiermem-mem")}
+    assert prefixes == {"linux-swap": "tiermem-apps-mine-swap", "tiermem-file": "tiermem-apps-mine-tiermem",
+                        "tiermem-mem": "tiermem-apps-mine-ideal"}
+    for bad in ("apps", "tiermem-a/b", "tiermem-a b", "tiermem-.."):
+        monkeypatch.setenv("TIERMEM_BENCH_CGROUP_PREFIX", bad)
+        with pytest.raises(ValueError, match="TIERMEM_BENCH_CGROUP_PREFIX"):
+            command(SYSTEMS["linux-swap"])
+    monkeypatch.delenv("TIERMEM_BENCH_CGROUP_PREFIX")
+    argv = command(SYSTEMS["linux-swap"])
+    assert argv[argv.index("--cgroup-prefix") + 1] == "tiermem-apps-swap"
+
+
 def test_unlimited_has_no_limit():
     argv = command(BASELINE, limit=None)
     assert "--limit" not in argv and "--swap-dir" not in argv

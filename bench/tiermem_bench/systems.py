@@ -7,6 +7,7 @@ Ctrl-C, with the same signal-safe cleanup registry as `tiermem bench micro`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,6 +192,21 @@ def mem_store_room(footprint: int) -> int:
     return 2 * footprint + (64 << 20)
 
 
+CGROUP_PREFIX_VARIABLE = "TIERMEM_BENCH_CGROUP_PREFIX"
+
+
+def cgroup_prefix() -> str:
+    """The start of the names of the memory cgroups the harness's runs make: `tiermem-apps`, or
+    $TIERMEM_BENCH_CGROUP_PREFIX (tests give theirs a name of their own, so that cleaning up
+    after one never touches the cgroups of a run beside it). Must start with `tiermem-`, so
+    that a killed run's cgroups are swept by the next one."""
+    prefix = os.environ.get(CGROUP_PREFIX_VARIABLE, "tiermem-apps")
+    if not prefix.startswith("tiermem-") or "/" in prefix or not prefix.replace("-", "").isalnum():
+        raise ValueError(f"{CGROUP_PREFIX_VARIABLE}={prefix!r}: a cgroup name prefix starting with 'tiermem-' "
+                         "and made of letters, digits and dashes")
+    return prefix
+
+
 def helper_command(system: System, *, tiermem_bin: str, limit: int | None, workload_argv: list[str],
                    result_file: Path, work_dir: Path, swap_bytes: int, device_file: Path,
                    footprint: int, stats_file: Path, timeout: float | None) -> list[str]:
@@ -200,9 +216,9 @@ def helper_command(system: System, *, tiermem_bin: str, limit: int | None, workl
         cmd += ["--timeout", f"{timeout:.1f}"]
     program = list(workload_argv)
     if system.kind == "unlimited":
-        cmd += ["--cgroup-prefix", "tiermem-apps-unlimited"]
+        cmd += ["--cgroup-prefix", f"{cgroup_prefix()}-unlimited"]
     elif system.kind == "linux-swap":
-        cmd += ["--cgroup-prefix", "tiermem-apps-swap", "--limit", str(limit),
+        cmd += ["--cgroup-prefix", f"{cgroup_prefix()}-swap", "--limit", str(limit),
                 "--swap-dir", str(work_dir), "--swap-bytes", str(swap_bytes)]
     elif system.kind == "tiermem":
         if system.device == "mem":
@@ -210,12 +226,12 @@ def helper_command(system: System, *, tiermem_bin: str, limit: int | None, workl
             # pages in DRAM (far memory emulated), which the cgroup charges too, so the cgroup
             # gets room for that store on top of the limit; `tiermem run` then fits its budget
             # into the limit minus everything unmanaged, as it does for the file device.
-            cmd += ["--cgroup-prefix", "tiermem-apps-ideal", "--limit", str(limit + mem_store_room(footprint)),
+            cmd += ["--cgroup-prefix", f"{cgroup_prefix()}-ideal", "--limit", str(limit + mem_store_room(footprint)),
                     "--no-swap"]
             device = "mem"
         else:
             # Same memory as Linux swap had, and no swap: everything tiermem uses must fit.
-            cmd += ["--cgroup-prefix", "tiermem-apps-tiermem", "--limit", str(limit), "--no-swap"]
+            cmd += ["--cgroup-prefix", f"{cgroup_prefix()}-tiermem", "--limit", str(limit), "--no-swap"]
             # A directory: `tiermem run` makes its temporary device file there (same file system as
             # the swap file) and removes it when the program ends.
             device = f"file:{device_file}"

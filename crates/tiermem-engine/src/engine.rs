@@ -158,8 +158,6 @@ impl Shared {
         }
     }
 
-    /// Whether regions keep a hash of what each page's slot holds: async WP judges a moved page
-    /// by it, and sync WP with write fault-around the neighbours it made writable.
     /// Put `ids` (resident pages advised cold) at the front of the cold list, in order, and
     /// drop the oldest entries past the budget's size.
     pub(crate) fn list_cold(&self, ids: &[crate::policy::PageId]) {
@@ -171,6 +169,8 @@ impl Shared {
         Stats::add(&self.stats.counters.cold_listed, ids.len() as u64);
     }
 
+    /// Whether regions keep a hash of what each page's slot holds: async WP judges a moved page
+    /// by it, and sync WP with write fault-around the neighbours it made writable.
     fn keeps_slot_hashes(&self) -> bool {
         self.capture.is_some() || (self.write_protect && self.config.write_fault_around > 1)
     }

@@ -301,6 +301,7 @@ fn list_cold(shared: &Shared, region: &RegionInner, pages: std::ops::Range<u64>)
         let state = locked.state();
         if state.kind() == Kind::Resident {
             locked.set(state.with_referenced(false));
+            drop(locked);
             listed.push(region.id(page));
         }
     }
@@ -455,7 +456,7 @@ impl Region {
     /// - [`Advice::Sequential`]: the prefetcher hears the first pages (the `stream` prefetcher
     ///   then reads ahead of the stream before its first fault; others learn from faults);
     /// - [`Advice::Cold`]: resident pages are the first evicted when room is needed. Acted on
-    ///   here, not by the monitor thread: a look at each page's state (about a millisecond per
+    ///   here, not by the monitor thread: a look at each page's state (about half a ms per
     ///   GiB of range), a lock of each resident one.
     pub fn advise(&self, offset: usize, len: usize, advice: Advice) -> Result<()> {
         if !offset.is_multiple_of(PAGE_SIZE) || offset.checked_add(len).is_none_or(|end| end > self.len()) {

@@ -40,6 +40,10 @@ struct Victim<'a> {
     /// moved to (async WP), or an arena copy of a page the program made unreadable or that
     /// UFFDIO_MOVE refused ([`copy_unreadable`], [`copy_out_protected`]).
     staged: Option<usize>,
+    /// Taken from the cold list: the page's entry in the policy is still there (a cold id is a
+    /// hint, not an entry), so a victim that stays is not put back into the policy, and an
+    /// evicted one leaves that entry stale.
+    from_cold: bool,
 }
 
 /// Evict up to `max` pages chosen by the replacement policy. Returns how many were evicted.
@@ -52,6 +56,7 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
     let mut picked = PageList::default();
     let written = WrittenPages::new(shared);
     let is_referenced = |id: PageId| is_referenced(shared, regions, &written, id);
+    let cold = take_cold(shared, regions, max, &mut picked);
     take_cleaned(shared, max, &is_referenced, &mut picked);
     if picked.len() < max {
         let mut more = PageList::default();
@@ -63,7 +68,7 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
     // A fixed array, not a Vec: this runs inside the SIGBUS handler too, where allocating is
     // not safe.
     let mut storage: [Option<Victim<'_>>; PageList::CAPACITY] = std::array::from_fn(|_| None);
-    let victims = lock_victims(shared, regions, &picked, &mut storage);
+    let victims = lock_victims(shared, regions, &picked, cold, &mut storage);
     if victims.is_empty() {
         return 0;
     }
@@ -161,7 +166,9 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
                 }
             }
             drop(page);
-            shared.replacement.on_insert(v.id);
+            if !v.from_cold {
+                shared.replacement.on_insert(v.id);
+            }
             continue;
         }
         if next.kind() == Kind::Untouched {
@@ -178,7 +185,10 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
         // Its entry was the one that came up: the page is out of the policy. A list policy may
         // hold another (a page put on the cleaned list by a cold report keeps its list entry):
         // taken out too, or it would outlive the page.
-        page.set(next.with_referenced(false).with_in_policy(false));
+        // A cold victim's queue entry is still in the policy: marked stale, dropped when it
+        // comes up (`lock_victim` took it only with no stale mark pending).
+        let stale = v.from_cold && !shared.replacement.one_entry_per_page();
+        page.set(next.with_referenced(false).with_in_policy(false).with_stale_entry(stale || next.stale_entry()));
         if shared.replacement.one_entry_per_page() {
             shared.replacement.on_remove(v.id);
         }
@@ -267,17 +277,19 @@ fn lock_victims<'s, 'a>(
     shared: &Shared,
     regions: &'a RegionTable,
     picked: &PageList,
+    cold: usize,
     storage: &'s mut [Option<Victim<'a>>; PageList::CAPACITY],
 ) -> &'s mut [Option<Victim<'a>>] {
     let mut n = 0;
-    for &id in picked.as_slice() {
-        match lock_victim(shared, regions, id) {
+    for (k, &id) in picked.as_slice().iter().enumerate() {
+        let from_cold = k < cold;
+        match lock_victim(shared, regions, id, from_cold) {
             Ok(v) => {
                 storage[n] = Some(v);
                 n += 1;
             }
-            Err(true) => shared.replacement.on_insert(id),
-            Err(false) => {}
+            Err(true) if !from_cold => shared.replacement.on_insert(id),
+            Err(_) => {}
         }
     }
     let victims = &mut storage[..n];
@@ -351,21 +363,51 @@ impl<'a> WrittenPages<'a> {
     }
 }
 
-/// Move up to `max` pages from the front of the cold list, then of the cleaned list, to `out`.
-/// A cold page touched since the advice is passed over (it is still in the policy); a cleaned
-/// page touched since it was cleaned gets a second chance: back to the replacement policy.
+/// Move up to `max` pages from the front of the cold list to `out` (empty when called);
+/// returns how many. Only pages still resident, untouched since the advice, not locked and
+/// without a stale entry pending are taken (looked at, not changed: the referenced bit belongs
+/// to the page's policy entry), each once; the rest of what is popped is dropped, at most a
+/// few batches' worth per call. Never waits for the list: a program thread listing cold pages
+/// holds it, and in sigbus mode a fault of that same thread (in a signal handler of the
+/// program's) may be the one reclaiming here.
+fn take_cold(shared: &Shared, regions: &RegionTable, max: usize, out: &mut PageList) -> usize {
+    if shared.cold_pages.load(Ordering::Relaxed) == 0 {
+        return 0;
+    }
+    let mut cold = match shared.cold.try_lock() {
+        Ok(cold) => cold,
+        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return 0,
+    };
+    let max = max.min(PageList::CAPACITY);
+    let still_cold = |id: PageId| {
+        let (r, i) = split_page_id(id);
+        regions.get(r).and_then(|region| region.pages.get(i as usize)).is_some_and(|cell| {
+            let (state, locked) = cell.peek_with_lock();
+            !locked
+                && state.kind() == Kind::Resident
+                && !state.referenced()
+                && !state.writing()
+                && !state.stale_entry()
+                && state.in_policy()
+        })
+    };
+    let mut looked = 0;
+    while out.len() < max && looked < 4 * PageList::CAPACITY {
+        let Some(id) = cold.pop_front() else { break };
+        looked += 1;
+        if still_cold(id) && !out.as_slice().contains(&id) {
+            out.push(id);
+        }
+    }
+    shared.cold_pages.store(cold.len() as u64, Ordering::Relaxed);
+    out.len()
+}
+
+/// Move up to `max` pages from the front of the cleaned list to `out`; a page touched since it
+/// was cleaned gets a second chance instead: back to the replacement policy.
 fn take_cleaned(shared: &Shared, max: usize, is_referenced: &dyn Fn(PageId) -> bool, out: &mut PageList) {
     let max = max.min(PageList::CAPACITY);
-    if shared.cold_pages.load(Ordering::Relaxed) > 0 {
-        let mut cold = shared.cold.lock().unwrap_or_else(|e| e.into_inner());
-        while out.len() < max {
-            let Some(id) = cold.pop_front() else { break };
-            if !is_referenced(id) {
-                out.push(id);
-            }
-        }
-        shared.cold_pages.store(cold.len() as u64, Ordering::Relaxed);
-    }
     if shared.cleaned_pages.load(Ordering::Relaxed) == 0 {
         return;
     }
@@ -403,7 +445,7 @@ pub(crate) fn clean_batch(shared: &Shared, regions: &RegionTable, max: usize) ->
     let written = WrittenPages::new(shared);
     shared.replacement.pick_victims(max, &|id| is_referenced(shared, regions, &written, id), &mut picked);
     let mut storage: [Option<Victim<'_>>; PageList::CAPACITY] = std::array::from_fn(|_| None);
-    let victims = lock_victims(shared, regions, &picked, &mut storage);
+    let victims = lock_victims(shared, regions, &picked, 0, &mut storage);
     if victims.is_empty() {
         return 0;
     }
@@ -491,7 +533,7 @@ fn find_written_victims(
 }
 
 /// Lock one proposed victim. `Err(true)`: busy, try later; `Err(false)`: not resident any more.
-fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId) -> Result<Victim<'a>, bool> {
+fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId, from_cold: bool) -> Result<Victim<'a>, bool> {
     let (r, index) = split_page_id(id);
     let region = regions.get(r).ok_or(false)?;
     if region.is_closing() {
@@ -506,6 +548,10 @@ fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId) -> Res
     // publishes it resident when it unlocks.
     if peek.kind() != Kind::Resident && !peek.stale_entry() {
         return Err(locked);
+    }
+    // A cold id is no entry: a stale mark is not its to take, nor is a page not resident.
+    if from_cold && (peek.kind() != Kind::Resident || peek.stale_entry()) {
+        return Err(false);
     }
     let resident = peek.kind() == Kind::Resident;
     // A resident page the program is mapping over is about to leave the engine, and its entry
@@ -534,6 +580,11 @@ fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId) -> Res
         return Err(true);
     }
     let state = page.state();
+    if from_cold && (state.stale_entry() || !state.in_policy()) {
+        drop(page);
+        release(shared, buf);
+        return Err(false);
+    }
     if state.stale_entry() {
         // The first of the page's entries to come up since it was given back is the stale
         // one (which one does not matter: they are alike), dropped; the page stays as it is.
@@ -555,7 +606,7 @@ fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId) -> Res
         release(shared, buf);
         None
     };
-    Ok(Victim { id, region, index, page, buf, slot: None, next: None, staged: None })
+    Ok(Victim { id, region, index, page, buf, slot: None, next: None, staged: None, from_cold })
 }
 
 /// Call `act` once per maximal run of address-contiguous victims selected by `pick` (victims
@@ -889,7 +940,9 @@ fn unlock_all(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
     for v in victims.iter_mut().filter_map(Option::take) {
         release(shared, v.buf);
         drop(v.page);
-        shared.replacement.on_insert(v.id);
+        if !v.from_cold {
+            shared.replacement.on_insert(v.id);
+        }
     }
 }
 

@@ -97,8 +97,11 @@ fn cold_pages_are_evicted_before_older_ones() {
         return;
     }
     let pagemap = Pagemap::open_self().expect("pagemap");
-    for advise in [false, true] {
-        let engine = engine(std::sync::Arc::new(tiermem_device::MemDevice::new(64 << 20).unwrap()), 512, |_| {});
+    // Queue policies (a cold victim's entry is left stale) and a list policy (taken out).
+    for (replace, advise) in ["seq-protect", "fifo", "clock", "lru"].into_iter().flat_map(|r| [(r, false), (r, true)]) {
+        let engine = engine(std::sync::Arc::new(tiermem_device::MemDevice::new(64 << 20).unwrap()), 512, |c| {
+            c.replace = replace.into()
+        });
         let region = engine.create_region(2048 * PAGE).unwrap();
         write_pages(&region, 0..256);
         assert_eq!(present(&pagemap, &region, 0..256), 256, "all fit the budget");
@@ -111,7 +114,7 @@ fn cold_pages_are_evicted_before_older_ones() {
         write_pages(&region, 256..560);
         let evictions = engine.stats().evictions;
         let (old, cold) = (present(&pagemap, &region, 0..128), present(&pagemap, &region, 128..256));
-        eprintln!("advice {advise}: {evictions} evictions; resident of the oldest 128: {old}, of the next 128: {cold}");
+        eprintln!("{replace}, advice {advise}: {evictions} evictions; resident of the oldest 128: {old}, of the next 128: {cold}");
         assert!(evictions > 0);
         if advise {
             assert_eq!(old, 128, "an older page was evicted while advised-cold pages stayed");
@@ -120,6 +123,15 @@ fn cold_pages_are_evicted_before_older_ones() {
             assert!(old < 128, "without advice the oldest pages go first (else this test shows nothing)");
         }
         check_pages(&region, 0..560);
+        if advise && replace != "lru" {
+            // A cold victim kept its queue entry, marked stale: once the queue comes round to
+            // it, it is dropped, not taken for the page (back since check_pages read it).
+            write_pages(&region, 560..1400);
+            check_pages(&region, 0..1400);
+            let dropped = engine.stats().stale_entries_dropped;
+            eprintln!("{replace}: {dropped} stale entries dropped");
+            assert!(dropped > 0, "{replace}: the cold victims' queue entries were never dropped as stale");
+        }
     }
 }
 
