@@ -208,7 +208,8 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     // If tiermem is killed outright (SIGKILL: nothing to forward), the program goes with it
     // rather than run on, unmanaged by anyone and unreported.
     let us = rustix::process::getpid();
-    // The child inherits the signals blocked below; the program starts with them unblocked.
+    // The child inherits the signals blocked below (this std's Command keeps the parent's mask);
+    // the program starts with them unblocked.
     let unblocked = SignalMask::set_of(&HANDLED_SIGNALS);
     let hook = move || {
         tiermem_sys::child::die_with_parent(us)?;
@@ -230,7 +231,16 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     // Ctrl-C reaches the program (same process group); we stay to report and pass its status on.
     // A SIGTERM or SIGHUP sent to us alone goes on to the program, which ends as it would.
     let pid = child.id() as libc::pid_t;
+    // Signals that came while they were blocked (during setup, before the program existed),
+    // taken off now, before arming ignores SIGINT and SIGQUIT (which would drop them), and
+    // passed on: a Ctrl-C or a SIGTERM during setup ends the program as it would have ended
+    // `tiermem run`.
+    let held = SignalMask::take_pending(&HANDLED_SIGNALS);
     let signals = ForwardSignals::new(pid);
+    for sig in held.into_iter().flatten() {
+        // SAFETY: signalling our own child, not yet reaped.
+        unsafe { libc::kill(pid, sig) };
+    }
     SignalMask::unblock(&HANDLED_SIGNALS);
     // Wait without reaping first: until the program is reaped its pid cannot be reused, so the
     // forwarder never signals a stranger. Then disarm it, then reap (with the rusage).
@@ -382,6 +392,23 @@ impl SignalMask {
         // SAFETY: valid set and out-pointer; changes only this thread's mask.
         unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut previous) };
         Self { previous }
+    }
+
+    /// Take the pending ones among `signals` (blocked) off, without handling them: each signal
+    /// at most once, as the kernel keeps it.
+    fn take_pending(signals: &[libc::c_int; 6]) -> [Option<libc::c_int>; 6] {
+        let set = Self::set_of(signals);
+        let zero = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        let mut taken = [None; 6];
+        for slot in &mut taken {
+            // SAFETY: a valid set and timeout; no siginfo wanted.
+            let sig = unsafe { libc::sigtimedwait(&set, std::ptr::null_mut(), &zero) };
+            if sig <= 0 {
+                break;
+            }
+            *slot = Some(sig);
+        }
+        taken
     }
 
     /// Unblock `signals` in this thread now, whatever guards are held; pending ones are
