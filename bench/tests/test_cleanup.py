@@ -175,8 +175,13 @@ def test_the_matrix_stops_cleanly_on_a_signal(tiermem_root, tmp_path, sig, ignor
                                 "--dir", str(scratch), "--cache", str(tmp_path / "cache")],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=start)
     try:
-        # Past the unlimited run, into one under Linux swap: a swap file is on.
-        assert wait_for(lambda: swap_files(scratch), 240), "no run under Linux swap started"
+        # Past the unlimited run, into one under Linux swap: a swap file is on. A harness that
+        # ended meanwhile (a missing package, a failed run) fails the test at once, with its say.
+        assert wait_for(lambda: swap_files(scratch) or harness.poll() is not None, 240), "no run under Linux swap started"
+        if harness.poll() is not None:
+            _, err = harness.communicate()
+            pytest.fail(f"the harness ended before a run under Linux swap ({harness.returncode}): "
+                        f"{err.decode(errors='replace')[-2000:]}")
         harness.send_signal(sig)
         _, err = harness.communicate(timeout=60)
     finally:

@@ -8,6 +8,15 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+/// One test at a time: the kernel counts an io_uring's locked memory per user, across every
+/// process of nobody's, against each process's own 2 MiB limit, so two tests run side by side
+/// (`cargo test` without `--test-threads=1`) failed each other's io_uring with ENOMEM.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Why the test cannot run here, if it cannot.
 fn skip_reason(binary: &Path) -> Option<String> {
     if !rustix::process::geteuid().is_root() {
@@ -58,6 +67,7 @@ fn micro_as_nobody(binary: &Path, args: &[&str]) -> Output {
 
 #[test]
 fn an_ordinary_user_pages_through_a_user_mode_only_userfaultfd_and_plain_buffers() {
+    let _alone = one_at_a_time();
     let Some(binary) = tiermem_or_skip() else { return };
     let out = micro_as_nobody(binary, &["--system", "tiermem-file,tiermem-mem"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -100,6 +110,7 @@ fn an_ordinary_user_pages_through_a_user_mode_only_userfaultfd_and_plain_buffers
 
 #[test]
 fn an_ordinary_user_runs_a_program_under_tiermem_run() {
+    let _alone = one_at_a_time();
     let Some(binary) = tiermem_or_skip() else { return };
     // 48 MiB touched page by page under a 16 MiB budget: most of it goes to the device and
     // comes back for the sum. Python's bytearray is one malloc, so the shim manages it.
