@@ -1695,26 +1695,11 @@ fn sigterm_to_tiermem_run_reaches_the_program_and_a_device_file_it_made_goes() {
     use std::os::unix::process::ExitStatusExt;
     let scratch = Scratch::new();
     let device = scratch.path().join("made-by-the-run");
-    let device_arg = format!("file:{}", device.display());
     let started = scratch.path().join("started");
     let stats = scratch.path().join("stats");
     std::fs::create_dir(&stats).unwrap();
     let script = format!("echo $$ > {}.tmp; mv {0}.tmp {0}; exec sleep 60", started.display());
-    let mut command = scratch.command(&[
-        "run",
-        "--limit",
-        "16MiB",
-        "--device",
-        &device_arg,
-        "--device-size",
-        "16MiB",
-        "--",
-        "sh",
-        "-c",
-        &script,
-    ]);
-    // Where tempfile puts tiermem's statistics directory, so the test can see it go.
-    command.env("TMPDIR", &stats).stderr(Stdio::piped());
+    let mut command = sh_under_a_run_making_its_device(&scratch, &device, &stats, &script);
     /// If a check fails before the signal: tiermem run and the program stop anyway.
     struct Stop<'a>(Option<std::process::Child>, &'a Path);
     impl Drop for Stop<'_> {
@@ -1755,6 +1740,28 @@ fn sigterm_to_tiermem_run_reaches_the_program_and_a_device_file_it_made_goes() {
     assert!(!device.exists(), "{name}: the device file the run created is still there");
 }
 
+/// `tiermem run` of `sh -c SCRIPT` under a 16 MiB budget with a 16 MiB device file at `device`,
+/// which the run makes (and must remove), and its statistics directory in `stats` (where
+/// tempfile puts it, so a test can see it go); stderr piped.
+fn sh_under_a_run_making_its_device(scratch: &Scratch, device: &Path, stats: &Path, script: &str) -> Command {
+    let device_arg = format!("file:{}", device.display());
+    let mut command = scratch.command(&[
+        "run",
+        "--limit",
+        "16MiB",
+        "--device",
+        &device_arg,
+        "--device-size",
+        "16MiB",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    command.env("TMPDIR", stats).stderr(Stdio::piped());
+    command
+}
+
 /// Signals that keep coming after the program has ended (a second Ctrl-C, a supervisor's
 /// repeated SIGTERM) do not cut `tiermem run`'s cleanup short: from the moment the program
 /// ends until the device file it made and its statistics directory are gone, they are
@@ -1774,7 +1781,6 @@ fn signals_right_after_the_program_ends_do_not_leave_the_run_s_files_behind() {
     for attempt in 0..5 {
         let scratch = Scratch::new();
         let device = scratch.path().join("made-by-the-run");
-        let device_arg = format!("file:{}", device.display());
         let pid_file = scratch.path().join("tiermem-pid");
         let stats = scratch.path().join("stats");
         std::fs::create_dir(&stats).unwrap();
@@ -1792,20 +1798,7 @@ fn signals_right_after_the_program_ends_do_not_leave_the_run_s_files_behind() {
             p = pid_file.display(),
             s = sending.display()
         );
-        let mut command = scratch.command(&[
-            "run",
-            "--limit",
-            "16MiB",
-            "--device",
-            &device_arg,
-            "--device-size",
-            "16MiB",
-            "--",
-            "sh",
-            "-c",
-            &script,
-        ]);
-        command.env("TMPDIR", &stats).stderr(Stdio::piped());
+        let mut command = sh_under_a_run_making_its_device(&scratch, &device, &stats, &script);
         let child = command.spawn().unwrap();
         std::fs::write(pid_file.with_extension("tmp"), child.id().to_string()).unwrap();
         std::fs::rename(pid_file.with_extension("tmp"), &pid_file).unwrap();

@@ -135,12 +135,6 @@ fn cold_pages_are_evicted_before_older_ones() {
     }
 }
 
-/// Resident memory of this process, from /proc/self/statm.
-fn resident_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
-    statm.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 4096
-}
-
 /// Cold advice is acted on by the advising thread, which looks at each page's state once: over
 /// a 64 GiB range with 256 pages resident it lists those 256 and returns (28 ms here; it
 /// reported all 16 M pages one by one through the monitor's ring, waiting for the monitor

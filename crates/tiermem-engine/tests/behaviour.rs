@@ -1476,12 +1476,6 @@ fn an_engine_that_fails_to_start_leaves_no_thread_running() {
     drop(first);
 }
 
-/// Resident memory of this process, from /proc/self/statm.
-fn resident_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
-    statm.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 4096
-}
-
 /// A region's per-page state (8 bytes a page, 16 with slot hashes) is zeroed memory taken as
 /// pages are used, not written out when the region is made: a 256 GiB reservation used in a
 /// few places costs a few pages of it (before, the optimised build happened to turn the

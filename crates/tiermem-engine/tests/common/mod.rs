@@ -66,6 +66,12 @@ pub fn engine(device: Arc<dyn Device>, limit_pages: u64, tweak: impl FnOnce(&mut
     Engine::new(config, device).expect("engine starts")
 }
 
+/// Resident memory of this process, from /proc/self/statm.
+pub fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    statm.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 4096
+}
+
 /// xorshift64*: deterministic, no dependency.
 pub struct Rng(pub u64);
 
