@@ -833,9 +833,6 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         tiermem_monitor::damon::remove_abandoned_instances();
         tiermem_monitor::damon::unmount_tracefs_if_unused(!tracefs_was_mounted);
     }
-    if let Some(path) = created_device {
-        let _ = std::fs::remove_file(path);
-    }
     // Only if the shim changed it: a user who may not write the file (whose guard could not
     // arm) need not hear about it.
     if let Some((path, killer_was_off)) = oom_control.filter(|(path, was)| oom_killer_off(path) != Some(*was)) {
@@ -856,6 +853,12 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     processes.sort_by_key(|p| p["pid"].as_u64());
     drop(_stats_dir_lock);
     drop(stats_dir);
+    // After the statistics directory: a process of the run whose engine starts later (a
+    // descendant that outlived the program) sees it gone and makes no named file of its own
+    // where this one was (the preload shim's `start_engine_threads`).
+    if let Some(path) = created_device {
+        let _ = std::fs::remove_file(path);
+    }
     // Nothing is left to put back. Before any exit: one passing on the program's signal
     // raises it here.
     drop(blocked);

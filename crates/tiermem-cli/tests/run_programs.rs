@@ -1784,9 +1784,8 @@ fn signals_right_after_the_program_ends_do_not_leave_the_run_s_files_behind() {
         let pid_file = scratch.path().join("tiermem-pid");
         let stats = scratch.path().join("stats");
         std::fs::create_dir(&stats).unwrap();
-        // The signaller runs without the shim: a managed process that outlives the run makes a
-        // named device file of its own once the run has removed the first (a known gap: the
-        // run waits for its program, not for the program's descendants).
+        // The signaller runs without the shim: it needs no managed memory, and this test is
+        // about the run's own files (a managed process outliving the run: the next test).
         // The program ends once the signals are coming; the signaller stops when `tiermem run`
         // is gone (a zombie still takes signals: at most 1 M).
         let sending = scratch.path().join("sending");
@@ -1814,6 +1813,39 @@ fn signals_right_after_the_program_ends_do_not_leave_the_run_s_files_behind() {
         assert!(left.is_empty(), "{name} attempt {attempt}: left behind: {left:?}");
         assert!(!device.exists(), "{name} attempt {attempt}: the device file the run created is still there: {err}");
     }
+}
+
+/// A process of the run that outlives the program and starts its engine after the run has ended
+/// (here a Python started by a background subshell a second later) takes an unnamed device file,
+/// not the named one the run made and removed: nobody would remove that one after it (it was
+/// left behind, 16 MiB, before).
+#[test]
+fn a_descendant_that_outlives_the_run_leaves_no_named_device_file() {
+    let name = "a_descendant_that_outlives_the_run_leaves_no_named_device_file";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let device = scratch.path().join("made-by-the-run");
+    let stats = scratch.path().join("stats");
+    std::fs::create_dir(&stats).unwrap();
+    let done = scratch.path().join("straggler-done");
+    // 8 MiB touched: above the threshold, so the straggler starts an engine of its own.
+    let script = format!(
+        "(sleep 1; python3 -c 'import os; b = bytearray(8 << 20); b[::4096] = bytes(2048); \
+         open(\"{d}.tmp\", \"w\").write(str(sum(b))); os.rename(\"{d}.tmp\", \"{d}\")') \
+         </dev/null >/dev/null 2>&1 & exit 0",
+        d = done.display()
+    );
+    let out = sh_under_a_run_making_its_device(&scratch, &device, &stats, &script).output().unwrap();
+    assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !done.exists() {
+        assert!(std::time::Instant::now() < deadline, "{name}: the straggler never finished");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(std::fs::read_to_string(&done).unwrap(), "0", "{name}: the straggler's memory");
+    assert!(!device.exists(), "{name}: a named device file was left behind by a process that outlived the run");
 }
 
 /// A run killed before it could remove its statistics directory (SIGKILL, the OOM killer) leaves

@@ -297,7 +297,19 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
         }
         Ok::<_, tiermem_sys::Error>(device)
     };
-    let device = match open(&settings.device) {
+    // A process of the run whose engine starts after the run has ended (a descendant that
+    // outlived the program: the run's statistics directory is gone) must not make the named
+    // file the run has removed, which nobody would remove after it: an unnamed one beside it.
+    let straggler_spec;
+    let spec = match (&settings.device, &settings.stats_dir) {
+        (tiermem_device::DeviceSpec::File(path), Some(stats)) if !path.exists() && !stats.is_dir() => {
+            let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+            straggler_spec = tiermem_device::DeviceSpec::File(dir.to_path_buf());
+            &straggler_spec
+        }
+        _ => &settings.device,
+    };
+    let device = match open(spec) {
         Ok(d) => d,
         Err(e)
             if e.kind() == ErrorKind::Busy
