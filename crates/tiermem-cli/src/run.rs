@@ -220,22 +220,28 @@ fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> R
     // SAFETY: the hook makes raw system calls only (prctl, getppid, sigprocmask), between fork
     // and exec, and allocates nothing.
     unsafe { std::os::unix::process::CommandExt::pre_exec(&mut command, hook) };
-    // Blocked until the forwarder is armed (the program, whose mask Command resets, may send
-    // or cause one at once); delivered, and passed on, right after.
+    // Blocked until the forwarder is armed (the program may send or cause one at once);
+    // delivered, and passed on, right after.
     let blocked = SignalMask::block(&HANDLED_SIGNALS);
+    // Signals that came during setup, before the program existed, taken off before the fork
+    // and passed on once it exists: a Ctrl-C or a SIGTERM during setup ends the program as it
+    // would have ended `tiermem run`. (Taken after the fork, a Ctrl-C to the process group in
+    // between would reach the program twice; one that comes then is the program's own, and
+    // the forwarder's SIG_IGN drops our copy, as while the program runs.)
+    let held = SignalMask::take_pending(&HANDLED_SIGNALS);
     let started = Instant::now();
     let child = command.spawn().map_err(|e| {
+        // Not started: the held signals are ours again (pending, acted on when unblocked).
+        for sig in held.into_iter().flatten() {
+            // SAFETY: raising a valid signal in this thread, where it is blocked.
+            unsafe { libc::raise(sig) };
+        }
         let kind = if e.kind() == std::io::ErrorKind::NotFound { ErrorKind::NotFound } else { ErrorKind::Io };
         Error::os_kind(kind, e, format!("{CANNOT_START}{}", name.to_string_lossy()))
     })?;
     // Ctrl-C reaches the program (same process group); we stay to report and pass its status on.
     // A SIGTERM or SIGHUP sent to us alone goes on to the program, which ends as it would.
     let pid = child.id() as libc::pid_t;
-    // Signals that came while they were blocked (during setup, before the program existed),
-    // taken off now, before arming ignores SIGINT and SIGQUIT (which would drop them), and
-    // passed on: a Ctrl-C or a SIGTERM during setup ends the program as it would have ended
-    // `tiermem run`.
-    let held = SignalMask::take_pending(&HANDLED_SIGNALS);
     let signals = ForwardSignals::new(pid);
     for sig in held.into_iter().flatten() {
         // SAFETY: signalling our own child, not yet reaped.

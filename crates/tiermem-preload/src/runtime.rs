@@ -300,16 +300,17 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
     // A process of the run whose engine starts after the run has ended (a descendant that
     // outlived the program: the run's statistics directory is gone) must not make the named
     // file the run has removed, which nobody would remove after it: an unnamed one beside it.
-    let straggler_spec;
-    let spec = match (&settings.device, &settings.stats_dir) {
+    // If that fails (a file system without unnamed files), or the directory is gone too, the
+    // named path as before: a leftover file is better than a process that no longer runs.
+    let straggler_dir = match (&settings.device, &settings.stats_dir) {
         (tiermem_device::DeviceSpec::File(path), Some(stats)) if !path.exists() && !stats.is_dir() => {
             let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-            straggler_spec = tiermem_device::DeviceSpec::File(dir.to_path_buf());
-            &straggler_spec
+            dir.is_dir().then(|| dir.to_path_buf())
         }
-        _ => &settings.device,
+        _ => None,
     };
-    let device = match open(spec) {
+    let unnamed = straggler_dir.and_then(|dir| open(&tiermem_device::DeviceSpec::File(dir)).ok());
+    let device = match unnamed.map(Ok).unwrap_or_else(|| open(&settings.device)) {
         Ok(d) => d,
         Err(e)
             if e.kind() == ErrorKind::Busy
@@ -318,7 +319,9 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
             // Another process (our parent, before it exec'ed us) holds the named file: use a
             // private file beside it instead. Not for a block device: beside it is /dev, memory.
             let dir = match &settings.device {
-                tiermem_device::DeviceSpec::File(path) => path.parent().map(std::path::Path::to_path_buf),
+                tiermem_device::DeviceSpec::File(path) => {
+                    path.parent().filter(|p| !p.as_os_str().is_empty()).map(std::path::Path::to_path_buf)
+                }
                 tiermem_device::DeviceSpec::Mem => None,
             }
             .unwrap_or_else(std::env::temp_dir);
