@@ -189,7 +189,6 @@ pub fn remember_footprint(store: &Path, program: &[OsString], footprint: u64) ->
     std::fs::write(store, text).map_err(|e| Error::os(e, format!("writing {}", store.display())))
 }
 
-/// Run `program` and wait for it, collecting the kernel's peak RSS; `prepare` adjusts the command.
 /// How [`spawn_and_wait`] leaves the program: its ending, its time, its peak resident set, and
 /// the signals `tiermem run` reacts to ignored from the moment the program ended, until the
 /// caller has cleaned up and drops this (the dispositions then go back as they were).
@@ -200,6 +199,7 @@ struct Waited {
     ignoring: SignalActions<6>,
 }
 
+/// Run `program` and wait for it, collecting the kernel's peak RSS; `prepare` adjusts the command.
 fn spawn_and_wait(program: &[OsString], prepare: impl FnOnce(&mut Command)) -> Result<Waited> {
     let (name, args) = program.split_first().ok_or_else(|| Error::invalid("no program given after --"))?;
     let mut command = Command::new(name);

@@ -160,7 +160,7 @@ impl Shared {
 
     /// Put `ids` (resident pages advised cold) at the front of the cold list, in order, and
     /// drop the oldest entries past the budget's size.
-    pub(crate) fn list_cold(&self, ids: &[crate::policy::PageId]) {
+    pub(crate) fn push_cold(&self, ids: &[crate::policy::PageId]) {
         let mut cold = self.cold.lock().unwrap_or_else(|e| e.into_inner());
         ids.iter().rev().for_each(|&id| cold.push_front(id));
         cold.truncate(self.limit_pages().max(1) as usize);

@@ -306,7 +306,7 @@ fn list_cold(shared: &Shared, region: &RegionInner, pages: std::ops::Range<u64>)
         }
     }
     if !listed.is_empty() {
-        shared.list_cold(&listed);
+        shared.push_cold(&listed);
     }
 }
 

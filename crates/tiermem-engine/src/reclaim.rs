@@ -183,10 +183,10 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
             (_, true) => {}
         }
         // Its entry was the one that came up: the page is out of the policy. A list policy may
-        // hold another (a page put on the cleaned list by a cold report keeps its list entry):
-        // taken out too, or it would outlive the page.
-        // A cold victim's queue entry is still in the policy: marked stale, dropped when it
-        // comes up (`lock_victim` took it only with no stale mark pending).
+        // hold another (a page taken from the cold list keeps its list entry): taken out too,
+        // or it would outlive the page. A cold victim's queue entry is still in the policy:
+        // marked stale, dropped when it comes up (`lock_victim` took it only with no stale
+        // mark pending).
         let stale = v.from_cold && !shared.replacement.one_entry_per_page();
         page.set(next.with_referenced(false).with_in_policy(false).with_stale_entry(stale || next.stale_entry()));
         if shared.replacement.one_entry_per_page() {
