@@ -286,9 +286,9 @@ fn resolve(
                     locked.set(
                         state.with_kind(Kind::Resident).with_victim(false).with_dirty(!protect).with_in_policy(true),
                     );
+                    shared.replacement.on_insert(id);
                     drop(locked);
                     shared.release_prefetched(state);
-                    shared.replacement.on_insert(id);
                     Stats::add(&shared.stats.counters.victim_hits, 1);
                     shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
                     return Outcome::Resolved;
@@ -298,9 +298,9 @@ fn resolve(
                 locked.set(
                     state.with_kind(Kind::Resident).with_dirty(!protect).with_referenced(false).with_in_policy(true),
                 );
+                shared.replacement.on_insert(id);
                 drop(locked);
                 shared.arena.release(buf);
-                shared.replacement.on_insert(id);
                 Stats::add(&shared.stats.counters.prefetch_hits, 1);
                 // Only prefetch samples wait in their buffers (see `prefetch_sample`).
                 shared.prefetch_sample_ended(true);
@@ -317,8 +317,8 @@ fn resolve(
                 }
                 give_back(false, staging);
                 locked.set(state.with_kind(Kind::Resident).with_dirty(!protect).with_in_policy(true));
-                drop(locked);
                 shared.replacement.on_insert(id);
+                drop(locked);
                 Stats::add(&shared.stats.counters.writeback_hits, 1);
                 shared.stats.record(Path::HitFault, started.elapsed().as_nanos() as u64);
                 return Outcome::Resolved;
@@ -344,8 +344,8 @@ fn resolve(
                 }
                 shared.arena.release(buf);
                 locked.set(state.with_kind(Kind::Resident).with_dirty(!protect).with_in_policy(true));
-                drop(locked);
                 shared.replacement.on_insert(id);
+                drop(locked);
                 Stats::add(&shared.stats.counters.critical_reads, 1);
                 shared.stats.record(Path::CriticalFault, started.elapsed().as_nanos() as u64);
                 // Prefetches submitted with this page are often done by now: map them here
@@ -486,8 +486,8 @@ fn zero_fill_around(
                     .with_dirty(!protect)
                     .with_in_policy(true),
             );
-            drop(page);
             shared.replacement.on_insert(region.id(at));
+            drop(page);
             filled += 1;
         } else if at != index {
             // Only the extra pages' room is given back here; the caller owns the faulting one's.

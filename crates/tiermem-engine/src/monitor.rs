@@ -280,9 +280,10 @@ fn act(shared: &Shared, regions: &RegionTable, report: Report, pending: &mut Pen
     }
 }
 
-/// Put the resident pages of `pages` on the cold list, their referenced bits cleared: by the
-/// program's word, no second chance for a touch before the advice. Pages not resident are
-/// passed over on one load of their state word each.
+/// Put the resident pages of `pages` on the cold list, their referenced bits cleared (by the
+/// program's word, no second chance for a touch before the advice) and their cold hints set
+/// (the entry holds while the page stays in memory). Pages not resident are passed over on one
+/// load of their state word each.
 fn list_cold(shared: &Shared, region: &RegionInner, pages: std::ops::Range<u64>) {
     if region.is_closing() {
         return;
@@ -300,7 +301,7 @@ fn list_cold(shared: &Shared, region: &RegionInner, pages: std::ops::Range<u64>)
         let mut locked = cell.lock();
         let state = locked.state();
         if state.kind() == Kind::Resident {
-            locked.set(state.with_referenced(false));
+            locked.set(state.with_referenced(false).with_cold_hint(true));
             drop(locked);
             listed.push(region.id(page));
         }

@@ -7,7 +7,10 @@
 //! - 5      has slot: `slot` names a device slot reserved for this page
 //! - 6      writing: a write-back of this page to `slot` is in flight from buffer `buf`
 //! - 7      referenced: touched since the replacement policy last looked (second chance)
-//! - 8      victim: prefetched kind only: evicted, its copy waiting in `buf` in the victim tier
+//! - 8      victim (kind prefetched): evicted, its copy waiting in `buf` in the victim tier;
+//!          cold hint (kind resident): advised cold since it last came in, so on the cold list.
+//!          Under another kind it means nothing, and any change of kind clears it: a hint or a
+//!          kept copy belongs to one stay of the page.
 //! - 9      around: dirty only because write fault-around made it writable (maybe unwritten)
 //! - 10     in policy: resident, and its coming in was told to the replacement policy
 //! - 11     stale entry: given back while in the policy; one of its policy entries is stale
@@ -40,7 +43,7 @@ const DIRTY: u64 = 1 << 4;
 const HAS_SLOT: u64 = 1 << 5;
 const WRITING: u64 = 1 << 6;
 const REFERENCED: u64 = 1 << 7;
-const VICTIM: u64 = 1 << 8;
+const VICTIM_OR_COLD: u64 = 1 << 8;
 const AROUND: u64 = 1 << 9;
 const IN_POLICY: u64 = 1 << 10;
 const STALE_ENTRY: u64 = 1 << 11;
@@ -93,7 +96,10 @@ impl PageState {
         self.0 & AROUND != 0
     }
     /// Resident, and its coming in was told to the replacement policy (`on_insert`): the
-    /// policy, the cleaned list or a reclaim batch holds an entry of it.
+    /// policy, the cleaned list or a reclaim batch holds an entry of it. The policy is told
+    /// before the page is unlocked with this bit: a thread that sees the bit (cold reclaim, a
+    /// give-back) and takes the entry out must not find it added after (an entry of a page
+    /// gone, under a list policy).
     pub fn in_policy(self) -> bool {
         self.0 & IN_POLICY != 0
     }
@@ -105,17 +111,23 @@ impl PageState {
     }
     /// Held in the victim tier (kind prefetched): evicted, its copy kept in `buf`.
     pub fn victim(self) -> bool {
-        self.0 & VICTIM != 0
+        self.kind() == Kind::Prefetched && self.0 & VICTIM_OR_COLD != 0
+    }
+    /// Resident and advised cold since it came in: its entry on the cold list is still good
+    /// (an entry of an earlier stay, before an eviction or a give-back, is not).
+    pub fn cold_hint(self) -> bool {
+        self.kind() == Kind::Resident && self.0 & VICTIM_OR_COLD != 0
     }
     /// The arena buffer, meaningful for incoming, prefetched and writing pages.
     pub fn buf(self) -> u32 {
         ((self.0 >> BUF_SHIFT) & BUF_MASK) as u32
     }
 
-    /// Same state with another kind.
+    /// Same state with another kind. A new kind drops the victim bit or cold hint.
     #[must_use]
     pub fn with_kind(self, kind: Kind) -> Self {
-        Self((self.0 & !KIND_MASK) | kind as u64)
+        let kept = if self.kind() == kind { self.0 } else { self.0 & !VICTIM_OR_COLD };
+        Self((kept & !KIND_MASK) | kind as u64)
     }
     /// Same state with the dirty bit set or cleared (either way no longer dirty by presumption:
     /// a write fault, a write-back or a check has settled it).
@@ -149,10 +161,17 @@ impl PageState {
     pub fn with_stale_entry(self, stale: bool) -> Self {
         Self(if stale { self.0 | STALE_ENTRY } else { self.0 & !STALE_ENTRY })
     }
-    /// Same state with the victim bit set or cleared.
+    /// Same state with the victim bit set or cleared (set: kind prefetched only).
     #[must_use]
     pub fn with_victim(self, victim: bool) -> Self {
-        Self(if victim { self.0 | VICTIM } else { self.0 & !VICTIM })
+        debug_assert!(!victim || self.kind() == Kind::Prefetched);
+        Self(if victim { self.0 | VICTIM_OR_COLD } else { self.0 & !VICTIM_OR_COLD })
+    }
+    /// Same state with the cold hint set or cleared (set: kind resident only).
+    #[must_use]
+    pub fn with_cold_hint(self, cold: bool) -> Self {
+        debug_assert!(!cold || self.kind() == Kind::Resident);
+        Self(if cold { self.0 | VICTIM_OR_COLD } else { self.0 & !VICTIM_OR_COLD })
     }
     /// The state of an evicted page whose copy waits in the victim tier in `buf`.
     #[must_use]
@@ -288,22 +307,38 @@ mod tests {
     #[test]
     fn fields_round_trip_without_disturbing_each_other() {
         let s = PageState::UNTOUCHED
-            .with_kind(Kind::Evicted)
+            .with_kind(Kind::Prefetched)
             .with_slot(Some(MAX_SLOT))
             .with_buf(MAX_BUF)
             .with_writing(true)
             .with_victim(true)
             .with_dirty(true);
-        assert_eq!(s.kind(), Kind::Evicted);
+        assert_eq!(s.kind(), Kind::Prefetched);
         assert_eq!(s.slot(), Some(MAX_SLOT));
         assert_eq!(s.buf(), MAX_BUF);
-        assert!(s.writing() && s.dirty() && s.victim() && !s.referenced());
-        let s = s.with_slot(None).with_writing(false).with_victim(false).with_kind(Kind::Resident);
-        assert!(!s.victim());
+        assert!(s.writing() && s.dirty() && s.victim() && !s.referenced() && !s.cold_hint());
+        let s = s.with_slot(None).with_writing(false).with_kind(Kind::Resident);
+        assert!(!s.victim() && !s.cold_hint(), "a new kind drops the victim bit");
         assert_eq!(s.slot(), None);
         assert_eq!(s.buf(), MAX_BUF);
         assert_eq!(s.kind(), Kind::Resident);
         assert!(!s.writing());
+    }
+
+    #[test]
+    fn a_cold_hint_lasts_while_the_page_stays_resident() {
+        let resident = PageState::UNTOUCHED.with_kind(Kind::Resident).with_slot(Some(3)).with_in_policy(true);
+        let cold = resident.with_cold_hint(true);
+        assert!(cold.cold_hint() && !cold.victim());
+        let kept = cold.with_kind(Kind::Resident).with_dirty(true).with_referenced(true).with_writing(true);
+        assert!(kept.cold_hint(), "changes within a stay keep the hint");
+        for kind in [Kind::Evicted, Kind::Untouched, Kind::Incoming, Kind::Prefetched] {
+            let left = cold.with_kind(kind);
+            assert!(!left.victim() && !left.cold_hint(), "{kind:?}");
+            assert!(!left.with_kind(Kind::Resident).cold_hint(), "back from {kind:?}");
+        }
+        assert!(!cold.with_cold_hint(false).cold_hint());
+        assert_eq!(cold.with_cold_hint(false), resident);
     }
 
     #[test]

@@ -165,10 +165,11 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
                     shared.slots.free(slot);
                 }
             }
-            drop(page);
+            // Back to the policy before the page is unlocked (see `PageState::in_policy`).
             if !v.from_cold {
                 shared.replacement.on_insert(v.id);
             }
+            drop(page);
             continue;
         }
         if next.kind() == Kind::Untouched {
@@ -364,7 +365,8 @@ impl<'a> WrittenPages<'a> {
 }
 
 /// Move up to `max` pages from the front of the cold list to `out` (empty when called);
-/// returns how many. Only pages still resident, untouched since the advice, not locked and
+/// returns how many. Only pages resident since the advice (their cold hint set: an entry
+/// from before an eviction or a give-back is of no use), untouched since, not locked and
 /// without a stale entry pending are taken (looked at, not changed: the referenced bit belongs
 /// to the page's policy entry), each once; the rest of what is popped is dropped, at most a
 /// few batches' worth per call. Never waits for the list: a program thread listing cold pages
@@ -385,7 +387,7 @@ fn take_cold(shared: &Shared, regions: &RegionTable, max: usize, out: &mut PageL
         regions.get(r).and_then(|region| region.pages.get(i as usize)).is_some_and(|cell| {
             let (state, locked) = cell.peek_with_lock();
             !locked
-                && state.kind() == Kind::Resident
+                && state.cold_hint()
                 && !state.referenced()
                 && !state.writing()
                 && !state.stale_entry()
@@ -939,10 +941,10 @@ fn copy_unreadable(
 fn unlock_all(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
     for v in victims.iter_mut().filter_map(Option::take) {
         release(shared, v.buf);
-        drop(v.page);
         if !v.from_cold {
             shared.replacement.on_insert(v.id);
         }
+        drop(v.page);
     }
 }
 

@@ -135,6 +135,46 @@ fn cold_pages_are_evicted_before_older_ones() {
     }
 }
 
+/// A cold hint lasts while its page stays in memory. Pages advised cold, then given back
+/// (MADV_DONTNEED) and written again, are new pages: when the budget fills, the older pages go
+/// first, not the new ones on their old hints. (Under `lru` those hints evicted all 128 new
+/// pages before; a queue policy's stale mark hid them.)
+#[test]
+fn a_cold_hint_ends_when_its_page_leaves_memory() {
+    let _serial = serial();
+    if features_or_skip("a_cold_hint_ends_when_its_page_leaves_memory").is_none() {
+        return;
+    }
+    let pagemap = Pagemap::open_self().expect("pagemap");
+    for replace in ["lru", "seq-protect", "fifo", "clock"] {
+        let engine = engine(std::sync::Arc::new(tiermem_device::MemDevice::new(64 << 20).unwrap()), 512, |c| {
+            c.replace = replace.into();
+            c.prefetch = "none".into();
+        });
+        let region = engine.create_region(2048 * PAGE).unwrap();
+        // The oldest 256, then the 128 that are advised cold, given back and written again.
+        write_pages(&region, 0..256);
+        write_pages(&region, 256..384);
+        region.advise(256 * PAGE, 128 * PAGE, Advice::Cold).unwrap();
+        wait_for(&engine, "listed the cold pages", |s| s.cold_listed == 128);
+        region.discard(256 * PAGE, 128 * PAGE).unwrap();
+        write_pages(&region, 256..384);
+        // Past the budget by less than the oldest 256: some 130-160 pages must go.
+        write_pages(&region, 384..640);
+        let evictions = engine.stats().evictions;
+        let (old, renewed) = (present(&pagemap, &region, 0..256), present(&pagemap, &region, 256..384));
+        eprintln!(
+            "{replace}: {evictions} evictions; resident of the oldest 256: {old}, of the 128 written again: {renewed}"
+        );
+        assert!(old < 256, "{replace}: nothing old was evicted (else this test shows nothing)");
+        assert_eq!(
+            renewed, 128,
+            "{replace}: pages written again after a give-back were evicted on their old cold hints"
+        );
+        check_pages(&region, 0..640);
+    }
+}
+
 /// Cold advice is acted on by the advising thread, which looks at each page's state once: over
 /// a 64 GiB range with 256 pages resident it lists those 256 and returns (28 ms here; it
 /// reported all 16 M pages one by one through the monitor's ring, waiting for the monitor
