@@ -8,9 +8,9 @@
 //! - 6      writing: a write-back of this page to `slot` is in flight from buffer `buf`
 //! - 7      referenced: touched since the replacement policy last looked (second chance)
 //! - 8      victim (kind prefetched): evicted, its copy waiting in `buf` in the victim tier;
-//!          cold hint (kind resident): advised cold since it last came in, so on the cold list.
-//!          Under another kind it means nothing, and any change of kind clears it: a hint or a
-//!          kept copy belongs to one stay of the page.
+//!   cold hint (kind resident): advised cold since it last came in, so on the cold list. Under
+//!   another kind it means nothing, and any change of kind clears it: a hint or a kept copy
+//!   belongs to one stay of the page.
 //! - 9      around: dirty only because write fault-around made it writable (maybe unwritten)
 //! - 10     in policy: resident, and its coming in was told to the replacement policy
 //! - 11     stale entry: given back while in the policy; one of its policy entries is stale
