@@ -743,6 +743,11 @@ fn remove_stale_stats_dirs(tmp: &Path) {
     }
 }
 
+/// `path` joined to the current directory if relative (symbolic links left as they are).
+fn absolute(path: &Path) -> Result<PathBuf> {
+    std::path::absolute(path).map_err(|e| Error::os(e, format!("making {} an absolute path", path.display())))
+}
+
 /// `tiermem run`: run `program` under the shim with `settings` and collect what it measured.
 pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     let features = KernelFeatures::probe();
@@ -760,14 +765,22 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     // started from here inherit the mask, so such signals only ever reach this thread.
     let blocked = SignalMask::block(&HANDLED_SIGNALS);
     let left_cgroup = if settings.respect_cgroup { leave_limited_v1_cgroup() } else { None };
-    let tmp = std::env::temp_dir();
+    // Every path handed to the program absolute: its processes may run elsewhere (a shell that
+    // changes directory, a daemon in `/`), where a relative device path made a file there that
+    // the run never removed, as large as the device.
+    let mut settings = settings;
+    settings.device = match settings.device {
+        tiermem_device::DeviceSpec::File(path) => tiermem_device::DeviceSpec::File(absolute(&path)?),
+        other => other,
+    };
+    settings.trace_dir = settings.trace_dir.as_deref().map(absolute).transpose()?;
+    let tmp = absolute(&std::env::temp_dir())?;
     remove_stale_stats_dirs(&tmp);
     let stats_dir = tempfile::Builder::new()
         .prefix(&format!("{STATS_DIR_PREFIX}{}-", std::process::id()))
         .tempdir_in(&tmp)
         .map_err(|e| Error::os(e, "creating a directory for statistics"))?;
     let _stats_dir_lock = lock_stats_dir(stats_dir.path());
-    let mut settings = settings;
     settings.stats_dir = Some(stats_dir.path().to_path_buf());
     let preload = match std::env::var_os("LD_PRELOAD") {
         Some(existing) if !existing.is_empty() => {

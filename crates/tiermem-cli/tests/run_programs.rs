@@ -1848,6 +1848,58 @@ fn a_descendant_that_outlives_the_run_leaves_no_named_device_file() {
     assert!(!device.exists(), "{name}: a named device file was left behind by a process that outlived the run");
 }
 
+/// Relative paths given to `tiermem run` (`--device file:dev.bin`, a relative `TMPDIR`) name the
+/// same files in a program that changes directory: the device file the run made is removed
+/// when it ends, and the statistics reach the run. Before, the program (a shell that went into
+/// a subdirectory, then Python) made `elsewhere/dev.bin`, which nobody removed.
+#[test]
+fn relative_paths_hold_for_a_program_that_changes_directory() {
+    let name = "relative_paths_hold_for_a_program_that_changes_directory";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    std::fs::create_dir(scratch.path().join("tmp")).unwrap();
+    let script = "mkdir elsewhere && cd elsewhere && python3 -c 'b = bytearray(32 << 20); b[::4096] = bytes(8192); print(sum(b))'";
+    let out = scratch
+        .command(&[
+            "run",
+            "--limit",
+            "16MiB",
+            "--device",
+            "file:dev.bin",
+            "--device-size",
+            "64MiB",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
+        .env("TMPDIR", "tmp")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name}: {err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "0", "{name}: the program's memory");
+    let mut left = Vec::new();
+    let mut dirs = vec![scratch.path().to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            if entry.file_type().unwrap().is_dir() {
+                dirs.push(entry.path());
+            }
+            left.push(entry.path().strip_prefix(scratch.path()).unwrap().to_path_buf());
+        }
+    }
+    left.sort();
+    eprintln!("{name}: left in the scratch directory: {left:?}");
+    let expected: Vec<PathBuf> = ["elsewhere", "tmp"].iter().map(PathBuf::from).collect();
+    let left: Vec<PathBuf> = left.into_iter().filter(|p| !p.starts_with("cache")).collect();
+    assert_eq!(left, expected, "{name}: files left behind");
+    let managed = err.lines().find(|l| l.starts_with("managed")).unwrap_or_default();
+    assert!(managed.contains(" 1 processes"), "{name}: the program's statistics did not reach the run: {err}");
+}
+
 /// A run killed before it could remove its statistics directory (SIGKILL, the OOM killer) leaves
 /// it behind; the next run removes it, and only those whose run is gone.
 #[test]
