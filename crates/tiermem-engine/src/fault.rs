@@ -670,10 +670,12 @@ fn read_critical(
     let mut n = 0;
     let want = 1 + on_lane;
     let mut seen = 0;
-    let mut wait_failed = false;
-    while seen < want {
+    // Until the critical read is back, whatever the count says: completions of an earlier
+    // fault's prefetches left on the lane are counted too, and leaving without it would give
+    // its buffer back (read again) while the device may still write into it.
+    while critical_ok.is_none() || seen < want {
         let mut stale = 0;
-        let waited = lane.wait(want - seen, &mut |c| {
+        let waited = lane.wait(want.saturating_sub(seen).max(1), &mut |c| {
             if c.tag == critical_tag {
                 critical_ok = Some(c.result.is_ok());
                 shared.stats.record(Path::CriticalRead, submitted.elapsed().as_nanos() as u64);
@@ -692,10 +694,7 @@ fn read_critical(
         });
         match waited {
             Ok(got) => seen += got - stale,
-            Err(_) => {
-                wait_failed = true;
-                break;
-            }
+            Err(_) => break,
         }
     }
     drop(lane);
@@ -708,8 +707,8 @@ fn read_critical(
         // Completed (maybe before a failed wait): the buffer is the caller's again.
         Some(true) => Ok(()),
         Some(false) => Err(CriticalReadFailed { errno: Errno::IO, buffer_in_use: false }),
-        // Not seen to complete: after a failed wait it may still be in flight.
-        None => Err(CriticalReadFailed { errno: Errno::IO, buffer_in_use: wait_failed }),
+        // Not seen to complete, so the wait failed: it may still be in flight.
+        None => Err(CriticalReadFailed { errno: Errno::IO, buffer_in_use: true }),
     }
 }
 

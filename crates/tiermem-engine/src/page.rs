@@ -96,10 +96,12 @@ impl PageState {
         self.0 & AROUND != 0
     }
     /// Resident, and its coming in was told to the replacement policy (`on_insert`): the
-    /// policy, the cleaned list or a reclaim batch holds an entry of it. The policy is told
-    /// before the page is unlocked with this bit: a thread that sees the bit (cold reclaim, a
-    /// give-back) and takes the entry out must not find it added after (an entry of a page
-    /// gone, under a list policy).
+    /// policy, the cleaned list or a reclaim batch holds an entry of it. Where a page comes in,
+    /// the policy is told before the page is unlocked with this bit: a thread that sees the bit
+    /// (cold reclaim, a give-back) and takes the entry out must not find it added after (an
+    /// entry of a page gone, under a list policy). Two re-insertions still come after the
+    /// page's lock (a victim found busy, a cleaned page found touched): such an entry of a page
+    /// given back meanwhile is dropped when it comes up (the page is not resident).
     pub fn in_policy(self) -> bool {
         self.0 & IN_POLICY != 0
     }

@@ -582,7 +582,9 @@ fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId, from_c
         return Err(true);
     }
     let state = page.state();
-    if from_cold && (state.stale_entry() || !state.in_policy()) {
+    // Looked at again under the lock: since `take_cold` looked, the page may have left and come
+    // back (its hint gone with the stay it was for) or been touched.
+    if from_cold && (state.stale_entry() || !state.in_policy() || !state.cold_hint() || state.referenced()) {
         drop(page);
         release(shared, buf);
         return Err(false);

@@ -1266,12 +1266,19 @@ fn list_policies_forget_closed_regions_and_given_back_pages() {
 
 /// A device whose queues fail some requests: every `every`-th read on a polled queue (the
 /// faulting thread's critical reads) and every `every`-th write on a completion-driven one
-/// reports an I/O error (the data moved all the same, as a request failed by a timeout can).
+/// reports an I/O error (the data moved all the same, as a request failed by a timeout can)
+/// (`every` 0: none). With `strays`, the first wait on a polled queue after each read comes
+/// back with one completion of no request of the fault's (as an earlier fault's prefetch
+/// left on the lane does), before the read's own.
 #[derive(Debug)]
 struct FlakyDevice {
     inner: Arc<dyn tiermem_device::Device>,
     every: u64,
+    strays: bool,
 }
+
+/// The tag of the stray completions: no request of the engine's has it.
+const STRAY_TAG: u64 = u64::MAX;
 
 #[derive(Debug)]
 struct FlakyQueue {
@@ -1280,6 +1287,9 @@ struct FlakyQueue {
     seen: u64,
     /// Tags of the requests this queue will fail.
     doomed: std::collections::HashSet<u64>,
+    strays: bool,
+    /// A read was pushed since the last stray: the next wait delivers one.
+    stray_owed: bool,
 }
 
 impl tiermem_device::Device for FlakyDevice {
@@ -1296,7 +1306,14 @@ impl tiermem_device::Device for FlakyDevice {
         arena: &Arc<tiermem_device::BufferArena>,
     ) -> tiermem_device::Result<Box<dyn tiermem_device::IoQueue>> {
         let inner = self.inner.open_queue(kind, depth, arena)?;
-        Ok(Box::new(FlakyQueue { inner, every: self.every, seen: 0, doomed: Default::default() }))
+        Ok(Box::new(FlakyQueue {
+            inner,
+            every: self.every,
+            seen: 0,
+            doomed: Default::default(),
+            strays: self.strays,
+            stray_owed: false,
+        }))
     }
     fn counters(&self) -> &tiermem_device::DeviceCounters {
         self.inner.counters()
@@ -1334,10 +1351,11 @@ impl tiermem_device::IoQueue for FlakyQueue {
         };
         if chosen {
             self.seen += 1;
-            if self.seen.is_multiple_of(self.every) {
+            if self.every > 0 && self.seen.is_multiple_of(self.every) {
                 self.doomed.insert(tag);
             }
         }
+        self.stray_owed |= polled && self.strays && matches!(request, tiermem_device::Request::Read { .. });
         Ok(())
     }
     fn submit(&mut self) -> tiermem_device::Result<usize> {
@@ -1352,6 +1370,10 @@ impl tiermem_device::IoQueue for FlakyQueue {
         min: usize,
         on_done: &mut dyn FnMut(tiermem_device::Completion),
     ) -> tiermem_device::Result<usize> {
+        if std::mem::take(&mut self.stray_owed) {
+            on_done(tiermem_device::Completion { tag: STRAY_TAG, result: Ok(()) });
+            return Ok(1);
+        }
         let FlakyQueue { inner, doomed, .. } = self;
         inner.wait(min, &mut |c| on_done(fail_if_doomed(doomed, c)))
     }
@@ -1377,7 +1399,7 @@ fn failed_reads_and_writes_of_the_device_lose_nothing_and_kill_nothing() {
         within(std::time::Duration::from_secs(60), "flaky device", move || {
             let pages = 1024usize;
             let inner: Arc<dyn tiermem_device::Device> = Arc::new(MemDevice::new((pages as u64 + 64) * 4096).unwrap());
-            let device = Arc::new(FlakyDevice { inner, every: 7 });
+            let device = Arc::new(FlakyDevice { inner, every: 7, strays: false });
             let engine = engine(device, 128, |c| {
                 c.fault_mode = mode;
                 c.prefetch = "none".into();
@@ -1400,6 +1422,48 @@ fn failed_reads_and_writes_of_the_device_lose_nothing_and_kill_nothing() {
             assert!(stats.io_errors >= 100, "{mode:?}: the device failed too little to test: {}", stats.summary());
         });
     }
+}
+
+/// A critical read is waited for until it is back, whatever else completes on its lane first.
+/// In poll-only mode a fault's prefetches share its lane, and a fault that left before its
+/// prefetches were done leaves their completions there for the next: that fault counted them
+/// as its own and could stop waiting with its read still in flight, then read the page again
+/// into the same buffer and give the buffer back while the device might still write into it.
+/// Here every wait after a read first brings one such stray completion: before, every critical
+/// read was given up for a plain read (an I/O error counted for each).
+#[test]
+fn a_critical_read_is_waited_for_past_other_completions_on_its_lane() {
+    let _serial = serial();
+    let name = "a_critical_read_is_waited_for_past_other_completions_on_its_lane";
+    if features_or_skip(name).is_none() {
+        return;
+    }
+    within(std::time::Duration::from_secs(60), name, move || {
+        let pages = 1024usize;
+        let inner: Arc<dyn tiermem_device::Device> = Arc::new(MemDevice::new((pages as u64 + 64) * 4096).unwrap());
+        let device = Arc::new(FlakyDevice { inner, every: 0, strays: true });
+        let engine = engine(device, 128, |c| {
+            c.io_mode = IoMode::PollOnly;
+            c.prefetch = "none".into();
+        });
+        let region = engine.create_region(pages * 4096).unwrap();
+        let base = region.as_ptr();
+        for round in 0..2u64 {
+            for p in 0..pages {
+                // SAFETY: p < pages, inside the region.
+                unsafe { (base.add(p * 4096) as *mut u64).write_volatile(round * 10_000 + p as u64) };
+            }
+            for p in 0..pages {
+                // SAFETY: as above.
+                let got = unsafe { (base.add(p * 4096) as *const u64).read_volatile() };
+                assert_eq!(got, round * 10_000 + p as u64, "round {round}: page {p}");
+            }
+        }
+        let stats = engine.stats();
+        eprintln!("{name}: {}", stats.summary());
+        assert!(stats.critical_reads >= 1000, "too few critical reads to test: {}", stats.summary());
+        assert_eq!(stats.io_errors, 0, "critical reads given up while in flight: {}", stats.summary());
+    });
 }
 
 /// Pins together never take the whole budget: a caller holding two ranges resident and asking
