@@ -3708,6 +3708,63 @@ fn map_fixed_over_managed_memory_keeps_the_new_mapping_s_data() {
     same_output_in_both_fault_modes(name, MAP_FIXED_OVER, "0 0 0\n", "words wrong (new, before, after)");
 }
 
+/// MAP_FIXED_NOREPLACE where the program has unmapped part of a managed mapping succeeds, as it
+/// does without tiermem, though the region (or a reservation) still holds that range in the
+/// kernel: into a hole the program made, twice (its own memory, then a read-only mapping the
+/// kernel keeps), and again after unmapping that one. Over anything still mapped it fails with
+/// EEXIST and changes nothing. (It failed with EEXIST into every hole.) The expected line is
+/// the program's output without tiermem.
+const MAP_NOREPLACE_INTO_HOLES: &str = r#"
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <sys/mman.h>
+#ifndef MAP_FIXED_NOREPLACE
+#define MAP_FIXED_NOREPLACE 0x100000
+#endif
+static const int RW = PROT_READ | PROT_WRITE, ANON = MAP_PRIVATE | MAP_ANONYMOUS;
+static void fill(unsigned char* p, size_t n, uint64_t seed, size_t base = 0) { for (size_t i = 0; i < n; i += 8) *(uint64_t*)(p + i) = (base + i) * 2654435761u ^ seed; }
+static long bad(unsigned char* p, size_t n, uint64_t seed, size_t base = 0) { long b = 0; for (size_t i = 0; i < n; i += 8) b += *(uint64_t*)(p + i) != ((base + i) * 2654435761u ^ seed); return b; }
+static long nonzero(unsigned char* p, size_t n) { long b = 0; for (size_t i = 0; i < n; i += 8) b += *(uint64_t*)(p + i) != 0; return b; }
+int main() {
+    const size_t mb = 1 << 20, n = 32 * mb;
+    unsigned char* a = (unsigned char*)mmap(nullptr, n, RW, ANON, -1, 0);
+    fill(a, n, 5);
+    if (munmap(a + 8 * mb, 8 * mb) != 0) return 2;
+    unsigned char* h = (unsigned char*)mmap(a + 8 * mb, 4 * mb, RW, ANON | MAP_FIXED_NOREPLACE, -1, 0);
+    if (h != a + 8 * mb) { perror("into the hole"); return 3; }
+    long zeros = nonzero(h, 4 * mb);
+    fill(h, 4 * mb, 9);
+    unsigned char* r = (unsigned char*)mmap(a + 12 * mb, 2 * mb, PROT_READ, ANON | MAP_FIXED_NOREPLACE, -1, 0);
+    if (r != a + 12 * mb) { perror("read-only into the hole"); return 4; }
+    zeros += nonzero(r, 2 * mb);
+    if (mmap(a + 14 * mb, 4 * mb, RW, ANON | MAP_FIXED_NOREPLACE, -1, 0) != MAP_FAILED || errno != EEXIST) return 5;
+    if (mmap(h + mb, mb, RW, ANON | MAP_FIXED_NOREPLACE, -1, 0) != MAP_FAILED || errno != EEXIST) return 6;
+    if (mmap(r, 4096, PROT_READ, ANON | MAP_FIXED_NOREPLACE, -1, 0) != MAP_FAILED || errno != EEXIST) return 7;
+    if (munmap(r, 2 * mb) != 0) return 8;
+    unsigned char* t = (unsigned char*)mmap(r, 2 * mb, RW, ANON | MAP_FIXED_NOREPLACE, -1, 0);
+    if (t != r) { perror("where the read-only mapping was"); return 9; }
+    zeros += nonzero(t, 2 * mb);
+    fill(t, 2 * mb, 13);
+    unsigned char* other = (unsigned char*)malloc(48 * mb);  // pushes everything else out
+    for (size_t i = 0; i < 48 * mb; i += 4096) other[i] = (unsigned char)i;
+    printf("%ld %ld %ld %ld\n", zeros, bad(h, 4 * mb, 9), bad(t, 2 * mb, 13), bad(a, 8 * mb, 5) + bad(a + 16 * mb, 16 * mb, 5, 16 * mb));
+    return 0;
+}
+"#;
+
+#[test]
+fn map_fixed_noreplace_into_a_hole_of_managed_memory_succeeds() {
+    let name = "map_fixed_noreplace_into_a_hole_of_managed_memory_succeeds";
+    same_output_in_both_fault_modes(
+        name,
+        MAP_NOREPLACE_INTO_HOLES,
+        "0 0 0 0\n",
+        "(zeros, new, after the read-only one, old)",
+    );
+}
+
 /// mremap of part of a managed mapping touches that part only, as the kernel's does: shrinking
 /// a prefix or a middle piece in place unmaps just its end, growing one moves it (its pages after
 /// it are the mapping's own), MREMAP_DONTUNMAP moves the pages and leaves the range empty, a

@@ -123,9 +123,10 @@ fn kept_for_kernel(start: usize, end: usize) -> bool {
 
 /// The program's mmap, unmanaged: by the kernel, handing over any managed memory it replaces.
 fn map_as_asked(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut c_void {
-    // MAP_FIXED_NOREPLACE (alone or with MAP_FIXED) fails over existing mappings: nothing to forget.
-    let replaces = flags & libc::MAP_FIXED != 0 && flags & libc::MAP_FIXED_NOREPLACE == 0;
-    if replaces && registry::may_overlap(addr as usize, len) {
+    // MAP_FIXED_NOREPLACE (alone or with MAP_FIXED) fails over existing mappings: nothing to
+    // forget, unless all it meets are pieces of managed memory the program has unmapped.
+    let noreplace = flags & libc::MAP_FIXED_NOREPLACE != 0;
+    if (noreplace || flags & libc::MAP_FIXED != 0) && registry::may_overlap(addr as usize, len) {
         return map_fixed_over_managed(addr, len, prot, flags, fd, off);
     }
     // The caller's own mmap, passed to the kernel unchanged. Its mapping's bookkeeping is kernel
@@ -150,24 +151,22 @@ fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, of
     // Started (if this is the first managed memory) before the registry is locked, as for
     // any other allocation.
     let engine = runtime::engine();
-    let map = || crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, -1i32, off) as libc::c_long;
+    let map = |flags: i32| crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, -1i32, off) as libc::c_long;
     let mut table = registry::lock();
     if registry::overlapping(&table, start, end - start).is_empty() {
-        let mapped = map();
+        let mapped = map(flags);
         if mapped as usize != start {
             return syscall_result(mapped);
         }
-    } else if flags & libc::MAP_FIXED_NOREPLACE != 0 {
-        // Over managed memory, which the kernel refuses to replace (EEXIST): nothing to hand over.
-        drop(table);
-        return map_as_asked(addr, len, prot, flags, -1, off);
     } else {
         // Over managed memory: handed over first, as for any mapping there (regions it
         // replaces whole go), then taken back below with the registry locked again (its
         // regions may have changed meanwhile; the new mapping, which the program has not seen
-        // yet, has not). A failure returns before that lock, which could change errno.
+        // yet, has not). A failure returns before that lock, which could change errno. With
+        // MAP_FIXED_NOREPLACE, only into pieces the program has unmapped (else the kernel
+        // answers EEXIST).
         drop(table);
-        let mapped = replace_managed(start, end, map);
+        let mapped = replace_managed(start, end, |table| fixed_unless_taken(table, start, end, flags, map));
         if mapped as usize != start {
             return syscall_result(mapped);
         }
@@ -236,9 +235,28 @@ unsafe fn adopt_mapping(
 /// lock, so no munmap of the rest releases a region in between.
 fn map_fixed_over_managed(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut c_void {
     let start = addr as usize;
-    // The caller's own mmap, passed to the kernel unchanged.
-    let map = || crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, fd, off) as libc::c_long;
-    syscall_result(replace_managed(start, start.saturating_add(len.next_multiple_of(PAGE_SIZE)), map))
+    let end = start.saturating_add(len.next_multiple_of(PAGE_SIZE));
+    // The caller's own mmap, passed to the kernel unchanged (but for MAP_FIXED_NOREPLACE).
+    let map = |flags: i32| crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, fd, off) as libc::c_long;
+    syscall_result(replace_managed(start, end, |table| fixed_unless_taken(table, start, end, flags, map)))
+}
+
+/// The kernel call of an mmap with a fixed address over managed memory (`map` makes it with
+/// the flags it is given): as asked, but MAP_FIXED_NOREPLACE becomes MAP_FIXED where the
+/// program has nothing mapped in all of `[start, end)` (pieces of managed memory it unmapped,
+/// which the region or a reservation still holds in the kernel), so that it succeeds there as
+/// it does without tiermem. Elsewhere the kernel answers (EEXIST where anything is mapped).
+fn fixed_unless_taken(
+    table: &std::collections::BTreeMap<usize, registry::Entry>,
+    start: usize,
+    end: usize,
+    flags: i32,
+    map: impl FnOnce(i32) -> libc::c_long,
+) -> libc::c_long {
+    if flags & libc::MAP_FIXED_NOREPLACE != 0 && registry::unmapped_by_program(table, start, end) {
+        return map((flags & !libc::MAP_FIXED_NOREPLACE) | libc::MAP_FIXED);
+    }
+    map(flags)
 }
 
 type Ranges = Vec<(usize, usize)>;
@@ -248,7 +266,11 @@ type Ranges = Vec<(usize, usize)>;
 /// The engine first stops filling pages there and gives them up; once the kernel has replaced
 /// them the regions hand those pieces over. All under the registry's lock, so no munmap of
 /// the rest releases a region in between.
-fn replace_managed(start: usize, end: usize, kernel_call: impl FnOnce() -> libc::c_long) -> libc::c_long {
+fn replace_managed(
+    start: usize,
+    end: usize,
+    kernel_call: impl FnOnce(&std::collections::BTreeMap<usize, registry::Entry>) -> libc::c_long,
+) -> libc::c_long {
     let mut table = registry::lock();
     // (region base, piece from, piece to, what its preparation marked)
     let pieces: Vec<(usize, usize, usize, Ranges)> = registry::overlapping(&table, start, end - start)
@@ -259,7 +281,7 @@ fn replace_managed(start: usize, end: usize, kernel_call: impl FnOnce() -> libc:
             (base, from, to, entry.prepare_hand_over(from, to))
         })
         .collect();
-    let mapped = kernel_call();
+    let mapped = kernel_call(&table);
     if mapped as usize != start {
         // As the kernel does, a failed call leaves the memory as it was.
         for (base, _, _, marked) in &pieces {
@@ -571,7 +593,7 @@ pub unsafe extern "C" fn mremap(
     // The caller's own mremap of memory that is not managed.
     let call = || crate::io::sys!(libc::SYS_mremap, old, old_len, new_len, flags, new_addr) as libc::c_long;
     let moved = if onto_managed {
-        replace_managed(target, target.saturating_add(new_len.next_multiple_of(PAGE_SIZE)), call)
+        replace_managed(target, target.saturating_add(new_len.next_multiple_of(PAGE_SIZE)), |_| call())
     } else {
         call()
     };

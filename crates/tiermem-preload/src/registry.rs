@@ -271,6 +271,35 @@ pub fn segments(table: &BTreeMap<usize, Entry>, start: usize, end: usize) -> Vec
     out
 }
 
+/// Whether the program has nothing mapped anywhere in `[start, end)` (non-empty), which lies
+/// wholly in mmap'd regions: only pieces it unmapped, or reserved again after it unmapped what
+/// it had mapped over them. The kernel still holds a mapping there (the region's, or the
+/// reservation), which a MAP_FIXED_NOREPLACE would meet where without tiermem it meets none.
+pub fn unmapped_by_program(table: &BTreeMap<usize, Entry>, start: usize, end: usize) -> bool {
+    let mut at = start;
+    let first = spanning(table, start).unwrap_or(start);
+    for (&base, entry) in table.range(first..end) {
+        let (from, to) = (base.max(start) - base, (base + entry.len()).min(end) - base);
+        if from >= to {
+            continue;
+        }
+        if base + from != at || entry.origin != Origin::Mmap {
+            return false;
+        }
+        let mut gone = entry.unmapped.clone();
+        for &(a, b) in &entry.reserved {
+            tiermem_sys::mem::merge_range(&mut gone, a, b);
+        }
+        // `unmapped` also holds the pieces the program mapped over: those are its mapping now.
+        let covered = gone.iter().any(|&(a, b)| a <= from && to <= b);
+        if !covered || entry.handed_over.iter().any(|&(a, b)| a < to && from < b) {
+            return false;
+        }
+        at = base + to;
+    }
+    start < end && at == end
+}
+
 /// The start of the entry whose region spans `addr`, handed-over pieces included (what
 /// free() and realloc() look a pointer up by: the program may have mapped over its block).
 pub fn spanning(table: &BTreeMap<usize, Entry>, addr: usize) -> Option<usize> {
