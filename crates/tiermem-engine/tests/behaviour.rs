@@ -1385,6 +1385,22 @@ impl tiermem_device::IoQueue for FlakyQueue {
     }
 }
 
+/// `rounds` times: write a word of its own into every page of `region`, then read them all back.
+fn write_and_check_rounds(region: &tiermem_engine::Region, rounds: u64, what: &str) {
+    let (base, pages) = (region.as_ptr(), region.len() / 4096);
+    for round in 0..rounds {
+        for p in 0..pages {
+            // SAFETY: p < pages, inside the region.
+            unsafe { (base.add(p * 4096) as *mut u64).write_volatile(round * 10_000 + p as u64) };
+        }
+        for p in 0..pages {
+            // SAFETY: as above.
+            let got = unsafe { (base.add(p * 4096) as *const u64).read_volatile() };
+            assert_eq!(got, round * 10_000 + p as u64, "{what} round {round}: page {p}");
+        }
+    }
+}
+
 /// A device that fails one critical read and one write-back in seven: nothing is lost and the
 /// program is not killed. A failed read is made again with a plain read; a failed write keeps
 /// the page in memory, dirty, and gives its slot back (kept, the slots ran out: the device here
@@ -1405,18 +1421,7 @@ fn failed_reads_and_writes_of_the_device_lose_nothing_and_kill_nothing() {
                 c.prefetch = "none".into();
             });
             let region = engine.create_region(pages * 4096).unwrap();
-            let base = region.as_ptr();
-            for round in 0..4u64 {
-                for p in 0..pages {
-                    // SAFETY: p < pages, inside the region.
-                    unsafe { (base.add(p * 4096) as *mut u64).write_volatile(round * 10_000 + p as u64) };
-                }
-                for p in 0..pages {
-                    // SAFETY: as above.
-                    let got = unsafe { (base.add(p * 4096) as *const u64).read_volatile() };
-                    assert_eq!(got, round * 10_000 + p as u64, "{mode:?} round {round}: page {p}");
-                }
-            }
+            write_and_check_rounds(&region, 4, &format!("{mode:?}"));
             let stats = engine.stats();
             eprintln!("{mode:?}: {} injected failures survived: {}", stats.io_errors, stats.summary());
             assert!(stats.io_errors >= 100, "{mode:?}: the device failed too little to test: {}", stats.summary());
@@ -1447,18 +1452,7 @@ fn a_critical_read_is_waited_for_past_other_completions_on_its_lane() {
             c.prefetch = "none".into();
         });
         let region = engine.create_region(pages * 4096).unwrap();
-        let base = region.as_ptr();
-        for round in 0..2u64 {
-            for p in 0..pages {
-                // SAFETY: p < pages, inside the region.
-                unsafe { (base.add(p * 4096) as *mut u64).write_volatile(round * 10_000 + p as u64) };
-            }
-            for p in 0..pages {
-                // SAFETY: as above.
-                let got = unsafe { (base.add(p * 4096) as *const u64).read_volatile() };
-                assert_eq!(got, round * 10_000 + p as u64, "round {round}: page {p}");
-            }
-        }
+        write_and_check_rounds(&region, 2, name);
         let stats = engine.stats();
         eprintln!("{name}: {}", stats.summary());
         assert!(stats.critical_reads >= 1000, "too few critical reads to test: {}", stats.summary());
