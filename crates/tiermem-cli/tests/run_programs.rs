@@ -3712,8 +3712,11 @@ fn map_fixed_over_managed_memory_keeps_the_new_mapping_s_data() {
 /// does without tiermem, though the region (or a reservation) still holds that range in the
 /// kernel: into a hole the program made, twice (its own memory, then a read-only mapping the
 /// kernel keeps), and again after unmapping that one. Over anything still mapped it fails with
-/// EEXIST and changes nothing. (It failed with EEXIST into every hole.) The expected line is
-/// the program's output without tiermem.
+/// EEXIST and changes nothing, also with huge pages into a hole smaller than one (the kernel
+/// rounds the length up over mapped memory). munmap of a length past the end of the address
+/// space is EINVAL and changes nothing. (It failed with EEXIST into every hole; such a munmap
+/// unmapped everything above the start but its last gap.) The expected line is the program's
+/// output without tiermem.
 const MAP_NOREPLACE_INTO_HOLES: &str = r#"
 #include <cerrno>
 #include <cstdint>
@@ -3747,9 +3750,18 @@ int main() {
     if (t != r) { perror("where the read-only mapping was"); return 9; }
     zeros += nonzero(t, 2 * mb);
     fill(t, 2 * mb, 13);
+    // Huge pages round the length up to 2 MiB, over memory still mapped after a 1 MiB hole.
+    unsigned char* q = (unsigned char*)(((uintptr_t)a + 17 * mb + 2 * mb - 1) & ~(uintptr_t)(2 * mb - 1));
+    if (munmap(q, mb) != 0) return 10;
+    if (mmap(q, mb, RW, ANON | MAP_HUGETLB | MAP_FIXED_NOREPLACE, -1, 0) != MAP_FAILED || errno != EEXIST) return 11;
+    // Lengths past the end of the address space are refused, and change nothing.
+    if (munmap(a, (size_t)1 << 50) != -1 || errno != EINVAL) return 12;
+    if (munmap(a, SIZE_MAX) != -1 || errno != EINVAL) return 13;
     unsigned char* other = (unsigned char*)malloc(48 * mb);  // pushes everything else out
     for (size_t i = 0; i < 48 * mb; i += 4096) other[i] = (unsigned char)i;
-    printf("%ld %ld %ld %ld\n", zeros, bad(h, 4 * mb, 9), bad(t, 2 * mb, 13), bad(a, 8 * mb, 5) + bad(a + 16 * mb, 16 * mb, 5, 16 * mb));
+    size_t before_q = q - (a + 16 * mb), after_q = a + 32 * mb - (q + mb);
+    long old_words = bad(a, 8 * mb, 5) + bad(a + 16 * mb, before_q, 5, 16 * mb) + bad(q + mb, after_q, 5, q + mb - a);
+    printf("%ld %ld %ld %ld\n", zeros, bad(h, 4 * mb, 9), bad(t, 2 * mb, 13), old_words);
     return 0;
 }
 "#;

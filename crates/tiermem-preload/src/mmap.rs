@@ -236,9 +236,34 @@ unsafe fn adopt_mapping(
 fn map_fixed_over_managed(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut c_void {
     let start = addr as usize;
     let end = start.saturating_add(len.next_multiple_of(PAGE_SIZE));
-    // The caller's own mmap, passed to the kernel unchanged (but for MAP_FIXED_NOREPLACE).
+    // The caller's own mmap, passed to the kernel unchanged, but for MAP_FIXED_NOREPLACE into a
+    // hole (see `fixed_unless_taken`), and that only where the kernel maps `[start, end)`
+    // exactly: huge pages round the length up, over memory the check never looked at.
     let map = |flags: i32| crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, fd, off) as libc::c_long;
-    syscall_result(replace_managed(start, end, |table| fixed_unless_taken(table, start, end, flags, map)))
+    let base_pages = in_base_pages(flags, fd);
+    syscall_result(replace_managed(start, end, |table| {
+        if base_pages {
+            fixed_unless_taken(table, start, end, flags, map)
+        } else {
+            map(flags)
+        }
+    }))
+}
+
+/// Whether an mmap with these flags and descriptor maps 4 KiB pages, its length rounded to
+/// them: not huge pages (MAP_HUGETLB, or a file on hugetlbfs, whose lengths round up to the
+/// huge page size).
+fn in_base_pages(flags: i32, fd: i32) -> bool {
+    if flags & libc::MAP_HUGETLB != 0 {
+        return false;
+    }
+    if flags & libc::MAP_ANONYMOUS != 0 || fd < 0 {
+        return true;
+    }
+    // SAFETY: a zeroed statfs is a valid buffer for fstatfs to fill (a bad descriptor is an error).
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    let rc = crate::io::sys!(libc::SYS_fstatfs, fd, &mut fs as *mut libc::statfs);
+    rc == 0 && fs.f_type != libc::HUGETLBFS_MAGIC
 }
 
 /// The kernel call of an mmap with a fixed address over managed memory (`map` makes it with
@@ -409,11 +434,15 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
         }
         return rc;
     }
-    if !start.is_multiple_of(PAGE_SIZE) || len == 0 {
+    // The kernel's checks first: nothing is done to a range it would refuse (a length past the
+    // end of the address space unmapped every region and gap above `start` before failing on
+    // the last, and one that rounds past 2^64 wrapped to nothing unmapped and success).
+    let end = len.checked_next_multiple_of(PAGE_SIZE).and_then(|n| start.checked_add(n));
+    let within = |end: usize| end <= FOUR_LEVEL_END || end <= user_space_end();
+    let Some(end) = end.filter(|&end| start.is_multiple_of(PAGE_SIZE) && len > 0 && within(end)) else {
         runtime::set_errno(libc::EINVAL);
         return -1;
-    }
-    let end = start.saturating_add(len.next_multiple_of(PAGE_SIZE));
+    };
     let mut table = registry::lock();
     // Managed mmap regions are released when the program has unmapped all of them (a piece
     // unmapped twice counts once). A piece unmapped before then loses its pages at once, but
@@ -455,6 +484,35 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
         0
     }
 }
+
+/// The end of the user address space (the kernel's TASK_SIZE): 2^47 - 4 KiB with four-level
+/// page tables, 2^56 - 4 KiB with five. Which one is probed once, when a range reaches past
+/// the lower: the kernel maps a page at 2^47 only with five levels.
+fn user_space_end() -> usize {
+    const FIVE_LEVELS: usize = (1 << 56) - PAGE_SIZE;
+    static END: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let known = END.load(std::sync::atomic::Ordering::Relaxed);
+    if known != 0 {
+        return known;
+    }
+    // The probe's failure must not show in the caller's errno.
+    let saved = runtime::errno();
+    let at = FOUR_LEVEL_END + PAGE_SIZE;
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED_NOREPLACE;
+    let probe = crate::io::sys!(libc::SYS_mmap, at, PAGE_SIZE, libc::PROT_NONE, flags, -1i32, 0i64) as usize;
+    let end = if probe == at {
+        let _ = crate::io::sys!(libc::SYS_munmap, at, PAGE_SIZE);
+        FIVE_LEVELS
+    } else {
+        FOUR_LEVEL_END
+    };
+    runtime::set_errno(saved);
+    END.store(end, std::sync::atomic::Ordering::Relaxed);
+    end
+}
+
+/// The end of the user address space with four-level page tables (see [`user_space_end`]).
+const FOUR_LEVEL_END: usize = (1 << 47) - PAGE_SIZE;
 
 /// mremap is variadic in C (the fifth argument only with MREMAP_FIXED); on x86-64 the fifth
 /// argument arrives in the same register either way, so it is declared and only read then.
