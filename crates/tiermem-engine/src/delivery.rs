@@ -62,7 +62,7 @@ pub(crate) fn handler_thread(shared: &Shared, uffd: &Uffd, lane: usize, idle: Fa
                 }
                 match handle_fault(shared, addr, write || wp, !wp, lane, true) {
                     Outcome::Resolved => {}
-                    Outcome::NotOurs | Outcome::Retry => {
+                    Outcome::NotOurs | Outcome::Retry | Outcome::NoRoomYet => {
                         // A region going away under a faulting thread, or a page being mapped
                         // over: let it retry and find out.
                         let _ = uffd.wake((addr & !(PAGE_SIZE - 1)) as *mut u8, PAGE_SIZE);
@@ -174,8 +174,9 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *
         // before the engine is dropped).
         let shared = unsafe { &*engine };
         match handle_fault(shared, addr, write, true, lane_hint(), false) {
-            // Retry: the access runs again and meets the program's new mapping.
-            Outcome::Resolved | Outcome::Retry => {
+            // Retry: the access runs again and meets the program's new mapping (or, with no
+            // room yet, faults again once this fault's lock of the region table is let go).
+            Outcome::Resolved | Outcome::Retry | Outcome::NoRoomYet => {
                 // SAFETY: as above.
                 unsafe { *libc::__errno_location() = saved_errno };
                 return;

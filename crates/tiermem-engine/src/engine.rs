@@ -973,11 +973,19 @@ impl Drop for Region {
                     }
                 }
             }
-            // Its cold hints too, before a new region's pages could answer to them.
+            // Its cold hints and cleaned pages too, before a new region's pages could answer to
+            // them (a cleaned id left behind evicted such a page out of turn, and the list's
+            // count held cleaning back).
+            let theirs = |id: &crate::policy::PageId| crate::policy::split_page_id(*id).0 == self.inner.index;
             if self.shared.cold_pages.load(Ordering::Relaxed) > 0 {
                 let mut cold = self.shared.cold.lock().unwrap_or_else(|e| e.into_inner());
-                cold.retain(|&id| crate::policy::split_page_id(id).0 != self.inner.index);
+                cold.retain(|id| !theirs(id));
                 self.shared.cold_pages.store(cold.len() as u64, Ordering::Relaxed);
+            }
+            if self.shared.cleaned_pages.load(Ordering::Relaxed) > 0 {
+                let mut cleaned = self.shared.cleaned.lock().unwrap_or_else(|e| e.into_inner());
+                cleaned.retain(|id| !theirs(id));
+                self.shared.cleaned_pages.store(cleaned.len() as u64, Ordering::Relaxed);
             }
             table.remove(self.inner.index);
             break;
@@ -1038,5 +1046,65 @@ impl Drop for Engine {
         }
         // Regions still alive keep `shared`, and with it the DAMON source's tracefs instance.
         self.stop_damon();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fault that needs room while every resident page belongs to a region being dropped
+    /// (which reclaim leaves alone): the fault waited for room holding the region table's read
+    /// lock, the drop for the write lock to take those pages out, both for ever. Now the fault
+    /// is made again after a while without room, and the drop goes through first.
+    #[test]
+    fn a_fault_needing_room_does_not_hold_up_the_drop_of_the_region_filling_the_budget() {
+        let name = "a_fault_needing_room_does_not_hold_up_the_drop_of_the_region_filling_the_budget";
+        let features = KernelFeatures::probe();
+        if !features.userfaultfd || !features.wp {
+            eprintln!(
+                "SKIPPED {name}: userfaultfd with write-protect unavailable: {}",
+                features.summary_lines().join("; ")
+            );
+            return;
+        }
+        let device = Arc::new(tiermem_device::MemDevice::new(4 << 20).unwrap());
+        // Evicting only at the limit: the budget full of one region's pages leaves no room.
+        let config = EngineConfig {
+            limit_bytes: 64 * 4096,
+            io_buffers: 64,
+            prefetch: "none".into(),
+            evict_watermark: 1.0,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::new(config, device).unwrap();
+        let full = engine.create_region(128 * PAGE_SIZE).unwrap();
+        for p in 0..128 {
+            let page = full.as_ptr().wrapping_add(p * PAGE_SIZE) as *mut u64;
+            // SAFETY: inside the region.
+            unsafe { page.write_volatile(p as u64) };
+        }
+        let other = engine.create_region(16 * PAGE_SIZE).unwrap();
+        // As the drop begins: from here reclaim leaves the region's pages alone.
+        full.inner.closing.store(true, Ordering::SeqCst);
+        let at = other.as_ptr() as usize;
+        let (touched, touched_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            // SAFETY: the first page of `other`, alive until the test ends.
+            unsafe { (at as *mut u64).write_volatile(7) };
+            let _ = touched.send(());
+        });
+        // The fault is waiting for room by now.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let (dropped, dropped_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(full);
+            let _ = dropped.send(());
+        });
+        let wait = std::time::Duration::from_secs(10);
+        assert!(dropped_rx.recv_timeout(wait).is_ok(), "{name}: the region's drop waited for ever");
+        assert!(touched_rx.recv_timeout(wait).is_ok(), "{name}: the fault waited for ever");
+        // SAFETY: as above.
+        assert_eq!(unsafe { (other.as_ptr() as *const u64).read_volatile() }, 7);
     }
 }

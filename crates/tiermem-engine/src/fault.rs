@@ -37,6 +37,9 @@ pub(crate) enum Outcome {
     /// access is to be made again, and finds what is there now (or, if a MAP_FIXED failed,
     /// faults here once more).
     Retry,
+    /// No room came for the page in a while (see [`ROOMLESS_ROUNDS`]): the access is to be
+    /// made again, this fault's locks let go in between.
+    NoRoomYet,
     /// The device could not deliver the page.
     Failed(Errno),
 }
@@ -65,22 +68,37 @@ pub(crate) fn alloc_buffer(shared: &Shared, regions: &RegionTable) -> BufId {
 }
 
 /// Claim room for one resident page; at the hard limit (or past the watermark in on-fault-path
-/// mode) evict on this thread first. Holds no page lock.
-fn reserve_room(shared: &Shared, regions: &RegionTable) {
+/// mode) evict on this thread first. Holds no page lock. False, with nothing claimed, when no
+/// room came for a while: the fault is to be made again (see [`ROOMLESS_ROUNDS`]).
+fn reserve_room(shared: &Shared, regions: &RegionTable) -> bool {
     if shared.config.reclaim_mode == ReclaimMode::OnFaultPath && shared.resident() >= shared.watermark_pages() {
         crate::reclaim::evict_batch(shared, regions, shared.config.reclaim_batch, Path::DirectReclaim);
     }
+    let mut idle = 0;
     loop {
         if shared.try_reserve_resident() {
-            return;
+            return true;
         }
         if crate::reclaim::evict_batch(shared, regions, 8, Path::DirectReclaim) == 0
             && reap_background(shared, regions) == 0
         {
+            idle += 1;
+            if idle == ROOMLESS_ROUNDS {
+                return false;
+            }
             std::thread::yield_now();
+        } else {
+            idle = 0;
         }
     }
 }
+
+/// Rounds in a row with nothing evicted and nothing completed after which a fault stops waiting
+/// for room and is made again. It waits holding the region table's read lock; when the budget
+/// is all pages of a region being dropped (which reclaim leaves alone), the drop waits for the
+/// write lock to take them out and the fault for room: both waited for ever (found in review).
+/// Made again, the fault lets the drop through first.
+const ROOMLESS_ROUNDS: u32 = 1000;
 
 /// Resolve a fault at `addr`. `write` says whether the access was a write; `missing` that the
 /// kernel found no page there (not a write to a protected one); `lane_hint` spreads concurrent
@@ -171,8 +189,8 @@ fn resolve(
     loop {
         let peek = cell.peek();
         let needs_room = matches!(peek.kind(), Kind::Untouched | Kind::Evicted | Kind::Prefetched);
-        if needs_room {
-            reserve_room(shared, regions);
+        if needs_room && !reserve_room(shared, regions) {
+            return Outcome::NoRoomYet;
         }
         let staging = (peek.kind() == Kind::Evicted && !peek.writing()).then(|| alloc_buffer(shared, regions));
         let give_back = |reserved: bool, staging: Option<BufId>| {
@@ -1036,6 +1054,10 @@ pub(crate) fn pin_range(shared: &std::sync::Arc<Shared>, addr: usize, len: usize
         loop {
             match handle_fault(shared, page, write, false, 0, false) {
                 Outcome::Resolved => {}
+                Outcome::NoRoomYet => {
+                    std::thread::yield_now();
+                    continue;
+                }
                 Outcome::NotOurs | Outcome::Retry => {
                     return Err(Error::invalid(format!("address {page:#x} left its region")))
                 }
