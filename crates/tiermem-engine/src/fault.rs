@@ -203,6 +203,15 @@ fn resolve(
         };
         let mut locked = cell.lock();
         let state = locked.state();
+        // Handed over since `handle_fault` looked (this fault waited for room or a buffer in
+        // between): no longer the engine's page to fill. Filled anyway, a copy into the new
+        // mapping failed and, the program having touched it, the page was taken for resident
+        // for good (found in review; the window is too narrow to force in a test).
+        if region.mapping.is_foreign(index as usize * PAGE_SIZE) {
+            drop(locked);
+            give_back(needs_room, staging);
+            return Outcome::Retry;
+        }
         let protect = !write && shared.write_protect;
         match state.kind() {
             Kind::Resident if missing && !is_mapped(shared, page_addr) => {

@@ -1287,7 +1287,9 @@ pub(crate) fn reclaim_thread(shared: &Shared) {
     }
 }
 
-/// Wait until no I/O of `region` is in flight and no thread holds one of its pages.
+/// Wait until no I/O of `region` is in flight and no thread holds one of its pages; after 30 s
+/// say so (the caller looks again under the region table's write lock and comes back here
+/// while the region is still busy: its I/O must end before its pages can go).
 pub(crate) fn quiesce_region(shared: &Shared, region: &RegionInner) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while region.busy() {
@@ -1296,7 +1298,7 @@ pub(crate) fn quiesce_region(shared: &Shared, region: &RegionInner) {
             reap_background(shared, &regions);
         }
         if Instant::now() > deadline {
-            tracing::error!("region still has I/O in flight after 30 s; releasing it anyway");
+            tracing::error!("a region being released still has I/O in flight after 30 s; still waiting");
             return;
         }
         std::thread::yield_now();
