@@ -310,9 +310,7 @@ fn resolve(
                 if state.victim() {
                     // Back from the victim tier: a use of a page evicted not long ago, which
                     // replacement sees as the short refault it is.
-                    locked.set(
-                        state.with_kind(Kind::Resident).with_victim(false).with_dirty(!protect).with_in_policy(true),
-                    );
+                    locked.set(state.with_kind(Kind::Resident).with_dirty(!protect).with_in_policy(true));
                     shared.replacement.on_insert(id);
                     drop(locked);
                     shared.release_prefetched(state);

@@ -118,7 +118,7 @@ impl VictimTier {
         if !is_held(state, buf) {
             return true;
         }
-        locked.set(state.with_kind(Kind::Evicted).with_victim(false));
+        locked.set(state.with_kind(Kind::Evicted));
         drop(locked);
         shared.release_prefetched(state);
         Stats::add(&shared.stats.counters.victim_dropped, 1);
