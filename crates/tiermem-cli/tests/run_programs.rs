@@ -3777,6 +3777,66 @@ fn map_fixed_noreplace_into_a_hole_of_managed_memory_succeeds() {
     );
 }
 
+/// A thread maps at a fixed address into a hole of a managed mapping (a piece unmapped earlier)
+/// while another thread unmaps the rest of it, which releases the region. Without tiermem the
+/// new mapping always stands. The release unmaps the region's range outside the registry's
+/// lock, and a mapping made in that window used to be unmapped with it (MAP_FIXED), or to fail
+/// with EEXIST over the region's range still mapped (MAP_FIXED_NOREPLACE). Counted over 200
+/// rounds: EEXIST, the new mapping gone, its contents wrong.
+const FIXED_MAP_DURING_RELEASE: &str = r#"
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <sys/mman.h>
+#include <thread>
+#include <unistd.h>
+int main() {
+    const size_t mb = 1 << 20, n = 8 * mb;
+    long eexist = 0, gone = 0, bad = 0;
+    for (int round = 0; round < 200; round++) {
+        unsigned char* r = (unsigned char*)mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (r == MAP_FAILED) return 2;
+        memset(r, 1, n);
+        unsigned char* hole = r + mb;
+        std::atomic<int> go{0};
+        unsigned char* mapped = nullptr;
+        int err = 0;
+        int flags = MAP_PRIVATE | MAP_ANONYMOUS | (round % 2 ? MAP_FIXED : MAP_FIXED_NOREPLACE);
+        // Started first: a thread's new stack would go into the free space the holes make.
+        std::thread other([&] {
+            while (!go.load()) {}
+            void* p = mmap(hole, mb, PROT_READ | PROT_WRITE, flags, -1, 0);
+            if (p == MAP_FAILED) { err = errno; return; }
+            mapped = (unsigned char*)p;
+            memset(mapped, 7, mb);
+        });
+        if (munmap(hole, mb) != 0 || munmap(r, mb) != 0) return 3;
+        go.store(1);
+        if (munmap(r + 2 * mb, n - 2 * mb) != 0) return 4;
+        other.join();
+        if (!mapped) { eexist += err == EEXIST; if (err != EEXIST) return 5; continue; }
+        unsigned char v[256];
+        if (mincore(mapped, mb, v) != 0) { gone++; continue; }
+        for (size_t i = 0; i < mb; i += 4096) bad += mapped[i] != 7;
+        munmap(mapped, mb);
+    }
+    printf("%ld %ld %ld\n", eexist, gone, bad);
+    return 0;
+}
+"#;
+
+#[test]
+fn a_fixed_mapping_into_a_hole_stands_while_another_thread_releases_the_region() {
+    let name = "a_fixed_mapping_into_a_hole_stands_while_another_thread_releases_the_region";
+    same_output_in_both_fault_modes(
+        name,
+        FIXED_MAP_DURING_RELEASE,
+        "0 0 0\n",
+        "(rounds whose fixed mapping failed with EEXIST, was unmapped, held wrong data)",
+    );
+}
+
 /// mremap of part of a managed mapping touches that part only, as the kernel's does: shrinking
 /// a prefix or a middle piece in place unmaps just its end, growing one moves it (its pages after
 /// it are the mapping's own), MREMAP_DONTUNMAP moves the pages and leaves the range empty, a

@@ -126,8 +126,12 @@ fn map_as_asked(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, o
     // MAP_FIXED_NOREPLACE (alone or with MAP_FIXED) fails over existing mappings: nothing to
     // forget, unless all it meets are pieces of managed memory the program has unmapped.
     let noreplace = flags & libc::MAP_FIXED_NOREPLACE != 0;
-    if (noreplace || flags & libc::MAP_FIXED != 0) && registry::may_overlap(addr as usize, len) {
-        return map_fixed_over_managed(addr, len, prot, flags, fd, off);
+    if noreplace || flags & libc::MAP_FIXED != 0 {
+        // Regions being released count here until their range is unmapped: the table's lock
+        // then waits for them (`registry::lock_clear_of`).
+        if registry::may_overlap(addr as usize, len) {
+            return map_fixed_over_managed(addr, len, prot, flags, fd, off);
+        }
     }
     // The caller's own mmap, passed to the kernel unchanged. Its mapping's bookkeeping is kernel
     // memory the cgroup charges, which a cgroup tiermem keeps full refuses at once (ENOMEM)
@@ -152,7 +156,7 @@ fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, of
     // any other allocation.
     let engine = runtime::engine();
     let map = |flags: i32| crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, -1i32, off) as libc::c_long;
-    let mut table = registry::lock();
+    let mut table = registry::lock_clear_of(start, end);
     if registry::overlapping(&table, start, end - start).is_empty() {
         let mapped = map(flags);
         if mapped as usize != start {
@@ -296,7 +300,7 @@ fn replace_managed(
     end: usize,
     kernel_call: impl FnOnce(&std::collections::BTreeMap<usize, registry::Entry>) -> libc::c_long,
 ) -> libc::c_long {
-    let mut table = registry::lock();
+    let mut table = registry::lock_clear_of(start, end);
     // (region base, piece from, piece to, what its preparation marked)
     let pieces: Vec<(usize, usize, usize, Ranges)> = registry::overlapping(&table, start, end - start)
         .into_iter()
@@ -322,14 +326,28 @@ fn replace_managed(
         // An mmap'd region goes once the program has unmapped or replaced all of it (its
         // release leaves the pieces handed over mapped); a malloc'd one when it is freed.
         if entry.origin == Origin::Mmap && entry.note_unmapped(from, to) {
-            released.push(registry::remove(&mut table, base).expect("listed above"));
+            released.push(registry::take_for_release(&mut table, base).expect("listed above"));
         }
     }
+    release_outside_lock(table, released);
+    mapped
+}
+
+/// Release `released` (taken out of `table` with [`registry::take_for_release`]) once the
+/// table's lock is let go, their span marked as being released meanwhile (see
+/// [`registry::ReleaseMark`]).
+fn release_outside_lock(
+    mut table: std::sync::MutexGuard<'static, std::collections::BTreeMap<usize, registry::Entry>>,
+    released: Vec<registry::Entry>,
+) {
+    let start = released.iter().map(registry::Entry::base).min();
+    let end = released.iter().map(|e| e.base() + e.len()).max();
+    let mark = start.zip(end).map(|(start, end)| registry::ReleaseMark::new(&mut table, start, end, released.len()));
     drop(table);
     for entry in released {
         runtime::release(entry);
     }
-    mapped
+    drop(mark);
 }
 
 /// Reserve `[start, end)` again (PROT_NONE, as unmapped memory faults) where the program
@@ -443,7 +461,7 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
         runtime::set_errno(libc::EINVAL);
         return -1;
     };
-    let mut table = registry::lock();
+    let mut table = registry::lock_clear_of(start, end);
     // Managed mmap regions are released when the program has unmapped all of them (a piece
     // unmapped twice counts once). A piece unmapped before then loses its pages at once, but
     // its addresses stay reserved until the whole region goes: the engine works on the region's
@@ -466,7 +484,7 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
             continue;
         }
         if entry.note_unmapped(from - base, to - base) {
-            released.push(registry::remove(&mut table, base).expect("listed above"));
+            released.push(registry::take_for_release(&mut table, base).expect("listed above"));
             continue;
         }
         crate::lock::forget(from, to);
@@ -474,10 +492,7 @@ pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
             runtime::say(&["tiermem: munmap() of part of a managed mapping: ", &e.to_string()]);
         }
     }
-    drop(table);
-    for entry in released {
-        runtime::release(entry);
-    }
+    release_outside_lock(table, released);
     if rc != 0 {
         -1
     } else {

@@ -201,6 +201,136 @@ pub fn lock() -> MutexGuard<'static, BTreeMap<usize, Entry>> {
     TABLE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Address ranges of regions taken out of the table to be released, whose release has not
+/// finished: the kernel still maps them until their regions are dropped, outside the table's
+/// lock (see [`ReleaseMark`]). Slots of (start, end); an end of 0 is a free slot.
+const RELEASE_SLOTS: usize = 16;
+static RELEASING: [[AtomicUsize; 2]; RELEASE_SLOTS] = [const { [const { AtomicUsize::new(0) }; 2] }; RELEASE_SLOTS];
+/// Slots taken.
+static RELEASING_COUNT: AtomicUsize = AtomicUsize::new(0);
+/// Releases that found every slot taken: while any runs, every range counts as being released.
+static RELEASING_ANYWHERE: AtomicUsize = AtomicUsize::new(0);
+/// Which process a mark belongs to: a forked child starts a new generation (its copy of a
+/// mark another thread of the parent held is forgotten, and that mark's drop, should the
+/// child's one thread be the one that held it, changes nothing).
+static GENERATION: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// Releases this thread has under way: it never waits for releases then (its own, or
+    /// another thread's while a signal handler of the program runs in the middle of its own).
+    static RELEASING_HERE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Regions being released: marked from when they leave the table (under its lock) until this
+/// is dropped, after their release. A mapping the program makes at a fixed address in their
+/// range meanwhile (in a hole it unmapped earlier, say) waits for the release ([`lock_clear_of`],
+/// [`wait_released`]) instead of being unmapped with the region, or failing with EEXIST over
+/// the range the kernel still maps. The release itself cannot happen under the lock: dropping
+/// a region allocates, and the small heap's lock comes before this one.
+#[derive(Debug)]
+pub struct ReleaseMark {
+    /// The slot, or None for a release counted in [`RELEASING_ANYWHERE`].
+    slot: Option<usize>,
+    /// Regions taken out with [`take_for_release`], still counted live.
+    regions: usize,
+    generation: usize,
+}
+
+impl ReleaseMark {
+    /// Mark `[start, end)`, the span of the `regions` regions the caller took out of the table
+    /// with [`take_for_release`], as being released (under the table's lock, which `_table`
+    /// shows).
+    pub fn new(_table: &mut BTreeMap<usize, Entry>, start: usize, end: usize, regions: usize) -> Self {
+        let generation = GENERATION.load(Ordering::Acquire);
+        RELEASING_HERE.with(|n| n.set(n.get() + 1));
+        // Slots are taken only under the table's lock, so no two threads race for one.
+        let slot = (0..RELEASE_SLOTS).find(|&k| RELEASING[k][1].load(Ordering::Acquire) == 0);
+        match slot {
+            Some(k) => {
+                RELEASING[k][0].store(start, Ordering::Relaxed);
+                RELEASING_COUNT.fetch_add(1, Ordering::AcqRel);
+                RELEASING[k][1].store(end, Ordering::Release);
+            }
+            None => _ = RELEASING_ANYWHERE.fetch_add(1, Ordering::AcqRel),
+        }
+        Self { slot, regions, generation }
+    }
+}
+
+impl Drop for ReleaseMark {
+    fn drop(&mut self) {
+        RELEASING_HERE.with(|n| n.set(n.get().saturating_sub(1)));
+        if self.generation != GENERATION.load(Ordering::Acquire) {
+            return;
+        }
+        match self.slot {
+            Some(k) => {
+                RELEASING[k][1].store(0, Ordering::Release);
+                RELEASING_COUNT.fetch_sub(1, Ordering::AcqRel);
+            }
+            None => _ = RELEASING_ANYWHERE.fetch_sub(1, Ordering::AcqRel),
+        }
+        // Their ranges are unmapped: from here a call there need not look at the table.
+        LIVE.fetch_sub(self.regions, Ordering::AcqRel);
+    }
+}
+
+/// Take entry `base` out of the table to be released outside the lock, under a
+/// [`ReleaseMark`]. It stays counted live until the mark goes, so that [`may_overlap`] sends a
+/// call at a fixed address in its range to the table (and [`lock_clear_of`]) rather than
+/// straight to the kernel, which still maps the range.
+pub fn take_for_release(table: &mut BTreeMap<usize, Entry>, base: usize) -> Option<Entry> {
+    table.remove(&base)
+}
+
+/// In a forked child, where only the forking thread lives: releases the parent's other threads
+/// were making are never finished here, so nothing may wait for them.
+pub fn forget_releases_in_forked_child() {
+    GENERATION.fetch_add(1, Ordering::AcqRel);
+    for slot in &RELEASING {
+        slot[1].store(0, Ordering::Release);
+    }
+    RELEASING_COUNT.store(0, Ordering::Release);
+    RELEASING_ANYWHERE.store(0, Ordering::Release);
+}
+
+/// Whether a release by another thread still holds part of `[start, end)`.
+fn released_by_another(start: usize, end: usize) -> bool {
+    if RELEASING_COUNT.load(Ordering::Acquire) == 0 && RELEASING_ANYWHERE.load(Ordering::Acquire) == 0 {
+        return false;
+    }
+    if RELEASING_HERE.with(std::cell::Cell::get) > 0 {
+        return false;
+    }
+    RELEASING_ANYWHERE.load(Ordering::Acquire) > 0
+        || RELEASING.iter().any(|slot| {
+            let to = slot[1].load(Ordering::Acquire);
+            to != 0 && slot[0].load(Ordering::Relaxed) < end && start < to
+        })
+}
+
+/// Wait until no region overlapping `[start, end)` is being released by another thread: a
+/// mapping at a fixed address made before that would be unmapped with the region. A release
+/// takes milliseconds at most (its pages dropped), so the wait yields rather than sleeps.
+fn wait_released(start: usize, end: usize) {
+    while released_by_another(start, end) {
+        std::thread::yield_now();
+    }
+}
+
+/// The table, locked once no region overlapping `[start, end)` is being released by another
+/// thread (see [`wait_released`]); a release starting later is one the caller sees in the table.
+pub fn lock_clear_of(start: usize, end: usize) -> MutexGuard<'static, BTreeMap<usize, Entry>> {
+    loop {
+        let table = lock();
+        if !released_by_another(start, end) {
+            return table;
+        }
+        drop(table);
+        wait_released(start, end);
+    }
+}
+
 /// Whether `[addr, addr+len)` may touch managed memory (false is certain, true needs a lookup).
 pub fn may_overlap(addr: usize, len: usize) -> bool {
     LIVE.load(Ordering::Acquire) != 0
