@@ -24,7 +24,7 @@ use crate::io::{reap_background, reap_background_for, tag, Op};
 use crate::page::{Kind, PageState};
 use crate::policy::{split_page_id, FaultInfo, PageList};
 use crate::region::{RegionInner, RegionTable};
-use crate::stats::{Path, Stats};
+use crate::stats::{IoErrorKind, Path, Stats};
 
 /// How a fault ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -353,7 +353,7 @@ fn resolve(
                 let slot = state.slot().unwrap_or_default();
                 let info = fault_info(false);
                 if let Err(failed) = read_critical(shared, regions, region, id, slot, buf, &info, lane_hint) {
-                    Stats::add(&shared.stats.counters.io_errors, 1);
+                    shared.stats.io_error(IoErrorKind::CriticalRead, failed.errno.raw_os_error());
                     // A read the device answered with an error (not one left in flight, whose
                     // buffer is still the device's) is made again, plainly: a passing error (a
                     // cancelled or interrupted request, EAGAIN from a polled ring) must not kill
@@ -690,26 +690,29 @@ fn read_critical(
     let poll_only = shared.config.io_mode == IoMode::PollOnly;
     let requests = issue_prefetches(shared, regions, region, info, poll_only.then_some(&mut **lane));
     let on_lane = if poll_only { requests } else { 0 };
-    let mut critical_ok = None;
-    let mut lane_prefetches = [crate::io::Done { tag: 0, ok: false }; PageList::CAPACITY];
+    // The critical read's result once it is back: 0, or its errno.
+    let mut critical = None;
+    let mut lane_prefetches = [crate::io::Done::NONE; PageList::CAPACITY];
     let mut n = 0;
     let want = 1 + on_lane;
     let mut seen = 0;
     // Until the critical read is back, whatever the count says: completions of an earlier
     // fault's prefetches left on the lane are counted too, and leaving without it would give
     // its buffer back (read again) while the device may still write into it.
-    while critical_ok.is_none() || seen < want {
+    // Why the wait itself failed, if it did.
+    let mut wait_error = None;
+    while critical.is_none() || seen < want {
         let mut stale = 0;
         let waited = lane.wait(want.saturating_sub(seen).max(1), &mut |c| {
             if c.tag == critical_tag {
-                critical_ok = Some(c.result.is_ok());
+                critical = Some(crate::io::Done::of(&c).errno);
                 shared.stats.record(Path::CriticalRead, submitted.elapsed().as_nanos() as u64);
             } else if crate::io::is_critical(c.tag) {
                 // An earlier fault's critical read on this lane, given up on (below): not
                 // one this wait is for. Its buffer stayed with it and is not given back.
                 stale += 1;
             } else if n < lane_prefetches.len() {
-                lane_prefetches[n] = crate::io::Done { tag: c.tag, ok: c.result.is_ok() };
+                lane_prefetches[n] = crate::io::Done::of(&c);
                 n += 1;
             } else {
                 // More than fit here (an earlier fault's left on the lane too): processed later,
@@ -719,7 +722,10 @@ fn read_critical(
         });
         match waited {
             Ok(got) => seen += got - stale,
-            Err(_) => break,
+            Err(e) => {
+                wait_error = Some(crate::stats::errno_of(&e));
+                break;
+            }
         }
     }
     drop(lane);
@@ -728,12 +734,15 @@ fn read_critical(
     if n > 0 {
         crate::io::process_all(shared, regions, &lane_prefetches[..n]);
     }
-    match critical_ok {
+    match critical {
         // Completed (maybe before a failed wait): the buffer is the caller's again.
-        Some(true) => Ok(()),
-        Some(false) => Err(CriticalReadFailed { errno: Errno::IO, buffer_in_use: false }),
+        Some(0) => Ok(()),
+        Some(errno) => Err(CriticalReadFailed { errno: Errno::from_raw_os_error(errno), buffer_in_use: false }),
         // Not seen to complete, so the wait failed: it may still be in flight.
-        None => Err(CriticalReadFailed { errno: Errno::IO, buffer_in_use: true }),
+        None => Err(CriticalReadFailed {
+            errno: Errno::from_raw_os_error(wait_error.unwrap_or(libc::EIO)),
+            buffer_in_use: true,
+        }),
     }
 }
 

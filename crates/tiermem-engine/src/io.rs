@@ -23,7 +23,7 @@ use crate::engine::Shared;
 use crate::page::Kind;
 use crate::policy::{split_page_id, PageId};
 use crate::region::RegionTable;
-use crate::stats::{Path, Stats};
+use crate::stats::{IoErrorKind, Path, Stats};
 
 /// What a request was for, kept in the top bits of its tag.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,7 +67,20 @@ fn untag(tag: u64) -> (Option<Op>, PageId) {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Done {
     pub(crate) tag: u64,
-    pub(crate) ok: bool,
+    /// 0 when the page was transferred, else the errno of the failure.
+    pub(crate) errno: i32,
+}
+
+impl Done {
+    pub(crate) const NONE: Self = Self { tag: 0, errno: 0 };
+
+    pub(crate) fn of(c: &Completion) -> Self {
+        Self { tag: c.tag, errno: c.result.as_ref().err().map_or(0, crate::stats::errno_of) }
+    }
+
+    pub(crate) fn ok(self) -> bool {
+        self.errno == 0
+    }
 }
 
 /// The engine's queues.
@@ -193,7 +206,7 @@ impl Queues {
     /// Keep a completion for later processing (taken off a queue by a thread that cannot
     /// process it now).
     pub(crate) fn defer(&self, c: Completion) {
-        lock(&self.deferred).push(Done { tag: c.tag, ok: c.result.is_ok() });
+        lock(&self.deferred).push(Done::of(&c));
     }
 
     pub(crate) fn wake_completion_thread(&self) {
@@ -230,12 +243,12 @@ pub(crate) fn reap_background_for(shared: &Shared, regions: &RegionTable, wanted
 }
 
 fn reap_some(shared: &Shared, regions: &RegionTable, max: usize, wanted: Option<PageId>, wait: bool) -> usize {
-    let mut batch = [Done { tag: 0, ok: false }; 64];
+    let mut batch = [Done::NONE; 64];
     let mut n = 0;
     // Into the batch, or, out of room on the stack, kept for the next pass.
     let keep = |batch: &mut [Done; 64], n: &mut usize, c: Completion| {
         if *n < batch.len() {
-            batch[*n] = Done { tag: c.tag, ok: c.result.is_ok() };
+            batch[*n] = Done::of(&c);
             *n += 1;
         } else {
             shared.queues.defer(c);
@@ -278,7 +291,7 @@ fn reap_some(shared: &Shared, regions: &RegionTable, max: usize, wanted: Option<
 }
 
 fn retry_deferred(shared: &Shared, regions: &RegionTable) -> usize {
-    let mut pending = [Done { tag: 0, ok: false }; 64];
+    let mut pending = [Done::NONE; 64];
     let n = {
         let Ok(mut deferred) = shared.queues.deferred.try_lock() else { return 0 };
         let n = deferred.len().min(pending.len());
@@ -308,7 +321,7 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
         let (first, count) = (first.load(Ordering::Relaxed), count.load(Ordering::Acquire));
         for k in 0..u64::from(count & !RUN_DESCENDING) {
             let id = if count & RUN_DESCENDING != 0 { first - k } else { first + k };
-            process(shared, regions, Done { tag: tag(each, id), ok: done.ok });
+            process(shared, regions, Done { tag: tag(each, id), errno: done.errno });
         }
         return true;
     }
@@ -326,16 +339,16 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
             debug_assert!(state.writing());
             shared.stats.record(Path::WriteBack, shared.queues.elapsed_since_submit(buf));
             let mut next = state.with_writing(false);
-            if !done.ok {
+            if !done.ok() {
                 // The only copy of the data is in the buffer: put it back in memory, dirty,
                 // and forget the bad slot rather than lose the page.
-                Stats::add(&shared.stats.counters.io_errors, 1);
+                shared.stats.io_error(IoErrorKind::WriteBack, done.errno);
                 next = crate::fault::recover_failed_writeback(shared, region, index, state);
             }
             // An evicted page's buffer now holds what its slot holds: it can wait in the
             // victim tier instead of being given back.
             // (Not a buffer of a run: runs are few, and one kept would hold its whole run.)
-            let keep = done.ok
+            let keep = done.ok()
                 && next.kind() == Kind::Evicted
                 && shared.victims.enabled()
                 && !shared.arena.in_run(buf)
@@ -355,7 +368,7 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
             debug_assert_eq!(state.kind(), Kind::Incoming);
             shared.stats.record(Path::Prefetch, shared.queues.elapsed_since_submit(buf));
             // A sample waits in a single buffer: one in a run would keep the whole run taken.
-            let sample_buf = (done.ok && !region.is_closing() && shared.prefetch_sampler.take_sample())
+            let sample_buf = (done.ok() && !region.is_closing() && shared.prefetch_sampler.take_sample())
                 .then(|| single_buffer(shared, buf))
                 .flatten();
             let sampled = sample_buf.is_some();
@@ -363,10 +376,10 @@ fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
                 // Left in its buffer: the program's first touch shows that it was used.
                 Stats::add(&shared.stats.counters.prefetch_sampled, 1);
                 state.with_kind(Kind::Prefetched).with_buf(kept)
-            } else if done.ok {
+            } else if done.ok() {
                 crate::fault::install_prefetched(shared, region, index, state)
             } else {
-                Stats::add(&shared.stats.counters.io_errors, 1);
+                shared.stats.io_error(IoErrorKind::Prefetch, done.errno);
                 shared.arena.release(buf);
                 state.with_kind(Kind::Evicted)
             };

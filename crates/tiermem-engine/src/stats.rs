@@ -106,6 +106,8 @@ pub struct Counters {
     pub memory_waits: AtomicU64,
     /// Device errors seen.
     pub io_errors: AtomicU64,
+    /// The first of them: `kind << 32 | errno` ([`IoErrorKind`]), 0 before any.
+    pub first_io_error: AtomicU64,
     /// Resident pages found unmapped at a fault: dropped behind the engine's back (a madvise
     /// that bypassed it). They read as zeros afterwards, as MADV_DONTNEED promises.
     pub dropped_outside: AtomicU64,
@@ -164,10 +166,45 @@ impl Default for Stats {
     }
 }
 
+/// What a device request that failed was for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoErrorKind {
+    /// The read of a faulting page.
+    CriticalRead = 1,
+    /// A prefetch.
+    Prefetch = 2,
+    /// A write-back.
+    WriteBack = 3,
+}
+
+impl IoErrorKind {
+    fn describe(code: u64) -> &'static str {
+        match code {
+            1 => "a critical read",
+            2 => "a prefetch",
+            3 => "a write-back",
+            _ => "a request",
+        }
+    }
+}
+
+/// The errno of a device error: its OS error's, else EIO (a short transfer, say).
+pub fn errno_of(e: &tiermem_device::Error) -> i32 {
+    e.os_error().and_then(std::io::Error::raw_os_error).unwrap_or(libc::EIO)
+}
+
 impl Stats {
     /// Count one event.
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Count a failed device request, keeping the first one's kind and errno for the summary
+    /// (a count alone does not say whether the disk is failing or full).
+    pub fn io_error(&self, kind: IoErrorKind, errno: i32) {
+        Self::add(&self.counters.io_errors, 1);
+        let code = (kind as u64) << 32 | u64::from(errno.max(1) as u32);
+        let _ = self.counters.first_io_error.compare_exchange(0, code, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     /// Record one latency sample of `path`.
@@ -252,6 +289,14 @@ impl Stats {
             spliced_evictions: l(&c.spliced_evictions),
             memory_waits: l(&c.memory_waits),
             io_errors: l(&c.io_errors),
+            first_io_error: match l(&c.first_io_error) {
+                0 => None,
+                code => Some(format!(
+                    "{}: {}",
+                    IoErrorKind::describe(code >> 32),
+                    std::io::Error::from_raw_os_error((code & 0xffff_ffff) as i32)
+                )),
+            },
             dropped_outside: l(&c.dropped_outside),
             peak_resident_pages: l(&c.peak_resident),
             monitor_reports: l(&c.monitor_reports),
@@ -356,6 +401,10 @@ pub struct StatsSnapshot {
     pub memory_waits: u64,
     /// See [`Counters`].
     pub io_errors: u64,
+    /// The first device error: what the request was for and the error ("a write-back:
+    /// Input/output error (os error 5)").
+    #[serde(default)]
+    pub first_io_error: Option<String>,
     /// See [`Counters`].
     #[serde(default)]
     pub dropped_outside: u64,
@@ -557,10 +606,11 @@ impl StatsSnapshot {
         let read_pages = self.critical_reads + self.prefetch_issued;
         let _ = writeln!(
             s,
-            "bytes           in {:.1} MiB  out {:.1} MiB  errors {}",
+            "bytes           in {:.1} MiB  out {:.1} MiB  errors {}{}",
             mib(read_pages),
             mib(self.writebacks),
-            self.io_errors
+            self.io_errors,
+            self.first_io_error.as_ref().map(|e| format!(" (the first: {e})")).unwrap_or_default()
         );
         let _ = writeln!(
             s,
@@ -616,6 +666,9 @@ impl StatsSnapshot {
         self.spliced_evictions += other.spliced_evictions;
         self.memory_waits += other.memory_waits;
         self.io_errors += other.io_errors;
+        if self.first_io_error.is_none() {
+            self.first_io_error.clone_from(&other.first_io_error);
+        }
         self.dropped_outside += other.dropped_outside;
         self.peak_resident_pages = self.peak_resident_pages.max(other.peak_resident_pages);
         self.monitor_reports += other.monitor_reports;

@@ -1329,7 +1329,9 @@ fn fail_if_doomed(
     mut c: tiermem_device::Completion,
 ) -> tiermem_device::Completion {
     if doomed.remove(&c.tag) {
-        c.result = Err(tiermem_device::Error::new(tiermem_device::ErrorKind::Io, "injected failure"));
+        // An errno no path of the engine makes up (it falls back to EIO), to see it reported.
+        let errno = std::io::Error::from_raw_os_error(libc::EREMOTEIO);
+        c.result = Err(tiermem_device::Error::os(errno, "injected failure"));
     }
     c
 }
@@ -1425,6 +1427,16 @@ fn failed_reads_and_writes_of_the_device_lose_nothing_and_kill_nothing() {
             let stats = engine.stats();
             eprintln!("{mode:?}: {} injected failures survived: {}", stats.io_errors, stats.summary());
             assert!(stats.io_errors >= 100, "{mode:?}: the device failed too little to test: {}", stats.summary());
+            // The first failure is reported with what the request was for and the device's own
+            // errno (with reads and write-backs both failing, either can be first).
+            let first = stats.first_io_error.clone().unwrap_or_default();
+            let remote = std::io::Error::from_raw_os_error(libc::EREMOTEIO).to_string();
+            assert!(
+                (first.starts_with("a critical read: ") || first.starts_with("a write-back: "))
+                    && first.ends_with(&remote),
+                "{mode:?}: the first error reported as {first:?}"
+            );
+            assert!(stats.summary().contains(&format!("(the first: {first})")), "{mode:?}: {}", stats.summary());
         });
     }
 }
