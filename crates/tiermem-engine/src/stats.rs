@@ -190,7 +190,7 @@ impl IoErrorKind {
 
 /// The errno of a device error: its OS error's, else EIO (a short transfer, say).
 pub fn errno_of(e: &tiermem_device::Error) -> i32 {
-    e.os_error().and_then(std::io::Error::raw_os_error).unwrap_or(libc::EIO)
+    e.os_error().and_then(std::io::Error::raw_os_error).filter(|&errno| errno > 0).unwrap_or(libc::EIO)
 }
 
 impl Stats {
@@ -203,7 +203,7 @@ impl Stats {
     /// (a count alone does not say whether the disk is failing or full).
     pub fn io_error(&self, kind: IoErrorKind, errno: i32) {
         Self::add(&self.counters.io_errors, 1);
-        let code = (kind as u64) << 32 | u64::from(errno.max(1) as u32);
+        let code = (kind as u64) << 32 | u64::from(errno as u32);
         let _ = self.counters.first_io_error.compare_exchange(0, code, Ordering::Relaxed, Ordering::Relaxed);
     }
 
@@ -629,7 +629,8 @@ impl StatsSnapshot {
 
     /// Add another process's counts to these (for a program that ran several managed
     /// processes). Counters and path totals add up; percentiles and maxima take the larger one;
-    /// ratios are recomputed where both sides know them.
+    /// ratios are recomputed where both sides know them; the first device error is the first
+    /// process's that had one (in the order merged, not necessarily the earliest).
     pub fn merge(&mut self, other: &StatsSnapshot) {
         let weighted = |a: Option<f64>, wa: u64, b: Option<f64>, wb: u64| match (a, b) {
             (Some(a), Some(b)) if wa + wb > 0 => Some((a * wa as f64 + b * wb as f64) / (wa + wb) as f64),

@@ -548,7 +548,7 @@ pub unsafe extern "C" fn mremap(
         libc::MAP_FAILED
     };
     if registry::may_overlap(start, old_len.max(1)) {
-        let mut table = registry::lock();
+        let mut table = registry::lock_clear_of(start, start.saturating_add(old_len));
         if let Some(base) = registry::containing(&table, start) {
             let entry = table.get_mut(&base).expect("found above");
             let dont_unmap = flags & libc::MREMAP_DONTUNMAP != 0;

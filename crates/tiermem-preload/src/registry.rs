@@ -210,15 +210,41 @@ static RELEASING: [[AtomicUsize; 2]; RELEASE_SLOTS] = [const { [const { AtomicUs
 static RELEASING_COUNT: AtomicUsize = AtomicUsize::new(0);
 /// Releases that found every slot taken: while any runs, every range counts as being released.
 static RELEASING_ANYWHERE: AtomicUsize = AtomicUsize::new(0);
-/// Which process a mark belongs to: a forked child starts a new generation (its copy of a
-/// mark another thread of the parent held is forgotten, and that mark's drop, should the
-/// child's one thread be the one that held it, changes nothing).
-static GENERATION: AtomicUsize = AtomicUsize::new(0);
+/// Regions under marks, still counted in [`LIVE`].
+static RELEASING_REGIONS: AtomicUsize = AtomicUsize::new(0);
+/// The process the marks belong to. A forked child has copies of the marks the parent's other
+/// threads held, which no thread of its own will ever end: the first look from another process
+/// forgets them (see [`marks_are_ours`]), whichever way it was forked (a child of a child, or
+/// a clone without the fork handlers, runs no hook of ours).
+static MARKS_PID: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     /// Releases this thread has under way: it never waits for releases then (its own, or
     /// another thread's while a signal handler of the program runs in the middle of its own).
     static RELEASING_HERE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+fn current_pid() -> usize {
+    crate::io::sys!(libc::SYS_getpid) as usize
+}
+
+/// Whether the marks are this process's, after forgetting them (and the regions they kept
+/// counted live) if they were copied from a parent.
+fn marks_are_ours(me: usize) -> bool {
+    let owner = MARKS_PID.load(Ordering::Acquire);
+    if owner == me {
+        return true;
+    }
+    // One thread forgets them; a mark made here since then is this process's (made after).
+    if MARKS_PID.compare_exchange(owner, me, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        for slot in &RELEASING {
+            slot[1].store(0, Ordering::Release);
+        }
+        RELEASING_COUNT.store(0, Ordering::Release);
+        RELEASING_ANYWHERE.store(0, Ordering::Release);
+        LIVE.fetch_sub(RELEASING_REGIONS.swap(0, Ordering::AcqRel), Ordering::AcqRel);
+    }
+    false
 }
 
 /// Regions being released: marked from when they leave the table (under its lock) until this
@@ -233,7 +259,8 @@ pub struct ReleaseMark {
     slot: Option<usize>,
     /// Regions taken out with [`take_for_release`], still counted live.
     regions: usize,
-    generation: usize,
+    /// The process that made it (a forked child's copy of it is not its own).
+    pid: usize,
 }
 
 impl ReleaseMark {
@@ -241,8 +268,10 @@ impl ReleaseMark {
     /// with [`take_for_release`], as being released (under the table's lock, which `_table`
     /// shows).
     pub fn new(_table: &mut BTreeMap<usize, Entry>, start: usize, end: usize, regions: usize) -> Self {
-        let generation = GENERATION.load(Ordering::Acquire);
+        let pid = current_pid();
+        marks_are_ours(pid);
         RELEASING_HERE.with(|n| n.set(n.get() + 1));
+        RELEASING_REGIONS.fetch_add(regions, Ordering::AcqRel);
         // Slots are taken only under the table's lock, so no two threads race for one.
         let slot = (0..RELEASE_SLOTS).find(|&k| RELEASING[k][1].load(Ordering::Acquire) == 0);
         match slot {
@@ -253,14 +282,16 @@ impl ReleaseMark {
             }
             None => _ = RELEASING_ANYWHERE.fetch_add(1, Ordering::AcqRel),
         }
-        Self { slot, regions, generation }
+        Self { slot, regions, pid }
     }
 }
 
 impl Drop for ReleaseMark {
     fn drop(&mut self) {
         RELEASING_HERE.with(|n| n.set(n.get().saturating_sub(1)));
-        if self.generation != GENERATION.load(Ordering::Acquire) {
+        // In a forked child (a fork from a signal handler in the middle of a release) the copy
+        // was forgotten, or will be.
+        if self.pid != current_pid() {
             return;
         }
         match self.slot {
@@ -271,6 +302,7 @@ impl Drop for ReleaseMark {
             None => _ = RELEASING_ANYWHERE.fetch_sub(1, Ordering::AcqRel),
         }
         // Their ranges are unmapped: from here a call there need not look at the table.
+        RELEASING_REGIONS.fetch_sub(self.regions, Ordering::AcqRel);
         LIVE.fetch_sub(self.regions, Ordering::AcqRel);
     }
 }
@@ -283,23 +315,12 @@ pub fn take_for_release(table: &mut BTreeMap<usize, Entry>, base: usize) -> Opti
     table.remove(&base)
 }
 
-/// In a forked child, where only the forking thread lives: releases the parent's other threads
-/// were making are never finished here, so nothing may wait for them.
-pub fn forget_releases_in_forked_child() {
-    GENERATION.fetch_add(1, Ordering::AcqRel);
-    for slot in &RELEASING {
-        slot[1].store(0, Ordering::Release);
-    }
-    RELEASING_COUNT.store(0, Ordering::Release);
-    RELEASING_ANYWHERE.store(0, Ordering::Release);
-}
-
 /// Whether a release by another thread still holds part of `[start, end)`.
 fn released_by_another(start: usize, end: usize) -> bool {
     if RELEASING_COUNT.load(Ordering::Acquire) == 0 && RELEASING_ANYWHERE.load(Ordering::Acquire) == 0 {
         return false;
     }
-    if RELEASING_HERE.with(std::cell::Cell::get) > 0 {
+    if RELEASING_HERE.with(std::cell::Cell::get) > 0 || !marks_are_ours(current_pid()) {
         return false;
     }
     RELEASING_ANYWHERE.load(Ordering::Acquire) > 0
@@ -310,11 +331,17 @@ fn released_by_another(start: usize, end: usize) -> bool {
 }
 
 /// Wait until no region overlapping `[start, end)` is being released by another thread: a
-/// mapping at a fixed address made before that would be unmapped with the region. A release
-/// takes milliseconds at most (its pages dropped), so the wait yields rather than sleeps.
+/// mapping at a fixed address made before that would be unmapped with the region.
 fn wait_released(start: usize, end: usize) {
+    let mut looks = 0u32;
     while released_by_another(start, end) {
-        std::thread::yield_now();
+        // A release may unmap gigabytes: after a few yields, short sleeps rather than a CPU.
+        if looks < 64 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        looks = looks.saturating_add(1);
     }
 }
 

@@ -648,8 +648,6 @@ pub(crate) extern "C" fn after_fork_in_child() {
     let ForkState { _heap, _table, _kept, hold, done_read, done_write } = state;
     drop(done_read);
     FORKED_CHILD.store(true, Ordering::Release);
-    // A release another thread of the parent was making has no thread here to finish it.
-    registry::forget_releases_in_forked_child();
     // Emptied before the fork, and the only thread now is this one.
     drop(_kept);
     crate::reserve::after_fork_in_child();
