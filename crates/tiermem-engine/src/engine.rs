@@ -767,6 +767,12 @@ impl Engine {
         u64::from(self.shared.arena.end()) * PAGE_SIZE as u64
     }
 
+    /// Single I/O buffers free now, and how many there are: all of them once nothing is in
+    /// flight, no prefetch sample waits and no victim tier holds any (a check that none is lost).
+    pub fn free_io_buffers(&self) -> (u32, u32) {
+        (self.shared.arena.free_count(), self.shared.arena.pages())
+    }
+
     /// Resident managed pages now (the engine's count, never below the kernel's).
     pub fn resident_pages(&self) -> u64 {
         self.shared.resident()

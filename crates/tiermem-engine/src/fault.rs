@@ -349,7 +349,7 @@ fn resolve(
                 return Outcome::Resolved;
             }
             Kind::Evicted if needs_room && staging.is_some() => {
-                let buf = staging.unwrap_or_default();
+                let mut buf = staging.unwrap_or_default();
                 let slot = state.slot().unwrap_or_default();
                 let info = fault_info(false);
                 if let Err(failed) = read_critical(shared, regions, region, id, slot, buf, &info, lane_hint) {
@@ -358,8 +358,22 @@ fn resolve(
                     // buffer is still the device's) is made again, plainly: a passing error (a
                     // cancelled or interrupted request, EAGAIN from a polled ring) must not kill
                     // a program whose page is safe on the device.
-                    if failed.buffer_in_use || !read_again(shared, slot, buf) {
-                        give_back(true, (!failed.buffer_in_use).then_some(buf));
+                    // A read given up on while in flight may still land in its buffer: that
+                    // one is left to it (given back when its completion shows up), and the
+                    // page is read again into another. (The fault used to fail, and the
+                    // program with it.)
+                    if failed.buffer_in_use {
+                        shared.queues.abandon(tag(Op::Critical, id), buf);
+                        match shared.arena.alloc() {
+                            Some(other) => buf = other,
+                            None => {
+                                give_back(true, None);
+                                return Outcome::Failed(failed.errno);
+                            }
+                        }
+                    }
+                    if !read_again(shared, slot, buf) {
+                        give_back(true, Some(buf));
                         return Outcome::Failed(failed.errno);
                     }
                 }
@@ -709,7 +723,8 @@ fn read_critical(
                 shared.stats.record(Path::CriticalRead, submitted.elapsed().as_nanos() as u64);
             } else if crate::io::is_critical(c.tag) {
                 // An earlier fault's critical read on this lane, given up on (below): not
-                // one this wait is for. Its buffer stayed with it and is not given back.
+                // one this wait is for. The buffer it was left is free now.
+                shared.queues.finish_abandoned(&shared.arena, c.tag);
                 stale += 1;
             } else if n < lane_prefetches.len() {
                 lane_prefetches[n] = crate::io::Done::of(&c);

@@ -91,6 +91,9 @@ pub(crate) struct Queues {
     pub(crate) writeback: Mutex<Box<dyn IoQueue>>,
     /// Completions whose page was locked by another thread when reaped; retried later.
     deferred: Mutex<Vec<Done>>,
+    /// Critical reads given up on while in flight (their wait failed), with the buffer each
+    /// may still write into: given back when its completion shows up on a lane.
+    abandoned: Mutex<Vec<(u64, BufId)>>,
     /// Submission time (ns since `epoch`) of the request using each arena buffer.
     submitted_at: Box<[AtomicU64]>,
     /// Per arena run in flight: the page id its first buffer carries, and its page count with
@@ -140,6 +143,7 @@ impl Queues {
             prefetch: Mutex::new(prefetch),
             writeback: Mutex::new(writeback),
             deferred: Mutex::new(Vec::with_capacity(4 * config.queue_depth as usize + 64)),
+            abandoned: Mutex::new(Vec::new()),
             submitted_at: (0..arena.end()).map(|_| AtomicU64::new(0)).collect(),
             runs: (0..tiermem_device::arena::MAX_RUNS).map(|_| Default::default()).collect(),
             epoch: Instant::now(),
@@ -209,6 +213,28 @@ impl Queues {
         lock(&self.deferred).push(Done::of(&c));
     }
 
+    /// Leave `buf` to the critical read `tag`, given up on while it may still be in flight: the
+    /// buffer goes back when that read's completion is seen ([`Queues::finish_abandoned`]). A
+    /// second read of the same page given up on before the first came back keeps its buffer
+    /// for good: a completion would not tell which of the two buffers is free.
+    pub(crate) fn abandon(&self, tag: u64, buf: BufId) {
+        let mut abandoned = lock(&self.abandoned);
+        if !abandoned.iter().any(|&(t, _)| t == tag) {
+            abandoned.push((tag, buf));
+        }
+    }
+
+    /// A critical read's completion that no fault waits for: give back the buffer it was
+    /// left, if it was one given up on ([`Queues::abandon`]).
+    pub(crate) fn finish_abandoned(&self, arena: &BufferArena, tag: u64) {
+        let mut abandoned = lock(&self.abandoned);
+        if let Some(k) = abandoned.iter().position(|&(t, _)| t == tag) {
+            let (_, buf) = abandoned.swap_remove(k);
+            drop(abandoned);
+            arena.release(buf);
+        }
+    }
+
     pub(crate) fn wake_completion_thread(&self) {
         let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
     }
@@ -275,7 +301,9 @@ fn reap_some(shared: &Shared, regions: &RegionTable, max: usize, wanted: Option<
                 continue;
             }
             q.reap(max, &mut |c: Completion| {
-                if !is_critical(c.tag) {
+                if is_critical(c.tag) {
+                    shared.queues.finish_abandoned(&shared.arena, c.tag);
+                } else {
                     keep(&mut batch, &mut n, c);
                 }
             });
