@@ -82,19 +82,44 @@ pub(crate) fn pin_for_call(
     kernel_writes: bool,
     holding: bool,
 ) -> tiermem_engine::PinGuard {
+    pin_up_to(engine, at, len, kernel_writes, holding, false).0
+}
+
+/// [`pin_for_call`] for the first `len` bytes from `at` or, with `shrink`, as many of them as
+/// the budget lets be held now (at least to the end of the first page): the budget can shrink
+/// between sizing a piece and pinning it (the cgroup watch following a burst of unmanaged
+/// memory), and a shorter piece is a short read or write, which callers handle, where a
+/// refusal ended the program. Returns the pin and the bytes it holds.
+fn pin_up_to(
+    engine: &tiermem_engine::Engine,
+    at: usize,
+    mut len: usize,
+    kernel_writes: bool,
+    holding: bool,
+    shrink: bool,
+) -> (tiermem_engine::PinGuard, usize) {
     let started = std::time::Instant::now();
     loop {
         match engine.prepare_kernel_access(at as *const u8, len, kernel_writes) {
-            Ok(pin) => return pin,
+            Ok(pin) => return (pin, len),
             Err(e)
                 if e.kind() == tiermem_sys::ErrorKind::Busy
                     && !(holding && started.elapsed() > std::time::Duration::from_secs(2)) =>
             {
                 std::thread::sleep(std::time::Duration::from_micros(200))
             }
+            Err(e) if shrink && e.kind() == tiermem_sys::ErrorKind::InvalidInput && shorter_piece(at, len) < len => {
+                len = shorter_piece(at, len);
+            }
             Err(e) => runtime::die(&["tiermem: cannot make a system call's buffer resident: ", &e.to_string()]),
         }
     }
+}
+
+/// Half of a piece of `len` bytes from `at`, but never less than what lies in its first page.
+fn shorter_piece(at: usize, len: usize) -> usize {
+    let first_page = PAGE_SIZE - at % PAGE_SIZE;
+    (len / 2).max(first_page).min(len)
 }
 
 /// Run `op(ptr, len)` over `[buf, buf+len)` in pieces, each held resident while the kernel copies
@@ -114,7 +139,12 @@ fn in_resident_pieces(
     while done < len {
         let at = buf as usize + done;
         let (piece, managed) = stretch(at, (len - done).min(CHUNK_BYTES).min(budget_piece));
-        let _pin = if managed { Some(pin_for_call(engine, at, piece, kernel_writes, false)) } else { None };
+        let (_pin, piece) = if managed {
+            let (pin, held) = pin_up_to(engine, at, piece, kernel_writes, false, true);
+            (Some(pin), held)
+        } else {
+            (None, piece)
+        };
         let n = op(at as *mut c_void, piece);
         if n < 0 {
             return if done > 0 { done as isize } else { n };
@@ -604,4 +634,20 @@ pub unsafe extern "C" fn fwrite_unlocked(
 ) -> usize {
     let real = real!("fwrite_unlocked", StdioFn);
     stdio_pieces(real, buf.cast_mut(), size, count, stream, false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{shorter_piece, PAGE_SIZE};
+
+    #[test]
+    fn a_piece_halves_down_to_what_lies_in_its_first_page() {
+        assert_eq!(shorter_piece(0, 16 * PAGE_SIZE), 8 * PAGE_SIZE);
+        // From the middle of a page: half, or the rest of the first page if that is more.
+        assert_eq!(shorter_piece(100, 3 * PAGE_SIZE), 3 * PAGE_SIZE / 2);
+        assert_eq!(shorter_piece(100, PAGE_SIZE), PAGE_SIZE - 100);
+        // Nothing shorter to offer: the caller gives up.
+        assert_eq!(shorter_piece(PAGE_SIZE - 8, 8), 8);
+        assert_eq!(shorter_piece(0, PAGE_SIZE), PAGE_SIZE);
+    }
 }
