@@ -102,7 +102,8 @@ fn is_large(size: usize) -> bool {
 
 /// What [`take_malloc_entry`] found at a pointer.
 enum Found {
-    Ours(Entry),
+    /// Taken out of the registry, to be released under its mark (see `registry::ReleaseMark`).
+    Ours(Entry, registry::ReleaseMark),
     NotOurs,
 }
 
@@ -135,10 +136,13 @@ fn take_malloc_entry(ptr: usize, what: &str) -> Found {
     if entry.user != ptr {
         runtime::die(&["tiermem: ", what, "() of a pointer inside a managed allocation, not its start"]);
     }
-    let entry = registry::remove(&mut table, base).expect("entry found above");
+    // Released under a mark, as munmap releases: the program may have mapped over part of the
+    // block and unmapped that again, and another thread may map there while the region goes.
+    let entry = registry::take_for_release(&mut table, base).expect("entry found above");
+    let mark = registry::ReleaseMark::new(&mut table, base, base + entry.len(), 1);
     drop(table);
     registry::remember_freed(ptr);
-    Found::Ours(entry)
+    Found::Ours(entry, mark)
 }
 
 /// # Safety
@@ -190,7 +194,10 @@ pub unsafe extern "C" fn free(ptr: *mut c_void) {
         return unsafe { heap::free(ptr) };
     }
     match take_malloc_entry(ptr as usize, "free") {
-        Found::Ours(entry) => runtime::release(entry),
+        Found::Ours(entry, mark) => {
+            runtime::release(entry);
+            drop(mark);
+        }
         // SAFETY: not ours, so the C library's (or a bug the C library reports).
         Found::NotOurs => unsafe { __libc_free(ptr) },
     }

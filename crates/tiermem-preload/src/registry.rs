@@ -308,9 +308,9 @@ impl Drop for ReleaseMark {
 }
 
 /// Take entry `base` out of the table to be released outside the lock, under a
-/// [`ReleaseMark`]. It stays counted live until the mark goes, so that [`may_overlap`] sends a
-/// call at a fixed address in its range to the table (and [`lock_clear_of`]) rather than
-/// straight to the kernel, which still maps the range.
+/// [`ReleaseMark`] (the only way an entry leaves). It stays counted live until the mark goes,
+/// so that [`may_overlap`] sends a call at a fixed address in its range to the table (and
+/// [`lock_clear_of`]) rather than straight to the kernel, which still maps the range.
 pub fn take_for_release(table: &mut BTreeMap<usize, Entry>, base: usize) -> Option<Entry> {
     table.remove(&base)
 }
@@ -376,12 +376,6 @@ pub fn insert(table: &mut BTreeMap<usize, Entry>, entry: Entry) {
     HIGHEST.fetch_max(end, Ordering::AcqRel);
     table.insert(base, entry);
     LIVE.fetch_add(1, Ordering::AcqRel);
-}
-
-pub fn remove(table: &mut BTreeMap<usize, Entry>, base: usize) -> Option<Entry> {
-    let entry = table.remove(&base)?;
-    LIVE.fetch_sub(1, Ordering::AcqRel);
-    Some(entry)
 }
 
 /// The start of the entry whose region contains `addr` (not in a piece handed over).
