@@ -186,6 +186,8 @@ fn resolve(
         hit,
     };
     let mut waited_on_prefetch = false;
+    // Critical reads of this fault given up on while in flight.
+    let mut abandoned_reads = 0;
     loop {
         let peek = cell.peek();
         let needs_room = matches!(peek.kind(), Kind::Untouched | Kind::Evicted | Kind::Prefetched);
@@ -349,10 +351,10 @@ fn resolve(
                 return Outcome::Resolved;
             }
             Kind::Evicted if needs_room && staging.is_some() => {
-                let mut buf = staging.unwrap_or_default();
+                let buf = staging.unwrap_or_default();
                 let slot = state.slot().unwrap_or_default();
                 let info = fault_info(false);
-                if let Err(failed) = read_critical(shared, regions, region, id, slot, buf, &info, lane_hint) {
+                if let Err(failed) = read_critical(shared, regions, region, slot, buf, &info, lane_hint) {
                     shared.stats.io_error(IoErrorKind::CriticalRead, failed.errno.raw_os_error());
                     // A read the device answered with an error (not one left in flight, whose
                     // buffer is still the device's) is made again, plainly: a passing error (a
@@ -360,17 +362,17 @@ fn resolve(
                     // a program whose page is safe on the device.
                     // A read given up on while in flight may still land in its buffer: that
                     // one is left to it (given back when its completion shows up), and the
-                    // page is read again into another. (The fault used to fail, and the
-                    // program with it.)
+                    // fault starts again with another, a few times (the fault used to fail,
+                    // and the program with it; a lane whose waits keep failing is not waited
+                    // on for ever, each time leaving a buffer behind).
                     if failed.buffer_in_use {
-                        shared.queues.abandon(tag(Op::Critical, id), buf);
-                        match shared.arena.alloc() {
-                            Some(other) => buf = other,
-                            None => {
-                                give_back(true, None);
-                                return Outcome::Failed(failed.errno);
-                            }
+                        shared.queues.abandon(buf);
+                        give_back(true, None);
+                        if abandoned_reads < ABANDONED_READS_PER_FAULT {
+                            abandoned_reads += 1;
+                            continue;
                         }
+                        return Outcome::Failed(failed.errno);
                     }
                     if !read_again(shared, slot, buf) {
                         give_back(true, Some(buf));
@@ -686,13 +688,15 @@ fn read_critical(
     shared: &Shared,
     regions: &RegionTable,
     region: &RegionInner,
-    id: u64,
     slot: u64,
     buf: BufId,
     info: &FaultInfo,
     lane_hint: usize,
 ) -> Result<(), CriticalReadFailed> {
-    let critical_tag = tag(Op::Critical, id);
+    // Named by its buffer, not its page: no other read has that buffer while this one may be
+    // in flight, so a completion of an earlier read of the same page given up on (which
+    // finished in its own buffer) is never taken for this one.
+    let critical_tag = tag(Op::Critical, u64::from(buf));
     let mut lane = shared.queues.lane(lane_hint);
     let submitted = Instant::now();
     lane.push(Request::Read { slot, buf }, critical_tag)
@@ -1033,6 +1037,9 @@ pub(crate) fn recover_failed_writeback(
         }
     }
 }
+
+/// Times one fault starts again after a critical read given up on while in flight.
+const ABANDONED_READS_PER_FAULT: u32 = 3;
 
 /// Pages of the budget pins never take, for the faults that bring pinned pages in.
 const PIN_HEADROOM_PAGES: u64 = 16;

@@ -91,9 +91,9 @@ pub(crate) struct Queues {
     pub(crate) writeback: Mutex<Box<dyn IoQueue>>,
     /// Completions whose page was locked by another thread when reaped; retried later.
     deferred: Mutex<Vec<Done>>,
-    /// Critical reads given up on while in flight (their wait failed), with the buffer each
-    /// may still write into: given back when its completion shows up on a lane.
-    abandoned: Mutex<Vec<(u64, BufId)>>,
+    /// Buffers of critical reads given up on while in flight (their wait failed): given back
+    /// when the read's completion shows up on a lane (a critical read's tag names its buffer).
+    abandoned: Mutex<Vec<BufId>>,
     /// Submission time (ns since `epoch`) of the request using each arena buffer.
     submitted_at: Box<[AtomicU64]>,
     /// Per arena run in flight: the page id its first buffer carries, and its page count with
@@ -213,23 +213,19 @@ impl Queues {
         lock(&self.deferred).push(Done::of(&c));
     }
 
-    /// Leave `buf` to the critical read `tag`, given up on while it may still be in flight: the
-    /// buffer goes back when that read's completion is seen ([`Queues::finish_abandoned`]). A
-    /// second read of the same page given up on before the first came back keeps its buffer
-    /// for good: a completion would not tell which of the two buffers is free.
-    pub(crate) fn abandon(&self, tag: u64, buf: BufId) {
-        let mut abandoned = lock(&self.abandoned);
-        if !abandoned.iter().any(|&(t, _)| t == tag) {
-            abandoned.push((tag, buf));
-        }
+    /// Leave `buf` to the critical read into it, given up on while it may still be in flight:
+    /// the buffer goes back when that read's completion is seen ([`Queues::finish_abandoned`]).
+    pub(crate) fn abandon(&self, buf: BufId) {
+        lock(&self.abandoned).push(buf);
     }
 
-    /// A critical read's completion that no fault waits for: give back the buffer it was
-    /// left, if it was one given up on ([`Queues::abandon`]).
+    /// A critical read's completion (`tag`) that no fault waits for: give back its buffer, if
+    /// it is one given up on ([`Queues::abandon`]).
     pub(crate) fn finish_abandoned(&self, arena: &BufferArena, tag: u64) {
+        let buf = untag(tag).1 as BufId;
         let mut abandoned = lock(&self.abandoned);
-        if let Some(k) = abandoned.iter().position(|&(t, _)| t == tag) {
-            let (_, buf) = abandoned.swap_remove(k);
+        if let Some(k) = abandoned.iter().position(|&b| b == buf) {
+            abandoned.swap_remove(k);
             drop(abandoned);
             arena.release(buf);
         }

@@ -98,10 +98,22 @@ fn pin_up_to(
     holding: bool,
     shrink: bool,
 ) -> (tiermem_engine::PinGuard, usize) {
-    let started = std::time::Instant::now();
+    let mut started = std::time::Instant::now();
     loop {
         match engine.prepare_kernel_access(at as *const u8, len, kernel_writes) {
             Ok(pin) => return (pin, len),
+            // Busy for a while with a piece that could be shorter: the room pins leave the
+            // faults that bring their pages in may be all a small budget has, whatever other
+            // threads hold (it waited for ever there).
+            Err(e)
+                if shrink
+                    && e.kind() == tiermem_sys::ErrorKind::Busy
+                    && started.elapsed() > std::time::Duration::from_millis(20)
+                    && shorter_piece(at, len) < len =>
+            {
+                len = shorter_piece(at, len);
+                started = std::time::Instant::now();
+            }
             Err(e)
                 if e.kind() == tiermem_sys::ErrorKind::Busy
                     && !(holding && started.elapsed() > std::time::Duration::from_secs(2)) =>
