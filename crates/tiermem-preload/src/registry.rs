@@ -213,8 +213,9 @@ static RELEASING_ANYWHERE: AtomicUsize = AtomicUsize::new(0);
 /// Regions under marks, still counted in [`LIVE`].
 static RELEASING_REGIONS: AtomicUsize = AtomicUsize::new(0);
 /// The process the marks belong to. A forked child has copies of the marks the parent's other
-/// threads held, which no thread of its own will ever end: the first look from another process
-/// forgets them (see [`marks_are_ours`]), whichever way it was forked (a child of a child, or
+/// threads held, which no thread of its own will ever end: they are never waited for there,
+/// and the first look under the table's lock forgets them (see [`forget_inherited_marks`]),
+/// whichever way it was forked (a child of a child, or
 /// a clone without the fork handlers, runs no hook of ours).
 static MARKS_PID: AtomicUsize = AtomicUsize::new(0);
 
@@ -228,23 +229,20 @@ fn current_pid() -> usize {
     crate::io::sys!(libc::SYS_getpid) as usize
 }
 
-/// Whether the marks are this process's, after forgetting them (and the regions they kept
-/// counted live) if they were copied from a parent.
-fn marks_are_ours(me: usize) -> bool {
-    let owner = MARKS_PID.load(Ordering::Acquire);
-    if owner == me {
-        return true;
+/// Make the marks this process's, forgetting them (and the regions they kept counted live)
+/// if they were copied from a parent. Under the table's lock (`_table`), as marks are made: a
+/// mark made meanwhile by another thread of this process would be wiped with them.
+fn forget_inherited_marks(_table: &BTreeMap<usize, Entry>, me: usize) {
+    if MARKS_PID.load(Ordering::Acquire) == me {
+        return;
     }
-    // One thread forgets them; a mark made here since then is this process's (made after).
-    if MARKS_PID.compare_exchange(owner, me, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-        for slot in &RELEASING {
-            slot[1].store(0, Ordering::Release);
-        }
-        RELEASING_COUNT.store(0, Ordering::Release);
-        RELEASING_ANYWHERE.store(0, Ordering::Release);
-        LIVE.fetch_sub(RELEASING_REGIONS.swap(0, Ordering::AcqRel), Ordering::AcqRel);
+    for slot in &RELEASING {
+        slot[1].store(0, Ordering::Release);
     }
-    false
+    RELEASING_COUNT.store(0, Ordering::Release);
+    RELEASING_ANYWHERE.store(0, Ordering::Release);
+    LIVE.fetch_sub(RELEASING_REGIONS.swap(0, Ordering::AcqRel), Ordering::AcqRel);
+    MARKS_PID.store(me, Ordering::Release);
 }
 
 /// Regions being released: marked from when they leave the table (under its lock) until this
@@ -265,11 +263,11 @@ pub struct ReleaseMark {
 
 impl ReleaseMark {
     /// Mark `[start, end)`, the span of the `regions` regions the caller took out of the table
-    /// with [`take_for_release`], as being released (under the table's lock, which `_table`
+    /// with [`take_for_release`], as being released (under the table's lock, which `table`
     /// shows).
-    pub fn new(_table: &mut BTreeMap<usize, Entry>, start: usize, end: usize, regions: usize) -> Self {
+    pub fn new(table: &mut BTreeMap<usize, Entry>, start: usize, end: usize, regions: usize) -> Self {
         let pid = current_pid();
-        marks_are_ours(pid);
+        forget_inherited_marks(table, pid);
         RELEASING_HERE.with(|n| n.set(n.get() + 1));
         RELEASING_REGIONS.fetch_add(regions, Ordering::AcqRel);
         // Slots are taken only under the table's lock, so no two threads race for one.
@@ -320,7 +318,9 @@ fn released_by_another(start: usize, end: usize) -> bool {
     if RELEASING_COUNT.load(Ordering::Acquire) == 0 && RELEASING_ANYWHERE.load(Ordering::Acquire) == 0 {
         return false;
     }
-    if RELEASING_HERE.with(std::cell::Cell::get) > 0 || !marks_are_ours(current_pid()) {
+    // Marks copied from a parent are never waited for (and forgotten under the lock, see
+    // `lock_clear_of`).
+    if RELEASING_HERE.with(std::cell::Cell::get) > 0 || MARKS_PID.load(Ordering::Acquire) != current_pid() {
         return false;
     }
     RELEASING_ANYWHERE.load(Ordering::Acquire) > 0
@@ -350,6 +350,9 @@ fn wait_released(start: usize, end: usize) {
 pub fn lock_clear_of(start: usize, end: usize) -> MutexGuard<'static, BTreeMap<usize, Entry>> {
     loop {
         let table = lock();
+        if RELEASING_COUNT.load(Ordering::Acquire) != 0 || RELEASING_ANYWHERE.load(Ordering::Acquire) != 0 {
+            forget_inherited_marks(&table, current_pid());
+        }
         if !released_by_another(start, end) {
             return table;
         }
