@@ -3837,6 +3837,62 @@ fn a_fixed_mapping_into_a_hole_stands_while_another_thread_releases_the_region()
     );
 }
 
+/// MAP_FIXED_NOREPLACE over a hole at the end of a managed mapping and the free space after it
+/// (a heap that gave back its end and grows past where it ended) succeeds, as it does without
+/// tiermem, reading zeros and keeping what is written through eviction; over memory still in
+/// use it fails with EEXIST. (The hole, still the region's in the kernel, made the first fail
+/// with EEXIST.) The expected line is the program's output without tiermem.
+const MAP_NOREPLACE_PAST_A_HOLE: &str = r#"
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <sys/mman.h>
+int main() {
+    const size_t mb = 1 << 20;
+    // Some managed memory first: the engine starts with it (and maps its own memory then).
+    unsigned char* first = (unsigned char*)mmap(nullptr, 2 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    memset(first, 5, 2 * mb);
+    // Free space of 16 MiB, known: reserved, then given back.
+    unsigned char* q = (unsigned char*)mmap(nullptr, 16 * mb, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (q == MAP_FAILED || munmap(q, 16 * mb) != 0) return 2;
+    // A heap of 8 MiB at the start of it, its last 2 MiB given back.
+    unsigned char* h = (unsigned char*)mmap(q, 8 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    if (h != q) return 3;
+    memset(h, 1, 8 * mb);
+    if (munmap(h + 6 * mb, 2 * mb) != 0) return 4;
+    // Grown again past its old end: 6..10 MiB, half of it the hole, half free space.
+    unsigned char* g = (unsigned char*)mmap(h + 6 * mb, 4 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    int grown = g == h + 6 * mb;
+    long nonzero = 0, bad = 0;
+    if (grown) {
+        for (size_t i = 0; i < 4 * mb; i += 4096) nonzero += g[i] != 0;
+        memset(g, 7, 4 * mb);
+    }
+    // Over memory still in use (1..7 MiB): EEXIST, nothing changed.
+    void* over = mmap(h + mb, 6 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    int eexist = over == MAP_FAILED && errno == EEXIST;
+    // Pushed out and read back.
+    unsigned char* other = (unsigned char*)mmap(nullptr, 48 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    memset(other, 3, 48 * mb);
+    for (size_t i = 0; i < 6 * mb; i += 4096) bad += h[i] != 1;
+    if (grown) for (size_t i = 0; i < 4 * mb; i += 4096) bad += g[i] != 7;
+    printf("%d %ld %d %ld\n", grown, nonzero, eexist, bad);
+    return 0;
+}
+"#;
+
+#[test]
+fn map_fixed_noreplace_over_a_hole_and_free_space_beyond_succeeds() {
+    let name = "map_fixed_noreplace_over_a_hole_and_free_space_beyond_succeeds";
+    same_output_in_both_fault_modes(
+        name,
+        MAP_NOREPLACE_PAST_A_HOLE,
+        "1 0 1 0\n",
+        "(grown past the end, nonzero pages read, EEXIST over memory in use, wrong pages)",
+    );
+}
+
 /// mremap of part of a managed mapping touches that part only, as the kernel's does: shrinking
 /// a prefix or a middle piece in place unmaps just its end, growing one moves it (its pages after
 /// it are the mapping's own), MREMAP_DONTUNMAP moves the pages and leaves the range empty, a
