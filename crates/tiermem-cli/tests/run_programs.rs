@@ -3840,8 +3840,9 @@ fn a_fixed_mapping_into_a_hole_stands_while_another_thread_releases_the_region()
 /// MAP_FIXED_NOREPLACE over a hole at the end of a managed mapping and the free space after it
 /// (a heap that gave back its end and grows past where it ended) succeeds, as it does without
 /// tiermem, reading zeros and keeping what is written through eviction; over memory still in
-/// use it fails with EEXIST. (The hole, still the region's in the kernel, made the first fail
-/// with EEXIST.) The expected line is the program's output without tiermem.
+/// use, or over something mapped in that free space, it fails with EEXIST, leaving that alone
+/// and nothing of its own behind. (The hole, still the region's in the kernel, made the growth
+/// fail with EEXIST.) The expected line is the program's output without tiermem.
 const MAP_NOREPLACE_PAST_A_HOLE: &str = r#"
 #include <cerrno>
 #include <cstdint>
@@ -3861,7 +3862,16 @@ int main() {
     if (h != q) return 3;
     memset(h, 1, 8 * mb);
     if (munmap(h + 6 * mb, 2 * mb) != 0) return 4;
-    // Grown again past its old end: 6..10 MiB, half of it the hole, half free space.
+    // Something else at 9 MiB: growing over it fails with EEXIST and leaves it as it was.
+    unsigned char* x = (unsigned char*)mmap(h + 9 * mb, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    if (x != h + 9 * mb) return 5;
+    x[0] = 9;
+    void* blocked = mmap(h + 6 * mb, 4 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    int blocked_eexist = blocked == MAP_FAILED && errno == EEXIST;
+    int x_kept = x[0] == 9;
+    if (munmap(x, 4096) != 0) return 6;
+    // Grown again past its old end: 6..10 MiB, half of it the hole, half free space (nothing
+    // left behind by the failed attempt).
     unsigned char* g = (unsigned char*)mmap(h + 6 * mb, 4 * mb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
     int grown = g == h + 6 * mb;
     long nonzero = 0, bad = 0;
@@ -3877,7 +3887,7 @@ int main() {
     memset(other, 3, 48 * mb);
     for (size_t i = 0; i < 6 * mb; i += 4096) bad += h[i] != 1;
     if (grown) for (size_t i = 0; i < 4 * mb; i += 4096) bad += g[i] != 7;
-    printf("%d %ld %d %ld\n", grown, nonzero, eexist, bad);
+    printf("%d %d | %d %ld %d %ld\n", blocked_eexist, x_kept, grown, nonzero, eexist, bad);
     return 0;
 }
 "#;
@@ -3888,8 +3898,9 @@ fn map_fixed_noreplace_over_a_hole_and_free_space_beyond_succeeds() {
     same_output_in_both_fault_modes(
         name,
         MAP_NOREPLACE_PAST_A_HOLE,
-        "1 0 1 0\n",
-        "(grown past the end, nonzero pages read, EEXIST over memory in use, wrong pages)",
+        "1 1 | 1 0 1 0\n",
+        "(EEXIST over something in the free space, it kept; grown past the end, nonzero pages read, \
+         EEXIST over memory in use, wrong pages)",
     );
 }
 

@@ -155,10 +155,10 @@ fn map_managed_in_place(addr: *mut c_void, len: usize, prot: i32, flags: i32, of
     // Started (if this is the first managed memory) before the registry is locked, as for
     // any other allocation.
     let engine = runtime::engine();
-    let map = |from: usize, to: usize, flags: i32| map_piece(start, end, (addr, len, prot, -1, off), from, to, flags);
+    let map = |flags: i32| crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, -1i32, off) as libc::c_long;
     let mut table = registry::lock_clear_of(start, end);
     if registry::overlapping(&table, start, end - start).is_empty() {
-        let mapped = map(start, end, flags);
+        let mapped = map(flags);
         if mapped as usize != start {
             return syscall_result(mapped);
         }
@@ -243,33 +243,15 @@ fn map_fixed_over_managed(addr: *mut c_void, len: usize, prot: i32, flags: i32, 
     // The caller's own mmap, passed to the kernel unchanged, but for MAP_FIXED_NOREPLACE into a
     // hole (see `fixed_unless_taken`), and that only where the kernel maps `[start, end)`
     // exactly: huge pages round the length up, over memory the check never looked at.
-    let map = |from: usize, to: usize, flags: i32| map_piece(start, end, (addr, len, prot, fd, off), from, to, flags);
+    let map = |flags: i32| crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, fd, off) as libc::c_long;
     let base_pages = in_base_pages(flags, fd);
     syscall_result(replace_managed(start, end, |table| {
         if base_pages {
             fixed_unless_taken(table, start, end, flags, map)
         } else {
-            map(start, end, flags)
+            map(flags)
         }
     }))
-}
-
-/// The kernel's mmap of `[from, to)`, part of the program's call `(addr, len, prot, fd, off)`
-/// over `[start, end)`, with `flags`: the whole call as it came, or a piece of it at the file
-/// offset that piece has in the whole.
-fn map_piece(
-    start: usize,
-    end: usize,
-    (addr, len, prot, fd, off): (*mut c_void, usize, i32, i32, i64),
-    from: usize,
-    to: usize,
-    flags: i32,
-) -> libc::c_long {
-    if from == start && to == end {
-        return crate::io::sys!(libc::SYS_mmap, addr, len, prot, flags, fd, off) as libc::c_long;
-    }
-    let offset = off.wrapping_add((from - start) as i64);
-    crate::io::sys!(libc::SYS_mmap, from, to - from, prot, flags, fd, offset) as libc::c_long
 }
 
 /// Whether an mmap with these flags and descriptor maps 4 KiB pages, its length rounded to
@@ -288,61 +270,62 @@ fn in_base_pages(flags: i32, fd: i32) -> bool {
     rc == 0 && fs.f_type != libc::HUGETLBFS_MAGIC
 }
 
-/// The kernel call of an mmap with a fixed address over managed memory (`map(from, to, flags)`
-/// maps `[from, to)` of it, the whole call's range being `[start, end)`, with the flags it is
-/// given): as asked, but MAP_FIXED_NOREPLACE becomes MAP_FIXED where the program has nothing
-/// mapped in `[start, end)`: pieces of managed memory it unmapped, which the region or a
-/// reservation still holds in the kernel, and free space beside them, which is claimed first
-/// with MAP_FIXED_NOREPLACE (the kernel's answer stands if anything took it: EEXIST, and what
-/// was claimed goes again). So it succeeds there as it does without tiermem: a heap that gave
-/// back its end and now grows past where it ended, say. Elsewhere the kernel answers (EEXIST
-/// where anything is mapped).
+/// The kernel call of an mmap with a fixed address over managed memory (`map` makes it with
+/// the flags it is given): as asked, but MAP_FIXED_NOREPLACE becomes MAP_FIXED where the
+/// program has nothing mapped in `[start, end)`: pieces of managed memory it unmapped, which
+/// the region or a reservation still holds in the kernel, and free space beside them (a heap
+/// that gave back its end and now grows past where it ended, say). The free pieces are claimed
+/// first with inaccessible placeholders made with MAP_FIXED_NOREPLACE (if anything took one,
+/// EEXIST stands, as the kernel would answer, and the placeholders go again), then the call is
+/// made whole with MAP_FIXED over holes and placeholders: one mapping, as without tiermem.
+/// Elsewhere the kernel answers (EEXIST where anything is mapped).
 fn fixed_unless_taken(
     table: &std::collections::BTreeMap<usize, registry::Entry>,
     start: usize,
     end: usize,
     flags: i32,
-    map: impl Fn(usize, usize, i32) -> libc::c_long,
+    map: impl FnOnce(i32) -> libc::c_long,
 ) -> libc::c_long {
     if flags & libc::MAP_FIXED_NOREPLACE == 0 {
-        return map(start, end, flags);
+        return map(flags);
     }
     let fixed = (flags & !libc::MAP_FIXED_NOREPLACE) | libc::MAP_FIXED;
     if registry::unmapped_by_program(table, start, end) {
-        return map(start, end, fixed);
+        return map(fixed);
     }
-    // Shared anonymous memory made in pieces would be several objects, not one.
-    let shared_anonymous = flags & libc::MAP_SHARED != 0 && flags & libc::MAP_ANONYMOUS != 0;
-    let Some(pieces) = holes_and_free_space(table, start, end).filter(|_| !shared_anonymous) else {
-        return map(start, end, flags);
+    let Some(pieces) = holes_and_free_space(table, start, end) else {
+        return map(flags);
     };
     let mut claimed: Vec<(usize, usize)> = Vec::new();
-    let give_back = |claimed: &[(usize, usize)]| {
+    // Gives back the placeholders, leaving `errno` as it was (the answer to the call).
+    let give_back = |claimed: &[(usize, usize)], errno: i32| {
         for &(from, to) in claimed {
             let _ = crate::io::sys!(libc::SYS_munmap, from, to - from);
         }
+        runtime::set_errno(errno);
     };
     for &(from, to, _) in pieces.iter().filter(|p| !p.2) {
-        let mapped = map(from, to, flags);
-        if mapped as usize != from {
-            // The kernel's errno is the answer, whatever the munmaps below leave in it.
-            let errno = runtime::errno();
-            give_back(&claimed);
-            runtime::set_errno(errno);
-            return mapped;
+        let placeholder = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED_NOREPLACE;
+        let got =
+            crate::io::sys!(libc::SYS_mmap, from, to - from, libc::PROT_NONE, placeholder, -1i32, 0i64) as libc::c_long;
+        if got as usize != from {
+            let errno = if got == -1 {
+                runtime::errno()
+            } else {
+                // A kernel that takes NOREPLACE for a hint (before 4.17) placed it elsewhere.
+                let _ = crate::io::sys!(libc::SYS_munmap, got, to - from);
+                libc::EEXIST
+            };
+            give_back(&claimed, errno);
+            return -1;
         }
         claimed.push((from, to));
     }
-    for &(from, to, _) in pieces.iter().filter(|p| p.2) {
-        let mapped = map(from, to, fixed);
-        if mapped as usize != from {
-            let errno = runtime::errno();
-            give_back(&claimed);
-            runtime::set_errno(errno);
-            return mapped;
-        }
+    let mapped = map(fixed);
+    if mapped as usize != start {
+        give_back(&claimed, runtime::errno());
     }
-    start as libc::c_long
+    mapped
 }
 
 /// `[start, end)` cut into pieces `(from, to, hole)` when all of it is either holes the program
