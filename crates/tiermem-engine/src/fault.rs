@@ -714,11 +714,11 @@ fn read_critical(
     let mut n = 0;
     let want = 1 + on_lane;
     let mut seen = 0;
+    // Why the wait itself failed, if it did.
+    let mut wait_error = None;
     // Until the critical read is back, whatever the count says: completions of an earlier
     // fault's prefetches left on the lane are counted too, and leaving without it would give
     // its buffer back (read again) while the device may still write into it.
-    // Why the wait itself failed, if it did.
-    let mut wait_error = None;
     while critical.is_none() || seen < want {
         let mut stale = 0;
         let waited = lane.wait(want.saturating_sub(seen).max(1), &mut |c| {

@@ -102,14 +102,15 @@ fn pin_up_to(
     loop {
         match engine.prepare_kernel_access(at as *const u8, len, kernel_writes) {
             Ok(pin) => return (pin, len),
-            // Busy for a while with a piece that could be shorter: the room pins leave the
+            // Refused as too large for the budget, or busy for a while (the room pins leave the
             // faults that bring their pages in may be all a small budget has, whatever other
-            // threads hold (it waited for ever there).
+            // threads hold: it waited for ever there), with a piece that could be shorter.
             Err(e)
                 if shrink
-                    && e.kind() == tiermem_sys::ErrorKind::Busy
-                    && started.elapsed() > std::time::Duration::from_millis(20)
-                    && shorter_piece(at, len) < len =>
+                    && shorter_piece(at, len) < len
+                    && (e.kind() == tiermem_sys::ErrorKind::InvalidInput
+                        || (e.kind() == tiermem_sys::ErrorKind::Busy
+                            && started.elapsed() > std::time::Duration::from_millis(20))) =>
             {
                 len = shorter_piece(at, len);
                 started = std::time::Instant::now();
@@ -119,9 +120,6 @@ fn pin_up_to(
                     && !(holding && started.elapsed() > std::time::Duration::from_secs(2)) =>
             {
                 std::thread::sleep(std::time::Duration::from_micros(200))
-            }
-            Err(e) if shrink && e.kind() == tiermem_sys::ErrorKind::InvalidInput && shorter_piece(at, len) < len => {
-                len = shorter_piece(at, len);
             }
             Err(e) => runtime::die(&["tiermem: cannot make a system call's buffer resident: ", &e.to_string()]),
         }

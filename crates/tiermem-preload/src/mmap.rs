@@ -290,9 +290,6 @@ fn fixed_unless_taken(
         return map(flags);
     }
     let fixed = (flags & !libc::MAP_FIXED_NOREPLACE) | libc::MAP_FIXED;
-    if registry::unmapped_by_program(table, start, end) {
-        return map(fixed);
-    }
     let Some(pieces) = holes_and_free_space(table, start, end) else {
         return map(flags);
     };
@@ -329,8 +326,8 @@ fn fixed_unless_taken(
 }
 
 /// `[start, end)` cut into pieces `(from, to, hole)` when all of it is either holes the program
-/// unmapped in mmap'd regions (`hole`) or free of regions (not `hole`), with some of each; None
-/// otherwise (a piece of it is the program's, or a piece it mapped over a region's).
+/// unmapped in mmap'd regions (`hole`) or free of regions (not `hole`), with at least one hole;
+/// None otherwise (a piece of it is the program's, or a piece it mapped over a region's).
 fn holes_and_free_space(
     table: &std::collections::BTreeMap<usize, registry::Entry>,
     start: usize,
@@ -345,7 +342,7 @@ fn holes_and_free_space(
         };
         pieces.push((from, to, hole));
     }
-    (pieces.iter().any(|p| p.2) && pieces.iter().any(|p| !p.2)).then_some(pieces)
+    pieces.iter().any(|p| p.2).then_some(pieces)
 }
 
 type Ranges = Vec<(usize, usize)>;
