@@ -3505,6 +3505,83 @@ fn a_datagram_larger_than_a_resident_piece_stays_one_datagram() {
     same_output_in_both_fault_modes(name, BIG_DATAGRAM, "307200 307200 307200 307200 1 1\n", "sent, received, equal");
 }
 
+/// A datagram with more managed bytes than a call may hold resident (over half of a 2 MiB
+/// budget) goes whole, through a copy, by every call that moves one: sigbus mode ended the
+/// program ("cannot make a system call's buffer resident"). sendmmsg and recvmmsg may move the
+/// second message in a call of its own; a receive with MSG_TRUNC into a short buffer gets what
+/// fits and learns the datagram's length, as without tiermem.
+const DATAGRAM_OVER_HALF_THE_BUDGET: &str = r#"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sys/socket.h>
+#include <unistd.h>
+int main() {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_DGRAM, 0, sv) != 0) return 2;
+    int size = 8 << 20;
+    if (setsockopt(sv[0], SOL_SOCKET, SO_SNDBUFFORCE, &size, sizeof size) != 0) return 3;
+    const size_t n = 1536 << 10, small = 1000;
+    unsigned char* out = (unsigned char*)malloc(n);  // managed: above the threshold
+    unsigned char* in = (unsigned char*)malloc(n);
+    for (size_t i = 0; i < n; ++i) out[i] = (unsigned char)(i * 7 + i / 4096);
+    long bad = 0;
+    auto check = [&](size_t len) {
+        bad += memcmp(in, out, len) != 0;
+        memset(in, 0, n);
+    };
+    long a = send(sv[0], out, n, 0), b = recv(sv[1], in, n, 0);
+    check(n);
+    long c = write(sv[0], out, n), d = read(sv[1], in, n);
+    check(n);
+    iovec parts[2] = {{out, n / 3}, {out + n / 3, n - n / 3}};
+    msghdr m = {};
+    m.msg_iov = parts;
+    m.msg_iovlen = 2;
+    long e = sendmsg(sv[0], &m, 0);
+    iovec into[2] = {{in, n / 2}, {in + n / 2, n - n / 2}};
+    m.msg_iov = into;
+    long f = recvmsg(sv[1], &m, 0);
+    check(n);
+    iovec one[2] = {{out, n}, {out, small}};
+    mmsghdr many[2] = {};
+    for (int i = 0; i < 2; ++i) many[i].msg_hdr.msg_iov = &one[i], many[i].msg_hdr.msg_iovlen = 1;
+    // Each call may move fewer messages than asked: called until both went.
+    long g = 0;
+    for (int r = 1; g < 2 && r > 0; g += r) r = sendmmsg(sv[0], many + g, 2 - g, 0);
+    unsigned char* in2 = in + n / 2;  // the second message's own buffer
+    iovec back[2] = {{in, n}, {in2, small}};
+    for (int i = 0; i < 2; ++i) many[i].msg_hdr.msg_iov = &back[i], many[i].msg_hdr.msg_iovlen = 1;
+    long h = 0;
+    for (int r = 1; h < 2 && r > 0; h += r) r = recvmmsg(sv[1], many + h, 2 - h, 0, nullptr);
+    long h_len = many[0].msg_len, h2_len = many[1].msg_len;
+    bad += memcmp(in2, out, small) != 0;
+    memcpy(in2, out + n / 2, small);  // the first message's bytes there again, for its check
+    check(n);
+    send(sv[0], out, n, 0);
+    long t = recv(sv[1], in, n - 4096, MSG_TRUNC);
+    check(n - 4096);
+    printf("%ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld bad:%ld\n", a, b, c, d, e, f, g, h, h_len, h2_len, t, bad);
+    return 0;
+}
+"#;
+
+#[test]
+fn a_datagram_over_half_the_budget_goes_whole_through_a_copy() {
+    let name = "a_datagram_over_half_the_budget_goes_whole_through_a_copy";
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("SKIPPED {name}: needs root (SO_SNDBUFFORCE, for a datagram of 1.5 MiB)");
+        return;
+    }
+    let n = 1536 << 10;
+    let expected = format!("{n} {n} {n} {n} {n} {n} 2 2 {n} 1000 {n} bad:0\n");
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, DATAGRAM_OVER_HALF_THE_BUDGET, "unmanaged", name) else { return };
+    let reference = Command::new(&bin).output().expect("the program, unmanaged");
+    assert_eq!(String::from_utf8_lossy(&reference.stdout), expected, "{name}: without tiermem");
+    same_output_in_both_fault_modes_at(name, DATAGRAM_OVER_HALF_THE_BUDGET, &expected, "lengths moved, data", "2MiB");
+}
+
 /// MADV_REMOVE is for shared memory: on managed memory, private and anonymous, it fails with
 /// EINVAL and drops nothing, as the kernel's does (it returned 0 and dropped the pages).
 const MADV_REMOVE_PRIVATE: &str = r#"
@@ -4855,6 +4932,11 @@ fn a_map_fixed_piece_inside_managed_memory_is_the_kernels() {
 /// it must succeed, print `expected` (`what` says what the printed values are), and draw no
 /// "tiermem: cannot ..." message (statistics unwritten, say).
 fn same_output_in_both_fault_modes(name: &str, source: &str, expected: &str, what: &str) {
+    same_output_in_both_fault_modes_at(name, source, expected, what, "16MiB");
+}
+
+/// [`same_output_in_both_fault_modes`] under a budget of `limit`.
+fn same_output_in_both_fault_modes_at(name: &str, source: &str, expected: &str, what: &str, limit: &str) {
     if !uffd_or_skip(name) {
         return;
     }
@@ -4862,7 +4944,7 @@ fn same_output_in_both_fault_modes(name: &str, source: &str, expected: &str, wha
     let Some(bin) = build_cpp(&scratch, source, "program", name) else { return };
     for mode in ["sigbus", "thread"] {
         let mut command =
-            scratch.command(&["run", "--quiet", "--limit", "16MiB", "--fault-mode", mode, "--", bin.to_str().unwrap()]);
+            scratch.command(&["run", "--quiet", "--limit", limit, "--fault-mode", mode, "--", bin.to_str().unwrap()]);
         let child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         let out = output_within(child, 120, &format!("{name}: {mode}"));
         let err = String::from_utf8_lossy(&out.stderr);

@@ -70,27 +70,17 @@ pub(crate) fn budget_piece(engine: &tiermem_engine::Engine) -> usize {
     (engine.limit_pages() as usize * PAGE_SIZE / 4).max(PAGE_SIZE)
 }
 
-/// Hold `[at, at+len)` resident for one system call. While other threads' calls hold so much
+/// Hold `[at, at+len)` resident for one system call or, with `shrink`, as many of those bytes
+/// as the budget lets be held now (at least to the end of the first page): the budget can
+/// shrink between sizing a piece and pinning it (the cgroup watch following a burst of
+/// unmanaged memory), and a shorter piece is a short transfer, which callers that pass
+/// `shrink` handle, where a refusal ended the program. While other threads' calls hold so much
 /// of the budget that this one would leave no room (the engine says Busy), wait for theirs to
 /// end: each holds its pages only for its call. `holding`: this thread holds pins of its own
-/// meanwhile, so several such threads could wait for each other: then it waits two seconds
-/// at most before giving up as on any other failure (the program ends with a message).
-pub(crate) fn pin_for_call(
-    engine: &tiermem_engine::Engine,
-    at: usize,
-    len: usize,
-    kernel_writes: bool,
-    holding: bool,
-) -> tiermem_engine::PinGuard {
-    pin_up_to(engine, at, len, kernel_writes, holding, false).0
-}
-
-/// [`pin_for_call`] for the first `len` bytes from `at` or, with `shrink`, as many of them as
-/// the budget lets be held now (at least to the end of the first page): the budget can shrink
-/// between sizing a piece and pinning it (the cgroup watch following a burst of unmanaged
-/// memory), and a shorter piece is a short read or write, which callers handle, where a
-/// refusal ended the program. Returns the pin and the bytes it holds.
-fn pin_up_to(
+/// meanwhile, so several such threads could wait for each other: then it waits two seconds at
+/// most before giving up as on any other failure (the program ends with a message). Returns
+/// the pin and the bytes it holds.
+pub(crate) fn pin_up_to(
     engine: &tiermem_engine::Engine,
     at: usize,
     mut len: usize,
@@ -185,7 +175,8 @@ pub(crate) fn socket_type(fd: i32) -> Option<libc::c_int> {
 }
 
 /// `op(buf, len)` once, with every managed stretch of the buffer held resident for the call:
-/// for a socket that keeps message boundaries (see [`keeps_messages`]).
+/// for a socket that keeps message boundaries (see [`keeps_messages`]). A buffer with more
+/// managed bytes than a call may hold goes through a copy instead (see [`through_copy`]).
 fn in_one_call(
     buf: *mut c_void,
     len: usize,
@@ -194,9 +185,73 @@ fn in_one_call(
 ) -> isize {
     runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
     let Some(engine) = runtime::running_engine() else { return op(buf, len) };
+    let whole = [libc::iovec { iov_base: buf, iov_len: len }];
+    if managed_bytes(&whole) > budget_piece(engine) {
+        return through_copy(&whole, kernel_writes, op);
+    }
     let mut pins = Vec::new();
     crate::messages::hold(engine, &mut pins, buf, len, kernel_writes, None, &mut 0);
     op(buf, len)
+}
+
+/// Bytes of the buffers of `vecs` that lie in managed memory.
+pub(crate) fn managed_bytes(vecs: &[libc::iovec]) -> usize {
+    let mut managed = 0;
+    for v in vecs {
+        let mut done = 0;
+        while done < v.iov_len {
+            let (piece, is_managed) = stretch(v.iov_base as usize + done, v.iov_len - done);
+            if is_managed {
+                managed += piece;
+            }
+            done += piece;
+        }
+    }
+    managed
+}
+
+/// `op(copy, len)` once on an unmanaged copy of the buffers of `vecs` (`len` their total):
+/// for a call that must move one message whole (a datagram) from or into more managed memory
+/// than a call may hold resident, which ended the program before. A send copies the buffers in
+/// first; a receive copies what the kernel wrote out after (as much as fits, when the message
+/// was longer). The copy is the program's own access, so evicted pages come in as on any
+/// other; its memory, mapped past the registry, is charged to the program's cgroup while the
+/// call lasts. No copy to be had: ENOMEM, as the kernel says when it lacks the memory.
+pub(crate) fn through_copy(
+    vecs: &[libc::iovec],
+    kernel_writes: bool,
+    op: impl FnOnce(*mut c_void, usize) -> isize,
+) -> isize {
+    let len: usize = vecs.iter().map(|v| v.iov_len).sum();
+    let Ok(copy) = tiermem_sys::mem::Mapping::anonymous(len.max(1).next_multiple_of(PAGE_SIZE), false) else {
+        runtime::set_errno(libc::ENOMEM);
+        return -1;
+    };
+    let base = copy.as_ptr();
+    if !kernel_writes {
+        let mut at = 0;
+        for v in vecs {
+            // SAFETY: the caller's buffer of iov_len bytes (its contract) into the copy, which
+            // has room for all of them and overlaps nothing of the caller's.
+            unsafe { std::ptr::copy_nonoverlapping(v.iov_base as *const u8, base.wrapping_add(at), v.iov_len) };
+            at += v.iov_len;
+        }
+    }
+    let r = op(base.cast(), len);
+    if kernel_writes && r > 0 {
+        // MSG_TRUNC reports a datagram's whole length, which may be more than was written.
+        let mut left = (r as usize).min(len);
+        let mut from = 0;
+        for v in vecs {
+            let n = v.iov_len.min(left);
+            // SAFETY: as above, the other way: n bytes the kernel wrote into the copy, into the
+            // caller's buffer of at least n bytes.
+            unsafe { std::ptr::copy_nonoverlapping(base.wrapping_add(from), v.iov_base as *mut u8, n) };
+            from += n;
+            left -= n;
+        }
+    }
+    r
 }
 
 /// [`in_resident_pieces`], or [`in_one_call`] on a socket that keeps message boundaries.
@@ -648,7 +703,41 @@ pub unsafe extern "C" fn fwrite_unlocked(
 
 #[cfg(test)]
 mod tests {
-    use super::{shorter_piece, PAGE_SIZE};
+    use super::{shorter_piece, through_copy, PAGE_SIZE};
+
+    fn list(parts: &mut [Vec<u8>]) -> Vec<libc::iovec> {
+        parts.iter_mut().map(|p| libc::iovec { iov_base: p.as_mut_ptr().cast(), iov_len: p.len() }).collect()
+    }
+
+    #[test]
+    fn a_copy_gathers_a_send_and_scatters_a_receive_over_the_buffer_list() {
+        let mut parts = vec![vec![1u8; 5000], vec![2u8; 3], vec![], vec![3u8; 100]];
+        let sent = through_copy(&list(&mut parts), false, |p, len| {
+            // SAFETY: the copy of `len` bytes the call is given.
+            let copy = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
+            assert_eq!(copy, [vec![1u8; 5000], vec![2u8; 3], vec![3u8; 100]].concat());
+            len as isize
+        });
+        assert_eq!(sent, 5103);
+        // A receive of a longer message (MSG_TRUNC's length): what fits, in order.
+        let got = through_copy(&list(&mut parts), true, |p, len| {
+            // SAFETY: as above, written as the kernel would.
+            let copy = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, len) };
+            for (i, b) in copy.iter_mut().enumerate() {
+                *b = (i % 251) as u8;
+            }
+            len as isize + 40
+        });
+        assert_eq!(got, 5143);
+        let all: Vec<u8> = parts.concat();
+        assert!(all.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+        // A short receive leaves the rest as it was; a failure copies nothing.
+        let mut parts = vec![vec![9u8; 10], vec![9u8; 10]];
+        assert_eq!(through_copy(&list(&mut parts), true, |_, _| 12), 12);
+        assert_eq!(parts.concat(), [vec![0u8; 12], vec![9u8; 8]].concat());
+        assert_eq!(through_copy(&list(&mut parts), true, |_, _| -1), -1);
+        assert_eq!(parts.concat(), [vec![0u8; 12], vec![9u8; 8]].concat());
+    }
 
     #[test]
     fn a_piece_halves_down_to_what_lies_in_its_first_page() {

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 
 use tiermem_engine::{Engine, PinGuard};
 
-use crate::io::{any_needs_wrapping, budget_piece, iovecs, needs_wrapping, stretch, sys};
+use crate::io::{any_needs_wrapping, budget_piece, iovecs, managed_bytes, needs_wrapping, stretch, sys, through_copy};
 use crate::runtime;
 
 fn is_stream_socket(fd: i32) -> bool {
@@ -24,7 +24,8 @@ struct HeldMessage {
 }
 
 /// Make the managed stretches of `[ptr, ptr+len)` resident, all of them (`cap` None) or until
-/// `held` reaches `cap`. Returns the bytes from `ptr` that are covered.
+/// `held` reaches `cap`, or the budget lets hold no more now (the caller takes a short
+/// transfer). Returns the bytes from `ptr` that are covered.
 pub(crate) fn hold(
     engine: &Engine,
     pins: &mut Vec<PinGuard>,
@@ -45,8 +46,14 @@ pub(crate) fn hold(
                     break;
                 }
             }
-            pins.push(crate::io::pin_for_call(engine, at, piece, kernel_writes, !pins.is_empty()));
-            *held += piece;
+            let (pin, pinned) = crate::io::pin_up_to(engine, at, piece, kernel_writes, !pins.is_empty(), cap.is_some());
+            pins.push(pin);
+            *held += pinned;
+            done += pinned;
+            if pinned < piece {
+                break;
+            }
+            continue;
         }
         done += piece;
     }
@@ -139,12 +146,27 @@ fn message_to_wrap<'a>(msg: *const libc::msghdr) -> Option<Wrapped<'a>> {
     message_needs_wrapping(m, vecs).then_some((engine, m, vecs))
 }
 
-/// Make the call `number` (recvmsg or sendmsg) with the message's buffers held resident.
-/// Returns its result and the message as the kernel saw it (the buffer list possibly cut).
+/// Make the call `number` (recvmsg or sendmsg) with the message's buffers held resident, or on
+/// a socket that keeps message boundaries, with more managed bytes than a call may hold, through
+/// a copy of them (see [`crate::io::through_copy`]). Returns its result and the message as the
+/// kernel saw it (the buffer list possibly cut or replaced).
 fn call_held(number: libc::c_long, fd: i32, (engine, m, vecs): Wrapped, flags: i32) -> (isize, libc::msghdr) {
     runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
-    let mut held = hold_message(engine, fd, m, vecs, number == libc::SYS_recvmsg);
+    let kernel_writes = number == libc::SYS_recvmsg;
     let mut copy = *m;
+    if !is_stream_socket(fd) && managed_bytes(vecs) > budget_piece(engine) {
+        // The address and control buffers are small: held resident as they are.
+        let mut pins = Vec::new();
+        hold_parts(engine, &mut pins, m, &[], kernel_writes, None, &mut 0);
+        let r = through_copy(vecs, kernel_writes, |buf, len| {
+            let mut whole = libc::iovec { iov_base: buf, iov_len: len };
+            copy.msg_iov = &mut whole;
+            copy.msg_iovlen = 1;
+            sys!(number, fd, &mut copy as *mut libc::msghdr, flags)
+        });
+        return (r, copy);
+    }
+    let mut held = hold_message(engine, fd, m, vecs, kernel_writes);
     copy.msg_iov = held.vecs.as_mut_ptr();
     copy.msg_iovlen = held.vecs.len();
     let r = sys!(number, fd, &mut copy as *mut libc::msghdr, flags);
@@ -204,10 +226,28 @@ fn multiple_held(
     let share = budget_piece(engine);
     // A stream socket's messages are cut at the share; datagrams go whole, as many as fit.
     let cut_at = is_stream_socket(fd).then_some(share);
+    if cut_at.is_none() && managed_bytes(lists[0]) > share {
+        // A first datagram with more managed bytes than a call may hold goes alone, as recvmsg
+        // or sendmsg takes it: through a copy.
+        let single = if kernel_writes { libc::SYS_recvmsg } else { libc::SYS_sendmsg };
+        let wrapped = (engine, &caller[0].msg_hdr, lists[0]);
+        let (r, seen) = call_held(single, fd, wrapped, flags & !libc::MSG_WAITFORONE);
+        if r < 0 {
+            return Some(-1);
+        }
+        caller[0].msg_len = r as u32;
+        if kernel_writes {
+            caller[0].msg_hdr.msg_namelen = seen.msg_namelen;
+            caller[0].msg_hdr.msg_controllen = seen.msg_controllen;
+            caller[0].msg_hdr.msg_flags = seen.msg_flags;
+        }
+        return Some(1);
+    }
     let (mut pins, mut held) = (Vec::new(), 0usize);
     let mut cuts = Vec::with_capacity(caller.len());
     for (i, (m, vecs)) in caller.iter().zip(lists).enumerate() {
-        if i > 0 && held >= share {
+        // Later datagrams go in a later call when they would take the held bytes past the share.
+        if i > 0 && (held >= share || (cut_at.is_none() && held + managed_bytes(vecs) > share)) {
             break;
         }
         let cut = hold_parts(engine, &mut pins, &m.msg_hdr, vecs, kernel_writes, cut_at, &mut held);
