@@ -3514,7 +3514,9 @@ const DATAGRAM_OVER_HALF_THE_BUDGET: &str = r#"
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cstddef>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 int main() {
     int sv[2];
@@ -3543,25 +3545,49 @@ int main() {
     m.msg_iov = into;
     long f = recvmsg(sv[1], &m, 0);
     check(n);
-    iovec one[2] = {{out, n}, {out, small}};
-    mmsghdr many[2] = {};
-    for (int i = 0; i < 2; ++i) many[i].msg_hdr.msg_iov = &one[i], many[i].msg_hdr.msg_iovlen = 1;
-    // Each call may move fewer messages than asked: called until both went.
-    long g = 0;
-    for (int r = 1; g < 2 && r > 0; g += r) r = sendmmsg(sv[0], many + g, 2 - g, 0);
-    unsigned char* in2 = in + n / 2;  // the second message's own buffer
-    iovec back[2] = {{in, n}, {in2, small}};
-    for (int i = 0; i < 2; ++i) many[i].msg_hdr.msg_iov = &back[i], many[i].msg_hdr.msg_iovlen = 1;
-    long h = 0;
-    for (int r = 1; h < 2 && r > 0; h += r) r = recvmmsg(sv[1], many + h, 2 - h, 0, nullptr);
-    long h_len = many[0].msg_len, h2_len = many[1].msg_len;
-    bad += memcmp(in2, out, small) != 0;
-    memcpy(in2, out + n / 2, small);  // the first message's bytes there again, for its check
-    check(n);
+    // sendmmsg and recvmmsg, the large message first and then last. Each call may move fewer
+    // messages than asked: called until both went.
+    long g = 0, h = 0, h_lens = 0;
+    unsigned char* in2 = (unsigned char*)malloc(n);  // the second message's own buffer
+    for (int big_first = 1; big_first >= 0; --big_first) {
+        size_t lens[2] = {big_first ? n : small, big_first ? small : n};
+        iovec one[2] = {{out, lens[0]}, {out, lens[1]}};
+        mmsghdr many[2] = {};
+        for (int i = 0; i < 2; ++i) many[i].msg_hdr.msg_iov = &one[i], many[i].msg_hdr.msg_iovlen = 1;
+        for (int sent = 0, r = 1; sent < 2 && r > 0; sent += r, g += r) r = sendmmsg(sv[0], many + sent, 2 - sent, 0);
+        iovec back[2] = {{in, lens[0]}, {in2, lens[1]}};
+        for (int i = 0; i < 2; ++i) many[i].msg_hdr.msg_iov = &back[i], many[i].msg_hdr.msg_iovlen = 1;
+        for (int got = 0, r = 1; got < 2 && r > 0; got += r, h += r) r = recvmmsg(sv[1], many + got, 2 - got, 0, nullptr);
+        h_lens += many[0].msg_len + many[1].msg_len;
+        bad += memcmp(in2, out, lens[1]) != 0;
+        memset(in2, 0, lens[1]);
+        check(lens[0]);
+    }
     send(sv[0], out, n, 0);
     long t = recv(sv[1], in, n - 4096, MSG_TRUNC);
     check(n - 4096);
-    printf("%ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld bad:%ld\n", a, b, c, d, e, f, g, h, h_len, h2_len, t, bad);
+    // A short buffer list: what fits, and MSG_TRUNC in the flags.
+    send(sv[0], out, n, 0);
+    into[1].iov_len = n / 4;
+    m.msg_iov = into;
+    long u = recvmsg(sv[1], &m, 0);
+    int truncated = (m.msg_flags & MSG_TRUNC) != 0;
+    check(n / 2 + n / 4);
+    // The sender's address (an abstract name) into a large allocation never touched: the
+    // kernel writes it after taking the message.
+    sockaddr_un name = {};
+    name.sun_family = AF_UNIX;
+    int name_size = snprintf(name.sun_path + 1, sizeof name.sun_path - 1, "tiermem-test-%d", (int)getpid());
+    socklen_t name_len = offsetof(sockaddr_un, sun_path) + 1 + name_size;
+    if (bind(sv[0], (sockaddr*)&name, name_len) != 0) return 4;
+    unsigned char* names = (unsigned char*)malloc(2 << 20);
+    sockaddr_un* seen = (sockaddr_un*)(names + (1 << 20));
+    socklen_t seen_len = sizeof(sockaddr_un);
+    send(sv[0], out, small, 0);
+    long v = recvfrom(sv[1], in, n, 0, (sockaddr*)seen, &seen_len);
+    bad += seen_len != name_len || memcmp(seen, &name, name_len) != 0;
+    check(small);
+    printf("%ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %d %ld bad:%ld\n", a, b, c, d, e, f, g, h, h_lens, t, u, truncated, v, bad);
     return 0;
 }
 "#;
@@ -3574,7 +3600,8 @@ fn a_datagram_over_half_the_budget_goes_whole_through_a_copy() {
         return;
     }
     let n = 1536 << 10;
-    let expected = format!("{n} {n} {n} {n} {n} {n} 2 2 {n} 1000 {n} bad:0\n");
+    let (both, part) = (2 * (n + 1000), n / 2 + n / 4);
+    let expected = format!("{n} {n} {n} {n} {n} {n} 4 4 {both} {n} {part} 1 1000 bad:0\n");
     let scratch = Scratch::new();
     let Some(bin) = build_cpp(&scratch, DATAGRAM_OVER_HALF_THE_BUDGET, "unmanaged", name) else { return };
     let reference = Command::new(&bin).output().expect("the program, unmanaged");

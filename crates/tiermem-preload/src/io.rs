@@ -20,6 +20,10 @@ use crate::runtime;
 /// Largest piece held resident for one call.
 const CHUNK_BYTES: usize = 256 << 10;
 
+/// Most bytes the kernel moves in one read or write (MAX_RW_COUNT: INT_MAX rounded down to a
+/// page); a call asking for more moves this much.
+const MAX_RW_COUNT: usize = 0x7fff_f000;
+
 /// Most times a call refused for want of memory is tried again.
 const REFUSED_RETRIES: u32 = 16;
 
@@ -189,8 +193,7 @@ fn in_one_call(
     if managed_bytes(&whole) > budget_piece(engine) {
         return through_copy(&whole, kernel_writes, op);
     }
-    let mut pins = Vec::new();
-    crate::messages::hold(engine, &mut pins, buf, len, kernel_writes, None, &mut 0);
+    let _pins = hold_for_call(buf, len, kernel_writes);
     op(buf, len)
 }
 
@@ -222,7 +225,8 @@ pub(crate) fn through_copy(
     kernel_writes: bool,
     op: impl FnOnce(*mut c_void, usize) -> isize,
 ) -> isize {
-    let len: usize = vecs.iter().map(|v| v.iov_len).sum();
+    // The kernel moves at most MAX_RW_COUNT bytes in one call, whatever the lengths say.
+    let len = vecs.iter().fold(0usize, |sum, v| sum.saturating_add(v.iov_len)).min(MAX_RW_COUNT);
     let Ok(copy) = tiermem_sys::mem::Mapping::anonymous(len.max(1).next_multiple_of(PAGE_SIZE), false) else {
         runtime::set_errno(libc::ENOMEM);
         return -1;
@@ -231,10 +235,11 @@ pub(crate) fn through_copy(
     if !kernel_writes {
         let mut at = 0;
         for v in vecs {
-            // SAFETY: the caller's buffer of iov_len bytes (its contract) into the copy, which
-            // has room for all of them and overlaps nothing of the caller's.
-            unsafe { std::ptr::copy_nonoverlapping(v.iov_base as *const u8, base.wrapping_add(at), v.iov_len) };
-            at += v.iov_len;
+            let n = v.iov_len.min(len - at);
+            // SAFETY: n bytes of the caller's buffer of iov_len bytes (its contract) into the
+            // copy, which has room for them and overlaps nothing of the caller's.
+            unsafe { std::ptr::copy_nonoverlapping(v.iov_base as *const u8, base.wrapping_add(at), n) };
+            at += n;
         }
     }
     let r = op(base.cast(), len);
@@ -364,10 +369,30 @@ pub unsafe extern "C" fn recvfrom(
     from: *mut libc::sockaddr,
     from_len: *mut libc::socklen_t,
 ) -> isize {
+    // The sender's address, written by the kernel after the message is taken: in a large
+    // allocation and not resident, the message was lost with EFAULT.
+    let _address = if needs_wrapping(from.cast(), 1) || needs_wrapping(from_len.cast(), 4) {
+        let mut pins = hold_for_call(from_len.cast(), 4, true);
+        // SAFETY: the caller's length word, non-null once `from` is (its contract).
+        pins.extend(hold_for_call(from.cast(), unsafe { from_len.as_ref() }.map_or(0, |&l| l as usize), true));
+        pins
+    } else {
+        Vec::new()
+    };
     if !needs_wrapping(buf, len) {
         return sys!(libc::SYS_recvfrom, fd, buf, len, flags, from, from_len);
     }
     on_descriptor(fd, buf, len, true, false, |p, n| sys!(libc::SYS_recvfrom, fd, p, n, flags, from, from_len))
+}
+
+/// Pins holding the managed stretches of `[ptr, ptr+len)` resident for one call, whole: a
+/// small buffer beside the call's main one (an address, a length word).
+fn hold_for_call(ptr: *const c_void, len: usize, kernel_writes: bool) -> Vec<tiermem_engine::PinGuard> {
+    let mut pins = Vec::new();
+    if let (true, Some(engine)) = (needs_wrapping(ptr, len), runtime::running_engine()) {
+        crate::messages::hold(engine, &mut pins, ptr.cast_mut(), len, kernel_writes, None, &mut 0);
+    }
+    pins
 }
 
 /// # Safety
@@ -390,6 +415,7 @@ pub unsafe extern "C" fn sendto(
     to_len: libc::socklen_t,
 ) -> isize {
     retrying_refused(|| {
+        let _address = hold_for_call(to.cast(), to_len as usize, false);
         if !needs_wrapping(buf, len) {
             return sys!(libc::SYS_sendto, fd, buf, len, flags, to, to_len);
         }

@@ -164,6 +164,9 @@ fn call_held(number: libc::c_long, fd: i32, (engine, m, vecs): Wrapped, flags: i
             copy.msg_iovlen = 1;
             sys!(number, fd, &mut copy as *mut libc::msghdr, flags)
         });
+        // Not left pointing at the closure's list, gone now.
+        copy.msg_iov = m.msg_iov;
+        copy.msg_iovlen = m.msg_iovlen;
         return (r, copy);
     }
     let mut held = hold_message(engine, fd, m, vecs, kernel_writes);
@@ -221,7 +224,6 @@ fn multiple_held(
     if !caller.iter().zip(&lists).any(|(m, vecs)| message_needs_wrapping(&m.msg_hdr, vecs)) {
         return None;
     }
-    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
     let kernel_writes = number == libc::SYS_recvmmsg;
     let share = budget_piece(engine);
     // A stream socket's messages are cut at the share; datagrams go whole, as many as fit.
@@ -229,6 +231,13 @@ fn multiple_held(
     if cut_at.is_none() && managed_bytes(lists[0]) > share {
         // A first datagram with more managed bytes than a call may hold goes alone, as recvmsg
         // or sendmsg takes it: through a copy.
+        let started = std::time::Instant::now();
+        let timeout = (kernel_writes && !timeout.is_null()).then_some(timeout);
+        // SAFETY: the caller's timespec (its contract), read before anything is received.
+        if timeout.is_some_and(|t| !valid_timeout(unsafe { &*t })) {
+            runtime::set_errno(libc::EINVAL);
+            return Some(-1);
+        }
         let single = if kernel_writes { libc::SYS_recvmsg } else { libc::SYS_sendmsg };
         let wrapped = (engine, &caller[0].msg_hdr, lists[0]);
         let (r, seen) = call_held(single, fd, wrapped, flags & !libc::MSG_WAITFORONE);
@@ -241,8 +250,14 @@ fn multiple_held(
             caller[0].msg_hdr.msg_controllen = seen.msg_controllen;
             caller[0].msg_hdr.msg_flags = seen.msg_flags;
         }
+        if let Some(t) = timeout {
+            // SAFETY: as above; the kernel too writes back the time left.
+            let t = unsafe { &mut *t };
+            *t = time_left(t, started.elapsed());
+        }
         return Some(1);
     }
+    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
     let (mut pins, mut held) = (Vec::new(), 0usize);
     let mut cuts = Vec::with_capacity(caller.len());
     for (i, (m, vecs)) in caller.iter().zip(lists).enumerate() {
@@ -279,6 +294,18 @@ fn multiple_held(
     Some(n as i32)
 }
 
+/// Whether recvmmsg's kernel takes `t` (else EINVAL, before anything is received).
+fn valid_timeout(t: &libc::timespec) -> bool {
+    t.tv_sec >= 0 && (0..1_000_000_000).contains(&t.tv_nsec)
+}
+
+/// What is left of timeout `t` after `spent`, as recvmmsg writes it back (never below zero).
+fn time_left(t: &libc::timespec, spent: std::time::Duration) -> libc::timespec {
+    let total = std::time::Duration::new(t.tv_sec as u64, t.tv_nsec as u32);
+    let left = total.saturating_sub(spent);
+    libc::timespec { tv_sec: left.as_secs() as libc::time_t, tv_nsec: left.subsec_nanos() as libc::c_long }
+}
+
 /// # Safety
 /// The C contract of recvmmsg.
 #[no_mangle]
@@ -301,4 +328,24 @@ pub unsafe extern "C" fn sendmmsg(fd: i32, msgs: *mut libc::mmsghdr, vlen: u32, 
         multiple_held(libc::SYS_sendmmsg, fd, msgs, vlen, flags, std::ptr::null_mut())
             .unwrap_or_else(|| sys!(libc::SYS_sendmmsg, fd, msgs, vlen, flags) as i32) as isize
     }) as i32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{time_left, valid_timeout};
+    use std::time::Duration;
+
+    fn ts(sec: i64, nsec: i64) -> libc::timespec {
+        libc::timespec { tv_sec: sec, tv_nsec: nsec }
+    }
+
+    #[test]
+    fn a_recvmmsg_timeout_is_checked_as_the_kernel_does_and_counts_down_to_zero() {
+        assert!(valid_timeout(&ts(0, 0)) && valid_timeout(&ts(5, 999_999_999)));
+        assert!(!valid_timeout(&ts(-1, 0)) && !valid_timeout(&ts(0, -1)) && !valid_timeout(&ts(0, 1_000_000_000)));
+        let left = time_left(&ts(2, 500_000_000), Duration::from_millis(700));
+        assert_eq!((left.tv_sec, left.tv_nsec), (1, 800_000_000));
+        let none = time_left(&ts(0, 10), Duration::from_secs(1));
+        assert_eq!((none.tv_sec, none.tv_nsec), (0, 0));
+    }
 }
