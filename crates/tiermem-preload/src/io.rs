@@ -83,7 +83,8 @@ pub(crate) fn budget_piece(engine: &tiermem_engine::Engine) -> usize {
 /// end: each holds its pages only for its call. `holding`: this thread holds pins of its own
 /// meanwhile, so several such threads could wait for each other: then it waits two seconds at
 /// most before giving up as on any other failure (the program ends with a message). Returns
-/// the pin and the bytes it holds.
+/// the pin and the bytes it holds, or None when the engine refuses the piece as too large for
+/// the budget and it may not, or cannot, be shorter (the caller copies instead, or gives up).
 pub(crate) fn pin_up_to(
     engine: &tiermem_engine::Engine,
     at: usize,
@@ -91,11 +92,11 @@ pub(crate) fn pin_up_to(
     kernel_writes: bool,
     holding: bool,
     shrink: bool,
-) -> (tiermem_engine::PinGuard, usize) {
+) -> Option<(tiermem_engine::PinGuard, usize)> {
     let mut started = std::time::Instant::now();
     loop {
         match engine.prepare_kernel_access(at as *const u8, len, kernel_writes) {
-            Ok(pin) => return (pin, len),
+            Ok(pin) => return Some((pin, len)),
             // Refused as too large for the budget, or busy for a while (the room pins leave the
             // faults that bring their pages in may be all a small budget has, whatever other
             // threads hold: it waited for ever there), with a piece that could be shorter.
@@ -115,6 +116,7 @@ pub(crate) fn pin_up_to(
             {
                 std::thread::sleep(std::time::Duration::from_micros(200))
             }
+            Err(e) if e.kind() == tiermem_sys::ErrorKind::InvalidInput => return None,
             Err(e) => runtime::die(&["tiermem: cannot make a system call's buffer resident: ", &e.to_string()]),
         }
     }
@@ -144,7 +146,11 @@ fn in_resident_pieces(
         let at = buf as usize + done;
         let (piece, managed) = stretch(at, (len - done).min(CHUNK_BYTES).min(budget_piece));
         let (_pin, piece) = if managed {
-            let (pin, held) = pin_up_to(engine, at, piece, kernel_writes, false, true);
+            let Some((pin, held)) = pin_up_to(engine, at, piece, kernel_writes, false, true) else {
+                runtime::die(&[
+                    "tiermem: cannot make a system call's buffer resident: the budget holds no page for it",
+                ]);
+            };
             (Some(pin), held)
         } else {
             (None, piece)
@@ -190,11 +196,12 @@ fn in_one_call(
     runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
     let Some(engine) = runtime::running_engine() else { return op(buf, len) };
     let whole = [libc::iovec { iov_base: buf, iov_len: len }];
-    if managed_bytes(&whole) > budget_piece(engine) {
-        return through_copy(&whole, kernel_writes, op);
+    // Held whole, or copied: over the share, or refused (the budget shrank since it was sized).
+    let pins = (managed_bytes(&whole) <= budget_piece(engine)).then(|| hold_for_call(buf, len, kernel_writes));
+    match pins.flatten() {
+        Some(_pins) => op(buf, len),
+        None => through_copy(&whole, kernel_writes, op),
     }
-    let _pins = hold_for_call(buf, len, kernel_writes);
-    op(buf, len)
 }
 
 /// Bytes of the buffers of `vecs` that lie in managed memory.
@@ -372,9 +379,11 @@ pub unsafe extern "C" fn recvfrom(
     // The sender's address, written by the kernel after the message is taken: in a large
     // allocation and not resident, the message was lost with EFAULT.
     let _address = if needs_wrapping(from.cast(), 1) || needs_wrapping(from_len.cast(), 4) {
-        let mut pins = hold_for_call(from_len.cast(), 4, true);
+        // (Refused, only under a budget of a few pages, the call goes as it is.)
+        let mut pins = hold_for_call(from_len.cast(), 4, true).unwrap_or_default();
         // SAFETY: the caller's length word, non-null once `from` is (its contract).
-        pins.extend(hold_for_call(from.cast(), unsafe { from_len.as_ref() }.map_or(0, |&l| l as usize), true));
+        let len = unsafe { from_len.as_ref() }.map_or(0, |&l| l as usize);
+        pins.extend(hold_for_call(from.cast(), len, true).unwrap_or_default());
         pins
     } else {
         Vec::new()
@@ -385,14 +394,16 @@ pub unsafe extern "C" fn recvfrom(
     on_descriptor(fd, buf, len, true, false, |p, n| sys!(libc::SYS_recvfrom, fd, p, n, flags, from, from_len))
 }
 
-/// Pins holding the managed stretches of `[ptr, ptr+len)` resident for one call, whole: a
-/// small buffer beside the call's main one (an address, a length word).
-fn hold_for_call(ptr: *const c_void, len: usize, kernel_writes: bool) -> Vec<tiermem_engine::PinGuard> {
+/// Pins holding the managed stretches of `[ptr, ptr+len)` resident for one call, whole; None
+/// when the engine refuses them as too large for the budget.
+fn hold_for_call(ptr: *const c_void, len: usize, kernel_writes: bool) -> Option<Vec<tiermem_engine::PinGuard>> {
     let mut pins = Vec::new();
     if let (true, Some(engine)) = (needs_wrapping(ptr, len), runtime::running_engine()) {
-        crate::messages::hold(engine, &mut pins, ptr.cast_mut(), len, kernel_writes, None, &mut 0);
+        if crate::messages::hold(engine, &mut pins, ptr.cast_mut(), len, kernel_writes, None, &mut 0) < len {
+            return None;
+        }
     }
-    pins
+    Some(pins)
 }
 
 /// # Safety
@@ -415,7 +426,7 @@ pub unsafe extern "C" fn sendto(
     to_len: libc::socklen_t,
 ) -> isize {
     retrying_refused(|| {
-        let _address = hold_for_call(to.cast(), to_len as usize, false);
+        let _address = hold_for_call(to.cast(), to_len as usize, false).unwrap_or_default();
         if !needs_wrapping(buf, len) {
             return sys!(libc::SYS_sendto, fd, buf, len, flags, to, to_len);
         }

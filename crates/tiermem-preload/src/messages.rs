@@ -25,7 +25,8 @@ struct HeldMessage {
 
 /// Make the managed stretches of `[ptr, ptr+len)` resident, all of them (`cap` None) or until
 /// `held` reaches `cap`, or the budget lets hold no more now (the caller takes a short
-/// transfer). Returns the bytes from `ptr` that are covered.
+/// transfer; without a cap, a piece the engine refuses as too large for the budget ends it,
+/// and the caller copies instead). Returns the bytes from `ptr` that are covered.
 pub(crate) fn hold(
     engine: &Engine,
     pins: &mut Vec<PinGuard>,
@@ -46,7 +47,11 @@ pub(crate) fn hold(
                     break;
                 }
             }
-            let (pin, pinned) = crate::io::pin_up_to(engine, at, piece, kernel_writes, !pins.is_empty(), cap.is_some());
+            let holding = !pins.is_empty();
+            let Some((pin, pinned)) = crate::io::pin_up_to(engine, at, piece, kernel_writes, holding, cap.is_some())
+            else {
+                break;
+            };
             pins.push(pin);
             *held += pinned;
             done += pinned;
@@ -154,25 +159,29 @@ fn call_held(number: libc::c_long, fd: i32, (engine, m, vecs): Wrapped, flags: i
     runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
     let kernel_writes = number == libc::SYS_recvmsg;
     let mut copy = *m;
-    if !is_stream_socket(fd) && managed_bytes(vecs) > budget_piece(engine) {
-        // The address and control buffers are small: held resident as they are.
-        let mut pins = Vec::new();
-        hold_parts(engine, &mut pins, m, &[], kernel_writes, None, &mut 0);
-        let r = through_copy(vecs, kernel_writes, |buf, len| {
-            let mut whole = libc::iovec { iov_base: buf, iov_len: len };
-            copy.msg_iov = &mut whole;
-            copy.msg_iovlen = 1;
-            sys!(number, fd, &mut copy as *mut libc::msghdr, flags)
-        });
-        // Not left pointing at the closure's list, gone now.
-        copy.msg_iov = m.msg_iov;
-        copy.msg_iovlen = m.msg_iovlen;
-        return (r, copy);
+    let datagram = !is_stream_socket(fd);
+    if !datagram || managed_bytes(vecs) <= budget_piece(engine) {
+        let mut held = hold_message(engine, fd, m, vecs, kernel_writes);
+        // A datagram's list is held whole, or (refused: the budget shrank since) copied below.
+        if !datagram || total(&held.vecs) == total(vecs) {
+            copy.msg_iov = held.vecs.as_mut_ptr();
+            copy.msg_iovlen = held.vecs.len();
+            let r = sys!(number, fd, &mut copy as *mut libc::msghdr, flags);
+            return (r, copy);
+        }
     }
-    let mut held = hold_message(engine, fd, m, vecs, kernel_writes);
-    copy.msg_iov = held.vecs.as_mut_ptr();
-    copy.msg_iovlen = held.vecs.len();
-    let r = sys!(number, fd, &mut copy as *mut libc::msghdr, flags);
+    // The address and control buffers are small: held resident as they are.
+    let mut pins = Vec::new();
+    hold_parts(engine, &mut pins, m, &[], kernel_writes, None, &mut 0);
+    let r = through_copy(vecs, kernel_writes, |buf, len| {
+        let mut whole = libc::iovec { iov_base: buf, iov_len: len };
+        copy.msg_iov = &mut whole;
+        copy.msg_iovlen = 1;
+        sys!(number, fd, &mut copy as *mut libc::msghdr, flags)
+    });
+    // Not left pointing at the closure's list, gone now.
+    copy.msg_iov = m.msg_iov;
+    copy.msg_iovlen = m.msg_iovlen;
     (r, copy)
 }
 
@@ -229,33 +238,7 @@ fn multiple_held(
     // A stream socket's messages are cut at the share; datagrams go whole, as many as fit.
     let cut_at = is_stream_socket(fd).then_some(share);
     if cut_at.is_none() && managed_bytes(lists[0]) > share {
-        // A first datagram with more managed bytes than a call may hold goes alone, as recvmsg
-        // or sendmsg takes it: through a copy.
-        let started = std::time::Instant::now();
-        let timeout = (kernel_writes && !timeout.is_null()).then_some(timeout);
-        // SAFETY: the caller's timespec (its contract), read before anything is received.
-        if timeout.is_some_and(|t| !valid_timeout(unsafe { &*t })) {
-            runtime::set_errno(libc::EINVAL);
-            return Some(-1);
-        }
-        let single = if kernel_writes { libc::SYS_recvmsg } else { libc::SYS_sendmsg };
-        let wrapped = (engine, &caller[0].msg_hdr, lists[0]);
-        let (r, seen) = call_held(single, fd, wrapped, flags & !libc::MSG_WAITFORONE);
-        if r < 0 {
-            return Some(-1);
-        }
-        caller[0].msg_len = r as u32;
-        if kernel_writes {
-            caller[0].msg_hdr.msg_namelen = seen.msg_namelen;
-            caller[0].msg_hdr.msg_controllen = seen.msg_controllen;
-            caller[0].msg_hdr.msg_flags = seen.msg_flags;
-        }
-        if let Some(t) = timeout {
-            // SAFETY: as above; the kernel too writes back the time left.
-            let t = unsafe { &mut *t };
-            *t = time_left(t, started.elapsed());
-        }
-        return Some(1);
+        return Some(first_alone(number, fd, (engine, caller), flags, timeout));
     }
     runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
     let (mut pins, mut held) = (Vec::new(), 0usize);
@@ -267,10 +250,17 @@ fn multiple_held(
         }
         let cut = hold_parts(engine, &mut pins, &m.msg_hdr, vecs, kernel_writes, cut_at, &mut held);
         let whole = total(&cut) == total(vecs);
-        cuts.push(cut);
+        // A datagram goes whole or in a later call (refused: the budget shrank since).
+        if whole || cut_at.is_some() {
+            cuts.push(cut);
+        }
         if !whole {
             break;
         }
+    }
+    if cuts.is_empty() {
+        drop(pins);
+        return Some(first_alone(number, fd, (engine, caller), flags, timeout));
     }
     let mut copies: Vec<libc::mmsghdr> = caller[..cuts.len()]
         .iter()
@@ -292,6 +282,44 @@ fn multiple_held(
         }
     }
     Some(n as i32)
+}
+
+/// recvmmsg or sendmmsg (`number`) of the first message alone, a datagram with more managed
+/// bytes than a call may hold, as recvmsg or sendmsg takes it: through a copy. The timeout is
+/// checked and counted down as the kernel does.
+fn first_alone(
+    number: libc::c_long,
+    fd: i32,
+    (engine, caller): (&'static Engine, &mut [libc::mmsghdr]),
+    flags: i32,
+    timeout: *mut libc::timespec,
+) -> i32 {
+    let kernel_writes = number == libc::SYS_recvmmsg;
+    let started = std::time::Instant::now();
+    let timeout = (kernel_writes && !timeout.is_null()).then_some(timeout);
+    // SAFETY: the caller's timespec (its contract), read before anything is received.
+    if timeout.is_some_and(|t| !valid_timeout(unsafe { &*t })) {
+        runtime::set_errno(libc::EINVAL);
+        return -1;
+    }
+    let single = if kernel_writes { libc::SYS_recvmsg } else { libc::SYS_sendmsg };
+    let Some(vecs) = vectors_of(&caller[0].msg_hdr) else { return -1 };
+    let (r, seen) = call_held(single, fd, (engine, &caller[0].msg_hdr, vecs), flags & !libc::MSG_WAITFORONE);
+    if r < 0 {
+        return -1;
+    }
+    caller[0].msg_len = r as u32;
+    if kernel_writes {
+        caller[0].msg_hdr.msg_namelen = seen.msg_namelen;
+        caller[0].msg_hdr.msg_controllen = seen.msg_controllen;
+        caller[0].msg_hdr.msg_flags = seen.msg_flags;
+    }
+    if let Some(t) = timeout {
+        // SAFETY: as above; the kernel too writes back the time left.
+        let t = unsafe { &mut *t };
+        *t = time_left(t, started.elapsed());
+    }
+    1
 }
 
 /// Whether recvmmsg's kernel takes `t` (else EINVAL, before anything is received).
