@@ -3507,7 +3507,8 @@ fn a_datagram_larger_than_a_resident_piece_stays_one_datagram() {
 
 /// A datagram with more managed bytes than a call may hold resident (over half of a 2 MiB
 /// budget) goes whole, through a copy, by every call that moves one: sigbus mode ended the
-/// program ("cannot make a system call's buffer resident"). sendmmsg and recvmmsg may move the
+/// program ("cannot make a system call's buffer resident"). writev and readv move one datagram
+/// (they moved one per piece of a managed buffer, also under the share). sendmmsg and recvmmsg may move the
 /// second message in a call of its own; a receive with MSG_TRUNC into a short buffer gets what
 /// fits and learns the datagram's length, as without tiermem.
 const DATAGRAM_OVER_HALF_THE_BUDGET: &str = r#"
@@ -3516,6 +3517,7 @@ const DATAGRAM_OVER_HALF_THE_BUDGET: &str = r#"
 #include <cstring>
 #include <cstddef>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
 int main() {
@@ -3545,6 +3547,14 @@ int main() {
     m.msg_iov = into;
     long f = recvmsg(sv[1], &m, 0);
     check(n);
+    // writev and readv: one datagram whatever the list (in pieces, each piece went as one).
+    iovec halves[2] = {{out, n / 3}, {out + n / 3, n - n / 3}};
+    iovec into_halves[2] = {{in, n / 2}, {in + n / 2, n - n / 2}};
+    long w = writev(sv[0], halves, 2), rv = readv(sv[1], into_halves, 2);
+    check(n);
+    halves[0].iov_len = 300 << 10, halves[1] = {out + (300 << 10), 100 << 10};  // under the share
+    long w2 = writev(sv[0], halves, 2), rv2 = recv(sv[1], in, n, 0);
+    check(400 << 10);
     // sendmmsg and recvmmsg, the large message first and then last. Each call may move fewer
     // messages than asked: called until both went.
     long g = 0, h = 0, h_lens = 0;
@@ -3587,7 +3597,7 @@ int main() {
     long v = recvfrom(sv[1], in, n, 0, (sockaddr*)seen, &seen_len);
     bad += seen_len != name_len || memcmp(seen, &name, name_len) != 0;
     check(small);
-    printf("%ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %d %ld bad:%ld\n", a, b, c, d, e, f, g, h, h_lens, t, u, truncated, v, bad);
+    printf("%ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %d %ld bad:%ld\n", a, b, c, d, e, f, w, rv, w2, rv2, g, h, h_lens, t, u, truncated, v, bad);
     return 0;
 }
 "#;
@@ -3601,7 +3611,8 @@ fn a_datagram_over_half_the_budget_goes_whole_through_a_copy() {
     }
     let n = 1536 << 10;
     let (both, part) = (2 * (n + 1000), n / 2 + n / 4);
-    let expected = format!("{n} {n} {n} {n} {n} {n} 4 4 {both} {n} {part} 1 1000 bad:0\n");
+    let k400 = 400 << 10;
+    let expected = format!("{n} {n} {n} {n} {n} {n} {n} {n} {k400} {k400} 4 4 {both} {n} {part} 1 1000 bad:0\n");
     let scratch = Scratch::new();
     let Some(bin) = build_cpp(&scratch, DATAGRAM_OVER_HALF_THE_BUDGET, "unmanaged", name) else { return };
     let reference = Command::new(&bin).output().expect("the program, unmanaged");

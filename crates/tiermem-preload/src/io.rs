@@ -186,22 +186,39 @@ pub(crate) fn socket_type(fd: i32) -> Option<libc::c_int> {
 
 /// `op(buf, len)` once, with every managed stretch of the buffer held resident for the call:
 /// for a socket that keeps message boundaries (see [`keeps_messages`]). A buffer with more
-/// managed bytes than a call may hold goes through a copy instead (see [`through_copy`]).
+/// managed bytes than a call may hold goes through a copy instead (see [`held_or_copied`]).
 fn in_one_call(
     buf: *mut c_void,
     len: usize,
     kernel_writes: bool,
     op: impl FnOnce(*mut c_void, usize) -> isize,
 ) -> isize {
-    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
-    let Some(engine) = runtime::running_engine() else { return op(buf, len) };
     let whole = [libc::iovec { iov_base: buf, iov_len: len }];
-    // Held whole, or copied: over the share, or refused (the budget shrank since it was sized).
-    let pins = (managed_bytes(&whole) <= budget_piece(engine)).then(|| hold_for_call(buf, len, kernel_writes));
-    match pins.flatten() {
-        Some(_pins) => op(buf, len),
-        None => through_copy(&whole, kernel_writes, op),
+    held_or_copied(&whole, kernel_writes, |copy| {
+        let (p, n) = copy.unwrap_or((buf, len));
+        op(p, n)
+    })
+}
+
+/// One call that must move the buffers of `vecs` whole (a message): `call(None)` with their
+/// managed stretches held resident, or, when those are more than a call may hold or the engine
+/// refuses them (the budget shrank since), `call(Some((copy, len)))` on a copy of them (see
+/// [`through_copy`]).
+pub(crate) fn held_or_copied(
+    vecs: &[libc::iovec],
+    kernel_writes: bool,
+    call: impl FnOnce(Option<(*mut c_void, usize)>) -> isize,
+) -> isize {
+    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
+    let Some(engine) = runtime::running_engine() else { return call(None) };
+    if managed_bytes(vecs) <= budget_piece(engine) {
+        let mut pins = Vec::new();
+        let held = crate::messages::hold_vectors(engine, &mut pins, vecs, kernel_writes, None, &mut 0);
+        if crate::messages::total(&held) == crate::messages::total(vecs) {
+            return call(None);
+        }
     }
+    through_copy(vecs, kernel_writes, |p, n| call(Some((p, n))))
 }
 
 /// Bytes of the buffers of `vecs` that lie in managed memory.
@@ -379,11 +396,10 @@ pub unsafe extern "C" fn recvfrom(
     // The sender's address, written by the kernel after the message is taken: in a large
     // allocation and not resident, the message was lost with EFAULT.
     let _address = if needs_wrapping(from.cast(), 1) || needs_wrapping(from_len.cast(), 4) {
-        // (Refused, only under a budget of a few pages, the call goes as it is.)
-        let mut pins = hold_for_call(from_len.cast(), 4, true).unwrap_or_default();
+        let mut pins = hold_address(from_len.cast(), 4, true);
         // SAFETY: the caller's length word, non-null once `from` is (its contract).
-        let len = unsafe { from_len.as_ref() }.map_or(0, |&l| l as usize);
-        pins.extend(hold_for_call(from.cast(), len, true).unwrap_or_default());
+        let len = unsafe { from_len.as_ref() }.map_or(0, |&l| (l as usize).min(ADDRESS_BYTES));
+        pins.extend(hold_address(from.cast(), len, true));
         pins
     } else {
         Vec::new()
@@ -394,16 +410,18 @@ pub unsafe extern "C" fn recvfrom(
     on_descriptor(fd, buf, len, true, false, |p, n| sys!(libc::SYS_recvfrom, fd, p, n, flags, from, from_len))
 }
 
-/// Pins holding the managed stretches of `[ptr, ptr+len)` resident for one call, whole; None
-/// when the engine refuses them as too large for the budget.
-fn hold_for_call(ptr: *const c_void, len: usize, kernel_writes: bool) -> Option<Vec<tiermem_engine::PinGuard>> {
+/// The most bytes of a socket address the kernel reads or writes (a `sockaddr_storage`).
+const ADDRESS_BYTES: usize = std::mem::size_of::<libc::sockaddr_storage>();
+
+/// Pins holding the managed stretches of a socket address (or its length word) at
+/// `[ptr, ptr+len)` resident for one call. Refused, only under a budget of a few pages, the
+/// call goes as it is.
+fn hold_address(ptr: *const c_void, len: usize, kernel_writes: bool) -> Vec<tiermem_engine::PinGuard> {
     let mut pins = Vec::new();
     if let (true, Some(engine)) = (needs_wrapping(ptr, len), runtime::running_engine()) {
-        if crate::messages::hold(engine, &mut pins, ptr.cast_mut(), len, kernel_writes, None, &mut 0) < len {
-            return None;
-        }
+        crate::messages::hold(engine, &mut pins, ptr.cast_mut(), len, kernel_writes, None, &mut 0);
     }
-    Some(pins)
+    pins
 }
 
 /// # Safety
@@ -426,7 +444,7 @@ pub unsafe extern "C" fn sendto(
     to_len: libc::socklen_t,
 ) -> isize {
     retrying_refused(|| {
-        let _address = hold_for_call(to.cast(), to_len as usize, false).unwrap_or_default();
+        let _address = hold_address(to.cast(), (to_len as usize).min(ADDRESS_BYTES), false);
         if !needs_wrapping(buf, len) {
             return sys!(libc::SYS_sendto, fd, buf, len, flags, to, to_len);
         }
@@ -500,6 +518,11 @@ fn each_vector(
 pub unsafe extern "C" fn readv(fd: i32, iov: *const libc::iovec, count: i32) -> isize {
     match vectors_to_wrap(iov, count) {
         None => sys!(libc::SYS_readv, fd, iov, count),
+        // One datagram fills the list in order: in pieces, each read took a datagram of its own.
+        Some(vecs) if keeps_messages(fd) => held_or_copied(vecs, true, |copy| match copy {
+            None => sys!(libc::SYS_readv, fd, iov, count),
+            Some((p, n)) => sys!(libc::SYS_read, fd, p, n),
+        }),
         Some(vecs) => each_vector(vecs, true, is_regular_file(fd), |p, n| sys!(libc::SYS_read, fd, p, n)),
     }
 }
@@ -510,6 +533,11 @@ pub unsafe extern "C" fn readv(fd: i32, iov: *const libc::iovec, count: i32) -> 
 pub unsafe extern "C" fn writev(fd: i32, iov: *const libc::iovec, count: i32) -> isize {
     retrying_refused(|| match vectors_to_wrap(iov, count) {
         None => sys!(libc::SYS_writev, fd, iov, count),
+        // The whole list is one datagram: in pieces, each piece went as a datagram of its own.
+        Some(vecs) if keeps_messages(fd) => held_or_copied(vecs, false, |copy| match copy {
+            None => sys!(libc::SYS_writev, fd, iov, count),
+            Some((p, n)) => sys!(libc::SYS_write, fd, p, n),
+        }),
         Some(vecs) => each_vector(vecs, false, true, |p, n| sys!(libc::SYS_write, fd, p, n)),
     })
 }

@@ -10,7 +10,9 @@ use std::sync::atomic::Ordering;
 
 use tiermem_engine::{Engine, PinGuard};
 
-use crate::io::{any_needs_wrapping, budget_piece, iovecs, managed_bytes, needs_wrapping, stretch, sys, through_copy};
+use crate::io::{
+    any_needs_wrapping, budget_piece, held_or_copied, iovecs, managed_bytes, needs_wrapping, stretch, sys,
+};
 use crate::runtime;
 
 fn is_stream_socket(fd: i32) -> bool {
@@ -127,7 +129,7 @@ fn vectors_of(m: &libc::msghdr) -> Option<&[libc::iovec]> {
 }
 
 pub(crate) fn total(vecs: &[libc::iovec]) -> usize {
-    vecs.iter().map(|v| v.iov_len).sum()
+    vecs.iter().fold(0usize, |sum, v| sum.saturating_add(v.iov_len))
 }
 
 fn message_needs_wrapping(m: &libc::msghdr, vecs: &[libc::iovec]) -> bool {
@@ -156,27 +158,34 @@ fn message_to_wrap<'a>(msg: *const libc::msghdr) -> Option<Wrapped<'a>> {
 /// a copy of them (see [`crate::io::through_copy`]). Returns its result and the message as the
 /// kernel saw it (the buffer list possibly cut or replaced).
 fn call_held(number: libc::c_long, fd: i32, (engine, m, vecs): Wrapped, flags: i32) -> (isize, libc::msghdr) {
-    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
     let kernel_writes = number == libc::SYS_recvmsg;
     let mut copy = *m;
-    let datagram = !is_stream_socket(fd);
-    if !datagram || managed_bytes(vecs) <= budget_piece(engine) {
+    if is_stream_socket(fd) {
+        runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
         let mut held = hold_message(engine, fd, m, vecs, kernel_writes);
-        // A datagram's list is held whole, or (refused: the budget shrank since) copied below.
-        if !datagram || total(&held.vecs) == total(vecs) {
-            copy.msg_iov = held.vecs.as_mut_ptr();
-            copy.msg_iovlen = held.vecs.len();
-            let r = sys!(number, fd, &mut copy as *mut libc::msghdr, flags);
-            return (r, copy);
+        if total(&held.vecs) == 0 && total(vecs) > 0 {
+            // Not a page could be held (a budget of a few pages): an empty list would read as
+            // the end of the stream.
+            runtime::set_errno(libc::ENOMEM);
+            return (-1, copy);
         }
+        copy.msg_iov = held.vecs.as_mut_ptr();
+        copy.msg_iovlen = held.vecs.len();
+        let r = sys!(number, fd, &mut copy as *mut libc::msghdr, flags);
+        return (r, copy);
     }
-    // The address and control buffers are small: held resident as they are.
+    // A message: the address and control buffers (small) held resident as they are, the
+    // buffer list held whole or copied.
     let mut pins = Vec::new();
     hold_parts(engine, &mut pins, m, &[], kernel_writes, None, &mut 0);
-    let r = through_copy(vecs, kernel_writes, |buf, len| {
+    let r = held_or_copied(vecs, kernel_writes, |copied| {
+        // The copy as a one-element list (unused when the caller's own list goes).
+        let (buf, len) = copied.unwrap_or((std::ptr::null_mut(), 0));
         let mut whole = libc::iovec { iov_base: buf, iov_len: len };
-        copy.msg_iov = &mut whole;
-        copy.msg_iovlen = 1;
+        if copied.is_some() {
+            copy.msg_iov = &mut whole;
+            copy.msg_iovlen = 1;
+        }
         sys!(number, fd, &mut copy as *mut libc::msghdr, flags)
     });
     // Not left pointing at the closure's list, gone now.
@@ -240,7 +249,7 @@ fn multiple_held(
     if cut_at.is_none() && managed_bytes(lists[0]) > share {
         return Some(first_alone(number, fd, (engine, caller), flags, timeout));
     }
-    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
+    let first_len = total(lists[0]);
     let (mut pins, mut held) = (Vec::new(), 0usize);
     let mut cuts = Vec::with_capacity(caller.len());
     for (i, (m, vecs)) in caller.iter().zip(lists).enumerate() {
@@ -262,6 +271,13 @@ fn multiple_held(
         drop(pins);
         return Some(first_alone(number, fd, (engine, caller), flags, timeout));
     }
+    if cut_at.is_some() && total(&cuts[0]) == 0 && first_len > 0 {
+        // Not a page could be held (a budget of a few pages): an empty first message would
+        // read as the end of the stream.
+        runtime::set_errno(libc::ENOMEM);
+        return Some(-1);
+    }
+    runtime::SYSCALLS_WRAPPED.fetch_add(1, Ordering::Relaxed);
     let mut copies: Vec<libc::mmsghdr> = caller[..cuts.len()]
         .iter()
         .zip(cuts.iter_mut())
@@ -303,7 +319,10 @@ fn first_alone(
         return -1;
     }
     let single = if kernel_writes { libc::SYS_recvmsg } else { libc::SYS_sendmsg };
-    let Some(vecs) = vectors_of(&caller[0].msg_hdr) else { return -1 };
+    let Some(vecs) = vectors_of(&caller[0].msg_hdr) else {
+        runtime::set_errno(libc::EINVAL);
+        return -1;
+    };
     let (r, seen) = call_held(single, fd, (engine, &caller[0].msg_hdr, vecs), flags & !libc::MSG_WAITFORONE);
     if r < 0 {
         return -1;

@@ -51,12 +51,18 @@ fn transfer(
     let share = budget_piece(engine);
     let cap = Some(if remote_is_ours { (share / 2).max(tiermem_sys::PAGE_SIZE) } else { share });
     let mut pins = Vec::new();
+    let asked = total(locals).min(total(remotes));
     let mut locals = hold_vectors(engine, &mut pins, locals, local_written, cap, &mut 0);
     let mut len = total(&locals).min(total(remotes));
     let mut remotes = cut_to(remotes, len);
     if remote_is_ours {
         remotes = hold_vectors(engine, &mut pins, &remotes, !local_written, cap, &mut 0);
         len = len.min(total(&remotes));
+    }
+    if len == 0 && asked > 0 {
+        // Not a page could be held (a budget of a few pages): 0 bytes would say nothing moved.
+        runtime::set_errno(libc::ENOMEM);
+        return -1;
     }
     locals = cut_to(&locals, len);
     remotes = cut_to(&remotes, len);
