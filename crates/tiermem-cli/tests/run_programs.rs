@@ -3508,14 +3508,17 @@ fn a_datagram_larger_than_a_resident_piece_stays_one_datagram() {
 /// A datagram with more managed bytes than a call may hold resident (over half of a 2 MiB
 /// budget) goes whole, through a copy, by every call that moves one: sigbus mode ended the
 /// program ("cannot make a system call's buffer resident"). writev and readv move one datagram
-/// (they moved one per piece of a managed buffer, also under the share). sendmmsg and recvmmsg may move the
-/// second message in a call of its own; a receive with MSG_TRUNC into a short buffer gets what
-/// fits and learns the datagram's length, as without tiermem.
+/// (they moved one per piece of a managed buffer, also under the share), and so do pwritev2 and
+/// preadv2 at the current position, whose read of a pipe now stops at what is there (it waited
+/// for a second piece). sendmmsg and recvmmsg may move the second message in a call of its
+/// own; a receive with MSG_TRUNC into a short buffer gets what fits and learns the datagram's
+/// length, as without tiermem.
 const DATAGRAM_OVER_HALF_THE_BUDGET: &str = r#"
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <cstddef>
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <sys/un.h>
@@ -3555,6 +3558,17 @@ int main() {
     halves[0].iov_len = 300 << 10, halves[1] = {out + (300 << 10), 100 << 10};  // under the share
     long w2 = writev(sv[0], halves, 2), rv2 = recv(sv[1], in, n, 0);
     check(400 << 10);
+    // pwritev2 and preadv2 at the current position (-1): one datagram too.
+    long pw = pwritev2(sv[0], halves, 2, -1, 0), pr = preadv2(sv[1], into_halves, 2, -1, 0);
+    check(400 << 10);
+    // preadv2 at the current position of a pipe holding just one piece's worth (256 KiB) gives
+    // what is there (a second piece waited for more, for ever).
+    int pipe_ends[2];
+    if (pipe(pipe_ends) != 0 || fcntl(pipe_ends[1], F_SETPIPE_SZ, 1 << 20) < 0) return 5;
+    long pipe_w = write(pipe_ends[1], out, 256 << 10);
+    iovec whole_in = {in, n};
+    long pipe_r = preadv2(pipe_ends[0], &whole_in, 1, -1, 0);
+    check(256 << 10);
     // sendmmsg and recvmmsg, the large message first and then last. Each call may move fewer
     // messages than asked: called until both went.
     long g = 0, h = 0, h_lens = 0;
@@ -3597,7 +3611,7 @@ int main() {
     long v = recvfrom(sv[1], in, n, 0, (sockaddr*)seen, &seen_len);
     bad += seen_len != name_len || memcmp(seen, &name, name_len) != 0;
     check(small);
-    printf("%ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %d %ld bad:%ld\n", a, b, c, d, e, f, w, rv, w2, rv2, g, h, h_lens, t, u, truncated, v, bad);
+    printf("%ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %ld %d %ld bad:%ld\n", a, b, c, d, e, f, w, rv, w2, rv2, pw, pr, pipe_w, pipe_r, g, h, h_lens, t, u, truncated, v, bad);
     return 0;
 }
 "#;
@@ -3612,7 +3626,10 @@ fn a_datagram_over_half_the_budget_goes_whole_through_a_copy() {
     let n = 1536 << 10;
     let (both, part) = (2 * (n + 1000), n / 2 + n / 4);
     let k400 = 400 << 10;
-    let expected = format!("{n} {n} {n} {n} {n} {n} {n} {n} {k400} {k400} 4 4 {both} {n} {part} 1 1000 bad:0\n");
+    let k256 = 256 << 10;
+    let expected = format!(
+        "{n} {n} {n} {n} {n} {n} {n} {n} {k400} {k400} {k400} {k400} {k256} {k256} 4 4 {both} {n} {part} 1 1000 bad:0\n"
+    );
     let scratch = Scratch::new();
     let Some(bin) = build_cpp(&scratch, DATAGRAM_OVER_HALF_THE_BUDGET, "unmanaged", name) else { return };
     let reference = Command::new(&bin).output().expect("the program, unmanaged");

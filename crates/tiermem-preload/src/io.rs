@@ -552,8 +552,21 @@ fn positioned_vectors(
     flags: i32,
     kernel_writes: bool,
 ) -> isize {
+    if off == -1 && keeps_messages(fd) {
+        // At the current position, on a socket: one message, as readv and writev move it.
+        return held_or_copied(vecs, kernel_writes, |copy| match copy {
+            None => sys!(syscall, fd, vecs.as_ptr(), vecs.len(), off, 0, flags),
+            Some((p, n)) => {
+                let one = libc::iovec { iov_base: p, iov_len: n };
+                sys!(syscall, fd, &one as *const libc::iovec, 1, off, 0, flags)
+            }
+        });
+    }
+    // A pipe or socket read at its current position gives what is there: a second piece would
+    // wait for more (as readv's would).
+    let whole = off != -1 || is_regular_file(fd) || !kernel_writes;
     let mut at = off;
-    each_vector(vecs, kernel_writes, true, |p, n| {
+    each_vector(vecs, kernel_writes, whole, |p, n| {
         let one = libc::iovec { iov_base: p, iov_len: n };
         // On 64-bit targets the kernel takes the whole offset in its low word.
         let r = sys!(syscall, fd, &one as *const libc::iovec, 1, at, 0, flags);
