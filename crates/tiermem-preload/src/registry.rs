@@ -220,9 +220,22 @@ static RELEASING_REGIONS: AtomicUsize = AtomicUsize::new(0);
 static MARKS_PID: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
-    /// Releases this thread has under way: it never waits for releases then (its own, or
-    /// another thread's while a signal handler of the program runs in the middle of its own).
-    static RELEASING_HERE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// The marks of releases this thread has under way, which it never waits for (a signal
+    /// handler of the program's run in the middle of one would wait for ever): the process
+    /// they were made in, a bit for each slot, and those counted in [`RELEASING_ANYWHERE`].
+    /// Other threads' marks are waited for all the same. Made in another process (a child
+    /// forked in the middle of a release), they count as none: those marks were forgotten.
+    static RELEASING_HERE: std::cell::Cell<(usize, u32, usize)> = const { std::cell::Cell::new((0, 0, 0)) };
+}
+
+/// This thread's marks in this process (see [`RELEASING_HERE`]): slot bits and anywhere count.
+fn marks_here(pid: usize) -> (u32, usize) {
+    let (made_in, slots, anywhere) = RELEASING_HERE.with(std::cell::Cell::get);
+    if made_in == pid {
+        (slots, anywhere)
+    } else {
+        (0, 0)
+    }
 }
 
 fn current_pid() -> usize {
@@ -268,17 +281,22 @@ impl ReleaseMark {
     pub fn new(table: &mut BTreeMap<usize, Entry>, start: usize, end: usize, regions: usize) -> Self {
         let pid = current_pid();
         forget_inherited_marks(table, pid);
-        RELEASING_HERE.with(|n| n.set(n.get() + 1));
         RELEASING_REGIONS.fetch_add(regions, Ordering::AcqRel);
         // Slots are taken only under the table's lock, so no two threads race for one.
         let slot = (0..RELEASE_SLOTS).find(|&k| RELEASING[k][1].load(Ordering::Acquire) == 0);
+        // This thread's own first: a signal handler run between the two must not wait for it.
+        let (slots, anywhere) = marks_here(pid);
         match slot {
             Some(k) => {
+                RELEASING_HERE.with(|here| here.set((pid, slots | 1 << k, anywhere)));
                 RELEASING[k][0].store(start, Ordering::Relaxed);
                 RELEASING_COUNT.fetch_add(1, Ordering::AcqRel);
                 RELEASING[k][1].store(end, Ordering::Release);
             }
-            None => _ = RELEASING_ANYWHERE.fetch_add(1, Ordering::AcqRel),
+            None => {
+                RELEASING_HERE.with(|here| here.set((pid, slots, anywhere + 1)));
+                RELEASING_ANYWHERE.fetch_add(1, Ordering::AcqRel);
+            }
         }
         Self { slot, regions, pid }
     }
@@ -286,18 +304,22 @@ impl ReleaseMark {
 
 impl Drop for ReleaseMark {
     fn drop(&mut self) {
-        RELEASING_HERE.with(|n| n.set(n.get().saturating_sub(1)));
         // In a forked child (a fork from a signal handler in the middle of a release) the copy
         // was forgotten, or will be.
         if self.pid != current_pid() {
             return;
         }
+        let (slots, anywhere) = marks_here(self.pid);
         match self.slot {
             Some(k) => {
                 RELEASING[k][1].store(0, Ordering::Release);
                 RELEASING_COUNT.fetch_sub(1, Ordering::AcqRel);
+                RELEASING_HERE.with(|here| here.set((self.pid, slots & !(1 << k), anywhere)));
             }
-            None => _ = RELEASING_ANYWHERE.fetch_sub(1, Ordering::AcqRel),
+            None => {
+                RELEASING_ANYWHERE.fetch_sub(1, Ordering::AcqRel);
+                RELEASING_HERE.with(|here| here.set((self.pid, slots, anywhere.saturating_sub(1))));
+            }
         }
         // Their ranges are unmapped: from here a call there need not look at the table.
         RELEASING_REGIONS.fetch_sub(self.regions, Ordering::AcqRel);
@@ -320,21 +342,31 @@ fn released_by_another(start: usize, end: usize) -> bool {
     }
     // Marks copied from a parent are never waited for (and forgotten under the lock, see
     // `lock_clear_of`).
-    if RELEASING_HERE.with(std::cell::Cell::get) > 0 || MARKS_PID.load(Ordering::Acquire) != current_pid() {
+    let pid = current_pid();
+    if MARKS_PID.load(Ordering::Acquire) != pid {
         return false;
     }
-    RELEASING_ANYWHERE.load(Ordering::Acquire) > 0
-        || RELEASING.iter().any(|slot| {
+    // This thread's own marks are not waited for; every other thread's are.
+    let (mine, mine_anywhere) = marks_here(pid);
+    RELEASING_ANYWHERE.load(Ordering::Acquire) > mine_anywhere
+        || RELEASING.iter().enumerate().any(|(k, slot)| {
             let to = slot[1].load(Ordering::Acquire);
-            to != 0 && slot[0].load(Ordering::Relaxed) < end && start < to
+            mine & 1 << k == 0 && to != 0 && slot[0].load(Ordering::Relaxed) < end && start < to
         })
 }
 
-/// Wait until no region overlapping `[start, end)` is being released by another thread: a
-/// mapping at a fixed address made before that would be unmapped with the region.
-fn wait_released(start: usize, end: usize) {
+/// How long a thread with a release of its own under way waits for another thread's: it is a
+/// signal handler of the program's run in the middle of that release (nothing else of the
+/// thread's maps memory then), and the other release may need a lock the interrupted one
+/// holds (the engine's region table), which would wait for ever.
+const WAIT_WITH_OWN_RELEASE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Wait until no region overlapping `[start, end)` is being released by another thread (a
+/// mapping at a fixed address made before that would be unmapped with the region), or until
+/// `deadline`.
+fn wait_released(start: usize, end: usize, deadline: Option<std::time::Instant>) {
     let mut looks = 0u32;
-    while released_by_another(start, end) {
+    while released_by_another(start, end) && deadline.is_none_or(|d| std::time::Instant::now() < d) {
         // A release may unmap gigabytes: after a few yields, short sleeps rather than a CPU.
         if looks < 64 {
             std::thread::yield_now();
@@ -346,18 +378,20 @@ fn wait_released(start: usize, end: usize) {
 }
 
 /// The table, locked once no region overlapping `[start, end)` is being released by another
-/// thread (see [`wait_released`]); a release starting later is one the caller sees in the table.
+/// thread (see [`wait_released`]; at most [`WAIT_WITH_OWN_RELEASE`] for a thread with a release
+/// of its own under way); a release starting later is one the caller sees in the table.
 pub fn lock_clear_of(start: usize, end: usize) -> MutexGuard<'static, BTreeMap<usize, Entry>> {
+    let deadline = (marks_here(current_pid()) != (0, 0)).then(|| std::time::Instant::now() + WAIT_WITH_OWN_RELEASE);
     loop {
         let table = lock();
         if RELEASING_COUNT.load(Ordering::Acquire) != 0 || RELEASING_ANYWHERE.load(Ordering::Acquire) != 0 {
             forget_inherited_marks(&table, current_pid());
         }
-        if !released_by_another(start, end) {
+        if !released_by_another(start, end) || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
             return table;
         }
         drop(table);
-        wait_released(start, end);
+        wait_released(start, end, deadline);
     }
 }
 
@@ -499,4 +533,51 @@ pub fn is_double_free(ptr: usize) -> bool {
     // ENOMEM means the page is not mapped.
     let rc = unsafe { libc::mincore(ptr as *mut libc::c_void, 1, &mut vec) };
     rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOMEM)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{lock, lock_clear_of, released_by_another, ReleaseMark, WAIT_WITH_OWN_RELEASE};
+
+    #[test]
+    fn a_thread_with_a_release_of_its_own_under_way_still_waits_for_another_threads() {
+        // Address ranges no test maps: only the marks are looked at.
+        let (mine_at, theirs_at, len) = (0x7100_0000_0000usize, 0x7100_1000_0000usize, 1 << 20);
+        let mine = ReleaseMark::new(&mut lock(), mine_at, mine_at + len, 0);
+        assert!(!released_by_another(mine_at, mine_at + 4096), "its own release is never waited for");
+        let (marked_tx, marked_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let other = std::thread::spawn(move || {
+            let theirs = ReleaseMark::new(&mut lock(), theirs_at, theirs_at + len, 0);
+            marked_tx.send(()).unwrap();
+            done_rx.recv().unwrap();
+            drop(theirs);
+        });
+        marked_rx.recv().unwrap();
+        // Before, a thread with a release of its own under way looked at no other's.
+        assert!(released_by_another(theirs_at + len - 4096, theirs_at + len));
+        assert!(!released_by_another(theirs_at + len, theirs_at + 2 * len), "a range next to it is clear");
+        // Waited for, but not for ever (the other release could need what this thread holds).
+        let started = std::time::Instant::now();
+        drop(lock_clear_of(theirs_at, theirs_at + 4096));
+        assert!(started.elapsed() >= WAIT_WITH_OWN_RELEASE);
+        done_tx.send(()).unwrap();
+        other.join().unwrap();
+        assert!(!released_by_another(theirs_at, theirs_at + 4096), "released");
+        drop(mine);
+        // Without a release of its own, the wait for another's lasts until that one is done.
+        let (marked_tx, marked_rx) = std::sync::mpsc::channel();
+        let other = std::thread::spawn(move || {
+            let theirs = ReleaseMark::new(&mut lock(), theirs_at, theirs_at + len, 0);
+            marked_tx.send(()).unwrap();
+            std::thread::sleep(3 * WAIT_WITH_OWN_RELEASE);
+            drop(theirs);
+        });
+        marked_rx.recv().unwrap();
+        let started = std::time::Instant::now();
+        drop(lock_clear_of(theirs_at, theirs_at + 4096));
+        assert!(started.elapsed() >= 2 * WAIT_WITH_OWN_RELEASE);
+        assert!(!released_by_another(theirs_at, theirs_at + 4096));
+        other.join().unwrap();
+    }
 }
