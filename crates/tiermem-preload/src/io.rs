@@ -499,7 +499,8 @@ fn each_vector(
     mut piece: impl FnMut(*mut c_void, usize) -> isize,
 ) -> isize {
     let mut total = 0isize;
-    for v in vecs {
+    // An empty buffer moves nothing: not a short transfer (a read of 0 would say end of file).
+    for v in vecs.iter().filter(|v| v.iov_len > 0) {
         let n = in_resident_pieces(v.iov_base, v.iov_len, kernel_writes, whole, &mut piece);
         if n < 0 {
             return if total > 0 { total } else { n };

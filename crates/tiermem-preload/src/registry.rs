@@ -203,9 +203,10 @@ pub fn lock() -> MutexGuard<'static, BTreeMap<usize, Entry>> {
 
 /// Address ranges of regions taken out of the table to be released, whose release has not
 /// finished: the kernel still maps them until their regions are dropped, outside the table's
-/// lock (see [`ReleaseMark`]). Slots of (start, end); an end of 0 is a free slot.
+/// lock (see [`ReleaseMark`]). Slots of (start, end, the releasing thread: [`this_thread`]);
+/// an end of 0 is a free slot.
 const RELEASE_SLOTS: usize = 16;
-static RELEASING: [[AtomicUsize; 2]; RELEASE_SLOTS] = [const { [const { AtomicUsize::new(0) }; 2] }; RELEASE_SLOTS];
+static RELEASING: [[AtomicUsize; 3]; RELEASE_SLOTS] = [const { [const { AtomicUsize::new(0) }; 3] }; RELEASE_SLOTS];
 /// Slots taken.
 static RELEASING_COUNT: AtomicUsize = AtomicUsize::new(0);
 /// Releases that found every slot taken: while any runs, every range counts as being released.
@@ -220,22 +221,31 @@ static RELEASING_REGIONS: AtomicUsize = AtomicUsize::new(0);
 static MARKS_PID: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
-    /// The marks of releases this thread has under way, which it never waits for (a signal
-    /// handler of the program's run in the middle of one would wait for ever): the process
-    /// they were made in, a bit for each slot, and those counted in [`RELEASING_ANYWHERE`].
-    /// Other threads' marks are waited for all the same. Made in another process (a child
-    /// forked in the middle of a release), they count as none: those marks were forgotten.
-    static RELEASING_HERE: std::cell::Cell<(usize, u32, usize)> = const { std::cell::Cell::new((0, 0, 0)) };
+    /// Releases this thread has under way, which it never waits for (a signal handler of the
+    /// program's run in the middle of one would wait for ever), as (the process they were made
+    /// in, how many): those in slots are known by the slot's thread, those counted in
+    /// [`RELEASING_ANYWHERE`] only by this count. Other threads' marks are waited for all the
+    /// same. Made in another process (a child forked in the middle of a release), they count as
+    /// none: those marks were forgotten.
+    static RELEASING_HERE: std::cell::Cell<(usize, usize, usize)> = const { std::cell::Cell::new((0, 0, 0)) };
 }
 
-/// This thread's marks in this process (see [`RELEASING_HERE`]): slot bits and anywhere count.
-fn marks_here(pid: usize) -> (u32, usize) {
+/// This thread's releases under way in process `pid`: (in slots, counted anywhere).
+fn marks_here(pid: usize) -> (usize, usize) {
     let (made_in, slots, anywhere) = RELEASING_HERE.with(std::cell::Cell::get);
     if made_in == pid {
         (slots, anywhere)
     } else {
         (0, 0)
     }
+}
+
+/// This thread, as a number no other live thread has: the address of a thread-local.
+fn this_thread() -> usize {
+    thread_local! {
+        static ME: u8 = const { 0 };
+    }
+    ME.with(|me| me as *const u8 as usize)
 }
 
 fn current_pid() -> usize {
@@ -284,12 +294,14 @@ impl ReleaseMark {
         RELEASING_REGIONS.fetch_add(regions, Ordering::AcqRel);
         // Slots are taken only under the table's lock, so no two threads race for one.
         let slot = (0..RELEASE_SLOTS).find(|&k| RELEASING[k][1].load(Ordering::Acquire) == 0);
-        // This thread's own first: a signal handler run between the two must not wait for it.
+        // This thread's own count first: a signal handler run between the two must not wait
+        // for the mark without a bound.
         let (slots, anywhere) = marks_here(pid);
         match slot {
             Some(k) => {
-                RELEASING_HERE.with(|here| here.set((pid, slots | 1 << k, anywhere)));
+                RELEASING_HERE.with(|here| here.set((pid, slots + 1, anywhere)));
                 RELEASING[k][0].store(start, Ordering::Relaxed);
+                RELEASING[k][2].store(this_thread(), Ordering::Relaxed);
                 RELEASING_COUNT.fetch_add(1, Ordering::AcqRel);
                 RELEASING[k][1].store(end, Ordering::Release);
             }
@@ -309,12 +321,15 @@ impl Drop for ReleaseMark {
         if self.pid != current_pid() {
             return;
         }
+        // The mark first, this thread's count after: a signal handler run between the two
+        // waits for nothing of its own (a slot taken again meanwhile is another thread's, and
+        // known as such).
         let (slots, anywhere) = marks_here(self.pid);
         match self.slot {
             Some(k) => {
                 RELEASING[k][1].store(0, Ordering::Release);
                 RELEASING_COUNT.fetch_sub(1, Ordering::AcqRel);
-                RELEASING_HERE.with(|here| here.set((self.pid, slots & !(1 << k), anywhere)));
+                RELEASING_HERE.with(|here| here.set((self.pid, slots.saturating_sub(1), anywhere)));
             }
             None => {
                 RELEASING_ANYWHERE.fetch_sub(1, Ordering::AcqRel);
@@ -347,11 +362,12 @@ fn released_by_another(start: usize, end: usize) -> bool {
         return false;
     }
     // This thread's own marks are not waited for; every other thread's are.
-    let (mine, mine_anywhere) = marks_here(pid);
+    let (_, mine_anywhere) = marks_here(pid);
+    let me = this_thread();
     RELEASING_ANYWHERE.load(Ordering::Acquire) > mine_anywhere
-        || RELEASING.iter().enumerate().any(|(k, slot)| {
+        || RELEASING.iter().any(|slot| {
             let to = slot[1].load(Ordering::Acquire);
-            mine & 1 << k == 0 && to != 0 && slot[0].load(Ordering::Relaxed) < end && start < to
+            to != 0 && slot[2].load(Ordering::Relaxed) != me && slot[0].load(Ordering::Relaxed) < end && start < to
         })
 }
 
@@ -381,7 +397,10 @@ fn wait_released(start: usize, end: usize, deadline: Option<std::time::Instant>)
 /// thread (see [`wait_released`]; at most [`WAIT_WITH_OWN_RELEASE`] for a thread with a release
 /// of its own under way); a release starting later is one the caller sees in the table.
 pub fn lock_clear_of(start: usize, end: usize) -> MutexGuard<'static, BTreeMap<usize, Entry>> {
-    let deadline = (marks_here(current_pid()) != (0, 0)).then(|| std::time::Instant::now() + WAIT_WITH_OWN_RELEASE);
+    // (A system call only while some release is under way.)
+    let any = RELEASING_COUNT.load(Ordering::Acquire) != 0 || RELEASING_ANYWHERE.load(Ordering::Acquire) != 0;
+    let deadline =
+        (any && marks_here(current_pid()) != (0, 0)).then(|| std::time::Instant::now() + WAIT_WITH_OWN_RELEASE);
     loop {
         let table = lock();
         if RELEASING_COUNT.load(Ordering::Acquire) != 0 || RELEASING_ANYWHERE.load(Ordering::Acquire) != 0 {
@@ -566,17 +585,18 @@ mod tests {
         assert!(!released_by_another(theirs_at, theirs_at + 4096), "released");
         drop(mine);
         // Without a release of its own, the wait for another's lasts until that one is done.
+        static RELEASED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
         let (marked_tx, marked_rx) = std::sync::mpsc::channel();
         let other = std::thread::spawn(move || {
             let theirs = ReleaseMark::new(&mut lock(), theirs_at, theirs_at + len, 0);
             marked_tx.send(()).unwrap();
             std::thread::sleep(3 * WAIT_WITH_OWN_RELEASE);
+            RELEASED.store(true, std::sync::atomic::Ordering::SeqCst);
             drop(theirs);
         });
         marked_rx.recv().unwrap();
-        let started = std::time::Instant::now();
         drop(lock_clear_of(theirs_at, theirs_at + 4096));
-        assert!(started.elapsed() >= 2 * WAIT_WITH_OWN_RELEASE);
+        assert!(RELEASED.load(std::sync::atomic::Ordering::SeqCst), "waited until the other release was done");
         assert!(!released_by_another(theirs_at, theirs_at + 4096));
         other.join().unwrap();
     }
