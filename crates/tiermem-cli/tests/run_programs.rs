@@ -21,6 +21,15 @@ fn scaled(n: u64) -> u64 {
     (n as f64 * scale()) as u64
 }
 
+/// Whether the test runs as root; if not, it says SKIPPED with `why` (what needs root).
+fn root_or_skip(test: &str, why: &str) -> bool {
+    let root = rustix::process::geteuid().is_root();
+    if !root {
+        eprintln!("SKIPPED {test}: needs root ({why})");
+    }
+    root
+}
+
 fn uffd_or_skip(test: &str) -> bool {
     let f = KernelFeatures::probe();
     if !f.userfaultfd || !f.wp {
@@ -2069,8 +2078,7 @@ fn cgroup_test_or_skip(name: &str) -> bool {
     if !uffd_or_skip(name) {
         return false;
     }
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("SKIPPED {name}: needs root (memory cgroup creation)");
+    if !root_or_skip(name, "memory cgroup creation") {
         return false;
     }
     if let Err(e) = tiermem_cli::bench::linux_swap::memory_hierarchy() {
@@ -3181,8 +3189,7 @@ fn a_new_named_device_file_fits_its_file_system() {
     if !uffd_or_skip(name) {
         return;
     }
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("SKIPPED {name}: needs root to mount a small file system");
+    if !root_or_skip(name, "to mount a small file system") {
         return;
     }
     let scratch = Scratch::new();
@@ -3624,8 +3631,7 @@ int main() {
 #[test]
 fn a_datagram_over_half_the_budget_goes_whole_through_a_copy() {
     let name = "a_datagram_over_half_the_budget_goes_whole_through_a_copy";
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("SKIPPED {name}: needs root (SO_SNDBUFFORCE, for a datagram of 1.5 MiB)");
+    if !root_or_skip(name, "SO_SNDBUFFORCE, for a datagram of 1.5 MiB") {
         return;
     }
     let n = 1536 << 10;
@@ -4693,9 +4699,8 @@ int main() {
 #[test]
 fn mlock_pins_managed_memory_within_a_quarter_of_the_budget() {
     let name = "mlock_pins_managed_memory_within_a_quarter_of_the_budget";
-    if !rustix::process::geteuid().is_root() {
-        // Unprivileged, RLIMIT_MEMLOCK (often 64 KiB-8 MiB) caps locks below what this checks.
-        eprintln!("SKIPPED {name}: needs root (RLIMIT_MEMLOCK would refuse the locks it makes)");
+    // Unprivileged, RLIMIT_MEMLOCK (often 64 KiB-8 MiB) caps locks below what this checks.
+    if !root_or_skip(name, "RLIMIT_MEMLOCK would refuse the locks it makes") {
         return;
     }
     let expected =
@@ -4877,8 +4882,7 @@ int main() {
 #[test]
 fn a_program_that_drops_root_runs_managed_and_leaves_statistics() {
     let name = "a_program_that_drops_root_runs_managed_and_leaves_statistics";
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("SKIPPED {name}: needs root (the program drops root to uid 65534)");
+    if !root_or_skip(name, "the program drops root to uid 65534") {
         return;
     }
     same_output_in_both_fault_modes(name, DROPS_ROOT, "uid:65534 read:1 bad:0\n", "output");
