@@ -147,8 +147,12 @@ fn in_resident_pieces(
         let (piece, managed) = stretch(at, (len - done).min(CHUNK_BYTES).min(budget_piece));
         let (_pin, piece) = if managed {
             let Some((pin, held)) = pin_up_to(engine, at, piece, kernel_writes, false, true) else {
+                // What moved so far is a short transfer; nothing at all cannot be made one.
+                if done > 0 {
+                    return done as isize;
+                }
                 runtime::die(&[
-                    "tiermem: cannot make a system call's buffer resident: the budget holds no page for it",
+                    "tiermem: cannot make a system call's buffer resident: the engine refused its first page",
                 ]);
             };
             (Some(pin), held)
@@ -598,14 +602,16 @@ pub unsafe extern "C" fn preadv2(fd: i32, iov: *const libc::iovec, count: i32, o
 /// The C contract of pwritev2.
 #[no_mangle]
 pub unsafe extern "C" fn pwritev2(fd: i32, iov: *const libc::iovec, count: i32, off: i64, flags: i32) -> isize {
-    match vectors_to_wrap(iov, count) {
+    // At the current position it may write to a socket or pipe, which needs kernel memory: as
+    // writev, tried again when refused for want of it.
+    retrying_refused(|| match vectors_to_wrap(iov, count) {
         None => {
             let real = real!("pwritev2", PositionedVectorsFn);
             // SAFETY: the caller's own call.
             unsafe { real(fd, iov, count, off, flags) }
         }
         Some(vecs) => positioned_vectors(libc::SYS_pwritev2, fd, vecs, off, flags, false),
-    }
+    })
 }
 
 /// # Safety
