@@ -1401,6 +1401,22 @@ impl tiermem_device::IoQueue for FlakyQueue {
     }
 }
 
+/// An engine with a 128-page budget and no prefetching (`tweak` sets the rest) over a
+/// 1024-page region of the [`FlakyDevice`] `flaky` makes over a memory device.
+fn on_a_flaky_device(
+    flaky: impl FnOnce(Arc<dyn tiermem_device::Device>) -> FlakyDevice,
+    tweak: impl FnOnce(&mut EngineConfig),
+) -> (Engine, tiermem_engine::Region) {
+    let pages = 1024usize;
+    let inner: Arc<dyn tiermem_device::Device> = Arc::new(MemDevice::new((pages as u64 + 64) * 4096).unwrap());
+    let engine = engine(Arc::new(flaky(inner)), 128, |c| {
+        c.prefetch = "none".into();
+        tweak(c);
+    });
+    let region = engine.create_region(pages * 4096).unwrap();
+    (engine, region)
+}
+
 /// `rounds` times: write a word of its own into every page of `region`, then read them all back.
 fn write_and_check_rounds(region: &tiermem_engine::Region, rounds: u64, what: &str) {
     let (base, pages) = (region.as_ptr(), region.len() / 4096);
@@ -1429,14 +1445,10 @@ fn failed_reads_and_writes_of_the_device_lose_nothing_and_kill_nothing() {
     }
     for mode in [FaultMode::Sigbus, FaultMode::HandlerThread] {
         within(std::time::Duration::from_secs(60), "flaky device", move || {
-            let pages = 1024usize;
-            let inner: Arc<dyn tiermem_device::Device> = Arc::new(MemDevice::new((pages as u64 + 64) * 4096).unwrap());
-            let device = Arc::new(FlakyDevice { inner, every: 7, strays: false, failed_waits: false });
-            let engine = engine(device, 128, |c| {
-                c.fault_mode = mode;
-                c.prefetch = "none".into();
-            });
-            let region = engine.create_region(pages * 4096).unwrap();
+            let (engine, region) = on_a_flaky_device(
+                |inner| FlakyDevice { inner, every: 7, strays: false, failed_waits: false },
+                |c| c.fault_mode = mode,
+            );
             write_and_check_rounds(&region, 4, &format!("{mode:?}"));
             let stats = engine.stats();
             eprintln!("{mode:?}: {} injected failures survived: {}", stats.io_errors, stats.summary());
@@ -1470,14 +1482,10 @@ fn a_critical_read_is_waited_for_past_other_completions_on_its_lane() {
         return;
     }
     within(std::time::Duration::from_secs(60), name, move || {
-        let pages = 1024usize;
-        let inner: Arc<dyn tiermem_device::Device> = Arc::new(MemDevice::new((pages as u64 + 64) * 4096).unwrap());
-        let device = Arc::new(FlakyDevice { inner, every: 0, strays: true, failed_waits: false });
-        let engine = engine(device, 128, |c| {
-            c.io_mode = IoMode::PollOnly;
-            c.prefetch = "none".into();
-        });
-        let region = engine.create_region(pages * 4096).unwrap();
+        let (engine, region) = on_a_flaky_device(
+            |inner| FlakyDevice { inner, every: 0, strays: true, failed_waits: false },
+            |c| c.io_mode = IoMode::PollOnly,
+        );
         write_and_check_rounds(&region, 2, name);
         let stats = engine.stats();
         eprintln!("{name}: {}", stats.summary());
@@ -1499,14 +1507,10 @@ fn a_critical_read_whose_wait_fails_is_read_again_and_its_buffer_comes_back() {
     }
     for mode in [IoMode::Hybrid, IoMode::PollOnly] {
         within(std::time::Duration::from_secs(60), name, move || {
-            let pages = 1024usize;
-            let inner: Arc<dyn tiermem_device::Device> = Arc::new(MemDevice::new((pages as u64 + 64) * 4096).unwrap());
-            let device = Arc::new(FlakyDevice { inner, every: 0, strays: false, failed_waits: true });
-            let engine = engine(device, 128, |c| {
-                c.io_mode = mode;
-                c.prefetch = "none".into();
-            });
-            let region = engine.create_region(pages * 4096).unwrap();
+            let (engine, region) = on_a_flaky_device(
+                |inner| FlakyDevice { inner, every: 0, strays: false, failed_waits: true },
+                |c| c.io_mode = mode,
+            );
             write_and_check_rounds(&region, 2, &format!("{name} {mode:?}"));
             let stats = engine.stats();
             assert!(stats.io_errors >= 50, "{mode:?}: too few failed waits to test: {}", stats.summary());
