@@ -126,12 +126,10 @@ fn map_as_asked(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, o
     // MAP_FIXED_NOREPLACE (alone or with MAP_FIXED) fails over existing mappings: nothing to
     // forget, unless all it meets are pieces of managed memory the program has unmapped.
     let noreplace = flags & libc::MAP_FIXED_NOREPLACE != 0;
-    if noreplace || flags & libc::MAP_FIXED != 0 {
-        // Regions being released count here until their range is unmapped: the table's lock
-        // then waits for them (`registry::lock_clear_of`).
-        if registry::may_overlap(addr as usize, len) {
-            return map_fixed_over_managed(addr, len, prot, flags, fd, off);
-        }
+    // Regions being released count in `may_overlap` until their range is unmapped: the table's
+    // lock then waits for them (`registry::lock_clear_of`).
+    if (noreplace || flags & libc::MAP_FIXED != 0) && registry::may_overlap(addr as usize, len) {
+        return map_fixed_over_managed(addr, len, prot, flags, fd, off);
     }
     // The caller's own mmap, passed to the kernel unchanged. Its mapping's bookkeeping is kernel
     // memory the cgroup charges, which a cgroup tiermem keeps full refuses at once (ENOMEM)
