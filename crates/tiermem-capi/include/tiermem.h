@@ -72,7 +72,9 @@ const char *tiermem_last_error(void);
  *   queue_depth=N, reclaim_batch=N, handler_threads=N, handler_spin_us=N,
  *   hot_threshold=N (1..=64: read faults that make a page hot in the access monitor),
  *   damon=on|off (also feed the access monitor from DAMON's physical-memory monitoring;
- *                 needs root and a running kdamond with a paddr context; default off)
+ *                 needs root and a running kdamond with a paddr context; default off),
+ *   indirect=on|off (fault_mode=sigbus on x86-64: learn which array a faulting load's index
+ *                 was read from and read ahead the pages its next elements name; default off)
  * SIZE is bytes or a number with a K/KiB/M/MiB/G/GiB/T suffix, e.g. 64MiB or 1.5GiB.
  * Example: "limit=64MiB,device=mem,device_size=1GiB,fault_mode=thread,watermark=0.7".
  *

@@ -27,6 +27,7 @@ pub const KEYS: &[&str] = &[
     "handler_spin_us",
     "hot_threshold",
     "damon",
+    "indirect",
 ];
 
 /// An engine configuration plus the device to open for it.
@@ -65,6 +66,7 @@ fn apply(config: &mut EngineConfig, key: &str, value: &str) -> Result<()> {
         "handler_spin_us" => config.handler_spin_us = number(value)?,
         "hot_threshold" => config.hot_threshold = number(value)?,
         "damon" => config.damon = tiermem_engine::settings::on_off(value)?,
+        "indirect" => config.indirect = tiermem_engine::settings::on_off(value)?,
         other => return Err(Error::new(ErrorKind::Internal, format!("option `{other}` is not an engine field"))),
     }
     Ok(())
@@ -142,6 +144,7 @@ mod tests {
         assert_eq!(o.config.io_mode, IoMode::Hybrid);
         assert!(o.config.prefetch_governor);
         assert!(!parse("prefetch_governor=off").unwrap().config.prefetch_governor);
+        assert!(!o.config.indirect && parse("indirect=on").unwrap().config.indirect);
         let o = parse(" limit = 1MiB , fault_mode=sigbus, io_mode=poll-only,").unwrap();
         assert_eq!(o.device_size, 4 << 20);
         assert_eq!(o.config.fault_mode, FaultMode::Sigbus);
@@ -169,6 +172,7 @@ mod tests {
             ("fault_mode=magic", "fault_mode"),
             ("io_mode=fast", "io_mode"),
             ("watermark=high", "watermark"),
+            ("indirect=maybe", "indirect"),
             ("watermark=1.5", "watermark"),
             ("queue_depth=-1", "queue_depth"),
             ("prefetch=oracle", "`prefetch`"),

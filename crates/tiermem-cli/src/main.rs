@@ -470,6 +470,11 @@ struct RunArgs {
     /// up to 32 pages [default: off].
     #[arg(long, env = "TIERMEM_READ_RUNS")]
     read_runs: Option<String>,
+    /// on | off: sigbus fault mode on x86-64: learn which array a faulting instruction's index
+    /// was read from (`data[index[i]]`) and read ahead the pages the next elements of that
+    /// array name [default: on].
+    #[arg(long, env = "TIERMEM_INDIRECT")]
+    indirect: Option<String>,
     /// on | off: thread fault mode: a fault on a page whose prefetch is in flight sleeps until
     /// the page lands instead of the handler spinning for it [default: off].
     #[arg(long, env = "TIERMEM_DEFER_HITS")]
@@ -608,6 +613,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_EVICT_PIPE", &args.evict_pipe),
         ("TIERMEM_READ_RUNS", &args.read_runs),
         ("TIERMEM_DEFER_HITS", &args.defer_hits),
+        ("TIERMEM_INDIRECT", &args.indirect),
         ("TIERMEM_RECLAIM_MODE", &args.reclaim_mode),
         ("TIERMEM_WRITE_FAULT_AROUND", &args.write_fault_around),
         ("TIERMEM_HOT_THRESHOLD", &args.hot_threshold),

@@ -429,6 +429,59 @@ fn a_program_allocating_1mib_arenas_with_mmap_is_managed() {
     assert!(allocations >= n, "{name}: {allocations} managed allocations for {n} 1 MiB mappings");
 }
 
+/// A gather `data[index[i]]`: the index array walked in order, the data read at random, as
+/// igraph reads each edge's endpoints in the order an edge list sorted by target gives.
+const GATHER: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+int main(int argc, char** argv) {
+    size_t n = strtoull(argv[1], nullptr, 10), m = n / 4;
+    uint64_t* data = (uint64_t*)malloc(n * 8);
+    for (size_t i = 0; i < n; i++) data[i] = i * 2654435761u;
+    uint64_t* index = (uint64_t*)malloc(m * 8);
+    uint64_t x = 88172645463325252ULL;
+    for (size_t i = 0; i < m; i++) { x ^= x << 13; x ^= x >> 7; x ^= x << 17; index[i] = x % n; }
+    uint64_t sum = 0;
+    for (size_t i = 0; i < m; i++) sum += data[index[i]];
+    printf("%llu\n", (unsigned long long)sum);
+}
+"#;
+
+/// Indirect prefetching learns where the gather's indexes come from and reads the data pages
+/// they name ahead: most of the misses go, and the result is the same.
+#[test]
+fn a_gather_through_an_index_array_is_read_ahead_from_the_index() {
+    let name = "a_gather_through_an_index_array_is_read_ahead_from_the_index";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_cpp(&scratch, GATHER, "gather", name) else { return };
+    let bin = bin.display().to_string();
+    // 16 MiB of data, 4 MiB of indexes, under an 8 MiB budget: three gathers in four miss.
+    let program = [bin.as_str(), "2097152"];
+    let reference = Command::new(&bin).arg("2097152").output().expect("the gather, unmanaged");
+    assert!(reference.status.success());
+    let run = |indirect: &str| {
+        let managed = run_managed(&scratch, "8MiB", &["--device", "mem", "--indirect", indirect], &program);
+        let err = String::from_utf8_lossy(&managed.out.stderr).into_owned();
+        assert!(managed.out.status.success(), "{name} (indirect {indirect}): {err}");
+        assert_eq!(managed.out.stdout, reference.stdout, "{name} (indirect {indirect}): a different sum\n{err}");
+        let merged = &managed.stats["merged"];
+        let count = |key: &str| merged[key].as_u64().unwrap_or_else(|| panic!("{name}: no {key} in the statistics"));
+        (count("critical_reads"), count("indirect_learned"), count("indirect_prefetched"), err)
+    };
+    let (without, learned, prefetched, _) = run("off");
+    assert_eq!((learned, prefetched), (0, 0), "{name}: indirect prefetching ran while off");
+    let (with, learned, prefetched, err) = run("on");
+    assert!(learned >= 1 && prefetched > 0, "{name}: nothing learned ({learned}) or read ahead ({prefetched})\n{err}");
+    assert!(
+        with * 3 < without,
+        "{name}: {with} critical reads with indirect prefetching against {without} without\n{err}"
+    );
+}
+
 /// A runtime's heap as the JVM lays it out: address space reserved with PROT_NONE, then memory
 /// mapped into it with MAP_FIXED as the heap grows, a piece given back by mapping PROT_NONE over
 /// it and mapped again, and a piece placed with MAP_FIXED_NOREPLACE into a hole. Prints a hash

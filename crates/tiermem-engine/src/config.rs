@@ -148,6 +148,10 @@ pub struct EngineConfig {
     /// Read a prefetcher's pages that sit in consecutive slots as one request of up to 32
     /// pages, instead of one request per page (the faulting page is still read alone, first).
     pub read_runs: bool,
+    /// Indirect prefetching (sigbus fault mode, x86-64): learn, from a faulting instruction's
+    /// registers, the array its index was read from, and read ahead the pages the next
+    /// elements of that array name (`data[index[i]]` gathers; see `indirect.rs`).
+    pub indirect: bool,
     /// In [`FaultMode::HandlerThread`], a fault on a page whose prefetch is in flight leaves the
     /// faulting thread asleep in the kernel until the completion maps the page (which wakes it),
     /// instead of the handler spinning until the read lands.
@@ -197,6 +201,7 @@ impl Default for EngineConfig {
             write_runs: false,
             evict_pipe: true,
             read_runs: false,
+            indirect: false,
             defer_prefetch_hits: false,
             hot_threshold: tiermem_monitor::hot_table::DEFAULT_THRESHOLD,
             damon: false,

@@ -173,7 +173,16 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *
         // SAFETY: the pointer is published only while the engine is alive (uninstall clears it
         // before the engine is dropped).
         let shared = unsafe { &*engine };
-        match handle_fault(shared, addr, write, true, lane_hint(), false) {
+        let reads_before = shared.stats.counters.critical_reads.load(Ordering::Relaxed);
+        let outcome = handle_fault(shared, addr, write, true, lane_hint(), false);
+        if let (Outcome::Resolved, Some(indirect)) = (&outcome, &shared.indirect) {
+            // Another thread's critical read may be counted in between: a search more, no harm.
+            let critical = shared.stats.counters.critical_reads.load(Ordering::Relaxed) != reads_before;
+            // SAFETY: as above; the general registers of the interrupted context.
+            let regs = unsafe { (*(context as *const libc::ucontext_t)).uc_mcontext.gregs };
+            crate::indirect::after_fault(shared, indirect, addr, &regs.map(|r| r as u64), critical);
+        }
+        match outcome {
             // Retry: the access runs again and meets the program's new mapping (or, with no
             // room yet, faults again once this fault's lock of the region table is let go).
             Outcome::Resolved | Outcome::Retry | Outcome::NoRoomYet => {

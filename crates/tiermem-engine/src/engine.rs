@@ -117,6 +117,8 @@ pub(crate) struct Shared {
     pub(crate) victims: crate::victim::VictimTier,
     /// Reports from sources off the fault path, for the monitor thread (see [`crate::monitor`]).
     pub(crate) monitor: crate::monitor::LiveMonitor,
+    /// Indirect prefetching's learned instructions, if it is on (see [`crate::indirect`]).
+    pub(crate) indirect: Option<crate::indirect::Indirect>,
     /// DAMON's events while the DAMON source runs (see [`crate::damon`]); taken to stop it.
     pub(crate) damon: std::sync::Mutex<Option<tiermem_monitor::damon::DamonEvents>>,
     /// Set to stop the DAMON source: its thread stops taking `damon` once it sees it.
@@ -501,6 +503,8 @@ impl Engine {
             prefetch_governor: crate::prefetch_governor::PrefetchGovernor::new(config.prefetch_governor),
             victims: crate::victim::VictimTier::new(config.victim_pages as usize),
             monitor: crate::monitor::LiveMonitor::new(config.hot_threshold)?,
+            // Registers come with a SIGBUS only: in handler-thread mode there is nothing to learn from.
+            indirect: (config.indirect && config.fault_mode == FaultMode::Sigbus).then(crate::indirect::Indirect::new),
             damon_fd: std::sync::atomic::AtomicI32::new(
                 damon_events.as_ref().and_then(tiermem_monitor::damon::DamonEvents::pipe_fd).unwrap_or(-1),
             ),

@@ -19,6 +19,7 @@ mod discard;
 mod engine;
 mod fault;
 mod fork;
+mod indirect;
 mod io;
 mod monitor;
 pub mod page;

@@ -97,6 +97,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_WRITE_RUNS", "on | off: write contiguous dirty pages as one request of up to 32 pages (default off)"),
     ("TIERMEM_EVICT_PIPE", "on | off: async-wp eviction holds a batch of victims in a pipe and drops them with one TLB flush, instead of moving them run by run (default on)"),
     ("TIERMEM_READ_RUNS", "on | off: read prefetched pages in consecutive slots as one request of up to 32 pages (default off)"),
+    ("TIERMEM_INDIRECT", "on | off: sigbus fault mode on x86-64: learn which array a faulting instruction's index comes from and read ahead the pages its next elements name (default on)"),
     ("TIERMEM_DEFER_HITS", "on | off: thread fault mode: a fault on a page being prefetched sleeps until it lands instead of the handler spinning (default off)"),
     ("TIERMEM_DIRTY_TRACKING", "auto | sync-wp | none"),
     ("TIERMEM_THRESHOLD", "smallest allocation that is managed, in bytes (default 1MiB)"),
@@ -144,6 +145,9 @@ impl Default for RunSettings {
         let engine = EngineConfig {
             fault_mode: FaultMode::Sigbus,
             handler_spin_us: SIGBUS_HANDLER_SPIN_US,
+            // The registers a SIGBUS brings make index-array gathers predictable (PageRank at
+            // 20% of its footprint: 2.6x faster), and nothing else measured changed.
+            indirect: true,
             ..EngineConfig::default()
         };
         Self {
@@ -244,6 +248,7 @@ impl RunSettings {
                 "TIERMEM_EVICT_PIPE" => s.engine.evict_pipe = on_off(value).map_err(named)?,
                 "TIERMEM_DAMON" => s.engine.damon = on_off(value).map_err(named)?,
                 "TIERMEM_READ_RUNS" => s.engine.read_runs = on_off(value).map_err(named)?,
+                "TIERMEM_INDIRECT" => s.engine.indirect = on_off(value).map_err(named)?,
                 "TIERMEM_DEFER_HITS" => s.engine.defer_prefetch_hits = on_off(value).map_err(named)?,
                 "TIERMEM_VICTIM_TIER" => victim_tier = Some(victim_tier_size(value).map_err(named)?),
                 _ => {
@@ -310,6 +315,7 @@ impl RunSettings {
             ("TIERMEM_WRITE_RUNS", if e.write_runs { "on" } else { "off" }.to_string()),
             ("TIERMEM_EVICT_PIPE", if e.evict_pipe { "on" } else { "off" }.to_string()),
             ("TIERMEM_READ_RUNS", if e.read_runs { "on" } else { "off" }.to_string()),
+            ("TIERMEM_INDIRECT", if e.indirect { "on" } else { "off" }.to_string()),
             ("TIERMEM_DEFER_HITS", if e.defer_prefetch_hits { "on" } else { "off" }.to_string()),
             ("TIERMEM_VICTIM_TIER", (u64::from(e.victim_pages) * tiermem_sys::PAGE_SIZE as u64).to_string()),
             ("TIERMEM_RECLAIM_MODE", e.reclaim_mode.to_string()),
@@ -446,6 +452,7 @@ mod tests {
             ("TIERMEM_WRITE_RUNS", "on"),
             ("TIERMEM_EVICT_PIPE", "off"),
             ("TIERMEM_READ_RUNS", "on"),
+            ("TIERMEM_INDIRECT", "off"),
             ("TIERMEM_PREFETCH_GOVERNOR", "off"),
             ("TIERMEM_CGROUP", "guard"),
             ("TIERMEM_VICTIM_TIER", "25%"),
@@ -469,6 +476,9 @@ mod tests {
         assert!(!s.engine.evict_pipe && !again.engine.evict_pipe);
         assert!(RunSettings::default().engine.evict_pipe, "on by default");
         assert!(s.engine.read_runs && again.engine.read_runs);
+        assert!(!s.engine.indirect && !again.engine.indirect);
+        assert!(RunSettings::default().engine.indirect, "on by default in tiermem run");
+        assert!(!EngineConfig::default().indirect, "off by default for the library");
         assert!(!s.engine.prefetch_governor && !again.engine.prefetch_governor);
         assert!(RunSettings::default().engine.prefetch_governor, "on by default");
         assert!(s.respect_cgroup && s.oom_guard && again.respect_cgroup && again.oom_guard);

@@ -149,6 +149,10 @@ pub struct Counters {
     pub victim_hits: AtomicU64,
     /// Copies that left the victim tier unused (the tier was full).
     pub victim_dropped: AtomicU64,
+    /// Instructions whose index array indirect prefetching learned (see `indirect.rs`).
+    pub indirect_learned: AtomicU64,
+    /// Pages indirect prefetching read ahead.
+    pub indirect_prefetched: AtomicU64,
 }
 
 /// Counters plus one histogram (ns) per path.
@@ -313,6 +317,8 @@ impl Stats {
             victim_kept: l(&c.victim_kept),
             victim_hits: l(&c.victim_hits),
             victim_dropped: l(&c.victim_dropped),
+            indirect_learned: l(&c.indirect_learned),
+            indirect_prefetched: l(&c.indirect_prefetched),
             prefetch_accuracy: accuracy,
             prefetch_coverage: coverage,
             prefetched_share: (installed + hits + critical > 0)
@@ -452,6 +458,12 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub victim_dropped: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub indirect_learned: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub indirect_prefetched: u64,
     /// Prefetched pages used per prefetch issued. With eager install, estimated from the
     /// samples that waited for their first touch (none ended yet: None).
     pub prefetch_accuracy: Option<f64>,
@@ -532,6 +544,13 @@ impl StatsSnapshot {
                 s,
                 "victim tier     {} evicted pages kept in DRAM: {} faulted back from there (no device read), {} left unused",
                 self.victim_kept, self.victim_hits, self.victim_dropped
+            );
+        }
+        if self.indirect_learned > 0 {
+            let _ = writeln!(
+                s,
+                "indirect        {} pages read ahead from the index arrays of {} learned instructions",
+                self.indirect_prefetched, self.indirect_learned
             );
         }
         if self.memory_waits > 0 {
@@ -686,6 +705,8 @@ impl StatsSnapshot {
         self.victim_kept += other.victim_kept;
         self.victim_hits += other.victim_hits;
         self.victim_dropped += other.victim_dropped;
+        self.indirect_learned += other.indirect_learned;
+        self.indirect_prefetched += other.indirect_prefetched;
         for theirs in &other.paths {
             match self.paths.iter_mut().find(|p| p.path == theirs.path) {
                 Some(mine) => {
