@@ -82,6 +82,10 @@ SYSTEMS: dict[str, System] = {
         # several arrays of one length: igraph's PageRank conversion).
         System("tiermem-file-sibling", "tiermem", "tiermem run, file device, ondemand readahead plus parallel arrays' siblings",
                ("--prefetch", "sibling")),
+        # Without indirect prefetching (on by default since 2026-12-06): misses of a gather
+        # through an index array left to the prefetcher (igraph's PageRank conversion).
+        System("tiermem-file-no-indirect", "tiermem", "tiermem run, file device, no indirect prefetching from index arrays",
+               ("--indirect", "off")),
         # The co-designed remote-memory paper's comparison, live: Fastswap's next 7 pages on
         # every miss, and the paper's stream prefetcher (which reads those 7 too).
         System("tiermem-file-fastswap", "tiermem", "tiermem run, file device, fastswap prefetching (next 7 pages)",

@@ -15,9 +15,10 @@
 //!   `k / unit` where the compiler scaled the index into a byte offset already): next to a
 //!   register (`*p`, `p[±1]`, a pointer walking the index array), in a managed array a register
 //!   holds, at a loop counter another holds (`p[j]`, `p[j ± 1]`), or in one reached through a
-//!   descriptor (`(*p)[j]`, as igraph's vectors are). It runs for critical faults at an
-//!   instruction not learned yet, a few times per instruction and at most once per
-//!   [`LEARN_EVERY`] faults, since it costs up to a few hundred system calls.
+//!   descriptor (`(*p)[j]`, as igraph's vectors are); only index arrays in managed memory are
+//!   followed. It runs for a critical fault at an instruction that has missed [`SEARCH_AFTER`]
+//!   times and is not learned yet, [`LEARN_TRIES`] times at most per instruction and once per
+//!   [`LEARN_EVERY`] faults at most, since it costs up to a few hundred system calls.
 //! - **Trust.** A source is used once [`CONFIRMATIONS`] faults in a row, each with a new index,
 //!   found their index where it says, and forgotten after [`MISSES_TO_FORGET`] that did not, or
 //!   when most of the elements it leads to would fall outside the data (a counter that happened
@@ -26,11 +27,14 @@
 //!   walked (igraph's radix sort walks one downwards), are read and the pages they name read
 //!   ahead on the prefetch queue, nearest first. A later fault at the same instruction goes on
 //!   from where that stopped: the end of the window, or the first page the budget had no room
-//!   for (up to [`MIN_ROOM`] pages of room are made by evicting on the faulting thread).
+//!   for (where background reclaim left less than [`MIN_ROOM`] pages of room, the faulting
+//!   thread evicts a batch or two first).
 //!
 //! All memory is read with `process_vm_readv` on the process itself: a page that is not there
 //! (evicted, or not mapped at all) fails the read with EFAULT instead of faulting, so the search
-//! is safe from the SIGBUS handler. It runs after the fault is resolved, with no engine lock held;
+//! is safe from the SIGBUS handler. Pages of the regions a handler thread serves (the
+//! small-object heap) are read only while resident: for those the kernel would wait for that
+//! thread to read the page in ([`Memory`]). It runs after the fault is resolved, with no engine lock held;
 //! one thread at a time (others faulting meanwhile go without: the table is only tried).
 //! x86-64 only (the register file of the signal context), and only in `sigbus` fault mode, where
 //! the faulting thread runs the handler; a userfaultfd message carries no registers.
@@ -39,6 +43,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::engine::Shared;
+use crate::page::Kind;
 use crate::policy::PageList;
 use crate::stats::{Path, Stats};
 
@@ -50,6 +55,10 @@ const SITES: usize = 128;
 const LEARN_EVERY: u64 = 16;
 /// Index elements read ahead of the current one.
 pub(crate) const AHEAD: usize = 128;
+/// Critical faults at an instruction before its index source is searched for: a gather misses
+/// at one instruction again and again, while an interpreter's collector misses once each at
+/// hundreds (each of which would cost a search).
+const SEARCH_AFTER: u8 = 4;
 /// Searches for an instruction's index source before it is given up on.
 const LEARN_TRIES: u8 = 6;
 /// Faults in a row with a new index each, found where the source says, before it is used.
@@ -108,6 +117,8 @@ struct Site {
     /// Trusted once already (counted in the statistics).
     counted: bool,
     learn_tries: u8,
+    /// Critical faults here so far (up to [`SEARCH_AFTER`]).
+    critical_faults: u8,
     misses: u8,
     /// The index element of the last fault the source was trusted at.
     last_at: u64,
@@ -128,6 +139,7 @@ impl Site {
             last_index: u64::MAX,
             counted: false,
             learn_tries: 0,
+            critical_faults: 0,
             misses: 0,
             last_at: 0,
             backward: false,
@@ -139,7 +151,7 @@ impl Site {
     /// How this fault's address was formed: as learned, else found again (a new finding drops
     /// the source, which belonged to another index register). None once the instruction has
     /// had its searches.
-    fn access_of(&mut self, regs: &Registers, addr: u64, region: (u64, u64)) -> Option<Access> {
+    fn access_of(&mut self, regs: &Registers, addr: u64, region: (u64, u64), critical: bool) -> Option<Access> {
         if let Some(a) = self.access {
             let formed = regs[a.base as usize].wrapping_add(regs[a.index as usize].wrapping_mul(u64::from(a.scale)));
             if formed == addr {
@@ -150,7 +162,9 @@ impl Site {
             return None;
         }
         let Some(found) = decompose(regs, addr, region) else {
-            self.learn_tries += 1;
+            // Only a critical fault's try counts: the others (zero fills, prefetch hits) of an
+            // instruction would use its tries up before a miss shows what it indexes.
+            self.learn_tries += u8::from(critical);
             return None;
         };
         if self.access != Some(found) {
@@ -198,16 +212,34 @@ fn read_own(addr: u64, out: &mut [u8]) -> usize {
     n.max(0) as usize
 }
 
-fn read_u64(addr: u64) -> Option<u64> {
-    let mut b = [0u8; 8];
-    (read_own(addr, &mut b) == 8).then(|| u64::from_le_bytes(b))
+/// Reads of this process's memory that never wait for a page. The kernel fails a read of a
+/// missing page of an ordinary region (its userfaultfd has the SIGBUS feature), but waits for
+/// the handler thread to read in one of a region that thread serves (the small-object heap,
+/// where index arrays under the threshold and vector descriptors live): such pages are read
+/// only while resident.
+struct Memory<'a> {
+    /// Bytes from an address (of those asked for) that may be read.
+    readable: &'a dyn Fn(u64, usize) -> usize,
 }
 
-/// An element of `width` bytes at `addr`.
-fn read_element(addr: u64, width: u8) -> Option<u64> {
-    let mut b = [0u8; 8];
-    let w = width as usize;
-    (read_own(addr, &mut b[..w]) == w).then(|| u64::from_le_bytes(b))
+impl Memory<'_> {
+    /// Bytes read into `out` from `addr`.
+    fn read(&self, addr: u64, out: &mut [u8]) -> usize {
+        let n = (self.readable)(addr, out.len()).min(out.len());
+        read_own(addr, &mut out[..n])
+    }
+
+    fn u64(&self, addr: u64) -> Option<u64> {
+        let mut b = [0u8; 8];
+        (self.read(addr, &mut b) == 8).then(|| u64::from_le_bytes(b))
+    }
+
+    /// An element of `width` bytes at `addr`.
+    fn element(&self, addr: u64, width: u8) -> Option<u64> {
+        let mut b = [0u8; 8];
+        let w = width as usize;
+        (self.read(addr, &mut b[..w]) == w).then(|| u64::from_le_bytes(b))
+    }
 }
 
 fn plausible_pointer(v: u64) -> bool {
@@ -248,9 +280,9 @@ fn stored_values(index: u64, scale: u8) -> impl Iterator<Item = (u64, u8)> {
 }
 
 /// The address of the current index element under `source`, if its registers allow one.
-fn element_address(regs: &Registers, source: &Source) -> Option<u64> {
+fn element_address(memory: &Memory, regs: &Registers, source: &Source) -> Option<u64> {
     let at = regs[source.pointer as usize];
-    let array = if source.through { read_u64(at)? } else { at };
+    let array = if source.through { memory.u64(at)? } else { at };
     let element = source.position.map_or(0, |j| regs[j as usize] as i64) + i64::from(source.offset);
     Some(array.wrapping_add_signed(element.wrapping_mul(i64::from(source.width))))
 }
@@ -259,13 +291,17 @@ fn element_address(regs: &Registers, source: &Source) -> Option<u64> {
 /// (`*p`, `p[±1]`, a pointer walking the array), or in an array inside managed memory that a
 /// register holds (`p[j]`, `p[j ± 1]`, a loop counter `j`) or points to the address of
 /// (`(*p)[j]`, an array reached through its descriptor).
-fn learn(regs: &Registers, access: &Access, in_managed: &dyn Fn(u64) -> Option<(u64, u64)>) -> Option<Source> {
+/// Only index arrays inside managed memory are followed (`in_managed` gives a managed
+/// address's region bounds).
+fn learn(
+    memory: &Memory,
+    regs: &Registers,
+    access: &Access,
+    in_managed: &dyn Fn(u64) -> Option<(u64, u64)>,
+) -> Option<Source> {
     let index = regs[access.index as usize];
-    let matches = |value: u64, width: u8| -> Option<u8> {
-        stored_values(index, access.scale).find(|&(stored, _)| value == stored).map(|(_, unit)| unit).filter(|_| {
-            // A 4-byte element holds a value below 2^32 only.
-            width == 8 || value < (1 << 32)
-        })
+    let matches = |value: u64| -> Option<u8> {
+        stored_values(index, access.scale).find(|&(stored, _)| value == stored).map(|(_, unit)| unit)
     };
     let source = |pointer: usize, through: bool, position: Option<usize>, offset: i8, width: u8, unit: u8| Source {
         pointer: pointer as u8,
@@ -280,13 +316,13 @@ fn learn(regs: &Registers, access: &Access, in_managed: &dyn Fn(u64) -> Option<(
             continue;
         }
         let at = regs[p];
-        if !plausible_pointer(at) {
+        if !plausible_pointer(at) || in_managed(at).is_none() {
             continue;
         }
         for width in [8u8, 4] {
             for offset in [-1i8, 0, 1] {
                 let addr = at.wrapping_add_signed(i64::from(offset) * i64::from(width));
-                if let Some(unit) = read_element(addr, width).and_then(|v| matches(v, width)) {
+                if let Some(unit) = memory.element(addr, width).and_then(matches) {
                     return Some(source(p, false, None, offset, width, unit));
                 }
             }
@@ -298,7 +334,7 @@ fn learn(regs: &Registers, access: &Access, in_managed: &dyn Fn(u64) -> Option<(
             if p == access.base as usize || !plausible_pointer(at) || (through && !at.is_multiple_of(8)) {
                 continue;
             }
-            let array = if through { read_u64(at).filter(|&a| plausible_pointer(a)) } else { Some(at) };
+            let array = if through { memory.u64(at).filter(|&a| plausible_pointer(a)) } else { Some(at) };
             let Some(array) = array else { continue };
             let Some((_, end)) = in_managed(array) else { continue };
             for &j in &GPRS {
@@ -313,7 +349,7 @@ fn learn(regs: &Registers, access: &Access, in_managed: &dyn Fn(u64) -> Option<(
                         if addr >= end {
                             continue;
                         }
-                        if let Some(unit) = read_element(addr, width).and_then(|v| matches(v, width)) {
+                        if let Some(unit) = memory.element(addr, width).and_then(matches) {
                             return Some(source(p, through, Some(j), offset, width, unit));
                         }
                     }
@@ -339,6 +375,25 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
     };
     let Some((lo, hi, region_index)) = bounds_of(addr) else { return };
     let in_managed = |a: u64| bounds_of(a).map(|(start, end, _)| (start, end));
+    let readable = |a: u64, len: usize| -> usize {
+        if a >= 1 << 47 {
+            return 0;
+        }
+        let regions = shared.regions();
+        let mut ok = 0;
+        while ok < len {
+            let at = a + ok as u64;
+            let in_page = tiermem_sys::PAGE_SIZE - (at as usize % tiermem_sys::PAGE_SIZE);
+            if let Some(r) = regions.find(at as usize).filter(|r| r.threaded) {
+                if r.pages[r.page_index(at as usize) as usize].peek().kind() != Kind::Resident {
+                    break;
+                }
+            }
+            ok += in_page.min(len - ok);
+        }
+        ok
+    };
+    let memory = Memory { readable: &readable };
     let now = indirect.clock.fetch_add(1, Ordering::Relaxed);
     // One thread at a time learns and predicts; another fault meanwhile goes without.
     let Ok(mut table) = indirect.table.try_lock() else { return };
@@ -352,20 +407,23 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
     });
     let Some(site) = sites[slot].as_mut() else { return };
     site.last_used = now;
-    let Some(access) = site.access_of(regs, addr, (lo, hi)) else { return };
+    if critical && site.critical_faults < SEARCH_AFTER {
+        site.critical_faults += 1;
+    }
+    let Some(access) = site.access_of(regs, addr, (lo, hi), critical) else { return };
     let index = regs[access.index as usize];
     let Some(source) = site.source else {
-        if site.learn_tries < LEARN_TRIES && may_search {
+        if site.learn_tries < LEARN_TRIES && may_search && site.critical_faults >= SEARCH_AFTER {
             site.learn_tries += 1;
             *last_search = now;
-            site.source = learn(regs, &access, &in_managed);
+            site.source = learn(&memory, regs, &access, &in_managed);
             site.confirmations = 0;
         }
         return;
     };
     // Is this fault's index where the source says, in managed memory, and a new one?
-    let at = element_address(regs, &source).filter(|&a| in_managed(a).is_some());
-    let found = at.and_then(|a| read_element(a, source.width));
+    let at = element_address(&memory, regs, &source).filter(|&a| in_managed(a).is_some());
+    let found = at.and_then(|a| memory.element(a, source.width));
     let unit = u64::from(source.unit);
     if found.is_none() || found != Some(index / unit) || !index.is_multiple_of(unit) {
         site.confirmations = 0;
@@ -395,22 +453,21 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
     site.last_at = at;
     let span = width * AHEAD as u64;
     let backward = site.backward;
+    // What is left of the window: past what an earlier fault read ahead (its edge recorded
+    // once read, below).
     let (from, to) = if backward {
         let lowest = at.saturating_sub(span);
-        let to = if site.read_until > lowest && site.read_until < at { site.read_until } else { at };
-        site.read_until = lowest;
-        (lowest, to)
+        (lowest, if (lowest..at).contains(&site.read_until) { site.read_until } else { at })
     } else {
-        let end = at + width + span;
-        let from = if site.read_until > at && site.read_until < end { site.read_until } else { at + width };
-        site.read_until = end;
-        (from, end)
+        let (first, end) = (at + width, at + width + span);
+        (if (first..=end).contains(&site.read_until) { site.read_until } else { first }, end)
     };
     let mut bytes = [0u8; AHEAD * 8];
     let want = ((to.saturating_sub(from)) as usize).min(bytes.len());
-    let got = read_own(from, &mut bytes[..want]) / width as usize;
-    if backward && got * width as usize != want {
-        // A short read going down holds the elements farthest away: none is next.
+    let got = memory.read(from, &mut bytes[..want]) / width as usize;
+    if got == 0 || (backward && got * width as usize != want) {
+        // Nothing to read, or, going down, a short read: it holds the elements farthest away,
+        // none of them next.
         return;
     }
     let element = |k: usize| {
@@ -443,6 +500,7 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
     let mut elements = [0usize; PageList::CAPACITY];
     let mut last = u64::MAX;
     let mut read = 0;
+    // The first element (in walking order) not read ahead for want of room.
     let mut stopped = None;
     for n in 0..got {
         let target = target_of(if backward { got - 1 - n } else { n });
@@ -453,23 +511,37 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
         last = page;
         elements[pages.as_slice().len()] = n;
         pages.push((target - lo) / tiermem_sys::PAGE_SIZE as u64);
-        if pages.as_slice().len() == PageList::CAPACITY || n + 1 == got {
-            let done = read_pages(shared, region_index, lo, &pages);
-            read += done.pages;
-            if done.looked_at < pages.as_slice().len() {
-                stopped = Some(elements[done.looked_at]);
+        if pages.as_slice().len() == PageList::CAPACITY {
+            stopped = read_batch(shared, region_index, lo, &pages, &elements, &mut read);
+            if stopped.is_some() {
                 break;
             }
             pages = PageList::default();
         }
     }
-    if let Some(n) = stopped {
-        let k = if backward { got - 1 - n } else { n };
-        let first_left = from + k as u64 * width;
-        site.read_until = if backward { first_left + width } else { first_left };
+    if stopped.is_none() && !pages.as_slice().is_empty() {
+        stopped = read_batch(shared, region_index, lo, &pages, &elements, &mut read);
     }
+    // The edge of what was read ahead: where room ran out, else the end of what was read.
+    let covered = stopped.unwrap_or(got);
+    site.read_until = if backward { to - covered as u64 * width } else { from + covered as u64 * width };
     drop(table);
     Stats::add(&shared.stats.counters.indirect_prefetched, read as u64);
+}
+
+/// Read a batch of pages ahead (see [`read_pages`]), adding the pages read to `read`; the
+/// element the first page left unread came from, if room ran out.
+fn read_batch(
+    shared: &Shared,
+    region_index: u32,
+    start: u64,
+    pages: &PageList,
+    elements: &[usize],
+    read: &mut usize,
+) -> Option<usize> {
+    let done = read_pages(shared, region_index, start, pages);
+    *read += done.pages;
+    (done.looked_at < pages.as_slice().len()).then(|| elements[done.looked_at])
 }
 
 /// Read `pages` of the region at slot `region_index` (still the one starting at `start`) ahead.
@@ -496,6 +568,9 @@ fn read_pages(shared: &Shared, region_index: u32, start: u64, pages: &PageList) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Reads that may touch anything (the tests' memory is the test's own).
+    const ANYTHING: Memory<'static> = Memory { readable: &|_, len| len };
 
     fn regs_with(values: &[(usize, u64)]) -> Registers {
         let mut r = [0u64; 23];
@@ -537,28 +612,32 @@ mod tests {
         let access = Access { base: 2, index: 12, scale: 8 };
         // Chained: rdx = index[j] loaded through the descriptor (r9) at position rax = j.
         let regs = regs_with(&[(2, base), (12, index[j as usize]), (1, &*descriptor as *const u64 as u64), (13, j)]);
-        let source = learn(&regs, &access, &managed).expect("chained source");
+        let source = learn(&ANYTHING, &regs, &access, &managed).expect("chained source");
         assert_eq!(source, Source { pointer: 1, through: true, position: Some(13), offset: 0, width: 8, unit: 1 });
-        assert_eq!(element_address(&regs, &source), Some(index.as_ptr() as u64 + 8 * j));
+        assert_eq!(element_address(&ANYTHING, &regs, &source), Some(index.as_ptr() as u64 + 8 * j));
         // Direct: a register walks the index array itself (one past the element read).
         let regs = regs_with(&[(2, base), (12, index[j as usize]), (11, index.as_ptr() as u64 + 8 * (j + 1))]);
-        let source = learn(&regs, &access, &|_| None).expect("direct source");
+        let source = learn(&ANYTHING, &regs, &access, &managed).expect("direct source");
+        // Not in managed memory: not followed.
+        assert_eq!(learn(&ANYTHING, &regs, &access, &|_| None), None);
         assert_eq!((source.pointer, source.through, source.position, source.offset), (11, false, None, -1));
         // Indexed: a register holds the array, another the loop counter.
         let regs = regs_with(&[(2, base), (12, index[j as usize]), (4, index.as_ptr() as u64), (13, j)]);
-        let source = learn(&regs, &access, &managed).expect("indexed source");
+        let source = learn(&ANYTHING, &regs, &access, &managed).expect("indexed source");
         assert_eq!(source, Source { pointer: 4, through: false, position: Some(13), offset: 0, width: 8, unit: 1 });
         // No register leads to the value: nothing learned.
         let regs = regs_with(&[(2, base), (12, 999_999)]);
-        assert_eq!(learn(&regs, &access, &managed), None);
+        assert_eq!(learn(&ANYTHING, &regs, &access, &managed), None);
     }
 
     #[test]
     fn memory_that_is_not_mapped_reads_as_nothing() {
         let mut b = [0u8; 8];
         assert_eq!(read_own(8, &mut b), 0);
-        assert_eq!(read_u64(0x10), None);
+        assert_eq!(ANYTHING.u64(0x10), None);
         let v = 0x1122_3344_5566_7788u64;
-        assert_eq!(read_u64(&v as *const u64 as u64), Some(v));
+        assert_eq!(ANYTHING.u64(&v as *const u64 as u64), Some(v));
+        // A range no page of which may be read reads as nothing.
+        assert_eq!(Memory { readable: &|_, _| 0 }.u64(&v as *const u64 as u64), None);
     }
 }
