@@ -173,9 +173,11 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, context: *
         // SAFETY: the pointer is published only while the engine is alive (uninstall clears it
         // before the engine is dropped).
         let shared = unsafe { &*engine };
-        let reads_before = shared.stats.counters.critical_reads.load(Ordering::Relaxed);
+        // Read only when indirect prefetching wants to know whether this fault read critically.
+        let reads_before =
+            shared.indirect.as_ref().map(|_| shared.stats.counters.critical_reads.load(Ordering::Relaxed));
         let outcome = handle_fault(shared, addr, write, true, lane_hint(), false);
-        if let (Outcome::Resolved, Some(indirect)) = (&outcome, &shared.indirect) {
+        if let (Outcome::Resolved, Some(indirect), Some(reads_before)) = (&outcome, &shared.indirect, reads_before) {
             // Another thread's critical read may be counted in between: a search more, no harm.
             let critical = shared.stats.counters.critical_reads.load(Ordering::Relaxed) != reads_before;
             // SAFETY: as above; the general registers of the interrupted context.

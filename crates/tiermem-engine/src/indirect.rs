@@ -190,6 +190,23 @@ struct Table {
     last_search: u64,
 }
 
+/// The site of the instruction at `ip`. Only a critical fault opens one (in place of the
+/// least recently used): zero fills and hits of read-ahead pages at other instructions would
+/// otherwise push learned sites out of the table.
+fn site_for(sites: &mut [Option<Site>; SITES], ip: u64, critical: bool) -> Option<&mut Site> {
+    let slot = match sites.iter().position(|s| s.is_some_and(|s| s.ip == ip)) {
+        Some(i) => i,
+        None if critical => {
+            let free = sites.iter().position(Option::is_none);
+            let i = free.or_else(|| (0..SITES).min_by_key(|&i| sites[i].map_or(0, |s| s.last_used))).unwrap_or(0);
+            sites[i] = Some(Site::new(ip));
+            i
+        }
+        None => return None,
+    };
+    sites[slot].as_mut()
+}
+
 impl Indirect {
     pub(crate) fn new() -> Self {
         Self { table: Mutex::new(Table { sites: [None; SITES], last_search: 0 }), clock: AtomicU64::new(0) }
@@ -373,6 +390,10 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
         let start = r.start() as u64;
         Some((start, start + r.page_count() * tiermem_sys::PAGE_SIZE as u64, r.index))
     };
+    let now = indirect.clock.fetch_add(1, Ordering::Relaxed);
+    // One thread at a time learns and predicts; another fault meanwhile goes without (and
+    // without looking up its region first).
+    let Ok(mut table) = indirect.table.try_lock() else { return };
     let Some((lo, hi, region_index)) = bounds_of(addr) else { return };
     let in_managed = |a: u64| bounds_of(a).map(|(start, end, _)| (start, end));
     let readable = |a: u64, len: usize| -> usize {
@@ -394,18 +415,9 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
         ok
     };
     let memory = Memory { readable: &readable };
-    let now = indirect.clock.fetch_add(1, Ordering::Relaxed);
-    // One thread at a time learns and predicts; another fault meanwhile goes without.
-    let Ok(mut table) = indirect.table.try_lock() else { return };
     let may_search = critical && now >= table.last_search + LEARN_EVERY;
     let Table { sites, last_search } = &mut *table;
-    let slot = sites.iter().position(|s| s.is_some_and(|s| s.ip == ip)).unwrap_or_else(|| {
-        let free = sites.iter().position(Option::is_none);
-        let i = free.or_else(|| (0..SITES).min_by_key(|&i| sites[i].map_or(0, |s| s.last_used))).unwrap_or(0);
-        sites[i] = Some(Site::new(ip));
-        i
-    });
-    let Some(site) = sites[slot].as_mut() else { return };
+    let Some(site) = site_for(sites, ip, critical) else { return };
     site.last_used = now;
     if critical && site.critical_faults < SEARCH_AFTER {
         site.critical_faults += 1;
@@ -628,6 +640,25 @@ mod tests {
         // No register leads to the value: nothing learned.
         let regs = regs_with(&[(2, base), (12, 999_999)]);
         assert_eq!(learn(&ANYTHING, &regs, &access, &managed), None);
+    }
+
+    #[test]
+    fn only_a_critical_fault_opens_a_site_and_the_least_recently_used_makes_room() {
+        let mut sites = [None; SITES];
+        assert!(site_for(&mut sites, 0x1000, false).is_none(), "a fault that read nothing opens no site");
+        assert!(sites.iter().all(Option::is_none));
+        for ip in 0..SITES as u64 {
+            site_for(&mut sites, 0x1000 + ip, true).expect("opened").last_used = ip + 1;
+        }
+        // Known sites are found again whatever the fault read.
+        assert_eq!(site_for(&mut sites, 0x1005, false).map(|s| s.last_used), Some(6));
+        // A full table: a non-critical fault elsewhere changes nothing, a critical one replaces
+        // the least recently used site (0x1000, used at 1).
+        assert!(site_for(&mut sites, 0x9000, false).is_none());
+        assert!(sites.iter().flatten().any(|s| s.ip == 0x1000));
+        site_for(&mut sites, 0x9000, true).expect("opened");
+        assert!(!sites.iter().flatten().any(|s| s.ip == 0x1000));
+        assert!(sites.iter().flatten().any(|s| s.ip == 0x9000));
     }
 
     #[test]
