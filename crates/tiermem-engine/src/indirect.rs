@@ -247,8 +247,7 @@ impl Memory<'_> {
     }
 
     fn u64(&self, addr: u64) -> Option<u64> {
-        let mut b = [0u8; 8];
-        (self.read(addr, &mut b) == 8).then(|| u64::from_le_bytes(b))
+        self.element(addr, 8)
     }
 
     /// An element of `width` bytes at `addr`.
