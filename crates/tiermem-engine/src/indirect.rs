@@ -17,8 +17,12 @@
 //!   holds, at a loop counter another holds (`p[j]`, `p[j ± 1]`), or in one reached through a
 //!   descriptor (`(*p)[j]`, as igraph's vectors are); only index arrays in managed memory are
 //!   followed. It runs for a critical fault at an instruction that has missed [`SEARCH_AFTER`]
-//!   times and is not learned yet, [`LEARN_TRIES`] times at most per instruction and once per
-//!   [`LEARN_EVERY`] faults at most, since it costs up to a few hundred system calls.
+//!   times and is not learned yet, once per [`LEARN_EVERY`] faults at most, since it costs up
+//!   to a few hundred system calls. After [`LEARN_TRIES`] failed searches in a row the
+//!   instruction is given up on, until [`RETRY_AFTER`] more critical faults there earn it one
+//!   more (a search fails while the index array is evicted, and one instruction may gather
+//!   through several arrays in turn: giving up for good lost PageRank at 20% a quarter of its
+//!   read-ahead in 3 of 10 runs, each then 1.3–1.7x as slow).
 //! - **Trust.** A source is used once [`CONFIRMATIONS`] faults in a row, each with a new index,
 //!   found their index where it says, and forgotten after [`MISSES_TO_FORGET`] that did not, or
 //!   when most of the elements it leads to would fall outside the data (a counter that happened
@@ -59,8 +63,13 @@ pub(crate) const AHEAD: usize = 128;
 /// at one instruction again and again, while an interpreter's collector misses once each at
 /// hundreds (each of which would cost a search).
 const SEARCH_AFTER: u8 = 4;
-/// Searches for an instruction's index source before it is given up on.
+/// Failed searches in a row for an instruction's index source before it is given up on (a
+/// source that was trusted once gives the instruction its tries back).
 const LEARN_TRIES: u8 = 6;
+/// Critical faults at an instruction given up on before it gets one more search: the same
+/// instruction may gather through another index array later (igraph's radix sort, once by
+/// source and once by target), or have missed only while its index array was evicted.
+const RETRY_AFTER: u16 = 512;
 /// Faults in a row with a new index each, found where the source says, before it is used.
 const CONFIRMATIONS: u8 = 2;
 /// Faults in a row whose index was not where the source said before the source is forgotten.
@@ -117,6 +126,8 @@ struct Site {
     /// Trusted once already (counted in the statistics).
     counted: bool,
     learn_tries: u8,
+    /// Critical faults since the instruction was given up on (up to [`RETRY_AFTER`]).
+    given_up_faults: u16,
     /// Critical faults here so far (up to [`SEARCH_AFTER`]).
     critical_faults: u8,
     misses: u8,
@@ -139,12 +150,26 @@ impl Site {
             last_index: u64::MAX,
             counted: false,
             learn_tries: 0,
+            given_up_faults: 0,
             critical_faults: 0,
             misses: 0,
             last_at: 0,
             backward: false,
             read_until: 0,
             last_used: 0,
+        }
+    }
+
+    /// Count a critical fault here: towards the first search, and, once the instruction has
+    /// been given up on, towards one more.
+    fn critical_fault(&mut self) {
+        self.critical_faults = (self.critical_faults + 1).min(SEARCH_AFTER);
+        if self.learn_tries >= LEARN_TRIES {
+            self.given_up_faults += 1;
+            if self.given_up_faults >= RETRY_AFTER {
+                self.given_up_faults = 0;
+                self.learn_tries = LEARN_TRIES - 1;
+            }
         }
     }
 
@@ -192,19 +217,20 @@ struct Table {
 
 /// The site of the instruction at `ip`. Only a critical fault opens one (in place of the
 /// least recently used): zero fills and hits of read-ahead pages at other instructions would
-/// otherwise push learned sites out of the table.
-fn site_for(sites: &mut [Option<Site>; SITES], ip: u64, critical: bool) -> Option<&mut Site> {
-    let slot = match sites.iter().position(|s| s.is_some_and(|s| s.ip == ip)) {
-        Some(i) => i,
+/// otherwise push learned sites out of the table. Also whether a learned site made room.
+fn site_for(sites: &mut [Option<Site>; SITES], ip: u64, critical: bool) -> Option<(&mut Site, bool)> {
+    let (slot, displaced) = match sites.iter().position(|s| s.is_some_and(|s| s.ip == ip)) {
+        Some(i) => (i, false),
         None if critical => {
             let free = sites.iter().position(Option::is_none);
             let i = free.or_else(|| (0..SITES).min_by_key(|&i| sites[i].map_or(0, |s| s.last_used))).unwrap_or(0);
+            let displaced = sites[i].is_some_and(|s| s.source.is_some());
             sites[i] = Some(Site::new(ip));
-            i
+            (i, displaced)
         }
         None => return None,
     };
-    sites[slot].as_mut()
+    sites[slot].as_mut().map(|s| (s, displaced))
 }
 
 impl Indirect {
@@ -416,10 +442,14 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
     let memory = Memory { readable: &readable };
     let may_search = critical && now >= table.last_search + LEARN_EVERY;
     let Table { sites, last_search } = &mut *table;
-    let Some(site) = site_for(sites, ip, critical) else { return };
+    let Some((site, displaced)) = site_for(sites, ip, critical) else { return };
+    let count = |counter: &AtomicU64| Stats::add(counter, 1);
+    if displaced {
+        count(&shared.stats.counters.indirect_displaced);
+    }
     site.last_used = now;
-    if critical && site.critical_faults < SEARCH_AFTER {
-        site.critical_faults += 1;
+    if critical {
+        site.critical_fault();
     }
     let Some(access) = site.access_of(regs, addr, (lo, hi), critical) else { return };
     let index = regs[access.index as usize];
@@ -429,6 +459,9 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
             *last_search = now;
             site.source = learn(&memory, regs, &access, &in_managed);
             site.confirmations = 0;
+            if site.source.is_none() && site.learn_tries == LEARN_TRIES {
+                count(&shared.stats.counters.indirect_given_up);
+            }
         }
         return;
     };
@@ -442,6 +475,7 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
         if site.misses >= MISSES_TO_FORGET {
             site.source = None;
             site.misses = 0;
+            count(&shared.stats.counters.indirect_forgotten);
         }
         return;
     }
@@ -451,6 +485,8 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
     }
     site.last_index = index;
     let Some(at) = at.filter(|_| site.confirmations >= CONFIRMATIONS) else { return };
+    // The source works: the tries count failed searches since.
+    site.learn_tries = 0;
     // The next elements in the direction of the walk, after what an earlier fault here read
     // ahead already.
     let width = u64::from(source.width);
@@ -479,6 +515,9 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
     if got == 0 || (backward && got * width as usize != want) {
         // Nothing to read, or, going down, a short read: it holds the elements farthest away,
         // none of them next.
+        if want > 0 {
+            count(&shared.stats.counters.indirect_unreadable);
+        }
         return;
     }
     let element = |k: usize| {
@@ -497,6 +536,7 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
     if inside * 2 < got {
         site.source = None;
         site.confirmations = 0;
+        count(&shared.stats.counters.indirect_forgotten);
         return;
     }
     if !site.counted {
@@ -532,6 +572,9 @@ pub(crate) fn after_fault(shared: &Shared, indirect: &Indirect, addr: usize, reg
     }
     if stopped.is_none() && !pages.as_slice().is_empty() {
         stopped = read_batch(shared, region_index, lo, &pages, &elements, &mut read);
+    }
+    if stopped.is_some() {
+        count(&shared.stats.counters.indirect_room_stops);
     }
     // The edge of what was read ahead: where room ran out, else the end of what was read.
     let covered = stopped.unwrap_or(got);
@@ -647,17 +690,40 @@ mod tests {
         assert!(site_for(&mut sites, 0x1000, false).is_none(), "a fault that read nothing opens no site");
         assert!(sites.iter().all(Option::is_none));
         for ip in 0..SITES as u64 {
-            site_for(&mut sites, 0x1000 + ip, true).expect("opened").last_used = ip + 1;
+            site_for(&mut sites, 0x1000 + ip, true).expect("opened").0.last_used = ip + 1;
         }
         // Known sites are found again whatever the fault read.
-        assert_eq!(site_for(&mut sites, 0x1005, false).map(|s| s.last_used), Some(6));
+        assert_eq!(site_for(&mut sites, 0x1005, false).map(|(s, _)| s.last_used), Some(6));
         // A full table: a non-critical fault elsewhere changes nothing, a critical one replaces
         // the least recently used site (0x1000, used at 1).
         assert!(site_for(&mut sites, 0x9000, false).is_none());
         assert!(sites.iter().flatten().any(|s| s.ip == 0x1000));
-        site_for(&mut sites, 0x9000, true).expect("opened");
+        // 0x1000 had no source yet: no learned site was displaced.
+        let (opened, displaced) = site_for(&mut sites, 0x9000, true).expect("opened");
+        assert!(!displaced);
+        opened.last_used = 1000;
         assert!(!sites.iter().flatten().any(|s| s.ip == 0x1000));
         assert!(sites.iter().flatten().any(|s| s.ip == 0x9000));
+        // The next least recently used (0x1001) has learned its source: making room for
+        // another says so.
+        let learned = Source { pointer: 1, through: false, position: None, offset: 0, width: 8, unit: 1 };
+        sites.iter_mut().flatten().find(|s| s.ip == 0x1001).expect("still there").source = Some(learned);
+        assert!(site_for(&mut sites, 0x9001, true).expect("opened").1, "a learned site was displaced");
+        assert!(!sites.iter().flatten().any(|s| s.ip == 0x1001));
+    }
+
+    #[test]
+    fn an_instruction_given_up_on_gets_one_more_search_after_many_critical_faults() {
+        let mut site = Site::new(0x1000);
+        (0..SEARCH_AFTER).for_each(|_| site.critical_fault());
+        assert_eq!(site.critical_faults, SEARCH_AFTER);
+        site.learn_tries = LEARN_TRIES;
+        (1..RETRY_AFTER).for_each(|_| site.critical_fault());
+        assert_eq!(site.learn_tries, LEARN_TRIES, "still given up");
+        site.critical_fault();
+        assert_eq!(site.learn_tries, LEARN_TRIES - 1, "one more search allowed");
+        site.critical_fault();
+        assert_eq!(site.learn_tries, LEARN_TRIES - 1, "and only one");
     }
 
     #[test]

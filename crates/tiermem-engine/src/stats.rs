@@ -153,6 +153,17 @@ pub struct Counters {
     pub indirect_learned: AtomicU64,
     /// Pages indirect prefetching read ahead.
     pub indirect_prefetched: AtomicU64,
+    /// Trusted index sources dropped (their index was not where they said, or they led
+    /// outside the data).
+    pub indirect_forgotten: AtomicU64,
+    /// Times an instruction was given up on: its searches for an index source failed.
+    pub indirect_given_up: AtomicU64,
+    /// Learned instructions pushed out of the table by others.
+    pub indirect_displaced: AtomicU64,
+    /// Faults at a trusted instruction whose next index elements could not be read (evicted).
+    pub indirect_unreadable: AtomicU64,
+    /// Read-ahead windows stopped short for want of room or I/O buffers.
+    pub indirect_room_stops: AtomicU64,
 }
 
 /// Counters plus one histogram (ns) per path.
@@ -319,6 +330,11 @@ impl Stats {
             victim_dropped: l(&c.victim_dropped),
             indirect_learned: l(&c.indirect_learned),
             indirect_prefetched: l(&c.indirect_prefetched),
+            indirect_forgotten: l(&c.indirect_forgotten),
+            indirect_given_up: l(&c.indirect_given_up),
+            indirect_displaced: l(&c.indirect_displaced),
+            indirect_unreadable: l(&c.indirect_unreadable),
+            indirect_room_stops: l(&c.indirect_room_stops),
             prefetch_accuracy: accuracy,
             prefetch_coverage: coverage,
             prefetched_share: (installed + hits + critical > 0)
@@ -464,6 +480,21 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub indirect_prefetched: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub indirect_forgotten: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub indirect_given_up: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub indirect_displaced: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub indirect_unreadable: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub indirect_room_stops: u64,
     /// Prefetched pages used per prefetch issued. With eager install, estimated from the
     /// samples that waited for their first touch (none ended yet: None).
     pub prefetch_accuracy: Option<f64>,
@@ -551,6 +582,15 @@ impl StatsSnapshot {
                 s,
                 "indirect        {} pages read ahead from the index arrays of {} learned instructions",
                 self.indirect_prefetched, self.indirect_learned
+            );
+            let _ = writeln!(
+                s,
+                "                {} sources forgotten, {} times an instruction was given up on, {} learned ones displaced; {} faults could not read their index array, {} windows stopped short for room",
+                self.indirect_forgotten,
+                self.indirect_given_up,
+                self.indirect_displaced,
+                self.indirect_unreadable,
+                self.indirect_room_stops
             );
         }
         if self.memory_waits > 0 {
@@ -707,6 +747,11 @@ impl StatsSnapshot {
         self.victim_dropped += other.victim_dropped;
         self.indirect_learned += other.indirect_learned;
         self.indirect_prefetched += other.indirect_prefetched;
+        self.indirect_forgotten += other.indirect_forgotten;
+        self.indirect_given_up += other.indirect_given_up;
+        self.indirect_displaced += other.indirect_displaced;
+        self.indirect_unreadable += other.indirect_unreadable;
+        self.indirect_room_stops += other.indirect_room_stops;
         for theirs in &other.paths {
             match self.paths.iter_mut().find(|p| p.path == theirs.path) {
                 Some(mine) => {
