@@ -71,9 +71,13 @@ SYSTEMS: dict[str, System] = {
         System("tiermem-file-no-prefetch", "tiermem", "tiermem run, file device, no prefetcher",
                ("--prefetch", "none")),
         # ondemand plus strided streams (misses a fixed number of pages apart: dense linear
-        # algebra walking rows of a column-major matrix).
+        # algebra walking rows of a column-major matrix): the default since 2026-12-06, so
+        # this names it explicitly.
         System("tiermem-file-stride", "tiermem", "tiermem run, file device, ondemand readahead plus strided streams",
                ("--prefetch", "stride")),
+        # Sequential windows only (the default until 2026-12-06).
+        System("tiermem-file-ondemand", "tiermem", "tiermem run, file device, ondemand readahead (sequential streams only)",
+               ("--prefetch", "ondemand")),
         # ondemand plus a replayed history of misses (loops over scattered pages: an
         # interpreter's final collections, an iterative solver's gathers).
         System("tiermem-file-temporal", "tiermem", "tiermem run, file device, ondemand readahead plus a replayed miss history",

@@ -61,7 +61,7 @@ const char *tiermem_last_error(void);
  *   dirty_tracking=auto|sync-wp|async-wp|none
  *   io_mode=hybrid|poll-only|interrupt-only
  *   reclaim_mode=background|on-fault-path
- *   prefetch=NAME         prefetcher (default ondemand)
+ *   prefetch=NAME         prefetcher (default stride)
  *   replace=NAME          replacement policy (default seq-protect)
  *   prefetch_governor=on|off  cap the pages each prefetcher call reads while few sampled
  *                         prefetched pages are used (default on)
