@@ -35,7 +35,7 @@ pub struct SimArgs {
     #[arg(long, value_delimiter = ',', default_value = "readahead")]
     pub prefetch: Vec<String>,
     /// Replacement policies to compare (comma-separated): fifo, clock, lru, stream-first, seq,
-    /// seq-adaptive, seq-protect, belady (offline optimal).
+    /// seq-adaptive, seq-protect, seq-balance, belady (offline optimal).
     #[arg(long, value_delimiter = ',', default_value = "clock")]
     pub replace: Vec<String>,
     #[command(flatten)]

@@ -146,7 +146,7 @@ fn a_cold_hint_ends_when_its_page_leaves_memory() {
         return;
     }
     let pagemap = Pagemap::open_self().expect("pagemap");
-    for replace in ["lru", "seq-protect", "fifo", "clock"] {
+    for replace in ["lru", "seq-protect", "seq-balance", "fifo", "clock"] {
         let engine = engine(std::sync::Arc::new(tiermem_device::MemDevice::new(64 << 20).unwrap()), 512, |c| {
             c.replace = replace.into();
             c.prefetch = "none".into();

@@ -1128,7 +1128,7 @@ fn a_page_given_back_and_taken_again_is_not_evicted_by_its_old_entry() {
         return;
     }
     let pagemap = tiermem_sys::pagemap::Pagemap::open_self().expect("pagemap");
-    for replace in ["fifo", "clock", "seq-protect"] {
+    for replace in ["fifo", "clock", "seq-protect", "seq-balance"] {
         let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
             c.replace = replace.into();
             c.prefetch = "none".into();
@@ -1176,7 +1176,7 @@ fn entries_of_pages_handed_over_to_a_mapping_of_the_program_s_are_dropped() {
     if features_or_skip("entries_of_pages_handed_over_to_a_mapping_of_the_program_s_are_dropped").is_none() {
         return;
     }
-    for replace in ["fifo", "seq-protect"] {
+    for replace in ["fifo", "seq-protect", "seq-balance"] {
         let engine = engine(Arc::new(MemDevice::new(64 << 20).unwrap()), 256, |c| {
             c.replace = replace.into();
             c.prefetch = "none".into();

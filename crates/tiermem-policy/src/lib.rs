@@ -12,7 +12,7 @@
 //! that also replays a history of misses, for loops over scattered pages), `sibling` (`ondemand`
 //! that also reads the same element of parallel arrays: learned distances between misses).
 //! Replacement: `fifo`, `clock`, `lru`, `stream-first` (§3.1), `seq`, `seq-adaptive`,
-//! `seq-protect`, and the offline reference `belady`, which needs the future and so is built
+//! `seq-protect`, `seq-balance`, and the offline reference `belady`, which needs the future and so is built
 //! from a trace ([`replace::Belady::from_trace`]), never by name.
 
 mod pair;
@@ -207,7 +207,8 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
 pub const PREFETCHERS: &[&str] =
     &["none", "readahead", "fastswap", "leap", "stream", "ondemand", "stride", "temporal", "sibling"];
 /// Names accepted by [`replacement_by_name`].
-pub const REPLACEMENTS: &[&str] = &["clock", "fifo", "lru", "stream-first", "seq", "seq-adaptive", "seq-protect"];
+pub const REPLACEMENTS: &[&str] =
+    &["clock", "fifo", "lru", "stream-first", "seq", "seq-adaptive", "seq-protect", "seq-balance"];
 /// Replacement policies that exist only offline (they read the future from a trace).
 pub const OFFLINE_REPLACEMENTS: &[&str] = &["belady"];
 
@@ -265,6 +266,7 @@ pub fn build_policies(
         "seq" => Box::new(replace::Seq::new(capacity_pages)),
         "seq-adaptive" => Box::new(replace::Seq::adaptive(capacity_pages)),
         "seq-protect" => Box::new(replace::Seq::protecting(capacity_pages)),
+        "seq-balance" => Box::new(replace::Seq::balancing(capacity_pages)),
         "lru" => Box::new(Lru::with_dense(capacity_pages, options.dense_pages)),
         _ => Box::new(StreamFirst::with_dense(
             capacity_pages,

@@ -316,7 +316,7 @@ fn discarded_pages_free_local_memory_and_hold_nothing() {
         .chain(writes(1000))
         .chain((0..100).map(|p| event(p, EventKind::Read)))
         .collect();
-    for replace in ["fifo", "lru", "clock", "stream-first", "seq-protect", "belady"] {
+    for replace in ["fifo", "lru", "clock", "stream-first", "seq-protect", "seq-balance", "belady"] {
         let zero = simulate(&events, &zero_fill(config("none", replace, 100)), &mut |_| {}).unwrap();
         assert_eq!(zero.discarded, 100, "{replace}");
         // Written back: the fresh pages the re-reads evict, none of those given back.

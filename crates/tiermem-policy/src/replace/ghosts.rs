@@ -5,9 +5,10 @@
 //! bytes per entry kept (hashbrown rounds its buckets up to a power of two at 7/8 load, 17 bytes
 //! each, and the queue holds 16 bytes more); `seq-protect` keeps 1.6 entries per page of memory,
 //! so its bookkeeping took 1.8% of the budget, memory the budget had to give up inside a cgroup.
-//! Here an entry is one 64-bit word, a 23-bit tag of the page's hash and the low 40 bits of its
-//! eviction number, in sets of eight words (one cache line), at twice the entries kept: 16
-//! bytes per entry. An entry expires by its age alone, so nothing has to be queued to forget it.
+//! Here an entry is one 64-bit word, a 23-bit tag of the page's hash, the low 40 bits of its
+//! eviction number and one bit the policy may mark it with (`seq-balance`: the page left
+//! protection), in sets of eight words (one cache line), at twice the entries kept: 16 bytes
+//! per entry. An entry expires by its age alone, so nothing has to be queued to forget it.
 //!
 //! What this gives up, deliberately: when more than eight live pages hash to one set, the oldest
 //! of them is forgotten early (about 2% of sets at this load, and the oldest is the entry
@@ -25,6 +26,10 @@ const WAYS: usize = 8;
 /// Bits of the eviction number kept; ages are computed modulo 2^40 (a trillion evictions).
 const STAMP_BITS: u32 = 40;
 const STAMP_MASK: u64 = (1 << STAMP_BITS) - 1;
+/// The one bit above the tag: a mark the caller may set on an entry.
+const MARK: u64 = 1 << 63;
+/// The tag's bits.
+const TAG_MASK: u64 = !STAMP_MASK & !MARK;
 
 /// A table of the last `keep` evicted pages; see the module docs.
 #[derive(Debug)]
@@ -101,30 +106,48 @@ impl Ghosts {
         self.words.len() * std::mem::size_of::<u64>()
     }
 
-    /// Remember that `page` was evicted as eviction number `now` (counted up by one per eviction).
+    /// Remember that `page` was evicted as eviction number `now` (counted up by one per
+    /// eviction). A live entry of the page keeps its mark.
     pub(crate) fn insert(&mut self, page: u64, now: u64) {
+        self.put(page, now, false);
+    }
+
+    /// [`Ghosts::insert`] with a mark, which [`Ghosts::take_marked`] gives back and a later
+    /// [`Ghosts::insert`] of the page within `keep` evictions keeps.
+    pub(crate) fn insert_marked(&mut self, page: u64, now: u64) {
+        self.put(page, now, true);
+    }
+
+    fn put(&mut self, page: u64, now: u64, mark: bool) {
         let (set, tag) = locate(page, self.sets);
         let keep = self.keep;
         let ways = self.ways(set);
         // The page's own entry, else a free or expired word, else the oldest.
-        let own = ways.iter().position(|&w| w & !STAMP_MASK == tag && live(w, now, keep));
+        let own = ways.iter().position(|&w| w & TAG_MASK == tag && live(w, now, keep));
         let slot = own.unwrap_or_else(|| {
             let reuse = |w: u64| if live(w, now, keep) { age(w, now) } else { u64::MAX };
             (0..WAYS).max_by_key(|&i| reuse(ways[i])).unwrap_or(0)
         });
-        ways[slot] = tag | (now & STAMP_MASK);
+        let marked = mark || own.is_some_and(|i| ways[i] & MARK != 0);
+        ways[slot] = tag | (now & STAMP_MASK) | if marked { MARK } else { 0 };
     }
 
     /// Forget `page` and return how many evictions ago it was evicted, as of eviction number
-    /// `now`, if that was within the last `keep`.
+    /// `now`, if that was within the last `keep` (the policy takes the mark too).
+    #[cfg(test)]
     pub(crate) fn take(&mut self, page: u64, now: u64) -> Option<u64> {
+        self.take_marked(page, now).map(|(ago, _)| ago)
+    }
+
+    /// [`Ghosts::take`], with the entry's mark.
+    pub(crate) fn take_marked(&mut self, page: u64, now: u64) -> Option<(u64, bool)> {
         let (set, tag) = locate(page, self.sets);
         let keep = self.keep;
         let ways = self.ways(set);
-        let i = ways.iter().position(|&w| w & !STAMP_MASK == tag && live(w, now, keep))?;
-        let evicted_ago = age(ways[i], now);
+        let i = ways.iter().position(|&w| w & TAG_MASK == tag && live(w, now, keep))?;
+        let (evicted_ago, mark) = (age(ways[i], now), ways[i] & MARK != 0);
         ways[i] = 0;
-        Some(evicted_ago)
+        Some((evicted_ago, mark))
     }
 
     /// Live entries (for tests).
@@ -149,6 +172,25 @@ mod tests {
         g.insert(9, 102);
         assert_eq!(g.take(9, 202), None, "100 evictions ago is past the last 100");
         assert_eq!(g.take(8, 3), None, "never evicted");
+    }
+
+    #[test]
+    fn a_mark_comes_back_with_its_entry_and_survives_a_new_insert() {
+        let mut g = Ghosts::new(100);
+        g.insert_marked(7, 1);
+        g.insert(8, 2);
+        assert_eq!(g.take_marked(7, 10), Some((9, true)));
+        assert_eq!(g.take_marked(8, 10), Some((8, false)));
+        // Marked, then inserted again while the entry lives: one entry, the new age, the mark
+        // kept.
+        g.insert_marked(9, 11);
+        g.insert(9, 12);
+        assert_eq!(g.len(12), 1);
+        assert_eq!(g.take_marked(9, 13), Some((1, true)));
+        // Once the marked entry has expired, a new one starts unmarked.
+        g.insert_marked(5, 20);
+        g.insert(5, 120);
+        assert_eq!(g.take_marked(5, 121), Some((1, false)));
     }
 
     #[test]
