@@ -63,10 +63,15 @@ SYSTEMS: dict[str, System] = {
         System("tiermem-file-seq-adaptive", "tiermem", "tiermem run, file device, seq-adaptive replacement",
                ("--replace", "seq-adaptive")),
         # seq-adaptive that also keeps pages which came back soon after eviction (short
-        # refaults) until the others are gone, up to half of the budget: the default since
-        # 2026-11-26, so this names it explicitly.
+        # refaults) until the others are gone, up to half of the budget: the default from
+        # 2026-11-26 to 2026-12-06 (seq-balance since).
         System("tiermem-file-seq-protect", "tiermem", "tiermem run, file device, seq-protect replacement",
                ("--replace", "seq-protect")),
+        # seq-protect whose protected share grows only when pages that left protection come
+        # back soon, as ARC sizes its lists by ghost hits: the default since 2026-12-06, so
+        # this names it explicitly.
+        System("tiermem-file-seq-balance", "tiermem", "tiermem run, file device, seq-balance replacement",
+               ("--replace", "seq-balance")),
         # No prefetching at all: what prefetches cost where misses are random (kvstore).
         System("tiermem-file-no-prefetch", "tiermem", "tiermem run, file device, no prefetcher",
                ("--prefetch", "none")),

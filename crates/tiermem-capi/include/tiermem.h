@@ -62,7 +62,7 @@ const char *tiermem_last_error(void);
  *   io_mode=hybrid|poll-only|interrupt-only
  *   reclaim_mode=background|on-fault-path
  *   prefetch=NAME         prefetcher (default stride)
- *   replace=NAME          replacement policy (default seq-protect)
+ *   replace=NAME          replacement policy (default seq-balance)
  *   prefetch_governor=on|off  cap the pages each prefetcher call reads while few sampled
  *                         prefetched pages are used (default on)
  *   watermark=FRACTION    background reclaim starts at this share of the limit, in (0, 1]

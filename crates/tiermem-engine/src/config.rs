@@ -190,8 +190,10 @@ impl Default for EngineConfig {
             // CLOCK order, but most recent first while a scan refaults (quicksort at 100% of
             // its footprint: 2.22 -> 1.70x its unmanaged time at the quick scale), and pages that
             // come back soon on their own kept (a Redis server and NPB IS at 20%: 26% faster
-            // than seq-adaptive; docs/policies.md).
-            replace: "seq-protect".into(),
+            // than seq-adaptive), as many as returns after leaving protection call for
+            // (`seq-balance`, since 2026-12-06: Linpack at 20% 17% fewer critical reads than
+            // with seq-protect; docs/policies.md).
+            replace: "seq-balance".into(),
             prefetch_governor: true,
             io_buffers: 1024,
             victim_pages: 0,
