@@ -63,8 +63,8 @@ struct State {
     /// `protected_target` of them (the oldest beyond go back to `others`, newest there).
     protected: VecDeque<PageId>,
     protect: bool,
-    /// `seq-balance`: protection grows only when pages that left it come back soon, and
-    /// shrinks when others do (see [`Seq::balancing`]).
+    /// `seq-balance`: protection grows only when pages that left it come back soon (see
+    /// [`Seq::balancing`]).
     balance: bool,
     /// How many pages protection may hold, adapted between 0 and `protected_max` by which
     /// kind of page comes back soon: one more for each page that returns on its own (it would
