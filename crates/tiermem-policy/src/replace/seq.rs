@@ -364,9 +364,11 @@ impl State {
                 out.push(page);
             }
         }
+        // Only `seq-balance` reads the marks.
+        let marked = if self.balance { from_protected..after_protected } else { 0..0 };
         if let Some(r) = &mut self.refaults {
             for (k, &page) in out.as_slice().iter().enumerate().skip(first) {
-                r.evicting(page, (from_protected..after_protected).contains(&k));
+                r.evicting(page, marked.contains(&k));
             }
         }
     }
