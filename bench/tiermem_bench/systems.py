@@ -87,6 +87,9 @@ SYSTEMS: dict[str, System] = {
         # interpreter's final collections, an iterative solver's gathers).
         System("tiermem-file-temporal", "tiermem", "tiermem run, file device, ondemand readahead plus a replayed miss history",
                ("--prefetch", "temporal")),
+        # The same history on top of `stride` (the default), so strided streams keep their windows.
+        System("tiermem-file-stride-temporal", "tiermem", "tiermem run, file device, stride readahead plus a replayed miss history",
+               ("--prefetch", "stride-temporal")),
         # ondemand plus the same element of parallel arrays (a gather through an index over
         # several arrays of one length: igraph's PageRank conversion).
         System("tiermem-file-sibling", "tiermem", "tiermem run, file device, ondemand readahead plus parallel arrays' siblings",

@@ -31,7 +31,7 @@ pub struct SimArgs {
     #[arg(long, value_delimiter = ',', default_value = "50%")]
     pub local: Vec<String>,
     /// Prefetchers to compare (comma-separated): none, readahead, fastswap, leap, stream,
-    /// ondemand, stride, temporal, sibling.
+    /// ondemand, stride, temporal, stride-temporal, sibling.
     #[arg(long, value_delimiter = ',', default_value = "readahead")]
     pub prefetch: Vec<String>,
     /// Replacement policies to compare (comma-separated): fifo, clock, lru, stream-first, seq,

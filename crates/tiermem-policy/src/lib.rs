@@ -204,8 +204,18 @@ pub trait Replacement: Send + Sync + std::fmt::Debug {
 }
 
 /// Names accepted by [`prefetcher_by_name`].
-pub const PREFETCHERS: &[&str] =
-    &["none", "readahead", "fastswap", "leap", "stream", "ondemand", "stride", "temporal", "sibling"];
+pub const PREFETCHERS: &[&str] = &[
+    "none",
+    "readahead",
+    "fastswap",
+    "leap",
+    "stream",
+    "ondemand",
+    "stride",
+    "temporal",
+    "stride-temporal",
+    "sibling",
+];
 /// Names accepted by [`replacement_by_name`].
 pub const REPLACEMENTS: &[&str] =
     &["clock", "fifo", "lru", "stream-first", "seq", "seq-adaptive", "seq-protect", "seq-balance"];
@@ -255,6 +265,7 @@ pub fn build_policies(
         "ondemand" => Box::new(Ondemand::new(PageList::CAPACITY as u64)),
         "stride" => Box::new(Ondemand::with_strides(PageList::CAPACITY as u64)),
         "temporal" => Box::new(Temporal::new()),
+        "stride-temporal" => Box::new(Temporal::on_strides()),
         "sibling" => Box::new(Sibling::new()),
         _ => {
             Box::new(StreamPrefetcher::new(table.clone().unwrap_or_else(|| Arc::new(StreamTable::new(options.stream)))))

@@ -94,7 +94,19 @@ impl Temporal {
     /// A prefetcher with an empty history; its tables (1 MiB) are written here, not on the
     /// fault path.
     pub fn new() -> Self {
-        let history = History {
+        Self::with_table(History::new())
+    }
+
+    /// The history on top of `stride` instead of `ondemand` (`stride-temporal`): strided
+    /// streams keep their windows too, and their misses stay out of the history.
+    pub fn on_strides() -> Self {
+        Self::with_strides_and_table(History::new(), "stride-temporal")
+    }
+}
+
+impl History {
+    fn new() -> Self {
+        Self {
             pages: vec![EMPTY; HISTORY].into_boxed_slice(),
             // Written (not zeroed pages the kernel maps later): no first touch on a fault path.
             index: vec![u32::MAX; INDEX].into_boxed_slice(),
@@ -103,12 +115,9 @@ impl Temporal {
             pending: None,
             repeats: 0,
             clock: 0,
-        };
-        Self::with_table(history)
+        }
     }
-}
 
-impl History {
     fn slot(id: PageId) -> usize {
         // Fibonacci hashing: consecutive pages spread over the index.
         (id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - INDEX.trailing_zeros())) as usize
@@ -222,7 +231,7 @@ mod tests {
     use crate::Prefetcher;
 
     /// A fault on `page` of region 1; the pages it reads, all of region 1.
-    fn miss(p: &Temporal, page: u64, hit: bool) -> Vec<u64> {
+    fn miss(p: &impl Prefetcher, page: u64, hit: bool) -> Vec<u64> {
         let mut out = PageList::default();
         p.on_fault(&FaultInfo { offset: 0, region: 1, page, region_pages: 1 << 30, write: false, hit }, &mut out);
         out.as_slice()
@@ -301,5 +310,22 @@ mod tests {
             (3..11).map(|k| page_id(at(k).0 as u32, at(k).1)).collect::<Vec<_>>(),
             "both regions' pages, in loop order"
         );
+    }
+
+    #[test]
+    fn on_strides_a_strided_stream_is_read_ahead_and_a_scattered_loop_replayed() {
+        let (plain, strided) = (Temporal::new(), Temporal::on_strides());
+        assert_eq!((plain.name(), strided.name()), ("temporal", "stride-temporal"));
+        // Every third page: `ondemand` sees no sequence in it, `stride` does.
+        let reads = |p: &Temporal| (0..40u64).map(|k| miss(p, 50_000 + 3 * k, false).len()).sum::<usize>();
+        assert_eq!(reads(&plain), 0, "temporal alone reads nothing ahead of a strided stream");
+        assert!(reads(&strided) > 40, "stride-temporal reads ahead along the stride");
+        // The history is there on top: a scattered lap's second round is read ahead.
+        let lap = scattered(1_000);
+        lap.iter().for_each(|&page| {
+            miss(&strided, page, false);
+        });
+        let second: usize = lap.iter().map(|&page| miss(&strided, page, false).len()).sum();
+        assert!(second > 500, "the second lap read {second} pages ahead");
     }
 }

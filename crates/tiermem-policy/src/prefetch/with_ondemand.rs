@@ -14,17 +14,24 @@ pub trait OnTopOfOndemand: Send + std::fmt::Debug {
     fn advance(&mut self, fault: &FaultInfo, out: &mut PageList, sequential: impl FnOnce(&mut PageList));
 }
 
-/// `ondemand` with the table `T` on top, one lock each.
+/// `ondemand` (or `stride`) with the table `T` on top, one lock each.
 #[derive(Debug)]
 pub struct WithOndemand<T> {
     sequential: Ondemand,
     state: Mutex<T>,
+    name: &'static str,
 }
 
-impl<T> WithOndemand<T> {
+impl<T: OnTopOfOndemand> WithOndemand<T> {
     /// `ondemand`'s largest windows, and `table`.
     pub(crate) fn with_table(table: T) -> Self {
-        Self { sequential: Ondemand::new(PageList::CAPACITY as u64), state: Mutex::new(table) }
+        Self { sequential: Ondemand::new(PageList::CAPACITY as u64), state: Mutex::new(table), name: T::NAME }
+    }
+
+    /// `stride`'s largest windows (`ondemand` that also follows strided streams), and `table`;
+    /// named `name`.
+    pub(crate) fn with_strides_and_table(table: T, name: &'static str) -> Self {
+        Self { sequential: Ondemand::with_strides(PageList::CAPACITY as u64), state: Mutex::new(table), name }
     }
 
     /// The table, for tests to look into.
@@ -36,7 +43,7 @@ impl<T> WithOndemand<T> {
 
 impl<T: OnTopOfOndemand> Prefetcher for WithOndemand<T> {
     fn name(&self) -> &'static str {
-        T::NAME
+        self.name
     }
 
     fn on_fault(&self, fault: &FaultInfo, out: &mut PageList) {
@@ -49,7 +56,7 @@ impl<T: OnTopOfOndemand> Prefetcher for WithOndemand<T> {
     }
 
     fn on_fault_mut(&mut self, fault: &FaultInfo, out: &mut PageList) {
-        let Self { sequential, state } = self;
+        let Self { sequential, state, .. } = self;
         owned(state).advance(fault, out, |out| sequential.on_fault_mut(fault, out));
     }
 }
