@@ -39,6 +39,9 @@ pub struct RunOutcome {
     pub peak_rss_bytes: u64,
     /// Per-process statistics the shim wrote (one per managed process).
     pub processes: Vec<serde_json::Value>,
+    /// Processes that started an engine but wrote no statistics: they ended without running
+    /// their exit handlers (`_exit`, a signal).
+    pub unreported: usize,
     /// The settings the program ran with.
     pub settings: RunSettings,
     /// Whether this user's userfaultfd serves faults taken inside the kernel (see
@@ -860,15 +863,26 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         }
     }
     let mut processes = Vec::new();
+    // Each process whose engine started left `PID.started` (the shim's `start_engine_threads`);
+    // those without a `PID.json` beside it never reported.
+    let mut started = Vec::new();
     if let Ok(entries) = std::fs::read_dir(stats_dir.path()) {
         for entry in entries.flatten() {
-            if let Ok(text) = std::fs::read_to_string(entry.path()) {
-                if let Ok(value) = serde_json::from_str::<serde_json::Value>(&text) {
-                    processes.push(value);
+            let path = entry.path();
+            match path.extension().and_then(|e| e.to_str()) {
+                Some("started") => started.push(path.with_extension("json")),
+                Some("json") => {
+                    if let Ok(value) =
+                        std::fs::read_to_string(&path).map(|t| serde_json::from_str::<serde_json::Value>(&t))
+                    {
+                        processes.extend(value.ok());
+                    }
                 }
+                _ => {}
             }
         }
     }
+    let unreported = started.iter().filter(|report| !report.exists()).count();
     processes.sort_by_key(|p| p["pid"].as_u64());
     drop(_stats_dir_lock);
     drop(stats_dir);
@@ -888,6 +902,7 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         elapsed,
         peak_rss_bytes,
         processes,
+        unreported,
         settings,
         kernel_faults: features.kernel_faults,
         static_program,
@@ -1019,6 +1034,22 @@ impl RunOutcome {
             Some(stats) => {
                 let _ = writeln!(s, "fault path      {:.1} ms in total on faulting threads", stats.fault_path_ms());
                 s.push_str(&stats.summary());
+                if self.unreported > 0 {
+                    let _ = writeln!(
+                        s,
+                        "unreported      {} more managed memory but ended without writing statistics (through _exit or a signal); the counts above leave them out",
+                        processes(self.unreported)
+                    );
+                }
+            }
+            // A process that ends through `_exit` (Python's `os._exit`, a child after fork)
+            // skips the exit handler that writes its statistics.
+            None if self.unreported > 0 => {
+                let _ = writeln!(
+                    s,
+                    "no statistics: {} managed memory but ended without writing them (through _exit or a signal), so the counts above are unknown, not zero",
+                    processes(self.unreported)
+                );
             }
             // Each process writes its statistics as it exits; one killed outright (SIGKILL,
             // the OOM killer) writes none, which says nothing about what it allocated.
@@ -1056,7 +1087,17 @@ impl RunOutcome {
             "stdio_streams_unlocked": self.sum("stdio_streams_unlocked"),
             "stdio_streams_relocked": self.sum("stdio_streams_relocked"),
             "processes": self.processes,
+            "unreported_processes": self.unreported,
         })
+    }
+}
+
+/// "1 process", "2 processes".
+fn processes(n: usize) -> String {
+    if n == 1 {
+        "1 process".into()
+    } else {
+        format!("{n} processes")
     }
 }
 

@@ -4502,6 +4502,39 @@ fn a_statically_linked_program_is_reported_as_unmanaged() {
     assert!(err.contains("is statically linked"), "{name}: no word about why nothing was managed: {err}");
 }
 
+/// A program that ends through `_exit` skips the exit handler that writes its statistics: the
+/// summary says they are missing instead of reporting that it made no large allocation, and a
+/// program exiting normally still reports its counts.
+#[test]
+fn a_program_ending_through_exit_without_handlers_is_reported_as_unreported() {
+    let name = "a_program_ending_through_exit_without_handlers_is_reported_as_unreported";
+    if !uffd_or_skip(name) || !have("gcc", &["--version"], name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let src = scratch.path().join("quick_exit.c");
+    std::fs::write(
+        &src,
+        "#include <stdio.h>\n#include <stdlib.h>\n#include <string.h>\n#include <unistd.h>\n\
+         int main(int argc, char **argv) { char *p = malloc(32 << 20); \
+         for (int i = 0; i < (32 << 20); i += 4096) p[i] = 1; puts(\"ran\"); fflush(stdout); \
+         if (argc > 1 && strcmp(argv[1], \"_exit\") == 0) _exit(3); return 3; }\n",
+    )
+    .unwrap();
+    let bin = scratch.path().join("quick_exit");
+    let built = Command::new("gcc").args(["-O1", "-o"]).arg(&bin).arg(&src).output().unwrap();
+    assert!(built.status.success(), "{name}: {}", String::from_utf8_lossy(&built.stderr));
+    for (how, reported) in [("_exit", false), ("return", true)] {
+        let out = scratch.command(&["run", "--limit", "8MiB", "--", bin.to_str().unwrap(), how]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{name} ({how}): {err}");
+        assert_eq!(out.stdout, b"ran\n");
+        assert!(!err.contains("made no allocation above the threshold"), "{name} ({how}): {err}");
+        assert_eq!(err.contains("no statistics: 1 process managed memory"), !reported, "{name} ({how}): {err}");
+        assert_eq!(err.contains("faults          critical"), reported, "{name} ({how}): {err}");
+    }
+}
+
 /// Fork advice holds for managed memory: a MADV_WIPEONFORK mapping reads as zeros in a forked
 /// child (evicted pages included), and after MADV_DONTFORK the child simply lacks the mapping
 /// (it used to die copying evicted pages into it); the parent keeps its data either way.

@@ -374,6 +374,12 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
     }
     // SAFETY: as above.
     unsafe { libc::atexit(at_exit) };
+    // Tells the launcher this process manages memory, so that one ending without its exit
+    // handlers (`_exit`), which writes no statistics, is not summed up as one that allocated
+    // nothing.
+    if let Some(dir) = &settings.stats_dir {
+        let _ = std::fs::File::create(statistics_path(dir).with_extension("started"));
+    }
     let mut engine_threads = engine.thread_ids();
     if settings.respect_cgroup {
         if let Some(cgroup) = CgroupRoom::of_self() {
