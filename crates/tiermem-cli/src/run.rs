@@ -40,7 +40,7 @@ pub struct RunOutcome {
     /// Per-process statistics the shim wrote (one per managed process).
     pub processes: Vec<serde_json::Value>,
     /// Processes that started an engine but wrote no statistics: they ended without running
-    /// their exit handlers (`_exit`, a signal).
+    /// their exit handlers (`_exit`, `exec`, a signal).
     pub unreported: usize,
     /// The settings the program ran with.
     pub settings: RunSettings,
@@ -1037,7 +1037,7 @@ impl RunOutcome {
                 if self.unreported > 0 {
                     let _ = writeln!(
                         s,
-                        "unreported      {} more managed memory but ended without writing statistics (through _exit or a signal); the counts above leave them out",
+                        "unreported      {} more managed memory but ended without writing statistics (through _exit, exec or a signal); the counts above leave them out",
                         processes(self.unreported)
                     );
                 }
@@ -1047,7 +1047,7 @@ impl RunOutcome {
             None if self.unreported > 0 => {
                 let _ = writeln!(
                     s,
-                    "no statistics: {} managed memory but ended without writing them (through _exit or a signal), so the counts above are unknown, not zero",
+                    "no statistics: {} managed memory but ended without writing them (through _exit, exec or a signal), so the counts above are unknown, not zero",
                     processes(self.unreported)
                 );
             }
