@@ -862,7 +862,7 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
             crate::say(&format!("tiermem: cannot restore the OOM killer setting in {}: {e}", path.display()));
         }
     }
-    let mut processes = Vec::new();
+    let mut processes: Vec<serde_json::Value> = Vec::new();
     // Each process whose engine started left `PID.started` (the shim's `start_engine_threads`);
     // those without a `PID.json` beside it never reported.
     let mut started = Vec::new();
@@ -872,11 +872,7 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
             match path.extension().and_then(|e| e.to_str()) {
                 Some("started") => started.push(path.with_extension("json")),
                 Some("json") => {
-                    if let Ok(value) =
-                        std::fs::read_to_string(&path).map(|t| serde_json::from_str::<serde_json::Value>(&t))
-                    {
-                        processes.extend(value.ok());
-                    }
+                    processes.extend(std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok()));
                 }
                 _ => {}
             }
