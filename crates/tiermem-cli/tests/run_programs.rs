@@ -4502,12 +4502,13 @@ fn a_statically_linked_program_is_reported_as_unmanaged() {
     assert!(err.contains("is statically linked"), "{name}: no word about why nothing was managed: {err}");
 }
 
-/// A program that ends through `_exit` skips the exit handler that writes its statistics: the
-/// summary says they are missing instead of reporting that it made no large allocation, and a
-/// program exiting normally still reports its counts.
+/// A process that ends through `_exit` or `_Exit` (no exit handlers) still reports: a thread of
+/// the shim writes its statistics before the process ends. One ending by a raw `exit_group`
+/// system call reports nothing, and the summary says it is unreported rather than counting it
+/// as a process that allocated nothing.
 #[test]
-fn a_program_ending_through_exit_without_handlers_is_reported_as_unreported() {
-    let name = "a_program_ending_through_exit_without_handlers_is_reported_as_unreported";
+fn a_program_ending_through_exit_reports_and_one_ending_by_a_raw_exit_group_is_unreported() {
+    let name = "a_program_ending_through_exit_reports_and_one_ending_by_a_raw_exit_group_is_unreported";
     if !uffd_or_skip(name) || !have("gcc", &["--version"], name) {
         return;
     }
@@ -4516,22 +4517,118 @@ fn a_program_ending_through_exit_without_handlers_is_reported_as_unreported() {
     std::fs::write(
         &src,
         "#include <stdio.h>\n#include <stdlib.h>\n#include <string.h>\n#include <unistd.h>\n\
+         #include <sys/syscall.h>\n\
          int main(int argc, char **argv) { char *p = malloc(32 << 20); \
          for (int i = 0; i < (32 << 20); i += 4096) p[i] = 1; puts(\"ran\"); fflush(stdout); \
-         if (argc > 1 && strcmp(argv[1], \"_exit\") == 0) _exit(3); return 3; }\n",
+         if (strcmp(argv[1], \"_exit\") == 0) _exit(3); \
+         if (strcmp(argv[1], \"_Exit\") == 0) _Exit(3); \
+         if (strcmp(argv[1], \"exit_group\") == 0) syscall(SYS_exit_group, 3); return 3; }\n",
     )
     .unwrap();
     let bin = scratch.path().join("quick_exit");
     let built = Command::new("gcc").args(["-O1", "-o"]).arg(&bin).arg(&src).output().unwrap();
     assert!(built.status.success(), "{name}: {}", String::from_utf8_lossy(&built.stderr));
-    for (how, reported) in [("_exit", false), ("return", true)] {
-        let out = scratch.command(&["run", "--limit", "8MiB", "--", bin.to_str().unwrap(), how]).output().unwrap();
+    for (how, reported) in [("_exit", true), ("_Exit", true), ("exit_group", false), ("return", true)] {
+        let json = scratch.path().join(format!("{how}.json"));
+        let out = scratch
+            .command(&[
+                "run",
+                "--limit",
+                "8MiB",
+                "--stats-json",
+                json.to_str().unwrap(),
+                "--",
+                bin.to_str().unwrap(),
+                how,
+            ])
+            .output()
+            .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(3), "{name} ({how}): {err}");
         assert_eq!(out.stdout, b"ran\n");
         assert!(!err.contains("made no allocation above the threshold"), "{name} ({how}): {err}");
         assert_eq!(err.contains("no statistics: 1 process managed memory"), !reported, "{name} ({how}): {err}");
         assert_eq!(err.contains("faults          critical"), reported, "{name} ({how}): {err}");
+        let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        assert_eq!(stats["unreported_processes"], u64::from(!reported), "{name} ({how}): {stats}");
+        if reported {
+            // 32 MiB written under an 8 MiB budget: most of it was evicted.
+            let evictions = stats["merged"]["evictions"].as_u64().unwrap();
+            assert!(evictions > 4096, "{name} ({how}): {evictions} evictions");
+        }
+    }
+    // The fault trace's last buffer is written through `_exit` too: the trace is as long as
+    // that of the run ending by `return`.
+    let trace_bytes = |how: &str| {
+        let trace = scratch.path().join(format!("{how}.trace"));
+        let out = scratch
+            .command(&["trace", "record", "--output", trace.to_str().unwrap(), "--limit", "8MiB", "--"])
+            .args([bin.to_str().unwrap(), how])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(3), "{name} (trace, {how}): {}", String::from_utf8_lossy(&out.stderr));
+        std::fs::metadata(&trace).map_or(0, |m| m.len())
+    };
+    let (through_exit, by_return) = (trace_bytes("_exit"), trace_bytes("return"));
+    assert!(
+        by_return > 1000 && through_exit * 10 >= by_return * 9,
+        "{name}: traces of {through_exit} and {by_return} bytes"
+    );
+}
+
+/// `_exit` from a signal handler that interrupted the program anywhere, its allocations
+/// included, ends the process with its status and its report, without hanging (the report is
+/// written by another thread, never on the handler's).
+#[test]
+fn exit_from_a_signal_handler_interrupting_allocations_ends_the_program() {
+    let name = "exit_from_a_signal_handler_interrupting_allocations_ends_the_program";
+    if !uffd_or_skip(name) || !have("gcc", &["--version"], name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let src = scratch.path().join("alarm_exit.c");
+    std::fs::write(
+        &src,
+        r#"#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/time.h>
+#include <unistd.h>
+static void on_alarm(int sig) { (void)sig; _exit(5); }
+int main(void) {
+    signal(SIGALRM, on_alarm);
+    volatile char *big = malloc(24 << 20);
+    memset((char *)big, 1, 24 << 20);
+    struct itimerval t = {{0, 0}, {0, 300000}};
+    setitimer(ITIMER_REAL, &t, 0);
+    void *keep[256] = {0};
+    for (unsigned long i = 0;; i++) {
+        unsigned k = (unsigned)(i * 2654435761u) % 256;
+        free(keep[k]);
+        keep[k] = malloc(16 + (i * 40503u) % 3000);
+        big[(i * 4096 * 7) % (24 << 20)]++;
+    }
+}
+"#,
+    )
+    .unwrap();
+    let bin = scratch.path().join("alarm_exit");
+    let built = Command::new("gcc").args(["-O1", "-o"]).arg(&bin).arg(&src).output().unwrap();
+    assert!(built.status.success(), "{name}: {}", String::from_utf8_lossy(&built.stderr));
+    for round in 0..5 {
+        let child = scratch
+            .command(&["run", "--limit", "8MiB", "--", bin.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = output_within(child, 60, name);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(5), "{name} (round {round}): {err}");
+        assert!(!err.contains("made no allocation above the threshold"), "{name} (round {round}): {err}");
+        // The engine's fault path blocks such signals, and writing the report takes no lock
+        // of the small heap's, so the report is written every time.
+        assert!(err.contains("faults          critical"), "{name} (round {round}): {err}");
     }
 }
 

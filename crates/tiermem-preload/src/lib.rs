@@ -22,9 +22,11 @@
 //!   displace or block the engine's SIGBUS handler ([`signals`]).
 //! - While the program has one thread of its own, the streams it opens skip the stdio locks the
 //!   engine's threads would otherwise switch on ([`stdio`]).
-//! - At exit each managed process writes its statistics to `TIERMEM_STATS_DIR/<pid>.json`.
+//! - At exit each managed process writes its statistics to `TIERMEM_STATS_DIR/<pid>.json`,
+//!   also one that ends through `_exit` ([`exit_report`]).
 
 mod alloc;
+mod exit_report;
 mod fds;
 mod fortified;
 mod heap;

@@ -107,11 +107,11 @@ fn write_all_stderr(rest: &[u8]) {
     tiermem_sys::messages::write(rest);
 }
 
-/// Report a condition the program cannot survive and stop it (no unwinding, no atexit).
+/// Report a condition the program cannot survive and stop it (no unwinding, no atexit, no
+/// statistics: it may be called with any of the shim's locks held).
 pub fn die(parts: &[&str]) -> ! {
     say(parts);
-    // SAFETY: _exit ends the process immediately; nothing is left half-done that matters.
-    unsafe { libc::_exit(1) }
+    crate::exit_report::exit_now(1)
 }
 
 /// This process's pid, as of its load or its fork: a vfork child (no fork handlers run there)
@@ -374,6 +374,9 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
     }
     // SAFETY: as above.
     unsafe { libc::atexit(at_exit) };
+    // A process that ends through `_exit` runs no exit handler: a thread of ours writes its
+    // report then (see `exit_report`).
+    crate::exit_report::start_reporter();
     // Tells the launcher this process manages memory, so that one ending without its exit
     // handlers (`_exit`), which writes no statistics, is not summed up as one that allocated
     // nothing.
@@ -1299,6 +1302,39 @@ extern "C" fn at_exit() {
     if in_forked_child() || in_vfork_child() {
         return;
     }
+    report_once();
+}
+
+/// Where this process's report (the trace's tail, the statistics) stands.
+static REPORT_STATE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(REPORT_NOT_BEGUN);
+const REPORT_NOT_BEGUN: u8 = 0;
+const REPORT_BEING_WRITTEN: u8 = 1;
+const REPORT_WRITTEN: u8 = 2;
+
+/// Whether this process's report is written.
+pub(crate) fn report_written() -> bool {
+    REPORT_STATE.load(Ordering::Acquire) == REPORT_WRITTEN
+}
+
+/// Finish the trace and write the statistics, once per process: from the exit handlers, or
+/// from the reporter thread when the program ends through `_exit`. A second caller while the
+/// first writes waits for it, so that a process ending through `exit` on one thread and `_exit`
+/// on another is not cut off in the middle of its file (the `_exit` side bounds its wait).
+pub(crate) fn report_once() {
+    match REPORT_STATE.compare_exchange(REPORT_NOT_BEGUN, REPORT_BEING_WRITTEN, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => {
+            write_report();
+            REPORT_STATE.store(REPORT_WRITTEN, Ordering::Release);
+        }
+        Err(_) => {
+            while !report_written() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
+fn write_report() {
     let (Some(engine), Some(settings)) = (ENGINE.get(), SETTINGS.get()) else { return };
     engine.finish_trace();
     // The engine is never dropped here: what its DAMON source set up outside the process
