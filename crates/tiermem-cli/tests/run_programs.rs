@@ -365,6 +365,19 @@ fn build_cpp(scratch: &Scratch, source: &str, name: &str, test: &str) -> Option<
     Some(bin)
 }
 
+/// [`build_cpp`] for a C program, with gcc at -O1.
+fn build_c(scratch: &Scratch, source: &str, name: &str, test: &str) -> Option<PathBuf> {
+    if !have("gcc", &["--version"], test) {
+        return None;
+    }
+    let src = scratch.path().join(format!("{name}.c"));
+    let bin = scratch.path().join(name);
+    std::fs::write(&src, source).unwrap();
+    let out = Command::new("gcc").args(["-O1", "-o"]).arg(&bin).arg(&src).output().expect("gcc");
+    assert!(out.status.success(), "gcc failed: {}", String::from_utf8_lossy(&out.stderr));
+    Some(bin)
+}
+
 #[test]
 fn cpp_std_sort_of_100m_integers_under_30_percent() {
     run_cpp_under_30_percent("cpp_std_sort_of_100m_integers_under_30_percent", STD_SORT, scaled(100_000_000));
@@ -4509,25 +4522,18 @@ fn a_statically_linked_program_is_reported_as_unmanaged() {
 #[test]
 fn a_program_ending_through_exit_reports_and_one_ending_by_a_raw_exit_group_is_unreported() {
     let name = "a_program_ending_through_exit_reports_and_one_ending_by_a_raw_exit_group_is_unreported";
-    if !uffd_or_skip(name) || !have("gcc", &["--version"], name) {
+    if !uffd_or_skip(name) {
         return;
     }
     let scratch = Scratch::new();
-    let src = scratch.path().join("quick_exit.c");
-    std::fs::write(
-        &src,
-        "#include <stdio.h>\n#include <stdlib.h>\n#include <string.h>\n#include <unistd.h>\n\
+    let source = "#include <stdio.h>\n#include <stdlib.h>\n#include <string.h>\n#include <unistd.h>\n\
          #include <sys/syscall.h>\n\
          int main(int argc, char **argv) { char *p = malloc(32 << 20); \
          for (int i = 0; i < (32 << 20); i += 4096) p[i] = 1; puts(\"ran\"); fflush(stdout); \
          if (strcmp(argv[1], \"_exit\") == 0) _exit(3); \
          if (strcmp(argv[1], \"_Exit\") == 0) _Exit(3); \
-         if (strcmp(argv[1], \"exit_group\") == 0) syscall(SYS_exit_group, 3); return 3; }\n",
-    )
-    .unwrap();
-    let bin = scratch.path().join("quick_exit");
-    let built = Command::new("gcc").args(["-O1", "-o"]).arg(&bin).arg(&src).output().unwrap();
-    assert!(built.status.success(), "{name}: {}", String::from_utf8_lossy(&built.stderr));
+         if (strcmp(argv[1], \"exit_group\") == 0) syscall(SYS_exit_group, 3); return 3; }\n";
+    let Some(bin) = build_c(&scratch, source, "quick_exit", name) else { return };
     for (how, reported) in [("_exit", true), ("_Exit", true), ("exit_group", false), ("return", true)] {
         let json = scratch.path().join(format!("{how}.json"));
         let out = scratch
@@ -4582,14 +4588,11 @@ fn a_program_ending_through_exit_reports_and_one_ending_by_a_raw_exit_group_is_u
 #[test]
 fn exit_from_a_signal_handler_interrupting_allocations_ends_the_program() {
     let name = "exit_from_a_signal_handler_interrupting_allocations_ends_the_program";
-    if !uffd_or_skip(name) || !have("gcc", &["--version"], name) {
+    if !uffd_or_skip(name) {
         return;
     }
     let scratch = Scratch::new();
-    let src = scratch.path().join("alarm_exit.c");
-    std::fs::write(
-        &src,
-        r#"#include <signal.h>
+    let source = r#"#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/time.h>
@@ -4609,12 +4612,8 @@ int main(void) {
         big[(i * 4096 * 7) % (24 << 20)]++;
     }
 }
-"#,
-    )
-    .unwrap();
-    let bin = scratch.path().join("alarm_exit");
-    let built = Command::new("gcc").args(["-O1", "-o"]).arg(&bin).arg(&src).output().unwrap();
-    assert!(built.status.success(), "{name}: {}", String::from_utf8_lossy(&built.stderr));
+"#;
+    let Some(bin) = build_c(&scratch, source, "alarm_exit", name) else { return };
     for round in 0..5 {
         let child = scratch
             .command(&["run", "--limit", "8MiB", "--", bin.to_str().unwrap()])
