@@ -39,8 +39,8 @@ pub struct RunOutcome {
     pub peak_rss_bytes: u64,
     /// Per-process statistics the shim wrote (one per managed process).
     pub processes: Vec<serde_json::Value>,
-    /// Processes that started an engine but wrote no statistics: they ended without running
-    /// their exit handlers (`_exit`, `exec`, a signal).
+    /// Processes that started an engine but wrote no statistics, not even a snapshot: they
+    /// ended (a signal, `exec`, a raw `exit_group`) before their first snapshot.
     pub unreported: usize,
     /// The settings the program ran with.
     pub settings: RunSettings,
@@ -864,21 +864,26 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
     }
     let mut processes: Vec<serde_json::Value> = Vec::new();
     // Each process whose engine started left `PID.started` (the shim's `start_engine_threads`);
-    // those without a `PID.json` beside it never reported.
+    // those without a readable `PID.json` beside it never reported (not even a snapshot).
     let mut started = Vec::new();
+    let mut read = std::collections::HashSet::new();
     if let Ok(entries) = std::fs::read_dir(stats_dir.path()) {
         for entry in entries.flatten() {
             let path = entry.path();
             match path.extension().and_then(|e| e.to_str()) {
                 Some("started") => started.push(path.with_extension("json")),
                 Some("json") => {
-                    processes.extend(std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok()));
+                    let report = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok());
+                    if let Some(report) = report {
+                        read.insert(path);
+                        processes.push(report);
+                    }
                 }
                 _ => {}
             }
         }
     }
-    let unreported = started.iter().filter(|report| !report.exists()).count();
+    let unreported = started.iter().filter(|report| !read.contains(*report)).count();
     processes.sort_by_key(|p| p["pid"].as_u64());
     drop(_stats_dir_lock);
     drop(stats_dir);
@@ -1030,21 +1035,32 @@ impl RunOutcome {
             Some(stats) => {
                 let _ = writeln!(s, "fault path      {:.1} ms in total on faulting threads", stats.fault_path_ms());
                 s.push_str(&stats.summary());
+                let snapshots = self.snapshot_processes();
+                if snapshots > 0 {
+                    let _ = writeln!(
+                        s,
+                        "snapshot        {} ended without its final statistics (a signal, exec or a raw exit_group): the counts above are from its last snapshot, written every {} s",
+                        processes(snapshots),
+                        SNAPSHOT_SECONDS
+                    );
+                }
                 if self.unreported > 0 {
                     let _ = writeln!(
                         s,
-                        "unreported      {} more managed memory but ended without writing statistics (through _exit, exec or a signal); the counts above leave them out",
-                        processes(self.unreported)
+                        "unreported      {} more managed memory but ended before writing statistics (a signal, exec or a raw exit_group within {} s of starting); the counts above leave them out",
+                        processes(self.unreported),
+                        SNAPSHOT_SECONDS
                     );
                 }
             }
-            // A process that ends through `_exit` (Python's `os._exit`, a child after fork)
-            // skips the exit handler that writes its statistics.
+            // A process that ends by a signal, `exec` or a raw `exit_group` before its first
+            // snapshot runs nothing that writes its statistics.
             None if self.unreported > 0 => {
                 let _ = writeln!(
                     s,
-                    "no statistics: {} managed memory but ended without writing them (through _exit, exec or a signal), so the counts above are unknown, not zero",
-                    processes(self.unreported)
+                    "no statistics: {} managed memory but ended before writing them (a signal, exec or a raw exit_group within {} s of starting), so the counts above are unknown, not zero",
+                    processes(self.unreported),
+                    SNAPSHOT_SECONDS
                 );
             }
             // Each process writes its statistics as it exits; one killed outright (SIGKILL,
@@ -1084,9 +1100,18 @@ impl RunOutcome {
             "stdio_streams_relocked": self.sum("stdio_streams_relocked"),
             "processes": self.processes,
             "unreported_processes": self.unreported,
+            "snapshot_processes": self.snapshot_processes(),
         })
     }
+
+    /// Processes whose statistics are a snapshot written while they ran, not their final report.
+    pub fn snapshot_processes(&self) -> usize {
+        self.processes.iter().filter(|p| p["final"] == false).count()
+    }
 }
+
+/// How often a managed process writes a snapshot of its statistics, in seconds.
+const SNAPSHOT_SECONDS: u64 = tiermem_engine::STATISTICS_SNAPSHOT_EVERY.as_secs();
 
 /// "1 process", "2 processes".
 fn processes(n: usize) -> String {

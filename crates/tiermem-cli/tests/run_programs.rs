@@ -4557,14 +4557,16 @@ fn a_program_ending_through_exit_reports_and_one_ending_by_a_raw_exit_group_is_u
         assert_eq!(err.contains("faults          critical"), reported, "{name} ({how}): {err}");
         let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
         assert_eq!(stats["unreported_processes"], u64::from(!reported), "{name} ({how}): {stats}");
+        // The final report, not a snapshot (the run ends well before the first one).
+        assert_eq!(stats["snapshot_processes"], 0, "{name} ({how}): {stats}");
         if reported {
             // 32 MiB written under an 8 MiB budget: most of it was evicted.
             let evictions = stats["merged"]["evictions"].as_u64().unwrap();
             assert!(evictions > 4096, "{name} ({how}): {evictions} evictions");
         }
     }
-    // The fault trace's last buffer is written through `_exit` too: the trace is as long as
-    // that of the run ending by `return`.
+    // The fault trace's last buffer is written through `_exit` too (this program's whole
+    // trace fits in it), not after a raw exit_group.
     let trace_bytes = |how: &str| {
         let trace = scratch.path().join(format!("{how}.trace"));
         let out = scratch
@@ -4575,11 +4577,41 @@ fn a_program_ending_through_exit_reports_and_one_ending_by_a_raw_exit_group_is_u
         assert_eq!(out.status.code(), Some(3), "{name} (trace, {how}): {}", String::from_utf8_lossy(&out.stderr));
         std::fs::metadata(&trace).map_or(0, |m| m.len())
     };
-    let (through_exit, by_return) = (trace_bytes("_exit"), trace_bytes("return"));
-    assert!(
-        by_return > 1000 && through_exit * 10 >= by_return * 9,
-        "{name}: traces of {through_exit} and {by_return} bytes"
-    );
+    let (through_exit, by_exit_group) = (trace_bytes("_exit"), trace_bytes("exit_group"));
+    assert!(through_exit > 1000 && by_exit_group == 0, "{name}: traces of {through_exit} and {by_exit_group} bytes");
+}
+
+/// A process killed outright after running a while still shows its counts: it wrote a
+/// snapshot of its statistics every 2 s, and the summary says they are a snapshot.
+#[test]
+fn a_program_killed_after_a_while_shows_its_last_snapshot() {
+    let name = "a_program_killed_after_a_while_shows_its_last_snapshot";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let source = "#include <signal.h>\n#include <stdio.h>\n#include <stdlib.h>\n#include <unistd.h>\n\
+         int main(void) { char *p = malloc(32 << 20); \
+         for (int i = 0; i < (32 << 20); i += 4096) p[i] = 1; puts(\"ran\"); fflush(stdout); \
+         sleep(3); for (int i = 0; i < (32 << 20); i += 4096) p[i]++; raise(SIGKILL); return 0; }\n";
+    let Some(bin) = build_c(&scratch, source, "killed", name) else { return };
+    let json = scratch.path().join("killed.json");
+    let out = scratch
+        .command(&["run", "--limit", "8MiB", "--stats-json", json.to_str().unwrap(), "--", bin.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(out.status.signal(), Some(libc::SIGKILL), "{name}: {err}");
+    assert_eq!(out.stdout, b"ran\n");
+    assert!(err.contains("snapshot        1 process ended without its final statistics"), "{name}: {err}");
+    assert!(err.contains("faults          critical"), "{name}: {err}");
+    let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(stats["snapshot_processes"], 1, "{name}: {stats}");
+    assert_eq!(stats["unreported_processes"], 0, "{name}: {stats}");
+    // The first pass wrote 32 MiB under an 8 MiB budget before the snapshot.
+    let evictions = stats["merged"]["evictions"].as_u64().unwrap();
+    assert!(evictions > 4096, "{name}: {evictions} evictions");
 }
 
 /// `_exit` from a signal handler that interrupted the program anywhere, its allocations

@@ -42,7 +42,7 @@ pub use delivery::{is_engine_sigbus_action, replace_chained_sigbus_action};
 pub use engine::{Engine, Region};
 pub use fault::PinGuard;
 pub use fork::{ChildCopy, ForkHold};
-pub use settings::RunSettings;
+pub use settings::{RunSettings, STATISTICS_SNAPSHOT_EVERY};
 pub use stats::StatsSnapshot;
 pub use tiermem_monitor::Advice;
 pub use tiermem_sys::{Error, ErrorKind, Result};

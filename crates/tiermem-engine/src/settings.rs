@@ -10,6 +10,10 @@ use tiermem_sys::{Error, Result};
 
 use crate::config::{parse_size, EngineConfig, FaultMode, Limit};
 
+/// How often a managed process writes a snapshot of its statistics while it runs: what is left
+/// of a process that ends without its final report (a signal, `exec`, a raw `exit_group`).
+pub const STATISTICS_SNAPSHOT_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Everything a managed process is told.
 #[derive(Debug, Clone)]
 pub struct RunSettings {
@@ -25,7 +29,8 @@ pub struct RunSettings {
     pub device_bytes: Option<u64>,
     /// Allocations of at least this many bytes are managed; smaller ones go to the C library.
     pub threshold: u64,
-    /// Directory where each managed process writes `<pid>.json` statistics at exit.
+    /// Directory where each managed process writes `<pid>.json` statistics at exit, and a
+    /// snapshot of them every [`STATISTICS_SNAPSHOT_EVERY`] before that.
     pub stats_dir: Option<PathBuf>,
     /// Keep the budget inside the memory cgroup's room (on unless turned off).
     pub respect_cgroup: bool,

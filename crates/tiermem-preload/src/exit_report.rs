@@ -9,14 +9,18 @@
 //! `clock_gettime`, `nanosleep`). Should the reporter be stuck behind a lock the exiting thread
 //! holds, the wait ends after [`REPORT_WAIT`] and the process ends unreported, as before.
 //!
-//! Not covered: a raw `exit_group` system call, a fatal signal, and `exec` (the launcher counts
-//! such a process as unreported).
+//! A process can also end with no report at all: by a fatal signal, `exec` or a raw
+//! `exit_group` system call. For those the same thread writes a snapshot of the statistics
+//! every [`SNAPSHOT_EVERY`] (marked `"final": false`), which the final report replaces; the
+//! launcher shows a snapshot for what it is.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use crate::runtime::{in_forked_child, in_vfork_child, report_once, report_written, say};
+use tiermem_engine::STATISTICS_SNAPSHOT_EVERY as SNAPSHOT_EVERY;
+
+use crate::runtime::{in_forked_child, in_vfork_child, report_once, report_written, say, write_snapshot};
 
 /// The longest `_exit` waits for the report.
 const REPORT_WAIT: Duration = Duration::from_secs(2);
@@ -28,9 +32,16 @@ static REQUESTED: AtomicBool = AtomicBool::new(false);
 
 /// Start the reporter thread (once the engine runs: before that there is nothing to report).
 pub(crate) fn start_reporter() {
-    let spawned = std::thread::Builder::new().name("tiermem-exitrep".into()).stack_size(256 << 10).spawn(|| {
+    let spawned = std::thread::Builder::new().name("tiermem-report".into()).stack_size(256 << 10).spawn(|| {
+        let mut next_snapshot = Instant::now() + SNAPSHOT_EVERY;
         while !REQUESTED.load(Ordering::Acquire) {
-            std::thread::park();
+            let now = Instant::now();
+            if now >= next_snapshot {
+                write_snapshot();
+                next_snapshot = now + SNAPSHOT_EVERY;
+            } else {
+                std::thread::park_timeout(next_snapshot - now);
+            }
         }
         report_once();
     });

@@ -1316,6 +1316,9 @@ pub(crate) fn report_written() -> bool {
     REPORT_STATE.load(Ordering::Acquire) == REPORT_WRITTEN
 }
 
+/// Serializes the writes of this process's statistics file (snapshots and the final report).
+static REPORT_FILE_LOCK: Mutex<()> = Mutex::new(());
+
 /// Finish the trace and write the statistics, once per process: from the exit handlers, or
 /// from the reporter thread when the program ends through `_exit`. A second caller while the
 /// first writes waits for it, so that a process ending through `exit` on one thread and `_exit`
@@ -1323,7 +1326,14 @@ pub(crate) fn report_written() -> bool {
 pub(crate) fn report_once() {
     match REPORT_STATE.compare_exchange(REPORT_NOT_BEGUN, REPORT_BEING_WRITTEN, Ordering::AcqRel, Ordering::Acquire) {
         Ok(_) => {
-            write_report();
+            if let (Some(engine), Some(_)) = (ENGINE.get(), SETTINGS.get()) {
+                engine.finish_trace();
+                // The engine is never dropped here: what its DAMON source set up outside the
+                // process (a tracefs instance) goes now.
+                engine.stop_damon();
+            }
+            let _writing = REPORT_FILE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            write_statistics(true);
             REPORT_STATE.store(REPORT_WRITTEN, Ordering::Release);
         }
         Err(_) => {
@@ -1334,16 +1344,27 @@ pub(crate) fn report_once() {
     }
 }
 
-fn write_report() {
+/// Write the statistics so far, marked as a snapshot, unless the final report has begun: what
+/// the launcher shows for a process that ends without writing its final report (a signal,
+/// `exec`, a raw `exit_group`). Silent on failure: the statistics directory is gone once the
+/// launcher has read it, and a process that outlives the run would say so every time.
+pub(crate) fn write_snapshot() {
+    let _writing = REPORT_FILE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    if REPORT_STATE.load(Ordering::Acquire) == REPORT_NOT_BEGUN {
+        write_statistics(false);
+    }
+}
+
+/// Write this process's statistics file, the final report or a snapshot (`complete`). The
+/// caller holds [`REPORT_FILE_LOCK`].
+fn write_statistics(complete: bool) {
     let (Some(engine), Some(settings)) = (ENGINE.get(), SETTINGS.get()) else { return };
-    engine.finish_trace();
-    // The engine is never dropped here: what its DAMON source set up outside the process
-    // (a tracefs instance) goes now.
-    engine.stop_damon();
     let Some(dir) = &settings.stats_dir else { return };
     let lowest = LOWEST_BUDGET.load(Ordering::Relaxed);
     let report = serde_json::json!({
         "pid": std::process::id(),
+        // false in a snapshot, written while the process ran.
+        "final": complete,
         "program": std::env::args().next().unwrap_or_default(),
         "engine": engine.stats(),
         "device": engine.device_counters(),
@@ -1385,13 +1406,26 @@ fn write_report() {
     });
     let path = statistics_path(dir);
     let text = report.to_string();
-    let opened_early = STATISTICS_FILE.get().map(|file| std::io::Write::write_all(&mut &**file, text.as_bytes()));
-    let written = match opened_early.unwrap_or_else(|| std::fs::write(&path, &text)) {
-        // A program that ends with every descriptor in use still gets its statistics.
-        Err(e) if e.raw_os_error() == Some(libc::EMFILE) => with_spare_descriptors(|| std::fs::write(&path, &text)),
+    // Whole or not at all where a process may be killed in the middle: a snapshot goes to a
+    // file of its own, renamed over the last. The file made before the program gave up root is
+    // rewritten in place (the directory may no longer be writable); the launcher counts one it
+    // cannot read as unreported.
+    let replace = || {
+        let partial = path.with_extension("json.partial");
+        std::fs::write(&partial, &text).and_then(|()| std::fs::rename(&partial, &path))
+    };
+    let rewrite = |file: &std::fs::File| {
+        use std::os::unix::fs::FileExt;
+        file.set_len(0).and_then(|()| file.write_all_at(text.as_bytes(), 0))
+    };
+    let written = match STATISTICS_FILE.get().map(|file| rewrite(file)).unwrap_or_else(replace) {
+        // A program that ends with every descriptor in use still gets its statistics (not a
+        // snapshot: raising the limit for a moment could let one of the program's own calls
+        // succeed that should fail).
+        Err(e) if complete && e.raw_os_error() == Some(libc::EMFILE) => with_spare_descriptors(replace),
         other => other,
     };
-    if let Err(e) = written {
+    if let (Err(e), true) = (written, complete) {
         say(&["tiermem: cannot write statistics to ", &path.display().to_string(), ": ", &e.to_string()]);
     }
 }
