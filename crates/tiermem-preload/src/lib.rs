@@ -23,10 +23,9 @@
 //! - While the program has one thread of its own, the streams it opens skip the stdio locks the
 //!   engine's threads would otherwise switch on ([`stdio`]).
 //! - At exit each managed process writes its statistics to `TIERMEM_STATS_DIR/<pid>.json`,
-//!   also one that ends through `_exit` ([`exit_report`]).
+//!   also one that ends through `_exit`, and a snapshot of them every 2 s ([`report`]).
 
 mod alloc;
-mod exit_report;
 mod fds;
 mod fortified;
 mod heap;
@@ -42,6 +41,7 @@ mod privileges;
 mod process_vm;
 mod recycle;
 mod registry;
+mod report;
 mod reserve;
 mod runtime;
 mod signals;

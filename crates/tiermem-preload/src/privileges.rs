@@ -3,16 +3,16 @@
 //! userfaultfd that serves faults inside system calls (thread fault mode could not start) and
 //! to write its statistics into the run's directory. Before the first call that could drop
 //! root (setuid, seteuid, setreuid, setresuid, capset, or their numbers through `syscall()`),
-//! [`runtime::before_dropping_privileges`] does what needs it.
+//! [`report::before_dropping_privileges`] does what needs it.
 
 use crate::alloc::real;
-use crate::runtime;
+use crate::report;
 
 /// Before a call that sets these user ids (-1: unchanged) or, with `None`, capabilities.
 pub(crate) fn before_a_change(ids: Option<&[libc::uid_t]>) {
     let leaves_root = ids.is_none_or(|ids| ids.iter().any(|&id| id != 0 && id != libc::uid_t::MAX));
     if leaves_root && rustix::process::geteuid().is_root() {
-        runtime::before_dropping_privileges();
+        report::before_dropping_privileges();
     }
 }
 

@@ -11,8 +11,8 @@ use tiermem_sys::ErrorKind;
 
 use crate::registry;
 
-static SETTINGS: OnceLock<RunSettings> = OnceLock::new();
-static ENGINE: OnceLock<Engine> = OnceLock::new();
+pub(crate) static SETTINGS: OnceLock<RunSettings> = OnceLock::new();
+pub(crate) static ENGINE: OnceLock<Engine> = OnceLock::new();
 static START: Mutex<()> = Mutex::new(());
 /// Smallest managed allocation; usize::MAX (nothing managed) until the settings are read, in a
 /// forked child, and when the engine cannot run.
@@ -43,25 +43,25 @@ pub static SYSCALLS_WRAPPED: AtomicU64 = AtomicU64::new(0);
 pub static CALLS_RETRIED: AtomicU64 = AtomicU64::new(0);
 /// The budget follows a memory cgroup's room (the watch thread runs).
 static CGROUP_WATCHED: AtomicBool = AtomicBool::new(false);
-static LOWEST_BUDGET: AtomicU64 = AtomicU64::new(u64::MAX);
+pub(crate) static LOWEST_BUDGET: AtomicU64 = AtomicU64::new(u64::MAX);
 /// Times the cgroup ran out of memory under the OOM guard and the budget was cut for it.
-static OOM_RESCUES: AtomicU64 = AtomicU64::new(0);
+pub(crate) static OOM_RESCUES: AtomicU64 = AtomicU64::new(0);
 /// Times it ran out while the guard held its ballast, whose release was room enough.
-static BALLAST_RELEASES: AtomicU64 = AtomicU64::new(0);
+pub(crate) static BALLAST_RELEASES: AtomicU64 = AtomicU64::new(0);
 /// Refaults of the cgroup's file pages seen while following it (see [`FileRoom`]), how many of
 /// them page faults could have read back, and the most room kept for its file pages because of
 /// them.
-static FILE_REFAULTS: AtomicU64 = AtomicU64::new(0);
-static FILE_FAULT_REFAULTS: AtomicU64 = AtomicU64::new(0);
-static PEAK_FILE_ROOM: AtomicU64 = AtomicU64::new(0);
+pub(crate) static FILE_REFAULTS: AtomicU64 = AtomicU64::new(0);
+pub(crate) static FILE_FAULT_REFAULTS: AtomicU64 = AtomicU64::new(0);
+pub(crate) static PEAK_FILE_ROOM: AtomicU64 = AtomicU64::new(0);
 /// Bytes of the OOM guard's ballast (0 without the guard).
-static BALLAST_BYTES: AtomicU64 = AtomicU64::new(0);
+pub(crate) static BALLAST_BYTES: AtomicU64 = AtomicU64::new(0);
 static CHILD_PAGES_COPIED: AtomicU64 = AtomicU64::new(0);
 /// The memory cgroup the budget follows, when it has no swap: what [`fork_cannot_fit`] weighs
 /// a fork's copy against.
 static CGROUP_WITHOUT_SWAP: OnceLock<CgroupRoom> = OnceLock::new();
 /// Forks refused because the child's copy could not fit in the cgroup.
-static FORKS_REFUSED: AtomicU64 = AtomicU64::new(0);
+pub(crate) static FORKS_REFUSED: AtomicU64 = AtomicU64::new(0);
 
 /// Set this thread's errno.
 pub fn set_errno(value: i32) {
@@ -111,7 +111,7 @@ fn write_all_stderr(rest: &[u8]) {
 /// statistics: it may be called with any of the shim's locks held).
 pub fn die(parts: &[&str]) -> ! {
     say(parts);
-    crate::exit_report::exit_now(1)
+    crate::report::exit_now(1)
 }
 
 /// This process's pid, as of its load or its fork: a vfork child (no fork handlers run there)
@@ -373,16 +373,8 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
         die(&["tiermem: pthread_atfork failed"]);
     }
     // SAFETY: as above.
-    unsafe { libc::atexit(at_exit) };
-    // A process that ends through `_exit` runs no exit handler: a thread of ours writes its
-    // report then (see `exit_report`).
-    crate::exit_report::start_reporter();
-    // Tells the launcher this process manages memory, so that one ending without its exit
-    // handlers (`_exit`), which writes no statistics, is not summed up as one that allocated
-    // nothing.
-    if let Some(dir) = &settings.stats_dir {
-        let _ = std::fs::File::create(statistics_path(dir).with_extension("started"));
-    }
+    unsafe { libc::atexit(crate::report::at_exit) };
+    crate::report::start_reporting(settings);
     let mut engine_threads = engine.thread_ids();
     if settings.respect_cgroup {
         if let Some(cgroup) = CgroupRoom::of_self() {
@@ -1292,170 +1284,6 @@ fn pin_own_code() {
         if rc != 0 {
             say(&["tiermem: cannot lock ", path, " in memory: ", &std::io::Error::last_os_error().to_string()]);
             return;
-        }
-    }
-}
-
-// ---- statistics ---------------------------------------------------------------------------
-
-extern "C" fn at_exit() {
-    if in_forked_child() || in_vfork_child() {
-        return;
-    }
-    report_once();
-}
-
-/// Where this process's report (the trace's tail, the statistics) stands.
-static REPORT_STATE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(REPORT_NOT_BEGUN);
-const REPORT_NOT_BEGUN: u8 = 0;
-const REPORT_BEING_WRITTEN: u8 = 1;
-const REPORT_WRITTEN: u8 = 2;
-
-/// Whether this process's report is written.
-pub(crate) fn report_written() -> bool {
-    REPORT_STATE.load(Ordering::Acquire) == REPORT_WRITTEN
-}
-
-/// Serializes the writes of this process's statistics file (snapshots and the final report).
-static REPORT_FILE_LOCK: Mutex<()> = Mutex::new(());
-
-/// Finish the trace and write the statistics, once per process: from the exit handlers, or
-/// from the reporter thread when the program ends through `_exit`. A second caller while the
-/// first writes waits for it, so that a process ending through `exit` on one thread and `_exit`
-/// on another is not cut off in the middle of its file (the `_exit` side bounds its wait).
-pub(crate) fn report_once() {
-    match REPORT_STATE.compare_exchange(REPORT_NOT_BEGUN, REPORT_BEING_WRITTEN, Ordering::AcqRel, Ordering::Acquire) {
-        Ok(_) => {
-            if let (Some(engine), Some(_)) = (ENGINE.get(), SETTINGS.get()) {
-                engine.finish_trace();
-                // The engine is never dropped here: what its DAMON source set up outside the
-                // process (a tracefs instance) goes now.
-                engine.stop_damon();
-            }
-            let _writing = REPORT_FILE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-            write_statistics(true);
-            REPORT_STATE.store(REPORT_WRITTEN, Ordering::Release);
-        }
-        Err(_) => {
-            while !report_written() {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-    }
-}
-
-/// Write the statistics so far, marked as a snapshot, unless the final report has begun: what
-/// the launcher shows for a process that ends without writing its final report (a signal,
-/// `exec`, a raw `exit_group`). Silent on failure: the statistics directory is gone once the
-/// launcher has read it, and a process that outlives the run would say so every time.
-pub(crate) fn write_snapshot() {
-    let _writing = REPORT_FILE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    if REPORT_STATE.load(Ordering::Acquire) == REPORT_NOT_BEGUN {
-        write_statistics(false);
-    }
-}
-
-/// Write this process's statistics file, the final report or a snapshot (`complete`). The
-/// caller holds [`REPORT_FILE_LOCK`].
-fn write_statistics(complete: bool) {
-    let (Some(engine), Some(settings)) = (ENGINE.get(), SETTINGS.get()) else { return };
-    let Some(dir) = &settings.stats_dir else { return };
-    let lowest = LOWEST_BUDGET.load(Ordering::Relaxed);
-    let report = serde_json::json!({
-        "pid": std::process::id(),
-        // false in a snapshot, written while the process ran.
-        "final": complete,
-        "program": std::env::args().next().unwrap_or_default(),
-        "engine": engine.stats(),
-        "device": engine.device_counters(),
-        "limit_bytes": engine.config().limit_bytes,
-        "lowest_budget_bytes": (lowest != u64::MAX).then_some(lowest),
-        "oom_rescues": OOM_RESCUES.load(Ordering::Relaxed),
-        "oom_ballast_releases": BALLAST_RELEASES.load(Ordering::Relaxed),
-        "forks_refused": FORKS_REFUSED.load(Ordering::Relaxed),
-        "file_refaults": FILE_REFAULTS.load(Ordering::Relaxed),
-        "file_fault_refaults": FILE_FAULT_REFAULTS.load(Ordering::Relaxed),
-        "peak_file_room_bytes": PEAK_FILE_ROOM.load(Ordering::Relaxed),
-        "fault_mode": engine.config().fault_mode.to_string(),
-        "dirty_tracking": engine.dirty_tracking(),
-        "device_description": engine.describe(),
-        "managed_allocations": MANAGED_ALLOCATIONS.load(Ordering::Relaxed),
-        "managed_bytes": MANAGED_BYTES.load(Ordering::Relaxed),
-        "peak_managed_bytes": PEAK_MANAGED_BYTES.load(Ordering::Relaxed),
-        "fallback_allocations": FALLBACK_ALLOCATIONS.load(Ordering::Relaxed),
-        "reused_allocations": REUSED_ALLOCATIONS.load(Ordering::Relaxed),
-        "fixed_allocations": FIXED_ALLOCATIONS.load(Ordering::Relaxed),
-        "pieces_taken_back": TAKEN_BACK.load(Ordering::Relaxed),
-        "committed_allocations": COMMITTED_ALLOCATIONS.load(Ordering::Relaxed),
-        "committed_bytes": COMMITTED_BYTES.load(Ordering::Relaxed),
-        "small_heap_allocations": crate::heap::ALLOCATIONS.load(Ordering::Relaxed),
-        "small_heap_bytes": crate::heap::CHUNK_BYTES.load(Ordering::Relaxed),
-        "syscalls_wrapped": SYSCALLS_WRAPPED.load(Ordering::Relaxed),
-        "calls_retried_for_memory": CALLS_RETRIED.load(Ordering::Relaxed),
-        "stdio_streams_unlocked": crate::stdio::STREAMS_UNLOCKED.load(Ordering::Relaxed),
-        "stdio_streams_relocked": crate::stdio::STREAMS_RELOCKED.load(Ordering::Relaxed),
-        "engine_reserve_bytes": crate::reserve::USED_BYTES.load(Ordering::Relaxed),
-        // tiermem's own memory beside the budget: what its Rust code allocated (page state,
-        // policy tables, statistics; at most, over the run), the I/O buffers, the OOM guard's
-        // ballast and the engine's reserve.
-        "own_heap_peak_bytes": crate::libc_alloc::PEAK_BYTES.load(Ordering::Relaxed),
-        "io_buffer_bytes": engine.io_buffer_bytes(),
-        "guard_ballast_bytes": BALLAST_BYTES.load(Ordering::Relaxed),
-        "engine_reserve_size_bytes": crate::reserve::size(),
-        "engine_reserve_fallbacks": crate::reserve::FALLBACKS.load(Ordering::Relaxed),
-    });
-    let path = statistics_path(dir);
-    let text = report.to_string();
-    // Whole or not at all where a process may be killed in the middle: a snapshot goes to a
-    // file of its own, renamed over the last. The file made before the program gave up root is
-    // rewritten in place (the directory may no longer be writable); the launcher counts one it
-    // cannot read as unreported.
-    let replace = || {
-        let partial = path.with_extension("json.partial");
-        std::fs::write(&partial, &text).and_then(|()| std::fs::rename(&partial, &path))
-    };
-    let rewrite = |file: &std::fs::File| {
-        use std::os::unix::fs::FileExt;
-        file.set_len(0).and_then(|()| file.write_all_at(text.as_bytes(), 0))
-    };
-    let written = match STATISTICS_FILE.get().map(|file| rewrite(file)).unwrap_or_else(replace) {
-        // A program that ends with every descriptor in use still gets its statistics (not a
-        // snapshot: raising the limit for a moment could let one of the program's own calls
-        // succeed that should fail).
-        Err(e) if complete && e.raw_os_error() == Some(libc::EMFILE) => with_spare_descriptors(replace),
-        other => other,
-    };
-    if let (Err(e), true) = (written, complete) {
-        say(&["tiermem: cannot write statistics to ", &path.display().to_string(), ": ", &e.to_string()]);
-    }
-}
-
-/// This process's statistics file, opened before the program gave up the privileges that let
-/// it create one in the statistics directory (see [`crate::privileges`]).
-static STATISTICS_FILE: OnceLock<Guarded<std::fs::File>> = OnceLock::new();
-
-fn statistics_path(dir: &std::path::Path) -> std::path::PathBuf {
-    dir.join(format!("{}.json", std::process::id()))
-}
-
-/// The program is about to give up root (setuid and kin): do now what needs it later. The
-/// engine starts (its userfaultfd then serves faults taken inside system calls, which an
-/// unprivileged process may not ask for, and its device and trace files are made with the
-/// rights the run began with), and the statistics file is created, to be written at exit.
-pub fn before_dropping_privileges() {
-    if in_forked_child() || in_vfork_child() {
-        return;
-    }
-    let Some(settings) = SETTINGS.get() else { return };
-    engine();
-    if let Some(dir) = &settings.stats_dir {
-        if STATISTICS_FILE.get().is_none() {
-            match std::fs::File::options().write(true).create(true).truncate(true).open(statistics_path(dir)) {
-                Ok(file) => {
-                    let _ = STATISTICS_FILE.set(Guarded::new(file));
-                }
-                Err(e) => say(&["tiermem: cannot create the statistics file: ", &e.to_string()]),
-            }
         }
     }
 }
