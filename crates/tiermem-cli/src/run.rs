@@ -978,8 +978,8 @@ impl RunOutcome {
         );
         let _ = writeln!(
             s,
-            "managed         {} processes, {} allocations ({} reusing freed ones, {} mapped where the program said, {} pieces mapped again taken back, {} reservations made usable with mprotect), {:.1} MiB allocated, {:.1} MiB at peak; {} left unmanaged",
-            self.processes.len(),
+            "managed         {}, {} allocations ({} reusing freed ones, {} mapped where the program said, {} pieces mapped again taken back, {} reservations made usable with mprotect), {:.1} MiB allocated, {:.1} MiB at peak; {} left unmanaged",
+            processes(self.processes.len()),
             self.sum("managed_allocations"),
             self.sum("reused_allocations"),
             self.sum("fixed_allocations"),
