@@ -506,7 +506,10 @@ struct RunArgs {
     /// a fresh region, which would take a first-touch fault per 64 pages [default: on].
     #[arg(long, env = "TIERMEM_REUSE_FREED")]
     reuse_freed: Option<String>,
-    /// Write the run's statistics as JSON to this file.
+    /// Write the run's statistics as JSON to this file: the counts summed over the managed
+    /// processes (`merged`), each process's report (`processes`; `"final": false` marks a
+    /// snapshot, left by a process killed outright, which writes one every 2 s), and how many
+    /// ended before writing any (`unreported_processes`).
     #[arg(long, env = "TIERMEM_STATS_JSON")]
     stats_json: Option<PathBuf>,
     /// No summary at exit.
