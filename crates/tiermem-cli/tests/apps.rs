@@ -105,6 +105,39 @@ fn limited_run_without_swap_oom_kills_a_program_over_its_limit() {
     assert!(report.oom_kills.unwrap_or(0) >= 1, "{report:?}");
 }
 
+/// A `tiermem run` stopped at the timeout passes the SIGTERM on to its program and still writes
+/// its statistics: the snapshot the program wrote while it ran.
+#[test]
+fn a_tiermem_run_stopped_at_the_timeout_leaves_a_snapshot_of_its_statistics() {
+    skip_unless_privileged!();
+    let dir = tempfile::tempdir().unwrap();
+    let stats = dir.path().join("stats.json");
+    let tiermem_bin = env!("CARGO_BIN_EXE_tiermem");
+    let program =
+        "a = bytearray(64 << 20)\nwhile True:\n    for i in range(0, len(a), 4096): a[i] = (a[i] + 1) % 256\n";
+    let (_, report) = limited_run(
+        &["--timeout", "4"],
+        &[
+            tiermem_bin,
+            "run",
+            "--limit",
+            "16MiB",
+            "--stats-json",
+            stats.to_str().unwrap(),
+            "--",
+            "python3",
+            "-c",
+            program,
+        ],
+    );
+    assert!(report.timed_out, "{report:?}");
+    let text = std::fs::read_to_string(&stats).expect("statistics written after the SIGTERM");
+    let stats: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(stats["snapshot_processes"], 1, "{stats}");
+    let evictions = stats["merged"]["evictions"].as_u64().unwrap_or(0);
+    assert!(evictions > 4096, "64 MiB swept under 16 MiB: {evictions} evictions");
+}
+
 #[test]
 fn limited_run_kills_on_timeout_with_children() {
     skip_unless_privileged!();

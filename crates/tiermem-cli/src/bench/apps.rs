@@ -94,7 +94,7 @@ pub struct LimitedRunArgs {
     /// Size of that swap file.
     #[arg(long, requires = "swap_dir")]
     pub swap_bytes: Option<u64>,
-    /// Kill the program after this many seconds.
+    /// Stop the program after this many seconds: SIGTERM, and SIGKILL 5 s later.
     #[arg(long)]
     pub timeout: Option<f64>,
     /// Name prefix of the cgroup.
@@ -329,9 +329,14 @@ fn wait_with_usage(pid: libc::pid_t) -> std::io::Result<(ExitStatus, CpuTimes)> 
     }
 }
 
+/// How long a program stopped at its timeout has to end after SIGTERM before it is killed:
+/// `tiermem run` passes the SIGTERM on to its program and then writes its statistics (a
+/// snapshot of the program's, written at most 2 s before), which a timed-out run keeps.
+const TIMEOUT_GRACE: Duration = Duration::from_secs(5);
+
 /// Start `command` inside `cgroup` (stdin closed, stdout/stderr inherited) and wait for it, at most
-/// `timeout`. On timeout the program is killed (the cgroup teardown kills its children too) and the
-/// status is `None`.
+/// `timeout`. On timeout the program gets SIGTERM and, [`TIMEOUT_GRACE`] later, SIGKILL (the
+/// cgroup teardown kills its children too); the status is `None`.
 fn spawn_and_wait(cgroup: &MemCgroup, command: &mut Command, timeout: Option<Duration>) -> Result<Waited> {
     command.stdin(std::process::Stdio::null());
     super::linux_swap::start_inside(cgroup, command)?;
@@ -362,16 +367,22 @@ fn spawn_and_wait(cgroup: &MemCgroup, command: &mut Command, timeout: Option<Dur
         }
         None => {
             let wall = start.elapsed();
-            match &pidfd {
-                Some(pidfd) => _ = rustix::process::pidfd_send_signal(pidfd, rustix::process::Signal::KILL),
+            let signal = |signal| match &pidfd {
+                Some(pidfd) => _ = rustix::process::pidfd_send_signal(pidfd, signal),
                 // No pidfd (Linux < 5.3): the pid, unreaped unless the program ended just now.
                 None => {
                     if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
-                        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                        let _ = rustix::process::kill_process(pid, signal);
                     }
                 }
-            }
-            let ended = waiter.join().ok().and(receiver.recv().ok()).and_then(|(ended, _)| ended.ok());
+            };
+            signal(rustix::process::Signal::TERM);
+            let ended = receiver.recv_timeout(TIMEOUT_GRACE).ok().or_else(|| {
+                signal(rustix::process::Signal::KILL);
+                receiver.recv().ok()
+            });
+            let _ = waiter.join();
+            let ended = ended.and_then(|(ended, _)| ended.ok());
             Ok(Waited { status: None, wall, timed_out: true, cpu: ended.map(|(_, cpu)| cpu) })
         }
     }
