@@ -353,28 +353,34 @@ int main(int argc, char** argv) {
 }
 "#;
 
+/// Build the C++ program `source` as `name` in the scratch directory (g++ -O2). None, with a
+/// SKIPPED line, when g++ is missing.
 fn build_cpp(scratch: &Scratch, source: &str, name: &str, test: &str) -> Option<PathBuf> {
-    if !have("g++", &["--version"], test) {
-        return None;
-    }
-    let src = scratch.path().join(format!("{name}.cpp"));
-    let bin = scratch.path().join(name);
-    std::fs::write(&src, source).unwrap();
-    let out = Command::new("g++").args(["-O2", "-o"]).arg(&bin).arg(&src).output().expect("g++");
-    assert!(out.status.success(), "g++ failed: {}", String::from_utf8_lossy(&out.stderr));
-    Some(bin)
+    build_with("g++", "cpp", "-O2", scratch, source, name, test)
 }
 
 /// [`build_cpp`] for a C program, with gcc at -O1.
 fn build_c(scratch: &Scratch, source: &str, name: &str, test: &str) -> Option<PathBuf> {
-    if !have("gcc", &["--version"], test) {
+    build_with("gcc", "c", "-O1", scratch, source, name, test)
+}
+
+fn build_with(
+    compiler: &str,
+    extension: &str,
+    optimize: &str,
+    scratch: &Scratch,
+    source: &str,
+    name: &str,
+    test: &str,
+) -> Option<PathBuf> {
+    if !have(compiler, &["--version"], test) {
         return None;
     }
-    let src = scratch.path().join(format!("{name}.c"));
+    let src = scratch.path().join(format!("{name}.{extension}"));
     let bin = scratch.path().join(name);
     std::fs::write(&src, source).unwrap();
-    let out = Command::new("gcc").args(["-O1", "-o"]).arg(&bin).arg(&src).output().expect("gcc");
-    assert!(out.status.success(), "gcc failed: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(compiler).args([optimize, "-o"]).arg(&bin).arg(&src).output().expect(compiler);
+    assert!(out.status.success(), "{compiler} failed: {}", String::from_utf8_lossy(&out.stderr));
     Some(bin)
 }
 

@@ -26,6 +26,7 @@
 //!   also one that ends through `_exit`, and a snapshot of them every 2 s ([`report`]).
 
 mod alloc;
+mod cgroup_watch;
 mod fds;
 mod fortified;
 mod heap;
