@@ -72,9 +72,9 @@ fn start_reporter() {
             let _ = REPORTER.set(handle.thread().clone());
         }
         Err(e) => say(&[
-            "tiermem: cannot start the thread that reports a process ending through _exit (",
+            "tiermem: cannot start the thread that writes snapshots of the statistics (",
             &e.to_string(),
-            "); such an end goes unreported",
+            "); an end through _exit, a signal or exec goes unreported",
         ]),
     }
 }
