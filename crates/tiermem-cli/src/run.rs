@@ -1039,7 +1039,7 @@ impl RunOutcome {
                 if snapshots > 0 {
                     let _ = writeln!(
                         s,
-                        "snapshot        {} ended without its final statistics (a signal, exec or a raw exit_group): the counts above are from its last snapshot, written every {} s",
+                        "snapshot        {} ended without final statistics (a signal, exec or a raw exit_group): the counts above are from the last snapshot, written every {} s",
                         processes(snapshots),
                         SNAPSHOT_SECONDS
                     );

@@ -1978,7 +1978,7 @@ fn relative_paths_hold_for_a_program_that_changes_directory() {
     let left: Vec<PathBuf> = left.into_iter().filter(|p| !p.starts_with("cache")).collect();
     assert_eq!(left, expected, "{name}: files left behind");
     let managed = err.lines().find(|l| l.starts_with("managed")).unwrap_or_default();
-    assert!(managed.contains(" 1 processes"), "{name}: the program's statistics did not reach the run: {err}");
+    assert!(managed.contains(" 1 process,"), "{name}: the program's statistics did not reach the run: {err}");
 }
 
 /// A run killed before it could remove its statistics directory (SIGKILL, the OOM killer) leaves
@@ -4610,7 +4610,7 @@ fn a_program_killed_after_a_while_shows_its_last_snapshot() {
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(out.status.signal(), Some(libc::SIGKILL), "{name}: {err}");
     assert_eq!(out.stdout, b"ran\n");
-    assert!(err.contains("snapshot        1 process ended without its final statistics"), "{name}: {err}");
+    assert!(err.contains("snapshot        1 process ended without final statistics"), "{name}: {err}");
     assert!(err.contains("faults          critical"), "{name}: {err}");
     let stats: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(stats["snapshot_processes"], 1, "{name}: {stats}");
