@@ -42,6 +42,9 @@ pub struct RunSettings {
     /// Serve the program's allocations below the threshold from a managed heap too (on unless
     /// turned off), so its small objects page like the rest instead of pinning memory.
     pub small_heap: bool,
+    /// Page the writable data of the libraries the program loads (on unless turned off): their
+    /// data and relocated pages are anonymous memory that, without swap, nothing else can evict.
+    pub library_data: bool,
     /// While the program has one thread of its own, the streams it opens skip the stdio locks
     /// that the engine's threads would otherwise switch on (on unless turned off).
     pub single_thread_stdio: bool,
@@ -113,6 +116,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     ("TIERMEM_SMALL_HEAP", "on | off: serve allocations below the threshold from a managed heap (default on)"),
     (
+        "TIERMEM_LIBRARY_DATA",
+        "on | off: page the writable data of the libraries the program loads while it has one thread (default on)",
+    ),
+    (
         "TIERMEM_SINGLE_THREAD_STDIO",
         "on | off: while the program has one thread, its streams skip stdio locks (default on)",
     ),
@@ -166,6 +173,7 @@ impl Default for RunSettings {
             respect_cgroup: true,
             oom_guard: false,
             small_heap: true,
+            library_data: true,
             single_thread_stdio: true,
             reuse_freed: true,
             trace_dir: None,
@@ -247,6 +255,7 @@ impl RunSettings {
                     }
                 }
                 "TIERMEM_SMALL_HEAP" => s.small_heap = on_off(value).map_err(named)?,
+                "TIERMEM_LIBRARY_DATA" => s.library_data = on_off(value).map_err(named)?,
                 "TIERMEM_SINGLE_THREAD_STDIO" => s.single_thread_stdio = on_off(value).map_err(named)?,
                 "TIERMEM_REUSE_FREED" => s.reuse_freed = on_off(value).map_err(named)?,
                 "TIERMEM_WRITE_RUNS" => s.engine.write_runs = on_off(value).map_err(named)?,
@@ -339,6 +348,7 @@ impl RunSettings {
                 .to_string(),
             ),
             ("TIERMEM_SMALL_HEAP", if self.small_heap { "on" } else { "off" }.to_string()),
+            ("TIERMEM_LIBRARY_DATA", if self.library_data { "on" } else { "off" }.to_string()),
             ("TIERMEM_SINGLE_THREAD_STDIO", if self.single_thread_stdio { "on" } else { "off" }.to_string()),
             ("TIERMEM_REUSE_FREED", if self.reuse_freed { "on" } else { "off" }.to_string()),
         ];
@@ -452,6 +462,7 @@ mod tests {
             ("TIERMEM_FAULT_MODE", "thread"),
             ("TIERMEM_THRESHOLD", "2MiB"),
             ("TIERMEM_SMALL_HEAP", "off"),
+            ("TIERMEM_LIBRARY_DATA", "off"),
             ("TIERMEM_SINGLE_THREAD_STDIO", "off"),
             ("TIERMEM_REUSE_FREED", "off"),
             ("TIERMEM_WRITE_RUNS", "on"),
@@ -475,6 +486,7 @@ mod tests {
         assert_eq!(RunSettings::default().engine.fault_mode, FaultMode::Sigbus, "the default of tiermem run");
         assert_eq!(again.threshold, s.threshold);
         assert!(!s.small_heap && !again.small_heap);
+        assert!(!s.library_data && !again.library_data);
         assert!(!s.single_thread_stdio && !again.single_thread_stdio);
         assert!(!s.reuse_freed && !again.reuse_freed);
         assert!(s.engine.write_runs && again.engine.write_runs);
@@ -520,6 +532,7 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_CGROUP", "maybe")], "TIERMEM_CGROUP=maybe"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_CGROUP", "maybe")], "expected on, off or guard"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_SMALL_HEAP", "yes")], "TIERMEM_SMALL_HEAP=yes"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_LIBRARY_DATA", "maybe")], "TIERMEM_LIBRARY_DATA=maybe"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_SINGLE_THREAD_STDIO", "1")], "TIERMEM_SINGLE_THREAD_STDIO=1"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_REUSE_FREED", "sometimes")], "TIERMEM_REUSE_FREED=sometimes"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HANDLER_THREADS", "two")], "TIERMEM_HANDLER_THREADS=two"),

@@ -20,6 +20,8 @@
 //!   [`paths`], their fortified
 //!   variants in [`fortified`], and by number through `syscall()`), and the program cannot
 //!   displace or block the engine's SIGBUS handler ([`signals`]).
+//! - While the program has one thread of its own, the writable data of the libraries it has
+//!   loaded is paged too ([`library_data`]; `TIERMEM_LIBRARY_DATA=off` turns it off).
 //! - While the program has one thread of its own, the streams it opens skip the stdio locks the
 //!   engine's threads would otherwise switch on ([`stdio`]).
 //! - At exit each managed process writes its statistics to `TIERMEM_STATS_DIR/<pid>.json`,
@@ -33,6 +35,7 @@ mod heap;
 mod io;
 mod last_thread;
 mod libc_alloc;
+mod library_data;
 mod lock;
 mod messages;
 mod mmap;
@@ -58,6 +61,7 @@ static SHIM_ALLOCATOR: libc_alloc::LibcAllocator = libc_alloc::LibcAllocator;
 /// value is reported before the program does anything.
 extern "C" fn on_load() {
     fds::resolve_real_functions();
+    library_data::resolve_real_dlopen();
     stdio::note_load();
     runtime::load_settings();
 }

@@ -142,8 +142,24 @@ fn lockable_bytes(engine: &Engine) -> usize {
 }
 
 /// Memory the kernel has locked for this process (`VmLck`; 0 if unreadable).
+///
+/// Read with the system calls themselves into a buffer on the stack: this runs with the
+/// registry locked, and the shim's `read` looks a buffer that may lie in managed memory up in
+/// the registry (a heap buffer between two regions deadlocked the program).
 fn kernel_locked_bytes() -> usize {
-    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return 0 };
+    use rustix::fs::{Mode, OFlags};
+    let Ok(file) = rustix::fs::open("/proc/self/status", OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()) else {
+        return 0;
+    };
+    let mut buf = [0u8; 8192];
+    let mut len = 0;
+    while len < buf.len() {
+        match rustix::io::read(&file, &mut buf[len..]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => len += n,
+        }
+    }
+    let status = String::from_utf8_lossy(&buf[..len]);
     let kib = status
         .lines()
         .find_map(|l| l.strip_prefix("VmLck:"))

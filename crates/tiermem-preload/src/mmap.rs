@@ -60,6 +60,7 @@ fn syscall_result(rc: libc::c_long) -> *mut c_void {
 /// The C contract of mmap.
 #[no_mangle]
 pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut c_void {
+    crate::library_data::at_safe_point();
     if manageable(len, prot, flags, fd) {
         // The address is only a hint without MAP_FIXED; the engine picks its own.
         let p = managed_alloc(len, PAGE_SIZE, Origin::Mmap);
@@ -497,6 +498,7 @@ fn kernel_munmap(start: usize, end: usize) -> i32 {
 /// The C contract of munmap.
 #[no_mangle]
 pub unsafe extern "C" fn munmap(addr: *mut c_void, len: usize) -> i32 {
+    crate::library_data::at_safe_point();
     let start = addr as usize;
     if !registry::may_overlap(start, len) {
         // The kernel's own checks for memory that is not managed: a length of 0, or one that
@@ -1143,7 +1145,7 @@ fn change_protection(addr: usize, len: usize, kernel_call: impl FnOnce() -> libc
 }
 
 /// mprotect for tiermem's own changes to the program's managed mappings, under the same lock.
-fn protect(start: usize, len: usize, prot: i32) {
+pub(crate) fn protect(start: usize, len: usize, prot: i32) {
     change_protection(start, len, || crate::io::sys!(libc::SYS_mprotect, start, len, prot) as libc::c_long);
 }
 

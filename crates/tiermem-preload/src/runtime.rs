@@ -231,6 +231,7 @@ fn start_engine(guard: std::sync::MutexGuard<'_, ()>) -> &'static Engine {
         }
     });
     crate::stdio::activate(SETTINGS.get().is_some_and(|s| s.single_thread_stdio));
+    crate::library_data::engine_started();
     engine
 }
 
@@ -435,6 +436,16 @@ pub fn reuse_freed() -> bool {
 
 pub fn small_heap_wanted() -> bool {
     SETTINGS.get().is_some_and(|s| s.small_heap) && !in_forked_child()
+}
+
+/// The settings ask for libraries' data to be paged ([`crate::library_data`]).
+pub fn library_data_wanted() -> bool {
+    SETTINGS.get().is_some_and(|s| s.library_data) && !in_forked_child()
+}
+
+/// The calling thread's id.
+pub fn thread_id() -> usize {
+    crate::io::sys!(libc::SYS_gettid) as usize
 }
 
 fn machine_memory() -> u64 {

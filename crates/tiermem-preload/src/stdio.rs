@@ -83,6 +83,11 @@ pub fn note_load() {
     }
 }
 
+/// Whether the program has shown no thread of its own (besides the engine's).
+pub fn program_single_threaded() -> bool {
+    !PROGRAM_THREADED.load(Ordering::Acquire)
+}
+
 /// Run the engine's start-up: threads created inside are the engine's, not the program's.
 pub fn starting_engine<R>(start: impl FnOnce() -> R) -> R {
     STARTING_ENGINE.with(|s| s.set(true));
