@@ -498,6 +498,11 @@ struct RunArgs {
     /// on | off: serve allocations below the threshold from a managed heap [default: on].
     #[arg(long, env = "TIERMEM_SMALL_HEAP")]
     small_heap: Option<String>,
+    /// on | off: while the program has one thread of its own, the pages the libraries it loads
+    /// have written (their data, relocations) are paged too instead of pinning memory; given
+    /// back to the kernel when it starts a thread or calls dlclose [default: off].
+    #[arg(long, env = "TIERMEM_LIBRARY_DATA")]
+    library_data: Option<String>,
     /// on | off: while the program has one thread, the streams it opens skip the stdio locks
     /// the engine's threads would otherwise switch on [default: on].
     #[arg(long, env = "TIERMEM_SINGLE_THREAD_STDIO")]
@@ -625,6 +630,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_THRESHOLD", &args.threshold),
         ("TIERMEM_CGROUP", &args.cgroup),
         ("TIERMEM_SMALL_HEAP", &args.small_heap),
+        ("TIERMEM_LIBRARY_DATA", &args.library_data),
         ("TIERMEM_SINGLE_THREAD_STDIO", &args.single_thread_stdio),
         ("TIERMEM_REUSE_FREED", &args.reuse_freed),
     ];

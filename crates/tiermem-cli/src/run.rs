@@ -1005,6 +1005,17 @@ impl RunOutcome {
                 _ => "",
             }
         );
+        if self.settings.library_data {
+            let _ = writeln!(
+                s,
+                "library data    {} runs of pages libraries wrote ({:.1} MiB, {} pages holding data) paged with the rest, {} given back when the program started a thread; {} segments left to the kernel",
+                self.sum("library_data_runs"),
+                mib(self.sum("library_data_bytes")),
+                self.sum("library_data_pages_with_data"),
+                self.sum("library_data_runs_given_back"),
+                self.sum("library_data_segments_left"),
+            );
+        }
         let _ = writeln!(
             s,
             "stdio           {} streams used without locks while the program had one thread ({} locked again when it started threads){}",
@@ -1096,6 +1107,11 @@ impl RunOutcome {
             "committed_allocations": self.sum("committed_allocations"),
             "small_heap_allocations": self.sum("small_heap_allocations"),
             "small_heap_bytes": self.sum("small_heap_bytes"),
+            "library_data_runs": self.sum("library_data_runs"),
+            "library_data_bytes": self.sum("library_data_bytes"),
+            "library_data_pages_with_data": self.sum("library_data_pages_with_data"),
+            "library_data_segments_left": self.sum("library_data_segments_left"),
+            "library_data_runs_given_back": self.sum("library_data_runs_given_back"),
             "stdio_streams_unlocked": self.sum("stdio_streams_unlocked"),
             "stdio_streams_relocked": self.sum("stdio_streams_relocked"),
             "processes": self.processes,

@@ -20,12 +20,14 @@
 //!   [`paths`], their fortified
 //!   variants in [`fortified`], and by number through `syscall()`), and the program cannot
 //!   displace or block the engine's SIGBUS handler ([`signals`]).
-//! - While the program has one thread of its own, the writable data of the libraries it has
-//!   loaded is paged too ([`library_data`]; `TIERMEM_LIBRARY_DATA=off` turns it off).
+//! - With `TIERMEM_LIBRARY_DATA=on`, while the program has one thread of its own, the pages
+//!   the libraries it has loaded wrote are paged too ([`library_data`]).
 //! - While the program has one thread of its own, the streams it opens skip the stdio locks the
 //!   engine's threads would otherwise switch on ([`stdio`]).
 //! - At exit each managed process writes its statistics to `TIERMEM_STATS_DIR/<pid>.json`,
 //!   also one that ends through `_exit`, and a snapshot of them every 2 s ([`report`]).
+
+#![recursion_limit = "256"]
 
 mod alloc;
 mod cgroup_watch;

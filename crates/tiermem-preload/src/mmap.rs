@@ -60,7 +60,16 @@ fn syscall_result(rc: libc::c_long) -> *mut c_void {
 /// The C contract of mmap.
 #[no_mangle]
 pub unsafe extern "C" fn mmap(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut c_void {
+    let mapped = map(addr, len, prot, flags, fd, off);
+    // After the call: a first managed mapping starts the engine, and the libraries loaded until
+    // then are taken over before the program goes on.
+    let errno = runtime::errno();
     crate::library_data::at_safe_point();
+    runtime::set_errno(errno);
+    mapped
+}
+
+fn map(addr: *mut c_void, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut c_void {
     if manageable(len, prot, flags, fd) {
         // The address is only a hint without MAP_FIXED; the engine picks its own.
         let p = managed_alloc(len, PAGE_SIZE, Origin::Mmap);
@@ -1103,45 +1112,23 @@ fn change_protection(addr: usize, len: usize, kernel_call: impl FnOnce() -> libc
     };
     // No signal handler may run while the change is held: one touching evicted memory would
     // wait for reclaim, which waits for the change to end.
-    // SAFETY: sigset_t is plain data, valid all zeros.
-    let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; rt_sigprocmask writes the old mask here.
-    let mut before: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `all` is a valid sigset_t.
-    unsafe { libc::sigfillset(&mut all) };
-    // Never SIGBUS, which serves faults in sigbus mode (as the sigprocmask wrappers keep it).
-    // SAFETY: as above.
-    unsafe { libc::sigdelset(&mut all, libc::SIGBUS) };
-    let set_size = std::mem::size_of::<libc::c_ulong>();
-    crate::io::sys!(
-        libc::SYS_rt_sigprocmask,
-        libc::SIG_BLOCK,
-        &all as *const libc::sigset_t,
-        &mut before as *mut libc::sigset_t,
-        set_size
-    );
-    let rc = {
-        let _change = engine.protection_change();
-        kernel_call()
-    };
-    let errno = runtime::errno();
-    if in_registry {
-        let mut table = registry::lock();
-        for base in registry::overlapping(&table, addr, len.max(1)) {
-            if let Some(entry) = table.get_mut(&base) {
-                entry.protection_changed = true;
+    crate::signals::holding_signals(|| {
+        let rc = {
+            let _change = engine.protection_change();
+            kernel_call()
+        };
+        let errno = runtime::errno();
+        if in_registry {
+            let mut table = registry::lock();
+            for base in registry::overlapping(&table, addr, len.max(1)) {
+                if let Some(entry) = table.get_mut(&base) {
+                    entry.protection_changed = true;
+                }
             }
         }
-    }
-    crate::io::sys!(
-        libc::SYS_rt_sigprocmask,
-        libc::SIG_SETMASK,
-        &before as *const libc::sigset_t,
-        std::ptr::null_mut::<libc::sigset_t>(),
-        set_size
-    );
-    runtime::set_errno(errno);
-    rc as i32
+        runtime::set_errno(errno);
+        rc
+    }) as i32
 }
 
 /// mprotect for tiermem's own changes to the program's managed mappings, under the same lock.

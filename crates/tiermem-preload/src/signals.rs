@@ -102,3 +102,35 @@ pub unsafe extern "C" fn pthread_sigmask(how: i32, set: *const libc::sigset_t, o
     // SAFETY: as in sigprocmask.
     unsafe { real(how, set, old) }
 }
+
+/// Run `f` with every signal but SIGBUS (which serves faults in sigbus mode) blocked on this
+/// thread, errno as `f` left it: no handler of the program's runs in between.
+pub(crate) fn holding_signals<R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: sigset_t is plain data, valid all zeros.
+    let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; rt_sigprocmask writes the old mask here.
+    let mut before: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `all` is a valid sigset_t.
+    unsafe { libc::sigfillset(&mut all) };
+    // SAFETY: as above.
+    unsafe { libc::sigdelset(&mut all, libc::SIGBUS) };
+    let set_size = std::mem::size_of::<libc::c_ulong>();
+    crate::io::sys!(
+        libc::SYS_rt_sigprocmask,
+        libc::SIG_BLOCK,
+        &all as *const libc::sigset_t,
+        &mut before as *mut libc::sigset_t,
+        set_size
+    );
+    let result = f();
+    let errno = runtime::errno();
+    crate::io::sys!(
+        libc::SYS_rt_sigprocmask,
+        libc::SIG_SETMASK,
+        &before as *const libc::sigset_t,
+        std::ptr::null_mut::<libc::sigset_t>(),
+        set_size
+    );
+    runtime::set_errno(errno);
+    result
+}

@@ -168,6 +168,7 @@ fn program_thread_coming() {
         return;
     }
     PROGRAM_THREADED.store(true, Ordering::Release);
+    crate::library_data::program_thread_coming();
     if ACTIVE.load(Ordering::Acquire) {
         let mut list = switched();
         ACTIVE.store(false, Ordering::Release);
