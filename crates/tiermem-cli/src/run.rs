@@ -1008,7 +1008,7 @@ impl RunOutcome {
         if self.settings.library_data {
             let _ = writeln!(
                 s,
-                "library data    {} runs of pages libraries wrote ({:.1} MiB, {} pages holding data) paged with the rest, {} given back when the program started a thread; {} segments left to the kernel",
+                "library data    {} runs of pages libraries wrote ({:.1} MiB, {} pages holding data) paged with the rest, {} given back when the program started a thread or called dlclose; {} segments left to the kernel",
                 self.sum("library_data_runs"),
                 mib(self.sum("library_data_bytes")),
                 self.sum("library_data_pages_with_data"),
