@@ -375,15 +375,7 @@ fn anonymous_runs(start: usize, end: usize) -> Option<Vec<(usize, usize)>> {
 fn adopt_run(engine: &'static tiermem_engine::Engine, start: usize, end: usize) -> Result<(), ()> {
     let len = end - start;
     // The contents, aside.
-    let aside = crate::io::sys!(
-        libc::SYS_mmap,
-        0usize,
-        len,
-        libc::PROT_READ | libc::PROT_WRITE,
-        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-        -1i32,
-        0usize
-    );
+    let aside = map_anonymous(0, len, 0);
     if aside < 0 {
         return Err(());
     }
@@ -401,18 +393,7 @@ fn replace_run(engine: &'static tiermem_engine::Engine, start: usize, end: usize
     // SAFETY: both ranges are mapped and readable (checked by the caller; `aside` just made),
     // `len` bytes, and do not overlap; the program's one thread is here, so nothing writes there.
     unsafe { std::ptr::copy_nonoverlapping(start as *const u8, aside as *mut u8, len) };
-    // Refused for want of kernel memory in a full cgroup: room is made and the call tried again.
-    let replaced = crate::io::retrying_refused(|| {
-        crate::io::sys!(
-            libc::SYS_mmap,
-            start,
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-            -1i32,
-            0usize
-        )
-    });
+    let replaced = map_anonymous(start, len, libc::MAP_FIXED);
     if replaced as usize != start {
         // A failed MAP_FIXED may have unmapped the range already: the library's data is gone.
         if !mapped_as_headers_say(start, end) {
@@ -482,20 +463,7 @@ fn give_back_all() {
 fn give_back(run: Segment) {
     let Segment { start, end, read_only } = run;
     let len = end - start;
-    let map = |at: usize, flags: i32| {
-        crate::io::retrying_refused(|| {
-            crate::io::sys!(
-                libc::SYS_mmap,
-                at,
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags,
-                -1i32,
-                0usize
-            )
-        })
-    };
-    let aside = map(0, 0);
+    let aside = map_anonymous(0, len, 0);
     if aside < 0 {
         runtime::die(&["tiermem: no memory to give a library's data back to the kernel"]);
     }
@@ -507,7 +475,7 @@ fn give_back(run: Segment) {
         // The program's own munmap path: the registry lets the region go and the engine with it.
         // SAFETY: the run is a whole managed mapping of ours, unmapped whole.
         unsafe { crate::mmap::munmap(start as *mut c_void, len) };
-        if map(start, libc::MAP_FIXED) as usize != start {
+        if map_anonymous(start, len, libc::MAP_FIXED) as usize != start {
             runtime::die(&["tiermem: a library's data could not be mapped again when the program started a thread"]);
         }
         // SAFETY: both are `len` bytes, mapped read-write, not overlapping.
@@ -518,6 +486,23 @@ fn give_back(run: Segment) {
     });
     crate::io::sys!(libc::SYS_munmap, aside, len);
     RUNS_GIVEN_BACK.fetch_add(1, Ordering::Relaxed);
+}
+
+/// A private anonymous read-write mapping of `len` bytes at `at` (a hint, or the place with
+/// MAP_FIXED in `flags`), by the system call itself; refused for want of kernel memory in a full
+/// cgroup, room is made and the call tried again. The call's result.
+fn map_anonymous(at: usize, len: usize, flags: i32) -> isize {
+    crate::io::retrying_refused(|| {
+        crate::io::sys!(
+            libc::SYS_mmap,
+            at,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | flags,
+            -1i32,
+            0usize
+        )
+    })
 }
 
 /// Whether `[start, end)` is mapped without holes, private, not executable.
