@@ -542,7 +542,7 @@ enum TraceCommand {
 
 #[derive(Debug, Args)]
 struct TraceRecordArgs {
-    /// Where the trace goes (other processes' traces go to FILE.<pid>).
+    /// Where the trace goes (other processes' traces go to FILE.<pid>, an image a process exec'ed after its first to FILE.<pid>-<n>).
     #[arg(long, short)]
     output: PathBuf,
     #[command(flatten)]

@@ -863,8 +863,9 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         }
     }
     let mut processes: Vec<serde_json::Value> = Vec::new();
-    // Each process whose engine started left `PID.started` (the shim's `start_engine_threads`);
-    // those without a readable `PID.json` beside it never reported (not even a snapshot).
+    // Each process image whose engine started left `PID-IMAGE.started` (the shim's
+    // `start_engine_threads`); those without a readable `PID-IMAGE.json` beside it never
+    // reported (not even a snapshot).
     let mut started = Vec::new();
     let mut read = std::collections::HashSet::new();
     if let Ok(entries) = std::fs::read_dir(stats_dir.path()) {
@@ -884,7 +885,8 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
         }
     }
     let unreported = started.iter().filter(|report| !read.contains(*report)).count();
-    processes.sort_by_key(|p| p["pid"].as_u64());
+    // An image that replaced another by exec shares its pid and has a later key.
+    processes.sort_by_key(|p| (p["pid"].as_u64(), p["image"].as_u64()));
     drop(_stats_dir_lock);
     drop(stats_dir);
     // After the statistics directory: a process of the run whose engine starts later (a
@@ -1149,17 +1151,19 @@ pub fn record_trace(settings: RunSettings, program: &[OsString], output: &Path) 
     let mut settings = settings;
     settings.trace_dir = Some(traces.path().to_path_buf());
     let outcome = run(settings, program)?;
-    let mut recorded: Vec<(u32, PathBuf)> = std::fs::read_dir(traces.path())
+    // Named `PID-IMAGE.trace` (IMAGE in hex: a later exec of the same pid, a larger one).
+    let mut recorded: Vec<(u32, u64, PathBuf)> = std::fs::read_dir(traces.path())
         .map_err(|e| Error::os(e, "reading the trace directory"))?
         .flatten()
         .filter_map(|e| {
-            let pid = e.path().file_stem()?.to_str()?.parse().ok()?;
-            Some((pid, e.path()))
+            let stem = e.path().file_stem()?.to_str()?.to_owned();
+            let (pid, image) = stem.split_once('-')?;
+            Some((pid.parse().ok()?, u64::from_str_radix(image, 16).ok()?, e.path()))
         })
         .collect();
     recorded.sort();
     // A process killed before it flushed its trace left an empty file: nothing to replay.
-    recorded.retain(|(pid, path)| {
+    recorded.retain(|(pid, _, path)| {
         let empty = std::fs::metadata(path).map_or(true, |m| m.len() == 0);
         if empty {
             crate::say(&format!(
@@ -1169,10 +1173,16 @@ pub fn record_trace(settings: RunSettings, program: &[OsString], output: &Path) 
         !empty
     });
     let mut written = Vec::new();
-    for (i, (pid, path)) in recorded.iter().enumerate() {
-        let target = if i == 0 { output.to_path_buf() } else { PathBuf::from(format!("{}.{pid}", output.display())) };
+    for (i, (pid, image, path)) in recorded.iter().enumerate() {
+        // The n-th image of a pid (n > 1: it was started by exec) gets `-n` after the pid.
+        let nth = recorded[..i].iter().filter(|(p, _, _)| p == pid).count() + 1;
+        let target = match (i, nth) {
+            (0, _) => output.to_path_buf(),
+            (_, 1) => PathBuf::from(format!("{}.{pid}", output.display())),
+            _ => PathBuf::from(format!("{}.{pid}-{nth}", output.display())),
+        };
         std::fs::copy(path, &target).map_err(|e| Error::os(e, format!("writing the trace {}", target.display())))?;
-        let about = recording_description(&outcome, *pid, program);
+        let about = recording_description(&outcome, *pid, *image, program);
         let about_path = sidecar_path(&target);
         std::fs::write(&about_path, serde_json::to_vec_pretty(&about).unwrap_or_default())
             .map_err(|e| Error::os(e, format!("writing {}", about_path.display())))?;
@@ -1195,9 +1205,12 @@ pub fn sidecar_path(trace: &Path) -> PathBuf {
 /// under these policies and this budget, not every access (pages the run kept resident never
 /// appear), so it replays faithfully only with that run's policies at no more local memory
 /// than the run kept resident (docs/policies.md, *Replaying recorded fault traces*).
-fn recording_description(outcome: &RunOutcome, pid: u32, program: &[OsString]) -> serde_json::Value {
+fn recording_description(outcome: &RunOutcome, pid: u32, image: u64, program: &[OsString]) -> serde_json::Value {
     let engine = &outcome.settings.engine;
-    let process = outcome.processes.iter().find(|p| p["pid"].as_u64() == Some(u64::from(pid)));
+    let process = outcome
+        .processes
+        .iter()
+        .find(|p| p["pid"].as_u64() == Some(u64::from(pid)) && p["image"].as_u64() == Some(image));
     let pages = |bytes: Option<u64>| bytes.map(|b| b / tiermem_sys::PAGE_SIZE as u64);
     serde_json::json!({
         "kind": FAULT_TRACE_KIND,

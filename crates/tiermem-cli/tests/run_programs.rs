@@ -1514,8 +1514,22 @@ fn a_program_that_spawns_and_execs_keeps_working_in_both_fault_modes() {
     for mode in ["thread", "sigbus"] {
         let managed = run_managed(&scratch, "30%", &["--fault-mode", mode], &program);
         assert_managed_like_reference(&format!("{name} ({mode})"), &reference, &managed);
-        let processes = managed.stats["processes"].as_array().map_or(0, Vec::len);
-        assert!(processes >= 2, "{mode}: the spawned and exec'ed programs should each run an engine ({processes})");
+        // Three images ran an engine: the parent, the spawned child, and the program the
+        // parent exec'ed, under the parent's pid. The parent's statistics were written before
+        // its exec, not overwritten by the new image's.
+        let err = String::from_utf8_lossy(&managed.out.stderr);
+        let processes = managed.stats["processes"].as_array().cloned().unwrap_or_default();
+        let images: Vec<String> =
+            processes.iter().map(|p| format!("pid {} image {} final {}", p["pid"], p["image"], p["final"])).collect();
+        assert_eq!(processes.len(), 3, "{name} ({mode}): one report per image: {images:?}\n{err}");
+        let pids: Vec<u64> = processes.iter().filter_map(|p| p["pid"].as_u64()).collect();
+        let shared = pids.iter().filter(|pid| pids.iter().filter(|other| other == pid).count() == 2).count();
+        assert_eq!(shared, 2, "{name} ({mode}): the exec'ed image reports under its parent's pid: {pids:?}");
+        for p in &processes {
+            assert_eq!(p["final"], true, "{name} ({mode}): every image wrote its final statistics: {p}");
+            assert!(p["managed_allocations"].as_u64() >= Some(1), "{name} ({mode}): each image managed memory: {p}");
+        }
+        assert_eq!(managed.stats["unreported_processes"], 0, "{name} ({mode}): {err}");
     }
 }
 
@@ -2071,6 +2085,77 @@ int main(int argc, char** argv) {
 /// prefetching, replayed through FIFO with a little less local memory than the run kept
 /// resident, takes the run's faults again (within 2%). `tiermem trace record` describes the run
 /// next to the trace, and `tiermem sim` says what a fault trace can and cannot show.
+/// Pages 48 MiB twice over under an 8 MiB budget, then (with an argument) replaces itself by
+/// the same program without one.
+const PAGE_THEN_EXEC: &str = r#"
+import os, sys
+b = bytearray(48 << 20)
+for _ in range(2):
+    for i in range(0, len(b), 4096):
+        b[i] = (b[i] + 1) & 255
+print("paged", sum(b[::4096]), flush=True)
+if len(sys.argv) > 1:
+    os.execv(sys.executable, [sys.executable, "-c", sys.argv[1]])
+"#;
+
+#[test]
+fn a_program_that_execs_leaves_a_trace_for_each_image() {
+    let name = "a_program_that_execs_leaves_a_trace_for_each_image";
+    if !uffd_or_skip(name) || !have("python3", &["-c", "pass"], name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let trace = scratch.path().join("exec.trace");
+    let trace_arg = trace.display().to_string();
+    let out = scratch
+        .command(&[
+            "trace",
+            "record",
+            "--output",
+            &trace_arg,
+            "--limit",
+            "8MiB",
+            "--device",
+            "mem",
+            "--cgroup",
+            "off",
+            "--",
+            "python3",
+            "-c",
+            PAGE_THEN_EXEC,
+            PAGE_THEN_EXEC,
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name}: trace record failed: {err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "paged 24576\npaged 24576\n", "{name}: {err}");
+    // The first image's trace is the output; the image it exec'ed, under the same pid, goes to
+    // OUTPUT.<pid>-2 instead of over it. Each has its own description, with its own faults.
+    let second: Vec<std::path::PathBuf> = std::fs::read_dir(scratch.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("exec.trace.") && n.ends_with("-2"))
+        })
+        .collect();
+    assert_eq!(second.len(), 1, "{name}: one trace for the exec'ed image: {second:?}\n{err}");
+    for path in [trace.clone(), second[0].clone()] {
+        let about: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(format!("{}.json", path.display())).expect("a description next to each trace"),
+        )
+        .unwrap();
+        let faults = about["critical_faults"].as_u64().unwrap_or_else(|| panic!("{name}: faults in {about}"));
+        // 12,288 pages in a budget of 2,048: the second sweep reads them back (most of them
+        // prefetched, so not every one is a critical fault). A trace not written out before
+        // the exec would be empty: the writer's buffer holds far more than these records.
+        assert!(faults > 0, "{name}: {} recorded no critical faults: {about}", path.display());
+        let records = std::fs::metadata(&path).unwrap().len().saturating_sub(24) / 8;
+        assert!(records > 2_048, "{name}: {} holds {records} records", path.display());
+    }
+}
+
 #[test]
 fn a_recorded_fault_trace_replays_to_the_faults_of_its_run() {
     let name = "a_recorded_fault_trace_replays_to_the_faults_of_its_run";

@@ -29,7 +29,7 @@ pub struct RunSettings {
     pub device_bytes: Option<u64>,
     /// Allocations of at least this many bytes are managed; smaller ones go to the C library.
     pub threshold: u64,
-    /// Directory where each managed process writes `<pid>.json` statistics at exit, and a
+    /// Directory where each managed process writes `<pid>-<image>.json` statistics at exit, and a
     /// snapshot of them every [`STATISTICS_SNAPSHOT_EVERY`] before that.
     pub stats_dir: Option<PathBuf>,
     /// Keep the budget inside the memory cgroup's room (on unless turned off).
@@ -51,7 +51,7 @@ pub struct RunSettings {
     /// Keep freed large allocations for the next malloc of about the same size, as the C
     /// library keeps freed memory in its heap (on unless turned off).
     pub reuse_freed: bool,
-    /// Directory where each managed process records its faults as `<pid>.trace` (the
+    /// Directory where each managed process records its faults as `<pid>-<image>.trace` (the
     /// simulator's binary format), for `tiermem trace record`.
     pub trace_dir: Option<PathBuf>,
 }
@@ -109,7 +109,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_DEFER_HITS", "on | off: thread fault mode: a fault on a page being prefetched sleeps until it lands instead of the handler spinning (default off)"),
     ("TIERMEM_DIRTY_TRACKING", "auto | sync-wp | none"),
     ("TIERMEM_THRESHOLD", "smallest allocation that is managed, in bytes (default 1MiB)"),
-    ("TIERMEM_STATS_DIR", "directory for per-process statistics (<pid>.json)"),
+    ("TIERMEM_STATS_DIR", "directory for per-process statistics (<pid>-<image>.json, one per exec image)"),
     (
         "TIERMEM_CGROUP",
         "on | off | guard: keep the budget inside the memory cgroup's room; guard (cgroup v1) also turns the cgroup's OOM killer off while the program runs, so a sudden burst of unmanaged memory pauses it while tiermem shrinks its budget instead of killing it",
@@ -124,7 +124,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "on | off: while the program has one thread, its streams skip stdio locks (default on)",
     ),
     ("TIERMEM_REUSE_FREED", "on | off: freed large allocations serve the next malloc of about their size (default on)"),
-    ("TIERMEM_TRACE_DIR", "directory where each managed process records its faults (<pid>.trace)"),
+    ("TIERMEM_TRACE_DIR", "directory where each managed process records its faults (<pid>-<image>.trace)"),
     ("TIERMEM_STATS_JSON", "tiermem run: file for the run's statistics as JSON"),
     ("TIERMEM_TMPDIR", "tiermem run: directory for the temporary device file"),
     ("TIERMEM_PRELOAD_LIB", "tiermem run: path of the preload shim"),

@@ -24,13 +24,14 @@
 //!   the libraries it has loaded wrote are paged too ([`library_data`]).
 //! - While the program has one thread of its own, the streams it opens skip the stdio locks the
 //!   engine's threads would otherwise switch on ([`stdio`]).
-//! - At exit each managed process writes its statistics to `TIERMEM_STATS_DIR/<pid>.json`,
+//! - At exit each managed process writes its statistics to `TIERMEM_STATS_DIR/<pid>-<image>.json`,
 //!   also one that ends through `_exit`, and a snapshot of them every 2 s ([`report`]).
 
 #![recursion_limit = "256"]
 
 mod alloc;
 mod cgroup_watch;
+mod exec;
 mod fds;
 mod fortified;
 mod heap;

@@ -1,4 +1,4 @@
-//! This process's report: its statistics (`TIERMEM_STATS_DIR/<pid>.json`, which the launcher
+//! This process's report: its statistics (`TIERMEM_STATS_DIR/<pid>-<image>.json`, which the launcher
 //! sums up) and the tail of its fault trace, written once as it ends, and snapshots of the
 //! statistics while it runs.
 //!
@@ -13,12 +13,12 @@
 //! `clock_gettime`, `nanosleep`). Should the reporter be stuck behind a lock the exiting thread
 //! holds, the wait ends after [`REPORT_WAIT`] and the process ends unreported, as before.
 //!
-//! A process can also end with no report at all: by a fatal signal, `exec` or a raw
-//! `exit_group` system call. For those the same thread writes a snapshot of the statistics
+//! A process can also end with no report at all: by a fatal signal, `exec` (see [`crate::exec`]
+//! for the calls that write one first) or a raw `exit_group` system call. For those the same thread writes a snapshot of the statistics
 //! every [`SNAPSHOT_EVERY`] (marked `"final": false`), which the final report replaces; the
 //! launcher shows a snapshot for what it is.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -36,11 +36,17 @@ use crate::runtime::{
 
 /// The longest `_exit` waits for the report.
 const REPORT_WAIT: Duration = Duration::from_secs(2);
+/// The longest an `exec` waits for the statistics (past it, the last snapshot stands).
+const EXEC_REPORT_WAIT: Duration = Duration::from_millis(500);
 
 /// The reporter thread, once started.
 static REPORTER: OnceLock<std::thread::Thread> = OnceLock::new();
 /// Set by `_exit`: the reporter is to write the report.
 static REQUESTED: AtomicBool = AtomicBool::new(false);
+/// Set by an `exec`: the reporter is to write the statistics as they stand.
+static EXEC_REQUESTED: AtomicBool = AtomicBool::new(false);
+/// Statistics written for an `exec` so far: the exec'ing thread waits for this to move.
+static EXEC_REPORTS: AtomicU64 = AtomicU64::new(0);
 
 /// Once the engine runs (before that there is nothing to report): tell the launcher this process
 /// manages memory, so that one ending before its first report is not summed up as one that
@@ -57,6 +63,11 @@ fn start_reporter() {
     let spawned = std::thread::Builder::new().name("tiermem-report".into()).stack_size(256 << 10).spawn(|| {
         let mut next_snapshot = Instant::now() + SNAPSHOT_EVERY;
         while !REQUESTED.load(Ordering::Acquire) {
+            if EXEC_REQUESTED.swap(false, Ordering::AcqRel) {
+                write_before_exec();
+                EXEC_REPORTS.fetch_add(1, Ordering::Release);
+                continue;
+            }
             let now = Instant::now();
             if now >= next_snapshot {
                 write_snapshot();
@@ -105,6 +116,37 @@ pub(crate) fn exit_now(status: i32) -> ! {
     // SAFETY: exit_group takes an int and ends every thread of the process; it does not return.
     unsafe { libc::syscall(libc::SYS_exit_group, status) };
     unreachable!("exit_group returned")
+}
+
+/// This image is about to be replaced by `exec`: have the reporter finish its fault trace and
+/// write its statistics as they stand, as a final report (a failed `exec` goes on untraced, and
+/// the statistics it writes later replace these), waiting at most [`EXEC_REPORT_WAIT`] with only async-signal-safe calls, as `_exit`
+/// does (`exec` may be called from a signal handler). Nothing in a forked or vfork child, whose
+/// engine is its parent's, nor before the engine started.
+pub(crate) fn before_exec() {
+    if in_forked_child() || in_vfork_child() || report_written() {
+        return;
+    }
+    let Some(reporter) = REPORTER.get() else { return };
+    let done = EXEC_REPORTS.load(Ordering::Acquire);
+    EXEC_REQUESTED.store(true, Ordering::Release);
+    reporter.unpark();
+    let asked = Instant::now();
+    while EXEC_REPORTS.load(Ordering::Acquire) == done && asked.elapsed() < EXEC_REPORT_WAIT {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The trace and statistics of an image about to `exec`, the statistics written as final,
+/// unless the final report has begun.
+fn write_before_exec() {
+    let _writing = REPORT_FILE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    if REPORT_STATE.load(Ordering::Acquire) == REPORT_NOT_BEGUN {
+        if let Some(engine) = ENGINE.get() {
+            engine.finish_trace();
+        }
+        write_statistics(true);
+    }
 }
 
 /// # Safety
@@ -188,6 +230,8 @@ fn write_statistics(complete: bool) {
     let lowest = LOWEST_BUDGET.load(Ordering::Relaxed);
     let report = serde_json::json!({
         "pid": std::process::id(),
+        // Tells apart the images of one pid (`exec`), in the order they ran.
+        "image": crate::runtime::image_key(),
         // false in a snapshot, written while the process ran.
         "final": complete,
         "program": std::env::args().next().unwrap_or_default(),
@@ -265,7 +309,7 @@ fn write_statistics(complete: bool) {
 static STATISTICS_FILE: OnceLock<Guarded<std::fs::File>> = OnceLock::new();
 
 fn statistics_path(dir: &std::path::Path) -> std::path::PathBuf {
-    dir.join(format!("{}.json", std::process::id()))
+    dir.join(format!("{}.json", crate::runtime::image_file_stem()))
 }
 
 /// The program is about to give up root (setuid and kin): do now what needs it later. The

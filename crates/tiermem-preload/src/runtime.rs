@@ -116,6 +116,33 @@ pub(crate) fn in_vfork_child() -> bool {
     rustix::process::getpid().as_raw_nonzero().get() != OWN_PID.load(Ordering::Acquire)
 }
 
+/// When this image first named its files (CLOCK_MONOTONIC, ns; 0: not yet).
+static IMAGE_KEY: AtomicU64 = AtomicU64::new(0);
+
+/// This image's key: the monotonic clock when it first named a file of the run. An image that
+/// replaced another by `exec` has the same pid and a later key; a forked child keeps its
+/// parent's key under a pid of its own.
+pub(crate) fn image_key() -> u64 {
+    let now = || {
+        let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+        (t.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(t.tv_nsec as u64).max(1)
+    };
+    match IMAGE_KEY.load(Ordering::Acquire) {
+        0 => match IMAGE_KEY.compare_exchange(0, now(), Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => IMAGE_KEY.load(Ordering::Acquire),
+            Err(earlier) => earlier,
+        },
+        key => key,
+    }
+}
+
+/// The stem of this image's files in the run's statistics and trace directories, `PID-KEY`
+/// (see [`image_key`]): after an `exec` the new image's files go beside the old one's, not
+/// over them.
+pub(crate) fn image_file_stem() -> String {
+    format!("{}-{:x}", std::process::id(), image_key())
+}
+
 /// Read `TIERMEM_*` once, at load. A bad value stops the program with the reason.
 pub fn load_settings() {
     note_own_pid();
@@ -351,7 +378,7 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
         config.evict_pipe = false;
     }
     if let Some(dir) = &settings.trace_dir {
-        config.trace_path = Some(dir.join(format!("{}.trace", std::process::id())));
+        config.trace_path = Some(dir.join(format!("{}.trace", image_file_stem())));
     }
     let engine = match Engine::new(config, device) {
         Ok(engine) => engine,
