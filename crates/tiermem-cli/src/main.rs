@@ -500,7 +500,7 @@ struct RunArgs {
     small_heap: Option<String>,
     /// on | off: while the program has one thread of its own, the pages the libraries it loads
     /// have written (their data, relocations) are paged too instead of pinning memory; given
-    /// back to the kernel when it starts a thread or calls dlclose [default: off].
+    /// back to the kernel when it starts a thread or calls dlclose [default: on].
     #[arg(long, env = "TIERMEM_LIBRARY_DATA")]
     library_data: Option<String>,
     /// on | off: while the program has one thread, the streams it opens skip the stdio locks

@@ -42,7 +42,7 @@ pub struct RunSettings {
     /// Serve the program's allocations below the threshold from a managed heap too (on unless
     /// turned off), so its small objects page like the rest instead of pinning memory.
     pub small_heap: bool,
-    /// Page the writable data of the libraries the program loads (off unless turned on): their
+    /// Page the writable data of the libraries the program loads (on unless turned off): their
     /// written pages are anonymous memory that, without swap, nothing else can evict.
     pub library_data: bool,
     /// While the program has one thread of its own, the streams it opens skip the stdio locks
@@ -117,7 +117,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_SMALL_HEAP", "on | off: serve allocations below the threshold from a managed heap (default on)"),
     (
         "TIERMEM_LIBRARY_DATA",
-        "on | off: page the pages the libraries the program loads have written, while it has one thread (default off)",
+        "on | off: page the pages the libraries the program loads have written, while it has one thread (default on)",
     ),
     (
         "TIERMEM_SINGLE_THREAD_STDIO",
@@ -173,7 +173,7 @@ impl Default for RunSettings {
             respect_cgroup: true,
             oom_guard: false,
             small_heap: true,
-            library_data: false,
+            library_data: true,
             single_thread_stdio: true,
             reuse_freed: true,
             trace_dir: None,
@@ -462,7 +462,7 @@ mod tests {
             ("TIERMEM_FAULT_MODE", "thread"),
             ("TIERMEM_THRESHOLD", "2MiB"),
             ("TIERMEM_SMALL_HEAP", "off"),
-            ("TIERMEM_LIBRARY_DATA", "on"),
+            ("TIERMEM_LIBRARY_DATA", "off"),
             ("TIERMEM_SINGLE_THREAD_STDIO", "off"),
             ("TIERMEM_REUSE_FREED", "off"),
             ("TIERMEM_WRITE_RUNS", "on"),
@@ -486,7 +486,7 @@ mod tests {
         assert_eq!(RunSettings::default().engine.fault_mode, FaultMode::Sigbus, "the default of tiermem run");
         assert_eq!(again.threshold, s.threshold);
         assert!(!s.small_heap && !again.small_heap);
-        assert!(s.library_data && again.library_data);
+        assert!(!s.library_data && !again.library_data);
         assert!(!s.single_thread_stdio && !again.single_thread_stdio);
         assert!(!s.reuse_freed && !again.reuse_freed);
         assert!(s.engine.write_runs && again.engine.write_runs);

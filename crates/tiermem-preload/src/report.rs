@@ -1,5 +1,5 @@
-//! This process's report: its statistics (`TIERMEM_STATS_DIR/<pid>-<image>.json`, which the launcher
-//! sums up) and the tail of its fault trace, written once as it ends, and snapshots of the
+//! This process's report: its statistics (`TIERMEM_STATS_DIR/<pid>-<image>.json`, which the
+//! launcher sums up) and the tail of its fault trace, written once as it ends, and snapshots of the
 //! statistics while it runs.
 //!
 //! A process that ends through `_exit` (Python's `os._exit`, a program that skips its exit
@@ -14,9 +14,9 @@
 //! holds, the wait ends after [`REPORT_WAIT`] and the process ends unreported, as before.
 //!
 //! A process can also end with no report at all: by a fatal signal, `exec` (see [`crate::exec`]
-//! for the calls that write one first) or a raw `exit_group` system call. For those the same thread writes a snapshot of the statistics
-//! every [`SNAPSHOT_EVERY`] (marked `"final": false`), which the final report replaces; the
-//! launcher shows a snapshot for what it is.
+//! for the calls that write one first) or a raw `exit_group` system call. For those the same
+//! thread writes a snapshot of the statistics every [`SNAPSHOT_EVERY`] (marked `"final":
+//! false`), which the final report replaces; the launcher shows a snapshot for what it is.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -120,9 +120,10 @@ pub(crate) fn exit_now(status: i32) -> ! {
 
 /// This image is about to be replaced by `exec`: have the reporter finish its fault trace and
 /// write its statistics as they stand, as a final report (a failed `exec` goes on untraced, and
-/// the statistics it writes later replace these), waiting at most [`EXEC_REPORT_WAIT`] with only async-signal-safe calls, as `_exit`
-/// does (`exec` may be called from a signal handler). Nothing in a forked or vfork child, whose
-/// engine is its parent's, nor before the engine started.
+/// the statistics it writes later replace these), waiting at most [`EXEC_REPORT_WAIT`] with
+/// only async-signal-safe calls, as `_exit` does (`exec` may be called from a signal handler).
+/// Nothing in a forked or vfork child, whose engine is its parent's, nor before the engine
+/// started.
 pub(crate) fn before_exec() {
     if in_forked_child() || in_vfork_child() || report_written() {
         return;
