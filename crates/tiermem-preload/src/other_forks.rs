@@ -152,6 +152,9 @@ pub unsafe extern "C" fn clone(
     child_tid: *mut libc::pid_t,
 ) -> i32 {
     let real = crate::alloc::real!("clone", CloneFn);
+    if !in_vfork_child() {
+        crate::stdio::clone_coming(u64::from(flags as u32));
+    }
     // SAFETY: the C library's clone, called as the caller called ours.
     let straight = || unsafe { real(start, stack, flags, arg, parent_tid, tls, child_tid) };
     let served = flags as u32 as u64 & CLONE_WITHOUT_HANDLERS == 0 && !stack.is_null() && STACK_SWITCH;

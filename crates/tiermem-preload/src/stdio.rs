@@ -15,9 +15,11 @@
 //!   unlock would unbalance the lock).
 //! - fclose, pclose and freopen get the stream back to internal locking first: glibc takes the
 //!   lock, resets the stream's flags and releases the lock, which must see the same mode.
-//! - Program threads are seen through pthread_create, thrd_create, and timer_create / mq_notify
-//!   with SIGEV_THREAD. glibc's POSIX AIO notification threads are not; a program that has them
-//!   use its streams runs with `TIERMEM_SINGLE_THREAD_STDIO=off`, which keeps every lock.
+//! - Program threads are seen through pthread_create, thrd_create, timer_create / mq_notify
+//!   with SIGEV_THREAD, the POSIX AIO submissions (glibc serves them on threads of its own,
+//!   started inside the C library where no interposition sees them), getaddrinfo_a, and
+//!   `clone()` or the clone system calls by number with CLONE_VM but not CLONE_VFORK
+//!   ([`clone_coming`]).
 //! - Switching back walks glibc's list of open streams, so a stream closed behind our back
 //!   (inside the C library) is never touched again.
 
@@ -162,6 +164,15 @@ fn relock_all(list: &mut Vec<usize>) -> u64 {
     relocked
 }
 
+/// A clone with these `flags` is about to be made: with CLONE_VM and without CLONE_VFORK the
+/// child is a thread of the program (a vfork-like child shares the memory while its parent
+/// waits, and runs no code of the program's beside it).
+pub(crate) fn clone_coming(flags: u64) {
+    if flags & libc::CLONE_VM as u64 != 0 && flags & libc::CLONE_VFORK as u64 == 0 {
+        program_thread_coming();
+    }
+}
+
 /// The program is about to get a second thread of its own (unless the engine is starting).
 fn program_thread_coming() {
     if STARTING_ENGINE.with(Cell::get) {
@@ -193,6 +204,10 @@ type ThreadFn = unsafe extern "C" fn(
 type ThrdFn = unsafe extern "C" fn(*mut libc::c_ulong, extern "C" fn(*mut c_void) -> c_int, *mut c_void) -> c_int;
 type TimerFn = unsafe extern "C" fn(libc::clockid_t, *mut libc::sigevent, *mut libc::timer_t) -> c_int;
 type MqNotifyFn = unsafe extern "C" fn(libc::mqd_t, *const libc::sigevent) -> c_int;
+type AioFn = unsafe extern "C" fn(*mut c_void) -> c_int;
+type AioSyncFn = unsafe extern "C" fn(c_int, *mut c_void) -> c_int;
+type ListIoFn = unsafe extern "C" fn(c_int, *const *mut c_void, c_int, *mut libc::sigevent) -> c_int;
+type LookupsFn = unsafe extern "C" fn(c_int, *const *mut c_void, c_int, *mut libc::sigevent) -> c_int;
 
 /// Interpose `$name(path, mode)`-shaped openers: call the C library's, then switch the stream.
 macro_rules! opener {
@@ -336,3 +351,29 @@ pub unsafe extern "C" fn mq_notify(queue: libc::mqd_t, event: *const libc::sigev
     // SAFETY: the caller's own call.
     unsafe { real(queue, event) }
 }
+
+/// Interpose a call that hands work to threads the C library starts for it (POSIX AIO,
+/// getaddrinfo_a): they are the program's threads as far as its locks and libraries' data go.
+macro_rules! starts_threads {
+    ($name:ident, $symbol:literal, $ty:ty, ($($arg:ident: $argty:ty),*)) => {
+        /// # Safety
+        /// The C contract of the function of this name.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: $argty),*) -> c_int {
+            program_thread_coming();
+            let real = real!($symbol, $ty);
+            // SAFETY: the caller's own call.
+            unsafe { real($($arg),*) }
+        }
+    };
+}
+
+starts_threads!(aio_read, "aio_read", AioFn, (request: *mut c_void));
+starts_threads!(aio_read64, "aio_read64", AioFn, (request: *mut c_void));
+starts_threads!(aio_write, "aio_write", AioFn, (request: *mut c_void));
+starts_threads!(aio_write64, "aio_write64", AioFn, (request: *mut c_void));
+starts_threads!(aio_fsync, "aio_fsync", AioSyncFn, (op: c_int, request: *mut c_void));
+starts_threads!(aio_fsync64, "aio_fsync64", AioSyncFn, (op: c_int, request: *mut c_void));
+starts_threads!(lio_listio, "lio_listio", ListIoFn, (mode: c_int, list: *const *mut c_void, n: c_int, event: *mut libc::sigevent));
+starts_threads!(lio_listio64, "lio_listio64", ListIoFn, (mode: c_int, list: *const *mut c_void, n: c_int, event: *mut libc::sigevent));
+starts_threads!(getaddrinfo_a, "getaddrinfo_a", LookupsFn, (mode: c_int, list: *const *mut c_void, n: c_int, event: *mut libc::sigevent));

@@ -41,6 +41,11 @@ pub unsafe extern "C" fn syscall(
         return result as c_long;
     }
     let mut clone_args = CloneArgs::default();
+    if !runtime::in_vfork_child() {
+        if let Some(flags) = clone_flags(number, a, b) {
+            crate::stdio::clone_coming(flags);
+        }
+    }
     if forks_memory(number, a, b, &mut clone_args) {
         // clone3 reads our copy of its arguments; the others take theirs as they are.
         let a = if number == libc::SYS_clone3 { clone_args.0.as_ptr() as c_long } else { a };
@@ -89,6 +94,20 @@ fn forks_memory(number: c_long, a: c_long, b: c_long, args: &mut CloneArgs) -> b
             copies(args.0[0], args.0[5]) && args.0[9] == 0
         }
         _ => false,
+    }
+}
+
+/// The flags of a clone or clone3 system call (None for another call, or a clone3 whose
+/// arguments the kernel will refuse).
+fn clone_flags(number: c_long, a: c_long, b: c_long) -> Option<u64> {
+    match number {
+        libc::SYS_clone => Some(a as u64),
+        libc::SYS_clone3 if a != 0 && b as usize >= 64 => {
+            // SAFETY: the caller hands the kernel at least 64 bytes there to read, flags first
+            // (a pointer the kernel would refuse with EFAULT faults here instead); any alignment.
+            Some(unsafe { std::ptr::read_unaligned(a as *const u64) })
+        }
+        _ => None,
     }
 }
 
