@@ -1533,6 +1533,95 @@ fn a_program_that_spawns_and_execs_keeps_working_in_both_fault_modes() {
     }
 }
 
+/// Five images of one program, each managing 8 MiB of its own, each replaced by the next through
+/// another call the C library makes the exec system call in itself: execl, execlp, execle (with
+/// one variable added to the environment), the execve system call by number. Eight arguments
+/// past `arg0` put the list's tail on the stack, where the variadic calls pass it; execl's 74
+/// are more than the shim collects on its stack.
+const EXEC_CHAIN: &str = r#"
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+extern char **environ;
+static const char *const tail[] = {"a", "b", "c", "d", "e", "f", "g", "h"};
+int main(int argc, char **argv) {
+    long n = 8L << 20, touched = 0;
+    char *p = malloc(n);
+    for (long i = 0; i < n; i += 4096) p[i] = 1;
+    for (long i = 0; i < n; i += 4096) touched += p[i];
+    int step = argc > 1 ? atoi(argv[1]) : 0, args_ok = step == 0 || argc == (step == 1 ? 74 : 10);
+    for (int i = 2; i < argc && i < 10; i++) args_ok &= strcmp(argv[i], tail[i - 2]) == 0;
+    for (int i = 10; i < argc; i++) args_ok &= strcmp(argv[i], "x") == 0;
+    const char *added = getenv("EXEC_CHAIN_ADDED");
+    printf("image %d: %ld pages, args %s, added %s\n", step, touched, args_ok ? "ok" : "WRONG", added ? added : "-");
+    fflush(stdout);
+    const char *self = argv[0];
+    switch (step) {
+#define X8 "x", "x", "x", "x", "x", "x", "x", "x"
+    case 0: execl(self, self, "1", "a", "b", "c", "d", "e", "f", "g", "h", X8, X8, X8, X8, X8, X8, X8, X8, (char *)0); break;
+    case 1: execlp(self, self, "2", "a", "b", "c", "d", "e", "f", "g", "h", (char *)0); break;
+    case 2: {
+        int count = 0;
+        while (environ[count]) count++;
+        char **env = calloc(count + 2, sizeof *env);
+        memcpy(env, environ, count * sizeof *env);
+        env[count] = "EXEC_CHAIN_ADDED=yes";
+        execle(self, self, "3", "a", "b", "c", "d", "e", "f", "g", "h", (char *)0, env);
+        break;
+    }
+    case 3: {
+        const char *next[] = {self, "4", "a", "b", "c", "d", "e", "f", "g", "h", 0};
+        syscall(SYS_execve, self, next, environ);
+        break;
+    }
+    default: printf("chain done\n"); return 0;
+    }
+    perror("exec");
+    return 1;
+}
+"#;
+
+#[test]
+fn images_replaced_by_execl_execlp_execle_and_execve_by_number_each_report() {
+    let name = "images_replaced_by_execl_execlp_execle_and_execve_by_number_each_report";
+    if !uffd_or_skip(name) || !have("gcc", &["--version"], name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let dir = scratch.path();
+    std::fs::write(dir.join("chain.c"), EXEC_CHAIN).unwrap();
+    let out = Command::new("gcc").current_dir(dir).args(["-O1", "-o", "chain", "chain.c"]).output().expect("gcc");
+    assert!(out.status.success(), "{name}: gcc: {}", String::from_utf8_lossy(&out.stderr));
+    let chain = dir.join("chain").display().to_string();
+    for mode in ["sigbus", "thread"] {
+        let managed = run_managed(&scratch, "4MiB", &["--fault-mode", mode], &[&chain]);
+        let (stdout, err) =
+            (String::from_utf8_lossy(&managed.out.stdout), String::from_utf8_lossy(&managed.out.stderr));
+        assert!(managed.out.status.success(), "{name} ({mode}): {stdout}{err}");
+        // Every image ran with its arguments whole (74 for the second), execle's environment
+        // reached the fourth.
+        let expected = "image 0: 2048 pages, args ok, added -\nimage 1: 2048 pages, args ok, added -\n\
+                        image 2: 2048 pages, args ok, added -\nimage 3: 2048 pages, args ok, added yes\n\
+                        image 4: 2048 pages, args ok, added yes\nchain done\n";
+        assert_eq!(stdout, expected, "{name} ({mode}): {err}");
+        // Five images under one pid, each with its final statistics (before, the four replaced
+        // images left none: each ran for less than the 2 s between snapshots).
+        let processes = managed.stats["processes"].as_array().cloned().unwrap_or_default();
+        let images: Vec<String> =
+            processes.iter().map(|p| format!("pid {} image {} final {}", p["pid"], p["image"], p["final"])).collect();
+        assert_eq!(processes.len(), 5, "{name} ({mode}): one report per image: {images:?}\n{err}");
+        for p in &processes {
+            assert_eq!(p["pid"], processes[0]["pid"], "{name} ({mode}): {images:?}");
+            assert_eq!(p["final"], true, "{name} ({mode}): every image wrote its final statistics: {p}");
+            assert!(p["managed_allocations"].as_u64() >= Some(1), "{name} ({mode}): each image managed memory: {p}");
+        }
+        assert_eq!(managed.stats["unreported_processes"], 0, "{name} ({mode}): {err}");
+    }
+}
+
 /// A value for key `k`: its own digits spread over `len` bytes, so a swapped or torn value shows.
 fn redis_value(k: usize, len: usize) -> Vec<u8> {
     let digits = format!("{k:08}|");

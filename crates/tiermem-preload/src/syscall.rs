@@ -53,6 +53,7 @@ pub unsafe extern "C" fn syscall(
     }
     let id = |v: c_long| v as libc::uid_t;
     match number {
+        libc::SYS_execve | libc::SYS_execveat => crate::report::before_exec(),
         libc::SYS_setuid => crate::privileges::before_a_change(Some(&[id(a)])),
         libc::SYS_setreuid => crate::privileges::before_a_change(Some(&[id(a), id(b)])),
         libc::SYS_setresuid => crate::privileges::before_a_change(Some(&[id(a), id(b), id(c)])),
