@@ -704,6 +704,48 @@ impl Drop for OomBackstop {
 /// Start of the name of a run's statistics directory, followed by the pid of its `tiermem run`.
 const STATS_DIR_PREFIX: &str = "tiermem-stats-";
 
+/// Longest wait, once the program has ended, for the processes of the run still ending.
+const LATE_REPORTS_WAIT: Duration = Duration::from_secs(2);
+
+/// Wait, at most `limit`, until no process image whose engine started (`PID-IMAGE.started` in
+/// `dir`) is still alive without its final statistics. Helpers a program leaves behind end just
+/// after it (Python's multiprocessing resource tracker and fork server, when the program's end
+/// closes their pipe) and used to write their reports into a directory already gone (`cannot
+/// write statistics ...: No such file or directory`), counted as unreported. One that lives on
+/// (a daemon) costs the launcher `limit` once.
+fn wait_for_late_reports(dir: &Path, limit: Duration) {
+    let started = Instant::now();
+    let final_report = |path: &Path| {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .is_some_and(|report| report["final"] != false)
+    };
+    let alive = |pid: u32| {
+        // A zombie has ended: its report, if any, is written.
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next().map(str::to_owned))
+            })
+            .is_some_and(|state| state != "Z" && state != "X")
+    };
+    loop {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        let pending = entries.flatten().any(|entry| {
+            let path = entry.path();
+            let pid = path.file_stem().and_then(|s| s.to_str()).and_then(|s| s.split('-').next()?.parse::<u32>().ok());
+            path.extension().is_some_and(|e| e == "started")
+                && pid.is_some_and(alive)
+                && !final_report(&path.with_extension("json"))
+        });
+        if !pending || started.elapsed() >= limit {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Hold `dir` locked (flock) while its run lasts: the lock goes with the process, however it
 /// ends, which is what tells a later run that the directory is nobody's.
 fn lock_stats_dir(dir: &Path) -> Option<std::fs::File> {
@@ -862,6 +904,7 @@ pub fn run(settings: RunSettings, program: &[OsString]) -> Result<RunOutcome> {
             crate::say(&format!("tiermem: cannot restore the OOM killer setting in {}: {e}", path.display()));
         }
     }
+    wait_for_late_reports(stats_dir.path(), LATE_REPORTS_WAIT);
     let mut processes: Vec<serde_json::Value> = Vec::new();
     // Each process image whose engine started left `PID-IMAGE.started` (the shim's
     // `start_engine_threads`); those without a readable `PID-IMAGE.json` beside it never

@@ -1622,6 +1622,83 @@ fn images_replaced_by_execl_execlp_execle_and_execve_by_number_each_report() {
     }
 }
 
+/// A program that starts a helper (fork and exec) and ends without waiting for it, once the
+/// helper has managed memory of its own; the helper ends argv[1] milliseconds after that (the
+/// program's `tiermem run` has seen the program end by then).
+const OUTLIVED_BY_A_HELPER: &str = r#"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+static long touch(long bytes) {
+    char *p = malloc(bytes);
+    long sum = 0;
+    for (long i = 0; i < bytes; i += 4096) p[i] = 1;
+    for (long i = 0; i < bytes; i += 4096) sum += p[i];
+    return sum;
+}
+int main(int argc, char **argv) {
+    long pages = touch(8L << 20);
+    if (argc > 3 && strcmp(argv[1], "helper") == 0) {
+        int ready = atoi(argv[3]);
+        if (write(ready, "r", 1) != 1) return 2;
+        close(ready);
+        usleep(atoi(argv[2]) * 1000);
+        printf("helper: %ld pages\n", pages);
+        return 0;
+    }
+    int ready[2];
+    if (pipe(ready) != 0) return 1;
+    if (fork() == 0) {
+        char fd[16];
+        snprintf(fd, sizeof fd, "%d", ready[1]);
+        execl(argv[0], argv[0], "helper", argv[1], fd, (char *)0);
+        return 1;
+    }
+    char c;
+    close(ready[1]);
+    if (read(ready[0], &c, 1) != 1) return 1;
+    printf("parent: %ld pages\n", pages);
+    return 0;
+}
+"#;
+
+#[test]
+fn a_helper_ending_just_after_the_program_is_waited_for_and_reported() {
+    let name = "a_helper_ending_just_after_the_program_is_waited_for_and_reported";
+    if !uffd_or_skip(name) || !have("gcc", &["--version"], name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let dir = scratch.path();
+    std::fs::write(dir.join("outlived.c"), OUTLIVED_BY_A_HELPER).unwrap();
+    let out = Command::new("gcc").current_dir(dir).args(["-O1", "-o", "outlived", "outlived.c"]).output().expect("gcc");
+    assert!(out.status.success(), "{name}: gcc: {}", String::from_utf8_lossy(&out.stderr));
+    let program = dir.join("outlived").display().to_string();
+    // 300 ms: within the launcher's wait, both report as final. 3 s: past it, the helper is
+    // counted as unreported or by the snapshot it writes every 2 s, and when it ends it finds
+    // nobody to report to and says nothing about it.
+    for (delay, within) in [("300", true), ("3000", false)] {
+        let started = std::time::Instant::now();
+        let managed = run_managed(&scratch, "4MiB", &[], &[&program, delay]);
+        let (stdout, err) =
+            (String::from_utf8_lossy(&managed.out.stdout), String::from_utf8_lossy(&managed.out.stderr));
+        assert!(managed.out.status.success(), "{name} ({delay} ms): {stdout}{err}");
+        // Output is read to its end, which the helper holds open until it ends.
+        assert!(stdout.contains("parent: 2048 pages") && stdout.contains("helper: 2048 pages"), "{name}: {stdout}");
+        let processes = managed.stats["processes"].as_array().cloned().unwrap_or_default();
+        let finals = processes.iter().filter(|p| p["final"] == true).count();
+        let unreported = managed.stats["unreported_processes"].as_u64().unwrap();
+        if within {
+            assert_eq!((processes.len(), finals, unreported), (2, 2, 0), "{name} ({delay} ms): {err}");
+        } else {
+            assert_eq!((processes.len() as u64 + unreported, finals), (2, 1), "{name} ({delay} ms): {err}");
+        }
+        assert!(!err.contains("cannot write statistics"), "{name} ({delay} ms): {err}");
+        assert!(started.elapsed() >= Duration::from_millis(300), "{name}");
+    }
+}
+
 /// A value for key `k`: its own digits spread over `len` bytes, so a swapped or torn value shows.
 fn redis_value(k: usize, len: usize) -> Vec<u8> {
     let digits = format!("{k:08}|");
