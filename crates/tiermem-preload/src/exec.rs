@@ -173,8 +173,8 @@ mod list {
             std::ptr::null()
         };
         let mut short = [std::ptr::null::<c_char>(); ON_STACK];
-        let long = (argc >= ON_STACK).then(|| Mapped::new((argc + 1) * std::mem::size_of::<*const c_char>()));
-        let argv: &mut [*const c_char] = match &long {
+        let mut long = (argc >= ON_STACK).then(|| Mapped::new((argc + 1) * std::mem::size_of::<*const c_char>()));
+        let argv: &mut [*const c_char] = match &mut long {
             None => &mut short[..=argc],
             Some(Ok(mapped)) => mapped.pointers(argc + 1),
             Some(Err(_)) => {
@@ -214,8 +214,7 @@ mod list {
         }
 
         /// The mapping as `n` pointers (null, as mapped); `n` of them fit.
-        #[allow(clippy::mut_from_ref)]
-        fn pointers(&self, n: usize) -> &mut [*const c_char] {
+        fn pointers(&mut self, n: usize) -> &mut [*const c_char] {
             debug_assert!(n * std::mem::size_of::<*const c_char>() <= self.1);
             // SAFETY: the mapping is ours alone, page-aligned, zeroed (null pointers) and holds
             // n pointers; it lives as long as self.

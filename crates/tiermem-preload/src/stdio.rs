@@ -206,8 +206,8 @@ type TimerFn = unsafe extern "C" fn(libc::clockid_t, *mut libc::sigevent, *mut l
 type MqNotifyFn = unsafe extern "C" fn(libc::mqd_t, *const libc::sigevent) -> c_int;
 type AioFn = unsafe extern "C" fn(*mut c_void) -> c_int;
 type AioSyncFn = unsafe extern "C" fn(c_int, *mut c_void) -> c_int;
+/// lio_listio and getaddrinfo_a: a mode, a list of requests, its length, how to notify.
 type ListIoFn = unsafe extern "C" fn(c_int, *const *mut c_void, c_int, *mut libc::sigevent) -> c_int;
-type LookupsFn = unsafe extern "C" fn(c_int, *const *mut c_void, c_int, *mut libc::sigevent) -> c_int;
 
 /// Interpose `$name(path, mode)`-shaped openers: call the C library's, then switch the stream.
 macro_rules! opener {
@@ -376,4 +376,4 @@ starts_threads!(aio_fsync, "aio_fsync", AioSyncFn, (op: c_int, request: *mut c_v
 starts_threads!(aio_fsync64, "aio_fsync64", AioSyncFn, (op: c_int, request: *mut c_void));
 starts_threads!(lio_listio, "lio_listio", ListIoFn, (mode: c_int, list: *const *mut c_void, n: c_int, event: *mut libc::sigevent));
 starts_threads!(lio_listio64, "lio_listio64", ListIoFn, (mode: c_int, list: *const *mut c_void, n: c_int, event: *mut libc::sigevent));
-starts_threads!(getaddrinfo_a, "getaddrinfo_a", LookupsFn, (mode: c_int, list: *const *mut c_void, n: c_int, event: *mut libc::sigevent));
+starts_threads!(getaddrinfo_a, "getaddrinfo_a", ListIoFn, (mode: c_int, list: *const *mut c_void, n: c_int, event: *mut libc::sigevent));
