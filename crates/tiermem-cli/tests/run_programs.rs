@@ -52,6 +52,13 @@ fn have(program: &str, args: &[&str], test: &str) -> bool {
     ok
 }
 
+/// Run gcc in `dir` with `args` (sources written there first), failing `test` with its
+/// messages if it fails.
+fn gcc_in(test: &str, dir: &Path, args: &[&str]) {
+    let out = Command::new("gcc").current_dir(dir).args(args).output().expect("gcc");
+    assert!(out.status.success(), "{test}: gcc {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
 /// A scratch directory, removed on drop; also the cache home, so footprints stay private.
 struct Scratch(tempfile::TempDir);
 
@@ -1593,8 +1600,7 @@ fn images_replaced_by_execl_execlp_execle_and_execve_by_number_each_report() {
     let scratch = Scratch::new();
     let dir = scratch.path();
     std::fs::write(dir.join("chain.c"), EXEC_CHAIN).unwrap();
-    let out = Command::new("gcc").current_dir(dir).args(["-O1", "-o", "chain", "chain.c"]).output().expect("gcc");
-    assert!(out.status.success(), "{name}: gcc: {}", String::from_utf8_lossy(&out.stderr));
+    gcc_in(name, dir, &["-O1", "-o", "chain", "chain.c"]);
     let chain = dir.join("chain").display().to_string();
     for mode in ["sigbus", "thread"] {
         let managed = run_managed(&scratch, "4MiB", &["--fault-mode", mode], &[&chain]);
@@ -1672,8 +1678,7 @@ fn a_helper_ending_just_after_the_program_is_waited_for_and_reported() {
     let scratch = Scratch::new();
     let dir = scratch.path();
     std::fs::write(dir.join("outlived.c"), OUTLIVED_BY_A_HELPER).unwrap();
-    let out = Command::new("gcc").current_dir(dir).args(["-O1", "-o", "outlived", "outlived.c"]).output().expect("gcc");
-    assert!(out.status.success(), "{name}: gcc: {}", String::from_utf8_lossy(&out.stderr));
+    gcc_in(name, dir, &["-O1", "-o", "outlived", "outlived.c"]);
     let program = dir.join("outlived").display().to_string();
     // 300 ms: within the launcher's wait, both report as final. 3 s: past it, the helper is
     // counted as unreported or by the snapshot it writes every 2 s, and when it ends it finds
@@ -5671,10 +5676,7 @@ fn libraries_written_data_is_paged_keeps_its_contents_and_dlopen_keeps_the_calle
     let scratch = Scratch::new();
     let dir = scratch.path();
     std::fs::create_dir_all(dir.join("sub")).unwrap();
-    let gcc = |args: &[&str]| {
-        let out = Command::new("gcc").current_dir(dir).args(args).output().expect("gcc");
-        assert!(out.status.success(), "{name}: gcc {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    };
+    let gcc = |args: &[&str]| gcc_in(name, dir, args);
     std::fs::write(dir.join("inner.c"), "int inner_value(void) { return 42; }\n").unwrap();
     std::fs::write(dir.join("libdata.c"), LIBRARY_WITH_DATA).unwrap();
     std::fs::write(dir.join("main.c"), PROGRAM_LOADING_A_LIBRARY).unwrap();
