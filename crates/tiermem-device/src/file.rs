@@ -74,7 +74,7 @@ impl FileDevice {
     /// device as it then is.
     pub fn open(path: &Path, size: Option<u64>) -> Result<Self> {
         if let Some(size) = size {
-            if size == 0 || size % SLOT_BYTES != 0 {
+            if size == 0 || !size.is_multiple_of(SLOT_BYTES) {
                 return Err(Error::invalid(format!(
                     "device size of {size} bytes for {} is not a non-zero multiple of {PAGE_SIZE} (one slot)",
                     path.display()
@@ -144,7 +144,7 @@ impl FileDevice {
     }
 
     fn temporary(dir: &Path, size: u64, zero_fill: bool) -> Result<Self> {
-        if size == 0 || size % SLOT_BYTES != 0 {
+        if size == 0 || !size.is_multiple_of(SLOT_BYTES) {
             return Err(Error::invalid(format!(
                 "device size of {size} bytes is not a non-zero multiple of {PAGE_SIZE} (one slot)"
             )));

@@ -150,7 +150,7 @@ pub(crate) fn check_blocking_read(slot: u64, capacity_slots: u64, dst: &[u8]) ->
     if slot >= capacity_slots {
         return Err(Error::invalid(format!("read of slot {slot}: the device has only {capacity_slots} slots")));
     }
-    if dst.len() != PAGE_SIZE || (dst.as_ptr() as usize) % PAGE_SIZE != 0 {
+    if dst.len() != PAGE_SIZE || !(dst.as_ptr() as usize).is_multiple_of(PAGE_SIZE) {
         return Err(Error::invalid(format!(
             "read of slot {slot}: the destination must be one page-aligned page, not {} bytes at {:p}",
             dst.len(),

@@ -49,7 +49,7 @@ impl SlotMemory {
 impl MemDevice {
     /// A DRAM device of `capacity_bytes`, a non-zero multiple of 4096.
     pub fn new(capacity_bytes: u64) -> Result<Self> {
-        if capacity_bytes == 0 || capacity_bytes % PAGE_SIZE as u64 != 0 {
+        if capacity_bytes == 0 || !capacity_bytes.is_multiple_of(PAGE_SIZE as u64) {
             return Err(Error::invalid(format!(
                 "mem device capacity of {capacity_bytes} bytes is not a non-zero multiple of {PAGE_SIZE} (one slot)"
             )));
