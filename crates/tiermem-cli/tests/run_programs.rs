@@ -52,13 +52,6 @@ fn have(program: &str, args: &[&str], test: &str) -> bool {
     ok
 }
 
-/// Run gcc in `dir` with `args` (sources written there first), failing `test` with its
-/// messages if it fails.
-fn gcc_in(test: &str, dir: &Path, args: &[&str]) {
-    let out = Command::new("gcc").current_dir(dir).args(args).output().expect("gcc");
-    assert!(out.status.success(), "{test}: gcc {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
 /// A scratch directory, removed on drop; also the cache home, so footprints stay private.
 struct Scratch(tempfile::TempDir);
 
@@ -1594,14 +1587,12 @@ int main(int argc, char **argv) {
 #[test]
 fn images_replaced_by_execl_execlp_execle_and_execve_by_number_each_report() {
     let name = "images_replaced_by_execl_execlp_execle_and_execve_by_number_each_report";
-    if !uffd_or_skip(name) || !have("gcc", &["--version"], name) {
+    if !uffd_or_skip(name) {
         return;
     }
     let scratch = Scratch::new();
-    let dir = scratch.path();
-    std::fs::write(dir.join("chain.c"), EXEC_CHAIN).unwrap();
-    gcc_in(name, dir, &["-O1", "-o", "chain", "chain.c"]);
-    let chain = dir.join("chain").display().to_string();
+    let Some(chain) = build_c(&scratch, EXEC_CHAIN, "chain", name) else { return };
+    let chain = chain.display().to_string();
     for mode in ["sigbus", "thread"] {
         let managed = run_managed(&scratch, "4MiB", &["--fault-mode", mode], &[&chain]);
         let (stdout, err) =
@@ -1672,14 +1663,12 @@ int main(int argc, char **argv) {
 #[test]
 fn a_helper_ending_just_after_the_program_is_waited_for_and_reported() {
     let name = "a_helper_ending_just_after_the_program_is_waited_for_and_reported";
-    if !uffd_or_skip(name) || !have("gcc", &["--version"], name) {
+    if !uffd_or_skip(name) {
         return;
     }
     let scratch = Scratch::new();
-    let dir = scratch.path();
-    std::fs::write(dir.join("outlived.c"), OUTLIVED_BY_A_HELPER).unwrap();
-    gcc_in(name, dir, &["-O1", "-o", "outlived", "outlived.c"]);
-    let program = dir.join("outlived").display().to_string();
+    let Some(program) = build_c(&scratch, OUTLIVED_BY_A_HELPER, "outlived", name) else { return };
+    let program = program.display().to_string();
     // 300 ms: within the launcher's wait, both report as final. 3 s: past it, the helper is
     // counted as unreported or by the snapshot it writes every 2 s, and when it ends it finds
     // nobody to report to and says nothing about it.
@@ -4882,6 +4871,79 @@ fn a_program_killed_after_a_while_shows_its_last_snapshot() {
     assert!(evictions > 4096, "{name}: {evictions} evictions");
 }
 
+/// A program that manages memory, then ends by SIGTERM as argv[1] says: left at its default
+/// action (which every query shows), handled by a handler of its own, or ignored and put back
+/// to the default.
+const ENDED_BY_SIGTERM: &str = r#"
+#define _GNU_SOURCE
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+static void on_term(int sig) {
+    (void)sig;
+    static const char said[] = "handled\n";
+    if (write(1, said, sizeof said - 1) < 0) _exit(4);
+    _exit(3);
+}
+int main(int argc, char **argv) {
+    long n = 16L << 20;
+    char *p = malloc(n);
+    for (long i = 0; i < n; i += 4096) p[i] = 1;
+    struct sigaction now;
+    sigaction(SIGTERM, NULL, &now);
+    sighandler_t before = signal(SIGINT, SIG_DFL);
+    printf("sigterm %s, sigint %s\n", now.sa_handler == SIG_DFL ? "default" : "other",
+           before == SIG_DFL ? "default" : "other");
+    if (strcmp(argv[1], "handler") == 0) signal(SIGTERM, on_term);
+    if (strcmp(argv[1], "ignored-then-default") == 0) {
+        signal(SIGTERM, SIG_IGN);
+        struct sigaction dfl = {0}, was;
+        dfl.sa_handler = SIG_DFL;
+        sigaction(SIGTERM, &dfl, &was);
+        printf("was %s\n", was.sa_handler == SIG_IGN ? "ignored" : "other");
+    }
+    fflush(stdout);
+    for (long i = 0; i < n; i += 4096) p[i]++;
+    kill(getpid(), SIGTERM);
+    sleep(5);
+    printf("not ended\n");
+    return 0;
+}
+"#;
+
+#[test]
+fn a_program_ended_by_a_sigterm_it_leaves_to_the_default_reports_and_dies_of_it() {
+    let name = "a_program_ended_by_a_sigterm_it_leaves_to_the_default_reports_and_dies_of_it";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let Some(bin) = build_c(&scratch, ENDED_BY_SIGTERM, "sigterm", name) else { return };
+    let bin = bin.display().to_string();
+    use std::os::unix::process::ExitStatusExt;
+    for (mode, said, signal, code) in [
+        ("default", "", Some(libc::SIGTERM), None),
+        ("handler", "handled\n", None, Some(3)),
+        ("ignored-then-default", "was ignored\n", Some(libc::SIGTERM), None),
+    ] {
+        let managed = run_managed(&scratch, "4MiB", &[], &[&bin, mode]);
+        let (stdout, err) =
+            (String::from_utf8_lossy(&managed.out.stdout), String::from_utf8_lossy(&managed.out.stderr));
+        // The program saw the default actions, and ended as it would have without tiermem.
+        assert_eq!(stdout, format!("sigterm default, sigint default\n{said}"), "{name} ({mode}): {err}");
+        assert_eq!((managed.out.status.signal(), managed.out.status.code()), (signal, code), "{name} ({mode}): {err}");
+        // With its final statistics (before: none, the program ran for less than the 2 s
+        // between snapshots; a handler of its own ending with _exit always had them).
+        let processes = managed.stats["processes"].as_array().cloned().unwrap_or_default();
+        assert_eq!(processes.len(), 1, "{name} ({mode}): {}\n{err}", managed.stats);
+        assert_eq!(processes[0]["final"], true, "{name} ({mode}): {err}");
+        assert_eq!(managed.stats["unreported_processes"], 0, "{name} ({mode}): {err}");
+        assert!(managed.stats["merged"]["evictions"].as_u64() > Some(2048), "{name} ({mode}): {}", managed.stats);
+    }
+}
+
 /// `_exit` from a signal handler that interrupted the program anywhere, its allocations
 /// included, ends the process with its status and its report, without hanging (the report is
 /// written by another thread, never on the handler's).
@@ -5676,7 +5738,10 @@ fn libraries_written_data_is_paged_keeps_its_contents_and_dlopen_keeps_the_calle
     let scratch = Scratch::new();
     let dir = scratch.path();
     std::fs::create_dir_all(dir.join("sub")).unwrap();
-    let gcc = |args: &[&str]| gcc_in(name, dir, args);
+    let gcc = |args: &[&str]| {
+        let out = Command::new("gcc").current_dir(dir).args(args).output().expect("gcc");
+        assert!(out.status.success(), "{name}: gcc {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
     std::fs::write(dir.join("inner.c"), "int inner_value(void) { return 42; }\n").unwrap();
     std::fs::write(dir.join("libdata.c"), LIBRARY_WITH_DATA).unwrap();
     std::fs::write(dir.join("main.c"), PROGRAM_LOADING_A_LIBRARY).unwrap();

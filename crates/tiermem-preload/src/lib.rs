@@ -56,6 +56,7 @@ mod slab;
 mod stdio;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod syscall;
+mod terminating;
 
 #[global_allocator]
 static SHIM_ALLOCATOR: libc_alloc::LibcAllocator = libc_alloc::LibcAllocator;

@@ -57,6 +57,9 @@ pub(crate) fn start_reporting(settings: &tiermem_engine::RunSettings) {
         let _ = std::fs::File::create(statistics_path(dir).with_extension("started"));
     }
     start_reporter();
+    if settings.stats_dir.is_some() {
+        crate::terminating::start();
+    }
 }
 
 fn start_reporter() {
@@ -94,6 +97,16 @@ fn start_reporter() {
 /// [`REPORT_WAIT`]. Nothing in a forked child (whose engine is its parent's) or a vfork child
 /// (which shares its parent's memory), nor before the engine started.
 fn report_before_exit() {
+    report_before_the_end("_exit");
+}
+
+/// Have the report written before a signal ends the process ([`crate::terminating`]), as
+/// [`report_before_exit`] does.
+pub(crate) fn report_before_signal_death() {
+    report_before_the_end("a signal");
+}
+
+fn report_before_the_end(cause: &str) {
     if in_forked_child() || in_vfork_child() || report_written() {
         return;
     }
@@ -104,7 +117,7 @@ fn report_before_exit() {
     let asked = Instant::now();
     while !report_written() {
         if asked.elapsed() > REPORT_WAIT {
-            say(&["tiermem: the statistics were not written within 2 s of _exit; the process ends unreported"]);
+            say(&["tiermem: the statistics were not written within 2 s of ", cause, "; the process ends unreported"]);
             return;
         }
         std::thread::sleep(Duration::from_millis(1));

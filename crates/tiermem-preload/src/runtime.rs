@@ -249,13 +249,20 @@ fn start_engine(guard: std::sync::MutexGuard<'_, ()>) -> &'static Engine {
         let open = std::fs::read_dir("/proc/self/fd").map(|fds| fds.count() as u64);
         limit < floor + ENGINE_DESCRIPTOR_ROOM || open.map_or(true, |open| open + ENGINE_DESCRIPTOR_ROOM > limit)
     });
-    let engine = crate::stdio::starting_engine(|| {
-        if near_the_limit {
-            let room = descriptor_limit().map_or(floor, |limit| limit.max(floor)) + ENGINE_DESCRIPTOR_ROOM;
-            with_descriptor_room(room, || start_engine_threads(guard))
-        } else {
-            start_engine_threads(guard)
-        }
+    // With every signal but SIGBUS held: the threads started here keep that mask, so a signal
+    // sent to the process goes to one of the program's threads, never to tiermem's (where a
+    // program that blocks SIGTERM everywhere to take it with sigwait would have been ended by
+    // it, and where the stand-in for its default action could have waited on itself, the
+    // reporter: see `terminating`).
+    let engine = crate::signals::holding_signals(|| {
+        crate::stdio::starting_engine(|| {
+            if near_the_limit {
+                let room = descriptor_limit().map_or(floor, |limit| limit.max(floor)) + ENGINE_DESCRIPTOR_ROOM;
+                with_descriptor_room(room, || start_engine_threads(guard))
+            } else {
+                start_engine_threads(guard)
+            }
+        })
     });
     crate::stdio::activate(SETTINGS.get().is_some_and(|s| s.single_thread_stdio));
     crate::library_data::engine_started();

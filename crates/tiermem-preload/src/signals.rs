@@ -38,6 +38,10 @@ pub unsafe extern "C" fn sigaction(sig: i32, act: *const libc::sigaction, old: *
         }
         _ => act,
     };
+    // SAFETY: act is null or valid (as above).
+    if let Some(result) = crate::terminating::sigaction(sig, unsafe { act.as_ref() }, old) {
+        return result;
+    }
     let real = real!("sigaction", SigactionFn);
     // SAFETY: the caller's own call, with SIGBUS left out of the handler's mask.
     unsafe { real(sig, act, old) }
@@ -57,6 +61,19 @@ pub unsafe extern "C" fn signal(sig: i32, handler: libc::sighandler_t) -> libc::
         if tiermem_engine::replace_chained_sigbus_action(Some(&action), Some(&mut old)) {
             return old.sa_sigaction;
         }
+    }
+    // glibc's signal() sets the action inside the C library: SIGTERM and the like go through
+    // the stand-in's sigaction here, with the action glibc's would set (BSD semantics).
+    // SAFETY: zeroed is an empty action.
+    let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+    action.sa_sigaction = handler;
+    action.sa_flags = libc::SA_RESTART;
+    // SAFETY: as above.
+    let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+    match crate::terminating::sigaction(sig, Some(&action), &mut old) {
+        Some(0) => return old.sa_sigaction,
+        Some(_) => return libc::SIG_ERR,
+        None => {}
     }
     let real = real!("signal", SignalFn);
     // SAFETY: the caller's own call.
