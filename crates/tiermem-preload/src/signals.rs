@@ -6,7 +6,7 @@
 use crate::alloc::real;
 use crate::runtime;
 
-type SigactionFn = unsafe extern "C" fn(i32, *const libc::sigaction, *mut libc::sigaction) -> i32;
+pub(crate) type SigactionFn = unsafe extern "C" fn(i32, *const libc::sigaction, *mut libc::sigaction) -> i32;
 type SignalFn = unsafe extern "C" fn(i32, libc::sighandler_t) -> libc::sighandler_t;
 type MaskFn = unsafe extern "C" fn(i32, *const libc::sigset_t, *mut libc::sigset_t) -> i32;
 
@@ -51,25 +51,21 @@ pub unsafe extern "C" fn sigaction(sig: i32, act: *const libc::sigaction, old: *
 /// The C contract of signal.
 #[no_mangle]
 pub unsafe extern "C" fn signal(sig: i32, handler: libc::sighandler_t) -> libc::sighandler_t {
-    if sig == libc::SIGBUS && runtime::sigbus_mode() {
-        // SAFETY: zeroed is an empty action; filled in as glibc's signal() would (BSD semantics).
-        let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
-        action.sa_sigaction = handler;
-        action.sa_flags = libc::SA_RESTART;
-        // SAFETY: as above.
-        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
-        if tiermem_engine::replace_chained_sigbus_action(Some(&action), Some(&mut old)) {
-            return old.sa_sigaction;
-        }
-    }
-    // glibc's signal() sets the action inside the C library: SIGTERM and the like go through
-    // the stand-in's sigaction here, with the action glibc's would set (BSD semantics).
+    // glibc's signal() sets the action inside the C library, past our sigaction: the signals
+    // tiermem serves itself (SIGBUS in sigbus mode; SIGTERM and the like, see `terminating`)
+    // get the action glibc's would set (BSD semantics) here.
     // SAFETY: zeroed is an empty action.
     let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
     action.sa_sigaction = handler;
     action.sa_flags = libc::SA_RESTART;
     // SAFETY: as above.
     let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+    if sig == libc::SIGBUS
+        && runtime::sigbus_mode()
+        && tiermem_engine::replace_chained_sigbus_action(Some(&action), Some(&mut old))
+    {
+        return old.sa_sigaction;
+    }
     match crate::terminating::sigaction(sig, Some(&action), &mut old) {
         Some(0) => return old.sa_sigaction,
         Some(_) => return libc::SIG_ERR,

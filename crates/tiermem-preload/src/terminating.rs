@@ -19,8 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use crate::alloc::real;
 use crate::runtime;
-
-type SigactionFn = unsafe extern "C" fn(i32, *const libc::sigaction, *mut libc::sigaction) -> i32;
+use crate::signals::SigactionFn;
 
 /// The signals whose default action the stand-in takes.
 const SIGNALS: [i32; 3] = [libc::SIGTERM, libc::SIGINT, libc::SIGHUP];
