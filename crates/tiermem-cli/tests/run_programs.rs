@@ -3504,47 +3504,58 @@ fn double_and_invalid_frees_stop_the_program_with_a_message() {
     }
 }
 
+/// A tmpfs of `size` mounted on `mount_point` for the life of the value; `None` (after saying
+/// SKIPPED) where mounting is not possible.
+struct SmallFileSystem<'a>(&'a Path);
+
+impl<'a> SmallFileSystem<'a> {
+    fn mount(name: &str, mount_point: &'a Path, size: &str) -> Option<Self> {
+        if !root_or_skip(name, "to mount a small file system") {
+            return None;
+        }
+        std::fs::create_dir_all(mount_point).unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tiermem-test", mount_point.to_str().unwrap()])
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            eprintln!("SKIPPED {name}: cannot mount a tmpfs here");
+            return None;
+        }
+        Some(Self(mount_point))
+    }
+}
+
+impl Drop for SmallFileSystem<'_> {
+    /// Unmounts however the test ends.
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if Command::new("umount").arg(self.0).status().is_ok_and(|s| s.success()) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // Still busy after five seconds: detach it so it goes once nothing uses it.
+        let _ = Command::new("umount").arg("-l").arg(self.0).status();
+    }
+}
+
 /// A new named device file is sized by the free space of its file system, as a temporary one
 /// is: on a small file system, a device sized for the machine's memory could not be made at all.
+/// It holds blocks only for what was written out to it.
 #[test]
 fn a_new_named_device_file_fits_its_file_system() {
     let name = "a_new_named_device_file_fits_its_file_system";
     if !uffd_or_skip(name) {
         return;
     }
-    if !root_or_skip(name, "to mount a small file system") {
-        return;
-    }
     let scratch = Scratch::new();
     let mount_point = scratch.path().join("small");
-    std::fs::create_dir(&mount_point).unwrap();
-    let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=256m", "tiermem-test", mount_point.to_str().unwrap()])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !mounted {
-        eprintln!("SKIPPED {name}: cannot mount a tmpfs here");
-        return;
-    }
-    /// Unmounts however the test ends.
-    struct Unmount<'a>(&'a Path);
-    impl Drop for Unmount<'_> {
-        fn drop(&mut self) {
-            for _ in 0..50 {
-                if Command::new("umount").arg(self.0).status().is_ok_and(|s| s.success()) {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            // Still busy after five seconds: detach it so it goes once nothing uses it.
-            let _ = Command::new("umount").arg("-l").arg(self.0).status();
-        }
-    }
-    let _unmount = Unmount(&mount_point);
+    let Some(_mounted) = SmallFileSystem::mount(name, &mount_point, "256m") else { return };
     let device = mount_point.join("dev");
     let device_arg = format!("file:{}", device.display());
     let script = format!(
-        "import os; x = bytearray(48 << 20); x[::4096] = b'\\x01' * (len(x) // 4096); print(sum(x[::4096]), os.stat({:?}).st_size)",
+        "import os; x = bytearray(48 << 20); x[::4096] = b'\\x01' * (len(x) // 4096); s = os.stat({:?}); print(sum(x[::4096]), s.st_size, s.st_blocks * 512)",
         device.display().to_string()
     );
     let out = scratch
@@ -3561,8 +3572,55 @@ fn a_new_named_device_file_fits_its_file_system() {
     let mut fields = text.split_whitespace();
     assert_eq!(fields.next(), Some("12288"), "{name}: every page back: {text}");
     let size: u64 = fields.next().and_then(|s| s.parse().ok()).expect("the device file's size");
-    assert!(size <= 128 << 20, "{name}: a {size}-byte device on a 256 MiB file system");
+    let held: u64 = fields.next().and_then(|s| s.parse().ok()).expect("the device file's blocks");
+    assert!(size <= 256 << 20, "{name}: a {size}-byte device on a 256 MiB file system");
+    // 48 MiB written through a 16 MiB budget: at most about 32 MiB out, and a step ahead.
+    assert!(held <= 64 << 20, "{name}: the device file holds {held} bytes of blocks for 48 MiB of data");
     assert!(!device.exists(), "{name}: the device file the run made is still there");
+}
+
+/// Processes of one run each make a device file on the same small file system. Each set its
+/// whole size aside at start, at most half the free space, so each took half of what the one
+/// before left: the third of these found too little and could not start ("cannot open a
+/// device"). Now blocks are set aside as pages are written out, and each gets the room its
+/// pages need, with nothing said about a smaller device.
+#[test]
+fn processes_of_one_run_share_a_small_file_system_for_their_devices() {
+    let name = "processes_of_one_run_share_a_small_file_system_for_their_devices";
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let mount_point = scratch.path().join("small");
+    let Some(_mounted) = SmallFileSystem::mount(name, &mount_point, "256m") else { return };
+    let device_arg = format!("file:{}", mount_point.display());
+    let script = r#"
+import multiprocessing, os
+def work(seed):
+    x = bytearray(40 << 20)
+    x[::4096] = bytes([seed]) * (len(x) // 4096)
+    return sum(x[::4096])
+if __name__ == "__main__":
+    multiprocessing.set_start_method("spawn")
+    with multiprocessing.Pool(3) as pool:
+        # A worker that dies leaves map() waiting for ever: fail instead.
+        print(*pool.map_async(work, [1, 2, 3], chunksize=1).get(timeout=120))
+"#;
+    // A file: spawned workers import the parent's `__main__` to find `work`.
+    std::fs::write(scratch.path().join("pool.py"), script).unwrap();
+    let out = scratch
+        .command(&["run", "--limit", "16MiB", "--device", &device_arg, "--", "python3", "pool.py"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() && err.contains("O_DIRECT") {
+        eprintln!("SKIPPED {name}: tmpfs here takes no O_DIRECT");
+        return;
+    }
+    assert!(out.status.success(), "{name}: {err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "10240 20480 30720", "{name}: {err}");
+    assert!(!err.contains("the device got"), "{name}: a process got a smaller device: {err}");
+    assert!(!err.contains("cannot set aside"), "{name}: a device ran out of room: {err}");
 }
 
 /// A SIGBUS that is not the engine's kills the program as it would without tiermem, in sigbus

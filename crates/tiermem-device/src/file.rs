@@ -21,6 +21,7 @@ use io_uring::{opcode, squeue, types, IoUring};
 use rustix::event::{eventfd, EventfdFlags};
 use tiermem_sys::guarded_fd::{self, Guard, Guarded};
 
+use crate::backing::Backing;
 use crate::{
     check_blocking_read, check_queue_depth, check_request, BufferArena, Completion, Device, DeviceCounters, Error,
     ErrorKind, IoQueue, QueueKind, Request, Result, WaitMode, PAGE_SIZE,
@@ -53,6 +54,8 @@ struct OpenFile {
     /// Set once a queue could not register the arena (RLIMIT_MEMLOCK) and reads and writes
     /// through plain buffers instead, said by `describe`.
     plain_buffers: std::sync::atomic::AtomicBool,
+    /// The slots with blocks set aside: a regular file's grow as slots are handed out.
+    backing: Backing,
 }
 
 /// How polled queues of this file wait, decided by the probe at open.
@@ -67,11 +70,11 @@ enum PolledWait {
 impl FileDevice {
     /// Open `path` with O_DIRECT as a device.
     ///
-    /// With `size`, a missing regular file is created (allocated, not written) and a smaller
-    /// one extended (fallocate, then zeros written) to `size` bytes, which must be a non-zero
-    /// multiple of 4096; a block device must be at least that large. Without `size`, the file
-    /// must exist. Either way the device has one slot per whole 4 KiB of the file or block
-    /// device as it then is.
+    /// With `size`, a missing regular file is created (sized, its blocks set aside as slots are
+    /// used: see [`Device::back_slots`]) and a smaller one extended (fallocate, then zeros
+    /// written) to `size` bytes, which must be a non-zero multiple of 4096; a block device must
+    /// be at least that large. Without `size`, the file must exist. Either way the device has
+    /// one slot per whole 4 KiB of the file or block device as it then is.
     pub fn open(path: &Path, size: Option<u64>) -> Result<Self> {
         if let Some(size) = size {
             if size == 0 || !size.is_multiple_of(SLOT_BYTES) {
@@ -115,9 +118,9 @@ impl FileDevice {
         }
         // A file that existed is extended with zeros written (see `write_zeros`: every slot then
         // a plain block, as a swap file's are, which the microbenchmark's fairness needs). One
-        // this call created is only allocated, as a temporary device file is: `tiermem run`
-        // sizes it for the program's worst case (the machine's memory by default), and writing
-        // that much would hold the program up for seconds.
+        // this call created is only sized, as a temporary device file is: `tiermem run` sizes
+        // it for the program's worst case (the machine's memory by default), and writing that
+        // much would hold the program up for seconds (see `backing` for its blocks).
         let device = Self::set_up(file, path, size, !created);
         if created && device.is_err() {
             // Leave nothing behind from a failed attempt.
@@ -128,9 +131,10 @@ impl FileDevice {
 
     /// A private device of `size` bytes in directory `dir`: an unnamed file (O_TMPFILE) that
     /// disappears with its last descriptor, so nothing is left behind even if the process is
-    /// killed. Its blocks are allocated but not zero-filled: the first write of each slot pays
-    /// the file system's extent conversion, which is cheaper than writing the whole file up front
-    /// when the device is sized for a program's worst case.
+    /// killed. Its blocks are set aside as slots are used (see [`Device::back_slots`]) and not
+    /// zero-filled: the first write of each slot pays the file system's extent conversion,
+    /// which is cheaper than writing the whole file up front when the device is sized for a
+    /// program's worst case.
     pub fn create_temporary(dir: &Path, size: u64) -> Result<Self> {
         Self::temporary(dir, size, false)
     }
@@ -204,6 +208,16 @@ impl FileDevice {
                 format!("device file {shown} is {bytes} bytes, less than one {PAGE_SIZE}-byte slot; give a size to extend it"),
             ));
         }
+        let backing = if file_type.is_block_device() { Backing::complete(slots) } else { Backing::growing(slots) };
+        // A first step now: a file system without room for even one slot fails the open.
+        backing.back(&file, 1).map_err(|e| match e.raw_os_error() {
+            Some(libc::ENOSPC) => Error::os_kind(
+                ErrorKind::NoSpace,
+                e,
+                format!("no space in the file system of device file {shown} for its first slot"),
+            ),
+            _ => Error::os(e, format!("setting aside the first slots of device file {shown} (fallocate)")),
+        })?;
         let block_device = if file_type.is_block_device() { metadata.rdev() } else { metadata.dev() };
         // sysfs first: the probe read proves nothing when slot 0 was never written.
         let iopoll = match block_device_without_poll_queues(block_device) {
@@ -221,6 +235,7 @@ impl FileDevice {
             counters: DeviceCounters::default(),
             polled_wait,
             plain_buffers: std::sync::atomic::AtomicBool::new(false),
+            backing,
         };
         Ok(Self { shared: Arc::new(shared) })
     }
@@ -443,23 +458,40 @@ fn open_error(e: io::Error, path: &Path) -> Error {
     }
 }
 
-/// Grow a regular file from `from` to `to` bytes with blocks allocated now, so that writing a slot
-/// later cannot fail for want of space in the middle of a run.
+/// Grow a regular file from `from` to `to` bytes: with `zero_fill`, allocated and written now;
+/// without, only sized, its blocks set aside later as slots are used (see `backing`), but
+/// refused if its file system is not that large. (Not its free space now: other processes of
+/// the run set their devices' blocks aside meanwhile, and give them back when they end.)
 fn extend(file: &File, path: &Path, from: u64, to: u64, zero_fill: bool) -> Result<()> {
     let shown = path.display();
-    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, to) {
-        Ok(()) if zero_fill => write_zeros(file, path, from, to),
-        Ok(()) => Ok(()),
-        Err(rustix::io::Errno::NOSPC) | Err(rustix::io::Errno::DQUOT) => Err(Error::os_kind(
+    let no_space = || {
+        Error::os_kind(
             ErrorKind::NoSpace,
             rustix::io::Errno::NOSPC.into(),
             format!("no space to extend device file {shown} from {from} to {to} bytes; free space or ask for a smaller device"),
-        )),
+        )
+    };
+    if !zero_fill {
+        let size = rustix::fs::fstatvfs(file).map(|fs| fs.f_blocks.saturating_mul(fs.f_frsize));
+        if size.is_ok_and(|size| to - from > size) {
+            return Err(no_space());
+        }
+        return file
+            .set_len(to)
+            .map_err(|e| Error::os(e, format!("extending device file {shown} from {from} to {to} bytes")));
+    }
+    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, to) {
+        Ok(()) => write_zeros(file, path, from, to),
+        Err(rustix::io::Errno::NOSPC) | Err(rustix::io::Errno::DQUOT) => Err(no_space()),
         // A file system without fallocate still takes a sparse file.
         Err(rustix::io::Errno::OPNOTSUPP) => {
-            file.set_len(to).map_err(|e| Error::os(e, format!("extending device file {shown} from {from} to {to} bytes")))
+            file.set_len(to)
+                .map_err(|e| Error::os(e, format!("extending device file {shown} from {from} to {to} bytes")))?;
+            write_zeros(file, path, from, to)
         }
-        Err(e) => Err(Error::os(e.into(), format!("extending device file {shown} from {from} to {to} bytes with fallocate"))),
+        Err(e) => {
+            Err(Error::os(e.into(), format!("extending device file {shown} from {from} to {to} bytes with fallocate")))
+        }
     }
 }
 
@@ -636,6 +668,14 @@ impl Device for FileDevice {
 
     fn capacity_slots(&self) -> u64 {
         self.shared.slots
+    }
+
+    fn backed_slots(&self) -> u64 {
+        self.shared.backing.backed()
+    }
+
+    fn back_slots(&self, slots: u64) -> io::Result<()> {
+        self.shared.backing.back(&self.shared.file, slots)
     }
 
     fn open_queue(&self, kind: QueueKind, depth: u32, arena: &Arc<BufferArena>) -> Result<Box<dyn IoQueue>> {

@@ -14,6 +14,7 @@
 //! register with the kernel once (io_uring fixed buffers) so no request pins or maps memory.
 
 pub mod arena;
+mod backing;
 pub mod counters;
 pub mod file;
 pub mod mem;
@@ -223,6 +224,24 @@ pub trait Device: Send + Sync + std::fmt::Debug {
 
     /// How many 4 KiB slots the device holds.
     fn capacity_slots(&self) -> u64;
+
+    /// How many slots, from slot 0, have storage set aside for them now: a write to one of them
+    /// cannot fail for want of space. A device that sets its storage aside as it fills (a
+    /// regular file: see [`FileDevice`]) starts below its capacity; the others hold it all.
+    fn backed_slots(&self) -> u64 {
+        self.capacity_slots()
+    }
+
+    /// Set storage aside for slots `0..slots` (at most the capacity), at once or in a larger
+    /// step. ENOSPC when the medium has no room for them: the slots past
+    /// [`Device::backed_slots`] must then not be written. An `io::Error` of an errno, so that
+    /// nothing is allocated: the engine may ask from a fault handler.
+    fn back_slots(&self, slots: u64) -> std::io::Result<()> {
+        if slots > self.capacity_slots() {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        Ok(())
+    }
 
     /// Open a queue of `kind` able to hold `depth` requests in flight, whose requests move data
     /// to and from `arena` only. The queue may register the arena with the kernel.

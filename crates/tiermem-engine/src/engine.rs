@@ -77,6 +77,12 @@ pub(crate) struct Shared {
     /// The last cleaning round found nothing to clean: faults stop waking the reclaim thread
     /// for cleaning until its next timed wake-up.
     pub(crate) clean_stalled: AtomicBool,
+    /// The device's file system refused the last slot asked of it (see `reclaim::take_slots`):
+    /// pages that need a write cannot leave, and a fault finding no room is let in over the
+    /// budget rather than wait for room that will not come.
+    pub(crate) device_out_of_room: AtomicBool,
+    /// That refusal was said on stderr (once per engine).
+    pub(crate) said_no_device_room: AtomicBool,
     /// Pages come in write-protected (for sync or async WP).
     pub(crate) write_protect: bool,
     /// Async WP: writes never fault; eviction takes pages out with UFFDIO_MOVE.
@@ -486,6 +492,8 @@ impl Engine {
             cold_pages: AtomicU64::new(0),
             reclaim_asleep: AtomicBool::new(true),
             clean_stalled: AtomicBool::new(false),
+            device_out_of_room: AtomicBool::new(false),
+            said_no_device_room: AtomicBool::new(false),
             write_protect,
             capture,
             prefault_metadata: AtomicBool::new(false),

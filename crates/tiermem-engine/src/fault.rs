@@ -82,6 +82,13 @@ fn reserve_room(shared: &Shared, regions: &RegionTable) -> bool {
         if crate::reclaim::evict_batch(shared, regions, 8, Path::DirectReclaim) == 0
             && reap_background(shared, regions) == 0
         {
+            if shared.device_out_of_room.load(Ordering::Relaxed) {
+                // Nothing can be written out: the page comes in over the budget, which is
+                // better than a program that stops (reclaim brings residency back down once
+                // the file system has room again).
+                shared.resident.fetch_add(1, Ordering::AcqRel);
+                return true;
+            }
             idle += 1;
             if idle == ROOMLESS_ROUNDS {
                 return false;

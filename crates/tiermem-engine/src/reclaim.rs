@@ -1121,7 +1121,7 @@ fn queue_writes(shared: &Shared, victims: &mut [Option<Victim<'_>>], leave: bool
         let state = v.page.state();
         // SAFETY: see [`source`].
         shared.arena.bytes_mut(buf).copy_from_slice(unsafe { source(v) });
-        let Some(slot) = state.slot().or_else(|| shared.slots.alloc()) else {
+        let Some(slot) = state.slot().or_else(|| take_slots(shared, 1)) else {
             v.next = Some(state);
             continue;
         };
@@ -1160,6 +1160,55 @@ unsafe fn source<'a>(v: &Victim<'a>) -> &'a [u8] {
     let from = v.staged.map_or(v.region.page_addr(v.index).cast_const(), |a| a as *const u8);
     // SAFETY: the caller's contract; `from` is PAGE_SIZE readable bytes (see above).
     unsafe { std::slice::from_raw_parts(from, PAGE_SIZE) }
+}
+
+/// Take `n` consecutive free slots (one, or a run within a bitmap word) with storage set aside
+/// for them: a device that sets its storage aside as it fills is asked for more when they are
+/// past what it holds. `None` when no slots are free or the device's file system has no room
+/// (counted, and said once): the page then stays in memory rather than be written where its
+/// write could fail after it left.
+fn take_slots(shared: &Shared, n: u32) -> Option<u64> {
+    let first = if n == 1 { shared.slots.alloc()? } else { shared.slots.alloc_run(n)? };
+    let end = first + u64::from(n);
+    let backed = if end <= shared.device.backed_slots() { Ok(()) } else { shared.device.back_slots(end) };
+    if let Err(e) = backed {
+        shared.device_out_of_room.store(true, Ordering::Relaxed);
+        (first..end).for_each(|slot| shared.slots.free(slot));
+        Stats::add(&shared.stats.counters.no_device_room, u64::from(n));
+        if !shared.said_no_device_room.swap(true, Ordering::Relaxed) {
+            say_no_device_room(shared.device.backed_slots(), e.raw_os_error().unwrap_or(0));
+        }
+        return None;
+    }
+    if shared.device_out_of_room.load(Ordering::Relaxed) {
+        shared.device_out_of_room.store(false, Ordering::Relaxed);
+    }
+    Some(first)
+}
+
+/// Say once that the device could set no more aside. Without allocating: this may run in the
+/// SIGBUS handler, over program code that holds malloc's lock.
+fn say_no_device_room(backed_slots: u64, errno: i32) {
+    use tiermem_sys::messages::decimal;
+    let (mut mib, mut code) = ([0u8; 20], [0u8; 20]);
+    let why = if errno == libc::ENOSPC { "its file system is full" } else { "fallocate failed" };
+    let parts = [
+        "tiermem: the device cannot set aside more than ",
+        decimal(((backed_slots * PAGE_SIZE as u64) >> 20) as i64, &mut mib),
+        " MiB (",
+        why,
+        ", errno ",
+        decimal(i64::from(errno), &mut code),
+        "); pages that cannot be written out stay in memory, over the budget\n",
+    ];
+    let mut line = [0u8; 256];
+    let mut len = 0;
+    for part in parts {
+        let n = part.len().min(line.len() - len);
+        line[len..len + n].copy_from_slice(&part.as_bytes()[..n]);
+        len += n;
+    }
+    tiermem_sys::messages::write(&line[..len]);
 }
 
 /// Full queue: submit what is queued and take finished writes off it (processed later, outside
@@ -1202,7 +1251,7 @@ fn queue_run(
 ) -> bool {
     let n = run.len() as u32;
     let Some(bufs) = shared.arena.alloc_run(n) else { return false };
-    let Some(slots) = shared.slots.alloc_run(n) else {
+    let Some(slots) = take_slots(shared, n) else {
         (0..n).for_each(|k| shared.arena.release(bufs + k));
         return false;
     };

@@ -104,6 +104,9 @@ pub struct Counters {
     /// is off, see the preload's OOM guard), retried after the budget shrank; one still refused
     /// counts again every 20 ms.
     pub memory_waits: AtomicU64,
+    /// Write-backs not made because the device's file system had no room to set aside a slot
+    /// (see `Device::back_slots`): the page stayed in memory.
+    pub no_device_room: AtomicU64,
     /// Device errors seen.
     pub io_errors: AtomicU64,
     /// The first of them: `kind << 32 | errno` ([`IoErrorKind`]), 0 before any.
@@ -303,6 +306,7 @@ impl Stats {
             unmap_calls: l(&c.unmap_calls),
             spliced_evictions: l(&c.spliced_evictions),
             memory_waits: l(&c.memory_waits),
+            no_device_room: l(&c.no_device_room),
             io_errors: l(&c.io_errors),
             first_io_error: match l(&c.first_io_error) {
                 0 => None,
@@ -421,6 +425,9 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub memory_waits: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub no_device_room: u64,
     /// See [`Counters`].
     pub io_errors: u64,
     /// The first device error: what the request was for and the error ("a write-back:
@@ -600,6 +607,13 @@ impl StatsSnapshot {
                 self.memory_waits
             );
         }
+        if self.no_device_room > 0 {
+            let _ = writeln!(
+                s,
+                "warning         {} write-backs not made: the device's file system had no room; those pages stayed in memory, over the budget",
+                self.no_device_room
+            );
+        }
         if self.cleaned_ahead > 0 {
             let _ = writeln!(s, "cleaning        {} pages written back ahead of eviction", self.cleaned_ahead);
         }
@@ -725,6 +739,7 @@ impl StatsSnapshot {
         self.unmap_calls += other.unmap_calls;
         self.spliced_evictions += other.spliced_evictions;
         self.memory_waits += other.memory_waits;
+        self.no_device_room += other.no_device_room;
         self.io_errors += other.io_errors;
         if self.first_io_error.is_none() {
             self.first_io_error.clone_from(&other.first_io_error);

@@ -1467,6 +1467,95 @@ fn failed_reads_and_writes_of_the_device_lose_nothing_and_kill_nothing() {
     }
 }
 
+/// A memory device whose medium has room for `room` slots only, as a device file on a nearly
+/// full file system: slots past it are refused with ENOSPC until the room is raised.
+#[derive(Debug)]
+struct CrampedDevice {
+    inner: MemDevice,
+    room: std::sync::atomic::AtomicU64,
+}
+
+impl tiermem_device::Device for CrampedDevice {
+    fn describe(&self) -> String {
+        format!("cramped {}", self.inner.describe())
+    }
+    fn capacity_slots(&self) -> u64 {
+        self.inner.capacity_slots()
+    }
+    fn backed_slots(&self) -> u64 {
+        self.room.load(std::sync::atomic::Ordering::Relaxed).min(self.capacity_slots())
+    }
+    fn back_slots(&self, slots: u64) -> std::io::Result<()> {
+        if slots > self.backed_slots() {
+            return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        Ok(())
+    }
+    fn open_queue(
+        &self,
+        kind: tiermem_device::QueueKind,
+        depth: u32,
+        arena: &Arc<tiermem_device::BufferArena>,
+    ) -> tiermem_device::Result<Box<dyn tiermem_device::IoQueue>> {
+        self.inner.open_queue(kind, depth, arena)
+    }
+    fn counters(&self) -> &tiermem_device::DeviceCounters {
+        self.inner.counters()
+    }
+    fn read_slot_blocking(&self, slot: u64, dst: &mut [u8]) -> tiermem_device::Result<()> {
+        self.inner.read_slot_blocking(slot, dst)
+    }
+}
+
+/// A device whose file system fills up while the program writes more than its budget: pages
+/// that cannot be written out stay in memory over the budget (the program neither stops nor
+/// loses a byte, where a fault waited for room that never came), the refusals are counted,
+/// and once the file system has room again, reclaim brings residency back under the budget.
+#[test]
+fn a_device_without_room_keeps_pages_in_memory_over_the_budget_and_loses_nothing() {
+    let name = "a_device_without_room_keeps_pages_in_memory_over_the_budget_and_loses_nothing";
+    let _serial = serial();
+    if features_or_skip(name).is_none() {
+        return;
+    }
+    for mode in [FaultMode::Sigbus, FaultMode::HandlerThread] {
+        within(std::time::Duration::from_secs(60), "cramped device", move || {
+            let (pages, room, budget) = (1024usize, 300u64, 128u64);
+            let device = Arc::new(CrampedDevice {
+                inner: MemDevice::new(2 * pages as u64 * 4096).unwrap(),
+                room: std::sync::atomic::AtomicU64::new(room),
+            });
+            let engine = engine(device.clone(), budget, |c| {
+                c.prefetch = "none".into();
+                c.fault_mode = mode;
+            });
+            let region = engine.create_region(pages * 4096).unwrap();
+            write_and_check_rounds(&region, 2, &format!("{mode:?} without room"));
+            let stats = engine.stats();
+            assert!(stats.no_device_room > 0, "{mode:?}: nothing was refused: {}", stats.summary());
+            assert!(
+                stats.summary().contains("write-backs not made: the device's file system had no room"),
+                "{mode:?}: {}",
+                stats.summary()
+            );
+            let resident = engine.resident_pages();
+            assert!(
+                resident > budget && resident + room >= pages as u64,
+                "{mode:?}: {resident} pages resident with room for {room} on the device and a budget of {budget}"
+            );
+
+            device.room.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while engine.resident_pages() > budget && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let resident = engine.resident_pages();
+            assert!(resident <= budget, "{mode:?}: {resident} pages still resident, budget {budget}, with room again");
+            write_and_check_rounds(&region, 1, &format!("{mode:?} with room again"));
+        });
+    }
+}
+
 /// A critical read is waited for until it is back, whatever else completes on its lane first.
 /// In poll-only mode a fault's prefetches share its lane, and a fault that left before its
 /// prefetches were done leaves their completions there for the next: that fault counted them

@@ -280,9 +280,10 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
     };
     let mut capacity = settings.device_capacity(machine_memory());
     if let (None, tiermem_device::DeviceSpec::File(path)) = (settings.device_bytes, &settings.device) {
-        // A file tiermem makes (a temporary one in a directory, or a new named one) takes at
-        // most half the free space left in its file system. An existing file or block device
-        // keeps its size.
+        // A file tiermem makes (a temporary one in a directory, or a new named one) can grow to
+        // at most the free space left in its file system: it sets its blocks aside only as
+        // pages are written out (see tiermem_device's `backing`), so each process of a run may
+        // count on all of it. An existing file or block device keeps its size.
         let dir = if path.is_dir() {
             Some(path.as_path())
         } else if !path.exists() {
@@ -303,7 +304,7 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
         if let Some(fs) = dir.and_then(|d| rustix::fs::statvfs(d).ok()) {
             let free = fs.f_bavail.saturating_mul(fs.f_frsize);
             if free > 0 {
-                capacity = capacity.min((free / 2).max(DEVICE_FLOOR) / 4096 * 4096);
+                capacity = capacity.min(free.max(DEVICE_FLOOR) / 4096 * 4096);
             }
         }
     }

@@ -607,3 +607,100 @@ fn an_existing_file_ending_mid_page_is_extended() {
     RoundTrip::new(QueueKind::Completion, 8, 100, 11, 0..16).run(&device, &mut model);
     model.verify_all(&device, QueueKind::Completion);
 }
+
+/// Bytes of blocks `path` holds (allocated or set aside), from st_blocks.
+fn allocated_bytes(path: &Path) -> u64 {
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+/// A created file is sized at once but holds only a first step of blocks; more are set aside
+/// in steps as slots are asked for, never past the capacity.
+#[test]
+fn a_created_file_sets_its_blocks_aside_in_steps_as_slots_are_asked_for() {
+    let dir = scratch();
+    let path = dir.path().join("device");
+    let slots = 256 * 1024; // 1 GiB
+    let device = FileDevice::open(&path, Some(slots * SLOT_BYTES)).unwrap();
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), slots * SLOT_BYTES);
+    let step = crate::backing::MIN_STEP_SLOTS;
+    assert_eq!(device.backed_slots(), step, "the first step at open");
+    assert!(allocated_bytes(&path) <= step * SLOT_BYTES + (1 << 20), "{} bytes held", allocated_bytes(&path));
+
+    device.back_slots(step + 1).unwrap();
+    assert_eq!(device.backed_slots(), 2 * step, "a whole step more for one slot more");
+    assert!(allocated_bytes(&path) >= 2 * step * SLOT_BYTES, "{} bytes held", allocated_bytes(&path));
+    device.back_slots(10).unwrap();
+    assert_eq!(device.backed_slots(), 2 * step, "nothing more for slots already backed");
+    // Later steps are a quarter of what is held.
+    device.back_slots(40 * step).unwrap();
+    device.back_slots(40 * step + 1).unwrap();
+    assert_eq!(device.backed_slots(), 50 * step);
+    let past = device.back_slots(slots + 1).unwrap_err();
+    assert_eq!(past.raw_os_error(), Some(libc::EINVAL), "{past}");
+    device.back_slots(slots).unwrap();
+    assert_eq!(device.backed_slots(), slots);
+
+    let mut model = PageModel::new();
+    RoundTrip::new(QueueKind::Completion, 8, 100, 12, slots - 64..slots).run(&device, &mut model);
+    model.verify_all(&device, QueueKind::Completion);
+}
+
+/// On a file system that fills up, slots past what it holds are refused with ENOSPC (the
+/// engine then keeps their pages in memory), asking again at once is refused without asking
+/// the file system, and the slots it did set aside work.
+#[test]
+fn a_full_file_system_refuses_slots_past_what_it_holds() {
+    let name = "a_full_file_system_refuses_slots_past_what_it_holds";
+    if !rustix::process::geteuid().is_root() {
+        println!("SKIPPED {name}: mounting a small file system needs root");
+        return;
+    }
+    let dir = scratch();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=8m", "tiermem-device-test"])
+        .arg(dir.path())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        println!("SKIPPED {name}: cannot mount a tmpfs here");
+        return;
+    }
+    /// Unmounts however the test ends.
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            if !std::process::Command::new("umount").arg(self.0).status().is_ok_and(|s| s.success()) {
+                let _ = std::process::Command::new("umount").arg("-l").arg(self.0).status();
+            }
+        }
+    }
+    let _unmount = Unmount(dir.path());
+    // Sized beyond the file system (as `truncate -s` makes it): opened as it is.
+    let path = dir.path().join("device");
+    std::fs::File::create(&path).unwrap().set_len(64 << 20).unwrap();
+    let device = match FileDevice::open(&path, None) {
+        Err(e) if e.kind() == ErrorKind::Unsupported => {
+            println!("SKIPPED {name}: tmpfs here takes no O_DIRECT: {e}");
+            return;
+        }
+        opened => opened.unwrap(),
+    };
+    assert_eq!(device.capacity_slots(), 16 * 1024);
+    // The first step (16 MiB) did not fit; the one slot asked for at open did.
+    assert_eq!(device.backed_slots(), 1);
+    device.back_slots(1024).unwrap();
+    assert_eq!(device.backed_slots(), 1024, "4 MiB fit where a step did not");
+    let refused = device.back_slots(4096).unwrap_err();
+    assert_eq!(refused.raw_os_error(), Some(libc::ENOSPC), "{refused}");
+    assert_eq!(device.backed_slots(), 1024);
+    let again = device.back_slots(1100).unwrap_err();
+    assert_eq!(again.raw_os_error(), Some(libc::ENOSPC), "asked again at once: {again}");
+
+    let mut model = PageModel::new();
+    RoundTrip::new(QueueKind::Completion, 8, 200, 13, 0..1024).run(&device, &mut model);
+    model.verify_all(&device, QueueKind::Completion);
+    // A second later the file system is asked again.
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    device.back_slots(1100).unwrap();
+    assert!(device.backed_slots() >= 1100);
+}
