@@ -86,7 +86,8 @@ fn reserve_room(shared: &Shared, regions: &RegionTable) -> bool {
                 // Nothing can be written out: the page comes in over the budget, which is
                 // better than a program that stops (reclaim brings residency back down once
                 // the file system has room again).
-                shared.resident.fetch_add(1, Ordering::AcqRel);
+                let resident = shared.resident.fetch_add(1, Ordering::AcqRel) + 1;
+                shared.stats.observe_resident(resident);
                 return true;
             }
             idle += 1;

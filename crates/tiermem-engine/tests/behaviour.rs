@@ -1543,6 +1543,7 @@ fn a_device_without_room_keeps_pages_in_memory_over_the_budget_and_loses_nothing
                 resident > budget && resident + room >= pages as u64,
                 "{mode:?}: {resident} pages resident with room for {room} on the device and a budget of {budget}"
             );
+            assert!(stats.peak_resident_pages >= resident, "{mode:?}: the peak missed the pages over the budget");
 
             device.room.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
