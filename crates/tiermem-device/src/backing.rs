@@ -26,8 +26,12 @@ const SLOT_BYTES: u64 = PAGE_SIZE as u64;
 pub(crate) const MIN_STEP_SLOTS: u64 = (16 << 20) / SLOT_BYTES;
 
 /// After the file system refused, slots past what is set aside are refused at once for this
-/// long: a program evicting steadily would otherwise ask again for every page.
+/// long: a program evicting steadily would otherwise ask again for every page. After it
+/// refused a whole step but took what was asked, steps stay that short for as long.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// A short step (1 MiB): what is asked for, rounded up to this, on a file system short of room.
+const SHORT_STEP_SLOTS: u64 = (1 << 20) / SLOT_BYTES;
 
 /// How much of a device's capacity has storage set aside.
 #[derive(Debug)]
@@ -35,19 +39,32 @@ pub(crate) struct Backing {
     /// Slots `0..backed` have blocks set aside.
     backed: AtomicU64,
     capacity: u64,
-    /// When the file system last refused a step; held while a step is taken.
-    refused_at: Mutex<Option<Instant>>,
+    /// The file system's last answers; held while a step is taken.
+    shortfall: Mutex<Shortfall>,
+}
+
+/// When the file system last fell short.
+#[derive(Debug, Default)]
+struct Shortfall {
+    /// It refused even what was asked for.
+    refused_at: Option<Instant>,
+    /// It refused a whole step.
+    step_refused_at: Option<Instant>,
+}
+
+fn recent(at: Option<Instant>) -> bool {
+    at.is_some_and(|at| at.elapsed() < RETRY_AFTER)
 }
 
 impl Backing {
     /// Every slot backed already: a block device, or a file written in full.
     pub(crate) fn complete(capacity: u64) -> Self {
-        Self { backed: AtomicU64::new(capacity), capacity, refused_at: Mutex::new(None) }
+        Self { backed: AtomicU64::new(capacity), capacity, shortfall: Mutex::default() }
     }
 
     /// Nothing set aside yet.
     pub(crate) fn growing(capacity: u64) -> Self {
-        Self { backed: AtomicU64::new(0), capacity, refused_at: Mutex::new(None) }
+        Self { backed: AtomicU64::new(0), capacity, shortfall: Mutex::default() }
     }
 
     pub(crate) fn backed(&self) -> u64 {
@@ -65,38 +82,68 @@ impl Backing {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
         let no_room = || io::Error::from_raw_os_error(libc::ENOSPC);
-        let mut refused_at = self.refused_at.lock().unwrap_or_else(|e| e.into_inner());
+        let mut shortfall = self.shortfall.lock().unwrap_or_else(|e| e.into_inner());
         let backed = self.backed();
         if slots <= backed {
             return Ok(());
         }
-        if refused_at.is_some_and(|at| at.elapsed() < RETRY_AFTER) {
+        if recent(shortfall.refused_at) {
             return Err(no_room());
         }
-        let step = MIN_STEP_SLOTS.max(backed / 4);
-        // The whole step, or failing that only what was asked for: a nearly full file system
-        // may still hold that.
-        let mut target = slots.max(backed.saturating_add(step)).min(self.capacity);
-        loop {
-            let len = (target - backed) * SLOT_BYTES;
-            match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), backed * SLOT_BYTES, len) {
-                Ok(()) => break,
-                // A file system without fallocate fills holes as they are written; nothing can
-                // be set aside ahead.
-                Err(rustix::io::Errno::OPNOTSUPP) => {
-                    target = self.capacity;
-                    break;
+        let short = slots.next_multiple_of(SHORT_STEP_SLOTS).min(self.capacity);
+        let step = if recent(shortfall.step_refused_at) {
+            short
+        } else {
+            slots.max(backed.saturating_add(MIN_STEP_SLOTS.max(backed / 4))).min(self.capacity)
+        };
+        let target = match self.allocate(file, backed, step) {
+            Ok(target) => target,
+            Err(e) if !is_no_room(&e) => return Err(e),
+            // The whole step did not fit: a nearly full file system may still hold what was
+            // asked for. What the failed step got (ext4 and XFS keep it) goes back either way,
+            // or this file would hold the room other processes need.
+            Err(e) => {
+                shortfall.step_refused_at = Some(Instant::now());
+                let fitted = if step > short { self.allocate(file, backed, short) } else { Err(e) };
+                let kept = *fitted.as_ref().unwrap_or(&backed);
+                give_back(file, kept, step);
+                match fitted {
+                    Ok(target) => target,
+                    Err(e) => {
+                        if is_no_room(&e) {
+                            shortfall.refused_at = Some(Instant::now());
+                        }
+                        return Err(e);
+                    }
                 }
-                Err(rustix::io::Errno::NOSPC | rustix::io::Errno::DQUOT) if target > slots => target = slots,
-                Err(rustix::io::Errno::NOSPC | rustix::io::Errno::DQUOT) => {
-                    *refused_at = Some(Instant::now());
-                    return Err(no_room());
-                }
-                Err(e) => return Err(e.into()),
             }
-        }
-        *refused_at = None;
+        };
+        shortfall.refused_at = None;
         self.backed.store(target, Ordering::Release);
         Ok(())
+    }
+
+    /// fallocate slots `from..to`; the slots then backed (all of them where the file system
+    /// has no fallocate: it fills holes as they are written, nothing can be set aside ahead).
+    fn allocate(&self, file: &File, from: u64, to: u64) -> io::Result<u64> {
+        let len = (to - from) * SLOT_BYTES;
+        match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), from * SLOT_BYTES, len) {
+            Ok(()) => Ok(to),
+            Err(rustix::io::Errno::OPNOTSUPP) => Ok(self.capacity),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+fn is_no_room(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+}
+
+/// Free the blocks of slots `from..to` (none of which is in use: they lie past what is backed)
+/// and keep the file's size. Best effort: what cannot be punched stays set aside, unused.
+fn give_back(file: &File, from: u64, to: u64) {
+    if to > from {
+        let flags = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+        let _ = rustix::fs::fallocate(file, flags, from * SLOT_BYTES, (to - from) * SLOT_BYTES);
     }
 }

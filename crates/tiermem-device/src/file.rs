@@ -208,7 +208,13 @@ impl FileDevice {
                 format!("device file {shown} is {bytes} bytes, less than one {PAGE_SIZE}-byte slot; give a size to extend it"),
             ));
         }
-        let backing = if file_type.is_block_device() { Backing::complete(slots) } else { Backing::growing(slots) };
+        // A file written with zeros from its start holds all its blocks already.
+        let written_in_full = file_type.is_file() && zero_fill && size.is_some() && metadata.len() == 0;
+        let backing = if file_type.is_block_device() || written_in_full {
+            Backing::complete(slots)
+        } else {
+            Backing::growing(slots)
+        };
         // A first step now: a file system without room for even one slot fails the open.
         backing.back(&file, 1).map_err(|e| match e.raw_os_error() {
             Some(libc::ENOSPC) => Error::os_kind(
@@ -472,8 +478,9 @@ fn extend(file: &File, path: &Path, from: u64, to: u64, zero_fill: bool) -> Resu
         )
     };
     if !zero_fill {
+        // (Some file systems, FUSE ones without statfs among them, give no size: 0.)
         let size = rustix::fs::fstatvfs(file).map(|fs| fs.f_blocks.saturating_mul(fs.f_frsize));
-        if size.is_ok_and(|size| to - from > size) {
+        if size.is_ok_and(|size| size > 0 && to - from > size) {
             return Err(no_space());
         }
         return file

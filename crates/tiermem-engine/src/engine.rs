@@ -30,6 +30,12 @@ pub(crate) fn wake_eventfd() -> Result<WakeFd> {
     Ok(Guarded::new(fd))
 }
 
+/// Milliseconds of the monotonic clock (a vDSO call: usable in the SIGBUS handler).
+fn monotonic_ms() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    (t.tv_sec as u64).saturating_mul(1000) + t.tv_nsec as u64 / 1_000_000
+}
+
 /// State shared by the engine's threads and the fault handlers.
 #[derive(Debug)]
 pub(crate) struct Shared {
@@ -77,10 +83,11 @@ pub(crate) struct Shared {
     /// The last cleaning round found nothing to clean: faults stop waking the reclaim thread
     /// for cleaning until its next timed wake-up.
     pub(crate) clean_stalled: AtomicBool,
-    /// The device's file system refused the last slot asked of it (see `reclaim::take_slots`):
-    /// pages that need a write cannot leave, and a fault finding no room is let in over the
-    /// budget rather than wait for room that will not come.
-    pub(crate) device_out_of_room: AtomicBool,
+    /// When the device's file system last refused a slot (see `reclaim::take_slots`), in
+    /// milliseconds of the monotonic clock; 0 once a slot past what it held was granted. For a
+    /// while after, pages that would need a new slot are not taken as victims, and a fault
+    /// finding no room is let in over the budget rather than wait for room that will not come.
+    pub(crate) device_refused_at_ms: AtomicU64,
     /// That refusal was said on stderr (once per engine).
     pub(crate) said_no_device_room: AtomicBool,
     /// Pages come in write-protected (for sync or async WP).
@@ -241,6 +248,22 @@ impl Shared {
     }
 
     /// Claim room for one more resident page, for a faulting thread: if under the limit.
+    /// Whether the device's file system refused a slot within the last second (the device asks
+    /// it again no sooner: see tiermem_device's `backing`).
+    pub(crate) fn device_refusing(&self) -> bool {
+        let at = self.device_refused_at_ms.load(Ordering::Relaxed);
+        at != 0 && monotonic_ms().saturating_sub(at) < 1000
+    }
+
+    /// Note a refusal of the device's file system now, or (`false`) that it granted room.
+    pub(crate) fn note_device_room(&self, refused: bool) {
+        if refused {
+            self.device_refused_at_ms.store(monotonic_ms().max(1), Ordering::Relaxed);
+        } else if self.device_refused_at_ms.load(Ordering::Relaxed) != 0 {
+            self.device_refused_at_ms.store(0, Ordering::Relaxed);
+        }
+    }
+
     pub(crate) fn try_reserve_resident(&self) -> bool {
         self.try_reserve_resident_under(self.limit_pages())
     }
@@ -492,7 +515,7 @@ impl Engine {
             cold_pages: AtomicU64::new(0),
             reclaim_asleep: AtomicBool::new(true),
             clean_stalled: AtomicBool::new(false),
-            device_out_of_room: AtomicBool::new(false),
+            device_refused_at_ms: AtomicU64::new(0),
             said_no_device_room: AtomicBool::new(false),
             write_protect,
             capture,

@@ -82,7 +82,7 @@ fn reserve_room(shared: &Shared, regions: &RegionTable) -> bool {
         if crate::reclaim::evict_batch(shared, regions, 8, Path::DirectReclaim) == 0
             && reap_background(shared, regions) == 0
         {
-            if shared.device_out_of_room.load(Ordering::Relaxed) {
+            if idle >= ROUNDS_BEFORE_OVER_BUDGET && shared.device_refusing() {
                 // Nothing can be written out: the page comes in over the budget, which is
                 // better than a program that stops (reclaim brings residency back down once
                 // the file system has room again).
@@ -100,6 +100,10 @@ fn reserve_room(shared: &Shared, regions: &RegionTable) -> bool {
         }
     }
 }
+
+/// Rounds in a row with nothing evicted and nothing completed after which a fault comes in over
+/// the budget while the device's file system refuses slots (fewer could be victims merely busy).
+const ROUNDS_BEFORE_OVER_BUDGET: u32 = 8;
 
 /// Rounds in a row with nothing evicted and nothing completed after which a fault stops waiting
 /// for room and is made again. It waits holding the region table's read lock; when the budget

@@ -597,7 +597,10 @@ fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId, from_c
         Stats::add(&shared.stats.counters.stale_entries_dropped, 1);
         return Err(false);
     }
-    let busy = state.writing() || (state.dirty() && buf.is_none());
+    // A page never written out needs a new slot, which the device's file system has just
+    // refused: left for now, rather than made ready to leave and put back (`device_refusing`).
+    let busy =
+        state.writing() || (state.dirty() && buf.is_none()) || (state.slot().is_none() && shared.device_refusing());
     if state.kind() != Kind::Resident || busy {
         drop(page);
         release(shared, buf);
@@ -1172,17 +1175,18 @@ fn take_slots(shared: &Shared, n: u32) -> Option<u64> {
     let end = first + u64::from(n);
     let backed = if end <= shared.device.backed_slots() { Ok(()) } else { shared.device.back_slots(end) };
     if let Err(e) = backed {
-        shared.device_out_of_room.store(true, Ordering::Relaxed);
+        shared.note_device_room(true);
         (first..end).for_each(|slot| shared.slots.free(slot));
-        Stats::add(&shared.stats.counters.no_device_room, u64::from(n));
+        // A refused run is tried again page by page, each counted then.
+        if n == 1 {
+            Stats::add(&shared.stats.counters.no_device_room, 1);
+        }
         if !shared.said_no_device_room.swap(true, Ordering::Relaxed) {
             say_no_device_room(shared.device.backed_slots(), e.raw_os_error().unwrap_or(0));
         }
         return None;
     }
-    if shared.device_out_of_room.load(Ordering::Relaxed) {
-        shared.device_out_of_room.store(false, Ordering::Relaxed);
-    }
+    shared.note_device_room(false);
     Some(first)
 }
 

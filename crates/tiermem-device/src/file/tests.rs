@@ -609,6 +609,8 @@ fn an_existing_file_ending_mid_page_is_extended() {
 }
 
 /// Bytes of blocks `path` holds (allocated or set aside), from st_blocks.
+const MIN_STEP_BYTES: u64 = crate::backing::MIN_STEP_SLOTS * SLOT_BYTES;
+
 fn allocated_bytes(path: &Path) -> u64 {
     std::fs::metadata(path).unwrap().blocks() * 512
 }
@@ -665,15 +667,6 @@ fn a_full_file_system_refuses_slots_past_what_it_holds() {
         println!("SKIPPED {name}: cannot mount a tmpfs here");
         return;
     }
-    /// Unmounts however the test ends.
-    struct Unmount<'a>(&'a Path);
-    impl Drop for Unmount<'_> {
-        fn drop(&mut self) {
-            if !std::process::Command::new("umount").arg(self.0).status().is_ok_and(|s| s.success()) {
-                let _ = std::process::Command::new("umount").arg("-l").arg(self.0).status();
-            }
-        }
-    }
     let _unmount = Unmount(dir.path());
     // Sized beyond the file system (as `truncate -s` makes it): opened as it is.
     let path = dir.path().join("device");
@@ -686,10 +679,14 @@ fn a_full_file_system_refuses_slots_past_what_it_holds() {
         opened => opened.unwrap(),
     };
     assert_eq!(device.capacity_slots(), 16 * 1024);
-    // The first step (16 MiB) did not fit; the one slot asked for at open did.
-    assert_eq!(device.backed_slots(), 1);
-    device.back_slots(1024).unwrap();
+    // The first step (16 MiB) did not fit; a short one (1 MiB) for the slot asked for at open
+    // did, and what the failed step took was given back.
+    assert_eq!(device.backed_slots(), 256);
+    assert!(allocated_bytes(&path) <= 1 << 20, "{} bytes held", allocated_bytes(&path));
+    // Short steps while the file system is short of room.
+    device.back_slots(1000).unwrap();
     assert_eq!(device.backed_slots(), 1024, "4 MiB fit where a step did not");
+    assert!(allocated_bytes(&path) <= 4 << 20, "{} bytes held", allocated_bytes(&path));
     let refused = device.back_slots(4096).unwrap_err();
     assert_eq!(refused.raw_os_error(), Some(libc::ENOSPC), "{refused}");
     assert_eq!(device.backed_slots(), 1024);
@@ -699,8 +696,73 @@ fn a_full_file_system_refuses_slots_past_what_it_holds() {
     let mut model = PageModel::new();
     RoundTrip::new(QueueKind::Completion, 8, 200, 13, 0..1024).run(&device, &mut model);
     model.verify_all(&device, QueueKind::Completion);
-    // A second later the file system is asked again.
+    // A second later the file system is asked again: a whole step does not fit, a short one
+    // does.
     std::thread::sleep(std::time::Duration::from_millis(1100));
     device.back_slots(1100).unwrap();
-    assert!(device.backed_slots() >= 1100);
+    assert_eq!(device.backed_slots(), 1280);
+    assert!(allocated_bytes(&path) <= 5 << 20, "{} bytes held", allocated_bytes(&path));
+}
+
+/// Unmounts however the test ends.
+struct Unmount<'a>(&'a Path);
+
+impl Drop for Unmount<'_> {
+    fn drop(&mut self) {
+        if !std::process::Command::new("umount").arg(self.0).status().is_ok_and(|s| s.success()) {
+            let _ = std::process::Command::new("umount").arg("-l").arg(self.0).status();
+        }
+    }
+}
+
+/// ext4 keeps what a refused fallocate got: on a nearly full file system a step that does not
+/// fit took all the free space, and only then failed. The device gives that back and keeps a
+/// short step, leaving the rest to other processes.
+#[test]
+fn a_step_that_does_not_fit_gives_back_what_it_took() {
+    let name = "a_step_that_does_not_fit_gives_back_what_it_took";
+    if !rustix::process::geteuid().is_root() {
+        println!("SKIPPED {name}: mounting a small file system needs root");
+        return;
+    }
+    let dir = scratch();
+    let image = dir.path().join("ext4.img");
+    std::fs::File::create(&image).unwrap().set_len(64 << 20).unwrap();
+    let made = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&image)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    let mount_point = dir.path().join("mnt");
+    std::fs::create_dir(&mount_point).unwrap();
+    let mounted = made
+        && std::process::Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&image)
+            .arg(&mount_point)
+            .status()
+            .is_ok_and(|s| s.success());
+    if !mounted {
+        println!("SKIPPED {name}: cannot make and loop-mount a small ext4 here");
+        return;
+    }
+    let _unmount = Unmount(&mount_point);
+    let free = || {
+        let fs = rustix::fs::statvfs(&mount_point).unwrap();
+        fs.f_bavail * fs.f_frsize
+    };
+    // Leave about 10 MiB free: less than a step (16 MiB).
+    let filler = std::fs::File::create(mount_point.join("filler")).unwrap();
+    rustix::fs::fallocate(&filler, rustix::fs::FallocateFlags::empty(), 0, free() - (10 << 20)).unwrap();
+    let before = free();
+    assert!(before < MIN_STEP_BYTES, "{before} bytes free");
+    let path = mount_point.join("device");
+    std::fs::File::create(&path).unwrap().set_len(256 << 20).unwrap();
+    let device = FileDevice::open(&path, None).unwrap();
+    assert_eq!(device.backed_slots(), 256, "a short step (1 MiB) where a whole one did not fit");
+    // (An extent block besides.)
+    assert!(allocated_bytes(&path) <= (1 << 20) + (64 << 10), "{} bytes held by the device", allocated_bytes(&path));
+    assert!(free() + (2 << 20) >= before, "{} of {before} bytes still free", free());
 }
