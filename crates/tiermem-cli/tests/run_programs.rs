@@ -3526,6 +3526,34 @@ impl<'a> SmallFileSystem<'a> {
     }
 }
 
+/// `tiermem run --limit 16MiB --device file:DEVICE -- PROGRAM` in `scratch`, with DEVICE (named
+/// by `device_in` from the mount point) on a 256 MiB tmpfs; `check` sees the output while the
+/// tmpfs is still mounted. Says SKIPPED where no such tmpfs can be had.
+fn run_with_the_device_on_a_small_tmpfs(
+    name: &str,
+    scratch: &Scratch,
+    device_in: impl FnOnce(&Path) -> PathBuf,
+    program: &[&str],
+    check: impl FnOnce(&std::process::Output, &str),
+) {
+    if !uffd_or_skip(name) {
+        return;
+    }
+    let mount_point = scratch.path().join("small");
+    let Some(_mounted) = SmallFileSystem::mount(name, &mount_point, "256m") else { return };
+    let device_arg = format!("file:{}", device_in(&mount_point).display());
+    let mut args = vec!["run", "--limit", "16MiB", "--device", &device_arg, "--"];
+    args.extend_from_slice(program);
+    let out = scratch.command(&args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() && err.contains("O_DIRECT") {
+        eprintln!("SKIPPED {name}: tmpfs here takes no O_DIRECT");
+        return;
+    }
+    assert!(out.status.success(), "{name}: {err}");
+    check(&out, &err);
+}
+
 impl Drop for SmallFileSystem<'_> {
     /// Unmounts however the test ends.
     fn drop(&mut self) {
@@ -3546,37 +3574,29 @@ impl Drop for SmallFileSystem<'_> {
 #[test]
 fn a_new_named_device_file_fits_its_file_system() {
     let name = "a_new_named_device_file_fits_its_file_system";
-    if !uffd_or_skip(name) {
-        return;
-    }
     let scratch = Scratch::new();
-    let mount_point = scratch.path().join("small");
-    let Some(_mounted) = SmallFileSystem::mount(name, &mount_point, "256m") else { return };
-    let device = mount_point.join("dev");
-    let device_arg = format!("file:{}", device.display());
+    let device = scratch.path().join("small").join("dev");
     let script = format!(
         "import os; x = bytearray(48 << 20); x[::4096] = b'\\x01' * (len(x) // 4096); s = os.stat({:?}); print(sum(x[::4096]), s.st_size, s.st_blocks * 512)",
         device.display().to_string()
     );
-    let out = scratch
-        .command(&["run", "--limit", "16MiB", "--device", &device_arg, "--", "python3", "-c", &script])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() && err.contains("O_DIRECT") {
-        eprintln!("SKIPPED {name}: tmpfs here takes no O_DIRECT");
-        return;
-    }
-    assert!(out.status.success(), "{name}: {err}");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut fields = text.split_whitespace();
-    assert_eq!(fields.next(), Some("12288"), "{name}: every page back: {text}");
-    let size: u64 = fields.next().and_then(|s| s.parse().ok()).expect("the device file's size");
-    let held: u64 = fields.next().and_then(|s| s.parse().ok()).expect("the device file's blocks");
-    assert!(size <= 256 << 20, "{name}: a {size}-byte device on a 256 MiB file system");
-    // 48 MiB written through a 16 MiB budget: at most about 32 MiB out, and a step ahead.
-    assert!(held <= 64 << 20, "{name}: the device file holds {held} bytes of blocks for 48 MiB of data");
-    assert!(!device.exists(), "{name}: the device file the run made is still there");
+    run_with_the_device_on_a_small_tmpfs(
+        name,
+        &scratch,
+        |m| m.join("dev"),
+        &["python3", "-c", &script],
+        |out, _| {
+            let text = String::from_utf8_lossy(&out.stdout);
+            let mut fields = text.split_whitespace();
+            assert_eq!(fields.next(), Some("12288"), "{name}: every page back: {text}");
+            let size: u64 = fields.next().and_then(|s| s.parse().ok()).expect("the device file's size");
+            let held: u64 = fields.next().and_then(|s| s.parse().ok()).expect("the device file's blocks");
+            assert!(size <= 256 << 20, "{name}: a {size}-byte device on a 256 MiB file system");
+            // 48 MiB written through a 16 MiB budget: at most about 32 MiB out, and a step ahead.
+            assert!(held <= 64 << 20, "{name}: the device file holds {held} bytes of blocks for 48 MiB of data");
+            assert!(!device.exists(), "{name}: the device file the run made is still there");
+        },
+    );
 }
 
 /// Processes of one run each make a device file on the same small file system. Each set its
@@ -3587,13 +3607,7 @@ fn a_new_named_device_file_fits_its_file_system() {
 #[test]
 fn processes_of_one_run_share_a_small_file_system_for_their_devices() {
     let name = "processes_of_one_run_share_a_small_file_system_for_their_devices";
-    if !uffd_or_skip(name) {
-        return;
-    }
     let scratch = Scratch::new();
-    let mount_point = scratch.path().join("small");
-    let Some(_mounted) = SmallFileSystem::mount(name, &mount_point, "256m") else { return };
-    let device_arg = format!("file:{}", mount_point.display());
     let script = r#"
 import multiprocessing, os
 def work(seed):
@@ -3608,19 +3622,11 @@ if __name__ == "__main__":
 "#;
     // A file: spawned workers import the parent's `__main__` to find `work`.
     std::fs::write(scratch.path().join("pool.py"), script).unwrap();
-    let out = scratch
-        .command(&["run", "--limit", "16MiB", "--device", &device_arg, "--", "python3", "pool.py"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() && err.contains("O_DIRECT") {
-        eprintln!("SKIPPED {name}: tmpfs here takes no O_DIRECT");
-        return;
-    }
-    assert!(out.status.success(), "{name}: {err}");
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "10240 20480 30720", "{name}: {err}");
-    assert!(!err.contains("the device got"), "{name}: a process got a smaller device: {err}");
-    assert!(!err.contains("cannot set aside"), "{name}: a device ran out of room: {err}");
+    run_with_the_device_on_a_small_tmpfs(name, &scratch, Path::to_path_buf, &["python3", "pool.py"], |out, err| {
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "10240 20480 30720", "{name}: {err}");
+        assert!(!err.contains("the device got"), "{name}: a process got a smaller device: {err}");
+        assert!(!err.contains("cannot set aside"), "{name}: a device ran out of room: {err}");
+    });
 }
 
 /// A SIGBUS that is not the engine's kills the program as it would without tiermem, in sigbus

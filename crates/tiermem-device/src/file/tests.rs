@@ -653,21 +653,11 @@ fn a_created_file_sets_its_blocks_aside_in_steps_as_slots_are_asked_for() {
 #[test]
 fn a_full_file_system_refuses_slots_past_what_it_holds() {
     let name = "a_full_file_system_refuses_slots_past_what_it_holds";
-    if !rustix::process::geteuid().is_root() {
-        println!("SKIPPED {name}: mounting a small file system needs root");
-        return;
-    }
     let dir = scratch();
-    let mounted = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=8m", "tiermem-device-test"])
-        .arg(dir.path())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !mounted {
-        println!("SKIPPED {name}: cannot mount a tmpfs here");
+    let Some(_unmount) = mount_or_skip(name, &["-t", "tmpfs", "-o", "size=8m", "tiermem-device-test"], dir.path())
+    else {
         return;
-    }
-    let _unmount = Unmount(dir.path());
+    };
     // Sized beyond the file system (as `truncate -s` makes it): opened as it is.
     let path = dir.path().join("device");
     std::fs::File::create(&path).unwrap().set_len(64 << 20).unwrap();
@@ -704,6 +694,20 @@ fn a_full_file_system_refuses_slots_past_what_it_holds() {
     assert!(allocated_bytes(&path) <= 5 << 20, "{} bytes held", allocated_bytes(&path));
 }
 
+/// Mount (`mount ARGS mount_point`) for the life of the value, or say SKIPPED and `None`.
+fn mount_or_skip<'a>(test: &str, args: &[&str], mount_point: &'a Path) -> Option<Unmount<'a>> {
+    if !rustix::process::geteuid().is_root() {
+        println!("SKIPPED {test}: mounting a small file system needs root");
+        return None;
+    }
+    let mounted = std::process::Command::new("mount").args(args).arg(mount_point).status().is_ok_and(|s| s.success());
+    if !mounted {
+        println!("SKIPPED {test}: cannot mount {args:?} here");
+        return None;
+    }
+    Some(Unmount(mount_point))
+}
+
 /// Unmounts however the test ends.
 struct Unmount<'a>(&'a Path);
 
@@ -721,10 +725,6 @@ impl Drop for Unmount<'_> {
 #[test]
 fn a_step_that_does_not_fit_gives_back_what_it_took() {
     let name = "a_step_that_does_not_fit_gives_back_what_it_took";
-    if !rustix::process::geteuid().is_root() {
-        println!("SKIPPED {name}: mounting a small file system needs root");
-        return;
-    }
     let dir = scratch();
     let image = dir.path().join("ext4.img");
     std::fs::File::create(&image).unwrap().set_len(64 << 20).unwrap();
@@ -735,20 +735,13 @@ fn a_step_that_does_not_fit_gives_back_what_it_took() {
         .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    let mount_point = dir.path().join("mnt");
-    std::fs::create_dir(&mount_point).unwrap();
-    let mounted = made
-        && std::process::Command::new("mount")
-            .args(["-o", "loop"])
-            .arg(&image)
-            .arg(&mount_point)
-            .status()
-            .is_ok_and(|s| s.success());
-    if !mounted {
-        println!("SKIPPED {name}: cannot make and loop-mount a small ext4 here");
+    if !made {
+        println!("SKIPPED {name}: cannot make an ext4 image here (mkfs.ext4)");
         return;
     }
-    let _unmount = Unmount(&mount_point);
+    let mount_point = dir.path().join("mnt");
+    std::fs::create_dir(&mount_point).unwrap();
+    let Some(_unmount) = mount_or_skip(name, &["-o", "loop", image.to_str().unwrap()], &mount_point) else { return };
     let free = || {
         let fs = rustix::fs::statvfs(&mount_point).unwrap();
         fs.f_bavail * fs.f_frsize
