@@ -1036,9 +1036,10 @@ impl RunOutcome {
         );
         let _ = writeln!(
             s,
-            "small heap      {} allocations below the threshold served from {:.1} MiB of managed chunks{}",
+            "small heap      {} allocations below the threshold served from {:.1} MiB of managed chunks, {} evicted pages of freed blocks given up{}",
             self.sum("small_heap_allocations"),
             mib(self.sum("small_heap_bytes")),
+            self.sum("small_heap_dead_pages_forgotten"),
             match (self.settings.small_heap, self.settings.engine.fault_mode) {
                 (false, _) => " (off)",
                 // The heap's chunks are regions the kernel may fault on, which a process limited
@@ -1152,6 +1153,7 @@ impl RunOutcome {
             "committed_allocations": self.sum("committed_allocations"),
             "small_heap_allocations": self.sum("small_heap_allocations"),
             "small_heap_bytes": self.sum("small_heap_bytes"),
+            "small_heap_dead_pages_forgotten": self.sum("small_heap_dead_pages_forgotten"),
             "library_data_runs": self.sum("library_data_runs"),
             "library_data_bytes": self.sum("library_data_bytes"),
             "library_data_pages_with_data": self.sum("library_data_pages_with_data"),

@@ -1170,6 +1170,66 @@ fn a_program_of_small_objects_pages_through_the_small_heap() {
     assert!(bytes > limit, "{name}: small heap of {bytes} bytes, budget {limit}");
 }
 
+/// Blocks of the small-object heap (64 KiB ones from its pool, 512-byte ones from its slabs)
+/// written, pushed out by later ones, half of them freed and as many allocated again: the
+/// freed blocks' evicted pages are given up (their reuse maps zeros instead of reading garbage
+/// back), and every live block still holds what was written to it.
+const FREED_BLOCKS: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+static uint64_t x = 88172645463325252ULL;
+static void fill(uint64_t* p, size_t len) {
+    for (size_t w = 0; w < len / 8; w++) { x ^= x << 13; x ^= x >> 7; x ^= x << 17; p[w] = x; }
+}
+int main(int argc, char** argv) {
+    size_t n = strtoull(argv[1], nullptr, 10);
+    const size_t big_len = 64 << 10, small_len = 512, smalls = 16;
+    std::vector<uint64_t*> big(n), small(n * smalls);
+    // One managed allocation too, as any program that pages has.
+    const size_t arena_len = 2 << 20;
+    uint64_t* arena = (uint64_t*)malloc(arena_len);
+    fill(arena, arena_len);
+    auto make = [&](size_t i) {
+        big[i] = (uint64_t*)malloc(big_len);
+        fill(big[i], big_len);
+        for (size_t k = 0; k < smalls; k++) {
+            small[i * smalls + k] = (uint64_t*)malloc(small_len);
+            fill(small[i * smalls + k], small_len);
+        }
+    };
+    for (size_t i = 0; i < n; i++) make(i);
+    for (size_t i = 0; i < n; i += 2) {
+        free(big[i]);
+        for (size_t k = 0; k < smalls; k++) free(small[i * smalls + k]);
+    }
+    for (size_t i = 0; i < n; i += 2) make(i);
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t w = 0; w < arena_len / 8; w++) h = (h ^ arena[w]) * 1099511628211ULL;
+    for (size_t i = 0; i < n; i++) {
+        for (size_t w = 0; w < big_len / 8; w++) h = (h ^ big[i][w]) * 1099511628211ULL;
+        for (size_t k = 0; k < smalls; k++)
+            for (size_t w = 0; w < small_len / 8; w++) h = (h ^ small[i * smalls + k][w]) * 1099511628211ULL;
+    }
+    printf("blocks=%zu fnv=%016llx\n", n, (unsigned long long)h);
+}
+"#;
+
+#[test]
+fn freed_heap_blocks_give_up_their_evicted_pages() {
+    let name = "freed_heap_blocks_give_up_their_evicted_pages";
+    let n = scaled(800).max(200);
+    let Some(managed) = run_cpp_under_30_percent(name, FREED_BLOCKS, n) else { return };
+    let forgotten = managed.stats["small_heap_dead_pages_forgotten"].as_u64().unwrap_or(0);
+    // Each freed 64 KiB block holds 15 pages wholly inside it, each emptied slab page one; the
+    // older blocks were evicted long before they were freed.
+    let freed_pages = n / 2 * (15 + 2);
+    eprintln!("{name}: {forgotten} pages given up of {freed_pages} freed");
+    assert!(forgotten >= freed_pages / 4, "{name}: only {forgotten} of {freed_pages} freed pages given up");
+    assert!(forgotten <= freed_pages, "{name}: {forgotten} pages given up, more than the {freed_pages} freed");
+}
+
 /// Streams opened while the program has one thread skip stdio's locks under tiermem (the
 /// engine's threads would otherwise switch them on); they must get them back before the program
 /// starts threads: two threads then append lines to one stream (reopened with freopen first)

@@ -964,8 +964,21 @@ impl Region {
     /// longer matter (a freed allocation kept for reuse); resident pages are left as they are.
     /// A page whose write-back is still in flight keeps its contents. Returns the pages given up.
     pub fn forget_evicted(&self) -> u64 {
+        self.forget_evicted_in(0, self.len())
+    }
+
+    /// [`Region::forget_evicted`] for the pages wholly inside `[offset, offset + len)` (bytes;
+    /// partial pages at either end are left alone). No system call: a free block of an
+    /// allocator's can give up its evicted pages on every free.
+    pub fn forget_evicted_in(&self, offset: usize, len: usize) -> u64 {
+        let end = offset.saturating_add(len).min(self.len()) / PAGE_SIZE;
+        let first = offset.div_ceil(PAGE_SIZE);
+        if first >= end {
+            return 0;
+        }
         let mut forgotten = 0;
-        for (index, cell) in self.inner.pages.iter().enumerate() {
+        for (index, cell) in self.inner.pages[first..end].iter().enumerate() {
+            let index = first + index;
             // Evicted, or its copy waiting in the victim tier.
             let gone = |s: PageState| {
                 (s.kind() == Kind::Evicted && !s.writing()) || (s.kind() == Kind::Prefetched && s.victim())

@@ -848,6 +848,43 @@ fn forgotten_evicted_pages_read_zeros_without_device_reads() {
     }
 }
 
+/// A freed block of an allocator gives up only the evicted pages wholly inside its byte range:
+/// the pages it shares at either end with live blocks, and every page outside it, keep their
+/// data.
+#[test]
+fn forgetting_a_byte_range_gives_up_only_the_evicted_pages_wholly_inside_it() {
+    let _serial = serial();
+    if features_or_skip("forgetting_a_byte_range_gives_up_only_the_evicted_pages_wholly_inside_it").is_none() {
+        return;
+    }
+    for (device_name, device) in devices(64 << 20) {
+        let engine = engine(device, 64, |c| c.prefetch = "none".into());
+        let pages = 512;
+        let region = engine.create_region(pages * 4096).unwrap();
+        touch_all(region.as_ptr(), pages, true);
+        // Pages 11..110 lie wholly inside; 10 and 110 only in part.
+        let (offset, len) = (10 * 4096 + 100, 100 * 4096);
+        let inside = 11..110;
+        let forgotten = region.forget_evicted_in(offset, len);
+        assert_eq!(region.forget_evicted_in(4096 + 1, 4096), 0, "{device_name}: a range holding no whole page");
+        assert_eq!(region.forget_evicted_in(pages * 4096, 4096), 0, "{device_name}: a range past the end");
+        let mut zeros = 0;
+        for p in 0..pages {
+            // SAFETY: p < pages, inside the region.
+            let v = unsafe { (region.as_ptr().add(p * 4096) as *const u64).read_volatile() };
+            if inside.contains(&p) {
+                assert!(v == 0 || v == p as u64 + 1, "{device_name}: page {p} reads {v}");
+                zeros += u64::from(v == 0);
+            } else {
+                assert_eq!(v, p as u64 + 1, "{device_name}: page {p}, outside the range, lost its data");
+            }
+        }
+        eprintln!("{device_name}: {forgotten} of {} pages inside forgotten, {zeros} read as zeros", inside.len());
+        assert!(forgotten >= inside.len() as u64 / 2, "{device_name}: most pages inside were evicted");
+        assert_eq!(zeros, forgotten, "{device_name}: exactly the forgotten pages read as zeros");
+    }
+}
+
 /// With write runs, a region written front to back is written back in multi-page requests
 /// (far fewer device writes than pages written), and every page reads back intact, with and
 /// without async write protection.

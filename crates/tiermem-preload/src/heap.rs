@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use tiermem_engine::Region;
+use tiermem_sys::PAGE_SIZE;
 
 use crate::slab::{self, BadBlock, Slabs};
 
@@ -77,6 +78,8 @@ static ENGINE_THREAD_COUNT: AtomicUsize = AtomicUsize::new(0);
 pub static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 /// Bytes of chunks the heap holds.
 pub static CHUNK_BYTES: AtomicU64 = AtomicU64::new(0);
+/// Evicted pages of freed blocks given up (see [`forget_dead`]).
+pub static DEAD_PAGES_FORGOTTEN: AtomicU64 = AtomicU64::new(0);
 
 /// The thread holding the heap's lock (0: none). A request from that thread (the shim's own
 /// code reaching malloc while it holds the lock) goes to the C library instead of deadlocking.
@@ -327,6 +330,36 @@ fn live_header(ptr: usize, what: &str) -> *mut usize {
     word
 }
 
+/// Bytes of a free block's payload the pool keeps its free-list links in (rlsf 0.2.2's
+/// `FreeBlockHdr`: two pointers after the two-word header).
+const FREE_LINKS: usize = 16;
+
+/// The end of the live block whose header is `word` (checked by [`live_header`]).
+fn block_end(word: *mut usize) -> usize {
+    // SAFETY: a live block's header, which `live_header` has just read.
+    word as usize + (unsafe { word.read_volatile() } & !(BLOCK_ALIGN - 1))
+}
+
+/// `[from, to)` of a chunk holds only freed memory, which the program may no longer read and the
+/// pool never reads (its headers and links lie outside): the evicted pages wholly inside it are
+/// given up, so reusing one maps zeros instead of reading garbage back, and its slot is free at
+/// once. Resident pages are left alone (giving them back would cost a TLB shootdown a page). Not
+/// in a forked child, whose engine is the parent's.
+fn forget_dead(heap: &Heap, from: usize, to: usize) {
+    if to.saturating_sub(from) < PAGE_SIZE || !ENABLED.load(Ordering::Acquire) {
+        return;
+    }
+    let holding = heap.chunks.iter().map(|(region, _)| region).find(|region| {
+        let start = region.as_ptr() as usize;
+        (start..start + region.len()).contains(&from)
+    });
+    if let Some(region) = holding {
+        let offset = from - region.as_ptr() as usize;
+        let forgotten = region.forget_evicted_in(offset, to - from);
+        DEAD_PAGES_FORGOTTEN.fetch_add(forgotten, Ordering::Relaxed);
+    }
+}
+
 /// After a block was given back: when it merged into the free block before it, its old header
 /// is left inside that block still marked used; clear it so a second free of the same pointer
 /// is seen. (A header the pool rewrote as a free block's is not marked used.)
@@ -351,16 +384,20 @@ pub unsafe fn free(ptr: *mut c_void) {
     let Some(block) = NonNull::new(ptr.cast::<u8>()) else { return };
     let mut heap = lock();
     if kind_of_block(ptr as usize, "free") == SLAB_CHUNK {
-        if let Err(bad) = heap.slabs.free(ptr as usize) {
-            bad_slab_block("free", bad);
+        match heap.slabs.free(ptr as usize) {
+            Ok(Some(page)) => forget_dead(&heap, page, page + PAGE_SIZE),
+            Ok(None) => {}
+            Err(bad) => bad_slab_block("free", bad),
         }
         return;
     }
     let word = live_header(ptr as usize, "free");
+    let end = block_end(word);
     // SAFETY: a live block of the TLSF pool (checked above), allocated with ALIGN.
     unsafe { heap.pools.deallocate(block, ALIGN) };
     // SAFETY: its header, just freed, under the lock.
     unsafe { forget_header(word) };
+    forget_dead(&heap, ptr as usize + FREE_LINKS, end);
 }
 
 /// Bytes usable at `ptr`; stops the program if it is not a live block.
@@ -393,6 +430,7 @@ pub unsafe fn realloc(ptr: *mut c_void, size: usize) -> Option<*mut c_void> {
         return (size <= usable).then_some(ptr);
     }
     let word = live_header(ptr as usize, "realloc");
+    let old_end = block_end(word);
     if kind_of(layout.size()) == SLAB_CHUNK {
         // Shrunk to a slab size: moved to a slab, where it packs with its class.
         return None;
@@ -408,6 +446,7 @@ pub unsafe fn realloc(ptr: *mut c_void, size: usize) -> Option<*mut c_void> {
     if moved != block {
         // SAFETY: the old block was freed by the move, under the lock.
         unsafe { forget_header(word) };
+        forget_dead(&heap, ptr as usize + FREE_LINKS, old_end);
     }
     Some(moved.as_ptr().cast())
 }

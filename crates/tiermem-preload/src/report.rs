@@ -273,6 +273,7 @@ fn write_statistics(complete: bool) {
         "committed_bytes": COMMITTED_BYTES.load(Ordering::Relaxed),
         "small_heap_allocations": crate::heap::ALLOCATIONS.load(Ordering::Relaxed),
         "small_heap_bytes": crate::heap::CHUNK_BYTES.load(Ordering::Relaxed),
+        "small_heap_dead_pages_forgotten": crate::heap::DEAD_PAGES_FORGOTTEN.load(Ordering::Relaxed),
         "library_data_runs": crate::library_data::RUNS.load(Ordering::Relaxed),
         "library_data_bytes": crate::library_data::BYTES.load(Ordering::Relaxed),
         "library_data_pages_with_data": crate::library_data::PAGES_WITH_DATA.load(Ordering::Relaxed),

@@ -226,8 +226,8 @@ impl Slabs {
     }
 
     /// Give the live block at `addr` back. A page left with no block in use goes back to the
-    /// pool for any class.
-    pub fn free(&mut self, addr: usize) -> Result<(), BadBlock> {
+    /// pool for any class; its address is returned then (its contents matter no more).
+    pub fn free(&mut self, addr: usize) -> Result<Option<usize>, BadBlock> {
         let (c, page, class, block) = self.live(addr)?;
         let id = page_id(c, page);
         let chunk = &mut self.chunks[c];
@@ -240,10 +240,11 @@ impl Slabs {
             }
             self.chunks[c].class[page] = EMPTY;
             self.empty.push(id);
+            return Ok(Some(self.chunks[c].start + page * PAGE_SIZE));
         } else if !listed {
             self.link(id, class);
         }
-        Ok(())
+        Ok(None)
     }
 }
 
@@ -313,9 +314,10 @@ mod tests {
         let other = s.alloc(1024).unwrap();
         assert_eq!(other / PAGE_SIZE, BASE / PAGE_SIZE + 1);
         assert_eq!(s.alloc(512), None, "both pages taken");
-        for &a in &small {
-            s.free(a).unwrap();
+        for &a in &small[..255] {
+            assert_eq!(s.free(a), Ok(None), "blocks are still in use on the page");
         }
+        assert_eq!(s.free(small[255]), Ok(Some(BASE)), "the last block's free empties the page");
         assert_eq!(s.free(small[3]), Err(BadBlock::Free), "a block of a page given back");
         assert_eq!(s.alloc(512), Some(BASE), "the emptied page now holds 512-byte blocks");
         assert_eq!(s.usable_size(BASE), Ok(512));
@@ -330,7 +332,7 @@ mod tests {
         assert_eq!(s.free(a + 8), Err(BadBlock::Unknown), "inside a block");
         assert_eq!(s.free(a + 32), Err(BadBlock::Free), "a block never handed out");
         assert_eq!(s.free(BASE + PAGE_SIZE), Err(BadBlock::Unknown), "outside every chunk");
-        assert_eq!(s.free(a), Ok(()));
+        assert_eq!(s.free(a), Ok(Some(BASE)));
         assert_eq!(s.free(a), Err(BadBlock::Free), "double free");
         assert_eq!(s.usable_size(a), Err(BadBlock::Free));
         assert_eq!(s.alloc(32), Some(a), "the freed block is reused");
@@ -374,8 +376,11 @@ mod tests {
             for (size, free, pick) in ops {
                 if free && !live.is_empty() {
                     let addr = *live.keys().nth(pick as usize % live.len()).unwrap();
-                    prop_assert_eq!(s.free(addr), Ok(()));
                     live.remove(&addr);
+                    // The page is given back exactly when no live block is left on it.
+                    let page = addr / PAGE_SIZE * PAGE_SIZE;
+                    let emptied = !live.keys().any(|&a| a / PAGE_SIZE == addr / PAGE_SIZE);
+                    prop_assert_eq!(s.free(addr), Ok(emptied.then_some(page)));
                     check_lists(&s);
                     continue;
                 }
@@ -409,7 +414,7 @@ mod tests {
                 }
             }
             for (&addr, _) in live.iter() {
-                prop_assert_eq!(s.free(addr), Ok(()));
+                prop_assert!(s.free(addr).is_ok());
             }
         }
     }
