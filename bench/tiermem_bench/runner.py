@@ -129,6 +129,21 @@ def run_helper(argv: list[str], result_file: Path, env: dict | None = None,
     return report, stdout, stderr, proc.returncode
 
 
+SUMMARY_START = "tiermem: the program "
+
+
+def stderr_tail(stderr: str, keep: int = 2000) -> str:
+    """The end of a run's stderr, with the program's own last lines first: `tiermem run`'s
+    summary (about 2 KB) comes after them and would otherwise push a crashed program's
+    traceback out of the tail."""
+    at = stderr.rfind(SUMMARY_START)
+    if at < 0 or len(stderr) <= keep:
+        return stderr[-keep:]
+    program, summary = stderr[:at], stderr[at:]
+    head = summary[: keep // 4]
+    return program[-(keep - len(head)):] + head
+
+
 def run_once(record: RunRecord, argv: list[str], *, result_file: Path, expected: str | None,
              env: dict | None = None, stats_file: Path | None = None,
              cleanup_paths: tuple = (), preexec_fn=None) -> RunRecord:
@@ -144,7 +159,7 @@ def run_once(record: RunRecord, argv: list[str], *, result_file: Path, expected:
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
-        record.stderr_tail = stderr[-2000:]
+        record.stderr_tail = stderr_tail(stderr)
         if report is None:
             tail = stderr.strip().splitlines()[-1:] or [f"helper exit code {code}"]
             record.reason = tail[0][:500]
