@@ -88,6 +88,9 @@ pub(crate) struct Shared {
     /// while after, pages that would need a new slot are not taken as victims, and a fault
     /// finding no room is let in over the budget rather than wait for room that will not come.
     pub(crate) device_refused_at_ms: AtomicU64,
+    /// Prefetch reads queued and not yet processed, in pages: they will land in the budget's
+    /// room, so the room left for more is the background room less these.
+    pub(crate) prefetches_in_flight: AtomicU64,
     /// That refusal was said on stderr (once per engine).
     pub(crate) said_no_device_room: AtomicBool,
     /// Pages come in write-protected (for sync or async WP).
@@ -277,6 +280,13 @@ impl Shared {
     /// Pages a background page-in may still claim now (see [`Shared::try_reserve_background`]).
     pub(crate) fn background_room(&self) -> u64 {
         self.background_cap().saturating_sub(self.resident())
+    }
+
+    /// Pages more prefetches may read now: the background room less the prefetches in flight,
+    /// which land in it. Reading past it read pages only to drop them at their completion
+    /// (a streaming sort at 20% dropped one prefetched page in seven, each read again later).
+    pub(crate) fn prefetch_room(&self) -> u64 {
+        self.background_room().saturating_sub(self.prefetches_in_flight.load(Ordering::Relaxed))
     }
 
     /// Residency up to which background page-ins may go: the limit less one reclaim batch, but
@@ -516,6 +526,7 @@ impl Engine {
             reclaim_asleep: AtomicBool::new(true),
             clean_stalled: AtomicBool::new(false),
             device_refused_at_ms: AtomicU64::new(0),
+            prefetches_in_flight: AtomicU64::new(0),
             said_no_device_room: AtomicBool::new(false),
             write_protect,
             capture,
@@ -778,6 +789,12 @@ impl Engine {
     /// Counters and latencies so far.
     pub fn stats(&self) -> StatsSnapshot {
         self.shared.stats.snapshot()
+    }
+
+    /// Pages of prefetch reads queued whose completions have not been processed yet (0 once
+    /// the engine is idle).
+    pub fn prefetches_in_flight(&self) -> u64 {
+        self.shared.prefetches_in_flight.load(Ordering::Relaxed)
     }
 
     /// Pages one prefetcher call may read now (the prefetch governor's cap; the most a list

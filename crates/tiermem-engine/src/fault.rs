@@ -863,7 +863,7 @@ pub(crate) fn read_ahead(
     }
     // Leave room for the pages to land: eager install stops a reclaim batch below the limit,
     // and reading pages that will be dropped wastes the device.
-    let headroom = shared.background_room() as usize;
+    let headroom = shared.prefetch_room() as usize;
     let mut guard;
     let queue: &mut dyn tiermem_device::IoQueue = match lane {
         Some(q) => q,
@@ -953,6 +953,7 @@ fn queue_prefetch(
             return None;
         }
         shared.queues.mark_submitted(buf);
+        shared.prefetches_in_flight.fetch_add(1, Ordering::Relaxed);
         page_lock.set(state.with_kind(Kind::Incoming).with_buf(buf));
         return Some((1, 1));
     };
@@ -973,6 +974,7 @@ fn queue_prefetch(
         (0..n).for_each(|k| shared.arena.release(bufs + k));
         return None;
     }
+    shared.prefetches_in_flight.fetch_add(got as u64, Ordering::Relaxed);
     // The first `got` entries are all locked pages, so positions match `k`.
     for (k, page_lock) in locked.iter_mut().take(got).flatten().enumerate() {
         shared.queues.mark_submitted(buf_of(k));

@@ -608,7 +608,7 @@ fn read_pages(shared: &Shared, region_index: u32, start: u64, pages: &PageList) 
             // made here, each page evicted now sparing a critical read later; more, and the
             // pages evicted were those other windows had read ahead (PageRank at 20%: 73 s
             // against 49 with the whole window's room made on every fault).
-            let room = shared.background_room() as usize;
+            let room = shared.prefetch_room() as usize;
             let want = pages.as_slice().len().min(MIN_ROOM);
             if room < want {
                 crate::reclaim::evict_batch(shared, &regions, want - room, Path::DirectReclaim);

@@ -336,6 +336,15 @@ pub(crate) fn process_all(shared: &Shared, regions: &RegionTable, done: &[Done])
 
 /// Process one completion; false (and deferred) if its page is locked by someone else.
 fn process(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
+    let finished = process_once(shared, regions, done);
+    if finished && untag(done.tag).0 == Some(Op::Prefetch) {
+        shared.prefetches_in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+    finished
+}
+
+/// [`process`] without the count of prefetches in flight.
+fn process_once(shared: &Shared, regions: &RegionTable, done: Done) -> bool {
     let (op, page) = untag(done.tag);
     if let Some(run_op @ (Op::WriteRun | Op::ReadRun)) = op {
         // One completion for the run: finish each page's write-back or prefetch (each deferred

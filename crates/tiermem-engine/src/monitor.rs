@@ -407,7 +407,7 @@ fn read_evicted(shared: &Shared, regions: &RegionTable, region: &RegionInner, pa
         // while it looks at its page, and a completion that finds no room drops its page
         // (seen: one advised page in a hundred dropped so, and then read by a fault).
         make_room(shared, regions, rest.len() + LANDING_SLACK);
-        let fits = (shared.background_room() as usize).saturating_sub(LANDING_SLACK).min(rest.len());
+        let fits = (shared.prefetch_room() as usize).saturating_sub(LANDING_SLACK).min(rest.len());
         let done = if fits > 0 { read_ahead(shared, region, &rest[..fits], None) } else { ReadAhead::default() };
         Stats::add(&shared.stats.counters.monitor_read_ahead, done.pages as u64);
         // A page counts as resident only once it lands: wait for these before making room
@@ -437,7 +437,7 @@ fn await_landing(region: &RegionInner, pages: &[u64]) {
 
 /// Evict until `pages` background page-ins fit (what a reclaim batch can do at a time).
 fn make_room(shared: &Shared, regions: &RegionTable, pages: usize) {
-    let short = (pages as u64).saturating_sub(shared.background_room());
+    let short = (pages as u64).saturating_sub(shared.prefetch_room());
     if short > 0 {
         crate::reclaim::evict_batch(
             shared,

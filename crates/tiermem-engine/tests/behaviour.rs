@@ -885,6 +885,49 @@ fn forgetting_a_byte_range_gives_up_only_the_evicted_pages_wholly_inside_it() {
     }
 }
 
+/// The count of prefetches in flight, which the room for more prefetches is cut by, comes back
+/// to zero once the reads have landed: every queued page is counted out once, through single
+/// reads and read runs, installed or dropped, so the room never shrinks for good.
+#[test]
+fn prefetches_in_flight_are_all_counted_out_when_they_land() {
+    let _serial = serial();
+    if features_or_skip("prefetches_in_flight_are_all_counted_out_when_they_land").is_none() {
+        return;
+    }
+    for read_runs in [false, true] {
+        for (device_name, device) in devices(64 << 20) {
+            let engine = engine(device, 128, |c| {
+                c.prefetch = "readahead".into();
+                c.read_runs = read_runs;
+            });
+            let pages = 2048;
+            let region = engine.create_region(pages * 4096).unwrap();
+            touch_all(region.as_ptr(), pages, true);
+            for _ in 0..3 {
+                assert_eq!(touch_all(region.as_ptr(), pages, false), (1..=pages as u64).sum::<u64>());
+            }
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            while engine.prefetches_in_flight() != 0 && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            let stats = engine.stats();
+            eprintln!(
+                "{device_name}, read runs {read_runs}: {} prefetched, {} installed, {} dropped, {} in flight at the end",
+                stats.prefetch_issued,
+                stats.prefetch_installed,
+                stats.prefetch_dropped,
+                engine.prefetches_in_flight()
+            );
+            assert!(stats.prefetch_issued >= pages as u64 / 2, "{device_name}: sequential passes were read ahead");
+            assert_eq!(
+                engine.prefetches_in_flight(),
+                0,
+                "{device_name}, read runs {read_runs}: a prefetch never counted out"
+            );
+        }
+    }
+}
+
 /// With write runs, a region written front to back is written back in multi-page requests
 /// (far fewer device writes than pages written), and every page reads back intact, with and
 /// without async write protection.
