@@ -334,9 +334,10 @@ fn live_header(ptr: usize, what: &str) -> *mut usize {
 /// `FreeBlockHdr`: two pointers after the two-word header).
 const FREE_LINKS: usize = 16;
 
-/// The end of the live block whose header is `word` (checked by [`live_header`]).
+/// The end of the live block whose header is `word` (one [`live_header`] checked, or one the
+/// pool has just returned), under the heap's lock.
 fn block_end(word: *mut usize) -> usize {
-    // SAFETY: a live block's header, which `live_header` has just read.
+    // SAFETY: a live block's header, inside a chunk mapped for the life of the process.
     word as usize + (unsafe { word.read_volatile() } & !(BLOCK_ALIGN - 1))
 }
 
@@ -365,13 +366,15 @@ fn forget_dead(heap: &Heap, from: usize, to: usize) {
 /// is seen. (A header the pool rewrote as a free block's is not marked used.)
 ///
 /// # Safety
-/// `word` is the header of a block just freed, under the heap's lock.
+/// `word` is the header of a block just freed, under the heap's lock, and no live block holds
+/// that word (see [`overlaps_old_block`]).
 unsafe fn forget_header(word: *mut usize) {
     // SAFETY: the caller's contract: a word of a chunk, under the heap's lock.
     let marked_used = unsafe { word.read_volatile() } & USED != 0;
     if marked_used {
-        // SAFETY: a merged block's old header lies in the payload of a free block, at least
-        // 32 bytes past that block's own header, which nothing reads.
+        // SAFETY: a merged block's old header lies in the payload of a free block, which
+        // nothing reads. (Within the first 32 bytes of a free block lie only its size, without
+        // the used bit, and 16-byte-aligned links, so a word found marked used is never those.)
         unsafe { word.write_volatile(0) };
     }
 }
@@ -443,12 +446,22 @@ pub unsafe fn realloc(ptr: *mut c_void, size: usize) -> Option<*mut c_void> {
         moved = unsafe { heap.pools.reallocate(block, layout) };
     }
     let moved = moved?;
-    if moved != block {
-        // SAFETY: the old block was freed by the move, under the lock.
+    if moved != block && !overlaps_old_block(moved.as_ptr() as usize, word as usize, old_end) {
+        // SAFETY: the old block was freed by the move, under the lock, and no part of it is
+        // the new block's.
         unsafe { forget_header(word) };
         forget_dead(&heap, ptr as usize + FREE_LINKS, old_end);
     }
     Some(moved.as_ptr().cast())
+}
+
+/// Whether the live block at `moved` (just returned by the pool's reallocate) lies partly where
+/// the old block `[old_header, old_end)` was. rlsf moves a block that cannot grow where it is
+/// down into the free block before it when the two together fit, copying the data down: the
+/// old block is then mostly the new one's data, and its old header a word of that data.
+fn overlaps_old_block(moved: usize, old_header: usize, old_end: usize) -> bool {
+    let header = moved - HEADER;
+    header < old_end && block_end(header as *mut usize) > old_header
 }
 
 /// Held across fork so the child never sees the heap half-changed.
