@@ -436,7 +436,7 @@ def test_a_single_ratio_is_drawn_as_bars_with_failures_kept(tmp_path):
 def test_a_crashed_program_s_last_lines_stay_in_the_stderr_tail():
     """`tiermem run`'s summary comes after the program's own stderr: the tail kept in the
     results must still show the program's last lines (a traceback), then the summary's start."""
-    from tiermem_bench.runner import stderr_tail
+    from tiermem_bench.runner import program_stderr, stderr_tail
 
     program = "noise\n" * 1000 + "Traceback (most recent call last):\nMemoryError\n"
     summary = "tiermem: the program exited with status 1 after 2.19 s\n" + "path  count\n" * 400
@@ -444,6 +444,9 @@ def test_a_crashed_program_s_last_lines_stay_in_the_stderr_tail():
     assert len(tail) <= 2000
     assert "MemoryError\ntiermem: the program exited with status 1" in tail
     assert tail.count("path  count") < 400, "the summary's end is cut, not the traceback"
+    assert program_stderr(program + summary) == program, "the failure's reason comes from here"
+    # A short program part leaves the rest of the room to the summary.
+    assert len(stderr_tail("short\n" + summary)) == 2000
     # Without a summary, or when everything fits, the plain tail.
     assert stderr_tail(program) == program[-2000:]
     assert stderr_tail("short\n" + summary[:100]) == "short\n" + summary[:100]

@@ -132,16 +132,25 @@ def run_helper(argv: list[str], result_file: Path, env: dict | None = None,
 SUMMARY_START = "tiermem: the program "
 
 
+def program_stderr(stderr: str) -> str:
+    """A run's stderr up to `tiermem run`'s summary (all of it when there is none)."""
+    at = stderr.rfind(SUMMARY_START)
+    return stderr if at < 0 else stderr[:at]
+
+
 def stderr_tail(stderr: str, keep: int = 2000) -> str:
     """The end of a run's stderr, with the program's own last lines first: `tiermem run`'s
     summary (about 2 KB) comes after them and would otherwise push a crashed program's
-    traceback out of the tail."""
-    at = stderr.rfind(SUMMARY_START)
-    if at < 0 or len(stderr) <= keep:
+    traceback out of the tail. What the program's lines leave of `keep` goes to the summary's
+    start."""
+    if len(stderr) <= keep:
+        return stderr
+    program = program_stderr(stderr)
+    if len(program) == len(stderr):
         return stderr[-keep:]
-    program, summary = stderr[:at], stderr[at:]
-    head = summary[: keep // 4]
-    return program[-(keep - len(head)):] + head
+    summary = stderr[len(program):]
+    kept = program[-(keep - keep // 4):]
+    return kept + summary[: keep - len(kept)]
 
 
 def run_once(record: RunRecord, argv: list[str], *, result_file: Path, expected: str | None,
@@ -161,7 +170,7 @@ def run_once(record: RunRecord, argv: list[str], *, result_file: Path, expected:
                     pass
         record.stderr_tail = stderr_tail(stderr)
         if report is None:
-            tail = stderr.strip().splitlines()[-1:] or [f"helper exit code {code}"]
+            tail = program_stderr(stderr).strip().splitlines()[-1:] or [f"helper exit code {code}"]
             record.reason = tail[0][:500]
         classify(record, report, stdout, expected)
         if stats_file is not None and stats_file.exists():
