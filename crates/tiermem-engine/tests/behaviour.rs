@@ -818,6 +818,18 @@ fn first_touches_fault_once_per_window_whichever_way_the_program_walks() {
     }
 }
 
+/// A region of `pages` pages, each written with its number plus one, under a budget of 64 pages
+/// and no prefetching: most of it evicted.
+fn written_past_a_small_budget(
+    device: Arc<dyn tiermem_device::Device>,
+    pages: usize,
+) -> (Engine, tiermem_engine::Region) {
+    let engine = engine(device, 64, |c| c.prefetch = "none".into());
+    let region = engine.create_region(pages * 4096).unwrap();
+    touch_all(region.as_ptr(), pages, true);
+    (engine, region)
+}
+
 /// Evicted pages of a region whose contents no longer matter become untouched: they read as
 /// zeros without a device read, and the pages still resident keep their data.
 #[test]
@@ -827,10 +839,8 @@ fn forgotten_evicted_pages_read_zeros_without_device_reads() {
         return;
     }
     for (device_name, device) in devices(64 << 20) {
-        let engine = engine(device, 64, |c| c.prefetch = "none".into());
         let pages = 512;
-        let region = engine.create_region(pages * 4096).unwrap();
-        touch_all(region.as_ptr(), pages, true);
+        let (engine, region) = written_past_a_small_budget(device, pages);
         let forgotten = region.forget_evicted();
         let reads_before = engine.device_counters().reads;
         let mut zeros = 0;
@@ -858,10 +868,8 @@ fn forgetting_a_byte_range_gives_up_only_the_evicted_pages_wholly_inside_it() {
         return;
     }
     for (device_name, device) in devices(64 << 20) {
-        let engine = engine(device, 64, |c| c.prefetch = "none".into());
         let pages = 512;
-        let region = engine.create_region(pages * 4096).unwrap();
-        touch_all(region.as_ptr(), pages, true);
+        let (_engine, region) = written_past_a_small_budget(device, pages);
         // Pages 11..110 lie wholly inside; 10 and 110 only in part.
         let (offset, len) = (10 * 4096 + 100, 100 * 4096);
         let inside = 11..110;
