@@ -1046,8 +1046,13 @@ pub(crate) fn recover_failed_writeback(
         }
         Err(e) => {
             // Nothing left to try: say so loudly rather than return wrong data later.
-            tracing::error!(page = index, errno = %e, "write-back failed and the page could not be restored");
-            std::process::abort();
+            let mut code = [0u8; 20];
+            let errno = tiermem_sys::messages::decimal(i64::from(e.raw_os_error()), &mut code);
+            tiermem_sys::messages::fatal(&[
+                "tiermem: fatal: a write-back failed and its page could not be mapped back (errno ",
+                errno,
+                ")",
+            ]);
         }
     }
 }

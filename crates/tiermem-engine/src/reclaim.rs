@@ -890,8 +890,9 @@ fn splice_out(
     if !held.take(count) {
         // The pipe held these pages a moment ago; only a broken kernel loses them. The dropped
         // pages' contents are gone with it: stop rather than return wrong data later.
-        tracing::error!("pages held for eviction could not be read back");
-        std::process::abort();
+        tiermem_sys::messages::fatal(&[
+            "tiermem: fatal: pages held for eviction could not be read back from the page pipe",
+        ]);
     }
     // Those whose drop failed stay resident (decided above) and are not counted.
     let mut taken = 0;
@@ -1072,8 +1073,7 @@ fn put_back_failed(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
         let addr = v.region.page_addr(v.index);
         if crate::fault::map_pages(shared, v.region, addr, staged as *const u8, 1, false).is_err() {
             // Nothing left to try: say so loudly rather than return wrong data later.
-            tracing::error!(page = v.index, "an evicted page could not be put back");
-            std::process::abort();
+            tiermem_sys::messages::fatal(&["tiermem: fatal: a page whose eviction failed could not be put back"]);
         }
         v.next = Some(next.with_dirty(true));
     }
@@ -1203,16 +1203,9 @@ fn say_no_device_room(backed_slots: u64, errno: i32) {
         why,
         ", errno ",
         decimal(i64::from(errno), &mut code),
-        "); pages that cannot be written out stay in memory, over the budget\n",
+        "); pages that cannot be written out stay in memory, over the budget",
     ];
-    let mut line = [0u8; 256];
-    let mut len = 0;
-    for part in parts {
-        let n = part.len().min(line.len() - len);
-        line[len..len + n].copy_from_slice(&part.as_bytes()[..n]);
-        len += n;
-    }
-    tiermem_sys::messages::write(&line[..len]);
+    tiermem_sys::messages::say(&parts);
 }
 
 /// Full queue: submit what is queued and take finished writes off it (processed later, outside

@@ -71,30 +71,10 @@ pub fn errno() -> i32 {
     unsafe { *errno }
 }
 
-/// Write a message to stderr without allocating (usable anywhere, even inside malloc). A
-/// message up to 1 KiB goes out in one write, so messages from several threads do not mix.
+/// Write a message to stderr without allocating (usable anywhere, even inside malloc); see
+/// [`tiermem_sys::messages::say`].
 pub fn say(parts: &[&str]) {
-    let mut line = [0u8; 1024];
-    let mut len = 0;
-    let mut fits = true;
-    for part in parts.iter().chain(std::iter::once(&"\n")) {
-        let bytes = part.as_bytes();
-        if len + bytes.len() > line.len() {
-            fits = false;
-            break;
-        }
-        line[len..len + bytes.len()].copy_from_slice(bytes);
-        len += bytes.len();
-    }
-    if fits {
-        write_all_stderr(&line[..len]);
-    } else {
-        parts.iter().chain(std::iter::once(&"\n")).for_each(|part| write_all_stderr(part.as_bytes()));
-    }
-}
-
-fn write_all_stderr(rest: &[u8]) {
-    tiermem_sys::messages::write(rest);
+    tiermem_sys::messages::say(parts);
 }
 
 /// Report a condition the program cannot survive and stop it (no unwinding, no atexit, no

@@ -63,6 +63,37 @@ pub fn write(mut bytes: &[u8]) {
     }
 }
 
+/// Write `parts` and a newline as one message without allocating (usable anywhere, even inside
+/// malloc or a signal handler). A message up to 1 KiB goes out in one write, so messages from
+/// several threads do not mix; a longer one goes out part by part.
+pub fn say(parts: &[&str]) {
+    let mut line = [0u8; 1024];
+    let mut len = 0;
+    let mut fits = true;
+    for part in parts.iter().chain(std::iter::once(&"\n")) {
+        let bytes = part.as_bytes();
+        if len + bytes.len() > line.len() {
+            fits = false;
+            break;
+        }
+        line[len..len + bytes.len()].copy_from_slice(bytes);
+        len += bytes.len();
+    }
+    if fits {
+        write(&line[..len]);
+    } else {
+        parts.iter().chain(std::iter::once(&"\n")).for_each(|part| write(part.as_bytes()));
+    }
+}
+
+/// Say `parts` (see [`say`]) and abort: for a state the process cannot go on from without
+/// returning wrong data. Said here, not through `tracing`: the preload shim installs no
+/// subscriber, and its aborts were silent.
+pub fn fatal(parts: &[&str]) -> ! {
+    say(parts);
+    std::process::abort()
+}
+
 /// `n` in decimal, written into the end of `buf`: for messages where allocating is not safe
 /// (a signal handler, a fork handler, a child between fork and exec).
 pub fn decimal(n: i64, buf: &mut [u8; 20]) -> &str {
