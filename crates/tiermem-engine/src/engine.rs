@@ -250,7 +250,6 @@ impl Shared {
         self.resident.load(Ordering::Acquire)
     }
 
-    /// Claim room for one more resident page, for a faulting thread: if under the limit.
     /// Whether the device's file system refused a slot within the last second (the device asks
     /// it again no sooner: see tiermem_device's `backing`).
     pub(crate) fn device_refusing(&self) -> bool {
@@ -267,6 +266,7 @@ impl Shared {
         }
     }
 
+    /// Claim room for one more resident page, for a faulting thread: if under the limit.
     pub(crate) fn try_reserve_resident(&self) -> bool {
         self.try_reserve_resident_under(self.limit_pages())
     }
