@@ -158,7 +158,25 @@ pub unsafe extern "C" fn malloc(size: usize) -> *mut c_void {
         return p;
     }
     // SAFETY: forwarding the caller's request.
-    unsafe { __libc_malloc(size) }
+    let p = unsafe { __libc_malloc(size) };
+    if p.is_null() {
+        return rescued(size, false);
+    }
+    p
+}
+
+/// A block from the engine's reserve for a small request the C library refused one of tiermem's
+/// threads (see [`crate::reserve::rescue`]), zeroed if `zero`; else null, as refused.
+fn rescued(size: usize, zero: bool) -> *mut c_void {
+    let Some(block) = crate::reserve::rescue_c(size) else {
+        set_errno(libc::ENOMEM);
+        return std::ptr::null_mut();
+    };
+    if zero {
+        // SAFETY: the block holds at least `size` bytes (it may be a reused one).
+        unsafe { std::ptr::write_bytes(block, 0, size) };
+    }
+    block.cast()
 }
 
 /// A small allocation from the managed heap, if it serves this request. A program that makes
@@ -193,6 +211,10 @@ pub unsafe extern "C" fn free(ptr: *mut c_void) {
         // SAFETY: a heap block, live by the caller's contract.
         return unsafe { heap::free(ptr) };
     }
+    if crate::reserve::owns(ptr.cast()) {
+        // SAFETY: only `rescued` hands reserve blocks to C callers; live by the caller's contract.
+        return unsafe { crate::reserve::free_c(ptr.cast()) };
+    }
     match take_malloc_entry(ptr as usize, "free") {
         Found::Ours(entry, mark) => {
             runtime::release(entry);
@@ -223,7 +245,11 @@ pub unsafe extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
         return p;
     }
     // SAFETY: forwarding the caller's request.
-    unsafe { __libc_calloc(n, size) }
+    let p = unsafe { __libc_calloc(n, size) };
+    if p.is_null() {
+        return rescued(total, true);
+    }
+    p
 }
 
 /// # Safety
@@ -238,6 +264,10 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
     if heap::contains(addr) {
         // SAFETY: a live heap block (the caller's contract).
         return unsafe { realloc_heap_block(ptr, size) };
+    }
+    if crate::reserve::owns(ptr.cast()) {
+        // SAFETY: a live block `rescued` handed out (the caller's contract).
+        return unsafe { realloc_rescued_block(ptr, size) };
     }
     if registry::may_be_managed_pointer(addr) {
         let mut table = registry::lock();
@@ -289,6 +319,34 @@ pub unsafe extern "C" fn realloc(ptr: *mut c_void, size: usize) -> *mut c_void {
     }
     // SAFETY: forwarding the caller's request for a C library allocation.
     unsafe { __libc_realloc(ptr, size) }
+}
+
+/// realloc of a block of the engine's reserve that [`rescued`] handed out: moved to whatever
+/// malloc gives now (glibc's again once it has room).
+///
+/// # Safety
+/// `ptr` is such a block, live.
+unsafe fn realloc_rescued_block(ptr: *mut c_void, size: usize) -> *mut c_void {
+    // SAFETY: a live rescued block (the caller's contract).
+    let old_size = unsafe { crate::reserve::usable_c(ptr.cast()) };
+    if size != 0 && size <= old_size {
+        return ptr;
+    }
+    let new = if size == 0 {
+        std::ptr::null_mut()
+    } else {
+        // SAFETY: a fresh allocation of the new size.
+        let new = unsafe { malloc(size) };
+        if new.is_null() {
+            return new; // the old block stays the caller's, as realloc promises
+        }
+        // SAFETY: the old block holds old_size bytes, the new one at least `size`; distinct.
+        unsafe { std::ptr::copy_nonoverlapping(ptr.cast::<u8>(), new.cast::<u8>(), old_size.min(size)) };
+        new
+    };
+    // SAFETY: the old block is no longer referenced (realloc(p, 0) frees p, as glibc's does).
+    unsafe { crate::reserve::free_c(ptr.cast()) };
+    new
 }
 
 /// realloc of a block of the small heap.
@@ -423,6 +481,10 @@ pub unsafe extern "C" fn malloc_usable_size(ptr: *mut c_void) -> usize {
     if heap::contains(ptr as usize) {
         // SAFETY: a live heap block (the caller's contract).
         return unsafe { heap::usable_size(ptr) };
+    }
+    if crate::reserve::owns(ptr.cast()) {
+        // SAFETY: a live block `rescued` handed out (the caller's contract).
+        return unsafe { crate::reserve::usable_c(ptr.cast()) };
     }
     if registry::may_be_managed_pointer(ptr as usize) {
         let table = registry::lock();

@@ -116,6 +116,9 @@ unsafe impl GlobalAlloc for GlibcOrReserve {
             // SAFETY: memalign with a power-of-two alignment, as Layout guarantees.
             unsafe { __libc_memalign(layout.align(), layout.size()).cast() }
         };
+        if block.is_null() {
+            return crate::reserve::rescue(layout.size(), layout.align()).unwrap_or(block);
+        }
         crate::reserve::after_fallback(block, layout.size());
         block
     }
@@ -139,6 +142,12 @@ unsafe impl GlobalAlloc for GlibcOrReserve {
         if layout.align() <= MALLOC_ALIGN {
             // SAFETY: calloc of one object of the layout's size.
             let block: *mut u8 = unsafe { __libc_calloc(1, layout.size()).cast() };
+            if block.is_null() {
+                let Some(rescued) = crate::reserve::rescue(layout.size(), layout.align()) else { return block };
+                // SAFETY: a reserve block of at least layout.size() writable bytes (maybe reused).
+                unsafe { std::ptr::write_bytes(rescued, 0, layout.size()) };
+                return rescued;
+            }
             crate::reserve::after_fallback(block, layout.size());
             block
         } else {
@@ -175,8 +184,12 @@ unsafe impl GlobalAlloc for GlibcOrReserve {
             None => {
                 // SAFETY: ptr is a glibc allocation of this allocator; new_size is non-zero.
                 let block: *mut u8 = unsafe { __libc_realloc(ptr.cast(), new_size).cast() };
-                crate::reserve::after_fallback(block, new_size);
-                return block;
+                if !block.is_null() {
+                    crate::reserve::after_fallback(block, new_size);
+                    return block;
+                }
+                // Refused, and the old block is still glibc's: moved below if the reserve rescues.
+                crate::reserve::rescue(new_size, layout.align()).unwrap_or(block)
             }
         };
         if !new.is_null() {

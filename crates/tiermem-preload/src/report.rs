@@ -292,6 +292,7 @@ fn write_statistics(complete: bool) {
         "guard_ballast_bytes": BALLAST_BYTES.load(Ordering::Relaxed),
         "engine_reserve_size_bytes": crate::reserve::size(),
         "engine_reserve_fallbacks": crate::reserve::FALLBACKS.load(Ordering::Relaxed),
+        "engine_reserve_rescues": crate::reserve::RESCUES.load(Ordering::Relaxed),
     });
     let path = statistics_path(dir);
     let text = report.to_string();

@@ -35,6 +35,8 @@ static LOCK: AtomicBool = AtomicBool::new(false);
 /// Allocations of the engine's threads that went to the C library (too large, or the reserve
 /// was used up), made resident at once.
 pub static FALLBACKS: AtomicU64 = AtomicU64::new(0);
+/// Requests the C library refused one of tiermem's threads, served here (see [`rescue`]).
+pub static RESCUES: AtomicU64 = AtomicU64::new(0);
 /// Bytes of the reserve cut into blocks so far (its high-water mark).
 pub static USED_BYTES: AtomicU64 = AtomicU64::new(0);
 
@@ -105,6 +107,82 @@ pub fn alloc(size: usize, align: usize) -> Option<*mut u8> {
     if START.load(Ordering::Acquire) == 0 || !crate::heap::on_engine_thread() {
         return None;
     }
+    take(size, align)
+}
+
+/// After the C library refused one of tiermem's own threads a block (None: not one of ours, or
+/// the reserve cannot serve it either). Under the OOM guard a full cgroup fails the system calls
+/// that grow glibc's arenas instead of waiting, and a thread's first request creates its arena.
+/// The engine registers its threads only once they run, and they allocate before that: Rust's
+/// thread start itself has glibc allocate the thread's list of destructors, and glibc aborts
+/// when that is refused (with a message the full cgroup would not let through either). Seen in
+/// one run of eight of a sort in a 6.2 MiB cgroup: SIGABRT 0.02 s after the start, no message.
+/// So a thread named as tiermem names its threads counts as an engine thread here.
+pub fn rescue(size: usize, align: usize) -> Option<*mut u8> {
+    if START.load(Ordering::Acquire) == 0 || !(crate::heap::on_engine_thread() || named_as_ours()) {
+        return None;
+    }
+    RESCUES.fetch_add(1, Ordering::Relaxed);
+    take(size, align)
+}
+
+/// Whether the calling thread's name starts with `tiermem-` (all of tiermem's threads do; the
+/// name is set before the thread's start allocates anything). A system call: refused requests only.
+fn named_as_ours() -> bool {
+    let mut name = [0u8; 16];
+    // SAFETY: PR_GET_NAME writes the name and its NUL, at most 16 bytes, into the buffer.
+    let rc = unsafe { libc::prctl(libc::PR_GET_NAME, name.as_mut_ptr()) };
+    rc == 0 && name.starts_with(b"tiermem-")
+}
+
+/// Bytes ahead of a block handed out through the C functions (see [`rescue_c`]): its size
+/// class, which `free` and `realloc`, given no size, need. 16 keeps malloc's alignment.
+const C_HEADER: usize = 16;
+
+/// [`rescue`] for a request through the C functions (malloc, calloc): the block carries its
+/// size class in a header, for [`free_c`] and [`usable_c`].
+pub fn rescue_c(size: usize) -> Option<*mut u8> {
+    let total = size.checked_add(C_HEADER)?;
+    let class = class_of(total, C_HEADER)?;
+    let block = rescue(total, C_HEADER)?;
+    // SAFETY: the block holds at least `total` bytes, C_HEADER-aligned; the header is its first word.
+    unsafe { (block as *mut usize).write(class) };
+    // SAFETY: within the block (total > C_HEADER).
+    Some(unsafe { block.add(C_HEADER) })
+}
+
+/// The header's size class of a block [`rescue_c`] returned.
+///
+/// # Safety
+/// `ptr` must be such a block, still live.
+unsafe fn class_c(ptr: *mut u8) -> usize {
+    let header = ptr.wrapping_sub(C_HEADER) as *const usize;
+    // SAFETY: the header sits C_HEADER bytes before the pointer handed out (the caller's contract).
+    unsafe { header.read() }
+}
+
+/// Bytes usable at a block [`rescue_c`] returned.
+///
+/// # Safety
+/// As [`class_c`].
+pub unsafe fn usable_c(ptr: *mut u8) -> usize {
+    // SAFETY: the caller's contract.
+    (1usize << (unsafe { class_c(ptr) } as u32 + MIN_SHIFT)) - C_HEADER
+}
+
+/// Give back a block [`rescue_c`] returned.
+///
+/// # Safety
+/// As [`class_c`]; not used afterwards.
+pub unsafe fn free_c(ptr: *mut u8) {
+    // SAFETY: the caller's contract.
+    let class = unsafe { class_c(ptr) };
+    // SAFETY: the block starts at its header and is given up.
+    unsafe { free_class(ptr.wrapping_sub(C_HEADER), class) };
+}
+
+/// A block for `size` bytes aligned to `align` from the free lists or the untouched rest.
+fn take(size: usize, align: usize) -> Option<*mut u8> {
     let class = class_of(size, align)?;
     let block = 1usize << (class as u32 + MIN_SHIFT);
     let _locked = Locked::take();
@@ -157,6 +235,15 @@ pub fn owns(ptr: *mut u8) -> bool {
 /// `ptr` must be such a block, not used afterwards.
 pub unsafe fn free(ptr: *mut u8, size: usize, align: usize) {
     let Some(class) = class_of(size, align) else { return };
+    // SAFETY: the caller's contract.
+    unsafe { free_class(ptr, class) };
+}
+
+/// Put a block of size class `class` on its free list.
+///
+/// # Safety
+/// `ptr` must be a block of the reserve of that class, not used afterwards.
+unsafe fn free_class(ptr: *mut u8, class: usize) {
     let _locked = Locked::take();
     // SAFETY: the caller gives the block up; its first word now links the free list.
     unsafe { (ptr as *mut usize).write(FREE[class].load(Ordering::Relaxed)) };
@@ -222,6 +309,26 @@ mod tests {
         arm(64 << 10).expect("arming the reserve");
         let other = std::thread::spawn(|| alloc(64, 8).is_none()).join().unwrap();
         assert!(other, "served a thread that is not the engine's");
+        // A refused request: rescued for a thread named as tiermem's (not registered yet),
+        // never for another; a C block carries its class for free and malloc_usable_size.
+        let unnamed = std::thread::spawn(|| rescue_c(24).is_none()).join().unwrap();
+        assert!(unnamed, "rescued a thread that is not tiermem's");
+        let named = std::thread::Builder::new().name("tiermem-test".into()).spawn(|| {
+            let block = rescue_c(24).expect("a rescued block for a tiermem thread");
+            assert!(owns(block));
+            assert_eq!(block as usize % 16, 0, "malloc's alignment");
+            // SAFETY: a live block rescue_c returned.
+            let usable = unsafe { usable_c(block) };
+            assert_eq!(usable, 64 - C_HEADER, "24 bytes and the header in a 64-byte block");
+            // SAFETY: the usable bytes are the caller's.
+            unsafe { std::ptr::write_bytes(block, 0xa5, usable) };
+            // SAFETY: a live block rescue_c returned, given up.
+            unsafe { free_c(block) };
+            assert_eq!(rescue_c(20), Some(block), "the freed block of that class comes back");
+            block as usize
+        });
+        named.unwrap().join().unwrap();
+        assert!(RESCUES.load(Ordering::Relaxed) >= 2);
         assert!(crate::heap::register_engine_threads(&[me]));
         let a = alloc(24, 8).expect("a small block");
         let b = alloc(4000, 64).expect("a page-sized block");

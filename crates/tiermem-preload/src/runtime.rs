@@ -368,6 +368,14 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
     if let Some(dir) = &settings.trace_dir {
         config.trace_path = Some(dir.join(format!("{}.trace", image_file_stem())));
     }
+    // The reserve before the engine's threads: they allocate from their first instruction
+    // (see `reserve::rescue`). Armed only where the OOM guard will be, which is what makes
+    // a full cgroup refuse memory rather than wait for it.
+    if settings.respect_cgroup && settings.oom_guard && CgroupRoom::of_self().is_some() {
+        if let Err(why) = crate::reserve::arm(ENGINE_RESERVE_BYTES) {
+            say(&["tiermem: ", &why, "; the engine's threads allocate from the C library"]);
+        }
+    }
     let engine = match Engine::new(config, device) {
         Ok(engine) => engine,
         Err(e) => die(&["tiermem: cannot start the paging engine: ", &e.to_string()]),
@@ -392,9 +400,6 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
                 match OomGuard::arm(&cgroup, kept_margin(engine, &cgroup, configured, true)) {
                     Ok(guard) => {
                         engine.keep_metadata_resident();
-                        if let Err(why) = crate::reserve::arm(ENGINE_RESERVE_BYTES) {
-                            say(&["tiermem: ", &why, "; the engine's threads allocate from the C library"]);
-                        }
                         Some(guard)
                     }
                     Err(why) => {
