@@ -560,10 +560,11 @@ impl Engine {
         let mut engine = Self { shared, threads: Vec::new(), features };
         let shared = engine.shared.clone();
         let threads = &mut engine.threads;
+        // Each has started by the time the next is spawned: under the preload's OOM guard, armed
+        // right after this, a thread start that comes later may find the cgroup full
+        // (`tiermem_sys::threads`).
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new()
-                .name(name.into())
-                .spawn(f)
+            tiermem_sys::threads::spawn_running(name, None, f)
                 .map_err(|e| Error::os(e, format!("spawning thread {name}")))
         };
         {

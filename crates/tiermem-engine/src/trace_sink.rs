@@ -56,29 +56,28 @@ impl TraceSink {
             stop: AtomicBool::new(false),
         });
         let r = ring.clone();
-        let writer = std::thread::Builder::new()
-            .name("tiermem-trace".into())
-            .spawn(move || {
-                let mask = CAPACITY as u64 - 1;
-                loop {
-                    let pos = r.drained.load(Ordering::Relaxed);
-                    let slot = &r.slots[(pos & mask) as usize];
-                    let word = slot.load(Ordering::Acquire);
-                    if word & FULL != 0 {
-                        out.write_encoded(word & !FULL)?;
-                        slot.store(0, Ordering::Relaxed);
-                        r.drained.store(pos + 1, Ordering::Release);
-                        continue;
-                    }
-                    // Nothing ready: either nothing claimed, or a writer is between its claim
-                    // and its store (a few instructions).
-                    if pos == r.claimed.load(Ordering::Acquire) && r.stop.load(Ordering::Acquire) {
-                        return out.finish();
-                    }
-                    std::thread::sleep(Duration::from_micros(500));
+        // Started before the preload's OOM guard goes on (`tiermem_sys::threads`).
+        let writer = tiermem_sys::threads::spawn_running("tiermem-trace", None, move || {
+            let mask = CAPACITY as u64 - 1;
+            loop {
+                let pos = r.drained.load(Ordering::Relaxed);
+                let slot = &r.slots[(pos & mask) as usize];
+                let word = slot.load(Ordering::Acquire);
+                if word & FULL != 0 {
+                    out.write_encoded(word & !FULL)?;
+                    slot.store(0, Ordering::Relaxed);
+                    r.drained.store(pos + 1, Ordering::Release);
+                    continue;
                 }
-            })
-            .map_err(|e| Error::os(e, "starting the trace writer thread"))?;
+                // Nothing ready: either nothing claimed, or a writer is between its claim
+                // and its store (a few instructions).
+                if pos == r.claimed.load(Ordering::Acquire) && r.stop.load(Ordering::Acquire) {
+                    return out.finish();
+                }
+                std::thread::sleep(Duration::from_micros(500));
+            }
+        })
+        .map_err(|e| Error::os(e, "starting the trace writer thread"))?;
         Ok(Self { ring, writer: std::sync::Mutex::new(Some(writer)) })
     }
 

@@ -63,7 +63,8 @@ pub(crate) fn start_reporting(settings: &tiermem_engine::RunSettings) {
 }
 
 fn start_reporter() {
-    let spawned = std::thread::Builder::new().name("tiermem-report".into()).stack_size(256 << 10).spawn(|| {
+    // Started before the OOM guard goes on (`tiermem_sys::threads`).
+    let spawned = tiermem_sys::threads::spawn_running("tiermem-report", Some(256 << 10), || {
         let mut next_snapshot = Instant::now() + SNAPSHOT_EVERY;
         while !REQUESTED.load(Ordering::Acquire) {
             if EXEC_REQUESTED.swap(false, Ordering::AcqRel) {

@@ -396,7 +396,19 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
             // Before the first managed page: the room is known from the start.
             let configured = engine.config().limit_bytes;
             fit_budget_to_cgroup(engine, &cgroup, configured, base_margin(engine, &cgroup, configured));
-            let guard = if settings.oom_guard {
+            if cgroup.no_swap {
+                let _ = CGROUP_WITHOUT_SWAP.set(cgroup.clone());
+            }
+            // The watch runs before the guard goes on, and gets it then: its thread start
+            // touches fresh memory, which with the guard on and the cgroup full would wait for
+            // room only the watch can make (seen: the run hung until `tiermem run`'s backstop).
+            let (give_guard, guard_given) = std::sync::mpsc::sync_channel::<Option<OomGuard>>(1);
+            let watched = cgroup.clone();
+            let watch = tiermem_sys::threads::spawn_running("tiermem-cgroup", None, move || {
+                let guard = guard_given.recv().ok().flatten();
+                watch_cgroup(engine, watched, guard);
+            });
+            let guard = if settings.oom_guard && watch.is_ok() {
                 match OomGuard::arm(&cgroup, kept_margin(engine, &cgroup, configured, true)) {
                     Ok(guard) => {
                         engine.keep_metadata_resident();
@@ -415,13 +427,8 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
                 None
             };
             let guarded = guard.is_some();
-            if cgroup.no_swap {
-                let _ = CGROUP_WITHOUT_SWAP.set(cgroup.clone());
-            }
-            let watch = std::thread::Builder::new()
-                .name("tiermem-cgroup".into())
-                .spawn(move || watch_cgroup(engine, cgroup, guard));
             if let Ok(handle) = watch {
+                let _ = give_guard.send(guard);
                 engine_threads.push(handle.as_pthread_t());
                 CGROUP_WATCHED.store(true, Ordering::Release);
             }

@@ -12,6 +12,7 @@ pub mod messages;
 pub mod page_pipe;
 pub mod pagemap;
 pub mod probe;
+pub mod threads;
 pub mod uffd;
 
 pub use error::{Error, ErrorKind, Result, ResultExt};
