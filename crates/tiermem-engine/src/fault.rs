@@ -44,6 +44,17 @@ pub(crate) enum Outcome {
     Failed(Errno),
 }
 
+/// [`map_page`] for a fault (see [`map_in_fault`]).
+fn map_page_in_fault(
+    shared: &Shared,
+    region: &RegionInner,
+    dst: *mut u8,
+    src: *const u8,
+    write_protect: bool,
+) -> Result<(), Errno> {
+    map_in_fault(shared, region, dst, src, 1, write_protect)
+}
+
 /// Map one page of `src` at `dst` with UFFDIO_COPY (see [`map_pages`]).
 fn map_page(
     shared: &Shared,
@@ -258,7 +269,7 @@ fn resolve(
                     locked.set(state.with_dirty(true).with_referenced(true));
                     // Clearing protection also wakes a thread waiting on this write.
                     if let Err(e) = unprotect_for_write(shared, region, index) {
-                        return outcome_of_copy_error(e);
+                        return outcome_of_copy_error(shared, e);
                     }
                     drop(locked);
                     Stats::add(&shared.stats.counters.wp_faults, 1);
@@ -309,16 +320,16 @@ fn resolve(
                 let filled = zero_fill_around(shared, region, index, locked, protect);
                 if let Err(e) = filled {
                     shared.release_resident();
-                    return outcome_of_copy_error(e);
+                    return outcome_of_copy_error(shared, e);
                 }
                 shared.stats.record(Path::ZeroFault, started.elapsed().as_nanos() as u64);
                 return Outcome::Resolved;
             }
             Kind::Prefetched if needs_room => {
                 let buf = state.buf();
-                if let Err(e) = map_page(shared, region, page_addr, shared.arena.ptr(buf), protect) {
+                if let Err(e) = map_page_in_fault(shared, region, page_addr, shared.arena.ptr(buf), protect) {
                     give_back(true, staging);
-                    return outcome_of_copy_error(e);
+                    return outcome_of_copy_error(shared, e);
                 }
                 give_back(false, staging);
                 if state.victim() {
@@ -350,9 +361,9 @@ fn resolve(
             }
             Kind::Evicted if needs_room && state.writing() => {
                 // Its write-back is still in flight: the buffer holds the page.
-                if let Err(e) = map_page(shared, region, page_addr, shared.arena.ptr(state.buf()), protect) {
+                if let Err(e) = map_page_in_fault(shared, region, page_addr, shared.arena.ptr(state.buf()), protect) {
                     give_back(true, staging);
-                    return outcome_of_copy_error(e);
+                    return outcome_of_copy_error(shared, e);
                 }
                 give_back(false, staging);
                 locked.set(state.with_kind(Kind::Resident).with_dirty(!protect).with_in_policy(true));
@@ -391,9 +402,9 @@ fn resolve(
                         return Outcome::Failed(failed.errno);
                     }
                 }
-                if let Err(e) = map_page(shared, region, page_addr, shared.arena.ptr(buf), protect) {
+                if let Err(e) = map_page_in_fault(shared, region, page_addr, shared.arena.ptr(buf), protect) {
                     give_back(true, Some(buf));
-                    return outcome_of_copy_error(e);
+                    return outcome_of_copy_error(shared, e);
                 }
                 shared.arena.release(buf);
                 locked.set(state.with_kind(Kind::Resident).with_dirty(!protect).with_in_policy(true));
@@ -518,8 +529,8 @@ fn zero_fill_around(
     });
     run.locks[(index - run.start) as usize] = Some(first);
     let len = (run.hi - run.lo) as usize;
-    let copied = map_pages(shared, region, region.page_addr(run.lo), shared.zero_page.as_ptr(), len, protect);
-    // A copy that failed part-way (refused memory for two seconds, a run split by the program)
+    let copied = map_in_fault(shared, region, region.page_addr(run.lo), shared.zero_page.as_ptr(), len, protect);
+    // A copy that failed part-way (refused memory for a while, a run split by the program)
     // has mapped some pages: those are resident whatever the error, or the engine would take
     // them for untouched, never evict them, and fault forever on a write to one it protected.
     let all = copied.is_ok();
@@ -570,11 +581,50 @@ pub(crate) fn map_pages(
     count: usize,
     write_protect: bool,
 ) -> Result<(), Errno> {
-    map_pages_waiting(shared, region, dst, src, count, write_protect, true)
+    map_pages_waiting(shared, region, dst, src, count, write_protect, NOMEM_RETRIES)
 }
 
-/// [`map_pages`], waiting for memory (`wait_for_memory`) or failing with ENOMEM when the full
-/// cgroup refuses a page.
+/// [`map_pages`] for a fault holding the region table's read lock: refused memory, it waits
+/// only [`NOMEM_RETRIES_IN_FAULT`] times, then fails with ENOMEM, which
+/// [`outcome_of_copy_error`] turns into [`Outcome::NoRoomYet`] (the access made again, the
+/// table let go in between) until copies have been refused for [`NOMEM_GIVE_UP`]. Waiting the
+/// whole two seconds with the table held kept reclaim from it whenever a thread waited to
+/// create a region (a writer queued ahead of reclaim's read): nothing made room, and the
+/// fault failed (docs/testing.md, 2026-12-07).
+fn map_in_fault(
+    shared: &Shared,
+    region: &RegionInner,
+    dst: *mut u8,
+    src: *const u8,
+    count: usize,
+    write_protect: bool,
+) -> Result<(), Errno> {
+    let result = map_pages_waiting(shared, region, dst, src, count, write_protect, NOMEM_RETRIES_IN_FAULT);
+    let refused = &shared.memory_refused_since_ns;
+    match result {
+        Err(Errno::NOMEM) => {
+            let _ = refused.compare_exchange(0, monotonic_ns().max(1), Ordering::AcqRel, Ordering::Relaxed);
+        }
+        _ if refused.load(Ordering::Relaxed) != 0 => refused.store(0, Ordering::Release),
+        _ => {}
+    }
+    result
+}
+
+/// Waits, 0.5 ms apart, of a fault refused memory before it lets the region table go: 20 ms.
+const NOMEM_RETRIES_IN_FAULT: u32 = 40;
+
+/// How long faults may go on being refused their pages before one fails: two seconds, as when
+/// a fault waited them out itself.
+const NOMEM_GIVE_UP: std::time::Duration = std::time::Duration::from_secs(2);
+
+fn monotonic_ns() -> u64 {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    (now.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(now.tv_nsec as u64)
+}
+
+/// [`map_pages`], waiting for memory up to `memory_retries` times (0.5 ms apart) before failing
+/// with ENOMEM when the full cgroup refuses a page.
 fn map_pages_waiting(
     shared: &Shared,
     region: &RegionInner,
@@ -582,7 +632,7 @@ fn map_pages_waiting(
     src: *const u8,
     count: usize,
     write_protect: bool,
-    wait_for_memory: bool,
+    memory_retries: u32,
 ) -> Result<(), Errno> {
     let mut done = 0;
     let mut memory_waits = 0;
@@ -613,7 +663,7 @@ fn map_pages_waiting(
             // refuses the page instead of killing. Shrink the budget a step once so reclaim
             // makes room (the cgroup watch sees the count and cuts more if needed), then keep
             // reclaim awake and try again for a while before giving up.
-            Errno::NOMEM if wait_for_memory && memory_waits < NOMEM_RETRIES => {
+            Errno::NOMEM if memory_waits < memory_retries => {
                 wait_for_memory_once(shared, memory_waits);
                 memory_waits += 1;
             }
@@ -629,7 +679,7 @@ fn map_pages_waiting(
                         src.wrapping_add(offset),
                         1,
                         write_protect,
-                        wait_for_memory,
+                        memory_retries,
                     ) {
                         Ok(()) | Err(Errno::EXIST) => {}
                         Err(e) => return Err(e),
@@ -651,10 +701,21 @@ const NOMEM_RETRIES: u32 = 4000;
 /// one page it means nothing else); the program mapped over it or unmapped it after the fault was
 /// read, which in handler-thread mode can be a fault message read after a prefetch completion had
 /// already mapped the page and woken the thread. The access, made again, meets what is there now.
-fn outcome_of_copy_error(e: Errno) -> Outcome {
+/// ENOMEM: the full cgroup refused the page (see [`map_in_fault`]); the access is made again
+/// until faults have been refused for [`NOMEM_GIVE_UP`].
+fn outcome_of_copy_error(shared: &Shared, e: Errno) -> Outcome {
     match e {
         Errno::EXIST => Outcome::Resolved,
         Errno::NOENT => Outcome::Retry,
+        Errno::NOMEM => {
+            let since = shared.memory_refused_since_ns.load(Ordering::Acquire);
+            let refused_for = monotonic_ns().saturating_sub(since);
+            if since != 0 && refused_for < NOMEM_GIVE_UP.as_nanos() as u64 {
+                Outcome::NoRoomYet
+            } else {
+                Outcome::Failed(e)
+            }
+        }
         other => Outcome::Failed(other),
     }
 }
@@ -1003,7 +1064,7 @@ pub(crate) fn install_prefetched(shared: &Shared, region: &RegionInner, index: u
     // hand), 9 of 43 after: it still can, when the program itself waits in the kernel's reclaim
     // of its own code pages.
     let (dst, src) = (region.page_addr(index), shared.arena.ptr(buf));
-    match map_pages_waiting(shared, region, dst, src, 1, protect, false) {
+    match map_pages_waiting(shared, region, dst, src, 1, protect, 0) {
         Ok(()) | Err(Errno::EXIST) => {
             shared.arena.release(buf);
             shared.replacement.on_insert(region.id(index));
