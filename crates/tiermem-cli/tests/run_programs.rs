@@ -2553,7 +2553,16 @@ fn freeing_a_large_region_in_a_memory_cgroup_does_not_dip_the_budget() {
     // Steady room here is 25 MiB below the limit (tiermem's buffers, rings, threads and the 2%
     // margin); freed pages still charged to the cgroup but no longer counted by tiermem took it
     // 45 MiB lower.
-    assert!(lowest >= limit - (32 << 20), "{name}: the budget dipped to {} MiB", lowest >> 20);
+    let process = &stats["processes"][0];
+    assert!(
+        lowest >= limit - (32 << 20),
+        "{name}: the budget dipped to {} MiB ({} OOM rescues, {} ballast releases, file room at most {} bytes, {} memory waits)",
+        lowest >> 20,
+        process["oom_rescues"],
+        process["oom_ballast_releases"],
+        process["peak_file_room_bytes"],
+        process["engine"]["memory_waits"]
+    );
 }
 
 /// Fills a 64 MiB buffer and sums it twice.
