@@ -44,28 +44,6 @@ pub(crate) enum Outcome {
     Failed(Errno),
 }
 
-/// [`map_page`] for a fault (see [`map_in_fault`]).
-fn map_page_in_fault(
-    shared: &Shared,
-    region: &RegionInner,
-    dst: *mut u8,
-    src: *const u8,
-    write_protect: bool,
-) -> Result<(), Errno> {
-    map_in_fault(shared, region, dst, src, 1, write_protect)
-}
-
-/// Map one page of `src` at `dst` with UFFDIO_COPY (see [`map_pages`]).
-fn map_page(
-    shared: &Shared,
-    region: &RegionInner,
-    dst: *mut u8,
-    src: *const u8,
-    write_protect: bool,
-) -> Result<(), Errno> {
-    map_pages(shared, region, dst, src, 1, write_protect)
-}
-
 /// Take a buffer, reaping background completions until one is free. Holds no page lock.
 pub(crate) fn alloc_buffer(shared: &Shared, regions: &RegionTable) -> BufId {
     loop {
@@ -327,7 +305,7 @@ fn resolve(
             }
             Kind::Prefetched if needs_room => {
                 let buf = state.buf();
-                if let Err(e) = map_page_in_fault(shared, region, page_addr, shared.arena.ptr(buf), protect) {
+                if let Err(e) = map_in_fault(shared, region, page_addr, shared.arena.ptr(buf), 1, protect) {
                     give_back(true, staging);
                     return outcome_of_copy_error(shared, e);
                 }
@@ -361,7 +339,7 @@ fn resolve(
             }
             Kind::Evicted if needs_room && state.writing() => {
                 // Its write-back is still in flight: the buffer holds the page.
-                if let Err(e) = map_page_in_fault(shared, region, page_addr, shared.arena.ptr(state.buf()), protect) {
+                if let Err(e) = map_in_fault(shared, region, page_addr, shared.arena.ptr(state.buf()), 1, protect) {
                     give_back(true, staging);
                     return outcome_of_copy_error(shared, e);
                 }
@@ -402,7 +380,7 @@ fn resolve(
                         return Outcome::Failed(failed.errno);
                     }
                 }
-                if let Err(e) = map_page_in_fault(shared, region, page_addr, shared.arena.ptr(buf), protect) {
+                if let Err(e) = map_in_fault(shared, region, page_addr, shared.arena.ptr(buf), 1, protect) {
                     give_back(true, Some(buf));
                     return outcome_of_copy_error(shared, e);
                 }
@@ -1100,7 +1078,7 @@ pub(crate) fn recover_failed_writeback(
     }
     // Over the budget by one page for a moment is better than losing data.
     shared.resident.fetch_add(1, Ordering::AcqRel);
-    match map_page(shared, region, region.page_addr(index), shared.arena.ptr(state.buf()), false) {
+    match map_pages(shared, region, region.page_addr(index), shared.arena.ptr(state.buf()), 1, false) {
         Ok(()) | Err(Errno::EXIST) => {
             shared.replacement.on_insert(region.id(index));
             state.with_kind(Kind::Resident).with_in_policy(true)
