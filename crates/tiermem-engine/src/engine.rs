@@ -121,9 +121,10 @@ pub(crate) struct Shared {
     pub(crate) shutdown: AtomicBool,
     /// Slots reserved by live regions' pages, to refuse regions the device cannot hold.
     pub(crate) reserved_pages: AtomicU64,
-    /// When (monotonic ns) the full cgroup began refusing faults their pages, with no page
-    /// copy of a fault let through since; 0 while copies go through (see `fault::map_in_fault`).
+    /// When (monotonic ns) the current spell of faults refused their pages by the full cgroup
+    /// began, and the last refusal (0: none yet; see `fault::map_in_fault`).
     pub(crate) memory_refused_since_ns: AtomicU64,
+    pub(crate) memory_refused_last_ns: AtomicU64,
     /// Ranges held resident for system calls; reclaim skips them.
     pub(crate) pins: std::sync::Mutex<Vec<(usize, usize)>>,
     /// Where faults are recorded, if asked ([`EngineConfig::trace_path`]).
@@ -544,6 +545,7 @@ impl Engine {
             shutdown: AtomicBool::new(false),
             reserved_pages: AtomicU64::new(0),
             memory_refused_since_ns: AtomicU64::new(0),
+            memory_refused_last_ns: AtomicU64::new(0),
             pins: std::sync::Mutex::new(Vec::new()),
             prefetch_sampler: crate::prefetch_sample::PrefetchSampler::new(config.io_buffers as usize),
             prefetch_governor: crate::prefetch_governor::PrefetchGovernor::new(config.prefetch_governor),

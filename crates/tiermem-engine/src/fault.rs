@@ -37,8 +37,9 @@ pub(crate) enum Outcome {
     /// access is to be made again, and finds what is there now (or, if a MAP_FIXED failed,
     /// faults here once more).
     Retry,
-    /// No room came for the page in a while (see [`ROOMLESS_ROUNDS`]): the access is to be
-    /// made again, this fault's locks let go in between.
+    /// No room came for the page in a while (see [`ROOMLESS_ROUNDS`]), or the full cgroup
+    /// refused it memory (see [`map_in_fault`]): the access is to be made again, this fault's
+    /// locks let go in between.
     NoRoomYet,
     /// The device could not deliver the page.
     Failed(Errno),
@@ -513,7 +514,14 @@ fn zero_fill_around(
     // them for untouched, never evict them, and fault forever on a write to one it protected.
     let all = copied.is_ok();
     let mapped = |at: u64| all || surely_mapped(shared, region.page_addr(at));
-    let result = if mapped(index) { Ok(()) } else { copied };
+    let result = match copied {
+        // Which pages of a refused run were mapped is known through pagemap only: without it
+        // the fault fails, as before refused faults were made again (made again, a page mapped
+        // but taken for untouched would never be evicted).
+        Err(Errno::NOMEM) if len > 1 && shared.pagemap.is_none() => Err(Errno::IO),
+        _ if mapped(index) => Ok(()),
+        other => other,
+    };
     let mut filled = 0;
     for (k, slot) in run.locks.iter_mut().enumerate() {
         let Some(mut page) = slot.take() else { continue };
@@ -578,16 +586,23 @@ fn map_in_fault(
     write_protect: bool,
 ) -> Result<(), Errno> {
     let result = map_pages_waiting(shared, region, dst, src, count, write_protect, NOMEM_RETRIES_IN_FAULT);
-    let refused = &shared.memory_refused_since_ns;
-    match result {
-        Err(Errno::NOMEM) => {
-            let _ = refused.compare_exchange(0, monotonic_ns().max(1), Ordering::AcqRel, Ordering::Relaxed);
+    if result == Err(Errno::NOMEM) {
+        // Refusals less than REFUSALS_APART apart are one spell; a spell is never ended by
+        // another thread's success, only by a pause in the refusals (a clock cleared by any
+        // copy let through made a fault refused between another's copies fail at once; one
+        // cleared by faults' copies only was left running when the page came by a prefetch).
+        let now = monotonic_ns().max(1);
+        let last = shared.memory_refused_last_ns.swap(now, Ordering::AcqRel);
+        if last == 0 || now.saturating_sub(last) > REFUSALS_APART.as_nanos() as u64 {
+            shared.memory_refused_since_ns.store(now, Ordering::Release);
         }
-        _ if refused.load(Ordering::Relaxed) != 0 => refused.store(0, Ordering::Release),
-        _ => {}
     }
     result
 }
+
+/// Refusals of memory further apart than this are separate spells (see [`map_in_fault`]);
+/// a fault refused again comes back within its 20 ms wait and a re-fault.
+const REFUSALS_APART: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Waits, 0.5 ms apart, of a fault refused memory before it lets the region table go: 20 ms.
 const NOMEM_RETRIES_IN_FAULT: u32 = 40;
@@ -687,8 +702,7 @@ fn outcome_of_copy_error(shared: &Shared, e: Errno) -> Outcome {
         Errno::NOENT => Outcome::Retry,
         Errno::NOMEM => {
             let since = shared.memory_refused_since_ns.load(Ordering::Acquire);
-            let refused_for = monotonic_ns().saturating_sub(since);
-            if since != 0 && refused_for < NOMEM_GIVE_UP.as_nanos() as u64 {
+            if monotonic_ns().saturating_sub(since) < NOMEM_GIVE_UP.as_nanos() as u64 {
                 Outcome::NoRoomYet
             } else {
                 Outcome::Failed(e)

@@ -10,8 +10,9 @@
 //! up front, cut into power-of-two blocks (16 B to 64 KiB) with a free list per size. Larger
 //! requests and requests once the reserve is used up go to the C library and are made resident
 //! at once ([`after_fallback`], counted in [`FALLBACKS`]); other threads' requests go to the C
-//! library as before. The top of the threads' stacks is made resident for the same reason
-//! ([`populate_stack`]).
+//! library as before. A small request the C library refuses one of tiermem's threads (a thread
+//! start's own, before the engine knows the thread) is served here too ([`rescue`]). The top of
+//! the threads' stacks is made resident for the same reason ([`populate_stack`]).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
@@ -122,8 +123,11 @@ pub fn rescue(size: usize, align: usize) -> Option<*mut u8> {
     if START.load(Ordering::Acquire) == 0 || !(crate::heap::on_engine_thread() || named_as_ours()) {
         return None;
     }
-    RESCUES.fetch_add(1, Ordering::Relaxed);
-    take(size, align)
+    let block = take(size, align);
+    if block.is_some() {
+        RESCUES.fetch_add(1, Ordering::Relaxed);
+    }
+    block
 }
 
 /// Whether the calling thread's name starts with `tiermem-` (all of tiermem's threads do; the
@@ -142,7 +146,8 @@ const C_HEADER: usize = 16;
 /// [`rescue`] for a request through the C functions (malloc, calloc): the block carries its
 /// size class in a header, for [`free_c`] and [`usable_c`].
 pub fn rescue_c(size: usize) -> Option<*mut u8> {
-    let total = size.checked_add(C_HEADER)?;
+    // At least a byte past the header: malloc(0) gets a block of its own too.
+    let total = size.max(1).checked_add(C_HEADER)?;
     let class = class_of(total, C_HEADER)?;
     let block = rescue(total, C_HEADER)?;
     // SAFETY: the block holds at least `total` bytes, C_HEADER-aligned; the header is its first word.
@@ -225,8 +230,12 @@ pub fn after_fallback(ptr: *mut u8, size: usize) {
 
 /// Whether `ptr` is a block of the reserve.
 pub fn owns(ptr: *mut u8) -> bool {
+    // START first: `arm` publishes it last, so a reader that sees it sees END too. Read the
+    // other way round, a call racing the arming (C `free` asks this of every pointer) could see
+    // END and a START of 0, and take any pointer below END for a block of the reserve.
+    let start = START.load(Ordering::Acquire);
     let p = ptr as usize;
-    p >= START.load(Ordering::Acquire) && p < END.load(Ordering::Acquire)
+    start != 0 && p >= start && p < END.load(Ordering::Acquire)
 }
 
 /// Give back a block [`alloc`] returned for `size` and `align`.

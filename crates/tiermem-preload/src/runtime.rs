@@ -369,8 +369,9 @@ fn start_engine_threads(_guard: std::sync::MutexGuard<'_, ()>) -> &'static Engin
         config.trace_path = Some(dir.join(format!("{}.trace", image_file_stem())));
     }
     // The reserve before the engine's threads: they allocate from their first instruction
-    // (see `reserve::rescue`). Armed only where the OOM guard will be, which is what makes
-    // a full cgroup refuse memory rather than wait for it.
+    // (see `reserve::rescue`). Armed where the OOM guard is asked for, which is what makes a
+    // full cgroup refuse memory rather than wait for it (it stays, 128 KiB, if the guard then
+    // cannot be armed).
     if settings.respect_cgroup && settings.oom_guard && CgroupRoom::of_self().is_some() {
         if let Err(why) = crate::reserve::arm(ENGINE_RESERVE_BYTES) {
             say(&["tiermem: ", &why, "; the engine's threads allocate from the C library"]);

@@ -10,9 +10,12 @@
 
 use std::time::Duration;
 
-/// How long [`spawn_running`] waits for the thread to start: far longer than a start takes, short
-/// enough that a thread that never runs does not hang the caller.
-const START_WAIT: Duration = Duration::from_secs(5);
+/// How long [`spawn_running`] waits for the thread to start: far longer than a start takes (well
+/// under a millisecond), short enough not to matter where the start cannot finish before the
+/// caller goes on: glibc registers a thread's first thread-local destructor under the dynamic
+/// loader's lock, which a caller inside `dlopen` (a library's constructor that starts the
+/// engine) holds until it returns.
+const START_WAIT: Duration = Duration::from_millis(200);
 
 /// Spawn `f` on a thread named `name` (with `stack` bytes of stack if given) and return once it
 /// runs (or after [`START_WAIT`] if it has not started by then).
