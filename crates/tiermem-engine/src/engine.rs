@@ -31,7 +31,7 @@ pub(crate) fn wake_eventfd() -> Result<WakeFd> {
 }
 
 /// Milliseconds of the monotonic clock (a vDSO call: usable in the SIGBUS handler).
-fn monotonic_ms() -> u64 {
+pub(crate) fn monotonic_ms() -> u64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
     (t.tv_sec as u64).saturating_mul(1000) + t.tv_nsec as u64 / 1_000_000
 }
@@ -121,10 +121,10 @@ pub(crate) struct Shared {
     pub(crate) shutdown: AtomicBool,
     /// Slots reserved by live regions' pages, to refuse regions the device cannot hold.
     pub(crate) reserved_pages: AtomicU64,
-    /// When (monotonic ns) the current spell of faults refused their pages by the full cgroup
+    /// When (monotonic ms) the current spell of faults refused their pages by the full cgroup
     /// began, and the last refusal (0: none yet; see `fault::map_in_fault`).
-    pub(crate) memory_refused_since_ns: AtomicU64,
-    pub(crate) memory_refused_last_ns: AtomicU64,
+    pub(crate) memory_refused_since_ms: AtomicU64,
+    pub(crate) memory_refused_last_ms: AtomicU64,
     /// Ranges held resident for system calls; reclaim skips them.
     pub(crate) pins: std::sync::Mutex<Vec<(usize, usize)>>,
     /// Where faults are recorded, if asked ([`EngineConfig::trace_path`]).
@@ -544,8 +544,8 @@ impl Engine {
             stop_event: wake_eventfd()?,
             shutdown: AtomicBool::new(false),
             reserved_pages: AtomicU64::new(0),
-            memory_refused_since_ns: AtomicU64::new(0),
-            memory_refused_last_ns: AtomicU64::new(0),
+            memory_refused_since_ms: AtomicU64::new(0),
+            memory_refused_last_ms: AtomicU64::new(0),
             pins: std::sync::Mutex::new(Vec::new()),
             prefetch_sampler: crate::prefetch_sample::PrefetchSampler::new(config.io_buffers as usize),
             prefetch_governor: crate::prefetch_governor::PrefetchGovernor::new(config.prefetch_governor),

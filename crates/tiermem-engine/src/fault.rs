@@ -591,10 +591,10 @@ fn map_in_fault(
         // another thread's success, only by a pause in the refusals (a clock cleared by any
         // copy let through made a fault refused between another's copies fail at once; one
         // cleared by faults' copies only was left running when the page came by a prefetch).
-        let now = monotonic_ns().max(1);
-        let last = shared.memory_refused_last_ns.swap(now, Ordering::AcqRel);
-        if last == 0 || now.saturating_sub(last) > REFUSALS_APART.as_nanos() as u64 {
-            shared.memory_refused_since_ns.store(now, Ordering::Release);
+        let now = crate::engine::monotonic_ms().max(1);
+        let last = shared.memory_refused_last_ms.swap(now, Ordering::AcqRel);
+        if last == 0 || now.saturating_sub(last) > REFUSALS_APART.as_millis() as u64 {
+            shared.memory_refused_since_ms.store(now, Ordering::Release);
         }
     }
     result
@@ -610,11 +610,6 @@ const NOMEM_RETRIES_IN_FAULT: u32 = 40;
 /// How long faults may go on being refused their pages before one fails: two seconds, as when
 /// a fault waited them out itself.
 const NOMEM_GIVE_UP: std::time::Duration = std::time::Duration::from_secs(2);
-
-fn monotonic_ns() -> u64 {
-    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    (now.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(now.tv_nsec as u64)
-}
 
 /// [`map_pages`], waiting for memory up to `memory_retries` times (0.5 ms apart) before failing
 /// with ENOMEM when the full cgroup refuses a page.
@@ -701,8 +696,8 @@ fn outcome_of_copy_error(shared: &Shared, e: Errno) -> Outcome {
         Errno::EXIST => Outcome::Resolved,
         Errno::NOENT => Outcome::Retry,
         Errno::NOMEM => {
-            let since = shared.memory_refused_since_ns.load(Ordering::Acquire);
-            if monotonic_ns().saturating_sub(since) < NOMEM_GIVE_UP.as_nanos() as u64 {
+            let since = shared.memory_refused_since_ms.load(Ordering::Acquire);
+            if crate::engine::monotonic_ms().saturating_sub(since) < NOMEM_GIVE_UP.as_millis() as u64 {
                 Outcome::NoRoomYet
             } else {
                 Outcome::Failed(e)
