@@ -227,6 +227,11 @@ impl Staging<'_> {
         self.area.mapping.as_ptr().wrapping_add((SENTINELS + k) * PAGE_SIZE)
     }
 
+    /// Whether `addr` is one of the staging pages (not a scratch page or an arena buffer).
+    pub(crate) fn holds(&self, addr: usize) -> bool {
+        (self.page(0) as usize..self.page(AREA_PAGES) as usize).contains(&addr)
+    }
+
     /// Whether pages were moved here (its drop then empties it).
     pub(crate) fn is_used(&self) -> bool {
         self.used_pages > 0

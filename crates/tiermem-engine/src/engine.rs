@@ -88,6 +88,12 @@ pub(crate) struct Shared {
     /// while after, pages that would need a new slot are not taken as victims, and a fault
     /// finding no room is let in over the budget rather than wait for room that will not come.
     pub(crate) device_refused_at_ms: AtomicU64,
+    /// When the last extension of the device was refused memory (ENOMEM: a full cgroup whose
+    /// OOM killer is off refuses the file system the little an extension needs), in the same
+    /// clock; 0 once one went through. Unlike a full file system this passes as soon as
+    /// reclaim or the OOM guard's ballast makes room, so it holds victims back only briefly
+    /// ([`DEVICE_MEMORY_RETRY_MS`]) and never lets a fault in over the budget.
+    pub(crate) device_memory_refused_at_ms: AtomicU64,
     /// Prefetch reads queued and not yet processed, in pages: they will land in the budget's
     /// room, so the room left for more is the background room less these.
     pub(crate) prefetches_in_flight: AtomicU64,
@@ -261,12 +267,26 @@ impl Shared {
         at != 0 && monotonic_ms().saturating_sub(at) < 1000
     }
 
-    /// Note a refusal of the device's file system now, or (`false`) that it granted room.
-    pub(crate) fn note_device_room(&self, refused: bool) {
-        if refused {
-            self.device_refused_at_ms.store(monotonic_ms().max(1), Ordering::Relaxed);
-        } else if self.device_refused_at_ms.load(Ordering::Relaxed) != 0 {
-            self.device_refused_at_ms.store(0, Ordering::Relaxed);
+    /// Whether a page needing a new slot past what the device holds would be refused now: its
+    /// file system refused room within the last second, or memory within the last few
+    /// milliseconds.
+    pub(crate) fn device_cannot_extend(&self) -> bool {
+        let at = self.device_memory_refused_at_ms.load(Ordering::Relaxed);
+        self.device_refusing() || (at != 0 && monotonic_ms().saturating_sub(at) < DEVICE_MEMORY_RETRY_MS)
+    }
+
+    /// Note that the device refused to set storage aside, with `errno`.
+    pub(crate) fn note_device_refusal(&self, errno: i32) {
+        let clock = if errno == libc::ENOMEM { &self.device_memory_refused_at_ms } else { &self.device_refused_at_ms };
+        clock.store(monotonic_ms().max(1), Ordering::Relaxed);
+    }
+
+    /// Note that the device set storage aside.
+    pub(crate) fn note_device_room(&self) {
+        for clock in [&self.device_refused_at_ms, &self.device_memory_refused_at_ms] {
+            if clock.load(Ordering::Relaxed) != 0 {
+                clock.store(0, Ordering::Relaxed);
+            }
         }
     }
 
@@ -530,6 +550,7 @@ impl Engine {
             reclaim_asleep: AtomicBool::new(true),
             clean_stalled: AtomicBool::new(false),
             device_refused_at_ms: AtomicU64::new(0),
+            device_memory_refused_at_ms: AtomicU64::new(0),
             prefetches_in_flight: AtomicU64::new(0),
             said_no_device_room: AtomicBool::new(false),
             write_protect,
@@ -1101,6 +1122,11 @@ impl Drop for Region {
         self.shared.reserved_pages.fetch_sub(self.inner.page_count(), Ordering::AcqRel);
     }
 }
+
+/// How long pages needing a new slot are held back after the device was refused memory for
+/// an extension: a few reclaim rounds, so a round does not ask again for every page while the
+/// cgroup is full, but not the second a full file system gets.
+const DEVICE_MEMORY_RETRY_MS: u64 = 20;
 
 /// Runs of arena buffers for [`EngineConfig::write_runs`]: half a reclaim round's worth of
 /// batches in flight (16 x 32 pages, 2 MiB).

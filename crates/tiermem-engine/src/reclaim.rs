@@ -68,6 +68,7 @@ pub(crate) fn evict_batch(shared: &Shared, regions: &RegionTable, max: usize, pa
     // A fixed array, not a Vec: this runs inside the SIGBUS handler too, where allocating is
     // not safe.
     let mut storage: [Option<Victim<'_>>; PageList::CAPACITY] = std::array::from_fn(|_| None);
+    back_ahead(shared, picked.len() as u64);
     let victims = lock_victims(shared, regions, &picked, cold, &mut storage);
     if victims.is_empty() {
         return 0;
@@ -261,7 +262,7 @@ fn capture_out(shared: &Shared, capture: &crate::capture::Capture, victims: &mut
         move_out(shared, capture, &mut staging, victims, &mut unmoved);
     }
     queue_writes(shared, victims, true);
-    put_back_failed(shared, victims);
+    put_back_failed(shared, &staging, victims);
     if unmoved.iter().any(Option::is_some) && shared.protection_guarded.load(Ordering::Acquire) {
         copy_out_protected(shared, victims, &unmoved);
     }
@@ -597,10 +598,11 @@ fn lock_victim<'a>(shared: &Shared, regions: &'a RegionTable, id: PageId, from_c
         Stats::add(&shared.stats.counters.stale_entries_dropped, 1);
         return Err(false);
     }
-    // A page never written out needs a new slot, which the device's file system has just
-    // refused: left for now, rather than made ready to leave and put back (`device_refusing`).
-    let busy =
-        state.writing() || (state.dirty() && buf.is_none()) || (state.slot().is_none() && shared.device_refusing());
+    // A page never written out needs a new slot, which the device has just refused: left for
+    // now, rather than made ready to leave and put back (`device_cannot_extend`).
+    let busy = state.writing()
+        || (state.dirty() && buf.is_none())
+        || (state.slot().is_none() && shared.device_cannot_extend());
     if state.kind() != Kind::Resident || busy {
         drop(page);
         release(shared, buf);
@@ -1063,15 +1065,32 @@ fn move_one(shared: &Shared, uffd: &tiermem_sys::uffd::Uffd, dst: *mut u8, src: 
 }
 
 /// Async WP: a victim that was moved out but stays resident after all (no buffer, no slot, a
-/// failed submission) goes back where it was, dirty.
-fn put_back_failed(shared: &Shared, victims: &mut [Option<Victim<'_>>]) {
+/// failed submission) goes back where it was, dirty: moved back from its staging page, which
+/// needs no memory (the page and the page table over its place are still there), or copied
+/// from its scratch page or arena copy, which needs a page of the cgroup. A copy that a full
+/// cgroup kept refusing was fatal (docs/testing.md, 2026-12-07).
+fn put_back_failed(shared: &Shared, staging: &crate::capture::Staging<'_>, victims: &mut [Option<Victim<'_>>]) {
     for v in victims.iter_mut().flatten() {
         let (Some(staged), Some(next)) = (v.staged, v.next) else { continue };
         if next.kind() != Kind::Resident {
             continue;
         }
         let addr = v.region.page_addr(v.index);
-        if crate::fault::map_pages(shared, v.region, addr, staged as *const u8, 1, false).is_err() {
+        let movable = staging.holds(staged);
+        let moved = movable && {
+            let uffd = shared.uffd_of(v.region);
+            // SAFETY: `staged` is a staging page holding this victim's page, which only this
+            // thread touches; `addr` is the victim's place in a region registered on the same
+            // userfaultfd, empty since the page left, and locked by this thread.
+            unsafe { uffd.move_pages(addr, staged as *mut u8, PAGE_SIZE) }.is_ok()
+        };
+        // (A move that failed may still have moved the page, as `move_out` found: the copy
+        // then finds it there, EEXIST.)
+        let copied = || match crate::fault::map_pages(shared, v.region, addr, staged as *const u8, 1, false) {
+            Ok(()) => true,
+            Err(e) => movable && e == rustix::io::Errno::EXIST,
+        };
+        if !moved && !copied() {
             // Nothing left to try: say so loudly rather than return wrong data later.
             tiermem_sys::messages::fatal(&["tiermem: fatal: a page whose eviction failed could not be put back"]);
         }
@@ -1165,29 +1184,67 @@ unsafe fn source<'a>(v: &Victim<'a>) -> &'a [u8] {
     unsafe { std::slice::from_raw_parts(from, PAGE_SIZE) }
 }
 
+/// Slots the device is asked to set aside past what a round may take (8 MiB).
+const BACKED_AHEAD_SLOTS: u64 = 2048;
+
+/// Before a round that may take `n` new slots: have the device set storage aside for them and
+/// [`BACKED_AHEAD_SLOTS`] more, so that it grows while the program's cgroup still has room for
+/// the little an extension needs. Asked at the last moment, the extension came when reclaim
+/// was needed most: a burst of the program's own memory had filled the cgroup, its OOM guard
+/// had the kernel refuse the file system memory (ENOMEM), and pages stayed over the budget
+/// with nowhere to go (docs/testing.md, 2026-12-07). Slots are handed out lowest first, so
+/// this round's lie below `used + n` (runs, about).
+fn back_ahead(shared: &Shared, n: u64) {
+    let capacity = shared.slots.capacity();
+    let backed = shared.device.backed_slots();
+    let needed = (shared.slots.used() + n).min(capacity);
+    let wanted = (needed + BACKED_AHEAD_SLOTS).min(capacity);
+    if wanted <= backed || shared.device_cannot_extend() {
+        return;
+    }
+    match shared.device.back_slots(wanted) {
+        Ok(()) => shared.note_device_room(),
+        // Only the margin was refused: this round's slots are set aside.
+        Err(_) if needed <= shared.device.backed_slots() => {}
+        Err(e) => refused_device_room(shared, &e),
+    }
+}
+
 /// Take `n` consecutive free slots (one, or a run within a bitmap word) with storage set aside
 /// for them: a device that sets its storage aside as it fills is asked for more when they are
-/// past what it holds. `None` when no slots are free or the device's file system has no room
-/// (counted, and said once): the page then stays in memory rather than be written where its
-/// write could fail after it left.
+/// past what it holds. `None` when no slots are free or the device refused (noted, and said
+/// once): the page then stays in memory rather than be written where its write could fail
+/// after it left.
 fn take_slots(shared: &Shared, n: u32) -> Option<u64> {
     let first = if n == 1 { shared.slots.alloc()? } else { shared.slots.alloc_run(n)? };
     let end = first + u64::from(n);
     let backed = if end <= shared.device.backed_slots() { Ok(()) } else { shared.device.back_slots(end) };
     if let Err(e) = backed {
-        shared.note_device_room(true);
         (first..end).for_each(|slot| shared.slots.free(slot));
         // A refused run is tried again page by page, each counted then.
         if n == 1 {
-            Stats::add(&shared.stats.counters.no_device_room, 1);
-        }
-        if !shared.said_no_device_room.swap(true, Ordering::Relaxed) {
-            say_no_device_room(shared.device.backed_slots(), e.raw_os_error().unwrap_or(0));
+            refused_device_room(shared, &e);
         }
         return None;
     }
-    shared.note_device_room(false);
+    shared.note_device_room();
     Some(first)
+}
+
+/// The device refused to set storage aside: noted (victims needing a new slot are held back a
+/// while) and counted; a full file system (not a passing refusal of memory) is said once.
+fn refused_device_room(shared: &Shared, e: &std::io::Error) {
+    let errno = e.raw_os_error().unwrap_or(0);
+    shared.note_device_refusal(errno);
+    if errno == libc::ENOMEM {
+        // Passing, and counted in the statistics: not said.
+        Stats::add(&shared.stats.counters.device_memory_refusals, 1);
+        return;
+    }
+    Stats::add(&shared.stats.counters.no_device_room, 1);
+    if !shared.said_no_device_room.swap(true, Ordering::Relaxed) {
+        say_no_device_room(shared.device.backed_slots(), errno);
+    }
 }
 
 /// Say once that the device could set no more aside. Without allocating: this may run in the

@@ -107,6 +107,9 @@ pub struct Counters {
     /// Write-backs not made because the device's file system had no room to set aside a slot
     /// (see `Device::back_slots`): the page stayed in memory.
     pub no_device_room: AtomicU64,
+    /// Extensions of the device refused memory by a full cgroup (ENOMEM), tried again in a
+    /// few milliseconds; the pages needing them stayed in memory meanwhile.
+    pub device_memory_refusals: AtomicU64,
     /// Device errors seen.
     pub io_errors: AtomicU64,
     /// The first of them: `kind << 32 | errno` ([`IoErrorKind`]), 0 before any.
@@ -307,6 +310,7 @@ impl Stats {
             spliced_evictions: l(&c.spliced_evictions),
             memory_waits: l(&c.memory_waits),
             no_device_room: l(&c.no_device_room),
+            device_memory_refusals: l(&c.device_memory_refusals),
             io_errors: l(&c.io_errors),
             first_io_error: match l(&c.first_io_error) {
                 0 => None,
@@ -428,6 +432,9 @@ pub struct StatsSnapshot {
     /// See [`Counters`].
     #[serde(default)]
     pub no_device_room: u64,
+    /// See [`Counters`].
+    #[serde(default)]
+    pub device_memory_refusals: u64,
     /// See [`Counters`].
     pub io_errors: u64,
     /// The first device error: what the request was for and the error ("a write-back:
@@ -607,6 +614,13 @@ impl StatsSnapshot {
                 self.memory_waits
             );
         }
+        if self.device_memory_refusals > 0 {
+            let _ = writeln!(
+                s,
+                "device memory   {} extensions of the device refused memory by the full cgroup, tried again as reclaim made room",
+                self.device_memory_refusals
+            );
+        }
         if self.no_device_room > 0 {
             let _ = writeln!(
                 s,
@@ -740,6 +754,7 @@ impl StatsSnapshot {
         self.spliced_evictions += other.spliced_evictions;
         self.memory_waits += other.memory_waits;
         self.no_device_room += other.no_device_room;
+        self.device_memory_refusals += other.device_memory_refusals;
         self.io_errors += other.io_errors;
         if self.first_io_error.is_none() {
             self.first_io_error.clone_from(&other.first_io_error);

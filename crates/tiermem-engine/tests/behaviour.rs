@@ -1645,6 +1645,133 @@ fn a_device_without_room_keeps_pages_in_memory_over_the_budget_and_loses_nothing
     }
 }
 
+/// A memory device that sets storage aside exactly as far as asked, as a device file grows,
+/// and refuses every extension with ENOMEM while `refusing` is set, as a full cgroup under the
+/// OOM guard refuses the file system the memory an extension needs.
+#[derive(Debug)]
+struct MemoryStarvedDevice {
+    inner: MemDevice,
+    backed: std::sync::atomic::AtomicU64,
+    refusing: std::sync::atomic::AtomicBool,
+}
+
+impl tiermem_device::Device for MemoryStarvedDevice {
+    fn describe(&self) -> String {
+        format!("memory-starved {}", self.inner.describe())
+    }
+    fn capacity_slots(&self) -> u64 {
+        self.inner.capacity_slots()
+    }
+    fn backed_slots(&self) -> u64 {
+        self.backed.load(std::sync::atomic::Ordering::Acquire)
+    }
+    fn back_slots(&self, slots: u64) -> std::io::Result<()> {
+        use std::sync::atomic::Ordering;
+        if slots <= self.backed_slots() {
+            return Ok(());
+        }
+        if self.refusing.load(Ordering::Acquire) {
+            return Err(std::io::Error::from_raw_os_error(libc::ENOMEM));
+        }
+        self.backed.fetch_max(slots.min(self.capacity_slots()), Ordering::AcqRel);
+        Ok(())
+    }
+    fn open_queue(
+        &self,
+        kind: tiermem_device::QueueKind,
+        depth: u32,
+        arena: &Arc<tiermem_device::BufferArena>,
+    ) -> tiermem_device::Result<Box<dyn tiermem_device::IoQueue>> {
+        self.inner.open_queue(kind, depth, arena)
+    }
+    fn counters(&self) -> &tiermem_device::DeviceCounters {
+        self.inner.counters()
+    }
+    fn read_slot_blocking(&self, slot: u64, dst: &mut [u8]) -> tiermem_device::Result<()> {
+        self.inner.read_slot_blocking(slot, dst)
+    }
+}
+
+/// The device is asked for storage ahead of need, so a while of refused memory (a burst of the
+/// program's own memory filling its cgroup) finds room already set aside: eviction goes on
+/// without an extension. Past that room, the refusal is taken as passing, not as a full file
+/// system: the program waits for room instead of being let in over the budget, and goes on
+/// as soon as the device takes more. Before 2026-12-07 the device was asked at the last
+/// moment, and its refusal held back every page needing a slot for a second while pages were
+/// let in over the budget (a CI failure of the OOM-guard burst test, docs/testing.md).
+#[test]
+fn a_device_refused_memory_for_a_while_has_room_set_aside_and_is_asked_again() {
+    let name = "a_device_refused_memory_for_a_while_has_room_set_aside_and_is_asked_again";
+    let _serial = serial();
+    if features_or_skip(name).is_none() {
+        return;
+    }
+    use std::sync::atomic::Ordering;
+    for mode in [FaultMode::Sigbus, FaultMode::HandlerThread] {
+        within(std::time::Duration::from_secs(60), name, move || {
+            let (pages, budget) = (1024usize, 128u64);
+            let device = Arc::new(MemoryStarvedDevice {
+                inner: MemDevice::new(16 * pages as u64 * 4096).unwrap(),
+                backed: std::sync::atomic::AtomicU64::new(0),
+                refusing: std::sync::atomic::AtomicBool::new(false),
+            });
+            let engine = engine(device.clone(), budget, |c| {
+                c.prefetch = "none".into();
+                c.fault_mode = mode;
+            });
+            let first = engine.create_region(pages * 4096).unwrap();
+            write_and_check_rounds(&first, 1, &format!("{mode:?} with memory"));
+            // Less than the margin asked ahead (8 MiB, 2048 pages) while memory is refused.
+            device.refusing.store(true, Ordering::Release);
+            let second = engine.create_region(pages * 4096).unwrap();
+            write_and_check_rounds(&second, 1, &format!("{mode:?} refused memory"));
+            let stats = engine.stats();
+            assert_eq!(
+                stats.device_memory_refusals,
+                0,
+                "{mode:?}: an extension was needed while memory was refused: {}",
+                stats.summary()
+            );
+            assert!(
+                engine.resident_pages() <= budget,
+                "{mode:?}: {} pages resident over a budget of {budget}: {}",
+                engine.resident_pages(),
+                stats.summary()
+            );
+            // Past the margin: the program waits while memory is refused, then goes on.
+            let third = Arc::new(engine.create_region(4 * pages * 4096).unwrap());
+            let writer = {
+                let third = third.clone();
+                std::thread::spawn(move || write_and_check_rounds(&third, 1, "past the margin"))
+            };
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while engine.stats().device_memory_refusals == 0 && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            let stats = engine.stats();
+            assert!(stats.device_memory_refusals > 0, "{mode:?}: no extension refused: {}", stats.summary());
+            assert_eq!(stats.no_device_room, 0, "{mode:?}: refused memory counted as a full file system");
+            assert!(!writer.is_finished(), "{mode:?}: the writer finished without more device room");
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            assert!(
+                engine.resident_pages() <= budget + 8,
+                "{mode:?}: {} pages let in over a budget of {budget} while the device was refused memory",
+                engine.resident_pages()
+            );
+            device.refusing.store(false, Ordering::Release);
+            writer.join().expect("the writer finished once the device took more");
+            for (region, what) in [(&first, "first"), (&second, "second"), (&*third, "third")] {
+                let base = region.as_ptr();
+                for p in 0..region.len() / 4096 {
+                    // SAFETY: p is a page of the region.
+                    let got = unsafe { (base.add(p * 4096) as *const u64).read_volatile() };
+                    assert_eq!(got, p as u64, "{mode:?}: {what} region, page {p}");
+                }
+            }
+        });
+    }
+}
+
 /// A critical read is waited for until it is back, whatever else completes on its lane first.
 /// In poll-only mode a fault's prefetches share its lane, and a fault that left before its
 /// prefetches were done leaves their completions there for the next: that fault counted them
