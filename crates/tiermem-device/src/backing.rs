@@ -30,6 +30,12 @@ pub(crate) const MIN_STEP_SLOTS: u64 = (16 << 20) / SLOT_BYTES;
 /// refused a whole step but took what was asked, steps stay that short for as long.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 
+/// After the kernel refused an extension memory (ENOMEM: a full memory cgroup whose OOM killer
+/// is off refuses the file system the little it needs), slots past what is set aside are
+/// refused at once for this long, and room ahead of need is not asked for: passing, but each
+/// refused call may have run the cgroup's reclaim on the thread that is to make room.
+const MEMORY_RETRY_AFTER: Duration = Duration::from_millis(20);
+
 /// A short step (1 MiB): what is asked for, rounded up to this, on a file system short of room.
 const SHORT_STEP_SLOTS: u64 = (1 << 20) / SLOT_BYTES;
 
@@ -50,10 +56,16 @@ struct Shortfall {
     refused_at: Option<Instant>,
     /// It refused a whole step.
     step_refused_at: Option<Instant>,
+    /// The kernel refused an extension memory.
+    memory_refused_at: Option<Instant>,
 }
 
 fn recent(at: Option<Instant>) -> bool {
     at.is_some_and(|at| at.elapsed() < RETRY_AFTER)
+}
+
+fn is_no_memory(e: &io::Error) -> bool {
+    e.raw_os_error() == Some(libc::ENOMEM)
 }
 
 impl Backing {
@@ -71,54 +83,82 @@ impl Backing {
         self.backed.load(Ordering::Acquire)
     }
 
-    /// Set blocks aside in `file` for slots `0..slots` at least, a step at a time. ENOSPC when
-    /// the file system has no room for them (and for a while after it said so), EINVAL past
-    /// the capacity. Allocates nothing: the engine may call it from a fault handler.
-    pub(crate) fn back(&self, file: &File, slots: u64) -> io::Result<()> {
-        if slots <= self.backed() {
+    /// Set blocks aside in `file` for slots `0..needed` at least, and `0..wanted` if the file
+    /// system has room, a step at a time. ENOSPC when the file system has no room for `needed`
+    /// (and for a while after it said so), ENOMEM when the kernel refused the memory (and for a
+    /// moment after), EINVAL past the capacity. A refusal of what was wanted beyond the need
+    /// is no error: steps stay short for a while after it. Allocates nothing: the engine may
+    /// call it from a fault handler.
+    pub(crate) fn back(&self, file: &File, needed: u64, wanted: u64) -> io::Result<()> {
+        let wanted = wanted.max(needed);
+        if wanted <= self.backed() {
             return Ok(());
         }
-        if slots > self.capacity {
+        if wanted > self.capacity {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
         }
-        let no_room = || io::Error::from_raw_os_error(libc::ENOSPC);
         let mut shortfall = self.shortfall.lock().unwrap_or_else(|e| e.into_inner());
         let backed = self.backed();
-        if slots <= backed {
+        if wanted <= backed {
             return Ok(());
         }
-        if recent(shortfall.refused_at) {
-            return Err(no_room());
-        }
-        let short = slots.next_multiple_of(SHORT_STEP_SLOTS).min(self.capacity);
-        let step = if recent(shortfall.step_refused_at) {
-            short
+        let refusal = if recent(shortfall.refused_at) {
+            Some(libc::ENOSPC)
+        } else if shortfall.memory_refused_at.is_some_and(|at| at.elapsed() < MEMORY_RETRY_AFTER) {
+            Some(libc::ENOMEM)
         } else {
-            slots.max(backed.saturating_add(MIN_STEP_SLOTS.max(backed / 4))).min(self.capacity)
+            None
+        };
+        if let Some(errno) = refusal {
+            // Not asked again so soon; fine while nothing past what is set aside is needed.
+            return if needed <= backed { Ok(()) } else { Err(io::Error::from_raw_os_error(errno)) };
+        }
+        // Short: the need alone, rounded up to a short step. A whole step: at least what is
+        // wanted and a quarter more than is set aside, unless the file system refused one lately.
+        let short = needed.next_multiple_of(SHORT_STEP_SLOTS).min(self.capacity).max(backed);
+        let step = if recent(shortfall.step_refused_at) {
+            wanted.next_multiple_of(SHORT_STEP_SLOTS).min(self.capacity)
+        } else {
+            wanted.max(backed.saturating_add(MIN_STEP_SLOTS.max(backed / 4))).min(self.capacity)
         };
         let target = match self.allocate(file, backed, step) {
-            Ok(target) => target,
-            Err(e) if !is_no_room(&e) => return Err(e),
-            // The whole step did not fit: a nearly full file system may still hold what was
-            // asked for. What the failed step got (ext4 and XFS keep it) goes back either way,
-            // or this file would hold the room other processes need.
+            Ok(target) => {
+                shortfall.refused_at = None;
+                shortfall.memory_refused_at = None;
+                target
+            }
+            Err(e) if !is_no_room(&e) && !is_no_memory(&e) => return Err(e),
+            // The whole step did not fit (or its memory was refused): the need alone may.
+            // What the failed step got (ext4 and XFS keep it) goes back either way, or this
+            // file would hold the room other processes need.
             Err(e) => {
-                shortfall.step_refused_at = Some(Instant::now());
-                let fitted = if step > short { self.allocate(file, backed, short) } else { Err(e) };
-                let kept = *fitted.as_ref().unwrap_or(&backed);
-                give_back(file, kept, step);
+                let now = Some(Instant::now());
+                if is_no_room(&e) {
+                    shortfall.step_refused_at = now;
+                } else {
+                    shortfall.memory_refused_at = now;
+                }
+                let fitted = if short <= backed {
+                    Ok(backed)
+                } else if step > short {
+                    self.allocate(file, backed, short)
+                } else {
+                    Err(e)
+                };
+                give_back(file, *fitted.as_ref().unwrap_or(&backed), step);
                 match fitted {
                     Ok(target) => target,
                     Err(e) => {
                         if is_no_room(&e) {
-                            shortfall.refused_at = Some(Instant::now());
+                            shortfall.refused_at = now;
+                        } else if is_no_memory(&e) {
+                            shortfall.memory_refused_at = now;
                         }
                         return Err(e);
                     }
                 }
             }
         };
-        shortfall.refused_at = None;
         self.backed.store(target, Ordering::Release);
         Ok(())
     }

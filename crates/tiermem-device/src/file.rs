@@ -216,7 +216,7 @@ impl FileDevice {
             Backing::growing(slots)
         };
         // A first step now: a file system without room for even one slot fails the open.
-        backing.back(&file, 1).map_err(|e| match e.raw_os_error() {
+        backing.back(&file, 1, 1).map_err(|e| match e.raw_os_error() {
             Some(libc::ENOSPC) => Error::os_kind(
                 ErrorKind::NoSpace,
                 e,
@@ -681,8 +681,8 @@ impl Device for FileDevice {
         self.shared.backing.backed()
     }
 
-    fn back_slots(&self, slots: u64) -> io::Result<()> {
-        self.shared.backing.back(&self.shared.file, slots)
+    fn back_slots(&self, needed: u64, wanted: u64) -> io::Result<()> {
+        self.shared.backing.back(&self.shared.file, needed, wanted)
     }
 
     fn open_queue(&self, kind: QueueKind, depth: u32, arena: &Arc<BufferArena>) -> Result<Box<dyn IoQueue>> {

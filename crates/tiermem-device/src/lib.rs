@@ -232,12 +232,15 @@ pub trait Device: Send + Sync + std::fmt::Debug {
         self.capacity_slots()
     }
 
-    /// Set storage aside for slots `0..slots` (at most the capacity), at once or in a larger
-    /// step. ENOSPC when the medium has no room for them: the slots past
-    /// [`Device::backed_slots`] must then not be written. An `io::Error` of an errno, so that
-    /// nothing is allocated: the engine may ask from a fault handler.
-    fn back_slots(&self, slots: u64) -> std::io::Result<()> {
-        if slots > self.capacity_slots() {
+    /// Set storage aside for slots `0..needed` at least, and for `0..wanted` (`wanted` >=
+    /// `needed`, at most the capacity) if the medium has room: at once or in a larger step.
+    /// Ok when `needed` is set aside, even where `wanted` was not (which is then asked for
+    /// again no sooner than the device sees fit). ENOSPC when the medium has no room for
+    /// `needed`, ENOMEM when the kernel refused the memory an extension needs (passing): the
+    /// slots past [`Device::backed_slots`] must then not be written. An `io::Error` of an
+    /// errno, so that nothing is allocated: the engine may ask from a fault handler.
+    fn back_slots(&self, needed: u64, wanted: u64) -> std::io::Result<()> {
+        if needed.max(wanted) > self.capacity_slots() {
             return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
         }
         Ok(())

@@ -1066,9 +1066,11 @@ fn move_one(shared: &Shared, uffd: &tiermem_sys::uffd::Uffd, dst: *mut u8, src: 
 
 /// Async WP: a victim that was moved out but stays resident after all (no buffer, no slot, a
 /// failed submission) goes back where it was, dirty: moved back from its staging page, which
-/// needs no memory (the page and the page table over its place are still there), or copied
-/// from its scratch page or arena copy, which needs a page of the cgroup. A copy that a full
-/// cgroup kept refusing was fatal (docs/testing.md, 2026-12-07).
+/// needs no new page (only the page table over its place, which a move out leaves; a kernel
+/// that frees emptied tables, CONFIG_PT_RECLAIM, may have freed it after a MADV_DONTNEED
+/// meanwhile), or copied from its scratch page or arena copy, which needs a page of the
+/// cgroup. Always copied before, it was fatal where a full cgroup kept refusing the copy
+/// (docs/testing.md, 2026-12-07).
 fn put_back_failed(shared: &Shared, staging: &crate::capture::Staging<'_>, victims: &mut [Option<Victim<'_>>]) {
     for v in victims.iter_mut().flatten() {
         let (Some(staged), Some(next)) = (v.staged, v.next) else { continue };
@@ -1193,52 +1195,62 @@ const BACKED_AHEAD_SLOTS: u64 = 2048;
 /// was needed most: a burst of the program's own memory had filled the cgroup, its OOM guard
 /// had the kernel refuse the file system memory (ENOMEM), and pages stayed over the budget
 /// with nowhere to go (docs/testing.md, 2026-12-07). Slots are handed out lowest first, so
-/// this round's lie below `used + n` (runs, about).
+/// this round's lie below `used + n` (runs, about). The device says when to ask again after
+/// a refusal of the margin (see tiermem_device's `backing`).
 fn back_ahead(shared: &Shared, n: u64) {
     let capacity = shared.slots.capacity();
-    let backed = shared.device.backed_slots();
     let needed = (shared.slots.used() + n).min(capacity);
     let wanted = (needed + BACKED_AHEAD_SLOTS).min(capacity);
-    if wanted <= backed || shared.device_cannot_extend() {
+    if wanted <= shared.device.backed_slots() || shared.device_cannot_extend() {
         return;
     }
-    match shared.device.back_slots(wanted) {
+    match shared.device.back_slots(needed, wanted) {
         Ok(()) => shared.note_device_room(),
-        // Only the margin was refused: this round's slots are set aside.
-        Err(_) if needed <= shared.device.backed_slots() => {}
         Err(e) => refused_device_room(shared, &e),
     }
 }
 
 /// Take `n` consecutive free slots (one, or a run within a bitmap word) with storage set aside
 /// for them: a device that sets its storage aside as it fills is asked for more when they are
-/// past what it holds. `None` when no slots are free or the device refused (noted, and said
-/// once): the page then stays in memory rather than be written where its write could fail
-/// after it left.
+/// past what it holds, unless it refused lately. `None` when no slots are free or the device
+/// refused (noted, and said once): the page then stays in memory rather than be written where
+/// its write could fail after it left.
 fn take_slots(shared: &Shared, n: u32) -> Option<u64> {
     let first = if n == 1 { shared.slots.alloc()? } else { shared.slots.alloc_run(n)? };
     let end = first + u64::from(n);
-    let backed = if end <= shared.device.backed_slots() { Ok(()) } else { shared.device.back_slots(end) };
-    if let Err(e) = backed {
-        (first..end).for_each(|slot| shared.slots.free(slot));
-        // A refused run is tried again page by page, each counted then.
-        if n == 1 {
-            refused_device_room(shared, &e);
-        }
-        return None;
+    if end <= shared.device.backed_slots() {
+        return Some(first);
     }
-    shared.note_device_room();
-    Some(first)
+    let backed =
+        if shared.device_cannot_extend() { Err(None) } else { shared.device.back_slots(end, end).map_err(Some) };
+    match backed {
+        Ok(()) => {
+            shared.note_device_room();
+            Some(first)
+        }
+        Err(e) => {
+            (first..end).for_each(|slot| shared.slots.free(slot));
+            // A refused run is tried again page by page, each counted then.
+            if let (Some(e), 1) = (e, n) {
+                refused_device_room(shared, &e);
+            }
+            None
+        }
+    }
 }
 
 /// The device refused to set storage aside: noted (victims needing a new slot are held back a
 /// while) and counted; a full file system (not a passing refusal of memory) is said once.
+/// Memory refused in a system call raises no OOM event under the OOM guard, so the cgroup
+/// watch would not hear of it: counted as a wait for memory (which the watch answers) and a
+/// step of the budget shed, as a refused page copy is.
 fn refused_device_room(shared: &Shared, e: &std::io::Error) {
     let errno = e.raw_os_error().unwrap_or(0);
     shared.note_device_refusal(errno);
     if errno == libc::ENOMEM {
-        // Passing, and counted in the statistics: not said.
         Stats::add(&shared.stats.counters.device_memory_refusals, 1);
+        Stats::add(&shared.stats.counters.memory_waits, 1);
+        shared.shed(shared.limit_pages() / 32);
         return;
     }
     Stats::add(&shared.stats.counters.no_device_room, 1);

@@ -628,18 +628,18 @@ fn a_created_file_sets_its_blocks_aside_in_steps_as_slots_are_asked_for() {
     assert_eq!(device.backed_slots(), step, "the first step at open");
     assert!(allocated_bytes(&path) <= step * SLOT_BYTES + (1 << 20), "{} bytes held", allocated_bytes(&path));
 
-    device.back_slots(step + 1).unwrap();
+    device.back_slots(step + 1, step + 1).unwrap();
     assert_eq!(device.backed_slots(), 2 * step, "a whole step more for one slot more");
     assert!(allocated_bytes(&path) >= 2 * step * SLOT_BYTES, "{} bytes held", allocated_bytes(&path));
-    device.back_slots(10).unwrap();
+    device.back_slots(10, 10).unwrap();
     assert_eq!(device.backed_slots(), 2 * step, "nothing more for slots already backed");
     // Later steps are a quarter of what is held.
-    device.back_slots(40 * step).unwrap();
-    device.back_slots(40 * step + 1).unwrap();
+    device.back_slots(40 * step, 40 * step).unwrap();
+    device.back_slots(40 * step + 1, 40 * step + 1).unwrap();
     assert_eq!(device.backed_slots(), 50 * step);
-    let past = device.back_slots(slots + 1).unwrap_err();
+    let past = device.back_slots(slots + 1, slots + 1).unwrap_err();
     assert_eq!(past.raw_os_error(), Some(libc::EINVAL), "{past}");
-    device.back_slots(slots).unwrap();
+    device.back_slots(slots, slots).unwrap();
     assert_eq!(device.backed_slots(), slots);
 
     let mut model = PageModel::new();
@@ -674,14 +674,17 @@ fn a_full_file_system_refuses_slots_past_what_it_holds() {
     assert_eq!(device.backed_slots(), 256);
     assert!(allocated_bytes(&path) <= 1 << 20, "{} bytes held", allocated_bytes(&path));
     // Short steps while the file system is short of room.
-    device.back_slots(1000).unwrap();
+    device.back_slots(1000, 1000).unwrap();
     assert_eq!(device.backed_slots(), 1024, "4 MiB fit where a step did not");
     assert!(allocated_bytes(&path) <= 4 << 20, "{} bytes held", allocated_bytes(&path));
-    let refused = device.back_slots(4096).unwrap_err();
+    let refused = device.back_slots(4096, 4096).unwrap_err();
     assert_eq!(refused.raw_os_error(), Some(libc::ENOSPC), "{refused}");
     assert_eq!(device.backed_slots(), 1024);
-    let again = device.back_slots(1100).unwrap_err();
+    let again = device.back_slots(1100, 1100).unwrap_err();
     assert_eq!(again.raw_os_error(), Some(libc::ENOSPC), "asked again at once: {again}");
+    // Room wanted ahead of need is no error while the need is set aside.
+    device.back_slots(1024, 4096).unwrap();
+    assert_eq!(device.backed_slots(), 1024);
 
     let mut model = PageModel::new();
     RoundTrip::new(QueueKind::Completion, 8, 200, 13, 0..1024).run(&device, &mut model);
@@ -689,9 +692,14 @@ fn a_full_file_system_refuses_slots_past_what_it_holds() {
     // A second later the file system is asked again: a whole step does not fit, a short one
     // does.
     std::thread::sleep(std::time::Duration::from_millis(1100));
-    device.back_slots(1100).unwrap();
+    device.back_slots(1100, 1100).unwrap();
     assert_eq!(device.backed_slots(), 1280);
     assert!(allocated_bytes(&path) <= 5 << 20, "{} bytes held", allocated_bytes(&path));
+    // Wanting far more than fits does not make the file system look full for what does fit.
+    device.back_slots(1280, 1280 + 8192).unwrap();
+    device.back_slots(1300, 1300).unwrap();
+    assert_eq!(device.backed_slots(), 1536);
+    assert!(allocated_bytes(&path) <= 6 << 20, "{} bytes held", allocated_bytes(&path));
 }
 
 /// Mount (`mount ARGS mount_point`) for the life of the value, or say SKIPPED and `None`.
