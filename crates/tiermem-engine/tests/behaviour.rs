@@ -1555,28 +1555,63 @@ fn failed_reads_and_writes_of_the_device_lose_nothing_and_kill_nothing() {
     }
 }
 
-/// A memory device whose medium has room for `room` slots only, as a device file on a nearly
-/// full file system: slots past it are refused with ENOSPC until the room is raised.
+/// A memory device that sets storage aside as a device file does, exactly as far as asked:
+/// its medium has room for `room` slots only (past it, ENOSPC, as a nearly full file system),
+/// and while `refusing_memory` is set every extension is refused with ENOMEM (as a full cgroup
+/// under the OOM guard refuses the file system the memory an extension needs).
 #[derive(Debug)]
-struct CrampedDevice {
+struct GrowingDevice {
     inner: MemDevice,
+    backed: std::sync::atomic::AtomicU64,
     room: std::sync::atomic::AtomicU64,
+    refusing_memory: std::sync::atomic::AtomicBool,
+    /// Extensions asked for while refusing memory.
+    memory_refusals: std::sync::atomic::AtomicU64,
 }
 
-impl tiermem_device::Device for CrampedDevice {
+impl GrowingDevice {
+    fn new(capacity_slots: u64, room: u64) -> Self {
+        Self {
+            inner: MemDevice::new(capacity_slots * 4096).unwrap(),
+            backed: std::sync::atomic::AtomicU64::new(0),
+            room: std::sync::atomic::AtomicU64::new(room),
+            refusing_memory: std::sync::atomic::AtomicBool::new(false),
+            memory_refusals: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+}
+
+impl tiermem_device::Device for GrowingDevice {
     fn describe(&self) -> String {
-        format!("cramped {}", self.inner.describe())
+        format!("growing {}", self.inner.describe())
     }
     fn capacity_slots(&self) -> u64 {
         self.inner.capacity_slots()
     }
     fn backed_slots(&self) -> u64 {
-        self.room.load(std::sync::atomic::Ordering::Relaxed).min(self.capacity_slots())
+        self.backed.load(std::sync::atomic::Ordering::Acquire)
     }
-    fn back_slots(&self, needed: u64, _wanted: u64) -> std::io::Result<()> {
-        if needed > self.backed_slots() {
-            return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+    fn back_slots(&self, needed: u64, wanted: u64) -> std::io::Result<()> {
+        use std::sync::atomic::Ordering;
+        if wanted <= self.backed_slots() {
+            return Ok(());
         }
+        let refused = |errno| {
+            if needed <= self.backed_slots() {
+                Ok(())
+            } else {
+                Err(std::io::Error::from_raw_os_error(errno))
+            }
+        };
+        if self.refusing_memory.load(Ordering::Acquire) {
+            self.memory_refusals.fetch_add(1, Ordering::Relaxed);
+            return refused(libc::ENOMEM);
+        }
+        let room = self.room.load(Ordering::Acquire).min(self.capacity_slots());
+        if needed > room {
+            return refused(libc::ENOSPC);
+        }
+        self.backed.fetch_max(wanted.min(room), Ordering::AcqRel);
         Ok(())
     }
     fn open_queue(
@@ -1609,10 +1644,7 @@ fn a_device_without_room_keeps_pages_in_memory_over_the_budget_and_loses_nothing
     for mode in [FaultMode::Sigbus, FaultMode::HandlerThread] {
         within(std::time::Duration::from_secs(60), "cramped device", move || {
             let (pages, room, budget) = (1024usize, 300u64, 128u64);
-            let device = Arc::new(CrampedDevice {
-                inner: MemDevice::new(2 * pages as u64 * 4096).unwrap(),
-                room: std::sync::atomic::AtomicU64::new(room),
-            });
+            let device = Arc::new(GrowingDevice::new(2 * pages as u64, room));
             let engine = engine(device.clone(), budget, |c| {
                 c.prefetch = "none".into();
                 c.fault_mode = mode;
@@ -1645,60 +1677,6 @@ fn a_device_without_room_keeps_pages_in_memory_over_the_budget_and_loses_nothing
     }
 }
 
-/// A memory device that sets storage aside exactly as far as asked, as a device file grows,
-/// and refuses every extension with ENOMEM while `refusing` is set, as a full cgroup under the
-/// OOM guard refuses the file system the memory an extension needs.
-#[derive(Debug)]
-struct MemoryStarvedDevice {
-    inner: MemDevice,
-    backed: std::sync::atomic::AtomicU64,
-    refusing: std::sync::atomic::AtomicBool,
-    /// Extensions asked for while refusing.
-    refusals: std::sync::atomic::AtomicU64,
-}
-
-impl tiermem_device::Device for MemoryStarvedDevice {
-    fn describe(&self) -> String {
-        format!("memory-starved {}", self.inner.describe())
-    }
-    fn capacity_slots(&self) -> u64 {
-        self.inner.capacity_slots()
-    }
-    fn backed_slots(&self) -> u64 {
-        self.backed.load(std::sync::atomic::Ordering::Acquire)
-    }
-    fn back_slots(&self, needed: u64, wanted: u64) -> std::io::Result<()> {
-        use std::sync::atomic::Ordering;
-        if wanted <= self.backed_slots() {
-            return Ok(());
-        }
-        if self.refusing.load(Ordering::Acquire) {
-            self.refusals.fetch_add(1, Ordering::Relaxed);
-            return if needed <= self.backed_slots() {
-                Ok(())
-            } else {
-                Err(std::io::Error::from_raw_os_error(libc::ENOMEM))
-            };
-        }
-        self.backed.fetch_max(wanted.min(self.capacity_slots()), Ordering::AcqRel);
-        Ok(())
-    }
-    fn open_queue(
-        &self,
-        kind: tiermem_device::QueueKind,
-        depth: u32,
-        arena: &Arc<tiermem_device::BufferArena>,
-    ) -> tiermem_device::Result<Box<dyn tiermem_device::IoQueue>> {
-        self.inner.open_queue(kind, depth, arena)
-    }
-    fn counters(&self) -> &tiermem_device::DeviceCounters {
-        self.inner.counters()
-    }
-    fn read_slot_blocking(&self, slot: u64, dst: &mut [u8]) -> tiermem_device::Result<()> {
-        self.inner.read_slot_blocking(slot, dst)
-    }
-}
-
 /// The device is asked for storage ahead of need, so a while of refused memory (a burst of the
 /// program's own memory filling its cgroup) finds room already set aside: eviction goes on
 /// without an extension. Past that room, the refusal is taken as passing, not as a full file
@@ -1717,12 +1695,7 @@ fn a_device_refused_memory_for_a_while_has_room_set_aside_and_is_asked_again() {
     for mode in [FaultMode::Sigbus, FaultMode::HandlerThread] {
         within(std::time::Duration::from_secs(60), name, move || {
             let (pages, budget) = (1024usize, 128u64);
-            let device = Arc::new(MemoryStarvedDevice {
-                inner: MemDevice::new(16 * pages as u64 * 4096).unwrap(),
-                backed: std::sync::atomic::AtomicU64::new(0),
-                refusing: std::sync::atomic::AtomicBool::new(false),
-                refusals: std::sync::atomic::AtomicU64::new(0),
-            });
+            let device = Arc::new(GrowingDevice::new(16 * pages as u64, u64::MAX));
             let engine = engine(device.clone(), budget, |c| {
                 c.prefetch = "none".into();
                 c.fault_mode = mode;
@@ -1730,7 +1703,7 @@ fn a_device_refused_memory_for_a_while_has_room_set_aside_and_is_asked_again() {
             let first = engine.create_region(pages * 4096).unwrap();
             write_and_check_rounds(&first, 1, &format!("{mode:?} with memory"));
             // Less than the margin asked ahead (8 MiB, 2048 pages) while memory is refused.
-            device.refusing.store(true, Ordering::Release);
+            device.refusing_memory.store(true, Ordering::Release);
             let second = engine.create_region(pages * 4096).unwrap();
             write_and_check_rounds(&second, 1, &format!("{mode:?} refused memory"));
             let stats = engine.stats();
@@ -1760,18 +1733,18 @@ fn a_device_refused_memory_for_a_while_has_room_set_aside_and_is_asked_again() {
             assert!(stats.device_memory_refusals > 0, "{mode:?}: no extension refused: {}", stats.summary());
             assert_eq!(stats.no_device_room, 0, "{mode:?}: refused memory counted as a full file system");
             assert!(!writer.is_finished(), "{mode:?}: the writer finished without more device room");
-            let asked = device.refusals.load(Ordering::Relaxed);
+            let asked = device.memory_refusals.load(Ordering::Relaxed);
             std::thread::sleep(std::time::Duration::from_millis(200));
             // Asked again after a pause, not in every round (a refused call may cost the
             // cgroup's reclaim): at most once per 20 ms per asking thread, here two or three.
-            let asked = device.refusals.load(Ordering::Relaxed) - asked;
+            let asked = device.memory_refusals.load(Ordering::Relaxed) - asked;
             assert!(asked <= 40, "{mode:?}: the device was asked {asked} times in 200 ms while refusing");
             assert!(
                 engine.resident_pages() <= budget + 8,
                 "{mode:?}: {} pages let in over a budget of {budget} while the device was refused memory",
                 engine.resident_pages()
             );
-            device.refusing.store(false, Ordering::Release);
+            device.refusing_memory.store(false, Ordering::Release);
             writer.join().expect("the writer finished once the device took more");
             for (region, what) in [(&first, "first"), (&second, "second"), (&*third, "third")] {
                 let base = region.as_ptr();
