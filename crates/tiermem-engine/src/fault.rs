@@ -353,10 +353,25 @@ fn resolve(
                 return Outcome::Resolved;
             }
             Kind::Evicted if needs_room && staging.is_some() => {
-                let buf = staging.unwrap_or_default();
+                let mut buf = staging.unwrap_or_default();
                 let slot = state.slot().unwrap_or_default();
                 let info = fault_info(false);
-                if let Err(failed) = read_critical(shared, regions, region, slot, buf, &info, lane_hint) {
+                let read = read_critical(shared, regions, region, slot, buf, &info, lane_hint);
+                if let Err(CriticalReadFailed { errno: Errno::NOMEM, buffer_in_use: true }) = read {
+                    // The full cgroup kept refusing the lane's submission (io_uring charges its
+                    // requests there). The read stays queued, to go out with the lane's next
+                    // submit into its buffer, which is left to it; the page is read plainly
+                    // into another, which needs no memory of the cgroup. Waiting for the
+                    // submission held the region table for up to two seconds instead.
+                    shared.queues.abandon(buf);
+                    match shared.arena.alloc() {
+                        Some(other) if read_again(shared, slot, other) => buf = other,
+                        other => {
+                            give_back(true, other);
+                            return outcome_of_copy_error(shared, Errno::NOMEM);
+                        }
+                    }
+                } else if let Err(failed) = read {
                     shared.stats.io_error(IoErrorKind::CriticalRead, failed.errno.raw_os_error());
                     // A read the device answered with an error (not one left in flight, whose
                     // buffer is still the device's) is made again, plainly: a passing error (a
@@ -587,17 +602,22 @@ fn map_in_fault(
 ) -> Result<(), Errno> {
     let result = map_pages_waiting(shared, region, dst, src, count, write_protect, NOMEM_RETRIES_IN_FAULT);
     if result == Err(Errno::NOMEM) {
-        // Refusals less than REFUSALS_APART apart are one spell; a spell is never ended by
-        // another thread's success, only by a pause in the refusals (a clock cleared by any
-        // copy let through made a fault refused between another's copies fail at once; one
-        // cleared by faults' copies only was left running when the page came by a prefetch).
-        let now = crate::engine::monotonic_ms().max(1);
-        let last = shared.memory_refused_last_ms.swap(now, Ordering::AcqRel);
-        if last == 0 || now.saturating_sub(last) > REFUSALS_APART.as_millis() as u64 {
-            shared.memory_refused_since_ms.store(now, Ordering::Release);
-        }
+        note_memory_refused(shared);
     }
     result
+}
+
+/// Note that a fault was refused memory now, for [`outcome_of_copy_error`]'s count of how long
+/// refusals have lasted. Refusals less than REFUSALS_APART apart are one spell; a spell is never
+/// ended by another thread's success, only by a pause in the refusals (a clock cleared by any
+/// copy let through made a fault refused between another's copies fail at once; one cleared by
+/// faults' copies only was left running when the page came by a prefetch).
+fn note_memory_refused(shared: &Shared) {
+    let now = crate::engine::monotonic_ms().max(1);
+    let last = shared.memory_refused_last_ms.swap(now, Ordering::AcqRel);
+    if last == 0 || now.saturating_sub(last) > REFUSALS_APART.as_millis() as u64 {
+        shared.memory_refused_since_ms.store(now, Ordering::Release);
+    }
 }
 
 /// Refusals of memory further apart than this are separate spells (see [`map_in_fault`]);
@@ -709,16 +729,18 @@ fn outcome_of_copy_error(shared: &Shared, e: Errno) -> Outcome {
 
 /// Submit what `queue` holds. The kernel refuses a submission while the memory cgroup is full
 /// (io_uring charges its request memory there), so a refusal is treated as a refused page copy
-/// is: counted as a wait for memory (which the cgroup watch answers), the budget shed a step,
-/// reclaim kept awake, and tried again for up to two seconds before the fault fails.
+/// in a fault is: counted as a wait for memory (which the cgroup watch answers), the budget shed
+/// a step, reclaim kept awake, and tried again for [`NOMEM_RETRIES_IN_FAULT`] times (20 ms) with
+/// the region table held; then ENOMEM, noted as a refusal of memory (see [`map_in_fault`]).
 fn submit_retrying(shared: &Shared, queue: &mut dyn tiermem_device::IoQueue) -> Result<(), Errno> {
-    for attempt in 0..NOMEM_RETRIES {
+    for attempt in 0..NOMEM_RETRIES_IN_FAULT {
         if queue.submit().is_ok() {
             return Ok(());
         }
         wait_for_memory_once(shared, attempt);
     }
-    Err(Errno::IO)
+    note_memory_refused(shared);
+    Err(Errno::NOMEM)
 }
 
 /// Waits of a thread still refused memory between two counted ones: 20 ms.

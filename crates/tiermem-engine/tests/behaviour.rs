@@ -1365,6 +1365,9 @@ struct FlakyDevice {
     strays: bool,
     /// Every fifth wait on a polled queue with a request in flight fails at once.
     failed_waits: bool,
+    /// While set, submissions on polled queues are refused with ENOMEM, as io_uring refuses
+    /// them while the memory cgroup is full.
+    refusing_submits: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// The tag of the stray completions: no request of the engine's has it.
@@ -1382,6 +1385,7 @@ struct FlakyQueue {
     stray_owed: bool,
     failed_waits: bool,
     waits: u64,
+    refusing_submits: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl tiermem_device::Device for FlakyDevice {
@@ -1407,6 +1411,7 @@ impl tiermem_device::Device for FlakyDevice {
             stray_owed: false,
             failed_waits: self.failed_waits,
             waits: 0,
+            refusing_submits: self.refusing_submits.clone(),
         }))
     }
     fn counters(&self) -> &tiermem_device::DeviceCounters {
@@ -1455,6 +1460,11 @@ impl tiermem_device::IoQueue for FlakyQueue {
         Ok(())
     }
     fn submit(&mut self) -> tiermem_device::Result<usize> {
+        let refusing = self.refusing_submits.as_ref().is_some_and(|r| r.load(std::sync::atomic::Ordering::Acquire));
+        if refusing && self.inner.kind() == tiermem_device::QueueKind::Polled {
+            let refused = std::io::Error::from_raw_os_error(libc::ENOMEM);
+            return Err(tiermem_device::Error::os(refused, "injected refused submission"));
+        }
         self.inner.submit()
     }
     fn reap(&mut self, max: usize, on_done: &mut dyn FnMut(tiermem_device::Completion)) -> usize {
@@ -1534,7 +1544,7 @@ fn failed_reads_and_writes_of_the_device_lose_nothing_and_kill_nothing() {
     for mode in [FaultMode::Sigbus, FaultMode::HandlerThread] {
         within(std::time::Duration::from_secs(60), "flaky device", move || {
             let (engine, region) = on_a_flaky_device(
-                |inner| FlakyDevice { inner, every: 7, strays: false, failed_waits: false },
+                |inner| FlakyDevice { inner, every: 7, strays: false, failed_waits: false, refusing_submits: None },
                 |c| c.fault_mode = mode,
             );
             write_and_check_rounds(&region, 4, &format!("{mode:?}"));
@@ -1774,7 +1784,7 @@ fn a_critical_read_is_waited_for_past_other_completions_on_its_lane() {
     }
     within(std::time::Duration::from_secs(60), name, move || {
         let (engine, region) = on_a_flaky_device(
-            |inner| FlakyDevice { inner, every: 0, strays: true, failed_waits: false },
+            |inner| FlakyDevice { inner, every: 0, strays: true, failed_waits: false, refusing_submits: None },
             |c| c.io_mode = IoMode::PollOnly,
         );
         write_and_check_rounds(&region, 2, name);
@@ -1799,7 +1809,7 @@ fn a_critical_read_whose_wait_fails_is_read_again_and_its_buffer_comes_back() {
     for mode in [IoMode::Hybrid, IoMode::PollOnly] {
         within(std::time::Duration::from_secs(60), name, move || {
             let (engine, region) = on_a_flaky_device(
-                |inner| FlakyDevice { inner, every: 0, strays: false, failed_waits: true },
+                |inner| FlakyDevice { inner, every: 0, strays: false, failed_waits: true, refusing_submits: None },
                 |c| c.io_mode = mode,
             );
             write_and_check_rounds(&region, 2, &format!("{name} {mode:?}"));
@@ -1821,6 +1831,68 @@ fn a_critical_read_whose_wait_fails_is_read_again_and_its_buffer_comes_back() {
                 total - free,
                 stats.summary()
             );
+        });
+    }
+}
+
+/// A critical read whose submission the full cgroup keeps refusing (io_uring charges its
+/// requests there) is read plainly into another buffer after 20 ms, its own left to the queued
+/// request: the fault goes on, and the region table it holds is not held for long. Before, the
+/// fault retried the submission for two seconds with the table held; a thread creating a
+/// region meanwhile waited that long, and reclaim behind it too (docs/testing.md, 2026-12-07).
+#[test]
+fn a_critical_read_refused_submission_is_read_plainly_without_holding_the_region_table() {
+    let _serial = serial();
+    let name = "a_critical_read_refused_submission_is_read_plainly_without_holding_the_region_table";
+    if features_or_skip(name).is_none() {
+        return;
+    }
+    use std::sync::atomic::{AtomicBool, Ordering};
+    for mode in [FaultMode::Sigbus, FaultMode::HandlerThread] {
+        within(std::time::Duration::from_secs(60), name, move || {
+            let refusing = Arc::new(AtomicBool::new(false));
+            let flag = refusing.clone();
+            let (engine, region) = on_a_flaky_device(
+                move |inner| FlakyDevice {
+                    inner,
+                    every: 0,
+                    strays: false,
+                    failed_waits: false,
+                    refusing_submits: Some(flag),
+                },
+                |c| c.fault_mode = mode,
+            );
+            let engine = Arc::new(engine);
+            write_and_check_rounds(&region, 1, &format!("{name} {mode:?}"));
+            let base = region.as_ptr() as usize;
+            refusing.store(true, Ordering::Release);
+            // The first pages were evicted long ago: each read of one is a critical read.
+            let reader = std::thread::spawn(move || {
+                (0..16usize).all(|p| {
+                    // SAFETY: p < 16, a page of the 1024-page region, which outlives the join.
+                    let got = unsafe { ((base + p * 4096) as *const u64).read_volatile() };
+                    got == p as u64
+                })
+            });
+            let mut slowest = std::time::Duration::ZERO;
+            while !reader.is_finished() {
+                let started = std::time::Instant::now();
+                drop(engine.create_region(4096).unwrap());
+                slowest = slowest.max(started.elapsed());
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            let still_refusing = refusing.load(Ordering::Acquire);
+            assert!(reader.join().unwrap(), "{mode:?}: a page read wrong while submissions were refused");
+            assert!(still_refusing, "{mode:?}");
+            assert!(
+                slowest < std::time::Duration::from_millis(300),
+                "{mode:?}: creating a region took {slowest:?} while a fault's submission was refused"
+            );
+            let stats = engine.stats();
+            assert!(stats.memory_waits > 0, "{mode:?}: no refusal seen: {}", stats.summary());
+            assert_eq!(stats.io_errors, 0, "{mode:?}: a refusal counted as an I/O error: {}", stats.summary());
+            refusing.store(false, Ordering::Release);
+            write_and_check_rounds(&region, 1, &format!("{name} {mode:?}, submissions let through"));
         });
     }
 }
