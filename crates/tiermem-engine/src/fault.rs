@@ -133,6 +133,13 @@ pub(crate) fn handle_fault(
         // and regions stay distinct page ranges (a page id would put the region above bit 40).
         trace.record((region.page_addr(index) as usize / PAGE_SIZE) as u64, write);
     }
+    // The page's slot hash is written by reclaim when the page is written out. Written here
+    // first (the same value), so the page of hashes it lies in, lazily mapped, is the faulting
+    // thread's to bring in: under the OOM guard a first touch waits for memory, and reclaim
+    // must not be the one waiting, as it is the one to free some.
+    if let Some(hash) = region.slot_hashes.get(index as usize) {
+        hash.store(hash.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
     // Where in the page the access fell (exact for a SIGBUS; a userfaultfd message gives the
     // page): prefetchers that relate misses to one another by address use it.
     let offset = (addr % PAGE_SIZE) as u16;

@@ -104,6 +104,18 @@ pub(crate) struct Queues {
     description: String,
 }
 
+/// An empty vector with room for `capacity` items, its memory written once now. Reclaim
+/// pushes onto these while the memory cgroup may be full: a first touch of a page then waits
+/// for memory under the OOM guard, in the thread that is to free some (seen: the reclaim
+/// thread stuck in `defer`'s push for the whole burst test, 2026-12-07).
+fn touched_vec<T: Copy>(capacity: usize, fill: T) -> Vec<T> {
+    let mut v = Vec::with_capacity(capacity);
+    v.spare_capacity_mut().iter_mut().for_each(|item| {
+        item.write(fill);
+    });
+    v
+}
+
 fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -142,8 +154,8 @@ impl Queues {
             lanes,
             prefetch: Mutex::new(prefetch),
             writeback: Mutex::new(writeback),
-            deferred: Mutex::new(Vec::with_capacity(4 * config.queue_depth as usize + 64)),
-            abandoned: Mutex::new(Vec::new()),
+            deferred: Mutex::new(touched_vec(4 * config.queue_depth as usize + 64, Done::NONE)),
+            abandoned: Mutex::new(touched_vec(arena.pages() as usize, 0)),
             submitted_at: (0..arena.end()).map(|_| AtomicU64::new(0)).collect(),
             runs: (0..tiermem_device::arena::MAX_RUNS).map(|_| Default::default()).collect(),
             epoch: Instant::now(),

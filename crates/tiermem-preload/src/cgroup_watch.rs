@@ -365,11 +365,14 @@ pub(crate) fn watch_cgroup(engine: &'static Engine, cgroup: CgroupRoom, mut guar
             if g.under_oom().unwrap_or(true) {
                 if since.elapsed() > Duration::from_secs(2) {
                     if let Some(g) = guard.take() {
+                        // The killer first: describing the threads allocates, and a first
+                        // touch of a fresh page here waited with everyone else for the 10 s
+                        // until `tiermem run` killed the program (2026-12-07).
+                        g.disarm();
                         say(&[
                             "tiermem: the cgroup stayed out of memory for 2 s: OOM killer back on; the threads were in",
                         ]);
                         say_where_threads_wait();
-                        g.disarm();
                     }
                     out_since = None;
                 }
