@@ -56,8 +56,10 @@ struct Shortfall {
     refused_at: Option<Instant>,
     /// It refused a whole step.
     step_refused_at: Option<Instant>,
-    /// The kernel refused an extension memory.
+    /// The kernel refused even what was asked for memory.
     memory_refused_at: Option<Instant>,
+    /// The kernel refused a whole step memory.
+    step_memory_refused_at: Option<Instant>,
 }
 
 fn recent(at: Option<Instant>) -> bool {
@@ -102,9 +104,10 @@ impl Backing {
         if wanted <= backed {
             return Ok(());
         }
+        let memory_recent = |at: Option<Instant>| at.is_some_and(|at| at.elapsed() < MEMORY_RETRY_AFTER);
         let refusal = if recent(shortfall.refused_at) {
             Some(libc::ENOSPC)
-        } else if shortfall.memory_refused_at.is_some_and(|at| at.elapsed() < MEMORY_RETRY_AFTER) {
+        } else if memory_recent(shortfall.memory_refused_at) {
             Some(libc::ENOMEM)
         } else {
             None
@@ -113,11 +116,16 @@ impl Backing {
             // Not asked again so soon; fine while nothing past what is set aside is needed.
             return if needed <= backed { Ok(()) } else { Err(io::Error::from_raw_os_error(errno)) };
         }
-        // Short: the need alone, rounded up to a short step. A whole step: at least what is
-        // wanted and a quarter more than is set aside, unless the file system refused one lately.
+        // Lately refused a whole step: no room is asked for beyond the need, and the need in a
+        // short step (the need alone, rounded up to 1 MiB). Else a whole step: at least what is
+        // wanted and a quarter more than is set aside.
+        let steps_short = recent(shortfall.step_refused_at) || memory_recent(shortfall.step_memory_refused_at);
+        if steps_short && needed <= backed {
+            return Ok(());
+        }
         let short = needed.next_multiple_of(SHORT_STEP_SLOTS).min(self.capacity).max(backed);
-        let step = if recent(shortfall.step_refused_at) {
-            wanted.next_multiple_of(SHORT_STEP_SLOTS).min(self.capacity)
+        let step = if steps_short {
+            short
         } else {
             wanted.max(backed.saturating_add(MIN_STEP_SLOTS.max(backed / 4))).min(self.capacity)
         };
@@ -136,7 +144,7 @@ impl Backing {
                 if is_no_room(&e) {
                     shortfall.step_refused_at = now;
                 } else {
-                    shortfall.memory_refused_at = now;
+                    shortfall.step_memory_refused_at = now;
                 }
                 let fitted = if short <= backed {
                     Ok(backed)
@@ -148,6 +156,7 @@ impl Backing {
                 give_back(file, *fitted.as_ref().unwrap_or(&backed), step);
                 match fitted {
                     Ok(target) => target,
+                    // Even the need was refused (it lies past what is set aside: `short > backed`).
                     Err(e) => {
                         if is_no_room(&e) {
                             shortfall.refused_at = now;

@@ -366,11 +366,12 @@ fn resolve(
                 let read = read_critical(shared, regions, region, slot, buf, &info, lane_hint);
                 if let Err(CriticalReadFailed { errno: Errno::NOMEM, buffer_in_use: true }) = read {
                     // The full cgroup kept refusing the lane's submission (io_uring charges its
-                    // requests there). The read stays queued, to go out with the lane's next
-                    // submit into its buffer, which is left to it; the page is read plainly
-                    // into another, which needs no memory of the cgroup. Waiting for the
-                    // submission held the region table for up to two seconds instead.
-                    shared.queues.abandon(buf);
+                    // requests there), or a wait for the read was refused memory. The read stays
+                    // queued or in flight, its buffer left to it (abandoned by `read_critical`;
+                    // a later reap of the lane gives it back); the page is
+                    // read plainly into another, which needs no memory of the cgroup. Waiting
+                    // for the submission held the region table for up to two seconds instead.
+                    note_memory_refused(shared);
                     match shared.arena.alloc() {
                         Some(other) if read_again(shared, slot, other) => buf = other,
                         other => {
@@ -390,7 +391,6 @@ fn resolve(
                     // and the program with it; a lane whose waits keep failing is not waited
                     // on for ever, each time leaving a buffer behind).
                     if failed.buffer_in_use {
-                        shared.queues.abandon(buf);
                         give_back(true, None);
                         if abandoned_reads < ABANDONED_READS_PER_FAULT {
                             abandoned_reads += 1;
@@ -793,7 +793,12 @@ fn read_critical(
     // From here the request is the device's: pushed, it goes out with the lane's next submit
     // and lands in `buf` whenever that completes, so on any failure the buffer stays the read's.
     let lost = |errno| CriticalReadFailed { errno, buffer_in_use: true };
-    submit_retrying(shared, &mut **lane).map_err(lost)?;
+    if let Err(errno) = submit_retrying(shared, &mut **lane) {
+        // Left to the queued request before the lane is let go: another thread may take the
+        // lane, submit and reap the read at once, and would not know its buffer otherwise.
+        shared.queues.abandon(buf);
+        return Err(lost(errno));
+    }
     let poll_only = shared.config.io_mode == IoMode::PollOnly;
     let requests = issue_prefetches(shared, regions, region, info, poll_only.then_some(&mut **lane));
     let on_lane = if poll_only { requests } else { 0 };
@@ -836,6 +841,11 @@ fn read_critical(
             }
         }
     }
+    if critical.is_none() {
+        // Given up on while it may be in flight: its buffer is left to it, noted before the
+        // lane is let go (see the submission above).
+        shared.queues.abandon(buf);
+    }
     drop(lane);
     // Prefetches completed on the lane are installed even when the wait then failed: left
     // unprocessed, their pages would stay incoming, and a fault on one wait for ever.
@@ -862,8 +872,11 @@ fn read_again(shared: &Shared, slot: u64, buf: BufId) -> bool {
 }
 
 /// A critical read that failed; `buffer_in_use` when the request may still be queued or in
-/// flight, so its buffer must not be given back (it is left to the read: a lost 4 KiB buffer,
-/// where reusing it would let the device write into someone else's page).
+/// flight, so its buffer must not be given back: it is left to the read ([`Queues::abandon`],
+/// done by `read_critical` while it holds the lane), given back when its completion is seen
+/// (reused before, the device could write into someone else's page).
+///
+/// [`Queues::abandon`]: crate::io::Queues::abandon
 #[derive(Debug, Clone, Copy)]
 struct CriticalReadFailed {
     errno: Errno,

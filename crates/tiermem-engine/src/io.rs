@@ -297,12 +297,14 @@ fn reap_some(shared: &Shared, regions: &RegionTable, max: usize, wanted: Option<
         };
         q.reap(max, &mut |c: Completion| keep(&mut batch, &mut n, c));
     }
-    if shared.config.io_mode == IoMode::PollOnly {
-        // The lanes carry prefetches too in this mode, and only a critical read waits on a lane:
-        // prefetches a fault left behind (the kernel refused their submission, or they outlived
-        // the wait) would stay incoming until another fault took that lane, and a fault on one
-        // of those pages waited for ever. A lane nobody holds has no critical read waiting, so
-        // a critical completion found there is one given up on: nothing to do for it.
+    {
+        // Only a critical read waits on a lane, so what a fault left there is nobody's to
+        // collect: in poll-only mode, prefetches (the kernel refused their submission, or they
+        // outlived the wait), which stayed incoming until another fault took that lane, and a
+        // fault on one of those pages waited for ever; in every mode, critical reads whose
+        // submission the full cgroup refused (the fault read its page plainly), which filled
+        // the lane, a request and a buffer each. A lane nobody holds has no critical read
+        // waiting, so a critical completion found there is one given up on: its buffer goes back.
         for lane in &shared.queues.lanes {
             let Ok(mut q) = lane.try_lock() else { continue };
             if q.in_flight() == 0 {

@@ -1893,6 +1893,16 @@ fn a_critical_read_refused_submission_is_read_plainly_without_holding_the_region
             assert_eq!(stats.io_errors, 0, "{mode:?}: a refusal counted as an I/O error: {}", stats.summary());
             refusing.store(false, Ordering::Release);
             write_and_check_rounds(&region, 1, &format!("{name} {mode:?}, submissions let through"));
+            // The refused requests went out later, and their buffers came back.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let (free, total) = loop {
+                let (free, total) = engine.free_io_buffers();
+                if free >= total || std::time::Instant::now() > deadline {
+                    break (free, total);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            };
+            assert_eq!(free, total, "{mode:?}: buffers never came back: {}", engine.stats().summary());
         });
     }
 }
