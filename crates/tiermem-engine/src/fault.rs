@@ -380,7 +380,10 @@ fn resolve(
                         }
                     }
                 } else if let Err(failed) = read {
-                    shared.stats.io_error(IoErrorKind::CriticalRead, failed.errno.raw_os_error());
+                    // (Not the device's error: a lane full of reads refused submission.)
+                    if failed.errno != Errno::NOMEM {
+                        shared.stats.io_error(IoErrorKind::CriticalRead, failed.errno.raw_os_error());
+                    }
                     // A read the device answered with an error (not one left in flight, whose
                     // buffer is still the device's) is made again, plainly: a passing error (a
                     // cancelled or interrupted request, EAGAIN from a polled ring) must not kill
@@ -788,8 +791,23 @@ fn read_critical(
     let critical_tag = tag(Op::Critical, u64::from(buf));
     let mut lane = shared.queues.lane(lane_hint);
     let submitted = Instant::now();
-    lane.push(Request::Read { slot, buf }, critical_tag)
-        .map_err(|_| CriticalReadFailed { errno: Errno::IO, buffer_in_use: false })?;
+    let read = Request::Read { slot, buf };
+    if lane.push(read, critical_tag).is_err() {
+        // Full: of reads given up on, left there by faults whose submission the full cgroup
+        // refused (outside poll-only mode only a fault submits or reaps a lane). Reaping submits
+        // them and collects what is done; without it no later fault could push, so none would
+        // ever submit the lane again.
+        lane.reap(usize::MAX, &mut |c| {
+            if crate::io::is_critical(c.tag) {
+                shared.queues.finish_abandoned(&shared.arena, c.tag);
+            } else {
+                shared.queues.defer(c);
+            }
+        });
+        // Still full: its reads are still refused submission. The buffer is the caller's, to
+        // read into plainly.
+        lane.push(read, critical_tag).map_err(|_| CriticalReadFailed { errno: Errno::NOMEM, buffer_in_use: false })?;
+    }
     // From here the request is the device's: pushed, it goes out with the lane's next submit
     // and lands in `buf` whenever that completes, so on any failure the buffer stays the read's.
     let lost = |errno| CriticalReadFailed { errno, buffer_in_use: true };

@@ -1468,6 +1468,9 @@ impl tiermem_device::IoQueue for FlakyQueue {
         self.inner.submit()
     }
     fn reap(&mut self, max: usize, on_done: &mut dyn FnMut(tiermem_device::Completion)) -> usize {
+        // As the file device's reap does: what a refused submission left queued goes out first
+        // (refused again while refusing).
+        let _ = tiermem_device::IoQueue::submit(self);
         let FlakyQueue { inner, doomed, .. } = self;
         inner.reap(max, &mut |c| on_done(fail_if_doomed(doomed, c)))
     }
@@ -1840,6 +1843,7 @@ fn a_critical_read_whose_wait_fails_is_read_again_and_its_buffer_comes_back() {
 /// request: the fault goes on, and the region table it holds is not held for long. Before, the
 /// fault retried the submission for two seconds with the table held; a thread creating a
 /// region meanwhile waited that long, and reclaim behind it too (docs/testing.md, 2026-12-07).
+/// More reads are refused than a lane holds: a fault finding its lane full reaps it first.
 #[test]
 fn a_critical_read_refused_submission_is_read_plainly_without_holding_the_region_table() {
     let _serial = serial();
@@ -1860,7 +1864,11 @@ fn a_critical_read_refused_submission_is_read_plainly_without_holding_the_region
                     failed_waits: false,
                     refusing_submits: Some(flag),
                 },
-                |c| c.fault_mode = mode,
+                |c| {
+                    c.fault_mode = mode;
+                    // More refused reads than a lane holds (they stay on it until it is reaped).
+                    c.queue_depth = 16;
+                },
             );
             let engine = Arc::new(engine);
             write_and_check_rounds(&region, 1, &format!("{name} {mode:?}"));
@@ -1868,8 +1876,8 @@ fn a_critical_read_refused_submission_is_read_plainly_without_holding_the_region
             refusing.store(true, Ordering::Release);
             // The first pages were evicted long ago: each read of one is a critical read.
             let reader = std::thread::spawn(move || {
-                (0..16usize).all(|p| {
-                    // SAFETY: p < 16, a page of the 1024-page region, which outlives the join.
+                (0..40usize).all(|p| {
+                    // SAFETY: p < 40, a page of the 1024-page region, which outlives the join.
                     let got = unsafe { ((base + p * 4096) as *const u64).read_volatile() };
                     got == p as u64
                 })
