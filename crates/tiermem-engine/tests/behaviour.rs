@@ -1798,6 +1798,18 @@ fn a_critical_read_is_waited_for_past_other_completions_on_its_lane() {
     });
 }
 
+/// The engine's free and total I/O buffers once all but `missing` are free, or after 5 s.
+fn io_buffers_back(engine: &Engine, missing: u32) -> (u32, u32) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let (free, total) = engine.free_io_buffers();
+        if free + missing >= total || std::time::Instant::now() > deadline {
+            return (free, total);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 /// A critical read whose wait fails while the read is still in flight costs a plain read into
 /// another buffer, not the program: its own buffer is left to the read and given back when its
 /// completion shows up. (The fault failed before, and the program died of SIGBUS at the first
@@ -1820,14 +1832,7 @@ fn a_critical_read_whose_wait_fails_is_read_again_and_its_buffer_comes_back() {
             assert!(stats.io_errors >= 50, "{mode:?}: too few failed waits to test: {}", stats.summary());
             // Every buffer back once the writes are done, but for the last read given up on
             // (in hybrid mode only a fault waits on a lane, and no fault comes after it).
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-            let (free, total) = loop {
-                let (free, total) = engine.free_io_buffers();
-                if free + 1 >= total || std::time::Instant::now() > deadline {
-                    break (free, total);
-                }
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            };
+            let (free, total) = io_buffers_back(&engine, 1);
             assert!(
                 free + 1 >= total,
                 "{mode:?}: {} of {total} buffers never came back: {}",
@@ -1902,14 +1907,7 @@ fn a_critical_read_refused_submission_is_read_plainly_without_holding_the_region
             refusing.store(false, Ordering::Release);
             write_and_check_rounds(&region, 1, &format!("{name} {mode:?}, submissions let through"));
             // The refused requests went out later, and their buffers came back.
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-            let (free, total) = loop {
-                let (free, total) = engine.free_io_buffers();
-                if free >= total || std::time::Instant::now() > deadline {
-                    break (free, total);
-                }
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            };
+            let (free, total) = io_buffers_back(&engine, 0);
             assert_eq!(free, total, "{mode:?}: buffers never came back: {}", engine.stats().summary());
         });
     }
