@@ -741,7 +741,7 @@ fn outcome_of_copy_error(shared: &Shared, e: Errno) -> Outcome {
 /// (io_uring charges its request memory there), so a refusal is treated as a refused page copy
 /// in a fault is: counted as a wait for memory (which the cgroup watch answers), the budget shed
 /// a step, reclaim kept awake, and tried again for [`NOMEM_RETRIES_IN_FAULT`] times (20 ms) with
-/// the region table held; then ENOMEM, noted as a refusal of memory (see [`map_in_fault`]).
+/// the region table held; then ENOMEM (the fault notes the refusal: see [`note_memory_refused`]).
 fn submit_retrying(shared: &Shared, queue: &mut dyn tiermem_device::IoQueue) -> Result<(), Errno> {
     for attempt in 0..NOMEM_RETRIES_IN_FAULT {
         if queue.submit().is_ok() {
@@ -749,7 +749,6 @@ fn submit_retrying(shared: &Shared, queue: &mut dyn tiermem_device::IoQueue) -> 
         }
         wait_for_memory_once(shared, attempt);
     }
-    note_memory_refused(shared);
     Err(Errno::NOMEM)
 }
 
