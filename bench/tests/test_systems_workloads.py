@@ -85,6 +85,8 @@ def test_argument_parsing():
         parse_systems("linux-swap,nope")
     with pytest.raises(ValueError):
         cli.parse_workloads("quicksort,bogus")
+    with pytest.raises(ValueError, match="no workloads given"):
+        cli.parse_workloads(" , ")
     assert cli.limit_for(1000 * 4096, 20) == 200 * 4096
     assert cli.limit_for(4096 * 10 + 1, 100) == 4096 * 11  # rounded up to pages
     assert cli.swap_bytes_for(1 << 30) >= 1 << 30

@@ -58,6 +58,8 @@ def parse_workloads(text: str) -> list[str]:
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(WORKLOADS)}")
+    if not names:
+        raise ValueError(f"no workloads given; known: {', '.join(WORKLOADS)}")
     return names
 
 

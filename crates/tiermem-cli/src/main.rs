@@ -406,11 +406,11 @@ struct RunArgs {
     device_size: Option<String>,
     #[command(flatten)]
     policy: PolicyArgs,
-    /// Fraction of the budget that wakes background reclaim; from there it writes cold pages
-    /// back ahead of eviction [default: 0.7].
+    /// Share of the budget that wakes background reclaim (0.7 or 70%); from there it writes cold
+    /// pages back ahead of eviction [default: 0.7].
     #[arg(long, env = "TIERMEM_WATERMARK")]
     watermark: Option<String>,
-    /// Fraction of the budget from which background reclaim drops pages [default: 0.98].
+    /// Share of the budget from which background reclaim drops pages (0.98 or 98%) [default: 0.98].
     #[arg(long, env = "TIERMEM_EVICT_WATERMARK")]
     evict_watermark: Option<String>,
     /// sigbus (faults served on the faulting thread) | thread (by a handler thread) [default: sigbus].

@@ -498,6 +498,14 @@ pub fn resolve_settings(
         }
     }
     let limit_is_percent = vars.get("TIERMEM_LIMIT").is_some_and(|v| v.trim().ends_with('%'));
+    if limit_is_percent {
+        // A share out of range is the error to report, before any about the footprint.
+        let limit = &vars["TIERMEM_LIMIT"];
+        limit.parse::<tiermem_engine::config::Limit>().map_err(|e| {
+            let source = sources.get("TIERMEM_LIMIT").map_or_else(|| "TIERMEM_LIMIT=".to_string(), Clone::clone);
+            e.context(format!("{source}{limit}"))
+        })?;
+    }
     if limit_is_percent && !vars.contains_key("TIERMEM_FOOTPRINT") {
         let store = profile_store();
         match remembered_footprint(&store, program)? {

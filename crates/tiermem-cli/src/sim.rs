@@ -140,25 +140,26 @@ const MAX_SYNTHETIC_PAGES: u64 = 1 << 28;
 /// Largest local memory in pages (1 TiB).
 const MAX_LOCAL_PAGES: usize = 1 << 28;
 
-pub(crate) fn parse_local(text: &str, footprint: usize) -> Result<usize> {
+/// Pages of local memory from `flag`'s value: pages (`4096`) or a share of the footprint (`50%`).
+pub(crate) fn parse_local(flag: &str, text: &str, footprint: usize) -> Result<usize> {
     let pages = if let Some(p) = text.strip_suffix('%') {
-        let p: f64 = p.trim().parse().map_err(|_| Error::invalid(format!("--local '{text}' is not a percentage")))?;
+        let p: f64 = p.trim().parse().map_err(|_| Error::invalid(format!("{flag} '{text}' is not a percentage")))?;
         if !(p > 0.0 && p <= 100.0) {
-            return Err(Error::invalid(format!("--local {text} must be above 0% and at most 100%")));
+            return Err(Error::invalid(format!("{flag} {text} must be above 0% and at most 100%")));
         }
         (footprint as f64 * p / 100.0).round() as usize
     } else {
-        text.parse().map_err(|_| Error::invalid(format!("--local '{text}': expected pages (4096) or a share (50%)")))?
+        text.parse().map_err(|_| Error::invalid(format!("{flag} '{text}': expected pages (4096) or a share (50%)")))?
     };
     if pages == 0 {
         return Err(Error::invalid(format!(
-            "--local {text} gives 0 pages of local memory (footprint {footprint} pages)"
+            "{flag} {text} gives 0 pages of local memory (footprint {footprint} pages)"
         )));
     }
     // The replacement policies size their tables by the local memory: a typo of a few digits
     // would ask for more memory than the machine has, and abort.
     if pages > MAX_LOCAL_PAGES {
-        return Err(Error::invalid(format!("--local {text}: at most {MAX_LOCAL_PAGES} pages (1 TiB)")));
+        return Err(Error::invalid(format!("{flag} {text}: at most {MAX_LOCAL_PAGES} pages (1 TiB)")));
     }
     Ok(pages)
 }
@@ -260,6 +261,9 @@ pub fn run(args: &SimArgs) -> Result<()> {
     if let Some((option, v)) = named.iter().find(|(_, v)| !(v.is_finite() && (0.0..=3.6e12).contains(v))) {
         return Err(Error::invalid(format!("{option} {v}: a latency must be between 0 and 3.6e12 ns (an hour)")));
     }
+    if args.stream_distance == 0 {
+        return Err(Error::invalid("--stream-distance 0: the stream prefetcher reads at least 1 stride ahead"));
+    }
     let mut options = tiermem_policy::PolicyOptions::default();
     options.stream.distance = args.stream_distance;
     options.stream.depth = args.stream_depth;
@@ -339,7 +343,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
     // Sizes in the order given, each once.
     let mut sizes: Vec<usize> = Vec::new();
     for text in &args.local {
-        let pages = parse_local(text, footprint)?;
+        let pages = parse_local("--local", text, footprint)?;
         if !sizes.contains(&pages) {
             sizes.push(pages);
         }
@@ -365,7 +369,9 @@ pub fn run(args: &SimArgs) -> Result<()> {
         }
     }
     if pairs.is_empty() {
-        return Err(Error::invalid("no policy pair to run"));
+        return Err(Error::invalid(
+            "no policy pair to run: belady runs only without prefetching, so add none to --prefetch (--prefetch none)",
+        ));
     }
     // Every pair at each size, size by size.
     let runs: Vec<(usize, &str, &str)> =
@@ -453,10 +459,16 @@ pub fn run(args: &SimArgs) -> Result<()> {
     }
     let share = |pages: usize| format!("{pages} pages ({:.0}%)", pages as f64 * 100.0 / footprint.max(1) as f64);
     println!(
-        "trace {label}: footprint {footprint} pages, local memory {}, monitor input {monitor:?}, hits {hits:?}, clean-ahead {}{}{}",
+        "trace {label}: footprint {footprint} pages, local memory {}, monitor input {}, hits {}, clean-ahead {}{}{}",
         sizes.iter().map(|&p| share(p)).collect::<Vec<_>>().join(", "),
+        flag_spelling(&monitor),
+        flag_spelling(&hits),
         args.clean_ahead,
-        if args.clean_queue > 0 { format!(" (at most {} write-backs in flight)", args.clean_queue) } else { String::new() },
+        if args.clean_queue > 0 {
+            format!(" (at most {} write-backs in flight)", args.clean_queue)
+        } else {
+            String::new()
+        },
         if first_touch == FirstTouch::ZeroFill { ", pages never written zero-filled (not in faults)" } else { "" }
     );
     let results: Vec<SimResult> = rows.iter().map(|r| r.result.clone()).collect();
@@ -478,6 +490,15 @@ pub fn run(args: &SimArgs) -> Result<()> {
 
 /// Simulations run at once: `--jobs`, else one per CPU, but one with `--bench` (each one's
 /// speed is then that of a core of its own); never more than there are simulations.
+/// How the flag that set a setting spells it (`accesses`, `zero-fill`), from the setting's serde
+/// name, so the summary line and the JSON say what the user typed.
+fn flag_spelling<T: serde::Serialize>(setting: &T) -> String {
+    match serde_json::to_value(setting) {
+        Ok(serde_json::Value::String(name)) => name,
+        _ => String::from("?"),
+    }
+}
+
 fn jobs(asked: Option<usize>, bench: bool, runs: usize) -> Result<usize> {
     let jobs = match asked {
         Some(0) => return Err(Error::invalid("--jobs 0: at least one simulation has to run at a time")),

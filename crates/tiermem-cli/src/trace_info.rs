@@ -33,7 +33,8 @@ pub fn run(args: &TraceInfoArgs) -> Result<()> {
     let trace = tiermem_sim::load(&args.trace, args.format.parse::<Format>()?, &lines)?;
     let summary = tiermem_sim::summarize(&trace.events);
     let footprint = summary.footprint_pages as usize;
-    let sizes = args.lru.iter().map(|text| crate::sim::parse_local(text, footprint)).collect::<Result<Vec<_>>>()?;
+    let sizes =
+        args.lru.iter().map(|text| crate::sim::parse_local("--lru", text, footprint)).collect::<Result<Vec<_>>>()?;
     let curve = (!sizes.is_empty()).then(|| tiermem_sim::LruCurve::measure(&trace.events));
     let lru: Vec<LruPoint> = curve.map_or_else(Vec::new, |curve| {
         sizes

@@ -50,6 +50,7 @@ fn bad_limited_run_arguments_fail_with_a_message() {
         (&["bench", "limited-run", "--timeout", "0", "--", "true"], "must be a positive number of seconds"),
         (&["bench", "limited-run", "--timeout", "1e99", "--", "true"], "at most a year"),
         (&["bench", "limited-run", "--swap-dir", "/tmp", "--", "true"], "--swap-bytes"),
+        (&["bench", "limited-run", "--limit", "lots", "--", "true"], "'lots' is not a size"),
     ];
     for (args, needle) in cases {
         let out = tiermem(args);
@@ -62,7 +63,8 @@ fn bad_limited_run_arguments_fail_with_a_message() {
 #[test]
 fn limited_run_passes_output_through_and_reports_the_exit() {
     skip_unless_privileged!();
-    let (out, report) = limited_run(&["--limit", "268435456"], &["sh", "-c", "echo hello; exit 3"]);
+    // A size with a suffix, as `tiermem run --limit` takes it.
+    let (out, report) = limited_run(&["--limit", "256MiB"], &["sh", "-c", "echo hello; exit 3"]);
     assert_eq!(String::from_utf8_lossy(&out.stdout), "hello\n");
     assert_eq!(report.exit_code, Some(3));
     assert_eq!(report.signal, None);

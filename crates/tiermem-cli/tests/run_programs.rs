@@ -2005,6 +2005,11 @@ fn bad_options_fail_before_the_program_starts() {
         (&["--limit", "1G", "--device", "file:/nonexistent/dir/dev"], &[], "/nonexistent/dir"),
         (&["--limit", "1G"], &[("TIERMEM_LIMT", "1G")], "unknown variable TIERMEM_LIMT"),
         (&["--limit", "1G"], &[("TIERMEM_THRESHOLD", "0")], "TIERMEM_THRESHOLD"),
+        // Found in the CLI audit of 2026-12-07: the engine's range checks named its field, not
+        // the flag or variable, and a share out of range was reported as a missing footprint.
+        (&["--limit", "1G", "--io-buffers", "0"], &[], "--io-buffers=0: io_buffers 0 must be in"),
+        (&["--limit", "1G"], &[("TIERMEM_WATERMARK", "2")], "TIERMEM_WATERMARK=2: watermark 2"),
+        (&["--limit", "150%"], &[], "--limit=150%: limit 150% must be above 0%"),
     ];
     for (flags, env, needle) in cases {
         let mut args = vec!["run"];

@@ -93,6 +93,11 @@ fn bad_input_fails_with_a_message_naming_the_problem() {
             "must be a positive multiple".into(),
         ),
         (vec!["sim", good_path, "--local", "300000000"], "at most 268435456 pages".into()),
+        // Found in the CLI audit of 2026-12-07: the wrong flag named, a hint missing.
+        (vec!["trace", "info", good_path, "--lru", "200%"], "--lru 200% must be above 0%".into()),
+        (vec!["sim", good_path, "--replace", "belady"], "add none to --prefetch".into()),
+        (vec!["sim", good_path, "--replace", "magic"], "in the simulator also: belady".into()),
+        (vec!["sim", good_path, "--stream-distance", "0"], "--stream-distance 0".into()),
     ];
     for (args, needle) in cases {
         let out = tiermem(&args);
@@ -181,7 +186,7 @@ fn zero_filled_first_touches_leave_the_sort_s_prefetches_nearly_all_used() {
         let out = tiermem(&[&args[..], &["--prefetch", prefetch, "--first-touch", first_touch][..]].concat());
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(v["first_touch"], if first_touch == "miss" { "Miss" } else { "ZeroFill" });
+        assert_eq!(v["first_touch"], first_touch, "the JSON names the setting as the flag does");
         (v["footprint_pages"].as_u64().unwrap(), v["results"][0].clone())
     };
     let (footprint, none_miss) = run("none", "miss");

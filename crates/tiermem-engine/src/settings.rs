@@ -68,8 +68,8 @@ pub const VARIABLES: &[(&str, &str)] = &[
         "TIERMEM_PREFETCH_GOVERNOR",
         "on | off: cap each prefetcher call's pages while few sampled prefetches are used (default on)",
     ),
-    ("TIERMEM_WATERMARK", "fraction of the budget that wakes background reclaim (it cleans from there), in (0, 1]"),
-    ("TIERMEM_EVICT_WATERMARK", "fraction of the budget from which background reclaim drops pages, in (0, 1]"),
+    ("TIERMEM_WATERMARK", "share of the budget that wakes background reclaim (it cleans from there), in (0, 1] or a percentage"),
+    ("TIERMEM_EVICT_WATERMARK", "share of the budget from which background reclaim drops pages, in (0, 1] or a percentage"),
     ("TIERMEM_FAULT_MODE", "sigbus | thread (default sigbus: faults served on the faulting thread)"),
     ("TIERMEM_IO_MODE", "hybrid | poll-only | interrupt-only"),
     ("TIERMEM_HANDLER_THREADS", "thread fault mode: threads serving faults, 1..=64 (default 1)"),
@@ -190,8 +190,11 @@ impl RunSettings {
         let mut evict_given = false;
         let mut victim_tier = None;
         let mut spin_given = false;
+        // The variables as given, for naming the one behind a range error of the engine's checks.
+        let mut given: Vec<(String, String)> = Vec::new();
         for (key, value) in vars {
             let (key, value) = (key.as_ref(), value.as_ref());
+            given.push((key.to_string(), value.to_string()));
             if !key.starts_with("TIERMEM_")
                 || IGNORED_PREFIXES.iter().any(|p| key.starts_with(p))
                 || RUN_ONLY.contains(&key)
@@ -221,13 +224,9 @@ impl RunSettings {
                 "TIERMEM_PREFETCH" => s.engine.prefetch = value.to_string(),
                 "TIERMEM_REPLACE" => s.engine.replace = value.to_string(),
                 "TIERMEM_PREFETCH_GOVERNOR" => s.engine.prefetch_governor = on_off(value).map_err(named)?,
-                "TIERMEM_WATERMARK" => {
-                    s.engine.watermark =
-                        value.trim().parse().map_err(|_| named(Error::invalid("not a number (example: 0.7)")))?;
-                }
+                "TIERMEM_WATERMARK" => s.engine.watermark = fraction(value, "0.7 or 70%").map_err(named)?,
                 "TIERMEM_EVICT_WATERMARK" => {
-                    s.engine.evict_watermark =
-                        value.trim().parse().map_err(|_| named(Error::invalid("not a number (example: 0.98)")))?;
+                    s.engine.evict_watermark = fraction(value, "0.98 or 98%").map_err(named)?;
                     evict_given = true;
                 }
                 "TIERMEM_FAULT_MODE" => s.engine.fault_mode = value.parse().map_err(named)?,
@@ -300,7 +299,7 @@ impl RunSettings {
             };
             s.engine.victim_pages = u32::try_from(bytes / tiermem_sys::PAGE_SIZE as u64).unwrap_or(u32::MAX);
         }
-        s.engine.validate()?;
+        s.engine.validate().map_err(|e| name_the_variable(e, &given))?;
         Ok(s)
     }
 
@@ -433,6 +432,41 @@ fn nonzero_size(text: &str) -> Result<u64> {
     }
 }
 
+/// A share of the budget as a fraction (`0.7`) or a percentage (`70%`); the range is the
+/// engine's to check.
+fn fraction(value: &str, example: &str) -> Result<f64> {
+    let text = value.trim();
+    let (number, scale) = match text.strip_suffix('%') {
+        Some(percent) => (percent.trim(), 100.0),
+        None => (text, 1.0),
+    };
+    number.parse::<f64>().map(|v| v / scale).map_err(|_| Error::invalid(format!("not a number (example: {example})")))
+}
+
+/// The engine's checks name its fields (a C caller sets those); a run names the variable that
+/// set the field, `TIERMEM_IO_BUFFERS=8: io_buffers 8 must be in ...`, which `tiermem run` turns
+/// into the flag (`--io-buffers=8`).
+fn name_the_variable(e: Error, given: &[(String, String)]) -> Error {
+    const FIELDS: &[(&str, &str)] = &[
+        ("evict watermark ", "TIERMEM_EVICT_WATERMARK"),
+        ("watermark ", "TIERMEM_WATERMARK"),
+        ("io_buffers ", "TIERMEM_IO_BUFFERS"),
+        ("victim tier of ", "TIERMEM_VICTIM_TIER"),
+        ("queue depth ", "TIERMEM_QUEUE_DEPTH"),
+        ("handler threads ", "TIERMEM_HANDLER_THREADS"),
+        ("write fault-around ", "TIERMEM_WRITE_FAULT_AROUND"),
+        ("handler spin ", "TIERMEM_HANDLER_SPIN_US"),
+        ("hot-page threshold ", "TIERMEM_HOT_THRESHOLD"),
+        ("limit ", "TIERMEM_LIMIT"),
+    ];
+    let text = e.to_string();
+    let variable = FIELDS.iter().find(|(field, _)| text.starts_with(field)).map(|(_, var)| *var);
+    match variable.and_then(|var| given.iter().rev().find(|(k, _)| k == var)) {
+        Some((key, value)) => e.context(format!("{key}={value}")),
+        None => e,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -451,6 +485,16 @@ mod tests {
         assert_eq!(told.engine.handler_spin_us, 0, "a value given is kept, 0 included");
         let told = parse(&[limit, ("TIERMEM_FAULT_MODE", "thread"), ("TIERMEM_HANDLER_SPIN_US", "30")]).unwrap();
         assert_eq!(told.engine.handler_spin_us, 30);
+    }
+
+    #[test]
+    fn watermarks_take_a_fraction_or_a_percentage() {
+        let limit = ("TIERMEM_LIMIT", "64MiB");
+        let s = parse(&[limit, ("TIERMEM_WATERMARK", "60%"), ("TIERMEM_EVICT_WATERMARK", " 95 % ")]).unwrap();
+        assert!((s.engine.watermark - 0.6).abs() < 1e-12, "{}", s.engine.watermark);
+        assert!((s.engine.evict_watermark - 0.95).abs() < 1e-12, "{}", s.engine.evict_watermark);
+        let s = parse(&[limit, ("TIERMEM_WATERMARK", "0.5")]).unwrap();
+        assert_eq!(s.engine.watermark, 0.5);
     }
 
     #[test]
@@ -550,6 +594,15 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_VICTIM_TIER", "95%")], "from 0% to 90%"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_VICTIM_TIER", "some")], "TIERMEM_VICTIM_TIER=some"),
             (&[("TIERMEM_LIMIT", "64G"), ("TIERMEM_VICTIM_TIER", "50%")], "victim tier of"),
+            // The engine's own range checks name the variable that set the field.
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_IO_BUFFERS", "8")], "TIERMEM_IO_BUFFERS=8: io_buffers 8"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "2")], "TIERMEM_WATERMARK=2: watermark 2"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_QUEUE_DEPTH", "0")], "TIERMEM_QUEUE_DEPTH=0: queue depth 0"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HOT_THRESHOLD", "65")], "TIERMEM_HOT_THRESHOLD=65: hot-page"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WRITE_FAULT_AROUND", "3")], "TIERMEM_WRITE_FAULT_AROUND=3: write"),
+            (&[("TIERMEM_LIMIT", "8K")], "TIERMEM_LIMIT=8K: limit 8192 bytes is too small"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "70%%")], "TIERMEM_WATERMARK=70%%: not a number"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "170%")], "TIERMEM_WATERMARK=170%: watermark 1.7"),
         ];
         for (vars, expected) in cases {
             let message = parse(vars).unwrap_err().to_string();

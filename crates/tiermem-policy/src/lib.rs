@@ -306,7 +306,11 @@ fn check_replacement(name: &str) -> Result<()> {
              can run it (tiermem sim --replace {name})"
         )));
     }
-    Err(Error::invalid(format!("unknown replacement policy '{name}' (expected one of: {})", REPLACEMENTS.join(", "))))
+    Err(Error::invalid(format!(
+        "unknown replacement policy '{name}' (expected one of: {}; in the simulator also: {})",
+        REPLACEMENTS.join(", "),
+        OFFLINE_REPLACEMENTS.join(", ")
+    )))
 }
 
 /// Build a prefetcher by name (its own stream table, if it uses one).

@@ -68,6 +68,7 @@ impl Default for Latency {
 
 /// Which events feed the prefetcher's monitor input (`on_report`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum MonitorInput {
     /// None: prefetchers learn from faults only (what the engine sees without a monitor).
     None,
@@ -80,6 +81,7 @@ pub enum MonitorInput {
 
 /// What the replacement policy learns of an access to a resident page (a hit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum HitInfo {
     /// Every hit: the policy hears `on_access` and the page's referenced bit is set (except on
     /// the first touch of a prefetched page). What a trace gives, or a kernel with accessed bits.
@@ -96,6 +98,7 @@ pub enum HitInfo {
 /// What a miss on a page that holds no data is: its first touch, or, in a paging system, any
 /// touch after its page was dropped unwritten.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum FirstTouch {
     /// A miss like any other: read from the device, and any page may be read ahead. A cache
     /// simulator's compulsory miss (libCacheSim's model, and the brute-force references').

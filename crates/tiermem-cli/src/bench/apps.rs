@@ -79,11 +79,17 @@ pub fn exec_harness(module: &str, args: &AppsArgs) -> Error {
     Error::os(e, format!("starting the benchmark harness with {}", python.to_string_lossy()))
 }
 
+/// A size option's value, as `tiermem run --limit` reads sizes (bytes, or with a suffix).
+fn size_arg(text: &str) -> std::result::Result<u64, String> {
+    tiermem_engine::config::parse_size(text).map_err(|e| e.to_string())
+}
+
 /// `tiermem bench limited-run`: run PROGRAM in a fresh memory cgroup and write a JSON report.
 #[derive(Debug, Args)]
 pub struct LimitedRunArgs {
-    /// Memory limit of the cgroup in bytes; without it the cgroup does not limit memory.
-    #[arg(long)]
+    /// Memory limit of the cgroup: bytes or a size (512MiB, 2G); without it the cgroup does not
+    /// limit memory.
+    #[arg(long, value_parser = size_arg)]
     pub limit: Option<u64>,
     /// Forbid swap in the cgroup (v1 memory.memsw.limit_in_bytes = the limit, v2 memory.swap.max = 0).
     #[arg(long, conflicts_with = "swap_dir")]
@@ -91,8 +97,8 @@ pub struct LimitedRunArgs {
     /// Create and activate a swap file of --swap-bytes in this directory for the run.
     #[arg(long, requires = "swap_bytes")]
     pub swap_dir: Option<PathBuf>,
-    /// Size of that swap file.
-    #[arg(long, requires = "swap_dir")]
+    /// Size of that swap file: bytes or a size (4GiB).
+    #[arg(long, requires = "swap_dir", value_parser = size_arg)]
     pub swap_bytes: Option<u64>,
     /// Stop the program after this many seconds: SIGTERM, and SIGKILL 5 s later.
     #[arg(long)]
