@@ -1025,7 +1025,7 @@ impl RunOutcome {
             self.settings.device,
             self.settings.engine.fault_mode,
             // What the engine picked (auto resolves to what the kernel offers).
-            self.processes.iter().find_map(|p| p["dirty_tracking"].as_str()).unwrap_or("?"),
+            self.processes.iter().find_map(|p| p["dirty_tracking"].as_str()).unwrap_or("unknown"),
             self.settings.engine.prefetch,
             self.settings.engine.replace
         );

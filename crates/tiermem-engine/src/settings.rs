@@ -297,6 +297,18 @@ impl RunSettings {
                 VictimTierSize::Share(percent) => (s.engine.limit_bytes as f64 * percent / 100.0) as u64,
                 VictimTierSize::Bytes(bytes) => bytes,
             };
+            // The tier comes out of the budget, so a size is held to the cap a share has.
+            let most = (s.engine.limit_bytes as f64 * MAX_VICTIM_SHARE) as u64;
+            if matches!(tier, VictimTierSize::Bytes(_)) && bytes > most {
+                let given =
+                    given.iter().rev().find(|(k, _)| k == "TIERMEM_VICTIM_TIER").map_or("", |(_, v)| v.as_str());
+                return Err(Error::invalid(format!(
+                    "TIERMEM_VICTIM_TIER={given}: a victim tier of {} MiB is more than 90% of the {} MiB budget it \
+                     comes out of",
+                    bytes >> 20,
+                    s.engine.limit_bytes >> 20
+                )));
+            }
             s.engine.victim_pages = u32::try_from(bytes / tiermem_sys::PAGE_SIZE as u64).unwrap_or(u32::MAX);
         }
         s.engine.validate().map_err(|e| name_the_variable(e, &given))?;
@@ -396,6 +408,9 @@ enum VictimTierSize {
     Bytes(u64),
 }
 
+/// Largest share of the budget a victim tier may take.
+const MAX_VICTIM_SHARE: f64 = 0.9;
+
 fn victim_tier_size(text: &str) -> Result<VictimTierSize> {
     let t = text.trim();
     if t == "off" {
@@ -403,7 +418,7 @@ fn victim_tier_size(text: &str) -> Result<VictimTierSize> {
     }
     if let Some(p) = t.strip_suffix('%') {
         return match p.trim().parse::<f64>() {
-            Ok(p) if (0.0..=90.0).contains(&p) => Ok(VictimTierSize::Share(p)),
+            Ok(p) if (0.0..=MAX_VICTIM_SHARE * 100.0).contains(&p) => Ok(VictimTierSize::Share(p)),
             _ => Err(Error::invalid("a share of the budget must be a number from 0% to 90% (example: 25%)")),
         };
     }
@@ -594,6 +609,10 @@ mod tests {
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_VICTIM_TIER", "95%")], "from 0% to 90%"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_VICTIM_TIER", "some")], "TIERMEM_VICTIM_TIER=some"),
             (&[("TIERMEM_LIMIT", "64G"), ("TIERMEM_VICTIM_TIER", "50%")], "victim tier of"),
+            (
+                &[("TIERMEM_LIMIT", "1G"), ("TIERMEM_VICTIM_TIER", "3G")],
+                "TIERMEM_VICTIM_TIER=3G: a victim tier of 3072 MiB",
+            ),
             // The engine's own range checks name the variable that set the field.
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_IO_BUFFERS", "8")], "TIERMEM_IO_BUFFERS=8: io_buffers 8"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "2")], "TIERMEM_WATERMARK=2: watermark 2"),
