@@ -488,8 +488,6 @@ pub fn run(args: &SimArgs) -> Result<()> {
     Ok(())
 }
 
-/// Simulations run at once: `--jobs`, else one per CPU, but one with `--bench` (each one's
-/// speed is then that of a core of its own); never more than there are simulations.
 /// How the flag that set a setting spells it (`accesses`, `zero-fill`), from the setting's serde
 /// name, so the summary line and the JSON say what the user typed.
 fn flag_spelling<T: serde::Serialize>(setting: &T) -> String {
@@ -499,6 +497,8 @@ fn flag_spelling<T: serde::Serialize>(setting: &T) -> String {
     }
 }
 
+/// Simulations run at once: `--jobs`, else one per CPU, but one with `--bench` (each one's
+/// speed is then that of a core of its own); never more than there are simulations.
 fn jobs(asked: Option<usize>, bench: bool, runs: usize) -> Result<usize> {
     let jobs = match asked {
         Some(0) => return Err(Error::invalid("--jobs 0: at least one simulation has to run at a time")),

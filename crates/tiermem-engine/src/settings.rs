@@ -279,11 +279,19 @@ impl RunSettings {
         }
         // The engine drops pages from max(evict watermark, watermark); an evict watermark given
         // below the watermark would be raised without a word, so it is refused instead.
-        if evict_given && s.engine.evict_watermark < s.engine.watermark {
+        // Both watermarks in range first, so this names the one that is wrong, as typed.
+        if evict_given
+            && s.engine.evict_watermark < s.engine.watermark
+            && (0.0..=1.0).contains(&s.engine.watermark)
+            && s.engine.evict_watermark > 0.0
+        {
+            let typed =
+                |key: &str| given.iter().rev().find(|(k, _)| k == key).map_or(String::new(), |(_, v)| v.clone());
             return Err(Error::invalid(format!(
                 "TIERMEM_EVICT_WATERMARK={} is below the watermark {} where cleaning starts; pages are dropped \
                  from the higher of the two, so lower the watermark too (--watermark, TIERMEM_WATERMARK)",
-                s.engine.evict_watermark, s.engine.watermark
+                typed("TIERMEM_EVICT_WATERMARK"),
+                s.engine.watermark
             )));
         }
         if !limit_given {
@@ -299,14 +307,15 @@ impl RunSettings {
             };
             // The tier comes out of the budget, so a size is held to the cap a share has.
             let most = (s.engine.limit_bytes as f64 * MAX_VICTIM_SHARE) as u64;
-            if matches!(tier, VictimTierSize::Bytes(_)) && bytes > most {
+            // A limit too small is validate()'s to report.
+            if matches!(tier, VictimTierSize::Bytes(_)) && bytes > most && s.engine.limit_pages() >= 16 {
                 let given =
                     given.iter().rev().find(|(k, _)| k == "TIERMEM_VICTIM_TIER").map_or("", |(_, v)| v.as_str());
                 return Err(Error::invalid(format!(
-                    "TIERMEM_VICTIM_TIER={given}: a victim tier of {} MiB is more than 90% of the {} MiB budget it \
-                     comes out of",
-                    bytes >> 20,
-                    s.engine.limit_bytes >> 20
+                    "TIERMEM_VICTIM_TIER={given}: a victim tier of {:.1} MiB is more than 90% of the {:.1} MiB \
+                     budget it comes out of",
+                    bytes as f64 / f64::from(1 << 20),
+                    s.engine.limit_bytes as f64 / f64::from(1 << 20)
                 )));
             }
             s.engine.victim_pages = u32::try_from(bytes / tiermem_sys::PAGE_SIZE as u64).unwrap_or(u32::MAX);
@@ -611,7 +620,7 @@ mod tests {
             (&[("TIERMEM_LIMIT", "64G"), ("TIERMEM_VICTIM_TIER", "50%")], "victim tier of"),
             (
                 &[("TIERMEM_LIMIT", "1G"), ("TIERMEM_VICTIM_TIER", "3G")],
-                "TIERMEM_VICTIM_TIER=3G: a victim tier of 3072 MiB",
+                "TIERMEM_VICTIM_TIER=3G: a victim tier of 3072.0 MiB",
             ),
             // The engine's own range checks name the variable that set the field.
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_IO_BUFFERS", "8")], "TIERMEM_IO_BUFFERS=8: io_buffers 8"),
@@ -622,6 +631,11 @@ mod tests {
             (&[("TIERMEM_LIMIT", "8K")], "TIERMEM_LIMIT=8K: limit 8192 bytes is too small"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "70%%")], "TIERMEM_WATERMARK=70%%: not a number"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "170%")], "TIERMEM_WATERMARK=170%: watermark 1.7"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_EVICT_WATERMARK", "60%")], "TIERMEM_EVICT_WATERMARK=60% is below"),
+            (
+                &[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "150%"), ("TIERMEM_EVICT_WATERMARK", "98%")],
+                "TIERMEM_WATERMARK=150%: watermark 1.5",
+            ),
         ];
         for (vars, expected) in cases {
             let message = parse(vars).unwrap_err().to_string();
