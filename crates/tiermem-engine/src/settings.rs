@@ -312,7 +312,7 @@ impl RunSettings {
                 let given =
                     given.iter().rev().find(|(k, _)| k == "TIERMEM_VICTIM_TIER").map_or("", |(_, v)| v.as_str());
                 return Err(Error::invalid(format!(
-                    "TIERMEM_VICTIM_TIER={given}: a victim tier of {:.1} MiB is more than 90% of the {:.1} MiB \
+                    "TIERMEM_VICTIM_TIER={given}: a victim tier of {:.2} MiB is more than 90% of the {:.2} MiB \
                      budget it comes out of",
                     bytes as f64 / f64::from(1 << 20),
                     s.engine.limit_bytes as f64 / f64::from(1 << 20)
@@ -620,7 +620,7 @@ mod tests {
             (&[("TIERMEM_LIMIT", "64G"), ("TIERMEM_VICTIM_TIER", "50%")], "victim tier of"),
             (
                 &[("TIERMEM_LIMIT", "1G"), ("TIERMEM_VICTIM_TIER", "3G")],
-                "TIERMEM_VICTIM_TIER=3G: a victim tier of 3072.0 MiB",
+                "TIERMEM_VICTIM_TIER=3G: a victim tier of 3072.00 MiB",
             ),
             // The engine's own range checks name the variable that set the field.
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_IO_BUFFERS", "8")], "TIERMEM_IO_BUFFERS=8: io_buffers 8"),
