@@ -194,13 +194,13 @@ impl RunSettings {
         let mut given: Vec<(String, String)> = Vec::new();
         for (key, value) in vars {
             let (key, value) = (key.as_ref(), value.as_ref());
-            given.push((key.to_string(), value.to_string()));
             if !key.starts_with("TIERMEM_")
                 || IGNORED_PREFIXES.iter().any(|p| key.starts_with(p))
                 || RUN_ONLY.contains(&key)
             {
                 continue;
             }
+            given.push((key.to_string(), value.to_string()));
             let named = |e: Error| e.context(format!("{key}={value}"));
             match key {
                 "TIERMEM_LIMIT" => {
