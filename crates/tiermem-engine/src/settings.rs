@@ -285,12 +285,10 @@ impl RunSettings {
             && (0.0..=1.0).contains(&s.engine.watermark)
             && s.engine.evict_watermark > 0.0
         {
-            let typed =
-                |key: &str| given.iter().rev().find(|(k, _)| k == key).map_or(String::new(), |(_, v)| v.clone());
             return Err(Error::invalid(format!(
                 "TIERMEM_EVICT_WATERMARK={} is below the watermark {} where cleaning starts; pages are dropped \
                  from the higher of the two, so lower the watermark too (--watermark, TIERMEM_WATERMARK)",
-                typed("TIERMEM_EVICT_WATERMARK"),
+                typed(&given, "TIERMEM_EVICT_WATERMARK").unwrap_or_default(),
                 s.engine.watermark
             )));
         }
@@ -309,8 +307,7 @@ impl RunSettings {
             let most = (s.engine.limit_bytes as f64 * MAX_VICTIM_SHARE) as u64;
             // A limit too small is validate()'s to report.
             if matches!(tier, VictimTierSize::Bytes(_)) && bytes > most && s.engine.limit_pages() >= 16 {
-                let given =
-                    given.iter().rev().find(|(k, _)| k == "TIERMEM_VICTIM_TIER").map_or("", |(_, v)| v.as_str());
+                let given = typed(&given, "TIERMEM_VICTIM_TIER").unwrap_or_default();
                 return Err(Error::invalid(format!(
                     "TIERMEM_VICTIM_TIER={given}: a victim tier of {:.2} MiB is more than 90% of the {:.2} MiB \
                      budget it comes out of",
@@ -485,10 +482,15 @@ fn name_the_variable(e: Error, given: &[(String, String)]) -> Error {
     ];
     let text = e.to_string();
     let variable = FIELDS.iter().find(|(field, _)| text.starts_with(field)).map(|(_, var)| *var);
-    match variable.and_then(|var| given.iter().rev().find(|(k, _)| k == var)) {
+    match variable.and_then(|var| Some((var, typed(given, var)?))) {
         Some((key, value)) => e.context(format!("{key}={value}")),
         None => e,
     }
+}
+
+/// What was given for variable `key` (the last value, as the settings take the last).
+fn typed<'a>(given: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    given.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
 }
 
 #[cfg(test)]
