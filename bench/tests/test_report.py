@@ -250,6 +250,37 @@ def test_a_system_measured_again_replaces_only_its_own_runs(tmp_path):
     assert merged["meta"]["systems"] == ["tiermem-file", "tiermem-poll-only"]
 
 
+def test_matrices_of_other_ratios_add_up_and_a_ratio_measured_again_replaces_its_runs(tmp_path):
+    from tiermem_bench import cli
+
+    # The full scale is measured a ratio or two at a time: 50% first, then 20% and 50% again.
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    first.write_text(json.dumps(_document(["sortw"], {"sortw": 2.0}, "t1")))
+    later = _document(["sortw"], {"sortw": 3.0}, "t2")
+    twenty = [dict(r) for r in later["runs"] if r["system"] == "tiermem-file"]
+    for run in twenty:
+        run["ratio"], run["limit_bytes"], run["wall_s"] = 20, 20000, 7.0
+    later["runs"] += twenty
+    later["runs"][0]["wall_s"] = 1.5  # the later unlimited run is the reference
+    later["meta"]["ratios"] = [50, 20]
+    second.write_text(json.dumps(later))
+    out = tmp_path / "merged"
+    assert cli.main(["--report-only", str(first), str(second), "--out", str(out), "--no-plot"]) == 0
+    merged = json.loads((out / "runs.json").read_text())
+    walls = sorted((r["system"], r["ratio"] or 0, r["wall_s"]) for r in merged["runs"])
+    assert walls == [("tiermem-file", 20, 7.0), ("tiermem-file", 50, 3.0), ("unlimited", 0, 1.5)]
+    assert merged["meta"]["ratios"] == [50, 20]
+    # Only the first file's 50% point: the second adds 20% and keeps the first's 50% runs.
+    only_twenty = dict(later, runs=[r for r in later["runs"] if r["ratio"] != 50])
+    second.write_text(json.dumps(only_twenty))
+    assert cli.main(["--report-only", str(first), str(second), "--out", str(out), "--no-plot"]) == 0
+    merged = json.loads((out / "runs.json").read_text())
+    walls = sorted((r["system"], r["ratio"] or 0, r["wall_s"]) for r in merged["runs"])
+    assert walls == [("tiermem-file", 20, 7.0), ("tiermem-file", 50, 2.0), ("unlimited", 0, 1.5)]
+    table = (out / "table.txt").read_text()
+    assert "sortw  (unlimited: 1.50 s)" in table
+
+
 def test_report_only_refuses_a_damaged_runs_file_with_a_message(tmp_path, capsys):
     from tiermem_bench import cli
 

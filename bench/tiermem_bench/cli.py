@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--report-only", type=Path, nargs="+", metavar="RUNS_JSON",
                    help="do not run anything: print the tables and draw the plot of an earlier runs.json; "
-                        "of several merged into --out, each file's runs of a workload under a system replacing "
-                        "the earlier files' runs of that pair (a workload, or a system, measured again)")
+                        "of several merged into --out, each file's runs of a workload under a system at a ratio "
+                        "replacing the earlier files' runs of that point (measured again), the other points kept "
+                        "(matrices of other ratios add up)")
     p.add_argument("--compare", type=Path, nargs="+", metavar="BASE_RUNS_JSON",
                    help="do not run anything: an A/B of the runs in these runs.json files (the base, pooled) "
                         "against those given with --to (say the same matrix with another --tiermem build): "
@@ -362,16 +363,20 @@ def probe_device(tiermem: str, directory: Path, machine: bool = False) -> dict:
 
 def merge_runs(documents: list[tuple[Path, dict]]) -> tuple[list[dict], dict]:
     """The runs and meta of several runs.json documents, in order: a later document's runs of a
-    workload under a system replace every earlier run of that workload under that system (a
-    workload measured again, or one system of a matrix measured again; its unlimited runs, the
-    reference, likewise); the meta is the first one's, with the systems and ratios of all, and
-    `merged_from` saying what came from where."""
+    workload under a system at a ratio replace every earlier run of that point (a workload, a
+    system or a ratio measured again; its unlimited runs, the reference, likewise), and points
+    only an earlier document measured stay, so matrices of other ratios add up (a full scale
+    too long for one invocation); the meta is the first one's, with the systems and ratios of
+    all, and `merged_from` saying what came from where."""
+    def point(run: dict) -> tuple:
+        return run["workload"], run["system"], run.get("ratio")
+
     runs, meta = [], {}
     for path, document in documents:
         theirs = document["runs"]
         again = {r["workload"] for r in theirs}
-        measured = {(r["workload"], r["system"]) for r in theirs}
-        runs = [r for r in runs if (r["workload"], r["system"]) not in measured] + list(theirs)
+        measured = {point(r) for r in theirs}
+        runs = [r for r in runs if point(r) not in measured] + list(theirs)
         their_meta = document.get("meta", {})
         if not meta:
             meta = dict(their_meta)
