@@ -129,3 +129,17 @@ def tiermem_root(tmp_path):
     cgroups_before = apps_cgroup_paths()
     yield binary
     remove_leftovers(tmp_path, cgroups_before)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def bench_lock_of_the_tests(tmp_path_factory):
+    """The harnesses the tests start take a bench lock of their own, so that running the tests
+    while a real matrix measures does not fail them (they still share the machine)."""
+    from tiermem_bench import exclusive
+    previous = os.environ.get(exclusive.LOCK_ENV)
+    os.environ[exclusive.LOCK_ENV] = str(tmp_path_factory.mktemp("bench-lock") / "tiermem-bench.lock")
+    yield
+    if previous is None:
+        os.environ.pop(exclusive.LOCK_ENV, None)
+    else:
+        os.environ[exclusive.LOCK_ENV] = previous

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from tiermem_bench import plot as plotting
-from tiermem_bench import report, stats
+from tiermem_bench import exclusive, report, stats
 from tiermem_bench.runner import OK, WRONG, RunRecord, run_once
 from tiermem_bench.systems import BASELINE, DEFAULT_SYSTEMS, GROUPS, SYSTEMS, helper_command, parse_systems
 from tiermem_bench.workloads import DEFAULT_WORKLOADS, NOT_BY_DEFAULT, SCALES, WORKLOADS
@@ -524,6 +524,18 @@ def main(argv=None) -> int:
         print("tiermem bench apps: no system left to measure", file=sys.stderr)
         return 2
 
+    command = "tiermem bench apps " + " ".join(argv if argv is not None else sys.argv[1:])
+    try:
+        with exclusive.machine_to_ourselves(command):
+            return measure(args, command, systems, ratios, workload_names, tiermem, skipped_systems, packages)
+    except exclusive.Busy as e:
+        print(f"tiermem bench apps: {e}", file=sys.stderr)
+        return 2
+
+
+def measure(args, command: str, systems: list, ratios: list[int], workload_names: list[str], tiermem: str,
+            skipped_systems: dict, packages: dict) -> int:
+    """Run the matrix and report it (the machine is ours: see `exclusive`)."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = (args.out or REPO_DIR / "target" / "bench-apps" / stamp).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -533,7 +545,7 @@ def main(argv=None) -> int:
     workloads = [WORKLOADS[n] for n in workload_names]
     system_names = [s.name for s in systems]
     meta = {
-        "command": "tiermem bench apps " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         "scale": args.scale, "systems": system_names, "ratios": ratios, "workloads": workload_names,
         "repeats": args.repeats, "started": stamp, "kernel": platform.release(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "tiermem": tiermem, "scratch_dir": str(scratch),

@@ -206,6 +206,8 @@ fn bench_micro(args: &MicroArgs) -> Result<()> {
     base.prefetch_governor = on_off("--prefetch-governor", &args.policy.prefetch_governor, base.prefetch_governor)?;
     // Bad policy names fail here, before any system runs.
     tiermem_engine::policy::build_policies(&base.prefetch, &base.replace, 1, &Default::default())?;
+    let command: Vec<String> = std::env::args().collect();
+    let _machine = tiermem_cli::bench::exclusive::machine_to_ourselves(&command.join(" "))?;
     let mut rows = Vec::new();
     let mut details = Vec::new();
     for &system in &args.systems {

@@ -232,6 +232,8 @@ fn sigint_during_a_run_cleans_up_and_exits_130() {
     let tiermem = Command::new(env!("CARGO_BIN_EXE_tiermem"))
         .args(["bench", "micro", "--system", "linux-swap", "--size-mb", "1024", "--limit-mb", "64", "--dir"])
         .arg(dir.path())
+        // A bench lock of its own: the test may run while a real benchmark holds the machine's.
+        .env("TIERMEM_BENCH_LOCK", dir.path().join("bench.lock"))
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

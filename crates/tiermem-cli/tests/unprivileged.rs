@@ -60,6 +60,9 @@ fn micro_as_nobody(binary: &Path, args: &[&str]) -> Output {
         .arg(binary)
         .args(["bench", "micro", "--size-mb", "16", "--limit-mb", "8", "--dir", "/tmp", "--json"])
         .args(args)
+        // Not the machine's bench lock: the test may run while a real benchmark holds it. A path
+        // nobody cannot create, so the run goes on without a lock (and leaves no file behind).
+        .env("TIERMEM_BENCH_LOCK", "/nonexistent-tiermem/bench.lock")
         .current_dir("/tmp")
         .output()
         .expect("running tiermem through prlimit and setpriv")

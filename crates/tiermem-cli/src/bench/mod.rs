@@ -3,6 +3,7 @@
 pub mod apps;
 pub mod array;
 pub mod cleanup;
+pub mod exclusive;
 pub mod linux_swap;
 pub mod micro;
 pub mod micro_tiermem;
