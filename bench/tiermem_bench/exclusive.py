@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def machine_to_ourselves(what: str):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
         print(f"NOTE: cannot open the bench lock {path} ({e.strerror}); "
-              "not checking for another benchmark running", flush=True)
+              "not checking for another benchmark running", file=sys.stderr, flush=True)
         yield
         return
     try:
