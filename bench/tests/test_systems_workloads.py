@@ -97,6 +97,9 @@ def test_system_groups_expand_in_order_without_repeats():
     assert names(cli.build_parser().parse_args([]).systems) == ["linux-swap", "tiermem-file", "tiermem-mem"]
     assert names("paper") == ["linux-swap", "tiermem-file", "tiermem-mem", "tiermem-poll-only",
                               "tiermem-interrupt-only", "tiermem-reclaim-on-fault-path"]
+    assert names("prefetchers,tiermem-file-stream") == ["tiermem-file", "tiermem-file-fastswap-clock",
+                                                        "tiermem-file-stream-stream-first", "tiermem-file-fastswap",
+                                                        "tiermem-file-stream"]
     assert names("tiermem-mem,main,tiermem-file-victim") == ["tiermem-mem", "linux-swap", "tiermem-file",
                                                              "tiermem-file-victim"]
     with pytest.raises(ValueError, match="groups: main"):

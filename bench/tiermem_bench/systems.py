@@ -104,6 +104,14 @@ SYSTEMS: dict[str, System] = {
                ("--prefetch", "fastswap")),
         System("tiermem-file-stream", "tiermem", "tiermem run, file device, the paper's stream prefetcher",
                ("--prefetch", "stream")),
+        # The same comparison with each side's own replacement, as the paper ran it: Fastswap
+        # under the kernel's reclaim (clock, a second chance) against the stream prefetcher with
+        # stream-first replacement sharing its table (§3.1).
+        System("tiermem-file-fastswap-clock", "tiermem", "tiermem run, file device, fastswap prefetching, clock replacement",
+               ("--prefetch", "fastswap", "--replace", "clock")),
+        System("tiermem-file-stream-stream-first", "tiermem",
+               "tiermem run, file device, the paper's stream prefetcher with stream-first replacement",
+               ("--prefetch", "stream", "--replace", "stream-first")),
         # CLOCK (FIFO with a second chance), the default before seq-adaptive.
         System("tiermem-file-clock", "tiermem", "tiermem run, file device, clock replacement",
                ("--replace", "clock")),
@@ -163,6 +171,13 @@ SYSTEMS: dict[str, System] = {
                ("--read-runs", "on", "--write-runs", "on")),
         # The prefetcher's lists read whole however few of the sampled prefetched pages are used
         # (the engine's default caps them then: docs/policies.md, the prefetch governor).
+        # Room for prefetches: reclaim drops from at least 256 pages (the default since
+        # 2026-12-07) or 512 under the limit less a batch, where 98% of a small budget leaves
+        # prefetches less room to land in; 0 is the evict watermark alone, as before.
+        System("tiermem-file-room-0", "tiermem", "tiermem run, file device, no pages kept for prefetches beyond the evict watermark",
+               ("--prefetch-room", "0")),
+        System("tiermem-file-room-512", "tiermem", "tiermem run, file device, 512 pages kept for prefetches",
+               ("--prefetch-room", "512")),
         System("tiermem-file-ungoverned", "tiermem", "tiermem run, file device, prefetch governor off",
                ("--prefetch-governor", "off")),
     ]
@@ -178,6 +193,10 @@ BASELINE = System(UNLIMITED, "unlimited", "no memory limit (footprint and refere
 GROUPS: dict[str, tuple[str, ...]] = {
     "main": ("linux-swap", "tiermem-file", "tiermem-mem"),
     "variants": ("tiermem-poll-only", "tiermem-interrupt-only", "tiermem-reclaim-on-fault-path"),
+    # The co-designed remote-memory paper's live comparison: Fastswap against the stream
+    # prefetcher, each with its own replacement and with the engine's, beside the default.
+    "prefetchers": ("tiermem-file", "tiermem-file-fastswap-clock", "tiermem-file-stream-stream-first",
+                    "tiermem-file-fastswap", "tiermem-file-stream"),
 }
 GROUPS["paper"] = GROUPS["main"] + GROUPS["variants"]
 DEFAULT_SYSTEMS = GROUPS["main"]

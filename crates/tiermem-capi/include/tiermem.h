@@ -68,6 +68,9 @@ const char *tiermem_last_error(void);
  *   watermark=FRACTION    background reclaim starts at this share of the limit, in (0, 1]
  *                         (default 0.7): it writes cold dirty pages back from there
  *   evict_watermark=FRACTION  background reclaim drops pages from this share (default 0.98)
+ *   prefetch_room=N       pages background reclaim keeps free for prefetches, at least,
+ *                         dropping from below evict_watermark where it leaves fewer (default
+ *                         256; 0: evict_watermark alone)
  *   io_buffers=N, victim_pages=N (evicted pages kept in DRAM, unmapped; 0 = none, the default),
  *   queue_depth=N, reclaim_batch=N, handler_threads=N, handler_spin_us=N,
  *   hot_threshold=N (1..=64: read faults that make a page hot in the access monitor),

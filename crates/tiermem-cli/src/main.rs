@@ -415,6 +415,11 @@ struct RunArgs {
     /// Share of the budget from which background reclaim drops pages (0.98 or 98%) [default: 0.98].
     #[arg(long, env = "TIERMEM_EVICT_WATERMARK")]
     evict_watermark: Option<String>,
+    /// Pages background reclaim keeps free for prefetches to land in, at least: it drops from
+    /// below the evict watermark where that leaves fewer, never below 90% of the budget, none
+    /// with --prefetch none (0..=16384; 0: the watermark alone) [default: 256].
+    #[arg(long, env = "TIERMEM_PREFETCH_ROOM")]
+    prefetch_room: Option<String>,
     /// sigbus (faults served on the faulting thread) | thread (by a handler thread) [default: sigbus].
     #[arg(long, env = "TIERMEM_FAULT_MODE")]
     fault_mode: Option<String>,
@@ -612,6 +617,7 @@ fn run_flags(args: &RunArgs) -> Vec<(&'static str, String)> {
         ("TIERMEM_PREFETCH_GOVERNOR", &args.policy.prefetch_governor),
         ("TIERMEM_WATERMARK", &args.watermark),
         ("TIERMEM_EVICT_WATERMARK", &args.evict_watermark),
+        ("TIERMEM_PREFETCH_ROOM", &args.prefetch_room),
         ("TIERMEM_FAULT_MODE", &args.fault_mode),
         ("TIERMEM_IO_MODE", &args.io_mode),
         ("TIERMEM_HANDLER_THREADS", &args.handler_threads),

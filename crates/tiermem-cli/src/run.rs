@@ -1274,6 +1274,7 @@ fn recording_description(outcome: &RunOutcome, pid: u32, image: u64, program: &[
         "budget_pages": pages(Some(engine.limit_bytes)),
         "lowest_budget_pages": pages(process.and_then(|p| p["lowest_budget_bytes"].as_u64())),
         "evict_watermark": engine.evict_watermark,
+        "prefetch_room": engine.prefetch_room,
         "critical_faults": process.and_then(|p| p["engine"]["critical_reads"].as_u64()),
         "peak_resident_pages": process.and_then(|p| p["engine"]["peak_resident_pages"].as_u64()),
     })

@@ -386,11 +386,24 @@ impl Shared {
     }
 }
 
+/// The lowest share of the limit [`EngineConfig::prefetch_room`] moves the drop threshold to.
+const LOWEST_ROOM_THRESHOLD: f64 = 0.9;
+
 /// The watermarks in pages for a limit: (wake-up and cleaning, dropping).
 fn watermarks(config: &EngineConfig, limit_pages: u64) -> (u64, u64) {
     let at = |fraction: f64| ((limit_pages as f64 * fraction) as u64).clamp(1, limit_pages);
     let watermark = at(config.watermark);
-    (watermark, at(config.evict_watermark).max(watermark))
+    // The room costs a tenth of the budget at most: below that, cleaning ahead between the
+    // watermark and the drop threshold would have too little room to work in.
+    let room_below = (config.reclaim_batch as u64).saturating_add(u64::from(config.prefetch_room));
+    let with_room = limit_pages.saturating_sub(room_below).max(at(LOWEST_ROOM_THRESHOLD));
+    // Without a prefetcher there is nothing to keep room for.
+    let evict = if config.prefetch_room == 0 || config.prefetch == "none" {
+        at(config.evict_watermark)
+    } else {
+        at(config.evict_watermark).min(with_room)
+    };
+    (watermark, evict.max(watermark))
 }
 
 /// Register `[addr, addr + len)` with `uffd` for missing and write-protect faults, as base pages
@@ -950,11 +963,15 @@ impl Engine {
     pub fn describe(&self) -> String {
         let config = &self.shared.config;
         let reclaim = match config.reclaim_mode {
-            ReclaimMode::Background => format!(
-                "background (cleans from {:.0}%, drops from {:.0}%)",
-                config.watermark * 100.0,
-                config.evict_watermark.max(config.watermark) * 100.0
-            ),
+            ReclaimMode::Background => {
+                let limit = self.shared.limit_pages().max(1);
+                let (_, evict) = watermarks(config, limit);
+                format!(
+                    "background (cleans from {:.0}%, drops from {:.0}%)",
+                    config.watermark * 100.0,
+                    evict as f64 * 100.0 / limit as f64
+                )
+            }
             ReclaimMode::OnFaultPath => {
                 format!(
                     "on the fault path from {:.0}% (a thread drops only what a budget cut leaves over)",
@@ -1157,6 +1174,27 @@ impl Drop for Engine {
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_prefetch_room_lowers_the_drop_threshold_of_small_budgets_only() {
+        let with_room = |room: u32| EngineConfig { prefetch_room: room, ..EngineConfig::default() };
+        // 18 MiB: 98% leaves 94 pages, 62 of them past a reclaim batch of 32.
+        assert_eq!(watermarks(&with_room(0), 4711), (3297, 4616));
+        assert_eq!(watermarks(&with_room(256), 4711), (3297, 4711 - 32 - 256));
+        // 256 MiB: 98% leaves 1,311 pages, more than asked for.
+        assert_eq!(watermarks(&with_room(256), 65_536), (45_875, 64_225));
+        // A tenth of the budget at most, so that cleaning ahead keeps room to work in.
+        assert_eq!(watermarks(&with_room(256), 400), (280, 360));
+        assert_eq!(watermarks(&with_room(16_384), 100), (70, 90));
+        // Never above an evict watermark set lower, nor below the cleaning watermark.
+        let paper = EngineConfig { evict_watermark: 0.7, ..with_room(256) };
+        assert_eq!(watermarks(&paper, 4711), (3297, 3297));
+        let high_watermark = EngineConfig { watermark: 0.95, ..with_room(256) };
+        assert_eq!(watermarks(&high_watermark, 4711), (4475, 4475));
+        // Nor without a prefetcher.
+        let no_prefetch = EngineConfig { prefetch: "none".into(), ..with_room(256) };
+        assert_eq!(watermarks(&no_prefetch, 4711), (3297, 4616));
+    }
+
     /// A fault that needs room while every resident page belongs to a region being dropped
     /// (which reclaim leaves alone): the fault waited for room holding the region table's read
     /// lock, the drop for the write lock to take those pages out, both for ever. Now the fault
@@ -1179,6 +1217,7 @@ mod tests {
             io_buffers: 64,
             prefetch: "none".into(),
             evict_watermark: 1.0,
+            prefetch_room: 0,
             ..EngineConfig::default()
         };
         let engine = Engine::new(config, device).unwrap();

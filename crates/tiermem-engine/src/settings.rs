@@ -70,6 +70,10 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ),
     ("TIERMEM_WATERMARK", "share of the budget that wakes background reclaim (it cleans from there), in (0, 1] or a percentage"),
     ("TIERMEM_EVICT_WATERMARK", "share of the budget from which background reclaim drops pages, in (0, 1] or a percentage"),
+    (
+        "TIERMEM_PREFETCH_ROOM",
+        "pages background reclaim keeps free for prefetches to land in, at least, lowering the evict watermark where it leaves fewer, 0..=16384 (default 256; 0: the watermark alone)",
+    ),
     ("TIERMEM_FAULT_MODE", "sigbus | thread (default sigbus: faults served on the faulting thread)"),
     ("TIERMEM_IO_MODE", "hybrid | poll-only | interrupt-only"),
     ("TIERMEM_HANDLER_THREADS", "thread fault mode: threads serving faults, 1..=64 (default 1)"),
@@ -232,6 +236,7 @@ impl RunSettings {
                 "TIERMEM_FAULT_MODE" => s.engine.fault_mode = value.parse().map_err(named)?,
                 "TIERMEM_IO_MODE" => s.engine.io_mode = value.parse().map_err(named)?,
                 "TIERMEM_HANDLER_THREADS" => s.engine.handler_threads = whole_number(value, "2").map_err(named)?,
+                "TIERMEM_PREFETCH_ROOM" => s.engine.prefetch_room = whole_number(value, "256").map_err(named)?,
                 "TIERMEM_IO_BUFFERS" => s.engine.io_buffers = whole_number(value, "256").map_err(named)?,
                 "TIERMEM_QUEUE_DEPTH" => s.engine.queue_depth = whole_number(value, "32").map_err(named)?,
                 "TIERMEM_HANDLER_SPIN_US" => {
@@ -337,6 +342,7 @@ impl RunSettings {
             ("TIERMEM_PREFETCH_GOVERNOR", if e.prefetch_governor { "on" } else { "off" }.to_string()),
             ("TIERMEM_WATERMARK", e.watermark.to_string()),
             ("TIERMEM_EVICT_WATERMARK", e.evict_watermark.to_string()),
+            ("TIERMEM_PREFETCH_ROOM", e.prefetch_room.to_string()),
             ("TIERMEM_FAULT_MODE", e.fault_mode.to_string()),
             ("TIERMEM_IO_MODE", e.io_mode.to_string()),
             ("TIERMEM_HANDLER_THREADS", e.handler_threads.to_string()),
@@ -472,6 +478,7 @@ fn name_the_variable(e: Error, given: &[(String, String)]) -> Error {
         ("evict watermark ", "TIERMEM_EVICT_WATERMARK"),
         ("watermark ", "TIERMEM_WATERMARK"),
         ("io_buffers ", "TIERMEM_IO_BUFFERS"),
+        ("prefetch room ", "TIERMEM_PREFETCH_ROOM"),
         ("victim tier of ", "TIERMEM_VICTIM_TIER"),
         ("queue depth ", "TIERMEM_QUEUE_DEPTH"),
         ("handler threads ", "TIERMEM_HANDLER_THREADS"),
@@ -540,6 +547,7 @@ mod tests {
             ("TIERMEM_READ_RUNS", "on"),
             ("TIERMEM_INDIRECT", "off"),
             ("TIERMEM_PREFETCH_GOVERNOR", "off"),
+            ("TIERMEM_PREFETCH_ROOM", "300"),
             ("TIERMEM_CGROUP", "guard"),
             ("TIERMEM_VICTIM_TIER", "25%"),
             ("PATH", "/bin"),
@@ -568,6 +576,7 @@ mod tests {
         assert!(!EngineConfig::default().indirect, "off by default for the library");
         assert!(!s.engine.prefetch_governor && !again.engine.prefetch_governor);
         assert!(RunSettings::default().engine.prefetch_governor, "on by default");
+        assert_eq!((s.engine.prefetch_room, again.engine.prefetch_room), (300, 300));
         assert!(s.respect_cgroup && s.oom_guard && again.respect_cgroup && again.oom_guard);
         assert_eq!(again.footprint, s.footprint);
         assert_eq!(u64::from(s.engine.victim_pages), s.engine.limit_bytes / 4 / 4096);
@@ -626,6 +635,11 @@ mod tests {
             ),
             // The engine's own range checks name the variable that set the field.
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_IO_BUFFERS", "8")], "TIERMEM_IO_BUFFERS=8: io_buffers 8"),
+            (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_PREFETCH_ROOM", "lots")], "TIERMEM_PREFETCH_ROOM=lots"),
+            (
+                &[("TIERMEM_LIMIT", "1G"), ("TIERMEM_PREFETCH_ROOM", "20000")],
+                "TIERMEM_PREFETCH_ROOM=20000: prefetch room 20000",
+            ),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_WATERMARK", "2")], "TIERMEM_WATERMARK=2: watermark 2"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_QUEUE_DEPTH", "0")], "TIERMEM_QUEUE_DEPTH=0: queue depth 0"),
             (&[("TIERMEM_LIMIT", "1G"), ("TIERMEM_HOT_THRESHOLD", "65")], "TIERMEM_HOT_THRESHOLD=65: hot-page"),
