@@ -169,8 +169,6 @@ SYSTEMS: dict[str, System] = {
                ("--defer-hits", "on")),
         System("tiermem-file-runs", "tiermem", "tiermem run, file device, contiguous prefetches and write-backs merged",
                ("--read-runs", "on", "--write-runs", "on")),
-        # The prefetcher's lists read whole however few of the sampled prefetched pages are used
-        # (the engine's default caps them then: docs/policies.md, the prefetch governor).
         # Room for prefetches: reclaim drops from at least 256 pages (the default since
         # 2026-12-07) or 512 under the limit less a batch, where 98% of a small budget leaves
         # prefetches less room to land in; 0 is the evict watermark alone, as before.
@@ -178,6 +176,8 @@ SYSTEMS: dict[str, System] = {
                ("--prefetch-room", "0")),
         System("tiermem-file-room-512", "tiermem", "tiermem run, file device, 512 pages kept for prefetches",
                ("--prefetch-room", "512")),
+        # The prefetcher's lists read whole however few of the sampled prefetched pages are used
+        # (the engine's default caps them then: docs/policies.md, the prefetch governor).
         System("tiermem-file-ungoverned", "tiermem", "tiermem run, file device, prefetch governor off",
                ("--prefetch-governor", "off")),
     ]

@@ -72,7 +72,7 @@ pub const VARIABLES: &[(&str, &str)] = &[
     ("TIERMEM_EVICT_WATERMARK", "share of the budget from which background reclaim drops pages, in (0, 1] or a percentage"),
     (
         "TIERMEM_PREFETCH_ROOM",
-        "pages background reclaim keeps free for prefetches to land in, at least, lowering the evict watermark where it leaves fewer, 0..=16384 (default 256; 0: the watermark alone)",
+        "pages background reclaim keeps free for prefetches to land in, at least, lowering the evict watermark where it leaves fewer (never below 90% of the budget; none with TIERMEM_PREFETCH=none), 0..=16384 (default 256; 0: the watermark alone)",
     ),
     ("TIERMEM_FAULT_MODE", "sigbus | thread (default sigbus: faults served on the faulting thread)"),
     ("TIERMEM_IO_MODE", "hybrid | poll-only | interrupt-only"),
