@@ -992,6 +992,10 @@ fn read_runs_read_contiguous_pages_in_few_requests() {
             // 553-1117 requests for 2048 pages against seq-adaptive's 302-672 (read runs are
             // off by default).
             c.replace = "seq-adaptive".into();
+            // Dropping from 98%, as the thresholds below were set: with room for prefetches
+            // (90% of this 256-page budget) a SIGBUS pass on the mem device took 800-1,530
+            // requests for ~2,048 pages, against 450-600 without (2026-12-07, four runs each).
+            c.prefetch_room = 0;
             c.fault_mode = fault_mode;
             c.io_mode = io_mode;
         });
