@@ -393,16 +393,14 @@ const LOWEST_ROOM_THRESHOLD: f64 = 0.9;
 fn watermarks(config: &EngineConfig, limit_pages: u64) -> (u64, u64) {
     let at = |fraction: f64| ((limit_pages as f64 * fraction) as u64).clamp(1, limit_pages);
     let watermark = at(config.watermark);
-    // The room costs a tenth of the budget at most: below that, cleaning ahead between the
-    // watermark and the drop threshold would have too little room to work in.
-    let room_below = (config.reclaim_batch as u64).saturating_add(u64::from(config.prefetch_room));
-    let with_room = limit_pages.saturating_sub(room_below).max(at(LOWEST_ROOM_THRESHOLD));
+    let mut evict = at(config.evict_watermark);
     // Without a prefetcher there is nothing to keep room for.
-    let evict = if config.prefetch_room == 0 || config.prefetch == "none" {
-        at(config.evict_watermark)
-    } else {
-        at(config.evict_watermark).min(with_room)
-    };
+    if config.prefetch_room > 0 && config.prefetch != "none" {
+        // The room costs a tenth of the budget at most: below that, cleaning ahead between the
+        // watermark and the drop threshold would have too little room to work in.
+        let room_below = (config.reclaim_batch as u64).saturating_add(u64::from(config.prefetch_room));
+        evict = evict.min(limit_pages.saturating_sub(room_below).max(at(LOWEST_ROOM_THRESHOLD)));
+    }
     (watermark, evict.max(watermark))
 }
 
@@ -963,15 +961,11 @@ impl Engine {
     pub fn describe(&self) -> String {
         let config = &self.shared.config;
         let reclaim = match config.reclaim_mode {
-            ReclaimMode::Background => {
-                let limit = self.shared.limit_pages().max(1);
-                let (_, evict) = watermarks(config, limit);
-                format!(
-                    "background (cleans from {:.0}%, drops from {:.0}%)",
-                    config.watermark * 100.0,
-                    evict as f64 * 100.0 / limit as f64
-                )
-            }
+            ReclaimMode::Background => format!(
+                "background (cleans from {:.0}%, drops from {:.0}%)",
+                config.watermark * 100.0,
+                self.shared.evict_pages() as f64 * 100.0 / self.shared.limit_pages().max(1) as f64
+            ),
             ReclaimMode::OnFaultPath => {
                 format!(
                     "on the fault path from {:.0}% (a thread drops only what a budget cut leaves over)",
