@@ -133,12 +133,12 @@ pub(crate) fn handle_fault(
         // and regions stay distinct page ranges (a page id would put the region above bit 40).
         trace.record((region.page_addr(index) as usize / PAGE_SIZE) as u64, write);
     }
-    // The page's slot hash is written by reclaim when the page is written out. Written here
-    // first (the same value), so the page of hashes it lies in, lazily mapped, is the faulting
-    // thread's to bring in: under the OOM guard a first touch waits for memory, and reclaim
-    // must not be the one waiting, as it is the one to free some.
-    if let Some(hash) = region.slot_hashes.get(index as usize) {
-        hash.store(hash.load(Ordering::Relaxed), Ordering::Relaxed);
+    // Under the OOM guard the state this fault and later reclaim write must be memory now,
+    // made so without waiting for the cgroup (see `RegionInner::ready_metadata`).
+    if shared.prefault_metadata.load(Ordering::Relaxed) {
+        if let Err(e) = ready_metadata(shared, region, index) {
+            return outcome_of_copy_error(shared, e);
+        }
     }
     // Where in the page the access fell (exact for a SIGBUS; a userfaultfd message gives the
     // page): prefetchers that relate misses to one another by address use it.
@@ -615,6 +615,19 @@ fn map_in_fault(
         note_memory_refused(shared);
     }
     result
+}
+
+/// Make the per-page state around `index` writable memory, retrying a full cgroup's refusals
+/// as a refused page copy is (20 ms with the region table held; then ENOMEM, noted).
+fn ready_metadata(shared: &Shared, region: &RegionInner, index: u64) -> Result<(), Errno> {
+    for attempt in 0..NOMEM_RETRIES_IN_FAULT {
+        match region.ready_metadata(index) {
+            Err(Errno::NOMEM) => wait_for_memory_once(shared, attempt),
+            other => return other,
+        }
+    }
+    note_memory_refused(shared);
+    Err(Errno::NOMEM)
 }
 
 /// Note that a fault was refused memory now, for [`outcome_of_copy_error`]'s count of how long

@@ -226,6 +226,11 @@ impl PageCell {
         self.0.swap(self.0.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
+    /// Write the cell without changing it while others may use it (see [`touch_word`]).
+    pub(crate) fn touch_in_use(&self) {
+        touch_word(&self.0);
+    }
+
     /// The state now (may change right after unless the caller holds the lock).
     pub fn peek(&self) -> PageState {
         PageState(self.0.load(Ordering::Acquire) & !LOCK)
@@ -300,6 +305,14 @@ impl Drop for LockedPage<'_> {
         // Nobody else changes the word while it is locked, so the holder's state is the truth.
         self.cell.0.store(self.state.0 & !LOCK, Ordering::Release);
     }
+}
+
+/// Write `word` without changing it, while other threads may use it (makes its memory page
+/// resident): a compare-exchange of its value with itself, which never undoes a store made
+/// meanwhile, and where it fails, that store wrote the page already.
+pub(crate) fn touch_word(word: &AtomicU64) {
+    let value = word.load(Ordering::Relaxed);
+    let _ = word.compare_exchange(value, value, Ordering::Relaxed, Ordering::Relaxed);
 }
 
 #[cfg(test)]
