@@ -769,8 +769,8 @@ impl Engine {
     /// Make the engine's own bookkeeping resident up front instead of page by page as it is
     /// first written: the replacement policy's queues and tables (sized for the budget, about
     /// 1% of it) and the latency histograms; from now on each new region's per-page state is
-    /// made ready too, its page tables mapped and each page of it left for the first fault
-    /// there to write (see `RegionInner::prepare_metadata`). For a program whose cgroup pauses
+    /// made ready too: its page tables mapped now, each chunk of it made memory by the first
+    /// fault there (see `RegionInner::prepare_metadata`). For a program whose cgroup pauses
     /// it when out of memory (the preload's OOM guard): reclaim and completions must not wait
     /// for a new page of their own while they are the ones to free memory (seen: reclaim stuck
     /// on a first store to a slot hash, and to the policy's eviction history).
@@ -1319,11 +1319,11 @@ mod tests {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         for &w in &windows {
             // A handler thread's copy wakes the program before the pages' states are set.
-            let resident = |p: u64| region.inner.pages[p as usize].peek().kind() == Kind::Resident;
-            while (w..w + window).any(|p| !resident(p)) && std::time::Instant::now() < deadline {
+            let in_memory = |p: u64| region.inner.pages[p as usize].peek().kind() == Kind::Resident;
+            while (w..w + window).any(|p| !in_memory(p)) && std::time::Instant::now() < deadline {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
-            let filled: Vec<u64> = (w..w + window).filter(|&p| resident(p)).collect();
+            let filled: Vec<u64> = (w..w + window).filter(|&p| in_memory(p)).collect();
             assert_eq!(filled.len() as u64, window, "window {w}: zero-fill around filled {} pages", filled.len());
             let page_of_hash = |p: u64| (first + p as usize * 8) / PAGE_SIZE;
             crossing += usize::from(page_of_hash(w) != page_of_hash(w + window - 1));

@@ -473,6 +473,8 @@ fn is_mapped(shared: &Shared, addr: *mut u8) -> bool {
 /// programs fourfold (at 100% of their footprint, with nothing to page, intsort went 1.65x ->
 /// 1.33x of its unmanaged time).
 pub(crate) const ZERO_FILL_AROUND: usize = 64;
+// A fault readies the per-page state of its page's chunk only: its window must lie in it.
+const _: () = assert!(crate::region::METADATA_CHUNK.is_multiple_of(ZERO_FILL_AROUND));
 
 /// Locks on a run of pages around one: slot k holds page `start + k`, the run is `lo..hi`.
 struct RunAround<'a> {
