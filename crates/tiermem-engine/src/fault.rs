@@ -620,15 +620,25 @@ fn map_in_fault(
 }
 
 /// Make the per-page state around `index` writable memory, retrying a full cgroup's refusals
-/// as a refused page copy is (20 ms with the region table held; then ENOMEM, noted).
+/// as a refused page copy is (then ENOMEM, noted).
 fn ready_metadata(shared: &Shared, region: &RegionInner, index: u64) -> Result<(), Errno> {
-    for attempt in 0..NOMEM_RETRIES_IN_FAULT {
-        match region.ready_metadata(index) {
-            Err(Errno::NOMEM) => wait_for_memory_once(shared, attempt),
+    let ready = retrying_refusals(shared, || region.ready_metadata(index));
+    if ready == Err(Errno::NOMEM) {
+        note_memory_refused(shared);
+    }
+    ready
+}
+
+/// Run `attempt` until the full cgroup stops refusing it memory (ENOMEM), waiting as a refused
+/// page copy in a fault does: for [`NOMEM_RETRIES_IN_FAULT`] times (20 ms) with the region
+/// table held; then ENOMEM.
+fn retrying_refusals(shared: &Shared, mut attempt: impl FnMut() -> Result<(), Errno>) -> Result<(), Errno> {
+    for waited in 0..NOMEM_RETRIES_IN_FAULT {
+        match attempt() {
+            Err(Errno::NOMEM) => wait_for_memory_once(shared, waited),
             other => return other,
         }
     }
-    note_memory_refused(shared);
     Err(Errno::NOMEM)
 }
 
@@ -758,13 +768,7 @@ fn outcome_of_copy_error(shared: &Shared, e: Errno) -> Outcome {
 /// a step, reclaim kept awake, and tried again for [`NOMEM_RETRIES_IN_FAULT`] times (20 ms) with
 /// the region table held; then ENOMEM (the fault notes the refusal: see [`note_memory_refused`]).
 fn submit_retrying(shared: &Shared, queue: &mut dyn tiermem_device::IoQueue) -> Result<(), Errno> {
-    for attempt in 0..NOMEM_RETRIES_IN_FAULT {
-        if queue.submit().is_ok() {
-            return Ok(());
-        }
-        wait_for_memory_once(shared, attempt);
-    }
-    Err(Errno::NOMEM)
+    retrying_refusals(shared, || queue.submit().map(drop).map_err(|_| Errno::NOMEM))
 }
 
 /// Waits of a thread still refused memory between two counted ones: 20 ms.

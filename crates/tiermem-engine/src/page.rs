@@ -219,15 +219,8 @@ pub struct LockedPage<'a> {
 }
 
 impl PageCell {
-    /// Write the cell without changing it (makes its memory page resident). Only while no
-    /// one else can use the cell: a load then a swap (an idempotent read-modify-write such as
-    /// adding zero may be compiled to a plain load, which writes nothing).
+    /// Write the cell without changing it (makes its memory page resident; see [`touch_word`]).
     pub(crate) fn touch(&self) {
-        self.0.swap(self.0.load(Ordering::Relaxed), Ordering::Relaxed);
-    }
-
-    /// Write the cell without changing it while others may use it (see [`touch_word`]).
-    pub(crate) fn touch_in_use(&self) {
         touch_word(&self.0);
     }
 
@@ -307,9 +300,11 @@ impl Drop for LockedPage<'_> {
     }
 }
 
-/// Write `word` without changing it, while other threads may use it (makes its memory page
-/// resident): a compare-exchange of its value with itself, which never undoes a store made
-/// meanwhile, and where it fails, that store wrote the page already.
+/// Write `word` without changing it (makes its memory page resident), even while other threads
+/// use it: a compare-exchange of its value with itself, which never undoes a store made
+/// meanwhile (a load then a swap could), and where it fails, that store wrote the page
+/// already. (An idempotent read-modify-write such as adding zero may be compiled to a plain
+/// load, which writes nothing.)
 pub(crate) fn touch_word(word: &AtomicU64) {
     let value = word.load(Ordering::Relaxed);
     let _ = word.compare_exchange(value, value, Ordering::Relaxed, Ordering::Relaxed);

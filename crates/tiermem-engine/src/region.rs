@@ -58,20 +58,17 @@ impl RegionInner {
     /// page of the region, 0.4% of what a program reserves however little of it it uses: GNU
     /// sort's 1.4 GiB buffer under a 20 MiB cgroup left a budget of 6.8 MiB instead of 13.
     pub(crate) fn prepare_metadata(&self) {
+        use crate::page::touch_word;
         use std::sync::atomic::Ordering;
         // Written now: setting a chunk's bit must not be a first write.
-        self.metadata_ready.iter().for_each(|word| {
-            word.swap(word.load(Ordering::Relaxed), Ordering::Relaxed);
-        });
+        self.metadata_ready.iter().for_each(touch_word);
         let mapped = [address_range(&self.pages), address_range(&self.slot_hashes)]
             .into_iter()
             .all(|range| advise_range(range, rustix::mm::Advice::LinuxPopulateRead).is_ok());
         if !mapped {
             // No MADV_POPULATE_READ (before Linux 5.14): the whole state written, as before.
-            self.pages.iter().step_by(PAGE_SIZE / 8).for_each(|cell| cell.touch());
-            self.slot_hashes.iter().step_by(PAGE_SIZE / 8).for_each(|hash| {
-                hash.swap(hash.load(Ordering::Relaxed), Ordering::Relaxed);
-            });
+            self.pages.iter().step_by(PAGE_SIZE / 8).for_each(PageCell::touch);
+            self.slot_hashes.iter().step_by(PAGE_SIZE / 8).for_each(touch_word);
             self.metadata_ready.iter().for_each(|word| word.store(u64::MAX, Ordering::Relaxed));
         }
     }
@@ -105,7 +102,7 @@ impl RegionInner {
                 // were written whole): the chunk written, which may wait, as it did before.
                 Err(rustix::io::Errno::INVAL) => {
                     let (first, last) = (pages.start, pages.end - 1);
-                    [first, last].into_iter().for_each(|p| self.pages[p].touch_in_use());
+                    [first, last].into_iter().for_each(|p| self.pages[p].touch());
                     [first, last].into_iter().filter_map(|p| self.slot_hashes.get(p)).for_each(crate::page::touch_word);
                     break;
                 }
