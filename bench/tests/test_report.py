@@ -130,6 +130,23 @@ def test_paging_traffic_cells_stay_apart_at_full_scale_volumes():
     assert row.split()[2:] == ["178276/38407", "178276/38407"]
 
 
+def test_table_shows_the_disk_s_requests_a_second_where_they_were_counted():
+    runs = make_runs()
+    for run in runs:
+        if run["system"] == "linux-swap":  # 20%: 4.0 s ok (counted) and 0.5 s oom (left out)
+            run["disk_reads"], run["disk_writes"] = 240_000, 48_000
+        if run["system"] == "tiermem-file" and run["ratio"] == 20:
+            run["disk_reads"], run["disk_writes"] = 114_000, 3_000
+    text = report.format_tables(runs, ["linux-swap", "tiermem-file", "tiermem-mem"], [100, 20])
+    rows = text.split("Disk requests")[1].splitlines()
+    row = lambda name: next(line for line in rows if line.startswith(f"  sortw {name} ")).split()[2:]
+    # 240k reads in 1.2 s at 100%, in 4.0 s at 20%; tiermem-file 114k in 2.0 s at 20%.
+    assert row("linux-swap") == ["200.0/40.0", "60.0/12.0"]
+    assert row("tiermem-file") == ["-", "57.0/1.5"]
+    assert not any(line.startswith("  sortw tiermem-mem ") for line in rows), "not counted, no row"
+    assert "Disk requests" not in report.format_tables(make_runs(), ["linux-swap"], [100, 20])
+
+
 def test_device_line_says_what_a_read_took_before_and_after():
     meta = {"device_read_latency_us": {"before": 13.4, "after": 109.6}}
     assert report.device_line(meta) == (

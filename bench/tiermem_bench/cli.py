@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tiermem_bench import plot as plotting
 from tiermem_bench import exclusive, report, stats
+from tiermem_bench.diskstats import stat_file_for
 from tiermem_bench.runner import OK, WRONG, RunRecord, run_once
 from tiermem_bench.systems import BASELINE, DEFAULT_SYSTEMS, GROUPS, SYSTEMS, helper_command, parse_systems
 from tiermem_bench.workloads import DEFAULT_WORKLOADS, NOT_BY_DEFAULT, SCALES, WORKLOADS
@@ -250,6 +251,8 @@ class Matrix:
         self.env = run_environment()
         self.journal = open(out / "runs.jsonl", "a")
         self.sequence = 0
+        # The disk that tiermem's device files and Linux swap's swap files are on.
+        self.disk_stat = stat_file_for(scratch)
 
     def record(self, rec: RunRecord) -> None:
         run = rec.to_dict()
@@ -279,7 +282,7 @@ class Matrix:
         env = repeat_environment(self.env, repeat)
         return run_once(rec, argv, result_file=result_file, expected=expected, env=env,
                         stats_file=stats_file if system.kind == "tiermem" else None,
-                        preexec_fn=_die_with_parent)
+                        preexec_fn=_die_with_parent, disk_stat=self.disk_stat)
 
     def run_workload(self, workload) -> None:
         repeats = self.args.repeats

@@ -96,6 +96,28 @@ def _traffic_table(runs: list[dict], systems: list[str], ratios: list[int], labe
         TRAFFIC_WIDTH, label)
 
 
+def disk_rates(run: dict) -> tuple[float, float] | None:
+    """Requests a second (read, written) the scratch directory's disk completed during a run,
+    over its wall time; None when they were not counted."""
+    reads, writes, wall = run.get("disk_reads"), run.get("disk_writes"), run.get("wall_s")
+    if reads is None or writes is None or not wall:
+        return None
+    return reads / wall, writes / wall
+
+
+def _disk_table(runs: list[dict], systems: list[str], ratios: list[int], label: int = 30) -> list[str]:
+    """One row per workload and system: thousands of disk requests a second read/written at
+    each ratio (median of the successful runs). Empty when no run counted them."""
+    found = {}
+    for run in runs:
+        rates = disk_rates(run) if run.get("status") == "ok" and run.get("ratio") is not None else None
+        if rates is not None:
+            found.setdefault((run["workload"], run["system"], run["ratio"]), []).append(rates)
+    return _rows_per_point(found, systems, ratios, lambda pairs: (
+        f"{stats.median([r for r, _ in pairs]) / 1000:.1f}/{stats.median([w for _, w in pairs]) / 1000:.1f}"),
+        TRAFFIC_WIDTH, label)
+
+
 # The engine's paths that are page faults (Ultraswap Table 6 counts page faults).
 FAULT_PATHS = ("critical_fault", "zero_fault", "hit_fault", "wp_fault")
 
@@ -383,6 +405,13 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
                      "Linux swap's pswpin/pswpout)")
         lines.append(f"{'':<{label + 2}}" + "".join(f"{str(r) + '%':>{TRAFFIC_WIDTH}}" for r in ratios))
         lines.extend(traffic)
+        lines.append("")
+    disk = _disk_table(runs, systems, ratios, label)
+    if disk:
+        lines.append("Disk requests: thousands a second read / written during the run (the scratch directory's disk, "
+                     "after the block layer's merging; all of its I/O, the program's files too)")
+        lines.append(f"{'':<{label + 2}}" + "".join(f"{str(r) + '%':>{TRAFFIC_WIDTH}}" for r in ratios))
+        lines.extend(disk)
         lines.append("")
     lines.extend(_work_section(runs, systems, ratios, label))
     lines.extend(_time_spent_section(runs, systems, ratios))

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tiermem_bench.digest import check_digest, parse_result
+from tiermem_bench.diskstats import read_counts
 
 # Outcomes. Everything but "ok" is a failure of the system at that point.
 OK, OOM, WRONG, CRASH, TIMEOUT, ERROR = "ok", "oom", "wrong", "crash", "timeout", "error"
@@ -42,6 +43,10 @@ class RunRecord:
     major_faults: int | None = None
     swap_in_bytes: int | None = None  # the kernel's swap traffic during the run (machine-wide)
     swap_out_bytes: int | None = None
+    # Requests the scratch directory's disk completed during the run, after the block layer's
+    # merging (all of its I/O, not only paging; see diskstats.py); None where it has no counters.
+    disk_reads: int | None = None
+    disk_writes: int | None = None
     digest: str | None = None
     expected_digest: str | None = None
     tiermem_stats: dict | None = None
@@ -155,13 +160,19 @@ def stderr_tail(stderr: str, keep: int = 2000) -> str:
 
 def run_once(record: RunRecord, argv: list[str], *, result_file: Path, expected: str | None,
              env: dict | None = None, stats_file: Path | None = None,
-             cleanup_paths: tuple = (), preexec_fn=None) -> RunRecord:
-    """Run `argv` (a helper command line) and classify it into `record`. The statistics file is
+             cleanup_paths: tuple = (), preexec_fn=None, disk_stat: Path | None = None) -> RunRecord:
+    """Run `argv` (a helper command line) and classify it into `record`; with `disk_stat` (see
+    `diskstats.stat_file_for`), count the disk's requests around it. The statistics file is
     removed afterwards whatever happens (an interrupted run would leave it in the scratch
     directory, which could then not be removed)."""
     try:
         try:
+            disk_before = read_counts(disk_stat)
             report, stdout, stderr, code = run_helper(argv, result_file, env=env, preexec_fn=preexec_fn)
+            disk_after = read_counts(disk_stat)
+            if disk_before is not None and disk_after is not None:
+                moved = disk_after.since(disk_before)
+                record.disk_reads, record.disk_writes = moved.reads, moved.writes
         finally:
             for path in cleanup_paths:
                 try:
