@@ -53,15 +53,26 @@ def _rows_per_point(found: dict, systems: list[str], ratios: list[int], cell, wi
 def _prefetch_table(runs: list[dict], systems: list[str], ratios: list[int], label: int = 30) -> list[str]:
     """One row per workload and tiermem system: the engine's prefetch accuracy / coverage at
     each ratio, '-' where no run reported them. Empty when no run did."""
-    found = {}
-    for run in runs:
+    def accuracy_coverage(run):
         merged = (run.get("tiermem_stats") or {}).get("merged") or {}
-        if run.get("status") != "ok" or merged.get("prefetch_accuracy") is None:
-            continue
-        key = (run["workload"], run["system"], run["ratio"])
-        found.setdefault(key, []).append((merged["prefetch_accuracy"], merged.get("prefetch_coverage") or 0.0))
+        if merged.get("prefetch_accuracy") is None:
+            return None
+        return merged["prefetch_accuracy"], merged.get("prefetch_coverage") or 0.0
+
+    found = _values_per_point(runs, accuracy_coverage)
     return _rows_per_point(found, systems, ratios, lambda pairs: (
         f"{stats.median([a for a, _ in pairs]):.0%}/{stats.median([c for _, c in pairs]):.0%}"), label=label)
+
+
+def _values_per_point(runs: list[dict], value) -> dict:
+    """(workload, system, ratio) -> what `value` gives for each successful limited run of that
+    point, runs it gives None for left out."""
+    found = {}
+    for run in runs:
+        got = value(run) if run.get("status") == "ok" and run.get("ratio") is not None else None
+        if got is not None:
+            found.setdefault((run["workload"], run["system"], run["ratio"]), []).append(got)
+    return found
 
 
 def device_traffic(run: dict) -> tuple[int, int] | None:
@@ -85,11 +96,7 @@ TRAFFIC_WIDTH = 16
 def _traffic_table(runs: list[dict], systems: list[str], ratios: list[int], label: int = 30) -> list[str]:
     """One row per workload and system: MiB read/written at each ratio (median of the
     successful runs), '-' where none recorded it. Empty when no run did."""
-    found = {}
-    for run in runs:
-        moved = device_traffic(run) if run.get("status") == "ok" and run.get("ratio") is not None else None
-        if moved is not None:
-            found.setdefault((run["workload"], run["system"], run["ratio"]), []).append(moved)
+    found = _values_per_point(runs, device_traffic)
     mib = 1 << 20
     return _rows_per_point(found, systems, ratios, lambda pairs: (
         f"{stats.median([r for r, _ in pairs]) / mib:.0f}/{stats.median([w for _, w in pairs]) / mib:.0f}"),
@@ -108,12 +115,7 @@ def disk_rates(run: dict) -> tuple[float, float] | None:
 def _disk_table(runs: list[dict], systems: list[str], ratios: list[int], label: int = 30) -> list[str]:
     """One row per workload and system: thousands of disk requests a second read/written at
     each ratio (median of the successful runs). Empty when no run counted them."""
-    found = {}
-    for run in runs:
-        rates = disk_rates(run) if run.get("status") == "ok" and run.get("ratio") is not None else None
-        if rates is not None:
-            found.setdefault((run["workload"], run["system"], run["ratio"]), []).append(rates)
-    return _rows_per_point(found, systems, ratios, lambda pairs: (
+    return _rows_per_point(_values_per_point(runs, disk_rates), systems, ratios, lambda pairs: (
         f"{stats.median([r for r, _ in pairs]) / 1000:.1f}/{stats.median([w for _, w in pairs]) / 1000:.1f}"),
         TRAFFIC_WIDTH, label)
 
