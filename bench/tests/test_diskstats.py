@@ -4,7 +4,6 @@ counted around each run."""
 import mmap
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
