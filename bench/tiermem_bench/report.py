@@ -394,27 +394,22 @@ def format_tables(runs: list[dict], systems: list[str], ratios: list[int]) -> st
     # Rows named by workload and system: as wide as the longest pair (the §4.4 variants' names
     # are long).
     label = max([30] + [len(w) + 1 + len(s) for w in workloads for s in systems])
-    prefetch = _prefetch_table(runs, [s for s in systems if s.startswith("tiermem")], ratios, label)
-    if prefetch:
-        lines.append("tiermem's prefetching: accuracy / coverage (median of the successful runs; "
-                     "estimated from sampled prefetches)")
-        lines.append(f"{'':<{label + 2}}" + "".join(f"{str(r) + '%':>12}" for r in ratios))
-        lines.extend(prefetch)
-        lines.append("")
-    traffic = _traffic_table(runs, systems, ratios, label)
-    if traffic:
-        lines.append("Paging traffic: MiB read / written (median of the successful runs; tiermem's device counters, "
-                     "Linux swap's pswpin/pswpout)")
-        lines.append(f"{'':<{label + 2}}" + "".join(f"{str(r) + '%':>{TRAFFIC_WIDTH}}" for r in ratios))
-        lines.extend(traffic)
-        lines.append("")
-    disk = _disk_table(runs, systems, ratios, label)
-    if disk:
-        lines.append("Disk requests: thousands a second read / written during the run (the scratch directory's disk, "
-                     "after the block layer's merging; all of its I/O, the program's files too)")
-        lines.append(f"{'':<{label + 2}}" + "".join(f"{str(r) + '%':>{TRAFFIC_WIDTH}}" for r in ratios))
-        lines.extend(disk)
-        lines.append("")
+    def section(title: str, rows: list[str], width: int) -> None:
+        # A titled table with a ratio header, left out when no run gave it a row.
+        if rows:
+            lines.append(title)
+            lines.append(f"{'':<{label + 2}}" + "".join(f"{str(r) + '%':>{width}}" for r in ratios))
+            lines.extend(rows)
+            lines.append("")
+
+    section("tiermem's prefetching: accuracy / coverage (median of the successful runs; "
+            "estimated from sampled prefetches)",
+            _prefetch_table(runs, [s for s in systems if s.startswith("tiermem")], ratios, label), 12)
+    section("Paging traffic: MiB read / written (median of the successful runs; tiermem's device counters, "
+            "Linux swap's pswpin/pswpout)", _traffic_table(runs, systems, ratios, label), TRAFFIC_WIDTH)
+    section("Disk requests: thousands a second read / written during the run (the scratch directory's disk, "
+            "after the block layer's merging; all of its I/O, the program's files too)",
+            _disk_table(runs, systems, ratios, label), TRAFFIC_WIDTH)
     lines.extend(_work_section(runs, systems, ratios, label))
     lines.extend(_time_spent_section(runs, systems, ratios))
     failures = stats.failure_table(summary)
