@@ -158,6 +158,20 @@ def test_device_line_says_what_a_read_took_before_and_after():
     assert report.device_line({"device_read_latency_us": {"before": None}}) == ""
 
 
+def test_device_line_gives_the_disk_s_request_rate_where_the_probe_measured_it():
+    meta = {"device_read_latency_us": {"before": 38.1, "after": 45.3},
+            "device_read_rate": {"before": {"depth": 32, "reads_per_s": 132_700.0},
+                                 "after": {"depth": 32, "reads_per_s": 126_100.0}}}
+    assert report.device_line(meta) == (
+        "Device: a 4 KiB read took 38 µs before and 45 µs after the matrix; with 32 in flight it served "
+        "133k reads a second before and 126k after (tiermem probe --latency)\n\n")
+    # A probe without the rate (an older binary, or one side not measured): only what was.
+    meta["device_read_rate"] = {"before": None, "after": {"depth": 32, "reads_per_s": 90_000.0}}
+    assert "it served 90k reads a second after (" in report.device_line(meta)
+    meta["device_read_rate"] = {"before": None, "after": None}
+    assert "served" not in report.device_line(meta)
+
+
 def test_machine_line_gives_what_paging_costs_where_the_matrix_ran():
     meta = {"machine": {"facts": {"cpus": 2, "virtual_machine": True, "guest_halt_poll_ns": 0},
                         "costs": {"tlb_shootdown_us": 9.34, "thread_wakeup_us": 21.2, "page_map_us": 1.08,

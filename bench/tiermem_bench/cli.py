@@ -562,6 +562,7 @@ def measure(args, command: str, systems: list, ratios: list[int], workload_names
 
     first_probe = probe_device(tiermem, scratch, machine=True)
     meta["device_read_latency_us"] = {"before": first_probe.get("device_read_latency_us")}
+    meta["device_read_rate"] = {"before": first_probe.get("device_read_rate")}
     if "machine" in first_probe:
         meta["machine"] = {"facts": first_probe["machine"], "costs": first_probe.get("costs")}
     for w in workloads:
@@ -584,7 +585,9 @@ def measure(args, command: str, systems: list, ratios: list[int], workload_names
         meta["elapsed_s"] = round(time.time() - started, 1)
         meta["interrupted"] = interrupted
         if not interrupted:
-            meta["device_read_latency_us"]["after"] = probe_device(tiermem, scratch).get("device_read_latency_us")
+            last_probe = probe_device(tiermem, scratch)
+            meta["device_read_latency_us"]["after"] = last_probe.get("device_read_latency_us")
+            meta["device_read_rate"]["after"] = last_probe.get("device_read_rate")
         text = finish(out, matrix.runs, meta, system_names, ratios, not args.no_plot)
         remove_made(made_for_scratch)
     print(text, end="")

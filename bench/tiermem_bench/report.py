@@ -311,12 +311,21 @@ def _rows_pair(values: dict, workloads: list[str], ratios: list[int], first: str
 
 
 def device_line(meta: dict) -> str:
-    """What the device read when the matrix began and ended (empty when not measured)."""
+    """What the device read when the matrix began and ended (empty when not measured): a 4 KiB
+    read's latency and, where the probe measured it, the disk's rate of them with several in
+    flight, against which the table's *Disk requests* read."""
     measured = meta.get("device_read_latency_us") or {}
     parts = [f"{_fmt(measured[k], '{:.0f} µs')} {k}" for k in ("before", "after") if measured.get(k) is not None]
     if not parts:
         return ""
-    return f"Device: a 4 KiB read took {' and '.join(parts)} the matrix (tiermem probe --latency)\n\n"
+    rates = meta.get("device_read_rate") or {}
+    rate_parts = [f"{rates[k]['reads_per_s'] / 1000:.0f}k {k}" for k in ("before", "after")
+                  if (rates.get(k) or {}).get("reads_per_s") is not None]
+    if rate_parts:  # "133k reads a second before and 126k after"
+        rate_parts[0] = rate_parts[0].replace("k ", "k reads a second ", 1)
+    depth = next(((rates.get(k) or {}).get("depth") for k in ("before", "after") if rates.get(k)), None)
+    served = f"; with {depth} in flight it served {' and '.join(rate_parts)}" if rate_parts else ""
+    return f"Device: a 4 KiB read took {' and '.join(parts)} the matrix{served} (tiermem probe --latency)\n\n"
 
 
 def machine_line(meta: dict) -> str:

@@ -85,6 +85,11 @@ struct ProbeArgs {
 
 /// Reads timed by `tiermem probe --latency`.
 const PROBE_LATENCY_READS: u32 = 2000;
+/// Reads in flight for `probe --latency`'s request rate: depth 32 is where this VM's disk
+/// reaches its rate (fio: 135k 4 KiB reads a second at 32, 24k at 1).
+const PROBE_RATE_DEPTH: u32 = 32;
+/// Reads timed for that rate (a fraction of a second on this disk).
+const PROBE_RATE_READS: u32 = 20_000;
 
 #[derive(Debug, Args)]
 struct MicroArgs {
@@ -315,9 +320,12 @@ fn probe(args: &ProbeArgs) -> Result<()> {
         d.map(|d| d.describe()).map_err(|e| e.to_string()).into()
     });
     // Measured only where a device file works: otherwise the device line says why not.
-    let latency_us = match (&device, args.latency) {
-        (Some(Ok(_)), true) => Some(micro_tiermem::device_read_latency_us(&dir, PROBE_LATENCY_READS)?),
-        _ => None,
+    let (latency_us, reads_per_s) = match (&device, args.latency) {
+        (Some(Ok(_)), true) => (
+            Some(micro_tiermem::device_read_latency_us(&dir, PROBE_LATENCY_READS)?),
+            Some(micro_tiermem::device_read_rate(&dir, PROBE_RATE_DEPTH, PROBE_RATE_READS)?),
+        ),
+        _ => (None, None),
     };
     let machine = if args.machine {
         let worker = std::env::current_exe().map_err(|e| Error::os(e, "locating the tiermem executable"))?;
@@ -330,6 +338,10 @@ fn probe(args: &ProbeArgs) -> Result<()> {
             "kernel": features,
             "device": device.map(|d: std::result::Result<String, String>| d.unwrap_or_else(|e| e)),
             "device_read_latency_us": latency_us,
+            "device_read_rate": reads_per_s.map(|per_s| serde_json::json!({
+                "depth": PROBE_RATE_DEPTH,
+                "reads_per_s": per_s,
+            })),
         });
         if let Some((facts, costs)) = &machine {
             out["machine"] = serde_json::json!(facts);
@@ -337,7 +349,7 @@ fn probe(args: &ProbeArgs) -> Result<()> {
         }
         println!("{out}");
     } else {
-        print_probe(&features, device, &dir, latency_us);
+        print_probe(&features, device, &dir, latency_us, reads_per_s);
         if let Some((facts, costs)) = &machine {
             for line in tiermem_cli::machine::summary_lines(facts, costs) {
                 println!("{line}");
@@ -359,6 +371,7 @@ fn print_probe(
     device: Option<std::result::Result<String, String>>,
     dir: &std::path::Path,
     latency_us: Option<f64>,
+    reads_per_s: Option<f64>,
 ) {
     for line in features.summary_lines() {
         println!("{line}");
@@ -372,6 +385,12 @@ fn print_probe(
         println!(
             "device latency  {us:.1} µs per 4 KiB read (polled, one at a time, mean of {PROBE_LATENCY_READS}) in {}",
             dir.display()
+        );
+    }
+    if let Some(per_s) = reads_per_s {
+        println!(
+            "device rate     {:.1}k 4 KiB reads a second with {PROBE_RATE_DEPTH} in flight ({PROBE_RATE_READS} random reads)",
+            per_s / 1000.0
         );
     }
 }

@@ -114,6 +114,13 @@ fn probe_measures_the_device_latency_where_asked_and_fails_where_it_cannot() {
         let json: serde_json::Value = serde_json::from_str(&text).expect("probe JSON");
         let us = json["device_read_latency_us"].as_f64().expect("a latency in the JSON");
         assert!(us > 0.0 && us < 1e6, "{us} µs");
+        // The request rate with 32 reads in flight: a disk serves queued reads no slower than
+        // single ones, so at least what one read at a time gives (half of it, for a disk whose
+        // speed drifts between the two measurements).
+        let rate = &json["device_read_rate"];
+        assert_eq!(rate["depth"].as_u64(), Some(32), "{rate}");
+        let per_s = rate["reads_per_s"].as_f64().expect("a rate in the JSON");
+        assert!(per_s.is_finite() && per_s >= 0.5e6 / us, "{per_s} reads a second against {us} µs a read");
         // The temporary device file is gone again.
         assert_eq!(std::fs::read_dir(dir.path()).expect("listing").count(), 0);
     }

@@ -100,14 +100,107 @@ pub fn device_read_latency_us(dir: &Path, samples: u32) -> Result<f64> {
     Ok(started.elapsed().as_secs_f64() * 1e6 / f64::from(samples))
 }
 
+/// 4 KiB reads a second of random slots of a fresh 64 MiB device file in `dir`, `depth` of them
+/// in flight at once on a completion-driven queue, as prefetches go: the request rate the disk
+/// serves. For 4 KiB pages that rate, more than its bandwidth, is what paging can use up (the
+/// application benchmark's *Disk requests* are read against it).
+pub fn device_read_rate(dir: &Path, depth: u32, reads: u32) -> Result<f64> {
+    let device = open_device(Variant::File, dir, 64 << 20)?;
+    let arena = Arc::new(BufferArena::new(depth)?);
+    let mut queue = device.open_queue(QueueKind::Completion, depth, &arena)?;
+    let bufs = (0..depth)
+        .map(|_| arena.alloc())
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| Error::new(tiermem_sys::ErrorKind::Internal, "an arena smaller than the queue depth"))?;
+    let slots = device.capacity_slots();
+    write_every_slot(&mut *queue, bufs[0], slots, u64::from(depth))?;
+    let mut random = RandomSlots::new(slots);
+    let started = Instant::now();
+    let mut issued = 0;
+    for (tag, &buf) in bufs.iter().enumerate().take(reads as usize) {
+        queue.push(Request::Read { slot: random.next(), buf }, tag as u64)?;
+        issued += 1;
+    }
+    queue.submit()?;
+    let (mut done, mut finished) = (0, Vec::with_capacity(depth as usize));
+    while done < reads {
+        let mut failed = None;
+        queue.wait(1, &mut |c| {
+            if let Err(e) = c.result {
+                failed.get_or_insert(e);
+            }
+            finished.push(c.tag);
+        })?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        done += finished.len() as u32;
+        for tag in finished.drain(..) {
+            if issued < reads {
+                queue.push(Request::Read { slot: random.next(), buf: bufs[tag as usize] }, tag)?;
+                issued += 1;
+            }
+        }
+        queue.submit()?;
+    }
+    Ok(f64::from(reads) / started.elapsed().as_secs_f64())
+}
+
+/// Write `buf` to every slot, up to `depth` at a time, so that reads hit allocated blocks as
+/// evicted pages do (a block never written reads as zeros without reaching the disk).
+fn write_every_slot(
+    queue: &mut dyn tiermem_device::IoQueue,
+    buf: tiermem_device::BufId,
+    slots: u64,
+    depth: u64,
+) -> Result<()> {
+    let mut slot = 0;
+    while slot < slots {
+        let n = depth.min(slots - slot);
+        for s in slot..slot + n {
+            queue.push(Request::Write { slot: s, buf }, s)?;
+        }
+        queue.submit()?;
+        let mut failed = None;
+        queue.wait(n as usize, &mut |c| {
+            if let Err(e) = c.result {
+                failed.get_or_insert(e);
+            }
+        })?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        slot += n;
+    }
+    Ok(())
+}
+
+/// Slots of a device in a fixed pseudo-random order (xorshift), the same in every run.
+struct RandomSlots {
+    state: u64,
+    slots: u64,
+}
+
+impl RandomSlots {
+    fn new(slots: u64) -> Self {
+        Self { state: 0x2545_f491_4f6c_dd1d, slots }
+    }
+
+    fn next(&mut self) -> u64 {
+        self.state ^= self.state << 13;
+        self.state ^= self.state >> 7;
+        self.state ^= self.state << 17;
+        self.state % self.slots
+    }
+}
+
 /// Random single-slot reads from a 64 MiB temporary device file in `dir` through a polled
 /// queue, into one buffer: what a critical fault's read is.
 struct SlotReader {
     arena: Arc<BufferArena>,
     queue: Box<dyn tiermem_device::IoQueue>,
     buf: tiermem_device::BufId,
-    slots: u64,
-    rng: u64,
+    random: RandomSlots,
     // Kept open for the queue (the device file goes when it drops).
     _device: Arc<dyn Device>,
 }
@@ -117,24 +210,16 @@ impl SlotReader {
         let device = open_device(Variant::File, dir, 64 << 20)?;
         let arena = Arc::new(BufferArena::new(16)?);
         let mut queue = device.open_queue(QueueKind::Polled, 4, &arena)?;
-        let slots = device.capacity_slots();
         let buf = arena.alloc().ok_or_else(|| Error::new(tiermem_sys::ErrorKind::Internal, "empty arena"))?;
         arena.bytes_mut(buf).fill(0x5a);
-        // Write every slot first so reads hit allocated blocks, as evicted pages do.
-        for slot in 0..slots {
-            queue.push(Request::Write { slot, buf }, slot)?;
-            queue.submit()?;
-            queue.wait(1, &mut |_| {})?;
-        }
-        Ok(Self { arena, queue, buf, slots, rng: 0x2545_f491_4f6c_dd1d, _device: device })
+        write_every_slot(&mut *queue, buf, device.capacity_slots(), 1)?;
+        let random = RandomSlots::new(device.capacity_slots());
+        Ok(Self { arena, queue, buf, random, _device: device })
     }
 
     /// Read a random slot into the buffer and wait for it.
     fn read_next(&mut self) -> Result<()> {
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        self.queue.push(Request::Read { slot: self.rng % self.slots, buf: self.buf }, 0)?;
+        self.queue.push(Request::Read { slot: self.random.next(), buf: self.buf }, 0)?;
         self.queue.submit()?;
         self.queue.wait(1, &mut |_| {})?;
         Ok(())
