@@ -319,12 +319,12 @@ def device_line(meta: dict) -> str:
     if not parts:
         return ""
     rates = meta.get("device_read_rate") or {}
-    rate_parts = [f"{rates[k]['reads_per_s'] / 1000:.0f}k {k}" for k in ("before", "after")
-                  if (rates.get(k) or {}).get("reads_per_s") is not None]
-    if rate_parts:  # "133k reads a second before and 126k after"
-        rate_parts[0] = rate_parts[0].replace("k ", "k reads a second ", 1)
-    depth = next(((rates.get(k) or {}).get("depth") for k in ("before", "after") if rates.get(k)), None)
-    served = f"; with {depth} in flight it served {' and '.join(rate_parts)}" if rate_parts else ""
+    rated = [(k, rates[k]) for k in ("before", "after") if (rates.get(k) or {}).get("reads_per_s") is not None]
+    served = ""
+    if rated:  # "; with 32 in flight it served 133k reads a second before and 126k after"
+        cells = [f"{rate['reads_per_s'] / 1000:.0f}k{' reads a second' if i == 0 else ''} {k}"
+                 for i, (k, rate) in enumerate(rated)]
+        served = f"; with {rated[0][1].get('depth')} in flight it served {' and '.join(cells)}"
     return f"Device: a 4 KiB read took {' and '.join(parts)} the matrix{served} (tiermem probe --latency)\n\n"
 
 
